@@ -1,0 +1,92 @@
+// attnkit/attention_layer.h — the MHA / MQA / GQA attention layer.
+//
+// One code path for all three: q_proj [num_heads*head_dim, hidden],
+// k_proj/v_proj [num_kv_heads*head_dim, hidden], o_proj [hidden,
+// num_heads*head_dim] (Hugging Face names, nn.Linear layout), optional
+// biases, optional per-head q/k RMSNorm (Qwen3: q_norm.weight,
+// k_norm.weight [head_dim]), RoPE on q and k, then sdpa.
+//
+// forward() order for x [batch, seq, hidden]:
+//   q = x Wq^T (+bq), k = x Wk^T (+bk), v = x Wv^T (+bv)
+//   qk_norm: q_h = RMSNorm(q_h) * q_norm, k_h = RMSNorm(k_h) * k_norm
+//   RoPE(q, positions), RoPE(k, positions)
+//   o = sdpa(q, k, v) (causal per config, window per config, via the cache
+//       if one is given)
+//   out = o Wo^T (+bo)
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "attnkit/config.h"
+#include "attnkit/kv_cache.h"
+#include "attnkit/rope.h"
+#include "attnkit/status.h"
+#include "attnkit/tensor.h"
+#include "attnkit/weights.h"
+
+namespace attnkit {
+
+// Execution knobs shared by the layers.
+struct RunOptions {
+  Backend backend = Backend::kAuto;
+  int num_threads = 0;  // 0 = ATTNKIT_NUM_THREADS or all cores
+};
+
+class AttentionLayer {
+ public:
+  static Result<AttentionLayer> create(const AttentionConfig& config);
+
+  const AttentionConfig& config() const { return config_; }
+
+  // Names this layer expects, without prefix: q_proj.weight, k_proj.weight,
+  // v_proj.weight, o_proj.weight, and where configured q_proj.bias,
+  // k_proj.bias, v_proj.bias, o_proj.bias, q_norm.weight, k_norm.weight.
+  std::vector<std::string> weight_names() const;
+
+  // Copies every expected weight `prefix + name` from `weights` (converting
+  // to f32). Strict: a missing name, a wrong shape or dtype, or an
+  // unexpected name under `prefix` is an error, and then no weight changes.
+  Status load_weights(const WeightMap& weights, std::string_view prefix = "");
+
+  // Views of the layer's own f32 weights by unprefixed name (tests, tools).
+  Result<TensorView> weight(std::string_view name) const;
+
+  // A cache sized for this layer (its window, kv heads and head dim).
+  Result<KVCache> new_cache(int64_t batch_size, int64_t max_seq_len,
+                            DType dtype = DType::kF32) const;
+
+  // Self-attention over x [batch, seq, hidden] f32 into out (same shape; must
+  // not alias x). positions: empty = (cache ? cache->length() : 0) + t;
+  // [seq] shared by the batch or [batch*seq]; each >= 0 (RoPE only).
+  // With a cache, the new tokens are appended and attend to everything
+  // before them; the layer must have been configured causal.
+  Status forward(const TensorView& x, const TensorView& out,
+                 std::span<const int64_t> positions = {}, KVCache* cache = nullptr,
+                 const RunOptions& run = {});
+
+  // The seeds' form with separate inputs (self- or cross-attention):
+  //   query [batch, seqlen_q, hidden], key/value [batch, seqlen_k, hidden],
+  //   out [batch, seqlen_q, hidden]. `options` supplies masks (mask,
+  //   seqlens_k as key padding, causal, window, sparse); its softmax_scale
+  //   and softcap default to the layer's. RoPE, if configured, uses
+  //   positions 0..seqlen-1 on each side. probs, if present, receives
+  //   [batch, num_heads, seqlen_q, seqlen_k].
+  Status forward_qkv(const TensorView& query, const TensorView& key, const TensorView& value,
+                     const TensorView& out, const AttentionOptions& options = {},
+                     const TensorView& probs = {});
+
+ private:
+  AttentionConfig config_;
+  Rope rope_;
+  // f32 weights, nn.Linear layout.
+  Tensor wq_, wk_, wv_, wo_;
+  Tensor bq_, bk_, bv_, bo_;  // present when configured
+  Tensor q_norm_, k_norm_;    // present when qk_norm
+};
+
+}  // namespace attnkit

@@ -1,0 +1,75 @@
+// attnkit/kv_cache.h — per-layer key/value cache for MHA/MQA/GQA decoding.
+//
+// A cache has a fixed capacity of `max_seq_len` tokens per sequence and
+// stores K and V as f32 or bf16:
+//   keys   [batch, slots, num_kv_heads, head_dim]
+//   values [batch, slots, num_kv_heads, head_dim_v]
+// Without a window, slots = max_seq_len and token t lives in slot t. With a
+// sliding window of W (each token sees itself and the W-1 tokens before it),
+// only W-1 past tokens can ever be seen again, so slots = min(max_seq_len,
+// W-1) and token t lives in slot t mod slots (a ring buffer).
+//
+// All sequences of a batch advance together: length() tokens have been
+// appended to each, and the next token's position is length().
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "attnkit/attention.h"
+#include "attnkit/status.h"
+#include "attnkit/tensor.h"
+
+namespace attnkit {
+
+struct KVCacheSpec {
+  int64_t batch_size = 0;
+  int64_t max_seq_len = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t head_dim_v = 0;  // 0 = head_dim
+  DType dtype = DType::kF32;  // kF32 or kBF16
+  int64_t sliding_window = 0;  // 0 = none, else W >= 1
+};
+
+class KVCache {
+ public:
+  static Result<KVCache> create(const KVCacheSpec& spec);
+
+  const KVCacheSpec& spec() const { return spec_; }
+  int64_t length() const { return length_; }  // tokens appended so far
+  int64_t slots() const { return slots_; }    // tokens the storage holds
+  // Tokens currently held: min(length, slots).
+  int64_t stored() const { return length_ < slots_ ? length_ : slots_; }
+  // Bytes of K and V storage.
+  size_t nbytes() const { return keys_.nbytes() + values_.nbytes(); }
+  const TensorView& keys() const { return keys_.view(); }
+  const TensorView& values() const { return values_.view(); }
+
+  // Forgets every token (storage is kept).
+  void reset() { length_ = 0; }
+
+  // Appends T new tokens to every sequence and attends the T queries, as
+  // the continuation of a causal sequence: query t sits at position
+  // length() + t and sees every held token and the new tokens up to itself
+  // (within the window, if any). On success length() grows by T.
+  //   q     [batch, T, num_heads, head_dim]     f32
+  //   k_new [batch, T, num_kv_heads, head_dim]   f32
+  //   v_new [batch, T, num_kv_heads, head_dim_v] f32
+  //   out   [batch, T, num_heads, head_dim_v]    f32
+  // From `options` only softmax_scale, softcap, sparse, backend and
+  // num_threads apply; causal is implied, the window is the cache's, and a
+  // mask or seqlens_k is an error. Fails with kOutOfRange, changing
+  // nothing, when length() + T > max_seq_len.
+  Status attend(const TensorView& q, const TensorView& k_new, const TensorView& v_new,
+                const TensorView& out, const AttentionOptions& options = {});
+
+ private:
+  KVCacheSpec spec_;
+  int64_t slots_ = 0;
+  int64_t length_ = 0;
+  Tensor keys_;
+  Tensor values_;
+};
+
+}  // namespace attnkit

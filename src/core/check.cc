@@ -1,0 +1,77 @@
+#include "core/check.h"
+
+#include <algorithm>
+
+#include "core/checked_math.h"
+
+namespace attnkit::check {
+
+std::string shape_str(const TensorView& v) { return v.describe(); }
+
+Status view(const char* fn, const char* name, const TensorView& v, int rank,
+            std::initializer_list<DType> dtypes) {
+  const std::string prefix = std::string(fn) + ": " + name;
+  if (v.data == nullptr) return invalid_argument(prefix + " is missing (data == nullptr)");
+  if (v.rank != rank)
+    return invalid_argument(prefix + " has rank " + std::to_string(v.rank) + " (" +
+                            v.describe() + "), must have rank " + std::to_string(rank));
+  if (std::find(dtypes.begin(), dtypes.end(), v.dtype) == dtypes.end()) {
+    std::string allowed;
+    for (DType d : dtypes) allowed += std::string(allowed.empty() ? "" : " or ") + dtype_name(d);
+    return invalid_argument(prefix + ".dtype = " + dtype_name(v.dtype) + " must be " + allowed);
+  }
+  int64_t extent = 0;  // largest element offset
+  for (int i = 0; i < rank; ++i) {
+    if (v.shape[i] < 0)
+      return invalid_argument(prefix + ".shape[" + std::to_string(i) +
+                              "] = " + std::to_string(v.shape[i]) + " must be >= 0");
+    if (v.strides[i] < 0)
+      return invalid_argument(prefix + ".strides[" + std::to_string(i) +
+                              "] = " + std::to_string(v.strides[i]) + " must be >= 0");
+  }
+  for (int i = 0; i < rank; ++i) {
+    if (v.shape[i] == 0) return Status::Ok();  // empty: nothing addressed
+    int64_t term;
+    if (!checked_mul(v.shape[i] - 1, v.strides[i], &term) || !checked_add(extent, term, &extent))
+      return invalid_argument(prefix + " " + v.describe() +
+                              ": shape times strides overflows 64-bit offsets");
+  }
+  int64_t bytes;
+  if (!checked_mul(extent + 1, static_cast<int64_t>(dtype_size(v.dtype)), &bytes))
+    return invalid_argument(prefix + " " + v.describe() + ": byte extent overflows 64 bits");
+  return Status::Ok();
+}
+
+Status dim(const char* fn, const char* name, const TensorView& v, int axis, const char* what,
+           int64_t expected, const std::string& source) {
+  if (v.shape[axis] == expected) return Status::Ok();
+  return invalid_argument(std::string(fn) + ": " + name + ".shape[" + std::to_string(axis) + "] (" +
+                          what + ") = " + std::to_string(v.shape[axis]) + " must equal " + source +
+                          " = " + std::to_string(expected));
+}
+
+namespace {
+void extent(const TensorView& v, uintptr_t* lo, uintptr_t* hi) {
+  int64_t last = 0;
+  for (int i = 0; i < v.rank; ++i) {
+    if (v.shape[i] == 0) {
+      *lo = *hi = reinterpret_cast<uintptr_t>(v.data);
+      return;
+    }
+    last += (v.shape[i] - 1) * v.strides[i];
+  }
+  *lo = reinterpret_cast<uintptr_t>(v.data);
+  *hi = *lo + static_cast<uintptr_t>(last + 1) * dtype_size(v.dtype);
+}
+}  // namespace
+
+bool overlaps(const TensorView& a, const TensorView& b) {
+  if (!a.present() || !b.present()) return false;
+  uintptr_t alo, ahi, blo, bhi;
+  extent(a, &alo, &ahi);
+  extent(b, &blo, &bhi);
+  if (alo == ahi || blo == bhi) return false;
+  return alo < bhi && blo < ahi;
+}
+
+}  // namespace attnkit::check

@@ -1,0 +1,38 @@
+// Argument checks for the public boundary. Each returns a Status whose
+// message names the function, the argument, its value and the rule, so the
+// call sites stay one line each.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "attnkit/status.h"
+#include "attnkit/tensor.h"
+
+namespace attnkit::check {
+
+// `v` is present, has `rank` dims, a dtype from `dtypes`, non-negative
+// sizes and strides, and an addressable extent that fits in 64 bits.
+Status view(const char* fn, const char* name, const TensorView& v, int rank,
+            std::initializer_list<DType> dtypes);
+
+// v.shape[axis] == expected; `what` names the dimension ("num_heads") and
+// `source` where the expected value comes from ("q.shape[2]").
+Status dim(const char* fn, const char* name, const TensorView& v, int axis, const char* what,
+           int64_t expected, const std::string& source);
+
+// Last-dimension stride 1 is not required; but two views must not overlap
+// when one is written. Conservative: compares address extents.
+bool overlaps(const TensorView& a, const TensorView& b);
+
+std::string shape_str(const TensorView& v);
+
+inline Status finite_float(const char* fn, const char* name, double value) {
+  if (std::isfinite(value)) return Status::Ok();
+  return invalid_argument(std::string(fn) + ": " + name + " = " + std::to_string(value) +
+                          " must be finite");
+}
+
+}  // namespace attnkit::check

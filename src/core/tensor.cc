@@ -1,0 +1,151 @@
+#include "attnkit/tensor.h"
+
+#include <cstdlib>
+#include <new>
+
+#include "core/checked_math.h"
+
+namespace attnkit {
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "f32";
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "f16";
+    case DType::kF64: return "f64";
+    case DType::kBool: return "bool";
+    case DType::kI32: return "i32";
+    case DType::kI64: return "i64";
+  }
+  return "unknown";
+}
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return 4;
+    case DType::kBF16: return 2;
+    case DType::kF16: return 2;
+    case DType::kF64: return 8;
+    case DType::kBool: return 1;
+    case DType::kI32: return 4;
+    case DType::kI64: return 8;
+  }
+  return 0;
+}
+
+float f16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);  // Inf or NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do {
+      ++e;
+      mant <<= 1;
+    } while ((mant & 0x400u) == 0);
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int i = 0; i < rank; ++i) n *= shape[i];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t expected = 1;
+  for (int i = rank - 1; i >= 0; --i) {
+    if (shape[i] != 1 && strides[i] != expected) return false;
+    expected *= shape[i];
+  }
+  return true;
+}
+
+std::string TensorView::describe() const {
+  std::string s = "[";
+  for (int i = 0; i < rank; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  s += "] ";
+  s += dtype_name(dtype);
+  return s;
+}
+
+TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> shape) {
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.rank = static_cast<int>(shape.size());
+  int i = 0;
+  for (int64_t d : shape) v.shape[i++] = d;
+  int64_t stride = 1;
+  for (int r = v.rank - 1; r >= 0; --r) {
+    v.strides[r] = stride;
+    stride *= v.shape[r];
+  }
+  return v;
+}
+
+TensorView make_view(const void* data, DType dtype, std::initializer_list<int64_t> shape) {
+  return make_view(const_cast<void*>(data), dtype, shape);
+}
+
+void Tensor::Free::operator()(void* p) const { std::free(p); }
+
+Result<Tensor> Tensor::zeros(DType dtype, std::initializer_list<int64_t> shape) {
+  return zeros(dtype, shape.begin(), static_cast<int>(shape.size()));
+}
+
+Result<Tensor> Tensor::zeros(DType dtype, const int64_t* shape, int rank) {
+  if (rank < 0 || rank > kMaxRank)
+    return invalid_argument("Tensor::zeros: rank = " + std::to_string(rank) + " must be in [0, 4]");
+  int64_t numel = 1;
+  for (int i = 0; i < rank; ++i) {
+    if (shape[i] < 0)
+      return invalid_argument("Tensor::zeros: shape[" + std::to_string(i) +
+                              "] = " + std::to_string(shape[i]) + " must be >= 0");
+    if (!checked_mul(numel, shape[i], &numel))
+      return resource_exhausted("Tensor::zeros: element count overflows 64 bits");
+  }
+  int64_t bytes;
+  if (!checked_mul(numel, static_cast<int64_t>(dtype_size(dtype)), &bytes))
+    return resource_exhausted("Tensor::zeros: byte count overflows 64 bits");
+  // Round up to the alignment (aligned_alloc requires a multiple) and keep
+  // at least one line so an empty tensor still has a non-null pointer.
+  int64_t padded;
+  if (!checked_add(bytes, int64_t{63}, &padded))
+    return resource_exhausted("Tensor::zeros: byte count overflows 64 bits");
+  padded = padded / 64 * 64;
+  if (padded == 0) padded = 64;
+  void* p = std::aligned_alloc(64, static_cast<size_t>(padded));
+  if (p == nullptr)
+    return resource_exhausted("Tensor::zeros: allocation of " + std::to_string(padded) +
+                              " bytes failed");
+  std::memset(p, 0, static_cast<size_t>(padded));
+  Tensor t;
+  t.storage_.reset(p);
+  t.view_.data = p;
+  t.view_.dtype = dtype;
+  t.view_.rank = rank;
+  int64_t stride = 1;
+  for (int r = rank - 1; r >= 0; --r) {
+    t.view_.shape[r] = shape[r];
+    t.view_.strides[r] = stride;
+    stride *= shape[r];
+  }
+  return t;
+}
+
+}  // namespace attnkit

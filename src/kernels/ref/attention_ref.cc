@@ -1,0 +1,108 @@
+// Reference attention: the obvious loops, accumulated in double. It is the
+// twin every fast kernel is tested against, so it favours clarity over
+// speed: one query row at a time, scores kept in a caller-provided buffer,
+// three passes (max, sum, weighted values).
+#include "kernels/ref/attention_ref.h"
+
+#include <cmath>
+#include <limits>
+
+#include "kernels/mask.h"
+
+namespace attnkit::kernels {
+namespace {
+
+inline double load_kv(const void* base, DType dtype, int64_t index) {
+  if (dtype == DType::kBF16) return bf16_to_float(static_cast<const bf16*>(base)[index]);
+  return static_cast<const float*>(base)[index];
+}
+
+// Score of key j for row i of (b, h), or -inf when masked. `p` is the row's
+// key-space position. Only visible keys are ever loaded.
+double score(const AttentionParams& prm, int64_t b, int64_t h, int64_t kvh, int64_t i, int64_t p,
+             int64_t j) {
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  if (!sparse_admits(prm.sparse, p, j)) return kNegInf;
+  const int64_t mask_off = b * prm.mask_stride.batch + h * prm.mask_stride.head +
+                           i * prm.mask_stride.row + j * prm.mask_stride.dim;
+  if (prm.bool_mask && prm.bool_mask[mask_off] == 0) return kNegInf;
+  const float* qrow = prm.q + b * prm.q_stride.batch + i * prm.q_stride.row + h * prm.q_stride.head;
+  const int64_t krow = b * prm.k_stride.batch + prm.physical_row(j) * prm.k_stride.row +
+                       kvh * prm.k_stride.head;
+  double dot = 0.0;
+  for (int64_t d = 0; d < prm.head_dim; ++d)
+    dot += static_cast<double>(qrow[d * prm.q_stride.dim]) *
+           load_kv(prm.k, prm.kv_dtype, krow + d * prm.k_stride.dim);
+  double s = prm.scale * dot;
+  if (prm.softcap > 0.0f) s = prm.softcap * std::tanh(s / prm.softcap);
+  if (prm.add_mask) s += prm.add_mask[mask_off];
+  return s;
+}
+
+}  // namespace
+
+size_t attention_ref_scratch(const AttentionParams& prm) {
+  return static_cast<size_t>(prm.seqlen_k + prm.head_dim_v);
+}
+
+void attention_ref(const AttentionParams& prm, double* scratch) {
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  double* scores = scratch;                // [seqlen_k]
+  double* acc = scratch + prm.seqlen_k;    // [head_dim_v]
+  const int64_t group = prm.num_heads / prm.num_kv_heads;
+
+  for (int64_t b = 0; b < prm.batch; ++b) {
+    const int64_t offset = prm.offset_of(b);
+    for (int64_t h = 0; h < prm.num_heads; ++h) {
+      const int64_t kvh = h / group;
+      for (int64_t i = 0; i < prm.seqlen_q; ++i) {
+        const int64_t p = i + offset;
+        int64_t lo, hi;
+        key_range(prm, b, p, &lo, &hi);
+
+        double max_s = kNegInf;
+        for (int64_t j = lo; j < hi; ++j) {
+          scores[j] = score(prm, b, h, kvh, i, p, j);
+          // NaN must win the max so that it propagates to this row only.
+          if (scores[j] > max_s || std::isnan(scores[j])) max_s = scores[j];
+        }
+
+        for (int64_t d = 0; d < prm.head_dim_v; ++d) acc[d] = 0.0;
+        double sum = 0.0;
+        const bool empty = (max_s == kNegInf);
+        if (!empty) {
+          for (int64_t j = lo; j < hi; ++j) {
+            if (scores[j] == kNegInf) continue;  // masked: never read V
+            const double w = std::exp(scores[j] - max_s);
+            scores[j] = w;
+            sum += w;
+            const int64_t vrow = b * prm.v_stride.batch + prm.physical_row(j) * prm.v_stride.row +
+                                 kvh * prm.v_stride.head;
+            for (int64_t d = 0; d < prm.head_dim_v; ++d)
+              acc[d] += w * load_kv(prm.v, prm.kv_dtype, vrow + d * prm.v_stride.dim);
+          }
+        }
+
+        float* orow =
+            prm.out + b * prm.out_stride.batch + i * prm.out_stride.row + h * prm.out_stride.head;
+        for (int64_t d = 0; d < prm.head_dim_v; ++d)
+          orow[d * prm.out_stride.dim] = empty ? 0.0f : static_cast<float>(acc[d] / sum);
+        if (prm.lse) {
+          prm.lse[b * prm.lse_stride_batch + h * prm.lse_stride_head + i * prm.lse_stride_row] =
+              empty ? -std::numeric_limits<float>::infinity()
+                    : static_cast<float>(max_s + std::log(sum));
+        }
+        if (prm.probs) {
+          float* prow = prm.probs + b * prm.probs_stride.batch + h * prm.probs_stride.head +
+                        i * prm.probs_stride.row;
+          for (int64_t j = 0; j < prm.seqlen_k; ++j) {
+            const bool seen = !empty && j >= lo && j < hi && scores[j] != kNegInf;
+            prow[j * prm.probs_stride.dim] = seen ? static_cast<float>(scores[j] / sum) : 0.0f;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace attnkit::kernels

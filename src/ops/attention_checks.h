@@ -1,0 +1,40 @@
+// Checks shared by the entry points that run attention (sdpa, caches,
+// layers), so they reject bad input with the same words.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "attnkit/attention.h"
+#include "attnkit/status.h"
+#include "kernels/attention_params.h"
+
+namespace attnkit {
+
+inline Status check_head_layout(const char* fn, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t head_dim_v) {
+  const std::string f = fn;
+  if (num_heads < 1)
+    return invalid_argument(f + ": num_heads = " + std::to_string(num_heads) + " must be >= 1");
+  if (num_kv_heads < 1)
+    return invalid_argument(f + ": num_kv_heads = " + std::to_string(num_kv_heads) +
+                            " must be >= 1");
+  if (num_heads % num_kv_heads != 0)
+    return invalid_argument(f + ": num_kv_heads = " + std::to_string(num_kv_heads) +
+                            " must divide num_heads = " + std::to_string(num_heads));
+  if (head_dim < 1)
+    return invalid_argument(f + ": head_dim = " + std::to_string(head_dim) + " must be >= 1");
+  if (head_dim_v < 1)
+    return invalid_argument(f + ": head_dim_v = " + std::to_string(head_dim_v) + " must be >= 1");
+  return Status::Ok();
+}
+
+// softmax_scale, softcap, window, sparse, num_threads, backend.
+Status check_attention_options(const char* fn, const AttentionOptions& options);
+
+// Validates an explicit mask against the full score shape and stores its
+// pointer and broadcast strides in `params`.
+Status fill_mask(const char* fn, const TensorView& mask, int64_t batch, int64_t num_heads,
+                 int64_t seqlen_q, int64_t seqlen_k, kernels::AttentionParams* params);
+
+}  // namespace attnkit

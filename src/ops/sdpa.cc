@@ -1,0 +1,254 @@
+// Public sdpa() and merge_attention_states(): validate every argument, fill
+// the kernel params, dispatch. Nothing is written before validation passes.
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "attnkit/attention.h"
+#include "core/check.h"
+#include "kernels/dispatch.h"
+#include "ops/attention_checks.h"
+
+namespace attnkit {
+namespace {
+
+constexpr const char* kFn = "sdpa";
+
+kernels::Strides4 strides_of(const TensorView& v) {
+  return {v.strides[0], v.strides[1], v.strides[2], v.strides[3]};
+}
+
+}  // namespace
+
+Status check_attention_options(const char* fn, const AttentionOptions& o) {
+  const std::string f = fn;
+  if (!std::isfinite(o.softmax_scale) || o.softmax_scale < 0.0f)
+    return invalid_argument(f + ": softmax_scale = " + std::to_string(o.softmax_scale) +
+                            " must be finite and > 0 (or 0 for 1/sqrt(head_dim))");
+  if (!std::isfinite(o.softcap) || o.softcap < 0.0f)
+    return invalid_argument(f + ": softcap = " + std::to_string(o.softcap) +
+                            " must be finite and >= 0 (0 = off)");
+  if (o.window_size.left < -1)
+    return invalid_argument(f + ": window_size.left = " + std::to_string(o.window_size.left) +
+                            " must be >= 0, or -1 for unlimited");
+  if (o.window_size.right < -1)
+    return invalid_argument(f + ": window_size.right = " + std::to_string(o.window_size.right) +
+                            " must be >= 0, or -1 for unlimited");
+  if (o.num_threads < 0)
+    return invalid_argument(f + ": num_threads = " + std::to_string(o.num_threads) +
+                            " must be >= 0 (0 = default)");
+  const SparsePattern& sp = o.sparse;
+  if (sp.kind != SparsePattern::Kind::kNone) {
+    if (sp.block_size < 1)
+      return invalid_argument(f + ": sparse.block_size = " + std::to_string(sp.block_size) +
+                              " must be >= 1");
+    if (sp.stride < 1)
+      return invalid_argument(f + ": sparse.stride = " + std::to_string(sp.stride) +
+                              " must be >= 1");
+    if (sp.kind == SparsePattern::Kind::kFixed && (sp.summary < 1 || sp.summary > sp.stride))
+      return invalid_argument(f + ": sparse.summary = " + std::to_string(sp.summary) +
+                              " must be in [1, sparse.stride = " + std::to_string(sp.stride) + "]");
+  }
+  if (o.backend != Backend::kAuto && o.backend != Backend::kReference &&
+      o.backend != Backend::kFast)
+    return invalid_argument(f + ": backend = " + std::to_string(static_cast<int>(o.backend)) +
+                            " is not a Backend value");
+  return Status::Ok();
+}
+
+Status fill_mask(const char* fn, const TensorView& mask, int64_t batch, int64_t num_heads,
+                 int64_t seqlen_q, int64_t seqlen_k, kernels::AttentionParams* prm) {
+  if (!mask.present()) return Status::Ok();
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "mask", mask, 4, {DType::kBool, DType::kF32}));
+  const int64_t full[4] = {batch, num_heads, seqlen_q, seqlen_k};
+  const char* names[4] = {"batch", "num_heads", "seqlen_q", "seqlen_k"};
+  int64_t st[4];
+  for (int i = 0; i < 4; ++i) {
+    if (mask.shape[i] != full[i] && mask.shape[i] != 1)
+      return invalid_argument(std::string(fn) + ": mask.shape[" + std::to_string(i) + "] = " +
+                              std::to_string(mask.shape[i]) + " must be 1 or " + names[i] +
+                              " = " + std::to_string(full[i]));
+    st[i] = mask.shape[i] == 1 ? 0 : mask.strides[i];
+  }
+  // Mask axes are [batch, head, query, key]; the params name them
+  // batch, head, row, dim.
+  prm->mask_stride = {st[0], st[2], st[1], st[3]};
+  if (mask.dtype == DType::kBool)
+    prm->bool_mask = mask.ptr<const uint8_t>();
+  else
+    prm->add_mask = mask.ptr<const float>();
+  return Status::Ok();
+}
+
+Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+            const AttentionOptions& options, const TensorView& lse, const TensorView& probs) {
+  ATTNKIT_RETURN_IF_ERROR(check::view(kFn, "q", q, 4, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(kFn, "k", k, 4, {DType::kF32, DType::kBF16}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(kFn, "v", v, 4, {k.dtype}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(kFn, "out", out, 4, {DType::kF32}));
+
+  const int64_t batch = q.shape[0], seqlen_q = q.shape[1], num_heads = q.shape[2],
+                head_dim = q.shape[3];
+  const int64_t seqlen_k = k.shape[1], num_kv_heads = k.shape[2], head_dim_v = v.shape[3];
+  ATTNKIT_RETURN_IF_ERROR(
+      check_head_layout(kFn, num_heads, num_kv_heads, head_dim, head_dim_v));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "k", k, 0, "batch", batch, "q.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "k", k, 3, "head_dim", head_dim, "q.shape[3]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "v", v, 0, "batch", batch, "q.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "v", v, 1, "seqlen_k", seqlen_k, "k.shape[1]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "v", v, 2, "num_kv_heads", num_kv_heads, "k.shape[2]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "out", out, 0, "batch", batch, "q.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "out", out, 1, "seqlen_q", seqlen_q, "q.shape[1]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "out", out, 2, "num_heads", num_heads, "q.shape[2]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "out", out, 3, "head_dim_v", head_dim_v, "v.shape[3]"));
+  ATTNKIT_RETURN_IF_ERROR(check_attention_options(kFn, options));
+
+  if (lse.present()) {
+    ATTNKIT_RETURN_IF_ERROR(check::view(kFn, "lse", lse, 3, {DType::kF32}));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "lse", lse, 0, "batch", batch, "q.shape[0]"));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "lse", lse, 1, "num_heads", num_heads, "q.shape[2]"));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "lse", lse, 2, "seqlen_q", seqlen_q, "q.shape[1]"));
+  }
+  if (probs.present()) {
+    ATTNKIT_RETURN_IF_ERROR(check::view(kFn, "probs", probs, 4, {DType::kF32}));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "probs", probs, 0, "batch", batch, "q.shape[0]"));
+    ATTNKIT_RETURN_IF_ERROR(
+        check::dim(kFn, "probs", probs, 1, "num_heads", num_heads, "q.shape[2]"));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "probs", probs, 2, "seqlen_q", seqlen_q, "q.shape[1]"));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "probs", probs, 3, "seqlen_k", seqlen_k, "k.shape[1]"));
+  }
+  const TensorView* inputs[] = {&q, &k, &v, &options.mask};
+  const TensorView* outputs[] = {&out, &lse, &probs};
+  const char* out_names[] = {"out", "lse", "probs"};
+  const char* in_names[] = {"q", "k", "v", "mask"};
+  for (int o = 0; o < 3; ++o) {
+    for (int i = 0; i < 4; ++i)
+      if (check::overlaps(*outputs[o], *inputs[i]))
+        return invalid_argument(std::string(kFn) + ": " + out_names[o] + " overlaps input " +
+                                in_names[i] + "; outputs must not alias inputs");
+    for (int p = o + 1; p < 3; ++p)
+      if (check::overlaps(*outputs[o], *outputs[p]))
+        return invalid_argument(std::string(kFn) + ": outputs " + out_names[o] + " and " +
+                                out_names[p] + " overlap");
+  }
+
+  if (!options.seqlens_k.empty()) {
+    if (static_cast<int64_t>(options.seqlens_k.size()) != batch)
+      return invalid_argument(std::string(kFn) + ": seqlens_k has " +
+                              std::to_string(options.seqlens_k.size()) +
+                              " entries, must have batch = " + std::to_string(batch));
+    for (size_t b = 0; b < options.seqlens_k.size(); ++b) {
+      const int32_t n = options.seqlens_k[b];
+      if (n < 0 || n > seqlen_k)
+        return invalid_argument(std::string(kFn) + ": seqlens_k[" + std::to_string(b) +
+                                "] = " + std::to_string(n) + " must be in [0, seqlen_k = " +
+                                std::to_string(seqlen_k) + "]");
+    }
+  }
+
+  kernels::AttentionParams prm;
+  ATTNKIT_RETURN_IF_ERROR(
+      fill_mask(kFn, options.mask, batch, num_heads, seqlen_q, seqlen_k, &prm));
+  prm.batch = batch;
+  prm.seqlen_q = seqlen_q;
+  prm.seqlen_k = seqlen_k;
+  prm.num_heads = num_heads;
+  prm.num_kv_heads = num_kv_heads;
+  prm.head_dim = head_dim;
+  prm.head_dim_v = head_dim_v;
+  prm.q = q.ptr<const float>();
+  prm.q_stride = strides_of(q);
+  prm.k = k.data;
+  prm.k_stride = strides_of(k);
+  prm.v = v.data;
+  prm.v_stride = strides_of(v);
+  prm.kv_dtype = k.dtype;
+  prm.out = out.ptr<float>();
+  prm.out_stride = strides_of(out);
+  if (lse.present()) {
+    prm.lse = lse.ptr<float>();
+    prm.lse_stride_batch = lse.strides[0];
+    prm.lse_stride_head = lse.strides[1];
+    prm.lse_stride_row = lse.strides[2];
+  }
+  if (probs.present()) {
+    prm.probs = probs.ptr<float>();
+    prm.probs_stride = {probs.strides[0], probs.strides[2], probs.strides[1], probs.strides[3]};
+  }
+  prm.scale = options.softmax_scale > 0.0f
+                  ? options.softmax_scale
+                  : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  prm.softcap = options.softcap;
+  prm.k_len = options.seqlens_k.empty() ? nullptr : options.seqlens_k.data();
+  prm.causal = options.causal;
+  prm.window_left = options.window_size.left;
+  prm.window_right = options.window_size.right;
+  prm.sparse = options.sparse;
+  prm.num_threads = options.num_threads;
+  return kernels::run_attention(prm, options.backend);
+}
+
+Status merge_attention_states(const TensorView& out_a, const TensorView& lse_a,
+                              const TensorView& out_b, const TensorView& lse_b,
+                              const TensorView& out, const TensorView& lse) {
+  constexpr const char* fn = "merge_attention_states";
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "out_a", out_a, 4, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "lse_a", lse_a, 3, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "out_b", out_b, 4, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "lse_b", lse_b, 3, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "out", out, 4, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "lse", lse, 3, {DType::kF32}));
+  const int64_t batch = out_a.shape[0], seqlen_q = out_a.shape[1], num_heads = out_a.shape[2],
+                dv = out_a.shape[3];
+  for (int i = 0; i < 4; ++i) {
+    const char* names[4] = {"batch", "seqlen_q", "num_heads", "head_dim_v"};
+    const std::string src = "out_a.shape[" + std::to_string(i) + "]";
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "out_b", out_b, i, names[i], out_a.shape[i], src));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "out", out, i, names[i], out_a.shape[i], src));
+  }
+  const int64_t lse_shape[3] = {batch, num_heads, seqlen_q};
+  const char* lse_names[3] = {"batch", "num_heads", "seqlen_q"};
+  const char* lse_src[3] = {"out_a.shape[0]", "out_a.shape[2]", "out_a.shape[1]"};
+  for (int i = 0; i < 3; ++i) {
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse_a", lse_a, i, lse_names[i], lse_shape[i], lse_src[i]));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse_b", lse_b, i, lse_names[i], lse_shape[i], lse_src[i]));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse", lse, i, lse_names[i], lse_shape[i], lse_src[i]));
+  }
+  const float* oa = out_a.ptr<const float>();
+  const float* ob = out_b.ptr<const float>();
+  float* o = out.ptr<float>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < num_heads; ++h)
+      for (int64_t i = 0; i < seqlen_q; ++i) {
+        auto lse_at = [&](const TensorView& t) -> float& {
+          return t.ptr<float>()[b * t.strides[0] + h * t.strides[1] + i * t.strides[2]];
+        };
+        const double la = lse_at(lse_a), lb = lse_at(lse_b);
+        const double m = std::max(la, lb);
+        double wa = 0.0, wb = 0.0;
+        if (m != -std::numeric_limits<double>::infinity()) {
+          wa = std::exp(la - m);
+          wb = std::exp(lb - m);
+        }
+        const double denom = wa + wb;
+        for (int64_t d = 0; d < dv; ++d) {
+          const int64_t ia = b * out_a.strides[0] + i * out_a.strides[1] + h * out_a.strides[2] +
+                             d * out_a.strides[3];
+          const int64_t ib = b * out_b.strides[0] + i * out_b.strides[1] + h * out_b.strides[2] +
+                             d * out_b.strides[3];
+          const int64_t io = b * out.strides[0] + i * out.strides[1] + h * out.strides[2] +
+                             d * out.strides[3];
+          // Skip a side with zero weight so that its (unread) rows cannot
+          // inject NaN through 0 * NaN.
+          double acc = 0.0;
+          if (wa > 0.0) acc += wa * oa[ia];
+          if (wb > 0.0) acc += wb * ob[ib];
+          o[io] = denom > 0.0 ? static_cast<float>(acc / denom) : 0.0f;
+        }
+        lse_at(lse) = denom > 0.0 ? static_cast<float>(m + std::log(denom))
+                                  : -std::numeric_limits<float>::infinity();
+      }
+  return Status::Ok();
+}
+
+}  // namespace attnkit
