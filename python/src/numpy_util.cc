@@ -1,0 +1,366 @@
+#include "numpy_util.h"
+
+#include <array>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+namespace attnkit::python {
+namespace {
+
+py::dtype numpy_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return py::dtype::of<float>();
+    case DType::kF64: return py::dtype::of<double>();
+    case DType::kF16: return py::dtype("float16");
+    case DType::kBool: return py::dtype::of<bool>();
+    case DType::kI32: return py::dtype::of<int32_t>();
+    case DType::kI64: return py::dtype::of<int64_t>();
+    case DType::kBF16: break;  // numpy has no bfloat16; callers widen to float32
+  }
+  throw std::runtime_error(std::string("attnkit: no numpy dtype for ") + dtype_name(dtype));
+}
+
+bool same_dtype(const py::dtype& a, const py::dtype& b) {
+  return py::detail::npy_api::get().PyArray_EquivTypes_(a.ptr(), b.ptr());
+}
+
+std::string type_name(py::handle obj) {
+  return py::str(py::type::handle_of(obj).attr("__name__")).cast<std::string>();
+}
+
+std::string dtype_str(const py::dtype& d) {
+  return py::str(static_cast<py::handle>(d)).cast<std::string>();
+}
+
+std::string rank_rule(const ArgSpec& spec) {
+  if (spec.min_rank == spec.max_rank) return "rank " + std::to_string(spec.min_rank);
+  return "rank " + std::to_string(spec.min_rank) + " to " + std::to_string(spec.max_rank);
+}
+
+std::string accepted_kinds(const char* accept) {
+  std::string s;
+  auto add = [&s](const char* what) {
+    if (!s.empty()) s += " or ";
+    s += what;
+  };
+  if (std::strchr(accept, 'f')) add("floating");
+  if (std::strchr(accept, 'i') || std::strchr(accept, 'u')) add("integer");
+  if (std::strchr(accept, 'b')) add("bool");
+  return s;
+}
+
+// Fills view.shape/strides from `a`; returns false when its memory cannot be
+// described by a TensorView as it is (negative or unaligned strides,
+// misaligned data, foreign byte order is checked by the caller).
+bool describe_in_place(const py::array& a, TensorView* view) {
+  const auto itemsize = static_cast<int64_t>(a.itemsize());
+  if (reinterpret_cast<uintptr_t>(a.data()) % static_cast<uintptr_t>(itemsize) != 0) return false;
+  view->rank = static_cast<int>(a.ndim());
+  for (int i = 0; i < view->rank; ++i) {
+    const int64_t n = a.shape(i), bytes = a.strides(i);
+    view->shape[i] = n;
+    // A size-1 (or empty) dimension is never stepped along, so its stride
+    // does not matter and may be anything numpy left there.
+    if (n <= 1) {
+      view->strides[i] = 0;
+      continue;
+    }
+    if (bytes < 0 || bytes % itemsize != 0) return false;
+    view->strides[i] = bytes / itemsize;
+  }
+  return true;
+}
+
+template <typename Src, typename Dst, typename Convert>
+void copy_strided(const TensorView& v, Dst* dst, Convert convert) {
+  std::array<int64_t, kMaxRank> shape{1, 1, 1, 1}, strides{0, 0, 0, 0};
+  const int pad = kMaxRank - v.rank;
+  for (int i = 0; i < v.rank; ++i) {
+    shape[pad + i] = v.shape[i];
+    strides[pad + i] = v.strides[i];
+  }
+  const Src* src = static_cast<const Src*>(v.data);
+  for (int64_t a = 0; a < shape[0]; ++a)
+    for (int64_t b = 0; b < shape[1]; ++b)
+      for (int64_t c = 0; c < shape[2]; ++c) {
+        const Src* row = src + a * strides[0] + b * strides[1] + c * strides[2];
+        for (int64_t d = 0; d < shape[3]; ++d) *dst++ = convert(row[d * strides[3]]);
+      }
+}
+
+int64_t checked_int(py::handle obj, const char* fn, const std::string& what) {
+  if (!py::isinstance<py::int_>(obj) && !py::hasattr(obj, "__index__"))
+    raise_value_error(fn, what + " must be an integer, got " + type_name(obj) + " " +
+                              py::repr(obj).cast<std::string>());
+  try {
+    return py::int_(py::reinterpret_borrow<py::object>(obj)).cast<int64_t>();
+  } catch (const py::cast_error&) {
+    raise_value_error(fn, what + " = " + py::repr(obj).cast<std::string>() +
+                              " does not fit a 64-bit integer");
+  }
+}
+
+}  // namespace
+
+void throw_if_error(const Status& status) {
+  if (status.ok()) return;
+  const std::string& msg = status.message();
+  switch (status.code()) {
+    case StatusCode::kIoError:
+      PyErr_SetString(PyExc_OSError, msg.c_str());
+      throw py::error_already_set();
+    case StatusCode::kResourceExhausted:
+      PyErr_SetString(PyExc_MemoryError, msg.c_str());
+      throw py::error_already_set();
+    case StatusCode::kInternal:
+      throw std::runtime_error(msg);
+    case StatusCode::kOk:
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kOutOfRange:
+    case StatusCode::kNotFound:
+      break;
+  }
+  throw py::value_error(msg);
+}
+
+void raise_value_error(const char* fn, const std::string& message) {
+  throw py::value_error(std::string(fn) + ": " + message);
+}
+
+std::string shape_str(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(a.shape(i));
+  }
+  if (a.ndim() == 1) s += ",";
+  return s + ")";
+}
+
+InputArray typed_input(py::handle obj, const ArgSpec& spec, DType want, const char* accept) {
+  InputArray in;
+  in.array = py::array::ensure(obj);
+  if (!in.array)
+    raise_value_error(spec.fn, std::string(spec.name) + " must be a numpy array " + spec.shape +
+                                   ", got " + type_name(obj));
+  const auto ndim = static_cast<int>(in.array.ndim());
+  if (ndim < spec.min_rank || ndim > spec.max_rank)
+    raise_value_error(spec.fn, std::string(spec.name) + " must have " + rank_rule(spec) + " " +
+                                   spec.shape + ", got shape " + shape_str(in.array));
+  const py::dtype have = in.array.dtype();
+  if (!std::strchr(accept, have.kind()))
+    raise_value_error(spec.fn, std::string(spec.name) + " has dtype " +
+                                   dtype_str(have) + ", must be " +
+                                   accepted_kinds(accept));
+  const py::dtype target = numpy_dtype(want);
+  in.view.dtype = want;
+  if (same_dtype(have, target) && describe_in_place(in.array, &in.view)) {
+    in.view.data = const_cast<void*>(in.array.data());
+    return in;
+  }
+  auto& api = py::detail::npy_api::get();
+  PyObject* converted = api.PyArray_FromAny_(
+      in.array.ptr(), target.inc_ref().ptr(), 0, 0,
+      py::detail::npy_api::NPY_ARRAY_ENSUREARRAY_ | py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ |
+          py::detail::npy_api::NPY_ARRAY_ALIGNED_ | py::detail::npy_api::NPY_ARRAY_FORCECAST_,
+      nullptr);
+  if (!converted) throw py::error_already_set();
+  in.array = py::reinterpret_steal<py::array>(converted);
+  in.copied = true;
+  describe_in_place(in.array, &in.view);
+  in.view.data = const_cast<void*>(in.array.data());
+  return in;
+}
+
+InputArray f32_input(py::handle obj, const ArgSpec& spec) {
+  return typed_input(obj, spec, DType::kF32, "fiu");
+}
+
+InputArray mask_input(py::handle obj, const char* fn) {
+  const ArgSpec spec{fn, "mask", 1, 4,
+                     "broadcastable to [batch, num_heads, seqlen_q, seqlen_k]"};
+  py::array probe = py::array::ensure(obj);
+  InputArray in;
+  if (probe && probe.dtype().kind() == 'b')
+    in = typed_input(probe, spec, DType::kBool, "b");
+  else if (!probe || probe.dtype().kind() == 'f')
+    in = typed_input(obj, spec, DType::kF32, "f");
+  else
+    raise_value_error(fn, "mask has dtype " + dtype_str(probe.dtype()) +
+                              ", must be bool (True = attend) or floating (added to the scores)");
+  // numpy broadcasting aligns trailing axes: prepend size-1 axes.
+  const int pad = kMaxRank - in.view.rank;
+  for (int i = kMaxRank - 1; i >= 0; --i) {
+    in.view.shape[i] = i >= pad ? in.view.shape[i - pad] : 1;
+    in.view.strides[i] = i >= pad ? in.view.strides[i - pad] : 0;
+  }
+  in.view.rank = kMaxRank;
+  return in;
+}
+
+py::array new_array(DType dtype, std::initializer_list<int64_t> shape, TensorView* view) {
+  std::vector<py::ssize_t> dims(shape.begin(), shape.end());
+  py::array a(numpy_dtype(dtype), dims);
+  if (view) {
+    view->data = a.mutable_data();
+    view->dtype = dtype;
+    describe_in_place(a, view);
+    // Keep the natural strides of size-1 dims for a plain contiguous view.
+    int64_t stride = 1;
+    for (int i = view->rank - 1; i >= 0; --i) {
+      view->strides[i] = stride;
+      stride *= view->shape[i];
+    }
+  }
+  return a;
+}
+
+py::array copy_to_numpy(const TensorView& v) {
+  const DType out_dtype = v.dtype == DType::kBF16 ? DType::kF32 : v.dtype;
+  std::vector<py::ssize_t> dims(v.shape.begin(), v.shape.begin() + v.rank);
+  py::array a(numpy_dtype(out_dtype), dims);
+  if (v.numel() == 0) return a;
+  auto same = [](auto x) { return x; };
+  switch (v.dtype) {
+    case DType::kF32: copy_strided<float>(v, static_cast<float*>(a.mutable_data()), same); break;
+    case DType::kF64: copy_strided<double>(v, static_cast<double*>(a.mutable_data()), same); break;
+    case DType::kF16:
+      copy_strided<uint16_t>(v, static_cast<uint16_t*>(a.mutable_data()), same);
+      break;
+    case DType::kBF16:
+      copy_strided<bf16>(v, static_cast<float*>(a.mutable_data()),
+                         [](bf16 x) { return bf16_to_float(x); });
+      break;
+    case DType::kBool:
+      copy_strided<uint8_t>(v, static_cast<uint8_t*>(a.mutable_data()),
+                            [](uint8_t x) { return static_cast<uint8_t>(x != 0); });
+      break;
+    case DType::kI32:
+      copy_strided<int32_t>(v, static_cast<int32_t*>(a.mutable_data()), same);
+      break;
+    case DType::kI64:
+      copy_strided<int64_t>(v, static_cast<int64_t*>(a.mutable_data()), same);
+      break;
+  }
+  return a;
+}
+
+Backend parse_backend(const std::string& text, const char* fn) {
+  if (text == "auto") return Backend::kAuto;
+  if (text == "reference") return Backend::kReference;
+  if (text == "fast") return Backend::kFast;
+  raise_value_error(fn, "backend = '" + text + "' must be 'auto', 'reference' or 'fast'");
+}
+
+WindowSize parse_window_size(py::handle obj, const char* fn) {
+  if (obj.is_none()) return {};
+  if (!py::isinstance<py::sequence>(obj) || py::isinstance<py::str>(obj) ||
+      py::len(obj) != 2)
+    raise_value_error(fn, "window_size = " + py::repr(obj).cast<std::string>() +
+                              " must be a pair (left, right); -1 = unlimited");
+  const py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
+  return {checked_int(seq[0], fn, "window_size[0] (left)"),
+          checked_int(seq[1], fn, "window_size[1] (right)")};
+}
+
+SparsePattern parse_sparse(py::handle obj, const char* fn) {
+  SparsePattern sp;
+  if (obj.is_none()) return sp;
+  if (!py::isinstance<py::dict>(obj))
+    raise_value_error(fn, "sparse must be None or a dict {'kind': 'strided'|'fixed', 'stride': "
+                          "l, 'summary': c, 'block_size': b}, got " + type_name(obj));
+  const py::dict d = py::reinterpret_borrow<py::dict>(obj);
+  if (!d.contains("kind"))
+    raise_value_error(fn, "sparse['kind'] is missing; must be 'strided' or 'fixed'");
+  for (auto item : d) {
+    const std::string key = py::str(item.first).cast<std::string>();
+    if (key == "kind") {
+      const std::string kind = py::str(item.second).cast<std::string>();
+      if (kind == "strided")
+        sp.kind = SparsePattern::Kind::kStrided;
+      else if (kind == "fixed")
+        sp.kind = SparsePattern::Kind::kFixed;
+      else
+        raise_value_error(fn, "sparse['kind'] = '" + kind + "' must be 'strided' or 'fixed'");
+    } else if (key == "stride") {
+      sp.stride = checked_int(item.second, fn, "sparse['stride']");
+    } else if (key == "summary") {
+      sp.summary = checked_int(item.second, fn, "sparse['summary']");
+    } else if (key == "block_size") {
+      sp.block_size = checked_int(item.second, fn, "sparse['block_size']");
+    } else {
+      raise_value_error(fn, "sparse has unknown key '" + key +
+                                "'; known: kind, stride, summary, block_size");
+    }
+  }
+  return sp;
+}
+
+std::vector<int32_t> parse_seqlens_k(py::handle obj, const char* fn) {
+  std::vector<int32_t> out;
+  if (obj.is_none()) return out;
+  const InputArray in = typed_input(obj, {fn, "seqlens_k", 1, 1, "[batch]"}, DType::kI64, "iu");
+  const int64_t* p = in.view.ptr<const int64_t>();
+  for (int64_t b = 0; b < in.view.shape[0]; ++b) {
+    const int64_t n = p[b * in.view.strides[0]];
+    if (n < 0 || n > std::numeric_limits<int32_t>::max())
+      raise_value_error(fn, "seqlens_k[" + std::to_string(b) + "] = " + std::to_string(n) +
+                                " must be in [0, seqlen_k]");
+    out.push_back(static_cast<int32_t>(n));
+  }
+  return out;
+}
+
+std::vector<int64_t> parse_positions(py::handle obj, const char* fn) {
+  std::vector<int64_t> out;
+  if (obj.is_none()) return out;
+  const InputArray in =
+      typed_input(obj, {fn, "positions", 1, 2, "[seq] or [batch, seq]"}, DType::kI64, "iu");
+  const TensorView& v = in.view;
+  const int64_t rows = v.rank == 2 ? v.shape[0] : 1, cols = v.shape[v.rank - 1];
+  const int64_t row_stride = v.rank == 2 ? v.strides[0] : 0, col_stride = v.strides[v.rank - 1];
+  out.reserve(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out.push_back(v.ptr<const int64_t>()[r * row_stride + c * col_stride]);
+  return out;
+}
+
+DType parse_cache_dtype(const std::string& text, const char* fn) {
+  if (text == "float32" || text == "f32") return DType::kF32;
+  if (text == "bfloat16" || text == "bf16") return DType::kBF16;
+  raise_value_error(fn, "dtype = '" + text + "' must be 'float32' or 'bfloat16'");
+}
+
+const char* cache_dtype_name(DType dtype) {
+  return dtype == DType::kBF16 ? "bfloat16" : "float32";
+}
+
+WeightMap weights_from_dict(py::handle obj, const char* fn, const std::string& prefix,
+                            std::vector<InputArray>* keep) {
+  if (!py::isinstance<py::dict>(obj))
+    raise_value_error(fn, "state_dict must be a dict {name: array}, got " + type_name(obj));
+  WeightMap map;
+  for (auto item : py::reinterpret_borrow<py::dict>(obj)) {
+    if (!py::isinstance<py::str>(item.first))
+      raise_value_error(fn, "state_dict keys must be str, got " + type_name(item.first) + " " +
+                                py::repr(item.first).cast<std::string>());
+    std::string name = item.first.cast<std::string>();
+    // Entries outside the prefix belong to other modules; leave them alone
+    // (they may be anything, e.g. integer buffers or scalars).
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string label = "state_dict['" + name + "']";
+    const ArgSpec spec{fn, label.c_str(), 1, 4, "(a weight; torch bfloat16 tensors: pass .float())"};
+    py::array probe = py::array::ensure(item.second);
+    DType want = DType::kF32;
+    if (probe && probe.dtype().kind() == 'f') {
+      if (probe.itemsize() == 2) want = DType::kF16;
+      if (probe.itemsize() == 8) want = DType::kF64;
+    }
+    keep->push_back(typed_input(item.second, spec, want, "fiu"));
+    map.emplace(std::move(name), keep->back().view);
+  }
+  return map;
+}
+
+}  // namespace attnkit::python

@@ -1,0 +1,127 @@
+// Helpers shared by every binding file (core.cc, mla.cc, moe.cc): numpy
+// arrays as TensorViews without copies where possible, new numpy outputs,
+// attnkit Status -> Python exceptions, and the option values every binding
+// parses the same way (backend, window_size, sparse, seqlens_k, positions,
+// cache dtype, weight dicts).
+//
+// Copy policy: an input that is already a native float32 (or the requested
+// dtype) array with non-negative, element-aligned strides is viewed in place
+// — any strides, so a transposed or sliced array costs nothing. Anything
+// else (float64, lists, negative strides, torch tensors via __array__) is
+// converted once into a contiguous copy. Outputs are always new arrays.
+//
+// GIL: throw_if_error and everything returning or taking py:: objects needs
+// the GIL. Compute calls run under py::gil_scoped_release and keep their
+// Status until the GIL is back.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "attnkit/status.h"
+#include "attnkit/tensor.h"
+#include "attnkit/weights.h"
+
+namespace attnkit::python {
+
+namespace py = pybind11;
+
+// Raises the Python exception for a failed Status, with the Status message
+// unchanged: InvalidArgument, OutOfRange, NotFound -> ValueError; IoError ->
+// OSError; ResourceExhausted -> MemoryError; Internal -> RuntimeError.
+// Returns normally on OK. Needs the GIL.
+void throw_if_error(const Status& status);
+
+template <typename T>
+T value_or_throw(Result<T> result) {
+  if (!result.ok()) throw_if_error(result.status());
+  return std::move(result).value();
+}
+
+// Raises ValueError("<fn>: <message>").
+[[noreturn]] void raise_value_error(const char* fn, const std::string& message);
+
+// An input seen by the C++ API. `array` owns or borrows the memory `view`
+// points into; keep it alive for as long as the view is used.
+struct InputArray {
+  py::array array;
+  TensorView view;
+  bool copied = false;  // true when a conversion copy was made
+};
+
+// What an input argument is, for messages and conversion.
+struct ArgSpec {
+  const char* fn;     // "sdpa"
+  const char* name;   // "q"
+  int min_rank;       // accepted ranks, within 1..4
+  int max_rank;
+  const char* shape;  // "[batch, seqlen_q, num_heads, head_dim]", for messages
+};
+
+// `obj` as a float32 view (see the copy policy above). Raises ValueError
+// naming spec.fn and spec.name when obj is not a real numeric array or its
+// rank is outside [min_rank, max_rank].
+InputArray f32_input(py::handle obj, const ArgSpec& spec);
+
+// `obj` as a view of dtype `want` (kF32, kF64, kF16, kBool, kI32, kI64),
+// same policy as f32_input; `accept` lists the numpy kinds ('f', 'i', 'u',
+// 'b') that may be converted.
+InputArray typed_input(py::handle obj, const ArgSpec& spec, DType want, const char* accept);
+
+// An attention mask, numpy-broadcastable to [batch, num_heads, seqlen_q,
+// seqlen_k]: bool (keep where True) is kept as bool, any real float dtype
+// becomes an f32 additive mask. Rank 1..4; lower ranks are right-aligned as
+// numpy broadcasting does (a [seqlen_q, seqlen_k] mask applies to every
+// batch and head).
+InputArray mask_input(py::handle obj, const char* fn);
+
+// A new C-contiguous numpy array of dtype `dtype` and the view writing into
+// it. Contents are uninitialised.
+py::array new_array(DType dtype, std::initializer_list<int64_t> shape, TensorView* view);
+
+// A new numpy array holding a copy of `v` (any strides): f32 -> float32,
+// bf16 -> float32 (exact), f16 -> float16, f64, i32, i64, bool as themselves.
+py::array copy_to_numpy(const TensorView& v);
+
+// "auto" | "reference" | "fast".
+Backend parse_backend(const std::string& text, const char* fn);
+
+// (left, right), each >= -1; None = (-1, -1).
+WindowSize parse_window_size(py::handle obj, const char* fn);
+
+// None, or {"kind": "strided"|"fixed", "stride": l, "summary": c,
+// "block_size": b} (summary and block_size optional).
+SparsePattern parse_sparse(py::handle obj, const char* fn);
+
+// None -> empty; else a 1-D integer sequence of int32 values.
+std::vector<int32_t> parse_seqlens_k(py::handle obj, const char* fn);
+
+// None -> empty; else integer positions of shape [seq] or [batch, seq],
+// flattened row-major (what Rope::apply and the layers take).
+std::vector<int64_t> parse_positions(py::handle obj, const char* fn);
+
+// "float32" | "f32" -> kF32, "bfloat16" | "bf16" -> kBF16.
+DType parse_cache_dtype(const std::string& text, const char* fn);
+
+// The numpy-facing name of a storage dtype: "float32" or "bfloat16".
+const char* cache_dtype_name(DType dtype);
+
+// The entries of a state dict {name: array} whose names start with
+// `prefix`, as a WeightMap (full names kept). float16/float32/float64 arrays
+// are viewed as they are (no copy when aligned and non-negatively strided);
+// other real numeric arrays are converted to float32. Entries outside the
+// prefix are not looked at. `keep` receives the arrays the views point into.
+WeightMap weights_from_dict(py::handle obj, const char* fn, const std::string& prefix,
+                            std::vector<InputArray>* keep);
+
+// "(2, 3, 4)" — a Python-style shape for messages.
+std::string shape_str(const py::array& a);
+
+}  // namespace attnkit::python
