@@ -1,0 +1,113 @@
+"""The attnkit tool's contract: exit codes, one-line errors, JSON schemas,
+and figures that agree with hand-computed values (shared/reference/mla.md)."""
+import json
+import os
+import subprocess
+
+import pytest
+
+CLI = os.environ.get("ATTNKIT_CLI", "build/attnkit")
+# Machine figures are given so these tests never time anything.
+FIXED = ["--peak-gflops", "300", "--bandwidth-gbps", "35"]
+
+
+def run(*args):
+    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_commands():
+    r = run("--help")
+    assert r.returncode == 0
+    for cmd in ("analyze", "plan", "presets"):
+        assert cmd in r.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ["nonsense"],
+    ["analyze", "--bogus"],
+    ["analyze", "--model", "no-such-model"],
+    ["analyze", "--config", "/nonexistent/config.json"],
+    ["analyze", "--model", "llama-3-8b", "--config", "x.json"],
+    ["analyze", "--model", "llama-3-8b", "--context", "abc"],
+    ["analyze", "--model", "llama-3-8b", "--kv-dtype", "int3"],
+    ["plan", "--model", "llama-3-8b", "--context", "4096"],
+    ["plan", "--model", "llama-3-8b", "--memory", "24XB", "--context", "4096"],
+    ["plan", "--model", "llama-3-8b", "--memory", "24GiB"],
+])
+def test_bad_flags_exit_2_with_one_line(args):
+    r = run(*args)
+    assert r.returncode == 2
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("attnkit")
+
+
+def test_unreadable_config(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text("{not json")
+    r = run("analyze", "--config", str(p))
+    assert r.returncode == 2 and "JSON" in r.stderr
+
+
+def test_every_command_has_help():
+    for cmd in ("analyze", "plan", "presets"):
+        r = run(cmd, "--help")
+        assert r.returncode == 0 and "usage: attnkit " + cmd in r.stdout
+
+
+def test_analyze_json_matches_hand_computed(tmp_path):
+    r = run("analyze", "--model", "deepseek-v3", "--context", "4096", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["kv_bytes_per_token"]["bf16"] == 70272          # 576 values x 61 layers x 2 B
+    assert j["mla_naive_kv_bytes_per_token"]["bf16"] == 4997120
+    assert j["attention_params_per_layer"] == 187107328
+    assert j["kv_cache_bytes"]["bf16"] == 70272 * 4096
+    assert j["model"]["mla"]["kv_lora_rank"] == 512
+    assert j["decode_bound"] in ("memory", "compute")
+    assert all("kv_bytes_per_token_bf16" in row for row in j["sweep"])
+
+
+def test_analyze_config_file_with_sliding_window(tmp_path):
+    cfg = {"model_type": "mistral", "hidden_size": 256, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "num_hidden_layers": 4, "sliding_window": 100}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    r = run("analyze", "--config", str(p), "--context", "1000", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    per_token = 2 * 2 * 32 * 4 * 2                   # K+V, kv heads, head_dim, layers, bf16
+    assert j["kv_bytes_per_token"]["bf16"] == per_token
+    assert j["kv_cache_bytes"]["bf16"] == per_token * 100   # capped by the window
+    kvs = sorted(row["num_kv_heads"] for row in j["sweep"] if row["variant"] != "mla")
+    assert kvs == [1, 2, 4, 8]
+
+
+def test_plan_answers_the_batch_question():
+    # "How much KV cache does Llama-3-8B need at 32K in bf16, and which variant
+    # fits batch 16 in 24 GiB?" -> one command.
+    r = run("plan", "--model", "llama-3-8b", "--memory", "24GiB", "--context", "32768", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    rows = {(row["variant"], row["kv_dtype"]): row for row in j["rows"]}
+    per_seq = 131072 * 32768                         # 128 KiB/token x 32K
+    assert rows[("gqa-8", "bf16")]["batch"] == (24 << 30) // per_seq
+    assert rows[("mqa", "bf16")]["batch"] == (24 << 30) // (per_seq // 8)
+    assert not rows[("mha", "f32")]["fits"]
+    assert rows[("mqa", "bf16")]["batch"] >= 16
+
+
+def test_plan_context_for_batch_window_capped():
+    r = run("plan", "--model", "mistral-7b", "--memory", "24GiB", "--batch", "16", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    row = next(r for r in j["rows"] if r["as_configured"] and r["kv_dtype"] == "bf16")
+    assert row["context_unbounded"]
+
+
+def test_presets_lists_all_required_models():
+    r = run("presets")
+    assert r.returncode == 0
+    for name in ["GPT-2", "BERT-base", "Llama-2-7B", "Llama-2-70B", "Llama-3-8B", "Llama-3-70B",
+                 "Mistral-7B", "Falcon-7B", "Qwen2.5-7B", "Qwen3-8B", "Gemma-2-9B",
+                 "DeepSeek-V2-Lite", "DeepSeek-V2", "DeepSeek-V3", "Kimi-K2"]:
+        assert name in r.stdout

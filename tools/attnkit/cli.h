@@ -1,0 +1,73 @@
+// The attnkit tool's small command-line kit: flag parsing with help and
+// examples, unit formatting, aligned tables. Bad flags end the process
+// with exit code 2 and one line on stderr (see UsageError).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace attnkit::cli {
+
+// Thrown inside the tool only (never across the library's API) and turned
+// into "attnkit <command>: <message>" and exit code 2 by main().
+struct UsageError {
+  std::string message;
+};
+
+class Flags {
+ public:
+  Flags(std::string command, std::string summary, std::vector<std::string> examples);
+
+  void add_string(const std::string& name, std::string* dst, const std::string& help);
+  void add_int(const std::string& name, int64_t* dst, const std::string& help, int64_t min_value = 0);
+  void add_double(const std::string& name, double* dst, const std::string& help);
+  // Byte sizes: "24GiB", "512MiB", "1.5GB", "4096".
+  void add_bytes(const std::string& name, int64_t* dst, const std::string& help);
+  // Comma-separated lists: "1,2,4".
+  void add_int_list(const std::string& name, std::vector<int64_t>* dst, const std::string& help);
+  void add_string_list(const std::string& name, std::vector<std::string>* dst, const std::string& help);
+  void add_bool(const std::string& name, bool* dst, const std::string& help);
+
+  // Parses argv[first..argc). Returns false when --help was given (help has
+  // been printed). Throws UsageError on anything it does not understand.
+  bool parse(int argc, char** argv, int first);
+  std::string help() const;
+
+ private:
+  struct Flag {
+    std::string name, help, value_hint;
+    bool takes_value;
+    std::function<void(const std::string&)> set;
+  };
+  const Flag* find(const std::string& name) const;
+  std::string command_, summary_;
+  std::vector<std::string> examples_;
+  std::vector<Flag> flags_;
+};
+
+int64_t parse_bytes(const std::string& text);  // throws UsageError
+
+std::string format_bytes(double bytes);        // "1.00 GiB", "576 B"
+std::string format_count(double n);            // "41.9 M", "2.36 k"
+std::string format_flops(double flops);        // "3.52 TFLOP"
+std::string format_rate(double flops_per_s);   // "212.4 GFLOP/s"
+std::string format_seconds(double s);          // "12.3 ms", "450 us"
+
+// A table printed with aligned columns; numbers are right-aligned.
+class Table {
+ public:
+  // numbers_right: right-align cells that start with a digit (columns of
+  // figures); off for key/value listings.
+  explicit Table(std::vector<std::string> header, bool numbers_right = true);
+  void add(std::vector<std::string> row);
+  std::string str() const;
+
+ private:
+  std::vector<std::string> header_;
+  bool numbers_right_;
+  std::vector<std::vector<std::string>> rows_;
+};
+
+}  // namespace attnkit::cli

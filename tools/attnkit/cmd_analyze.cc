@@ -1,0 +1,203 @@
+// attnkit analyze: exact arithmetic for one model (no timing), plus the
+// seeds' "what if" sweeps over kv heads and MLA ranks.
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+
+#include "cli.h"
+#include "commands.h"
+
+namespace attnkit::cli {
+namespace {
+
+struct Totals {
+  double prefill_flops = 0, decode_flops = 0, decode_bytes = 0;
+};
+
+// Sums the per-layer figures over all layers (windows differ per layer).
+Totals totals(const ModelShape& m, int64_t context, int64_t batch, DType kv, DType weights) {
+  Totals t;
+  for (int64_t l = 0; l < m.num_layers; ++l) {
+    t.prefill_flops += prefill_flops_per_layer(m, context, l) * static_cast<double>(batch);
+    t.decode_flops += decode_flops_per_layer(m, context, l) * static_cast<double>(batch);
+    t.decode_bytes += decode_bytes_per_layer(m, context, batch, kv, weights, l);
+  }
+  return t;
+}
+
+std::string intensity_str(double flops_per_byte) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f FLOP/B", flops_per_byte);
+  return buf;
+}
+
+std::string windows_summary(const ModelShape& m) {
+  int64_t n = 0, w = 0;
+  for (int64_t x : m.window_per_layer)
+    if (x > 0) {
+      ++n;
+      w = x;
+    }
+  if (n == 0) return "none";
+  return std::to_string(n) + " of " + std::to_string(m.num_layers) + " layers, window " + std::to_string(w);
+}
+
+}  // namespace
+
+int run_analyze(int argc, char** argv) {
+  std::string model, config;
+  int64_t context = 4096, batch = 1;
+  std::string kv_name = "bf16", weight_name = "bf16";
+  std::vector<int64_t> mla_ranks = {64, 128, 256, 512};
+  double peak = 0, bw = 0;
+  bool json_out = false;
+  Flags f("analyze",
+          "Exact attention arithmetic for a model: parameters, KV-cache bytes (per token and at a\n"
+          "context and batch, sliding windows applied), prefill and decode FLOPs, arithmetic\n"
+          "intensity and whether this machine is compute- or memory-bound for decoding; then the\n"
+          "same model with every valid number of kv heads and with MLA at several latent ranks.",
+          {"attnkit analyze --model llama-3-8b --context 32768",
+           "attnkit analyze --config path/to/config.json --batch 16 --kv-dtype f32 --json",
+           "attnkit analyze --model deepseek-v3 --context 131072"});
+  f.add_string("--model", &model, "a built-in preset (see attnkit presets)");
+  f.add_string("--config", &config, "a Hugging Face config.json");
+  f.add_int("--context", &context, "tokens per sequence (default 4096)", 1);
+  f.add_int("--batch", &batch, "sequences (default 1)", 1);
+  f.add_string("--kv-dtype", &kv_name, "bf16 or f32 for the decode figures (default bf16)");
+  f.add_string("--weight-dtype", &weight_name, "bf16 or f32 weights for decode bytes (default bf16)");
+  f.add_int_list("--mla-ranks", &mla_ranks, "kv_lora_rank values for the MLA sweep");
+  f.add_double("--peak-gflops", &peak, "use this fp32 peak instead of measuring");
+  f.add_double("--bandwidth-gbps", &bw, "use this read bandwidth instead of measuring");
+  f.add_bool("--json", &json_out, "print JSON instead of tables");
+  if (!f.parse(argc, argv, 2)) return 0;
+  auto dtype_of = [](const std::string& flag, const std::string& s) {
+    if (s == "bf16") return DType::kBF16;
+    if (s == "f32") return DType::kF32;
+    throw UsageError{flag + " must be bf16 or f32, got '" + s + "'"};
+  };
+  const DType kv = dtype_of("--kv-dtype", kv_name), wdt = dtype_of("--weight-dtype", weight_name);
+  const ModelShape m = load_model(model, config);
+  const MachineProfile mp = machine_profile(peak, bw);
+  const double balance = mp.fp32_peak_gflops / mp.dram_read_gbps;  // FLOPs per byte
+
+  const Totals t = totals(m, context, batch, kv, wdt);
+  const double intensity = t.decode_flops / t.decode_bytes;
+  const bool memory_bound = intensity < balance;
+  const int64_t params = attention_params_per_layer(m);
+
+  nlohmann::json j;
+  j["model"] = {{"name", m.name}, {"model_type", m.model_type}, {"source", m.source},
+                {"variant", variant_label(m)}, {"num_layers", m.num_layers},
+                {"hidden_size", m.hidden_size}, {"num_heads", m.num_heads},
+                {"num_kv_heads", m.num_kv_heads}, {"head_dim", m.head_dim},
+                {"head_dim_v", m.head_dim_v}, {"window_per_layer", m.window_per_layer}};
+  if (m.mla)
+    j["model"]["mla"] = {{"q_lora_rank", m.q_lora_rank}, {"kv_lora_rank", m.kv_lora_rank},
+                         {"qk_nope_head_dim", m.qk_nope_head_dim},
+                         {"qk_rope_head_dim", m.qk_rope_head_dim}, {"v_head_dim", m.v_head_dim}};
+  j["context"] = context;
+  j["batch"] = batch;
+  j["kv_dtype"] = kv_name;
+  j["attention_params_per_layer"] = params;
+  j["attention_params_total"] = params * m.num_layers;
+  j["kv_values_per_token_per_layer"] = kv_values_per_token_per_layer(m);
+  j["kv_bytes_per_token"] = {{"bf16", kv_bytes_per_token(m, DType::kBF16)},
+                             {"f32", kv_bytes_per_token(m, DType::kF32)}};
+  j["kv_cache_bytes"] = {{"bf16", kv_cache_bytes(m, DType::kBF16, context, batch)},
+                         {"f32", kv_cache_bytes(m, DType::kF32, context, batch)}};
+  if (m.mla) {
+    j["mla_naive_kv_bytes_per_token"] = {{"bf16", kv_bytes_per_token(m, DType::kBF16, false)},
+                                         {"f32", kv_bytes_per_token(m, DType::kF32, false)}};
+    j["mla_naive_kv_cache_bytes"] = {{"bf16", kv_cache_bytes(m, DType::kBF16, context, batch, false)},
+                                     {"f32", kv_cache_bytes(m, DType::kF32, context, batch, false)}};
+  }
+  j["prefill_flops"] = t.prefill_flops;
+  j["decode_flops_per_step"] = t.decode_flops;
+  j["decode_bytes_per_step"] = t.decode_bytes;
+  j["decode_arithmetic_intensity"] = intensity;
+  j["machine"] = {{"simd", mp.simd}, {"fp32_peak_gflops", mp.fp32_peak_gflops},
+                  {"dram_read_gbps", mp.dram_read_gbps}, {"balance_flops_per_byte", balance},
+                  {"threads", mp.threads}};
+  j["decode_bound"] = memory_bound ? "memory" : "compute";
+
+  Table sweep({"variant", "kv heads", "KV/token (bf16)", "cache @ ctx x batch", "attn params/layer",
+               "decode intensity"});
+  nlohmann::json jsweep = nlohmann::json::array();
+  auto sweep_row = [&](const ModelShape& v) {
+    const Totals tv = totals(v, context, batch, kv, wdt);
+    const double bytes = static_cast<double>(kv_cache_bytes(v, kv, context, batch));
+    sweep.add({variant_label(v) + (v.mla ? " r=" + std::to_string(v.kv_lora_rank) : ""),
+               v.mla ? "latent" : std::to_string(v.num_kv_heads),
+               format_bytes(static_cast<double>(kv_bytes_per_token(v, DType::kBF16))), format_bytes(bytes),
+               format_count(static_cast<double>(attention_params_per_layer(v))),
+               intensity_str(tv.decode_flops / tv.decode_bytes)});
+    jsweep.push_back({{"variant", variant_label(v)}, {"num_kv_heads", v.num_kv_heads},
+                      {"kv_lora_rank", v.kv_lora_rank},
+                      {"kv_bytes_per_token_bf16", kv_bytes_per_token(v, DType::kBF16)},
+                      {"kv_cache_bytes", bytes},
+                      {"attention_params_per_layer", attention_params_per_layer(v)},
+                      {"decode_arithmetic_intensity", tv.decode_flops / tv.decode_bytes}});
+  };
+  if (!m.mla)
+    for (int64_t n : valid_kv_head_counts(m.num_heads)) sweep_row(*with_kv_heads(m, n));
+  const int64_t rope_dim = m.mla ? m.qk_rope_head_dim : std::min<int64_t>(64, m.head_dim / 2) / 2 * 2;
+  for (int64_t r : mla_ranks) {
+    ModelShape base = m;
+    if (m.mla) {
+      base.kv_lora_rank = r;
+      base.name = m.name + " [mla r=" + std::to_string(r) + "]";
+      sweep_row(base);
+    } else if (auto v = with_mla(m, r, rope_dim, 0); v.ok()) {
+      sweep_row(*v);
+    }
+  }
+  j["sweep"] = jsweep;
+
+  if (json_out) {
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf("%s (%s, %s) — %s\n", m.name.c_str(), m.model_type.c_str(), variant_label(m).c_str(),
+              m.source.c_str());
+  std::printf("layers %lld, hidden %lld, heads %lld, kv heads %lld, head_dim %lld/%lld (q·k / v), windows: %s\n",
+              (long long)m.num_layers, (long long)m.hidden_size, (long long)m.num_heads,
+              (long long)m.num_kv_heads, (long long)m.head_dim, (long long)m.head_dim_v,
+              windows_summary(m).c_str());
+  if (m.mla)
+    std::printf("MLA: q_lora_rank %lld, kv_lora_rank %lld, qk_nope %lld, qk_rope %lld, v %lld "
+                "(latent cache = kv_lora_rank + qk_rope per token per layer)\n",
+                (long long)m.q_lora_rank, (long long)m.kv_lora_rank, (long long)m.qk_nope_head_dim,
+                (long long)m.qk_rope_head_dim, (long long)m.v_head_dim);
+  std::printf("\n");
+  Table main({"quantity", "value"}, /*numbers_right=*/false);
+  main.add({"attention params / layer", format_count(static_cast<double>(params))});
+  main.add({"attention params, all layers", format_count(static_cast<double>(params * m.num_layers))});
+  main.add({"KV values / token / layer", std::to_string(kv_values_per_token_per_layer(m))});
+  main.add({"KV / token, all layers (bf16 | f32)",
+            format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kBF16))) + " | " +
+                format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kF32)))});
+  if (m.mla)
+    main.add({"naive MLA KV / token (bf16)",
+              format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kBF16, false))) + "  (" +
+                  std::to_string(kv_values_per_token_per_layer(m, false) / kv_values_per_token_per_layer(m)) +
+                  "x the latent)"});
+  const std::string at = " @ " + std::to_string(context) + " tok x " + std::to_string(batch);
+  main.add({"KV cache" + at + " (bf16 | f32)",
+            format_bytes(static_cast<double>(kv_cache_bytes(m, DType::kBF16, context, batch))) + " | " +
+                format_bytes(static_cast<double>(kv_cache_bytes(m, DType::kF32, context, batch)))});
+  main.add({"prefill FLOPs" + at, format_flops(t.prefill_flops)});
+  main.add({"decode FLOPs / step" + at, format_flops(t.decode_flops)});
+  main.add({"decode bytes / step (" + kv_name + " KV, " + weight_name + " weights)", format_bytes(t.decode_bytes)});
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%.2f FLOP/B vs machine balance %.2f (%.0f GFLOP/s / %.1f GB/s, %s)",
+                intensity, balance, mp.fp32_peak_gflops, mp.dram_read_gbps, mp.simd.c_str());
+  main.add({"decode arithmetic intensity", buf});
+  main.add({"decode on this machine", memory_bound ? "memory-bound" : "compute-bound"});
+  std::fputs(main.str().c_str(), stdout);
+  std::printf("\nWhat if (same model, other attention; context %lld, batch %lld, %s KV):\n",
+              (long long)context, (long long)batch, kv_name.c_str());
+  std::fputs(sweep.str().c_str(), stdout);
+  return 0;
+}
+
+}  // namespace attnkit::cli

@@ -1,0 +1,161 @@
+// attnkit plan: given a memory budget, the largest batch (at a context) or
+// the longest context (at a batch) each attention variant and KV dtype
+// fits, and the decode speed that implies on this machine.
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "cli.h"
+#include "commands.h"
+
+namespace attnkit::cli {
+namespace {
+
+struct Step {
+  double seconds, flops, bytes;
+};
+
+// One decode step for `batch` sequences at `context`: the slower of reading
+// its bytes at the measured bandwidth and doing its FLOPs at the measured
+// peak (a roofline estimate; `attnkit bench` measures the real thing).
+Step decode_step(const ModelShape& m, int64_t context, int64_t batch, DType kv, const MachineProfile& mp) {
+  Step s{0, 0, 0};
+  for (int64_t l = 0; l < m.num_layers; ++l) {
+    s.flops += decode_flops_per_layer(m, context, l) * static_cast<double>(batch);
+    s.bytes += decode_bytes_per_layer(m, context, batch, kv, DType::kBF16, l);
+  }
+  s.seconds = std::max(s.bytes / (mp.dram_read_gbps * 1e9), s.flops / (mp.fp32_peak_gflops * 1e9));
+  return s;
+}
+
+// Largest context whose cache fits; -1 = any context fits (every layer is
+// window-capped).
+int64_t max_context(const ModelShape& m, DType kv, int64_t batch, int64_t budget) {
+  constexpr int64_t kHuge = int64_t{1} << 40;
+  if (kv_cache_bytes(m, kv, kHuge, batch) <= budget) return -1;
+  int64_t lo = 0, hi = kHuge;  // fits(lo), !fits(hi)
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (kv_cache_bytes(m, kv, mid, batch) <= budget ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+}  // namespace
+
+int run_plan(int argc, char** argv) {
+  std::string model, config;
+  int64_t memory = 0, reserve = 0, context = 0, batch = 0;
+  std::vector<std::string> dtypes = {"bf16", "f32"};
+  double peak = 0, bw = 0;
+  bool json_out = false;
+  Flags f("plan",
+          "How far a memory budget goes for the KV cache of a model and of its variants (the model\n"
+          "as configured, every GQA group size, MQA, and MLA): the largest batch at a context, or the\n"
+          "longest context at a batch, per KV dtype, and the decode speed that implies on this\n"
+          "machine (a roofline estimate from the measured peak and bandwidth). The budget is for\n"
+          "the KV cache; use --reserve for what else must fit (weights, activations).",
+          {"attnkit plan --model llama-3-8b --memory 24GiB --context 32768",
+           "attnkit plan --model qwen2.5-7b --memory 80GiB --reserve 15GiB --batch 16",
+           "attnkit plan --config config.json --memory 24GiB --context 8192 --json"});
+  f.add_string("--model", &model, "a built-in preset");
+  f.add_string("--config", &config, "a Hugging Face config.json");
+  f.add_bytes("--memory", &memory, "memory budget, e.g. 24GiB (required)");
+  f.add_bytes("--reserve", &reserve, "part of the budget not available to the cache");
+  f.add_int("--context", &context, "tokens per sequence: plan the largest batch", 1);
+  f.add_int("--batch", &batch, "sequences: plan the longest context", 1);
+  f.add_string_list("--kv-dtypes", &dtypes, "KV dtypes to plan for (default bf16,f32)");
+  f.add_double("--peak-gflops", &peak, "use this fp32 peak instead of measuring");
+  f.add_double("--bandwidth-gbps", &bw, "use this read bandwidth instead of measuring");
+  f.add_bool("--json", &json_out, "print JSON instead of a table");
+  if (!f.parse(argc, argv, 2)) return 0;
+  if (memory <= 0) throw UsageError{"--memory is required (e.g. --memory 24GiB)"};
+  if ((context > 0) == (batch > 0)) throw UsageError{"give exactly one of --context N or --batch N"};
+  if (reserve >= memory) throw UsageError{"--reserve must be smaller than --memory"};
+  std::vector<DType> kv_types;
+  for (const std::string& d : dtypes) {
+    if (d == "bf16") kv_types.push_back(DType::kBF16);
+    else if (d == "f32") kv_types.push_back(DType::kF32);
+    else throw UsageError{"--kv-dtypes entries must be bf16 or f32, got '" + d + "'"};
+  }
+  const ModelShape m = load_model(model, config);
+  const MachineProfile mp = machine_profile(peak, bw);
+  const int64_t budget = memory - reserve;
+
+  std::vector<ModelShape> variants = {m};
+  if (!m.mla) {
+    for (int64_t n : valid_kv_head_counts(m.num_heads))
+      if (n != m.num_kv_heads) variants.push_back(*with_kv_heads(m, n));
+    const int64_t rope_dim = std::min<int64_t>(64, m.head_dim / 2) / 2 * 2;
+    if (auto v = with_mla(m, 512, rope_dim, 0); v.ok()) variants.push_back(*v);
+  }
+
+  Table table({"variant", "KV dtype", context > 0 ? "max batch" : "max context", "cache used",
+               "decode step", "tokens/s (all seqs)", "bound"});
+  nlohmann::json rows = nlohmann::json::array();
+  for (const ModelShape& v : variants) {
+    for (DType kv : kv_types) {
+      const std::string label = variant_label(v) + (&v == &variants[0] ? " (as configured)" : "");
+      const char* kv_label = kv == DType::kBF16 ? "bf16" : "f32";
+      int64_t b = batch, c = context;
+      std::string fit;
+      if (context > 0) {
+        b = budget / std::max<int64_t>(1, kv_cache_bytes(v, kv, context, 1));
+        fit = std::to_string(b);
+      } else {
+        c = max_context(v, kv, batch, budget);
+        fit = c < 0 ? "any (window-capped)" : std::to_string(c);
+        if (c < 0) c = v.max_position_embeddings > 0 ? v.max_position_embeddings : 4096;
+      }
+      nlohmann::json row = {{"variant", variant_label(v)}, {"as_configured", &v == &variants[0]},
+                            {"kv_dtype", kv_label}, {"num_kv_heads", v.num_kv_heads},
+                            {"kv_lora_rank", v.kv_lora_rank}};
+      if (b < 1 || c < 1) {
+        table.add({label, kv_label, "0", "-", "-", "-", "does not fit"});
+        row["fits"] = false;
+        rows.push_back(row);
+        continue;
+      }
+      const Step s = decode_step(v, c, b, kv, mp);
+      const bool mem = s.bytes / (mp.dram_read_gbps * 1e9) >= s.flops / (mp.fp32_peak_gflops * 1e9);
+      const double cache = static_cast<double>(kv_cache_bytes(v, kv, c, b));
+      char tps[32];
+      std::snprintf(tps, sizeof tps, "%.1f", static_cast<double>(b) / s.seconds);
+      table.add({label, kv_label, fit, format_bytes(cache), format_seconds(s.seconds), tps,
+                 mem ? "memory" : "compute"});
+      row["fits"] = true;
+      row["batch"] = b;
+      row["context"] = c;
+      row["context_unbounded"] = context == 0 && fit.rfind("any", 0) == 0;
+      row["kv_cache_bytes"] = cache;
+      row["decode_step_seconds"] = s.seconds;
+      row["decode_tokens_per_second"] = static_cast<double>(b) / s.seconds;
+      row["bound"] = mem ? "memory" : "compute";
+      rows.push_back(row);
+    }
+  }
+  if (json_out) {
+    nlohmann::json j = {{"model", m.name}, {"memory_bytes", memory}, {"reserve_bytes", reserve},
+                        {"budget_bytes", budget}, {"rows", rows},
+                        {"machine", {{"simd", mp.simd}, {"fp32_peak_gflops", mp.fp32_peak_gflops},
+                                     {"dram_read_gbps", mp.dram_read_gbps}}}};
+    if (context > 0) j["context"] = context;
+    else j["batch"] = batch;
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf("%s: KV budget %s (%s minus %s reserved), %s\n", m.name.c_str(),
+              format_bytes(static_cast<double>(budget)).c_str(),
+              format_bytes(static_cast<double>(memory)).c_str(),
+              format_bytes(static_cast<double>(reserve)).c_str(),
+              context > 0 ? ("context " + std::to_string(context)).c_str()
+                          : ("batch " + std::to_string(batch)).c_str());
+  std::printf("decode estimate (attention layers only) from this machine: %.0f GFLOP/s fp32 peak, %.1f GB/s read (%s); "
+              "attention weights in bf16\n\n",
+              mp.fp32_peak_gflops, mp.dram_read_gbps, mp.simd.c_str());
+  std::fputs(table.str().c_str(), stdout);
+  return 0;
+}
+
+}  // namespace attnkit::cli
