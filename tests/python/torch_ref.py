@@ -1,0 +1,232 @@
+"""Independent float64 references written from the equations in PyTorch ops,
+plus the comparison helper every Python test uses.
+
+Nothing here calls attnkit: each function restates the math (FlashAttention's
+masking rules, Hugging Face's RoPE and layer code) so a bug in attnkit cannot
+hide in a shared helper.
+"""
+import math
+
+import numpy as np
+import torch
+
+EPS32 = float(np.finfo(np.float32).eps)  # 2^-23
+EPS_BF16 = 2.0 ** -8  # bf16 keeps 8 significand bits: relative rounding error <= 2^-8 / 2 * 2
+
+
+def t64(x):
+    """A float64 torch tensor from a numpy array (or anything array-like)."""
+    return torch.from_numpy(np.array(x, dtype=np.float64))
+
+
+def rng(seed):
+    return np.random.default_rng(seed)
+
+
+def randn(gen, *shape, scale=1.0):
+    """float32 normal samples (the values are then exact in float64)."""
+    return (gen.standard_normal(shape) * scale).astype(np.float32)
+
+
+def check_close(name, got, want, bound, rel=None):
+    """Asserts |got - want| <= bound elementwise (bound: scalar or array
+    broadcastable to want) and, if rel is given, ||got - want|| / ||want||
+    <= rel. On failure, names the worst element, both values and the bound."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != expected {want.shape}"
+    assert np.isfinite(got).all() == np.isfinite(want).all() or np.array_equal(
+        np.isfinite(got), np.isfinite(want)), f"{name}: non-finite entries differ"
+    fin = np.isfinite(want)
+    assert np.array_equal(got[~fin], want[~fin]), f"{name}: non-finite entries differ"
+    diff = np.where(fin, np.abs(got - np.where(fin, want, 0.0)), 0.0)
+    bound = np.broadcast_to(np.asarray(bound, dtype=np.float64), want.shape)
+    excess = diff - bound
+    if excess.size and excess.max() > 0:
+        idx = np.unravel_index(np.argmax(excess), want.shape)
+        raise AssertionError(
+            f"{name}: worst element {idx}: got {got[idx]!r}, want {want[idx]!r}, "
+            f"|diff| = {diff[idx]:.3e} > bound {bound[idx]:.3e}")
+    if rel is not None:
+        den = np.linalg.norm(np.where(fin, want, 0.0))
+        r = np.linalg.norm(diff) / den if den > 0 else np.linalg.norm(diff)
+        assert r <= rel, f"{name}: relative error {r:.3e} > {rel:.1e}"
+    return float(diff.max()) if diff.size else 0.0
+
+
+# --------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------
+
+def visible(batch, seqlen_q, seqlen_k, causal=False, window=(-1, -1), seqlens_k=None,
+            sparse=None):
+    """bool [batch, 1, seqlen_q, seqlen_k]: FlashAttention's rule with
+    bottom-right alignment (row i sits at key position i + L - seqlen_q)."""
+    L = torch.full((batch,), seqlen_k) if seqlens_k is None else torch.tensor(
+        np.asarray(seqlens_k, dtype=np.int64))
+    i = torch.arange(seqlen_q).view(1, seqlen_q, 1)
+    j = torch.arange(seqlen_k).view(1, 1, seqlen_k)
+    p = i + (L.view(batch, 1, 1) - seqlen_q)
+    keep = j < L.view(batch, 1, 1)
+    if causal:
+        keep = keep & (j <= p)
+    if window[0] >= 0:
+        keep = keep & (j >= p - window[0])
+    if window[1] >= 0:
+        keep = keep & (j <= p + window[1])
+    if sparse is not None:
+        bs = sparse.get("block_size", 1)
+        stride = sparse["stride"]
+        a = torch.div(p, bs, rounding_mode="floor")
+        b = torch.div(j, bs, rounding_mode="floor")
+        if sparse["kind"] == "strided":
+            ok = ((a - b).abs() < stride) | (torch.remainder(a - b, stride) == 0)
+        else:
+            c = sparse.get("summary", 1)
+            ok = (torch.div(a, stride, rounding_mode="floor") ==
+                  torch.div(b, stride, rounding_mode="floor")) | (
+                      torch.remainder(b, stride) >= stride - c)
+        keep = keep & ok
+    return keep[:, None]
+
+
+def sdpa_ref(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
+             seqlens_k=None, mask=None, sparse=None):
+    """float64 attention. q [b, sq, h, d], k [b, sk, hk, d], v [b, sk, hk, dv]
+    -> out [b, sq, h, dv], lse [b, h, sq], probs [b, h, sq, sk]. GQA by
+    repeat_interleave; rows with no visible key give 0 / -inf / 0."""
+    q, k, v = t64(q), t64(k), t64(v)
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(h // hk, dim=2)
+    v = v.repeat_interleave(h // hk, dim=2)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    keep = visible(b, sq, sk, causal, window, seqlens_k, sparse)
+    if mask is not None:
+        m = torch.from_numpy(np.asarray(mask))
+        if m.dtype == torch.bool:
+            keep = keep & m
+        else:
+            s = s + m.double()
+    s = s.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    probs = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    return out.numpy(), lse.numpy(), probs.numpy()
+
+
+def sdpa_bounds(q, k, v, softmax_scale=None, mask=None):
+    """Worst-case |f32 - f64| bounds for attnkit's fp32-accumulating sdpa on
+    these inputs, as a dict with keys out, lse, probs. A length-d dot product
+    is off by <= (d + 2) eps sum|q_i k_i| in each score (and adding a float
+    mask by eps |score|); the softmax turns an absolute score error e into a
+    relative weight error <= 2e plus eps per exp and per term of the
+    length-seqlen_k normaliser; the weighted sum of seqlen_k values adds
+    seqlen_k eps max|v|. A final factor 2 covers second-order terms."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    d, sk = q.shape[3], k.shape[1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    g = q.shape[2] // k.shape[2]
+    ka = np.repeat(np.abs(k), g, axis=2)
+    smax = scale * np.einsum("bqhd,bkhd->bhqk", np.abs(q), ka).max(initial=0.0)
+    if mask is not None and np.asarray(mask).dtype != bool:
+        m = np.abs(np.asarray(mask, dtype=np.float64))
+        smax += m[np.isfinite(m)].max(initial=0.0)
+    score_err = EPS32 * (d + 2) * smax
+    weight_rel = 2 * score_err + EPS32 * (2 * sk + 8)
+    vmax = np.abs(v).max(initial=0.0)
+    return {
+        "out": 2 * (weight_rel + EPS32 * sk) * vmax,
+        "probs": 2 * weight_rel,
+        "lse": 2 * (score_err + EPS32 * (sk + 8) * (1 + smax)),
+    }
+
+
+# --------------------------------------------------------------------------
+# RoPE (Hugging Face's formulas, restated)
+# --------------------------------------------------------------------------
+
+def inv_freq_ref(rotary_dim, theta=10000.0, scaling=None, max_position_embeddings=None):
+    """float64 inv_freq [rotary_dim/2] and attention_factor, from
+    transformers' modeling_rope_utils (default, linear, llama3, yarn)."""
+    base = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    if not scaling:
+        return base.numpy(), 1.0
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = scaling.get("factor", 1.0)
+    if kind == "linear":
+        return (base / factor).numpy(), 1.0
+    if kind == "llama3":
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / base
+        out = torch.where(wavelen > low_wavelen, base / factor, base)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, out).numpy(), 1.0
+    if kind == "yarn":
+        old = scaling.get("original_max_position_embeddings", max_position_embeddings)
+        beta_fast = scaling.get("beta_fast", 32.0)
+        beta_slow = scaling.get("beta_slow", 1.0)
+
+        def get_mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        att = scaling.get("attention_factor")
+        if att is None:
+            mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            if mscale and mscale_all:
+                att = get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
+            else:
+                att = get_mscale(factor)
+
+        def correction_dim(rot):
+            return (rotary_dim * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(theta))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), rotary_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) /
+                           (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv = (base / factor) * (1 - extrapolation) + base * extrapolation
+        return inv.numpy(), att
+    raise ValueError(kind)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_half_ref(x, positions, inv_freq, rotary_dim, attention_factor=1.0):
+    """HF's apply_rotary_pos_emb (rotate_half) on x [b, s, h, d] (torch
+    float64), positions [s] or [b, s]; features >= rotary_dim pass."""
+    pos = torch.as_tensor(np.asarray(positions, dtype=np.float64))
+    if pos.dim() == 1:
+        pos = pos.expand(x.shape[0], -1)
+    freqs = pos[..., None] * torch.as_tensor(inv_freq)[None, None, :]  # [b, s, r/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * attention_factor)[:, :, None, :]
+    sin = (emb.sin() * attention_factor)[:, :, None, :]
+    xr, xp = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
+
+
+def rope_interleaved_ref(x, positions, inv_freq, rotary_dim, attention_factor=1.0):
+    """Meta's complex-number form: pairs (2i, 2i+1) times e^(i pos inv_freq)."""
+    pos = torch.as_tensor(np.asarray(positions, dtype=np.float64))
+    if pos.dim() == 1:
+        pos = pos.expand(x.shape[0], -1)
+    angles = pos[..., None] * torch.as_tensor(inv_freq)[None, None, :]
+    rot = torch.polar(torch.full_like(angles, attention_factor), angles)[:, :, None, :]
+    xr, xp = x[..., :rotary_dim], x[..., rotary_dim:]
+    xc = torch.view_as_complex(xr.reshape(*xr.shape[:-1], -1, 2).contiguous())
+    out = torch.view_as_real(xc * rot).flatten(-2)
+    return torch.cat((out, xp), dim=-1)
