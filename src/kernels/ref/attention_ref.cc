@@ -26,6 +26,9 @@ double score(const AttentionParams& prm, int64_t b, int64_t h, int64_t kvh, int6
   const int64_t mask_off = b * prm.mask_stride.batch + h * prm.mask_stride.head +
                            i * prm.mask_stride.row + j * prm.mask_stride.dim;
   if (prm.bool_mask && prm.bool_mask[mask_off] == 0) return kNegInf;
+  // A -inf bias masks the key too; decide before K is read so that NaN/Inf
+  // in a masked K row cannot leak (NaN + -inf is NaN).
+  if (prm.add_mask && prm.add_mask[mask_off] == kNegInf) return kNegInf;
   const float* qrow = prm.q + b * prm.q_stride.batch + i * prm.q_stride.row + h * prm.q_stride.head;
   const int64_t krow = b * prm.k_stride.batch + prm.physical_row(j) * prm.k_stride.row +
                        kvh * prm.k_stride.head;
