@@ -126,7 +126,7 @@ inline OracleResult attention_f64(const OracleOptions& o, std::span<const double
     for (int64_t h = 0; h < H; ++h) {
       const int64_t g = h / heads_per_kv;  // the kv head this query head reads
 
-      // 1. Visibility from the positional rules and the boolean mask.
+      // 1. Visibility from the positional rules and the masks.
       for (int64_t i = 0; i < Sq; ++i) {
         const int64_t p = i + offset;
         for (int64_t j = 0; j < Sk; ++j) {
@@ -135,7 +135,9 @@ inline OracleResult attention_f64(const OracleOptions& o, std::span<const double
           if (o.window_left >= 0 && j < p - o.window_left) vis = false;
           if (o.window_right >= 0 && j > p + o.window_right) vis = false;
           if (!oracle_detail::pattern_admits(o.sparse, p, j)) vis = false;
-          if (!o.bool_mask.empty() && o.bool_mask[size_t(mask_index(b, h, i, j))] == 0)
+          if (!o.bool_mask.empty() && o.bool_mask[size_t(mask_index(b, h, i, j))] == 0) vis = false;
+          // A -inf bias masks like a false entry: the key's K is never read.
+          if (!o.add_mask.empty() && o.add_mask[size_t(mask_index(b, h, i, j))] == -kInf)
             vis = false;
           visible[size_t(i * Sk + j)] = vis ? 1 : 0;
         }
@@ -167,8 +169,10 @@ inline OracleResult attention_f64(const OracleOptions& o, std::span<const double
           const size_t ij = size_t(i * Sk + j);
           if (!visible[ij]) continue;
           any = true;
-          if (std::isnan(scores[ij])) nan = true;
-          else if (scores[ij] > m) m = scores[ij];
+          if (std::isnan(scores[ij]))
+            nan = true;
+          else if (scores[ij] > m)
+            m = scores[ij];
         }
         if (!any) continue;  // out 0, lse -inf, probs 0 (already set)
         const size_t lse_at = size_t((b * H + h) * Sq + i);

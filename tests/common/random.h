@@ -103,8 +103,8 @@ template <typename A, typename E>
                                      std::span<const E> expected, Tolerance tol,
                                      double* worst_ratio = nullptr) {
   if (actual.size() != expected.size())
-    return ::testing::AssertionFailure() << what << ": size " << actual.size() << " != expected "
-                                         << expected.size();
+    return ::testing::AssertionFailure()
+           << what << ": size " << actual.size() << " != expected " << expected.size();
   double worst = 0.0;
   size_t worst_i = 0;
   size_t mismatched_special = actual.size();  // first NaN/Inf mismatch
