@@ -1,0 +1,187 @@
+// attnkit/latent_attention.h — DeepSeek's multi-head latent attention (MLA),
+// the attention of DeepSeek-V2 / V2-Lite / V3 and Kimi-K2.
+//
+// Symbols (DeepSeek-V3 values): d = hidden_size (7168), H =
+// num_attention_heads (128), d_q = q_lora_rank (1536; 0 = no query
+// compression), d_c = kv_lora_rank (512), d_n = qk_nope_head_dim (128),
+// d_r = qk_rope_head_dim (64), d_v = v_head_dim (128), d_qk = d_n + d_r.
+//
+// Weights, Hugging Face names, nn.Linear layout [out, in], no biases:
+//   q_a_proj.weight            [d_q, d]           only when d_q > 0
+//   q_a_layernorm.weight       [d_q]              only when d_q > 0
+//   q_b_proj.weight            [H*d_qk, d_q]      only when d_q > 0
+//   q_proj.weight              [H*d_qk, d]        only when d_q = 0
+//   kv_a_proj_with_mqa.weight  [d_c + d_r, d]     rows: latent, then rope key
+//   kv_a_layernorm.weight      [d_c]
+//   kv_b_proj.weight           [H*(d_n+d_v), d_c] per head: d_n key rows, then d_v value rows
+//   o_proj.weight              [d, H*d_v]
+//
+// forward() for token t at position p (each query head h):
+//   q_t        = q_b_proj(RMSNorm(q_a_proj x_t))   (or q_proj x_t)   [H, d_qk] = [nope | rope]
+//   [c~ ; k~]  = kv_a_proj_with_mqa x_t;  c_t = RMSNorm(c~)          [d_c], k~: [d_r]
+//   q_rope_h   = RoPE(q_t,h[d_n:], p);    k_rope_t = RoPE(k~, p)     one key shared by all heads
+//   k_t,h      = [W_UK_h c_t ; k_rope_t],  v_t,h = W_UV_h c_t       (W_UK_h, W_UV_h from kv_b_proj)
+//   o_t,h      = sum_s softmax_s(sigma * q_t,h . k_s,h) v_s,h        causal
+//   out_t      = o_proj [o_t,1 ; ... ; o_t,H]
+// RoPE is the interleaved pairing (features 2i, 2i+1) that DeepSeek
+// checkpoints use, with YaRN's frequency correction when configured.
+// sigma = d_qk^-1/2 * m^2 with m = 0.1 * mscale_all_dim * ln(factor) + 1
+// under YaRN (m = 1 otherwise, or when mscale_all_dim is absent); the cos/sin
+// amplitude is mscale(factor, mscale) / mscale(factor, mscale_all_dim) when
+// both are given (exactly 1 in every released config), else 1.
+//
+// Two forms compute the same function (docs/MLA.md):
+//   naive:    decompress per-head K [S, H, d_qk] and V [S, H, d_v] from the
+//             latents, then attention with head_dim d_qk, head_dim_v d_v.
+//   absorbed: per head fold W_UK into the query (q^ = W_UK_h^T q_nope) and
+//             W_UV into the output; attention is then one-KV-head attention
+//             over the latent rows themselves: key [c ; k_rope] (d_c + d_r),
+//             value c (d_c), same sigma.
+// kAuto picks naive for prefill-like calls and absorbed for decode-like
+// calls by an estimate of their cost (docs/MLA.md has the measurements).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "attnkit/attention_layer.h"
+#include "attnkit/rope.h"
+#include "attnkit/status.h"
+#include "attnkit/tensor.h"
+#include "attnkit/weights.h"
+
+namespace attnkit {
+
+// One MLA layer, field names as in Hugging Face's DeepseekV2/V3 configs.
+struct MlaConfig {
+  std::string model_type;               // "deepseek_v2", "deepseek_v3", "kimi_k2" (informational)
+  int64_t hidden_size = 0;              // d
+  int64_t num_attention_heads = 0;      // H
+  int64_t q_lora_rank = 0;              // d_q; 0 (JSON null or 0) = direct q_proj
+  int64_t kv_lora_rank = 0;             // d_c, >= 1
+  int64_t qk_nope_head_dim = 0;         // d_n, >= 1
+  int64_t qk_rope_head_dim = 0;         // d_r, even, >= 2
+  int64_t v_head_dim = 0;               // d_v, >= 1
+  double rope_theta = 10000.0;
+  // kNone or kYarn. For kYarn: factor, original_max_position_embeddings,
+  // beta_fast, beta_slow, mscale, mscale_all_dim (0 = absent).
+  RopeScaling rope_scaling;
+  double rms_norm_eps = 1e-6;
+  int64_t max_position_embeddings = 0;  // informational; 0 = unknown
+
+  int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+  // Values one token occupies in the latent cache: d_c + d_r.
+  int64_t cache_values_per_token() const { return kv_lora_rank + qk_rope_head_dim; }
+};
+
+// Sizes >= 1 (q_lora_rank >= 0), qk_rope_head_dim even, rope_theta > 1,
+// rms_norm_eps > 0, YaRN fields in range. The message names the field.
+Status validate(const MlaConfig& config);
+
+// sigma = qk_head_dim^-1/2 * m^2 (see the header comment).
+double mla_softmax_scale(const MlaConfig& config);
+
+// Reads a Hugging Face config.json of an MLA model (deepseek_v2,
+// deepseek_v3, kimi_k2). Required: hidden_size, num_attention_heads,
+// q_lora_rank (may be null), kv_lora_rank, qk_nope_head_dim,
+// qk_rope_head_dim, v_head_dim. Optional: rope_theta (10000), rms_norm_eps
+// (1e-6), max_position_embeddings, rope_scaling (null or YaRN; Hugging
+// Face's newer "rope_parameters" is read the same way), attention_bias
+// (must be false). Errors name the field and its value.
+Result<MlaConfig> mla_config_from_json(std::string_view json_text);
+
+enum class MlaForm : uint8_t { kAuto, kNaive, kAbsorbed };
+
+// "auto", "naive", "absorbed".
+const char* mla_form_name(MlaForm form);
+
+// The per-layer latent cache: for every token only the RMS-normed latent
+// c (d_c) and the rotated shared rope key (d_r), contiguous per token:
+//   storage [batch, max_seq_len, d_c + d_r]   f32 or bf16
+// The absorbed form attends over these rows directly (key = the whole row,
+// value = its first d_c values); the naive form decompresses them.
+// All sequences of a batch advance together; token t lives in row t.
+class LatentCache {
+ public:
+  int64_t batch_size() const { return storage_.dim(0); }
+  int64_t max_seq_len() const { return storage_.dim(1); }
+  int64_t kv_lora_rank() const { return kv_lora_rank_; }
+  int64_t qk_rope_head_dim() const { return qk_rope_head_dim_; }
+  int64_t values_per_token() const { return storage_.dim(2); }  // d_c + d_r
+  DType dtype() const { return storage_.dtype(); }
+  int64_t length() const { return length_; }  // tokens appended so far
+  size_t nbytes() const { return storage_.nbytes(); }
+  // [batch, max_seq_len, d_c + d_r]; rows >= length() are unspecified.
+  const TensorView& storage() const { return storage_.view(); }
+
+  // Forgets every token (storage is kept).
+  void reset() { length_ = 0; }
+
+ private:
+  friend class LatentAttention;
+  LatentCache() = default;
+
+  int64_t kv_lora_rank_ = 0;
+  int64_t qk_rope_head_dim_ = 0;
+  int64_t length_ = 0;
+  Tensor storage_;
+};
+
+class LatentAttention {
+ public:
+  static Result<LatentAttention> create(const MlaConfig& config);
+
+  const MlaConfig& config() const { return config_; }
+  double softmax_scale() const { return softmax_scale_; }
+  const Rope& rope() const { return rope_; }
+
+  // Names this layer expects, without prefix (see the table above).
+  std::vector<std::string> weight_names() const;
+
+  // Copies every expected weight `prefix + name` from `weights` (converting
+  // to f32). Strict: a missing name, a wrong shape or dtype, or an
+  // unexpected name under `prefix` is an error, and then no weight changes.
+  Status load_weights(const WeightMap& weights, std::string_view prefix = "");
+  bool has_weights() const { return loaded_; }
+
+  // Views of the layer's own f32 weights by unprefixed name.
+  Result<TensorView> weight(std::string_view name) const;
+
+  // A latent cache for this layer; dtype kF32 or kBF16.
+  Result<LatentCache> new_cache(int64_t batch_size, int64_t max_seq_len,
+                                DType dtype = DType::kF32) const;
+
+  // Causal self-attention over x [batch, seq, hidden] f32 (contiguous) into
+  // out (same shape, contiguous, must not overlap x). positions: empty =
+  // (cache ? cache->length() : 0) + t; or [seq] shared by the batch; or
+  // [batch*seq]; each >= 0 (RoPE only: visibility follows the cache order).
+  // With a cache, the new tokens' latents are appended and the queries see
+  // every cached token and the new ones up to themselves; a call that would
+  // pass max_seq_len fails with kOutOfRange. Any failure leaves out and the
+  // cache untouched.
+  Status forward(const TensorView& x, const TensorView& out,
+                 std::span<const int64_t> positions = {}, LatentCache* cache = nullptr,
+                 const RunOptions& run = {}, MlaForm form = MlaForm::kAuto);
+
+  // The form kAuto takes for `new_tokens` queries over `cached_tokens`
+  // earlier tokens (docs/MLA.md explains the cost model).
+  MlaForm choose_form(int64_t new_tokens, int64_t cached_tokens) const;
+
+ private:
+  struct Weights {
+    Tensor q_a, q_a_norm, q_b, q;  // q_a/q_a_norm/q_b when q_lora_rank > 0, else q
+    Tensor kv_a, kv_a_norm, kv_b, o;
+  };
+
+  MlaConfig config_;
+  double softmax_scale_ = 0.0;
+  Rope rope_;
+  Weights w_;
+  bool loaded_ = false;
+};
+
+}  // namespace attnkit

@@ -1,0 +1,476 @@
+// LatentAttention: validate -> project -> RoPE -> (append to the latent
+// cache) -> one of the two attention forms -> o_proj.
+//
+// Both forms run the one attention kernel (kernels::run_attention) and
+// differ only in what they hand it:
+//   naive     q [B, T, H, d_qk]; K/V decompressed from the latent rows into
+//             kv [B, S, H, d_qk + d_v] (per head: k_nope | k_rope | v), K and
+//             V being two strided views of it; head_dim d_qk, head_dim_v d_v.
+//   absorbed  qa [B, T, H, d_c + d_r] = [W_UK_h^T q_nope ; q_rope]; K and V
+//             are the latent rows themselves (cache storage or this call's
+//             rows), one kv head, head_dim d_c + d_r, head_dim_v d_c (the
+//             first d_c values of the same row); the output [B, T, H, d_c]
+//             goes through W_UV_h per head.
+// W_UK_h and W_UV_h are never copied: kv_b_proj is [H, d_n + d_v, d_c], so
+// head h's W_UK is rows [h (d_n + d_v), +d_n) and W_UV the d_v rows after.
+#include "attnkit/latent_attention.h"
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/check.h"
+#include "core/checked_math.h"
+#include "io/weight_loader.h"
+#include "kernels/dispatch.h"
+#include "kernels/linear.h"
+
+namespace attnkit {
+namespace {
+
+constexpr const char* kCreate = "LatentAttention::create";
+constexpr const char* kLoad = "LatentAttention::load_weights";
+constexpr const char* kNewCache = "LatentAttention::new_cache";
+constexpr const char* kForward = "LatentAttention::forward";
+
+// Positions must be exact in double (RoPE computes pos * inv_freq there).
+constexpr int64_t kMaxPosition = int64_t{1} << 53;
+
+// How many projection multiply-adds one attention multiply-add costs, for
+// choose_form(). Measured with bench/mla_form_bench at a DeepSeek-V3-shaped
+// layer on the development machine (docs/MLA.md, "Choosing the form").
+constexpr double kAttentionMacCost = 4.0;
+
+// Uninitialised f32 scratch; allocation failure is reported, not thrown.
+class Scratch {
+ public:
+  Status alloc(int64_t n, const char* what) {
+    try {
+      buf_ = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(n));
+    } catch (const std::bad_alloc&) {
+      return resource_exhausted(std::string(kForward) + ": cannot allocate " +
+                                std::to_string(n) + " floats of scratch for " + what);
+    }
+    return Status::Ok();
+  }
+  float* data() const { return buf_.get(); }
+
+ private:
+  std::unique_ptr<float[]> buf_;
+};
+
+// y[m, c] = sum_n x[m, n] * w[n, c]: the product with a transposed
+// nn.Linear weight, for the query absorption q^ = W_UK_h^T q_nope, whose
+// W_UK_h rows lie contiguous in kv_b_proj. Row-wise axpy keeps the inner
+// loop contiguous in both w and y.
+//   x [rows, k] row stride ldx; w [k, n] contiguous; y [rows, n] row stride ldy
+void linear_transposed(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy,
+                       int64_t rows, int64_t k, int64_t n) {
+  for (int64_t m = 0; m < rows; ++m) {
+    float* yr = y + m * ldy;
+    for (int64_t c = 0; c < n; ++c) yr[c] = 0.0f;
+    for (int64_t i = 0; i < k; ++i) {
+      const float a = x[m * ldx + i];
+      const float* wr = w + i * n;
+      for (int64_t c = 0; c < n; ++c) yr[c] += a * wr[c];
+    }
+  }
+}
+
+kernels::Strides4 strides4(int64_t batch, int64_t row, int64_t head) { return {batch, row, head, 1}; }
+
+}  // namespace
+
+Result<LatentAttention> LatentAttention::create(const MlaConfig& config) {
+  {
+    Status st = validate(config);
+    if (!st.ok()) return Status(st.code(), std::string(kCreate) + ": " + st.message());
+  }
+  RopeConfig rc;
+  rc.head_dim = config.qk_rope_head_dim;
+  rc.rotary_dim = config.qk_rope_head_dim;
+  rc.theta = config.rope_theta;
+  rc.pairing = RopePairing::kInterleaved;  // DeepSeek checkpoints' q/k rope rows
+  rc.scaling = config.rope_scaling;
+  if (rc.scaling.type == RopeScaling::Type::kYarn) {
+    // cos/sin amplitude: HF's mscale ratio when the config gives both (1 in
+    // every released config); never YaRN's bare mscale(factor), whose
+    // correction already sits in the softmax scale (mla_softmax_scale).
+    const RopeScaling& y = rc.scaling;
+    const auto m = [&](double s) { return 0.1 * s * std::log(y.factor) + 1.0; };
+    rc.scaling.attention_factor =
+        (y.mscale > 0.0 && y.mscale_all_dim > 0.0 && y.factor > 1.0) ? m(y.mscale) / m(y.mscale_all_dim)
+                                                                      : 1.0;
+  }
+  Result<Rope> rope = Rope::create(rc);
+  if (!rope.ok())
+    return Status(rope.status().code(), std::string(kCreate) + ": " + rope.status().message());
+  LatentAttention layer;
+  layer.config_ = config;
+  layer.softmax_scale_ = mla_softmax_scale(config);
+  layer.rope_ = std::move(rope).value();
+  return layer;
+}
+
+std::vector<std::string> LatentAttention::weight_names() const {
+  std::vector<std::string> names;
+  if (config_.q_lora_rank > 0)
+    names = {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"};
+  else
+    names = {"q_proj.weight"};
+  for (const char* n : {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
+                        "o_proj.weight"})
+    names.emplace_back(n);
+  return names;
+}
+
+Status LatentAttention::load_weights(const WeightMap& weights, std::string_view prefix) {
+  const MlaConfig& c = config_;
+  const int64_t H = c.num_attention_heads, d = c.hidden_size, dq = c.q_lora_rank,
+                dc = c.kv_lora_rank, dqk = c.qk_head_dim(), dr = c.qk_rope_head_dim,
+                dn = c.qk_nope_head_dim, dv = c.v_head_dim;
+  io::WeightLoader loader(weights, prefix, kLoad);
+  Weights staged;  // swapped in only when everything loaded
+  if (dq > 0) {
+    ATTNKIT_RETURN_IF_ERROR(
+        loader.load("q_a_proj.weight", {dq, d}, "q_lora_rank, hidden_size", &staged.q_a));
+    ATTNKIT_RETURN_IF_ERROR(
+        loader.load("q_a_layernorm.weight", {dq}, "q_lora_rank", &staged.q_a_norm));
+    ATTNKIT_RETURN_IF_ERROR(loader.load(
+        "q_b_proj.weight", {H * dqk, dq},
+        "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim), q_lora_rank", &staged.q_b));
+  } else {
+    ATTNKIT_RETURN_IF_ERROR(loader.load(
+        "q_proj.weight", {H * dqk, d},
+        "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim), hidden_size", &staged.q));
+  }
+  ATTNKIT_RETURN_IF_ERROR(loader.load("kv_a_proj_with_mqa.weight", {dc + dr, d},
+                                      "kv_lora_rank+qk_rope_head_dim, hidden_size",
+                                      &staged.kv_a));
+  ATTNKIT_RETURN_IF_ERROR(
+      loader.load("kv_a_layernorm.weight", {dc}, "kv_lora_rank", &staged.kv_a_norm));
+  ATTNKIT_RETURN_IF_ERROR(loader.load(
+      "kv_b_proj.weight", {H * (dn + dv), dc},
+      "num_attention_heads*(qk_nope_head_dim+v_head_dim), kv_lora_rank", &staged.kv_b));
+  ATTNKIT_RETURN_IF_ERROR(loader.load("o_proj.weight", {d, H * dv},
+                                      "hidden_size, num_attention_heads*v_head_dim", &staged.o));
+  ATTNKIT_RETURN_IF_ERROR(loader.finish());
+  w_ = std::move(staged);
+  loaded_ = true;
+  return Status::Ok();
+}
+
+Result<TensorView> LatentAttention::weight(std::string_view name) const {
+  const std::pair<const char*, const Tensor*> table[] = {
+      {"q_a_proj.weight", &w_.q_a},
+      {"q_a_layernorm.weight", &w_.q_a_norm},
+      {"q_b_proj.weight", &w_.q_b},
+      {"q_proj.weight", &w_.q},
+      {"kv_a_proj_with_mqa.weight", &w_.kv_a},
+      {"kv_a_layernorm.weight", &w_.kv_a_norm},
+      {"kv_b_proj.weight", &w_.kv_b},
+      {"o_proj.weight", &w_.o}};
+  for (const auto& [n, t] : table)
+    if (name == n) {
+      if (!loaded_ || !t->data())
+        return not_found("LatentAttention::weight: " + std::string(name) +
+                         (loaded_ ? " is not a weight of this configuration"
+                                  : " is not loaded yet (call load_weights)"));
+      return t->view();
+    }
+  return not_found("LatentAttention::weight: no weight named \"" + std::string(name) + "\"");
+}
+
+Result<LatentCache> LatentAttention::new_cache(int64_t batch_size, int64_t max_seq_len,
+                                               DType dtype) const {
+  const std::string f = kNewCache;
+  if (batch_size < 1)
+    return invalid_argument(f + ": batch_size = " + std::to_string(batch_size) + " must be >= 1");
+  if (max_seq_len < 1)
+    return invalid_argument(f + ": max_seq_len = " + std::to_string(max_seq_len) +
+                            " must be >= 1");
+  if (dtype != DType::kF32 && dtype != DType::kBF16)
+    return invalid_argument(f + ": dtype = " + dtype_name(dtype) + " must be f32 or bf16");
+  Result<Tensor> storage =
+      Tensor::zeros(dtype, {batch_size, max_seq_len, config_.cache_values_per_token()});
+  if (!storage.ok())
+    return Status(storage.status().code(), f + ": " + storage.status().message());
+  LatentCache cache;
+  cache.kv_lora_rank_ = config_.kv_lora_rank;
+  cache.qk_rope_head_dim_ = config_.qk_rope_head_dim;
+  cache.storage_ = std::move(storage).value();
+  return cache;
+}
+
+MlaForm LatentAttention::choose_form(int64_t new_tokens, int64_t cached_tokens) const {
+  // Work both forms share (q/kv_a/o projections, and absorbing T queries
+  // costs what decompressing T tokens does) cancels; what differs:
+  //   naive:    decompress the L cached tokens again, L*H*(d_n+d_v)*d_c,
+  //             plus attention at d_qk + d_v MACs per (query, key, head);
+  //   absorbed: attention at (d_c + d_r) + d_c MACs per (query, key, head).
+  const MlaConfig& c = config_;
+  const double T = static_cast<double>(new_tokens), L = static_cast<double>(cached_tokens);
+  const double pairs = T * L + T * (T + 1.0) / 2.0;  // causal (query, key) pairs
+  const double H = static_cast<double>(c.num_attention_heads);
+  const double naive = L * H * static_cast<double>((c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank) +
+                       kAttentionMacCost * pairs * H * static_cast<double>(c.qk_head_dim() + c.v_head_dim);
+  const double absorbed =
+      kAttentionMacCost * pairs * H * static_cast<double>(2 * c.kv_lora_rank + c.qk_rope_head_dim);
+  return naive <= absorbed ? MlaForm::kNaive : MlaForm::kAbsorbed;
+}
+
+Status LatentAttention::forward(const TensorView& x, const TensorView& out,
+                                std::span<const int64_t> positions, LatentCache* cache,
+                                const RunOptions& run, MlaForm form) {
+  // ---- validation: nothing is written before all of it passes ----------
+  const std::string f = kForward;
+  if (!loaded_) return invalid_argument(f + ": no weights loaded (call load_weights first)");
+  ATTNKIT_RETURN_IF_ERROR(check::view(kForward, "x", x, 3, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(kForward, "out", out, 3, {DType::kF32}));
+  const MlaConfig& c = config_;
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(kForward, "x", x, 2, "hidden_size", c.hidden_size, "config().hidden_size"));
+  const int64_t B = x.shape[0], T = x.shape[1];
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kForward, "out", out, 0, "batch", B, "x.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kForward, "out", out, 1, "seq", T, "x.shape[1]"));
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(kForward, "out", out, 2, "hidden_size", c.hidden_size, "config().hidden_size"));
+  if (!x.is_contiguous())
+    return invalid_argument(f + ": x " + x.describe() + " must be contiguous (row-major)");
+  if (!out.is_contiguous())
+    return invalid_argument(f + ": out " + out.describe() + " must be contiguous (row-major)");
+  if (check::overlaps(out, x)) return invalid_argument(f + ": out overlaps x");
+  if (run.num_threads < 0)
+    return invalid_argument(f + ": run.num_threads = " + std::to_string(run.num_threads) +
+                            " must be >= 0 (0 = default)");
+  if (run.backend != Backend::kAuto && run.backend != Backend::kReference &&
+      run.backend != Backend::kFast)
+    return invalid_argument(f + ": run.backend = " + std::to_string(static_cast<int>(run.backend)) +
+                            " is not a Backend value");
+  if (form != MlaForm::kAuto && form != MlaForm::kNaive && form != MlaForm::kAbsorbed)
+    return invalid_argument(f + ": form = " + std::to_string(static_cast<int>(form)) +
+                            " is not an MlaForm value");
+  int64_t rows;
+  if (!checked_mul(B, T, &rows)) return invalid_argument(f + ": batch * seq overflows");
+  const int64_t npos = static_cast<int64_t>(positions.size());
+  if (npos != 0 && npos != T && npos != rows)
+    return invalid_argument(f + ": positions has " + std::to_string(npos) +
+                            " entries, must have 0 (default), seq = " + std::to_string(T) +
+                            " or batch * seq = " + std::to_string(rows));
+  for (int64_t i = 0; i < npos; ++i) {
+    const int64_t p = positions[static_cast<size_t>(i)];
+    if (p < 0 || p >= kMaxPosition)
+      return invalid_argument(f + ": positions[" + std::to_string(i) + "] = " + std::to_string(p) +
+                              " must be in [0, 2^53)");
+  }
+  const int64_t L = cache ? cache->length() : 0;
+  if (cache) {
+    if (cache->kv_lora_rank() != c.kv_lora_rank || cache->qk_rope_head_dim() != c.qk_rope_head_dim)
+      return invalid_argument(f + ": cache holds kv_lora_rank + qk_rope_head_dim = " +
+                              std::to_string(cache->kv_lora_rank()) + " + " +
+                              std::to_string(cache->qk_rope_head_dim()) + ", this layer needs " +
+                              std::to_string(c.kv_lora_rank) + " + " +
+                              std::to_string(c.qk_rope_head_dim));
+    if (cache->batch_size() != B)
+      return invalid_argument(f + ": cache batch_size = " + std::to_string(cache->batch_size()) +
+                              " must equal x.shape[0] (batch) = " + std::to_string(B));
+    if (T > cache->max_seq_len() - L)
+      return out_of_range(f + ": cache overflow: length " + std::to_string(L) + " + " +
+                          std::to_string(T) + " new tokens > max_seq_len = " +
+                          std::to_string(cache->max_seq_len()));
+    if (check::overlaps(out, cache->storage()))
+      return invalid_argument(f + ": out overlaps the cache storage");
+  }
+  if (rows == 0) return Status::Ok();
+
+  const int64_t H = c.num_attention_heads, d = c.hidden_size, dq = c.q_lora_rank,
+                dc = c.kv_lora_rank, dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim,
+                dqk = c.qk_head_dim(), dv = c.v_head_dim;
+  const int64_t dkv = dc + dr;  // one latent row: [c ; k_rope]
+  const int64_t S = L + T;      // keys the new queries attend over
+  const MlaForm chosen = form == MlaForm::kAuto ? choose_form(T, L) : form;
+
+  std::vector<int64_t> default_pos;
+  if (npos == 0) {
+    default_pos.resize(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) default_pos[static_cast<size_t>(t)] = L + t;
+    positions = default_pos;
+  }
+
+  // ---- scratch, all allocated before anything visible is written -------
+  // Sizes are bounded by validated dims (<= 2^20 each) times the tokens.
+  const auto n = [&](std::initializer_list<int64_t> dims, int64_t* out_n) {
+    int64_t v = 1;
+    for (int64_t e : dims)
+      if (!checked_mul(v, e, &v)) return false;
+    *out_n = v;
+    return true;
+  };
+  Scratch cq, q, kv_new, o, lat, kvh, qa, oa;
+  int64_t sz = 0;
+  const auto need = [&](Scratch& s, std::initializer_list<int64_t> dims, const char* what) {
+    if (!n(dims, &sz))
+      return resource_exhausted(f + ": scratch size for " + what + " overflows 64 bits");
+    return s.alloc(sz, what);
+  };
+  if (dq > 0) ATTNKIT_RETURN_IF_ERROR(need(cq, {rows, dq}, "c_q"));
+  ATTNKIT_RETURN_IF_ERROR(need(q, {rows, H, dqk}, "q"));
+  ATTNKIT_RETURN_IF_ERROR(need(kv_new, {rows, dkv}, "the new latent rows"));
+  ATTNKIT_RETURN_IF_ERROR(need(o, {rows, H, dv}, "o"));
+  const bool bf16_cache = cache && cache->dtype() == DType::kBF16;
+  if (chosen == MlaForm::kNaive) {
+    if (bf16_cache) ATTNKIT_RETURN_IF_ERROR(need(lat, {B, S, dkv}, "the widened latent rows"));
+    ATTNKIT_RETURN_IF_ERROR(need(kvh, {B, S, H, dqk + dv}, "decompressed K and V"));
+  } else {
+    ATTNKIT_RETURN_IF_ERROR(need(qa, {rows, H, dkv}, "absorbed queries"));
+    ATTNKIT_RETURN_IF_ERROR(need(oa, {rows, H, dc}, "latent outputs"));
+  }
+
+  // ---- projections ------------------------------------------------------
+  const float* xp = x.ptr<const float>();
+  if (dq > 0) {
+    kernels::linear(xp, d, w_.q_a.ptr<float>(), nullptr, cq.data(), dq, rows, dq, d);
+    kernels::rms_norm(cq.data(), dq, w_.q_a_norm.ptr<float>(), cq.data(), dq, rows, dq,
+                      c.rms_norm_eps);
+    kernels::linear(cq.data(), dq, w_.q_b.ptr<float>(), nullptr, q.data(), H * dqk, rows, H * dqk,
+                    dq);
+  } else {
+    kernels::linear(xp, d, w_.q.ptr<float>(), nullptr, q.data(), H * dqk, rows, H * dqk, d);
+  }
+  kernels::linear(xp, d, w_.kv_a.ptr<float>(), nullptr, kv_new.data(), dkv, rows, dkv, d);
+  // RMSNorm on the latent only; the rope key is not normalised.
+  kernels::rms_norm(kv_new.data(), dkv, w_.kv_a_norm.ptr<float>(), kv_new.data(), dkv, rows, dc,
+                    c.rms_norm_eps);
+
+  // ---- RoPE on the rope part of each query head and on the shared key ----
+  TensorView q_rope;  // [B, T, H, d_r] inside q
+  q_rope.data = q.data() + dn;
+  q_rope.rank = 4;
+  q_rope.shape = {B, T, H, dr};
+  q_rope.strides = {T * H * dqk, H * dqk, dqk, 1};
+  TensorView k_rope;  // [B, T, 1, d_r] inside the new latent rows
+  k_rope.data = kv_new.data() + dc;
+  k_rope.rank = 4;
+  k_rope.shape = {B, T, 1, dr};
+  k_rope.strides = {T * dkv, dkv, dkv, 1};
+  ATTNKIT_RETURN_IF_ERROR(rope_.apply(q_rope, positions));
+  ATTNKIT_RETURN_IF_ERROR(rope_.apply(k_rope, positions));
+
+  // ---- the latent rows the queries attend over --------------------------
+  // Rows [L, S) of the cache are beyond its length, so writing them leaves
+  // the cache's visible state unchanged until length advances at the end.
+  const void* kv_rows = kv_new.data();  // [B, S, d_c + d_r]
+  DType kv_dtype = DType::kF32;
+  int64_t kv_batch_stride = T * dkv;
+  if (cache) {
+    const TensorView& st = cache->storage();
+    for (int64_t b = 0; b < B; ++b) {
+      const float* src = kv_new.data() + b * T * dkv;
+      if (bf16_cache) {
+        bf16* dst = st.ptr<bf16>() + b * st.strides[0] + L * dkv;
+        for (int64_t i = 0; i < T * dkv; ++i) dst[i] = float_to_bf16(src[i]);
+      } else {
+        std::memcpy(st.ptr<float>() + b * st.strides[0] + L * dkv, src,
+                    static_cast<size_t>(T * dkv) * sizeof(float));
+      }
+    }
+    kv_rows = st.data;
+    kv_dtype = st.dtype;
+    kv_batch_stride = st.strides[0];
+  }
+
+  kernels::AttentionParams prm;
+  prm.batch = B;
+  prm.seqlen_q = T;
+  prm.seqlen_k = S;  // queries sit at S - T + i (bottom-right causal)
+  prm.num_heads = H;
+  prm.scale = static_cast<float>(softmax_scale_);
+  prm.causal = true;
+  prm.num_threads = run.num_threads;
+  const float* kv_b = w_.kv_b.ptr<float>();
+
+  if (chosen == MlaForm::kNaive) {
+    // Latent rows as f32, [B, S, d_c + d_r] with batch stride lat_bs.
+    const float* latent = static_cast<const float*>(kv_rows);
+    int64_t lat_bs = kv_batch_stride;
+    if (bf16_cache) {
+      const bf16* src = static_cast<const bf16*>(kv_rows);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < S * dkv; ++i)
+          lat.data()[b * S * dkv + i] = bf16_to_float(src[b * kv_batch_stride + i]);
+      latent = lat.data();
+      lat_bs = S * dkv;
+    }
+    // kvh [B, S, H, d_qk + d_v], per head [k_nope (d_n) | k_rope (d_r) | v (d_v)].
+    const int64_t wh = dqk + dv;
+    for (int64_t b = 0; b < B; ++b) {
+      const float* lb = latent + b * lat_bs;
+      float* kb = kvh.data() + b * S * H * wh;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* w_uk = kv_b + h * (dn + dv) * dc;  // [d_n, d_c]
+        const float* w_uv = w_uk + dn * dc;             // [d_v, d_c]
+        kernels::linear(lb, dkv, w_uk, nullptr, kb + h * wh, H * wh, S, dn, dc);
+        kernels::linear(lb, dkv, w_uv, nullptr, kb + h * wh + dqk, H * wh, S, dv, dc);
+      }
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t h = 0; h < H; ++h)
+          std::memcpy(kb + (s * H + h) * wh + dn, lb + s * dkv + dc,
+                      static_cast<size_t>(dr) * sizeof(float));
+    }
+    prm.num_kv_heads = H;
+    prm.head_dim = dqk;
+    prm.head_dim_v = dv;
+    prm.q = q.data();
+    prm.q_stride = strides4(T * H * dqk, H * dqk, dqk);
+    prm.k = kvh.data();
+    prm.k_stride = strides4(S * H * wh, H * wh, wh);
+    prm.v = kvh.data() + dqk;
+    prm.v_stride = prm.k_stride;
+    prm.kv_dtype = DType::kF32;
+    prm.out = o.data();
+    prm.out_stride = strides4(T * H * dv, H * dv, dv);
+    ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, run.backend));
+  } else {
+    // qa[r, h] = [W_UK_h^T q_nope[r, h] ; q_rope[r, h]].
+    for (int64_t h = 0; h < H; ++h) {
+      const float* w_uk = kv_b + h * (dn + dv) * dc;  // [d_n, d_c]
+      linear_transposed(q.data() + h * dqk, H * dqk, w_uk, qa.data() + h * dkv, H * dkv, rows, dn,
+                        dc);
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < H; ++h)
+        std::memcpy(qa.data() + (r * H + h) * dkv + dc, q.data() + (r * H + h) * dqk + dn,
+                    static_cast<size_t>(dr) * sizeof(float));
+    // One kv head: key = the whole latent row, value = its first d_c values.
+    prm.num_kv_heads = 1;
+    prm.head_dim = dkv;
+    prm.head_dim_v = dc;
+    prm.q = qa.data();
+    prm.q_stride = strides4(T * H * dkv, H * dkv, dkv);
+    prm.k = kv_rows;
+    prm.k_stride = strides4(kv_batch_stride, dkv, dkv);
+    prm.v = kv_rows;
+    prm.v_stride = prm.k_stride;
+    prm.kv_dtype = kv_dtype;
+    prm.out = oa.data();
+    prm.out_stride = strides4(T * H * dc, H * dc, dc);
+    ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, run.backend));
+    // o[r, h] = W_UV_h oa[r, h].
+    for (int64_t h = 0; h < H; ++h) {
+      const float* w_uv = kv_b + (h * (dn + dv) + dn) * dc;  // [d_v, d_c]
+      kernels::linear(oa.data() + h * dc, H * dc, w_uv, nullptr, o.data() + h * dv, H * dv, rows,
+                      dv, dc);
+    }
+  }
+
+  kernels::linear(o.data(), H * dv, w_.o.ptr<float>(), nullptr, out.ptr<float>(), d, rows, d,
+                  H * dv);
+  if (cache) cache->length_ += T;
+  return Status::Ok();
+}
+
+}  // namespace attnkit
