@@ -40,8 +40,14 @@ class SafetensorsFile {
   SafetensorsFile& operator=(SafetensorsFile&&) noexcept;
   ~SafetensorsFile();
 
-  // Views into the mapped data, valid while this object lives. Supported
-  // dtypes: F64, F32, F16, BF16, I64, I32, BOOL; others are rejected.
+  // Views into the mapped data, valid while this object lives (moving the
+  // object keeps them valid). Supported dtypes: F64, F32, F16, BF16, I64,
+  // I32, BOOL; others are rejected. The views are read-only (the mapping is
+  // PROT_READ) and contiguous, but NOT aligned: the format places tensors
+  // at arbitrary byte offsets, so read elements with memcpy, never by
+  // dereferencing a float* or double* (io/weight_loader.h does this).
+  // Scalars have rank 0. Overlapping byte ranges and duplicate names are
+  // rejected; gaps between tensors are allowed.
   const WeightMap& tensors() const { return tensors_; }
   const std::map<std::string, std::string, std::less<>>& metadata() const { return metadata_; }
 
