@@ -198,8 +198,10 @@ Status Rope::apply(const TensorView& x, std::span<const int64_t> positions) cons
       check::dim(kApply, "x", x, 3, "head_dim", config_.head_dim, "config().head_dim"));
   const int64_t batch = x.shape[0], seq = x.shape[1], heads = x.shape[2];
   // Rotation writes every element it reads from a pair; a zero stride would
-  // make distinct (token, head, feature) slots the same memory.
-  for (int i = 0; i < 4; ++i)
+  // make distinct (token, head, feature) slots the same memory. (An empty
+  // view addresses nothing, and row-major strides of one can be 0.)
+  const bool empty = x.numel() == 0;
+  for (int i = 0; i < 4 && !empty; ++i)
     if (x.shape[i] > 1 && x.strides[i] == 0)
       return bad(kApply, "x.strides[" + std::to_string(i) + "] = 0 with x.shape[" +
                              std::to_string(i) + "] = " + std::to_string(x.shape[i]) +
