@@ -18,6 +18,37 @@ kernels::Strides4 strides_of(const TensorView& v) {
   return {v.strides[0], v.strides[1], v.strides[2], v.strides[3]};
 }
 
+// Rejects an output view in which two distinct elements provably share
+// memory: a dim of size > 1 with stride 0, or stride[a] = m * stride[b] with
+// 1 <= m < shape[b] (element 1 along a is element m along b). Writing such a
+// view would make the result depend on write order. It never rejects a
+// layout that does not overlap, so "any strides" stays true for valid ones.
+Status check_no_self_overlap(const char* fn, const char* name, const TensorView& v) {
+  const std::string n = name;
+  for (int b = 0; b < v.rank; ++b) {
+    if (v.shape[b] < 2) continue;
+    const std::string sb = n + ".strides[" + std::to_string(b) + "] = " +
+                           std::to_string(v.strides[b]);
+    if (v.strides[b] == 0)
+      return invalid_argument(std::string(fn) + ": " + sb + " with " + n + ".shape[" +
+                              std::to_string(b) + "] = " + std::to_string(v.shape[b]) +
+                              " makes distinct elements share memory; an output must not "
+                              "overlap itself");
+    for (int a = 0; a < v.rank; ++a) {
+      if (a == b || v.shape[a] < 2 || v.strides[a] % v.strides[b] != 0) continue;
+      const int64_t m = v.strides[a] / v.strides[b];
+      if (m >= 1 && m < v.shape[b])
+        return invalid_argument(std::string(fn) + ": " + n + ".strides[" + std::to_string(a) +
+                                "] = " + std::to_string(v.strides[a]) + " is " +
+                                std::to_string(m) + " * " + sb + " with " + n + ".shape[" +
+                                std::to_string(b) + "] = " + std::to_string(v.shape[b]) +
+                                ", so distinct elements share memory; an output must not "
+                                "overlap itself");
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status check_attention_options(const char* fn, const AttentionOptions& o) {
@@ -38,6 +69,10 @@ Status check_attention_options(const char* fn, const AttentionOptions& o) {
     return invalid_argument(f + ": num_threads = " + std::to_string(o.num_threads) +
                             " must be >= 0 (0 = default)");
   const SparsePattern& sp = o.sparse;
+  if (sp.kind != SparsePattern::Kind::kNone && sp.kind != SparsePattern::Kind::kStrided &&
+      sp.kind != SparsePattern::Kind::kFixed)
+    return invalid_argument(f + ": sparse.kind = " + std::to_string(static_cast<int>(sp.kind)) +
+                            " is not a SparsePattern::Kind value");
   if (sp.kind != SparsePattern::Kind::kNone) {
     if (sp.block_size < 1)
       return invalid_argument(f + ": sparse.block_size = " + std::to_string(sp.block_size) +
@@ -117,6 +152,9 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
     ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "probs", probs, 2, "seqlen_q", seqlen_q, "q.shape[1]"));
     ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "probs", probs, 3, "seqlen_k", seqlen_k, "k.shape[1]"));
   }
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kFn, "out", out));
+  if (lse.present()) ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kFn, "lse", lse));
+  if (probs.present()) ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kFn, "probs", probs));
   const TensorView* inputs[] = {&q, &k, &v, &options.mask};
   const TensorView* outputs[] = {&out, &lse, &probs};
   const char* out_names[] = {"out", "lse", "probs"};
@@ -214,6 +252,29 @@ Status merge_attention_states(const TensorView& out_a, const TensorView& lse_a,
     ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse_b", lse_b, i, lse_names[i], lse_shape[i], lse_src[i]));
     ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse", lse, i, lse_names[i], lse_shape[i], lse_src[i]));
   }
+  // out may be out_a itself and lse may be lse_a itself (each element is
+  // read before it is written); any other overlap would let a write clobber
+  // a value still to be read.
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "out", out));
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "lse", lse));
+  auto same_view = [](const TensorView& x, const TensorView& y) {
+    return x.data == y.data && x.strides == y.strides;
+  };
+  const TensorView* merge_in[] = {&out_a, &lse_a, &out_b, &lse_b};
+  const char* merge_in_names[] = {"out_a", "lse_a", "out_b", "lse_b"};
+  const TensorView* merge_out[] = {&out, &lse};
+  const char* merge_out_names[] = {"out", "lse"};
+  for (int o = 0; o < 2; ++o)
+    for (int i = 0; i < 4; ++i) {
+      if (i == o && same_view(*merge_out[o], *merge_in[i])) continue;  // the allowed alias
+      if (check::overlaps(*merge_out[o], *merge_in[i]))
+        return invalid_argument(std::string(fn) + ": " + merge_out_names[o] + " overlaps input " +
+                                merge_in_names[i] + "; only out == out_a and lse == lse_a " +
+                                "(same data and strides) may alias");
+    }
+  if (check::overlaps(out, lse))
+    return invalid_argument(std::string(fn) + ": outputs out and lse overlap");
+
   const float* oa = out_a.ptr<const float>();
   const float* ob = out_b.ptr<const float>();
   float* o = out.ptr<float>();
@@ -224,13 +285,17 @@ Status merge_attention_states(const TensorView& out_a, const TensorView& lse_a,
           return t.ptr<float>()[b * t.strides[0] + h * t.strides[1] + i * t.strides[2]];
         };
         const double la = lse_at(lse_a), lb = lse_at(lse_b);
+        // A NaN lse marks a poisoned row (an unmasked NaN upstream): keep it
+        // NaN rather than letting the weights below read it as empty.
+        const bool poisoned = std::isnan(la) || std::isnan(lb);
         const double m = std::max(la, lb);
         double wa = 0.0, wb = 0.0;
-        if (m != -std::numeric_limits<double>::infinity()) {
-          wa = std::exp(la - m);
-          wb = std::exp(lb - m);
+        if (!poisoned && m != -std::numeric_limits<double>::infinity()) {
+          wa = la == m ? 1.0 : std::exp(la - m);
+          wb = lb == m ? 1.0 : std::exp(lb - m);
         }
         const double denom = wa + wb;
+        constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
         for (int64_t d = 0; d < dv; ++d) {
           const int64_t ia = b * out_a.strides[0] + i * out_a.strides[1] + h * out_a.strides[2] +
                              d * out_a.strides[3];
@@ -243,10 +308,11 @@ Status merge_attention_states(const TensorView& out_a, const TensorView& lse_a,
           double acc = 0.0;
           if (wa > 0.0) acc += wa * oa[ia];
           if (wb > 0.0) acc += wb * ob[ib];
-          o[io] = denom > 0.0 ? static_cast<float>(acc / denom) : 0.0f;
+          o[io] = poisoned ? kNaN : denom > 0.0 ? static_cast<float>(acc / denom) : 0.0f;
         }
-        lse_at(lse) = denom > 0.0 ? static_cast<float>(m + std::log(denom))
-                                  : -std::numeric_limits<float>::infinity();
+        lse_at(lse) = poisoned      ? kNaN
+                      : denom > 0.0 ? static_cast<float>(m + std::log(denom))
+                                    : -std::numeric_limits<float>::infinity();
       }
   return Status::Ok();
 }

@@ -1195,6 +1195,27 @@ TEST(MergeStates, InfiniteLseSides) {
   EXPECT_NEAR(lse[3], 1.0 + std::log1p(wb), 4 * kU32 * 2.0);
 }
 
+// A NaN lse (a row poisoned upstream) stays NaN after merging, in that row
+// only; it must not be mistaken for an empty row (out 0, lse -inf).
+TEST(MergeStates, NaNLsePoisonsOnlyItsRow) {
+  const std::vector<float> lse_a{kNaN, 0.0f, 0.25f}, lse_b{0.0f, kNaN, -0.5f};
+  const std::vector<float> out_a{1.0f, 2.0f, 3.0f}, out_b{4.0f, 5.0f, 6.0f};
+  std::vector<float> out(3, kOutSentinel), lse(3, kOutSentinel);
+  ASSERT_TRUE(
+      attnkit::merge_attention_states(attnkit::make_view(out_a.data(), DType::kF32, {1, 3, 1, 1}),
+                                      attnkit::make_view(lse_a.data(), DType::kF32, {1, 1, 3}),
+                                      attnkit::make_view(out_b.data(), DType::kF32, {1, 3, 1, 1}),
+                                      attnkit::make_view(lse_b.data(), DType::kF32, {1, 1, 3}),
+                                      attnkit::make_view(out.data(), DType::kF32, {1, 3, 1, 1}),
+                                      attnkit::make_view(lse.data(), DType::kF32, {1, 1, 3}))
+          .ok());
+  EXPECT_TRUE(std::isnan(out[0]) && std::isnan(lse[0]));
+  EXPECT_TRUE(std::isnan(out[1]) && std::isnan(lse[1]));
+  const double wa = 1.0, wb = std::exp(-0.75);
+  EXPECT_NEAR(out[2], (wa * 3.0 + wb * 6.0) / (wa + wb), 4 * kU32 * 6.0);
+  EXPECT_NEAR(lse[2], 0.25 + std::log1p(wb), 4 * kU32);
+}
+
 TEST(MergeStates, AllEmptyFromSdpa) {
   // An all-false mask empties both halves: every merged row is out 0,
   // lse -inf.
