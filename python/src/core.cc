@@ -2,6 +2,8 @@
 // viewed in place where they can be (numpy_util.h); compute runs without
 // the GIL; every failure raises with the C++ Status message.
 #include <cmath>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -9,6 +11,8 @@
 #include <pybind11/stl.h>
 
 #include "attnkit/attention.h"
+#include "attnkit/kv_cache.h"
+#include "attnkit/rope.h"
 #include "attnkit/tensor.h"
 #include "bindings.h"
 #include "numpy_util.h"
@@ -166,6 +170,408 @@ merge_state) into the attention over their union.
         lse [batch, num_heads, seqlen_q])   float32, new arrays
 )doc";
 
+// ---------------------------------------------------------------- RoPE
+
+const char* rope_type_name(RopeScaling::Type t) {
+  switch (t) {
+    case RopeScaling::Type::kNone: return "default";
+    case RopeScaling::Type::kLinear: return "linear";
+    case RopeScaling::Type::kLlama3: return "llama3";
+    case RopeScaling::Type::kYarn: return "yarn";
+  }
+  return "default";
+}
+
+// A Hugging Face rope_scaling dict: {"rope_type" (or "type"): "default" |
+// "linear" | "llama3" | "yarn", "factor", "low_freq_factor",
+// "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+// "beta_slow", "mscale", "mscale_all_dim", "attention_factor"}; None values
+// count as absent. Unknown keys are errors (a typo would otherwise be
+// silently ignored); range checks are Rope::create's.
+RopeScaling parse_rope_scaling(py::handle obj, const char* fn) {
+  RopeScaling s;
+  if (obj.is_none()) return s;
+  if (!py::isinstance<py::dict>(obj))
+    raise_value_error(fn, "scaling must be None or a Hugging Face rope_scaling dict, got " +
+                              py::repr(obj).cast<std::string>());
+  const py::dict d = py::reinterpret_borrow<py::dict>(obj);
+  bool has_type = false;
+  for (auto item : d) {
+    const std::string key = py::str(item.first).cast<std::string>();
+    const py::handle val = item.second;
+    const std::string what = "scaling['" + key + "']";
+    if (val.is_none()) continue;
+    if (key == "rope_type" || key == "type") {
+      const std::string t = py::str(val).cast<std::string>();
+      RopeScaling::Type type;
+      if (t == "default")
+        type = RopeScaling::Type::kNone;
+      else if (t == "linear")
+        type = RopeScaling::Type::kLinear;
+      else if (t == "llama3")
+        type = RopeScaling::Type::kLlama3;
+      else if (t == "yarn")
+        type = RopeScaling::Type::kYarn;
+      else
+        raise_value_error(fn, what + " = '" + t +
+                                  "' is not supported; supported: default, linear, llama3, yarn");
+      if (has_type && type != s.type)
+        raise_value_error(fn, "scaling['rope_type'] and scaling['type'] disagree");
+      s.type = type;
+      has_type = true;
+    } else if (key == "factor") {
+      s.factor = checked_float(val, fn, what);
+    } else if (key == "low_freq_factor") {
+      s.low_freq_factor = checked_float(val, fn, what);
+    } else if (key == "high_freq_factor") {
+      s.high_freq_factor = checked_float(val, fn, what);
+    } else if (key == "original_max_position_embeddings") {
+      s.original_max_position_embeddings = checked_int(val, fn, what);
+    } else if (key == "beta_fast") {
+      s.beta_fast = checked_float(val, fn, what);
+    } else if (key == "beta_slow") {
+      s.beta_slow = checked_float(val, fn, what);
+    } else if (key == "mscale") {
+      s.mscale = checked_float(val, fn, what);
+    } else if (key == "mscale_all_dim") {
+      s.mscale_all_dim = checked_float(val, fn, what);
+    } else if (key == "attention_factor") {
+      s.attention_factor = checked_float(val, fn, what);
+    } else if (key == "truncate") {
+      // Hugging Face's default; the untruncated YaRN ramp is not implemented.
+      if (PyObject_IsTrue(val.ptr()) != 1)
+        raise_value_error(fn, "scaling['truncate'] = False is not supported (only True)");
+    } else {
+      raise_value_error(fn, "scaling has unknown key '" + key +
+                                "'; known: rope_type (or type), factor, low_freq_factor, "
+                                "high_freq_factor, original_max_position_embeddings, beta_fast, "
+                                "beta_slow, mscale, mscale_all_dim, attention_factor, truncate");
+    }
+  }
+  if (!has_type && !d.empty())
+    raise_value_error(fn, "scaling['rope_type'] is missing; must be default, linear, llama3 or yarn");
+  return s;
+}
+
+py::object scaling_to_dict(const RopeScaling& s) {
+  if (s.type == RopeScaling::Type::kNone) return py::none();
+  py::dict d;
+  d["rope_type"] = rope_type_name(s.type);
+  d["factor"] = s.factor;
+  if (s.type == RopeScaling::Type::kLlama3) {
+    d["low_freq_factor"] = s.low_freq_factor;
+    d["high_freq_factor"] = s.high_freq_factor;
+  }
+  if (s.type != RopeScaling::Type::kLinear)
+    d["original_max_position_embeddings"] = s.original_max_position_embeddings;
+  if (s.type == RopeScaling::Type::kYarn) {
+    d["beta_fast"] = s.beta_fast;
+    d["beta_slow"] = s.beta_slow;
+    d["mscale"] = s.mscale;
+    d["mscale_all_dim"] = s.mscale_all_dim;
+    d["attention_factor"] = s.attention_factor;
+  }
+  return d;
+}
+
+py::dict rope_config_to_dict(const RopeConfig& c) {
+  py::dict d;
+  d["head_dim"] = c.head_dim;
+  d["rotary_dim"] = c.rotary_dim == 0 ? c.head_dim : c.rotary_dim;
+  d["theta"] = c.theta;
+  d["interleaved"] = c.pairing == RopePairing::kInterleaved;
+  d["scaling"] = scaling_to_dict(c.scaling);
+  return d;
+}
+
+Rope make_rope(const char* fn, int64_t head_dim, double theta, std::optional<int64_t> rotary_dim,
+               bool interleaved, py::handle scaling) {
+  RopeConfig c;
+  c.head_dim = head_dim;
+  if (rotary_dim) {
+    // The C++ API reads 0 as "head_dim"; in Python that is spelled None.
+    if (*rotary_dim <= 0)
+      raise_value_error(fn, "rotary_dim = " + std::to_string(*rotary_dim) +
+                                " must be > 0 (None = head_dim)");
+    c.rotary_dim = *rotary_dim;
+  }
+  c.theta = theta;
+  c.pairing = interleaved ? RopePairing::kInterleaved : RopePairing::kHalfSplit;
+  c.scaling = parse_rope_scaling(scaling, fn);
+  return value_or_throw(Rope::create(c));
+}
+
+// A rotated copy of x [batch, seq, heads, head_dim]; x itself is not touched.
+py::array rope_apply(const Rope& rope, const char* fn, py::handle x, py::handle positions) {
+  const InputArray xi = f32_input(x, {fn, "x", 4, 4, "[batch, seq, heads, head_dim]"});
+  std::vector<int64_t> pos = parse_positions(positions, fn);
+  if (positions.is_none())
+    for (int64_t t = 0; t < xi.view.shape[1]; ++t) pos.push_back(t);
+  py::array out = copy_to_numpy(xi.view);
+  TensorView ov = xi.view;
+  ov.data = out.mutable_data();
+  int64_t stride = 1;
+  for (int i = 3; i >= 0; --i) {
+    ov.strides[i] = stride;
+    stride *= ov.shape[i];
+  }
+  Status st;
+  {
+    py::gil_scoped_release nogil;
+    st = rope.apply(ov, pos);
+  }
+  throw_if_error(st);
+  return out;
+}
+
+constexpr const char* kRopeDoc = R"doc(
+Rotary position embedding with Hugging Face's frequency formulas.
+
+    Rope(head_dim, theta=10000.0, rotary_dim=None, interleaved=False, scaling=None)
+
+head_dim: features per head; rotary_dim: the first rotary_dim features are
+rotated (even, <= head_dim; None = head_dim), the rest pass through.
+interleaved=False pairs feature i with i + rotary_dim/2 (GPT-NeoX / HF
+rotate_half); True pairs (2i, 2i+1) (GPT-J / Meta / DeepSeek).
+scaling: a HF rope_scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0,
+"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+"original_max_position_embeddings": 8192}; "linear" and "yarn" too.
+
+Attributes: inv_freq (float64 [rotary_dim/2], after scaling),
+attention_factor (YaRN's cos/sin multiplier, else 1.0), config (dict).
+)doc";
+
+constexpr const char* kRopeApplyDoc = R"doc(
+Returns a rotated copy of x; x is not modified.
+
+    x          [batch, seq, heads, head_dim]  (float32; other dtypes converted)
+    positions  int [seq] (shared by the batch) or [batch, seq]; None = 0..seq-1
+    -> float32 [batch, seq, heads, head_dim]
+)doc";
+
+constexpr const char* kApplyRopeDoc = R"doc(
+Rotary position embedding of x, returned as a new array (x is not modified).
+
+    x          [batch, seq, heads, head_dim]  (float32; other dtypes converted)
+    positions  int [seq] (shared by the batch) or [batch, seq]; None = 0..seq-1
+    -> float32 [batch, seq, heads, head_dim]
+
+theta: rope_theta. rotary_dim: rotate only the first rotary_dim features
+(None = head_dim). interleaved: pair (2i, 2i+1) instead of (i, i + r/2).
+scaling: a Hugging Face rope_scaling dict ("linear", "llama3", "yarn").
+See attnkit.Rope for the frequencies themselves.
+)doc";
+
+void bind_rope(py::module_& m) {
+  py::class_<Rope>(m, "Rope", kRopeDoc)
+      .def(py::init([](int64_t head_dim, double theta, std::optional<int64_t> rotary_dim,
+                       bool interleaved, py::object scaling) {
+             return make_rope("Rope", head_dim, theta, rotary_dim, interleaved, scaling);
+           }),
+           py::arg("head_dim"), py::arg("theta") = 10000.0, py::arg("rotary_dim") = py::none(),
+           py::arg("interleaved") = false, py::arg("scaling") = py::none())
+      .def_property_readonly(
+          "inv_freq",
+          [](const Rope& r) {
+            return py::array_t<double>(static_cast<py::ssize_t>(r.inv_freq().size()),
+                                       r.inv_freq().data());
+          },
+          "float64 [rotary_dim / 2]: inverse frequencies after scaling (a copy)")
+      .def_property_readonly("attention_factor", &Rope::attention_factor,
+                             "cos/sin multiplier: YaRN's mscale ratio, 1.0 otherwise")
+      .def_property_readonly("rotary_dim", &Rope::rotary_dim)
+      .def_property_readonly("config", [](const Rope& r) { return rope_config_to_dict(r.config()); },
+                             "dict: head_dim, rotary_dim, theta, interleaved, scaling")
+      .def(
+          "apply",
+          [](const Rope& r, py::object x, py::object positions) {
+            return rope_apply(r, "Rope.apply", x, positions);
+          },
+          py::arg("x"), py::arg("positions") = py::none(), kRopeApplyDoc)
+      .def("__repr__", [](const Rope& r) {
+        return "Rope(" + py::repr(rope_config_to_dict(r.config())).cast<std::string>() + ")";
+      });
+  m.def(
+      "apply_rope",
+      [](py::object x, py::object positions, double theta, std::optional<int64_t> rotary_dim,
+         bool interleaved, py::object scaling) {
+        const InputArray xi = f32_input(x, {"apply_rope", "x", 4, 4, "[batch, seq, heads, head_dim]"});
+        const Rope rope =
+            make_rope("apply_rope", xi.view.shape[3], theta, rotary_dim, interleaved, scaling);
+        return rope_apply(rope, "apply_rope", xi.array, positions);
+      },
+      py::arg("x"), py::arg("positions") = py::none(), py::arg("theta") = 10000.0,
+      py::arg("rotary_dim") = py::none(), py::arg("interleaved") = false,
+      py::arg("scaling") = py::none(), kApplyRopeDoc);
+}
+
+// ---------------------------------------------------------------- KV cache
+
+// A KVCache shared with Python. Compute runs without the GIL, so two Python
+// threads could reach the same cache at once; `mu` serialises every access
+// (taken only after the GIL is released, so waiting never blocks Python).
+struct PyKVCache {
+  explicit PyKVCache(KVCache c) : cache(std::move(c)) {}
+  KVCache cache;
+  std::mutex mu;
+};
+
+// Runs f() holding `mu` with the GIL released.
+template <typename F>
+auto locked(std::mutex& mu, F&& f) {
+  py::gil_scoped_release nogil;
+  std::lock_guard<std::mutex> lock(mu);
+  return f();
+}
+
+// The held tokens of keys (or values) in position order, oldest first, as
+// float32 [batch, stored, num_kv_heads, dim] (bf16 storage widened exactly).
+py::array cache_tokens(PyKVCache& c, bool keys) {
+  struct Snapshot {
+    Result<Tensor> data = Status(StatusCode::kInternal, "unset");
+    int64_t stored = 0;
+  };
+  Snapshot snap = locked(c.mu, [&] {
+    Snapshot s;
+    const KVCache& kv = c.cache;
+    const TensorView& src = keys ? kv.keys() : kv.values();
+    s.stored = kv.stored();
+    s.data = Tensor::zeros(DType::kF32, {src.shape[0], s.stored, src.shape[2], src.shape[3]});
+    if (!s.data.ok()) return s;
+    // Token t lives in slot t mod slots (t mod max_seq_len = t without a window).
+    const int64_t first = kv.length() - s.stored;
+    float* dst = s.data->ptr<float>();
+    for (int64_t b = 0; b < src.shape[0]; ++b)
+      for (int64_t t = 0; t < s.stored; ++t) {
+        const int64_t slot = (first + t) % kv.slots();
+        const int64_t base = b * src.strides[0] + slot * src.strides[1];
+        for (int64_t h = 0; h < src.shape[2]; ++h)
+          for (int64_t d = 0; d < src.shape[3]; ++d) {
+            const int64_t i = base + h * src.strides[2] + d * src.strides[3];
+            *dst++ = src.dtype == DType::kBF16 ? bf16_to_float(src.ptr<const bf16>()[i])
+                                               : src.ptr<const float>()[i];
+          }
+      }
+    return s;
+  });
+  const Tensor t = value_or_throw(std::move(snap.data));
+  return copy_to_numpy(t.view());
+}
+
+py::array cache_attend(PyKVCache& c, py::handle q, py::handle k_new, py::handle v_new,
+                       std::optional<double> softmax_scale, double softcap, py::handle sparse,
+                       const std::string& backend, int num_threads) {
+  constexpr const char* kFn = "KVCache.attend";
+  const InputArray qi = f32_input(q, {kFn, "q", 4, 4, "[batch, T, num_heads, head_dim]"});
+  const InputArray ki = f32_input(k_new, {kFn, "k_new", 4, 4, "[batch, T, num_kv_heads, head_dim]"});
+  const InputArray vi =
+      f32_input(v_new, {kFn, "v_new", 4, 4, "[batch, T, num_kv_heads, head_dim_v]"});
+  AttentionOptions opt;
+  opt.softmax_scale = parse_softmax_scale(softmax_scale, kFn);
+  opt.softcap = static_cast<float>(softcap);
+  opt.sparse = parse_sparse(sparse, kFn);
+  opt.backend = parse_backend(backend, kFn);
+  opt.num_threads = num_threads;
+  TensorView out;
+  py::array out_a = new_array(
+      DType::kF32, {qi.view.shape[0], qi.view.shape[1], qi.view.shape[2], vi.view.shape[3]}, &out);
+  throw_if_error(
+      locked(c.mu, [&] { return c.cache.attend(qi.view, ki.view, vi.view, out, opt); }));
+  return out_a;
+}
+
+constexpr const char* kKVCacheDoc = R"doc(
+Key/value cache of one MHA/MQA/GQA layer for incremental decoding.
+
+    KVCache(batch_size, max_seq_len, num_kv_heads, head_dim, head_dim_v=None,
+            dtype="float32", sliding_window=0)
+
+Stores K [batch, slots, num_kv_heads, head_dim] and V [..., head_dim_v] as
+float32 or bfloat16. Without a window slots = max_seq_len; with a sliding
+window W (each token sees itself and W-1 before it) slots = min(max_seq_len,
+W-1), a ring buffer. All sequences advance together. Usually made by
+AttentionLayer.new_cache.
+)doc";
+
+constexpr const char* kAttendDoc = R"doc(
+Appends T new tokens and attends the T queries as the continuation of a
+causal sequence (query t sits at position length + t).
+
+    q      [batch, T, num_heads,    head_dim]
+    k_new  [batch, T, num_kv_heads, head_dim]
+    v_new  [batch, T, num_kv_heads, head_dim_v]
+    -> out [batch, T, num_heads, head_dim_v] float32
+
+On success length grows by T; on any error (including overflowing
+max_seq_len) the cache is unchanged.
+)doc";
+
+void bind_kv_cache(py::module_& m) {
+  py::class_<PyKVCache>(m, "KVCache", kKVCacheDoc)
+      .def(py::init([](int64_t batch_size, int64_t max_seq_len, int64_t num_kv_heads,
+                       int64_t head_dim, std::optional<int64_t> head_dim_v,
+                       const std::string& dtype, int64_t sliding_window) {
+             KVCacheSpec spec;
+             spec.batch_size = batch_size;
+             spec.max_seq_len = max_seq_len;
+             spec.num_kv_heads = num_kv_heads;
+             spec.head_dim = head_dim;
+             spec.head_dim_v = head_dim_v.value_or(head_dim);
+             spec.dtype = parse_cache_dtype(dtype, "KVCache");
+             spec.sliding_window = sliding_window;
+             return std::make_unique<PyKVCache>(value_or_throw(KVCache::create(spec)));
+           }),
+           py::arg("batch_size"), py::arg("max_seq_len"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("head_dim_v") = py::none(), py::arg("dtype") = "float32",
+           py::arg("sliding_window") = 0)
+      .def_property_readonly(
+          "length", [](PyKVCache& c) { return locked(c.mu, [&] { return c.cache.length(); }); },
+          "tokens appended so far (the next token's position)")
+      .def_property_readonly(
+          "stored", [](PyKVCache& c) { return locked(c.mu, [&] { return c.cache.stored(); }); },
+          "tokens currently held: min(length, slots)")
+      .def_property_readonly("slots", [](PyKVCache& c) { return c.cache.slots(); },
+                             "tokens the storage holds")
+      .def_property_readonly("nbytes", [](PyKVCache& c) { return c.cache.nbytes(); },
+                             "bytes of K and V storage")
+      .def_property_readonly("dtype",
+                             [](PyKVCache& c) { return cache_dtype_name(c.cache.spec().dtype); })
+      .def_property_readonly("batch_size", [](PyKVCache& c) { return c.cache.spec().batch_size; })
+      .def_property_readonly("max_seq_len", [](PyKVCache& c) { return c.cache.spec().max_seq_len; })
+      .def_property_readonly("num_kv_heads",
+                             [](PyKVCache& c) { return c.cache.spec().num_kv_heads; })
+      .def_property_readonly("head_dim", [](PyKVCache& c) { return c.cache.spec().head_dim; })
+      .def_property_readonly("head_dim_v", [](PyKVCache& c) {
+        const KVCacheSpec& s = c.cache.spec();
+        return s.head_dim_v == 0 ? s.head_dim : s.head_dim_v;
+      })
+      .def_property_readonly("sliding_window",
+                             [](PyKVCache& c) { return c.cache.spec().sliding_window; })
+      .def(
+          "reset", [](PyKVCache& c) { locked(c.mu, [&] { c.cache.reset(); }); },
+          "Forgets every token (storage is kept).")
+      .def(
+          "keys", [](PyKVCache& c) { return cache_tokens(c, true); },
+          "Copy of the held keys, oldest first: float32 [batch, stored, num_kv_heads, head_dim].")
+      .def(
+          "values", [](PyKVCache& c) { return cache_tokens(c, false); },
+          "Copy of the held values, oldest first: float32 [batch, stored, num_kv_heads, "
+          "head_dim_v].")
+      .def("attend", &cache_attend, py::arg("q"), py::arg("k_new"), py::arg("v_new"),
+           py::kw_only(), py::arg("softmax_scale") = py::none(), py::arg("softcap") = 0.0,
+           py::arg("sparse") = py::none(), py::arg("backend") = "auto",
+           py::arg("num_threads") = 0, kAttendDoc)
+      .def("__repr__", [](PyKVCache& c) {
+        const KVCacheSpec& s = c.cache.spec();
+        return "KVCache(batch_size=" + std::to_string(s.batch_size) +
+               ", max_seq_len=" + std::to_string(s.max_seq_len) +
+               ", num_kv_heads=" + std::to_string(s.num_kv_heads) +
+               ", head_dim=" + std::to_string(s.head_dim) + ", dtype='" +
+               cache_dtype_name(s.dtype) + "', sliding_window=" +
+               std::to_string(s.sliding_window) + ")";
+      });
+}
+
 }  // namespace
 
 void bind_core(py::module_& m) {
@@ -178,6 +584,8 @@ void bind_core(py::module_& m) {
         py::arg("backend") = "auto", py::arg("num_threads") = 0, kSdpaDoc);
   m.def("merge_attention_states", &merge_py, py::arg("out_a"), py::arg("lse_a"),
         py::arg("out_b"), py::arg("lse_b"), kMergeDoc);
+  bind_rope(m);
+  bind_kv_cache(m);
 }
 
 }  // namespace attnkit::python

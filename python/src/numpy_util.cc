@@ -72,6 +72,8 @@ bool describe_in_place(const py::array& a, TensorView* view) {
   return true;
 }
 
+// Copies v (any strides, rank 0..4) into contiguous dst, element by element
+// through memcpy: views into a safetensors mapping are not aligned.
 template <typename Src, typename Dst, typename Convert>
 void copy_strided(const TensorView& v, Dst* dst, Convert convert) {
   std::array<int64_t, kMaxRank> shape{1, 1, 1, 1}, strides{0, 0, 0, 0};
@@ -80,25 +82,18 @@ void copy_strided(const TensorView& v, Dst* dst, Convert convert) {
     shape[pad + i] = v.shape[i];
     strides[pad + i] = v.strides[i];
   }
-  const Src* src = static_cast<const Src*>(v.data);
+  const char* base = static_cast<const char*>(v.data);
   for (int64_t a = 0; a < shape[0]; ++a)
     for (int64_t b = 0; b < shape[1]; ++b)
       for (int64_t c = 0; c < shape[2]; ++c) {
-        const Src* row = src + a * strides[0] + b * strides[1] + c * strides[2];
-        for (int64_t d = 0; d < shape[3]; ++d) *dst++ = convert(row[d * strides[3]]);
+        const int64_t row = a * strides[0] + b * strides[1] + c * strides[2];
+        for (int64_t d = 0; d < shape[3]; ++d) {
+          Src x;
+          std::memcpy(&x, base + (row + d * strides[3]) * static_cast<int64_t>(sizeof(Src)),
+                      sizeof(Src));
+          *dst++ = convert(x);
+        }
       }
-}
-
-int64_t checked_int(py::handle obj, const char* fn, const std::string& what) {
-  if (!py::isinstance<py::int_>(obj) && !py::hasattr(obj, "__index__"))
-    raise_value_error(fn, what + " must be an integer, got " + type_name(obj) + " " +
-                              py::repr(obj).cast<std::string>());
-  try {
-    return py::int_(py::reinterpret_borrow<py::object>(obj)).cast<int64_t>();
-  } catch (const py::cast_error&) {
-    raise_value_error(fn, what + " = " + py::repr(obj).cast<std::string>() +
-                              " does not fit a 64-bit integer");
-  }
 }
 
 }  // namespace
@@ -126,6 +121,26 @@ void throw_if_error(const Status& status) {
 
 void raise_value_error(const char* fn, const std::string& message) {
   throw py::value_error(std::string(fn) + ": " + message);
+}
+
+int64_t checked_int(py::handle obj, const char* fn, const std::string& what) {
+  if (!py::isinstance<py::int_>(obj) && !py::hasattr(obj, "__index__"))
+    raise_value_error(fn, what + " must be an integer, got " + type_name(obj) + " " +
+                              py::repr(obj).cast<std::string>());
+  try {
+    return py::int_(py::reinterpret_borrow<py::object>(obj)).cast<int64_t>();
+  } catch (const py::cast_error&) {
+    raise_value_error(fn, what + " = " + py::repr(obj).cast<std::string>() +
+                              " does not fit a 64-bit integer");
+  }
+}
+
+double checked_float(py::handle obj, const char* fn, const std::string& what) {
+  if (!py::isinstance<py::float_>(obj) && !py::isinstance<py::int_>(obj) &&
+      !py::hasattr(obj, "__float__"))
+    raise_value_error(fn, what + " must be a number, got " + type_name(obj) + " " +
+                              py::repr(obj).cast<std::string>());
+  return py::float_(py::reinterpret_borrow<py::object>(obj)).cast<double>();
 }
 
 std::string shape_str(const py::array& a) {

@@ -121,6 +121,11 @@ const char* cache_dtype_name(DType dtype);
 WeightMap weights_from_dict(py::handle obj, const char* fn, const std::string& prefix,
                             std::vector<InputArray>* keep);
 
+// A Python int (or __index__ object) as int64; a Python number as double.
+// Raise ValueError("<fn>: <what> must be ...") otherwise.
+int64_t checked_int(py::handle obj, const char* fn, const std::string& what);
+double checked_float(py::handle obj, const char* fn, const std::string& what);
+
 // "(2, 3, 4)" — a Python-style shape for messages.
 std::string shape_str(const py::array& a);
 

@@ -1,0 +1,135 @@
+"""KVCache: decoding token by token (after chunked prefill) equals full
+causal attention over the whole sequence, for MHA / GQA / MQA, float32 and
+bfloat16 storage, with and without a sliding window; failed calls change
+nothing."""
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+from torch_ref import EPS32, check_close, randn, rng, sdpa_bounds, sdpa_ref
+
+BF16_UNIT = 2.0 ** -9  # bf16 round-to-nearest: relative error <= 2^-9
+
+
+def bf16_round(x):
+    return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16).float().numpy()
+
+
+def bf16_storage_bound(q, k, v, softmax_scale=None):
+    """Extra |error| from storing K/V in bf16 instead of f32: each key
+    element moves by <= 2^-9 |k|, so a score by <= 2^-9 scale sum|q_i k_i|;
+    the softmax turns that into a relative weight error <= 2x it; each value
+    moves by <= 2^-9 |v|. Second-order terms are covered by a factor 2."""
+    q, k, v = (np.abs(np.asarray(x, dtype=np.float64)) for x in (q, k, v))
+    d = q.shape[3]
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
+    ka = np.repeat(k, q.shape[2] // k.shape[2], axis=2)
+    smax = scale * np.einsum("bqhd,bkhd->bhqk", q, ka).max(initial=0.0)
+    vmax = v.max(initial=0.0)
+    return 2 * (2 * BF16_UNIT * smax * vmax + BF16_UNIT * vmax)
+
+
+def decode(cache, q, k, v, chunks):
+    """Feeds the sequence through cache.attend in the given chunk sizes and
+    returns the concatenated outputs."""
+    outs, t = [], 0
+    for n in chunks:
+        outs.append(cache.attend(q[:, t:t + n], k[:, t:t + n], v[:, t:t + n]))
+        t += n
+    assert t == q.shape[1] and cache.length == t
+    return np.concatenate(outs, axis=1)
+
+
+VARIANTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_decode_equals_full_causal(variant, dtype, window):
+    num_heads, num_kv_heads = VARIANTS[variant]
+    g = rng(hash((variant, dtype, window)) % 2**32)
+    batch, n, d, dv = 2, 17, 16, 8
+    q = randn(g, batch, n, num_heads, d)
+    k = randn(g, batch, n, num_kv_heads, d)
+    v = randn(g, batch, n, num_kv_heads, dv)
+    cache = attnkit.KVCache(batch, 24, num_kv_heads, d, head_dim_v=dv, dtype=dtype,
+                            sliding_window=window)
+    # Prefill in uneven chunks (one longer than the window ring), then one
+    # token at a time.
+    chunks = [6, 1, 3] + [1] * (n - 10)
+    got = decode(cache, q, k, v, chunks)
+    win = (window - 1, 0) if window else (-1, -1)
+    ks, vs = (bf16_round(k), bf16_round(v)) if dtype == "bfloat16" else (k, v)
+    want = sdpa_ref(q, ks, vs, causal=True, window=win)[0]
+    # Against attention over the values as stored: the fp32 bound.
+    check_close(f"{variant} {dtype} W={window}", got, want, sdpa_bounds(q, ks, vs)["out"],
+                rel=1e-5)
+    if dtype == "bfloat16":
+        # Against float32 K/V: the bf16 storage bound on top.
+        exact = sdpa_ref(q, k, v, causal=True, window=win)[0]
+        check_close("bf16 vs f32 K/V", got, exact,
+                    sdpa_bounds(q, k, v)["out"] + bf16_storage_bound(q, k, v))
+        assert np.abs(got - exact).max() > 0  # storage really is bf16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_keys_values_hold_the_latest_tokens(dtype):
+    g = rng(5)
+    q, k, v = randn(g, 1, 9, 2, 4), randn(g, 1, 9, 1, 4), randn(g, 1, 9, 1, 6)
+    cache = attnkit.KVCache(1, 16, 1, 4, head_dim_v=6, dtype=dtype, sliding_window=4)
+    assert cache.slots == 3
+    decode(cache, q, k, v, [2, 5, 1, 1])
+    assert cache.stored == 3
+    ks, vs = (bf16_round(k), bf16_round(v)) if dtype == "bfloat16" else (k, v)
+    np.testing.assert_array_equal(cache.keys(), ks[:, -3:])
+    np.testing.assert_array_equal(cache.values(), vs[:, -3:])
+    assert cache.keys().dtype == np.float32
+    item = 2 if dtype == "bfloat16" else 4
+    assert cache.nbytes == 1 * 3 * 1 * (4 + 6) * item
+    assert cache.dtype == dtype
+
+
+def test_reset_and_reuse():
+    g = rng(6)
+    q, k, v = randn(g, 1, 5, 2, 8), randn(g, 1, 5, 2, 8), randn(g, 1, 5, 2, 8)
+    cache = attnkit.KVCache(1, 8, 2, 8)
+    first = decode(cache, q, k, v, [2, 3])
+    cache.reset()
+    assert cache.length == 0 and cache.keys().shape == (1, 0, 2, 8)
+    np.testing.assert_array_equal(decode(cache, q, k, v, [5]), first)
+
+
+def test_overflow_and_bad_input_leave_cache_unchanged():
+    g = rng(7)
+    q, k, v = randn(g, 1, 6, 2, 8), randn(g, 1, 6, 1, 8), randn(g, 1, 6, 1, 8)
+    cache = attnkit.KVCache(1, 5, 1, 8)
+    decode(cache, q[:, :4], k[:, :4], v[:, :4], [4])
+    keys, values = cache.keys(), cache.values()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        cache.attend(q[:, 4:6], k[:, 4:6], v[:, 4:6])
+    with pytest.raises(ValueError, match="k_new"):
+        cache.attend(q[:, 4:5], k[:, 4:5, :, :4], v[:, 4:5])
+    with pytest.raises(ValueError, match="q"):
+        cache.attend(q[0], k[:, 4:5], v[:, 4:5])
+    assert cache.length == 4
+    np.testing.assert_array_equal(cache.keys(), keys)
+    np.testing.assert_array_equal(cache.values(), values)
+    # And the cache still works.
+    out = cache.attend(q[:, 4:5], k[:, 4:5], v[:, 4:5])
+    want = sdpa_ref(q[:, :5], k[:, :5], v[:, :5], causal=True)[0][:, 4:5]
+    check_close("after errors", out, want, sdpa_bounds(q, k, v)["out"])
+
+
+def test_cache_options_softcap_and_scale():
+    g = rng(8)
+    q, k, v = randn(g, 1, 7, 4, 8), randn(g, 1, 7, 2, 8), randn(g, 1, 7, 2, 8)
+    cache = attnkit.KVCache(1, 7, 2, 8)
+    outs = [cache.attend(q[:, :3], k[:, :3], v[:, :3], softmax_scale=0.5, softcap=2.0)]
+    for t in range(3, 7):
+        outs.append(cache.attend(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], softmax_scale=0.5,
+                                 softcap=2.0))
+    want = sdpa_ref(q, k, v, softmax_scale=0.5, softcap=2.0, causal=True)[0]
+    check_close("softcap decode", np.concatenate(outs, 1), want,
+                sdpa_bounds(q, k, v, softmax_scale=0.5)["out"])
