@@ -842,6 +842,48 @@ TEST(SdpaRefRandom, Bf16KeysValues) {
   }
 }
 
+// Every option at once, drawn at random, so that interactions (window with
+// seqlens_k, sparse with a mask, softcap with bias, bf16 with strides, ...)
+// are covered beyond the one-feature sweeps above.
+TEST(SdpaRefRandom, EverythingCombined) {
+  Rng pick(12345);
+  using Kind = SparsePattern::Kind;
+  int nonempty = 0;
+  for (int n = 0; n < 300; ++n) {
+    Case c;
+    c.batch = pick.integer(1, 3);
+    c.num_kv_heads = pick.integer(1, 3);
+    c.num_heads = c.num_kv_heads * pick.integer(1, 3);
+    c.seqlen_q = pick.integer(1, 10);
+    c.seqlen_k = pick.integer(1, 12);
+    c.head_dim = pick.integer(1, 20);
+    c.head_dim_v = pick.integer(1, 20);
+    c.softmax_scale = pick.coin() ? 0.0f : 0.25f;
+    c.causal = pick.coin();
+    c.window = {pick.coin() ? -1 : pick.integer(0, 4), pick.coin() ? -1 : pick.integer(0, 4)};
+    c.softcap = pick.coin(0.3) ? 2.0f : 0.0f;
+    if (pick.coin(0.4))
+      for (int64_t b = 0; b < c.batch; ++b)
+        c.seqlens_k.push_back(int32_t(pick.integer(0, c.seqlen_k)));
+    c.mask = MaskKind(pick.integer(0, 2));
+    for (bool& f : c.mask_full) f = pick.coin();
+    c.mask_expanded = pick.coin();
+    if (pick.coin(0.4)) {
+      const int64_t stride = pick.integer(1, 4);
+      c.sparse = {pick.coin() ? Kind::kStrided : Kind::kFixed, pick.integer(1, 3), stride,
+                  pick.integer(1, stride)};
+    }
+    c.bf16_kv = pick.coin(0.3);
+    c.strided = pick.coin(0.3);
+    c.want_lse = pick.coin(0.8);
+    c.want_probs = pick.coin(0.8);
+    c.num_threads = int(pick.integer(0, 4));
+    c.seed = 20000 + uint64_t(n);
+    nonempty += visible_row_fraction(run(c)) > 0.0 ? 1 : 0;
+  }
+  EXPECT_GT(nonempty, 200);  // most draws must exercise real softmaxes
+}
+
 // ---------------------------------------------------------------------------
 // Edge cases: empty rows, NaN/Inf, huge logits.
 
