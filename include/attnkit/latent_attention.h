@@ -121,6 +121,14 @@ class LatentCache {
   // Forgets every token (storage is kept).
   void reset() { length_ = 0; }
 
+  // Appends T tokens' rows exactly as forward() caches them, to restore a
+  // saved cache or share a computed prefix:
+  //   rows [batch, T, d_c + d_r] f32, any strides: [normed latent ; rotated
+  //   rope key] per token (rounded to bf16 for a bf16 cache).
+  // Fails with kOutOfRange, changing nothing, when length() + T >
+  // max_seq_len().
+  Status append(const TensorView& rows);
+
  private:
   friend class LatentAttention;
   LatentCache() = default;

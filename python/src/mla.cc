@@ -173,6 +173,23 @@ values), nothing else. Made by LatentAttention.new_cache.
           },
           "Forgets every token (storage is kept).")
       .def(
+          "append",
+          [](PyLatentCache& c, py::handle rows) {
+            const InputArray r = f32_input(
+                rows, {"LatentCache.append", "rows", 3, 3,
+                       "[batch, T, kv_lora_rank + qk_rope_head_dim]"});
+            Status st;
+            {
+              py::gil_scoped_release release;
+              std::lock_guard lock(c.mu);
+              st = c.cache.append(r.view);
+            }
+            throw_if_error(st);
+          },
+          py::arg("rows"),
+          "Appends rows as forward() caches them ([normed latent ; rotated rope key] per "
+          "token), e.g. a saved latent(). Overflow raises ValueError and changes nothing.")
+      .def(
           "latent",
           [](PyLatentCache& c) {
             std::lock_guard lock(c.mu);

@@ -206,6 +206,36 @@ Result<LatentCache> LatentAttention::new_cache(int64_t batch_size, int64_t max_s
   return cache;
 }
 
+Status LatentCache::append(const TensorView& rows) {
+  constexpr const char* fn = "LatentCache::append";
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "rows", rows, 3, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "rows", rows, 0, "batch", batch_size(), "batch_size()"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "rows", rows, 2, "kv_lora_rank + qk_rope_head_dim",
+                                     values_per_token(), "values_per_token()"));
+  const int64_t T = rows.shape[1], L = length_;
+  if (T > max_seq_len() - L)
+    return out_of_range(std::string(fn) + ": cache overflow: length " + std::to_string(L) + " + " +
+                        std::to_string(T) + " new tokens > max_seq_len = " +
+                        std::to_string(max_seq_len()));
+  if (check::overlaps(rows, storage_.view()))
+    return invalid_argument(std::string(fn) + ": rows overlap the cache storage");
+  const int64_t n = values_per_token();
+  for (int64_t b = 0; b < batch_size(); ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* src = rows.ptr<const float>() + b * rows.strides[0] + t * rows.strides[1];
+      const int64_t at = (b * max_seq_len() + L + t) * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = src[i * rows.strides[2]];
+        if (dtype() == DType::kBF16)
+          storage_.ptr<bf16>()[at + i] = float_to_bf16(v);
+        else
+          storage_.ptr<float>()[at + i] = v;
+      }
+    }
+  length_ += T;
+  return Status::Ok();
+}
+
 MlaForm LatentAttention::choose_form(int64_t new_tokens, int64_t cached_tokens) const {
   // Work both forms share (q/kv_a/o projections, and absorbing T queries
   // costs what decompressing T tokens does) cancels; what differs:

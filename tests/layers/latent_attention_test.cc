@@ -393,6 +393,45 @@ TEST(LatentAttention, ChunkedPrefillThenDecodeEqualsFullCausal) {
   }
 }
 
+// A cache rebuilt from saved rows continues exactly like the original.
+TEST(LatentAttention, AppendedRowsRestoreACache) {
+  Fixture fx = make(true, true, 61);
+  const int64_t B = 2, d = fx.cfg.hidden_size, dkv = 36;
+  Rng rng(12);
+  const std::vector<float> x = attnkit_test::uniform_vector(size_t(B * 6 * d), rng);
+  auto a = fx.layer.new_cache(B, 8);
+  auto b = fx.layer.new_cache(B, 8);
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::vector<float> out(x.size());
+  ASSERT_TRUE(fx.layer.forward(make_view(x.data(), DType::kF32, {B, 5, d}),
+                               make_view(out.data(), DType::kF32, {B, 5, d}), {}, &a.value())
+                  .ok());
+  // Rows [0, 5) of each batch entry, a strided view into a's storage copy.
+  const std::vector<float> saved(a->storage().ptr<float>(),
+                                 a->storage().ptr<float>() + B * 8 * dkv);
+  TensorView rows = make_view(saved.data(), DType::kF32, {B, 5, dkv});
+  rows.strides = {8 * dkv, dkv, 1};
+  ASSERT_TRUE(b->append(rows).ok());
+  EXPECT_EQ(b->length(), 5);
+  // One more token per sequence (any input; the same for both caches).
+  const std::vector<float> xa(x.begin(), x.begin() + B * d);
+  std::vector<float> next_a(static_cast<size_t>(B * d)), next_b(static_cast<size_t>(B * d));
+  ASSERT_TRUE(fx.layer.forward(make_view(xa.data(), DType::kF32, {B, 1, d}),
+                               make_view(next_a.data(), DType::kF32, {B, 1, d}), {}, &a.value())
+                  .ok());
+  ASSERT_TRUE(fx.layer.forward(make_view(xa.data(), DType::kF32, {B, 1, d}),
+                               make_view(next_b.data(), DType::kF32, {B, 1, d}), {}, &b.value())
+                  .ok());
+  EXPECT_EQ(next_a, next_b);
+  // Overflow and a wrong row width change nothing.
+  const Status over = b->append(rows);
+  EXPECT_EQ(over.code(), StatusCode::kOutOfRange) << over.to_string();
+  TensorView narrow = make_view(saved.data(), DType::kF32, {B, 1, dkv - 1});
+  const Status width = b->append(narrow);
+  EXPECT_NE(width.message().find("values_per_token"), std::string::npos) << width.to_string();
+  EXPECT_EQ(b->length(), 6);
+}
+
 TEST(LatentAttention, Bf16CacheFormsAgreeAndTrackReference) {
   Fixture fx = make(true, true, 31);
   const int64_t B = 2, S = 7, d = fx.cfg.hidden_size;

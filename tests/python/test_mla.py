@@ -295,6 +295,24 @@ def test_cache_sizes_and_bf16():
     assert v3.new_cache(1, 1).values_per_token == 576
 
 
+def test_cache_restored_from_saved_rows_continues_exactly():
+    cfg = config(True, YARN)
+    layer = make_layer(cfg)
+    layer.load_state_dict(random_weights(cfg, 8))
+    x = rng(12).uniform(-1, 1, (2, 6, 44)).astype(np.float32)
+    a, b = layer.new_cache(2, 8), layer.new_cache(2, 8)
+    layer.forward(x[:, :5], cache=a)
+    b.append(a.latent())
+    assert b.length == 5
+    np.testing.assert_array_equal(layer.forward(x[:, 5:], cache=a),
+                                  layer.forward(x[:, 5:], cache=b))
+    with pytest.raises(ValueError, match="max_seq_len = 8"):
+        b.append(a.latent())
+    with pytest.raises(ValueError, match="values_per_token"):
+        b.append(np.zeros((2, 1, 29), np.float32))
+    assert b.length == 6
+
+
 def test_torch_state_dict_with_prefix():
     cfg = config(False, None)
     w = random_weights(cfg, 30)
