@@ -1,0 +1,184 @@
+// attnkit/moe.h — the mixture-of-experts feed-forward (Mixtral, DeepSeek-V2,
+// DeepSeek-V3 / Kimi-K2).
+//
+// For each token x (a row of hidden_size values):
+//
+//   logits = x Wg^T                                   Wg [n_routed_experts, hidden]
+//   score  = softmax(logits)  or  sigmoid(logits)      (scoring_func)
+//   choice = score + e_score_correction_bias           (noaux_tc only; else score)
+//   groups: experts split into n_group equal groups of consecutive ids;
+//     group_limited_greedy: group score = max choice in the group
+//     noaux_tc:             group score = sum of the group's two largest choices
+//     keep the topk_group best groups; experts elsewhere cannot be chosen
+//     (greedy: every expert is a candidate)
+//   chosen = the num_experts_per_tok candidates with the largest choice
+//   w_i    = score[chosen_i]  (the score, never the biased choice)
+//   norm_topk_prob: w_i /= (sum_i w_i + 1e-20)
+//   w_i   *= routed_scaling_factor
+//   y = sum_i w_i * expert_{chosen_i}(x)      (in increasing expert id order)
+//     + shared_expert(x)                      (n_shared_experts > 0)
+//   expert(x) = down(silu(gate(x)) * up(x))   (SwiGLU, no biases)
+//
+// Ties: where scores are exactly equal the lower expert id (or group id)
+// wins. torch.topk leaves this choice unspecified (torch 1.13 on the CPU may
+// return a higher index first), so attnkit fixes it.
+//
+// Only the chosen experts run: tokens are grouped by expert and each expert
+// with at least one token runs one projection over exactly its tokens. An
+// expert no token chose costs nothing. docs/MOE.md has the per-family
+// defaults and the differences from Hugging Face's code.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "attnkit/attention_layer.h"  // RunOptions
+#include "attnkit/status.h"
+#include "attnkit/tensor.h"
+#include "attnkit/weights.h"
+
+namespace attnkit {
+
+enum class MoeScoringFunc : uint8_t {
+  kSoftmax,  // "softmax": over all routed experts (Mixtral, DeepSeek-V2)
+  kSigmoid,  // "sigmoid": per expert (DeepSeek-V3, Kimi-K2)
+};
+
+enum class MoeTopkMethod : uint8_t {
+  kGreedy,              // "greedy": top-k over all experts
+  kGroupLimitedGreedy,  // "group_limited_greedy": DeepSeek-V2's group limit
+  kNoauxTc,             // "noaux_tc": DeepSeek-V3's bias-corrected group limit
+};
+
+// Which Hugging Face weight names the layer reads (see weight_names()).
+enum class MoeWeightNaming : uint8_t {
+  kDeepseek,  // mlp.gate.*, mlp.experts.{i}.{gate,up,down}_proj, mlp.shared_experts.*
+  kMixtral,   // block_sparse_moe.gate, block_sparse_moe.experts.{i}.w1/w3/w2
+};
+
+struct MoeConfig {
+  std::string model_type;  // "mixtral", "deepseek_v2", "deepseek_v3", "kimi_k2" (informational)
+  MoeWeightNaming naming = MoeWeightNaming::kDeepseek;
+  int64_t hidden_size = 0;
+  int64_t n_routed_experts = 0;       // Mixtral: num_local_experts
+  int64_t num_experts_per_tok = 0;    // top-k
+  int64_t moe_intermediate_size = 0;  // per routed expert; Mixtral: intermediate_size
+  int64_t n_shared_experts = 0;       // shared MLP width = moe_intermediate_size * this; 0 = none
+  bool norm_topk_prob = true;
+  double routed_scaling_factor = 1.0;
+  MoeScoringFunc scoring_func = MoeScoringFunc::kSoftmax;
+  MoeTopkMethod topk_method = MoeTopkMethod::kGreedy;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+};
+
+// The rules create() enforces, each reported with the field and its value:
+// sizes > 0, n_shared_experts >= 0, num_experts_per_tok in [1,
+// n_routed_experts], n_group divides n_routed_experts, topk_group in [1,
+// n_group], for the group-limited methods topk_group * (experts per group)
+// >= num_experts_per_tok and, for noaux_tc with topk_group < n_group, at
+// least 2 experts per group; routed_scaling_factor finite and > 0; enums
+// in range.
+Status validate(const MoeConfig& config);
+
+// Reads a Hugging Face config.json (model_type mixtral, deepseek_v2,
+// deepseek_v3 or kimi_k2; without model_type the expert-count field decides
+// the family). Size fields are required; the routing fields default as the
+// family's transformers config class does (docs/MOE.md). A wrong JSON type,
+// an unknown scoring_func / topk_method, hidden_act other than "silu", or a
+// config without experts is an error naming the field.
+Result<MoeConfig> moe_config_from_json(std::string_view json_text);
+
+// "softmax", "noaux_tc", ... (the config.json spelling).
+const char* moe_scoring_func_name(MoeScoringFunc f);
+const char* moe_topk_method_name(MoeTopkMethod m);
+
+// What the router decided in one forward call.
+struct MoeRouting {
+  int64_t num_tokens = 0;  // batch * seq; token t = b * seq + s
+  int64_t top_k = 0;       // num_experts_per_tok
+  // [num_tokens, top_k]: token t's experts, largest choice first (ties:
+  // lower id first), and the final weight applied to each (after
+  // normalisation and routed_scaling_factor).
+  std::vector<int32_t> expert_ids;
+  std::vector<float> weights;
+  // [n_routed_experts]: how many tokens chose each expert (load balance);
+  // sums to num_tokens * top_k.
+  std::vector<int64_t> tokens_per_expert;
+};
+
+class MoeLayer {
+ public:
+  // Validates the config; allocates nothing (an unloaded layer refuses
+  // forward()), so a full-size config costs nothing until load_weights().
+  static Result<MoeLayer> create(const MoeConfig& config);
+
+  // Move-only: a full-size layer holds gigabytes of weights.
+  MoeLayer(MoeLayer&&) noexcept = default;
+  MoeLayer& operator=(MoeLayer&&) noexcept = default;
+  MoeLayer(const MoeLayer&) = delete;
+  MoeLayer& operator=(const MoeLayer&) = delete;
+
+  const MoeConfig& config() const { return config_; }
+
+  // The names load_weights() reads, relative to its prefix, with shapes
+  // (E = n_routed_experts, H = hidden_size, I = moe_intermediate_size,
+  // S = I * n_shared_experts):
+  //   DeepSeek: mlp.gate.weight [E, H]
+  //             mlp.gate.e_score_correction_bias [E]           (noaux_tc only)
+  //             mlp.experts.{i}.gate_proj.weight [I, H]
+  //             mlp.experts.{i}.up_proj.weight   [I, H]
+  //             mlp.experts.{i}.down_proj.weight [H, I]
+  //             mlp.shared_experts.{gate,up}_proj.weight [S, H],
+  //             mlp.shared_experts.down_proj.weight [H, S]       (S > 0 only)
+  //   Mixtral:  block_sparse_moe.gate.weight [E, H]
+  //             block_sparse_moe.experts.{i}.w1.weight [I, H]  (gate)
+  //             block_sparse_moe.experts.{i}.w3.weight [I, H]  (up)
+  //             block_sparse_moe.experts.{i}.w2.weight [H, I]  (down)
+  std::vector<std::string> weight_names() const;
+
+  // Copies every name above from `weights` as `prefix + name` (prefix e.g.
+  // "model.layers.3." or "model.layers.3"), converting to f32. Strict: a
+  // missing name, a wrong shape or dtype, or any other name under
+  // prefix + "mlp." (or "block_sparse_moe.") is an error, and then the
+  // layer is unchanged.
+  Status load_weights(const WeightMap& weights, std::string_view prefix = "");
+
+  bool loaded() const { return !tensors_.empty(); }
+
+  // The layer's f32 copy of one weight, by a name from weight_names().
+  Result<TensorView> weight(std::string_view name) const;
+
+  // x [batch, seq, hidden] f32, any strides -> out [batch, seq, hidden] f32,
+  // any strides, must not overlap x. routing, if given, receives the
+  // routing. Fails (writing neither out nor routing) on bad shapes, when the
+  // weights are not loaded, or when a token's router logits are not finite
+  // (NaN or Inf in x or the gate). Results do not depend on
+  // run.num_threads: each token's sum runs in expert id order. run.backend
+  // is checked but there is one implementation (kernels::linear).
+  Status forward(const TensorView& x, const TensorView& out, MoeRouting* routing = nullptr,
+                 const RunOptions& run = {}) const;
+
+ private:
+  MoeLayer() = default;
+
+  // One weight: its name after the block prefix ("gate.weight",
+  // "experts.3.w1.weight"), shape [rows, cols] (cols == 0: [rows]) and what
+  // the dims mean, for error messages.
+  struct WeightSpec {
+    std::string name;
+    int64_t rows = 0, cols = 0;
+    const char* meaning = "";
+  };
+  // Every weight in load order; tensors_ follows it: gate, the correction
+  // bias (noaux_tc), then gate/up/down of expert 0, 1, ..., then gate/up/down
+  // of the shared experts.
+  std::vector<WeightSpec> weight_specs() const;
+
+  MoeConfig config_;
+  std::vector<Tensor> tensors_;  // f32, nn.Linear layout; empty until load_weights()
+};
+
+}  // namespace attnkit
