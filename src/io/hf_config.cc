@@ -14,6 +14,7 @@
 // checkpoints store q/k rows in half-split ("rotate_half") order.
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <exception>
 #include <new>
 #include <string>
@@ -51,6 +52,13 @@ Family family_of(const std::string& model_type) {
   return Family::kLlama;
 }
 
+// Short form for messages ("1e-06", "0.5").
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.10g", v);
+  return buf;
+}
+
 Status in_range(const JsonFields& f, const char* key, int64_t value, int64_t lo) {
   if (value >= lo && value <= kMaxDim) return Status::Ok();
   return f.error(f.path(key) + " = " + std::to_string(value) + " must be in [" +
@@ -58,8 +66,8 @@ Status in_range(const JsonFields& f, const char* key, int64_t value, int64_t lo)
 }
 
 // rope_scaling (or HF v5's rope_parameters, which also carries rope_theta).
-Status read_rope_block(const json& block, const std::string& name,
-                       int64_t max_position_embeddings, RopeConfig* rope) {
+Status read_rope_block(const json& block, const std::string& name, int64_t max_position_embeddings,
+                       RopeConfig* rope) {
   if (!block.is_object())
     return invalid_argument(std::string(kParse) + ": " + name + " = " + io::json_brief(block) +
                             " must be an object or null");
@@ -78,10 +86,11 @@ Status read_rope_block(const json& block, const std::string& name,
   }
   if (type == "llama3") {
     s.type = RopeScaling::Type::kLlama3;
-    for (const char* key : {"factor", "low_freq_factor", "high_freq_factor",
-                            "original_max_position_embeddings"})
-      ATTNKIT_RETURN_IF_ERROR(f.required(key, "llama3 scaling needs factor, low_freq_factor, "
-                                              "high_freq_factor, original_max_position_embeddings"));
+    for (const char* key :
+         {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+      ATTNKIT_RETURN_IF_ERROR(f.required(key,
+                                         "llama3 scaling needs factor, low_freq_factor, "
+                                         "high_freq_factor, original_max_position_embeddings"));
     ATTNKIT_RETURN_IF_ERROR(f.number("factor", &s.factor));
     ATTNKIT_RETURN_IF_ERROR(f.number("low_freq_factor", &s.low_freq_factor));
     ATTNKIT_RETURN_IF_ERROR(f.number("high_freq_factor", &s.high_freq_factor));
@@ -139,11 +148,13 @@ Status read_layer_types(const JsonFields& f, const json& types, int64_t num_laye
     return f.error("layer_types = " + io::json_brief(types) + " must be a list of strings");
   const int64_t n = static_cast<int64_t>(types.size());
   if (num_layers > 0 && n != num_layers)
-    return f.error("layer_types has " + std::to_string(n) + " entries, must have "
-                   "num_hidden_layers = " + std::to_string(num_layers));
+    return f.error("layer_types has " + std::to_string(n) +
+                   " entries, must have "
+                   "num_hidden_layers = " +
+                   std::to_string(num_layers));
   if (layer_index >= n)
-    return f.error("layer_index = " + std::to_string(layer_index) + " is past layer_types, which has " +
-                   std::to_string(n) + " entries");
+    return f.error("layer_index = " + std::to_string(layer_index) +
+                   " is past layer_types, which has " + std::to_string(n) + " entries");
   const json& t = types[static_cast<size_t>(layer_index)];
   const std::string where = "layer_types[" + std::to_string(layer_index) + "]";
   if (t.is_string() && t.get<std::string>() == "sliding_attention") {
@@ -202,7 +213,8 @@ Status parse(std::string_view text, int64_t layer_index, AttentionConfig* c) {
   if (layer_index < 0 || (num_layers > 0 && layer_index >= num_layers))
     return f.error("layer_index = " + std::to_string(layer_index) + " must be in [0, " +
                    (num_layers > 0 ? "num_hidden_layers = " + std::to_string(num_layers)
-                                   : std::string("inf")) + ")");
+                                   : std::string("inf")) +
+                   ")");
   ATTNKIT_RETURN_IF_ERROR(f.integer("max_position_embeddings", &max_position_embeddings));
   if (max_position_embeddings < 0)
     return f.error("max_position_embeddings = " + std::to_string(max_position_embeddings) +
@@ -304,22 +316,22 @@ Status validate(const AttentionConfig& c) {
                                                    {"head_dim", c.head_dim}};
   for (const auto& [name, value] : sizes)
     if (value < 1 || value > kMaxDim)
-      return invalid_argument(fn + ": " + name + " = " + std::to_string(value) + " must be in [1, " +
-                              std::to_string(kMaxDim) + "]");
+      return invalid_argument(fn + ": " + name + " = " + std::to_string(value) +
+                              " must be in [1, " + std::to_string(kMaxDim) + "]");
   if (c.num_heads % c.num_kv_heads != 0)
     return invalid_argument(fn + ": num_kv_heads = " + std::to_string(c.num_kv_heads) +
                             " must divide num_heads = " + std::to_string(c.num_heads));
   if (!std::isfinite(c.rms_norm_eps) || !(c.rms_norm_eps > 0.0))
-    return invalid_argument(fn + ": rms_norm_eps = " + std::to_string(c.rms_norm_eps) +
+    return invalid_argument(fn + ": rms_norm_eps = " + num(c.rms_norm_eps) +
                             " must be finite and > 0");
   if (c.sliding_window < 0)
     return invalid_argument(fn + ": sliding_window = " + std::to_string(c.sliding_window) +
                             " must be >= 0 (0 = none)");
   if (!std::isfinite(c.softcap) || c.softcap < 0.0f)
-    return invalid_argument(fn + ": softcap = " + std::to_string(c.softcap) +
+    return invalid_argument(fn + ": softcap = " + num(c.softcap) +
                             " must be finite and >= 0 (0 = off)");
   if (!std::isfinite(c.softmax_scale) || c.softmax_scale < 0.0f)
-    return invalid_argument(fn + ": softmax_scale = " + std::to_string(c.softmax_scale) +
+    return invalid_argument(fn + ": softmax_scale = " + num(c.softmax_scale) +
                             " must be finite and >= 0 (0 = 1/sqrt(head_dim))");
   if (c.use_rope) {
     if (c.rope.head_dim != c.head_dim)
@@ -366,8 +378,7 @@ Result<AttentionConfig> attention_config_from_variant(std::string_view variant, 
     kv_heads = num_heads;
   } else if (variant == "mqa") {
     kv_heads = 1;
-  } else if (variant.starts_with(kGqa) && variant.size() > kGqa.size() &&
-             variant[kGqa.size()] != '+' && variant[kGqa.size()] != '-') {
+  } else if (variant.starts_with(kGqa)) {
     const char* first = variant.data() + kGqa.size();
     const char* last = variant.data() + variant.size();
     const auto [end, ec] = std::from_chars(first, last, kv_heads);

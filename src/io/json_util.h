@@ -12,11 +12,10 @@
 #include <cstdint>
 #include <exception>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <utility>
-
-#include <nlohmann/json.hpp>
 
 #include "attnkit/status.h"
 
@@ -36,8 +35,12 @@ inline Status json_parse(const char* fn, std::string_view text, json* out) {
   try {
     *out = json::parse(text.begin(), text.end());
   } catch (const json::parse_error& e) {
+    // what() is "[json.exception.parse_error.101] parse error at line ..."
+    std::string what = e.what();
+    if (const size_t tag = what.find("] "); what.starts_with("[json.") && tag != std::string::npos)
+      what.erase(0, tag + 2);
     return invalid_argument(std::string(fn) + ": the text is not valid JSON (byte " +
-                            std::to_string(e.byte) + "): " + e.what());
+                            std::to_string(e.byte) + "): " + what);
   } catch (const std::exception& e) {
     return resource_exhausted(std::string(fn) + ": cannot parse JSON: " + e.what());
   }
@@ -66,8 +69,8 @@ class JsonFields {
   Status required(const char* key, const char* why) const {
     if (has(key)) return Status::Ok();
     const bool null = obj_.find(key) != obj_.end();
-    return error("required field " + path(key) + (null ? " is null" : " is missing") + " (" +
-                 why + ")");
+    return error("required field " + path(key) + (null ? " is null" : " is missing") + " (" + why +
+                 ")");
   }
 
   // An integer; an integral float (4096.0) is accepted, 4096.5 and "4096"
@@ -101,8 +104,7 @@ class JsonFields {
     if (!v) return Status::Ok();
     if (!v->is_number()) return error(path(key) + " = " + json_brief(*v) + " must be a number");
     *out = v->get<double>();
-    if (!std::isfinite(*out))
-      return error(path(key) + " = " + json_brief(*v) + " must be finite");
+    if (!std::isfinite(*out)) return error(path(key) + " = " + json_brief(*v) + " must be finite");
     return Status::Ok();
   }
 

@@ -72,12 +72,12 @@ Status check_scaling(const RopeScaling& s) {
 
   if (s.type == Type::kLlama3) {
     if (!std::isfinite(s.low_freq_factor) || s.low_freq_factor <= 0.0)
-      return bad(kCreate, "scaling.low_freq_factor = " + num(s.low_freq_factor) +
-                              " must be finite and > 0");
+      return bad(kCreate,
+                 "scaling.low_freq_factor = " + num(s.low_freq_factor) + " must be finite and > 0");
     if (!std::isfinite(s.high_freq_factor) || !(s.low_freq_factor < s.high_freq_factor))
-      return bad(kCreate, "scaling.high_freq_factor = " + num(s.high_freq_factor) +
-                              " must be finite and > scaling.low_freq_factor = " +
-                              num(s.low_freq_factor));
+      return bad(kCreate,
+                 "scaling.high_freq_factor = " + num(s.high_freq_factor) +
+                     " must be finite and > scaling.low_freq_factor = " + num(s.low_freq_factor));
     return Status::Ok();
   }
 
@@ -88,12 +88,14 @@ Status check_scaling(const RopeScaling& s) {
   if (!std::isfinite(s.beta_fast) || s.beta_fast < s.beta_slow)
     return bad(kCreate, "scaling.beta_fast = " + num(s.beta_fast) +
                             " must be finite and >= scaling.beta_slow = " + num(s.beta_slow));
-  const std::pair<const char*, double> nonneg[] = {{"scaling.mscale", s.mscale},
-                                                   {"scaling.mscale_all_dim", s.mscale_all_dim},
-                                                   {"scaling.attention_factor", s.attention_factor}};
+  const std::pair<const char*, double> nonneg[] = {
+      {"scaling.mscale", s.mscale},
+      {"scaling.mscale_all_dim", s.mscale_all_dim},
+      {"scaling.attention_factor", s.attention_factor}};
   for (const auto& [name, v] : nonneg)
     if (!std::isfinite(v) || v < 0.0)
-      return bad(kCreate, std::string(name) + " = " + num(v) + " must be finite and >= 0 (0 = absent)");
+      return bad(kCreate,
+                 std::string(name) + " = " + num(v) + " must be finite and >= 0 (0 = absent)");
   return Status::Ok();
 }
 
@@ -125,10 +127,8 @@ void apply_yarn(const RopeScaling& s, double theta, int64_t rotary_dim,
                 std::vector<double>& inv_freq) {
   const double dim = static_cast<double>(rotary_dim);
   const double orig = static_cast<double>(s.original_max_position_embeddings);
-  const double low =
-      std::max(std::floor(yarn_correction_dim(s.beta_fast, dim, theta, orig)), 0.0);
-  double high =
-      std::min(std::ceil(yarn_correction_dim(s.beta_slow, dim, theta, orig)), dim - 1.0);
+  const double low = std::max(std::floor(yarn_correction_dim(s.beta_fast, dim, theta, orig)), 0.0);
+  double high = std::min(std::ceil(yarn_correction_dim(s.beta_slow, dim, theta, orig)), dim - 1.0);
   if (low == high) high += 0.001;  // the reference's guard against 0/0
   for (size_t i = 0; i < inv_freq.size(); ++i) {
     const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);

@@ -4,6 +4,8 @@
 // and interleaved through complex multiplication, with inverse frequencies
 // computed as exp(-(2i/d) ln theta). Scaled frequencies are checked against
 // values derived by hand from the published formulas for real configs.
+#include "attnkit/rope.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,7 +17,6 @@
 #include <string>
 #include <vector>
 
-#include "attnkit/rope.h"
 #include "common/random.h"
 
 namespace {
@@ -42,8 +43,7 @@ struct StridedX {
 
   static constexpr float kSentinel = 12345.0f;
 
-  StridedX(int64_t b, int64_t s, int64_t h, int64_t d)
-      : batch(b), seq(s), heads(h), head_dim(d) {
+  StridedX(int64_t b, int64_t s, int64_t h, int64_t d) : batch(b), seq(s), heads(h), head_dim(d) {
     // Memory order (outer to inner): heads, batch, head_dim, seq; each axis
     // padded by one slot.
     const int64_t st_seq = 1, st_dim = (s + 1) * st_seq, st_batch = (d + 1) * st_dim,
@@ -56,8 +56,8 @@ struct StridedX {
     view.strides = {st_batch, st_seq, st_head, st_dim};
   }
   float& at(int64_t b, int64_t s, int64_t h, int64_t d) {
-    return buf[static_cast<size_t>(b * view.strides[0] + s * view.strides[1] +
-                                   h * view.strides[2] + d * view.strides[3])];
+    return buf[static_cast<size_t>(b * view.strides[0] + s * view.strides[1] + h * view.strides[2] +
+                                   d * view.strides[3])];
   }
   // Logical contents, row-major [batch, seq, heads, head_dim].
   std::vector<float> logical() {
@@ -204,8 +204,8 @@ void check_against_reference(const ApplyCase& c, uint64_t seed) {
   const Rope rope = make_rope(cfg_of(c.head_dim, 10000.0, c.pairing, c.rotary_dim));
 
   StridedX x(batch, seq, heads, c.head_dim);
-  const auto x0 = attnkit_test::uniform_vector(static_cast<size_t>(batch * seq * heads * c.head_dim),
-                                               rng, -2.0f, 2.0f);
+  const auto x0 = attnkit_test::uniform_vector(
+      static_cast<size_t>(batch * seq * heads * c.head_dim), rng, -2.0f, 2.0f);
   x.set_logical(x0);
   const size_t sentinels = x.sentinels();
   // Positions: small, random up to 1e6, and the extremes 0 and 1e6.
@@ -223,8 +223,8 @@ void check_against_reference(const ApplyCase& c, uint64_t seed) {
   const int64_t rd = c.rotary_dim == 0 ? c.head_dim : c.rotary_dim;
   const auto want = ref_apply(x0, batch, seq, heads, c.head_dim, rd, c.pairing,
                               ref_inv_freq(10000.0, rd), 1.0, pos_of);
-  EXPECT_TRUE(attnkit_test::all_close("rope(x)", x.logical(), want,
-                                      rope_tolerance(max_abs(x0), 1.0, 1e6)));
+  EXPECT_TRUE(
+      attnkit_test::all_close("rope(x)", x.logical(), want, rope_tolerance(max_abs(x0), 1.0, 1e6)));
   EXPECT_EQ(x.sentinels(), sentinels) << "apply() wrote outside the view";
   // Features at and beyond rotary_dim pass through bit for bit.
   const auto got = x.logical();
@@ -262,11 +262,14 @@ TEST(RopeApply, SharedPositionsEqualRepeatedPerTokenPositions) {
   const auto x0 = attnkit_test::uniform_vector(batch * seq * heads * dim, rng);
   const std::vector<int64_t> shared = {5, 123456, 42};
   std::vector<int64_t> per_token;
-  for (int64_t b = 0; b < batch; ++b) per_token.insert(per_token.end(), shared.begin(), shared.end());
+  for (int64_t b = 0; b < batch; ++b)
+    per_token.insert(per_token.end(), shared.begin(), shared.end());
   auto a = x0, b = x0;
-  ASSERT_TRUE(rope.apply(attnkit::make_view(a.data(), DType::kF32, {batch, seq, heads, dim}), shared).ok());
   ASSERT_TRUE(
-      rope.apply(attnkit::make_view(b.data(), DType::kF32, {batch, seq, heads, dim}), per_token).ok());
+      rope.apply(attnkit::make_view(a.data(), DType::kF32, {batch, seq, heads, dim}), shared).ok());
+  ASSERT_TRUE(
+      rope.apply(attnkit::make_view(b.data(), DType::kF32, {batch, seq, heads, dim}), per_token)
+          .ok());
   EXPECT_EQ(a, b);
   EXPECT_NE(a, x0);
 }
@@ -294,8 +297,10 @@ TEST(RopeApply, InterleavedIsPermutedHalfSplit) {
   std::vector<float> xp(x.size());
   for (size_t r = 0; r < x.size(); r += dim)
     for (int64_t j = 0; j < dim; ++j) xp[r + j] = x[r + perm[j]];
-  ASSERT_TRUE(gptj.apply(attnkit::make_view(x.data(), DType::kF32, {batch, seq, heads, dim}), pos).ok());
-  ASSERT_TRUE(neox.apply(attnkit::make_view(xp.data(), DType::kF32, {batch, seq, heads, dim}), pos).ok());
+  ASSERT_TRUE(
+      gptj.apply(attnkit::make_view(x.data(), DType::kF32, {batch, seq, heads, dim}), pos).ok());
+  ASSERT_TRUE(
+      neox.apply(attnkit::make_view(xp.data(), DType::kF32, {batch, seq, heads, dim}), pos).ok());
   for (size_t r = 0; r < x.size(); r += dim)
     for (int64_t j = 0; j < dim; ++j)
       ASSERT_EQ(x[r + perm[j]], xp[r + j]) << "row " << r / dim << " feature " << j;
@@ -323,9 +328,11 @@ TEST(RopeApply, DotProductDependsOnlyOnRelativePosition) {
       auto dot_at = [&](int64_t m, int64_t n) {
         auto qm = q, kn = k;
         EXPECT_TRUE(rope.apply(attnkit::make_view(qm.data(), DType::kF32, {1, 1, 1, dim}),
-                               std::vector<int64_t>{m}).ok());
+                               std::vector<int64_t>{m})
+                        .ok());
         EXPECT_TRUE(rope.apply(attnkit::make_view(kn.data(), DType::kF32, {1, 1, 1, dim}),
-                               std::vector<int64_t>{n}).ok());
+                               std::vector<int64_t>{n})
+                        .ok());
         double d = 0;
         for (int64_t i = 0; i < dim; ++i) d += double{qm[i]} * double{kn[i]};
         return d;
@@ -377,7 +384,8 @@ TEST(RopeApply, LargestPositionIsAcceptedAndPreservesNorm) {
   std::vector<float> x = {1, 2, 3, 4, 5, 6, 7, 8};
   const auto x0 = x;
   ASSERT_TRUE(rope.apply(attnkit::make_view(x.data(), DType::kF32, {1, 1, 1, dim}),
-                         std::vector<int64_t>{(int64_t{1} << 53) - 1}).ok());
+                         std::vector<int64_t>{(int64_t{1} << 53) - 1})
+                  .ok());
   for (int i = 0; i < dim; i += 2) {
     const double before = std::hypot(double{x0[i]}, double{x0[i + 1]});
     const double after = std::hypot(double{x[i]}, double{x[i + 1]});
@@ -389,7 +397,8 @@ TEST(RopeApply, EmptyTensorsAreAccepted) {
   const Rope rope = make_rope(cfg_of(4));
   float dummy[4] = {1, 2, 3, 4};
   EXPECT_TRUE(rope.apply(attnkit::make_view(dummy, DType::kF32, {0, 3, 1, 4}),
-                         std::vector<int64_t>{0, 1, 2}).ok());
+                         std::vector<int64_t>{0, 1, 2})
+                  .ok());
   EXPECT_TRUE(rope.apply(attnkit::make_view(dummy, DType::kF32, {2, 0, 1, 4}), {}).ok());
   EXPECT_EQ(dummy[0], 1.0f);
 }
