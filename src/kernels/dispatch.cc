@@ -2,12 +2,33 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
-#include <vector>
+#include <string>
 
+#include "core/cpu_features.h"
+#include "core/threads.h"
+#include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/tile_policy.h"
 #include "kernels/ref/attention_ref.h"
 
 namespace attnkit::kernels {
+namespace {
+
+Status run_reference(const AttentionParams& params) {
+  std::unique_ptr<double[]> scratch;
+  const size_t count = attention_ref_scratch(params);
+  try {
+    scratch = std::make_unique<double[]>(count);
+  } catch (const std::bad_alloc&) {
+    return resource_exhausted("sdpa: cannot allocate reference scratch of " +
+                              std::to_string(count) + " doubles");
+  }
+  attention_ref(params, scratch.get());
+  return Status::Ok();
+}
+
+}  // namespace
 
 Backend resolve_backend(Backend requested) {
   static const Backend from_env = [] {
@@ -18,16 +39,28 @@ Backend resolve_backend(Backend requested) {
   return requested == Backend::kAuto ? from_env : requested;
 }
 
+// kAuto and kFast run the fast CPU kernel (kernels/cpu) at the active SIMD
+// target (core/cpu_features.h) on params.num_threads threads (0 = default,
+// core/threads.h). They fall back to the reference for the only cases the
+// fast kernel does not cover (cpu::supports):
+//   - probabilities requested (params.probs): the fast kernel never forms
+//     the seqlen_q x seqlen_k matrix;
+//   - K or V rows not contiguous along the head dimension (dim stride != 1).
+// kReference always runs the reference.
 Status run_attention(const AttentionParams& params, Backend backend) {
-  (void)resolve_backend(backend);  // only the reference exists so far
-  std::vector<double> scratch;
+  if (resolve_backend(backend) == Backend::kReference || !cpu::supports(params))
+    return run_reference(params);
+  const cpu::Plan plan =
+      cpu::make_plan(params, simd_target(), resolve_num_threads(params.num_threads));
+  const size_t bytes = cpu::scratch_bytes(params, plan);
+  std::unique_ptr<char[]> scratch;
   try {
-    scratch.resize(attention_ref_scratch(params));
+    scratch.reset(new char[bytes]);
   } catch (const std::bad_alloc&) {
-    return resource_exhausted("sdpa: cannot allocate reference scratch of " +
-                              std::to_string(attention_ref_scratch(params)) + " doubles");
+    return resource_exhausted("sdpa: cannot allocate " + std::to_string(bytes) +
+                              " bytes of attention scratch");
   }
-  attention_ref(params, scratch.data());
+  cpu::attention(params, plan, scratch.get());
   return Status::Ok();
 }
 

@@ -1,0 +1,544 @@
+// The tile loop of the fast CPU attention kernel (see attention_cpu.h). This
+// file is portable C++: it plans tasks, packs queries, applies masks with
+// the shared rules of mask.h, and calls the active target's microkernels
+// through its KernelTable for everything per tile that is arithmetic.
+#include "kernels/cpu/attention_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/threads.h"
+#include "kernels/mask.h"
+
+namespace attnkit::kernels::cpu {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// A (batch item, kv head, query block): the unit whose rows share one
+// packed q tile. With parts >= 2 its keys were split and merge() combines
+// partials [first_part, first_part + parts).
+struct Base {
+  int64_t b, g, qb;
+  int64_t first_part;
+  int64_t parts;
+};
+
+// Keys [k0, k1) of one base. part < 0: the task owns all of the base's
+// keys and writes the output rows itself.
+struct Task {
+  int64_t base;
+  int64_t k0, k1;
+  int64_t part;
+  int64_t cost;
+};
+
+// Sizes shared by every task of one call, and the scratch layout.
+struct Geometry {
+  const KernelTable* kt = nullptr;
+  bool bf16 = false;      // K/V are bf16
+  bool dot_bf16 = false;  // ... and go through the vdpbf16ps kernels
+  int64_t group = 1, bq = 1, bk = 1, q_blocks = 0, bases = 0, max_parts = 1;
+  int64_t m_max = 0, m_pad = 0, d = 0, dv = 0, d_pad = 0, dv_pad = 0;
+  int64_t part_floats = 0;  // one partial: o [m_max][dv], row_max, row_sum
+  // Offsets in floats inside one worker's region.
+  int64_t qt = 0, s = 0, o = 0, row_max = 0, row_sum = 0, alpha = 0, ones = 0, kw = 0, vw = 0,
+          pack = 0, bitmap = 0, row_lo = 0, row_hi = 0, worker_floats = 0;
+  // Byte offsets of the shared regions.
+  size_t tasks_at = 0, bases_at = 0, parts_at = 0, workers_at = 0, total = 0;
+  int workers = 1;
+};
+
+constexpr size_t kAlign = 64;
+size_t align_bytes(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
+  Geometry g;
+  g.kt = kernel_table(plan.target);
+  const int64_t lanes = g.kt->lanes;
+  g.bf16 = p.kv_dtype == DType::kBF16;
+  g.dot_bf16 = g.bf16 && g.kt->qk_bf16 != nullptr;
+  g.group = p.num_heads / p.num_kv_heads;
+  g.bq = plan.block_q;
+  g.bk = plan.block_k;
+  g.q_blocks = ceil_div(p.seqlen_q, g.bq);
+  g.bases = p.batch * p.num_kv_heads * g.q_blocks;
+  g.max_parts = plan.split_k > 0 ? std::max<int64_t>(1, ceil_div(p.seqlen_k, plan.split_k)) : 1;
+  g.m_max = g.bq * g.group;
+  g.m_pad = round_up(g.m_max, lanes);
+  g.d = p.head_dim;
+  g.dv = p.head_dim_v;
+  g.d_pad = round_up(g.d, lanes);
+  g.dv_pad = round_up(g.dv, lanes);
+  g.part_floats = plan.split_k > 0 ? round_up(g.m_max * (g.dv + 2), 16) : 0;
+
+  int64_t at = 0;
+  auto take = [&](int64_t floats) {
+    const int64_t start = at;
+    at += round_up(floats, 16);
+    return start;
+  };
+  g.qt = take(g.d * g.m_pad);  // also holds ceil(d/2) * m_pad bf16 pairs
+  g.s = take(g.bk * g.m_pad);
+  g.o = take(g.m_max * g.dv_pad);
+  g.row_max = take(g.m_pad);
+  g.row_sum = take(g.m_pad);
+  g.alpha = take(g.m_pad);
+  g.ones = take(g.m_pad);
+  g.kw = take(g.bf16 && !g.dot_bf16 ? g.bk * g.d_pad : 0);
+  g.vw = take(g.bf16 && !g.dot_bf16 ? g.bk * g.dv_pad : 0);
+  g.pack = take(g.dot_bf16 ? ceil_div(pv_bf16_pack_elems(g.bk, g.m_pad, g.dv_pad), 2) : 0);
+  g.bitmap = take(p.sparse.kind != SparsePattern::Kind::kNone ? ceil_div(g.bq * g.bk, 4) : 0);
+  g.row_lo = take(2 * g.bq);  // int64
+  g.row_hi = take(2 * g.bq);
+  g.worker_floats = at;
+
+  const int64_t max_tasks = g.bases * g.max_parts;
+  g.workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(plan.num_threads, max_tasks)));
+  size_t bytes = 0;
+  g.tasks_at = bytes;
+  bytes = align_bytes(bytes + sizeof(Task) * static_cast<size_t>(max_tasks));
+  g.bases_at = bytes;
+  bytes = align_bytes(bytes + sizeof(Base) * static_cast<size_t>(g.bases));
+  g.parts_at = bytes;
+  bytes = align_bytes(bytes + sizeof(float) * static_cast<size_t>(max_tasks * g.part_floats));
+  g.workers_at = bytes;
+  bytes += sizeof(float) * static_cast<size_t>(g.worker_floats) * static_cast<size_t>(g.workers);
+  g.total = bytes + kAlign;  // slack to align the caller's pointer
+  return g;
+}
+
+// Everything one call's tasks share.
+struct Call {
+  const AttentionParams& p;
+  const Geometry& g;
+  const Base* bases;
+  float* parts;
+};
+
+// Calls f(offset in tile, physical row, count) for the runs of physically
+// contiguous rows that hold logical keys [j0, j0 + n): one run, or more when
+// a ring buffer wraps.
+template <class F>
+void for_runs(const AttentionParams& p, int64_t j0, int64_t n, F&& f) {
+  if (p.ring_capacity == 0) return f(0, j0, n);
+  for (int64_t done = 0; done < n;) {
+    const int64_t r = p.physical_row(j0 + done);
+    const int64_t count = std::min(n - done, p.ring_capacity - r);
+    f(done, r, count);
+    done += count;
+  }
+}
+
+bool rows_finite(const void* base, DType dtype, int64_t stride, int64_t rows, int64_t cols) {
+  uint32_t bad = 0;
+  if (dtype == DType::kBF16) {
+    const uint16_t* x = static_cast<const uint16_t*>(base);
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t c = 0; c < cols; ++c) bad |= (x[n * stride + c] & 0x7f80u) == 0x7f80u;
+  } else {
+    const uint32_t* x = static_cast<const uint32_t*>(base);
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t c = 0; c < cols; ++c)
+        bad |= (x[n * stride + c] & 0x7f800000u) == 0x7f800000u;
+  }
+  return bad == 0;
+}
+
+float load_kv(const void* base, DType dtype, int64_t index) {
+  if (dtype == DType::kBF16) return bf16_to_float(static_cast<const bf16*>(base)[index]);
+  return static_cast<const float*>(base)[index];
+}
+
+class TaskRunner {
+ public:
+  TaskRunner(const Call& call, float* ws) : c_(call), p_(call.p), g_(call.g), ws_(ws) {}
+
+  void run(const Task& task) {
+    const Base& base = c_.bases[task.base];
+    b_ = base.b;
+    kvh_ = base.g;
+    i0_ = base.qb * g_.bq;
+    rows_ = std::min(g_.bq, p_.seqlen_q - i0_);
+    m_ = rows_ * g_.group;
+    offset_ = p_.offset_of(b_);
+    k_ = static_cast<const char*>(p_.k) +
+         (b_ * p_.k_stride.batch + kvh_ * p_.k_stride.head) * elem_size();
+    v_ = static_cast<const char*>(p_.v) +
+         (b_ * p_.v_stride.batch + kvh_ * p_.v_stride.head) * elem_size();
+
+    int64_t* row_lo = reinterpret_cast<int64_t*>(ws_ + g_.row_lo);
+    int64_t* row_hi = reinterpret_cast<int64_t*>(ws_ + g_.row_hi);
+    for (int64_t il = 0; il < rows_; ++il)
+      key_range(p_, b_, i0_ + il + offset_, &row_lo[il], &row_hi[il]);
+    pack_q();
+    std::fill_n(ws_ + g_.row_max, g_.m_pad, kNegInf);
+    std::fill_n(ws_ + g_.row_sum, g_.m_pad, 0.0f);
+    std::fill_n(ws_ + g_.ones, g_.m_pad, 1.0f);
+    std::fill_n(ws_ + g_.o, m_ * g_.dv_pad, 0.0f);
+
+    for (int64_t j0 = task.k0; j0 < task.k1; j0 += g_.bk)
+      tile(j0, std::min(g_.bk, task.k1 - j0), row_lo, row_hi);
+
+    if (task.part < 0)
+      write_rows();
+    else
+      store_partial(c_.parts + task.part * g_.part_floats);
+  }
+
+ private:
+  size_t elem_size() const { return g_.bf16 ? 2 : 4; }
+  const void* k_row(int64_t physical) const {
+    return k_ + physical * p_.k_stride.row * static_cast<int64_t>(elem_size());
+  }
+  const void* v_row(int64_t physical) const {
+    return v_ + physical * p_.v_stride.row * static_cast<int64_t>(elem_size());
+  }
+  int64_t head_of(int64_t m) const { return kvh_ * g_.group + m % g_.group; }
+  int64_t row_of(int64_t m) const { return i0_ + m / g_.group; }
+
+  // qt[c][m] = scale * q[row_of(m)][head_of(m)][c], or bf16 pairs; the pad
+  // columns m >= m_ are 0 so that their scores stay finite.
+  void pack_q() {
+    const float scale = p_.scale;
+    if (g_.dot_bf16) {
+      uint16_t* qt2 = reinterpret_cast<uint16_t*>(ws_ + g_.qt);
+      const int64_t pairs = ceil_div(g_.d, 2);
+      std::fill_n(qt2, pairs * g_.m_pad * 2, uint16_t{0});
+      for (int64_t m = 0; m < m_; ++m) {
+        const float* q = q_row(m);
+        for (int64_t c = 0; c < g_.d; ++c)
+          qt2[(c / 2) * g_.m_pad * 2 + m * 2 + (c & 1)] =
+              float_to_bf16(q[c * p_.q_stride.dim] * scale).bits;
+      }
+      return;
+    }
+    float* qt = ws_ + g_.qt;
+    for (int64_t c = 0; c < g_.d; ++c) std::fill(qt + c * g_.m_pad + m_, qt + (c + 1) * g_.m_pad, 0.0f);
+    for (int64_t m = 0; m < m_; ++m) {
+      const float* q = q_row(m);
+      for (int64_t c = 0; c < g_.d; ++c) qt[c * g_.m_pad + m] = q[c * p_.q_stride.dim] * scale;
+    }
+  }
+  const float* q_row(int64_t m) const {
+    return p_.q + b_ * p_.q_stride.batch + row_of(m) * p_.q_stride.row +
+           head_of(m) * p_.q_stride.head;
+  }
+
+  // One key tile [j0, j0 + nk).
+  void tile(int64_t j0, int64_t nk, const int64_t* row_lo, const int64_t* row_hi) {
+    const int64_t j1 = j0 + nk;
+    bool visible = false, full = true;
+    for (int64_t il = 0; il < rows_; ++il) {
+      visible |= row_lo[il] < j1 && row_hi[il] > j0;
+      full &= row_lo[il] <= j0 && row_hi[il] >= j1;
+    }
+    if (!visible) return;
+    bool sparse_partial = false;
+    if (p_.sparse.kind != SparsePattern::Kind::kNone) {
+      int64_t admitted = 0, admitted_visible = 0;
+      fill_sparse_bitmap(j0, nk, row_lo, row_hi, &admitted, &admitted_visible);
+      if (admitted_visible == 0) return;
+      sparse_partial = admitted < rows_ * nk;
+    }
+    const bool masked = !full || sparse_partial || p_.bool_mask || p_.add_mask;
+
+    float* s = ws_ + g_.s;
+    scores(j0, nk, s);
+    if (p_.softcap > 0.0f) g_.kt->softcap(s, nk * g_.m_pad, p_.softcap);
+    if (masked) apply_masks(j0, nk, s, row_lo, row_hi, sparse_partial);
+    float* alpha = ws_ + g_.alpha;
+    g_.kt->softmax(s, nk, g_.m_pad, ws_ + g_.row_max, ws_ + g_.row_sum, alpha);
+    // A weight of 0 times a NaN or Inf value is NaN: where masked keys hold
+    // non-finite values, add only the nonzero weights (rare, so slow).
+    if (masked && !values_finite(j0, nk))
+      accumulate_skipping_zeros(j0, nk, s, alpha);
+    else
+      accumulate(j0, nk, s, alpha);
+  }
+
+  void scores(int64_t j0, int64_t nk, float* s) {
+    const KernelTable& kt = *g_.kt;
+    if (g_.dot_bf16) {
+      const uint16_t* qt2 = reinterpret_cast<const uint16_t*>(ws_ + g_.qt);
+      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+        kt.qk_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, qt2,
+                   g_.m_pad, s + at * g_.m_pad);
+      });
+    } else if (g_.bf16) {
+      float* kw = ws_ + g_.kw;
+      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+        kt.widen_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d,
+                      kw + at * g_.d_pad, g_.d_pad);
+      });
+      kt.qk_f32(kw, g_.d_pad, nk, g_.d, ws_ + g_.qt, g_.m_pad, s);
+    } else {
+      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+        kt.qk_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d, ws_ + g_.qt,
+                  g_.m_pad, s + at * g_.m_pad);
+      });
+    }
+  }
+
+  void accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha) {
+    const KernelTable& kt = *g_.kt;
+    float* o = ws_ + g_.o;
+    const float* ones = ws_ + g_.ones;
+    if (g_.dot_bf16) {
+      uint16_t* pack = reinterpret_cast<uint16_t*>(ws_ + g_.pack);
+      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+        kt.pv_bf16(s + at * g_.m_pad, n, g_.m_pad, m_, static_cast<const uint16_t*>(v_row(row)),
+                   p_.v_stride.row, g_.dv, o, g_.dv_pad, at == 0 ? alpha : ones, pack);
+      });
+    } else if (g_.bf16) {
+      float* vw = ws_ + g_.vw;
+      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+        kt.widen_bf16(static_cast<const uint16_t*>(v_row(row)), p_.v_stride.row, n, g_.dv,
+                      vw + at * g_.dv_pad, g_.dv_pad);
+      });
+      kt.pv_f32(s, nk, g_.m_pad, m_, vw, g_.dv_pad, g_.dv, o, g_.dv_pad, alpha);
+    } else {
+      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+        kt.pv_f32(s + at * g_.m_pad, n, g_.m_pad, m_, static_cast<const float*>(v_row(row)),
+                  p_.v_stride.row, g_.dv, o, g_.dv_pad, at == 0 ? alpha : ones);
+      });
+    }
+  }
+
+  bool values_finite(int64_t j0, int64_t nk) const {
+    bool finite = true;
+    for_runs(p_, j0, nk, [&](int64_t, int64_t row, int64_t n) {
+      finite = finite && rows_finite(v_row(row), p_.kv_dtype, p_.v_stride.row, n, g_.dv);
+    });
+    return finite;
+  }
+
+  void accumulate_skipping_zeros(int64_t j0, int64_t nk, const float* s, const float* alpha) {
+    float* o = ws_ + g_.o;
+    for (int64_t m = 0; m < m_; ++m)
+      for (int64_t c = 0; c < g_.dv; ++c) o[m * g_.dv_pad + c] *= alpha[m];
+    for (int64_t n = 0; n < nk; ++n) {
+      const void* v = v_row(p_.physical_row(j0 + n));
+      for (int64_t m = 0; m < m_; ++m) {
+        const float w = s[n * g_.m_pad + m];
+        if (w == 0.0f) continue;
+        for (int64_t c = 0; c < g_.dv; ++c) o[m * g_.dv_pad + c] += w * load_kv(v, p_.kv_dtype, c);
+      }
+    }
+  }
+
+  // bitmap[il][n] = the sparse pattern admits (row il, key j0 + n). The
+  // pattern is constant on (query block, key block) pairs, so it is asked
+  // once per pair and rows of one query block share a bitmap row.
+  void fill_sparse_bitmap(int64_t j0, int64_t nk, const int64_t* row_lo, const int64_t* row_hi,
+                          int64_t* admitted, int64_t* admitted_visible) {
+    uint8_t* bits = reinterpret_cast<uint8_t*>(ws_ + g_.bitmap);
+    const SparsePattern& sp = p_.sparse;
+    int64_t prev_block = 0;
+    for (int64_t il = 0; il < rows_; ++il) {
+      const int64_t pos = i0_ + il + offset_;
+      const int64_t block = floor_div(pos, sp.block_size);
+      uint8_t* row = bits + il * g_.bk;
+      if (il > 0 && block == prev_block) {
+        std::memcpy(row, row - g_.bk, static_cast<size_t>(nk));
+      } else {
+        bool admit = false;
+        for (int64_t n = 0; n < nk; ++n) {
+          const int64_t j = j0 + n;
+          if (n == 0 || j % sp.block_size == 0) admit = sparse_admits(sp, pos, j);
+          row[n] = admit;
+        }
+      }
+      prev_block = block;
+      const int64_t lo = std::clamp(row_lo[il] - j0, int64_t{0}, nk);
+      const int64_t hi = std::clamp(row_hi[il] - j0, lo, nk);
+      for (int64_t n = 0; n < nk; ++n) {
+        *admitted += row[n];
+        if (n >= lo && n < hi) *admitted_visible += row[n];
+      }
+    }
+  }
+
+  // Scores of keys a row may not see become -inf; the additive mask is
+  // added to the others (after softcap, as in the reference).
+  void apply_masks(int64_t j0, int64_t nk, float* s, const int64_t* row_lo, const int64_t* row_hi,
+                   bool sparse_partial) {
+    const uint8_t* bits = reinterpret_cast<const uint8_t*>(ws_ + g_.bitmap);
+    const bool per_key = sparse_partial || p_.bool_mask || p_.add_mask;
+    const Strides4& ms = p_.mask_stride;
+    for (int64_t il = 0; il < rows_; ++il) {
+      const int64_t lo = std::clamp(row_lo[il] - j0, int64_t{0}, nk);
+      const int64_t hi = std::clamp(row_hi[il] - j0, lo, nk);
+      const int64_t i = i0_ + il;
+      for (int64_t hg = 0; hg < g_.group; ++hg) {
+        const int64_t m = il * g_.group + hg, h = kvh_ * g_.group + hg;
+        float* col = s + m;
+        for (int64_t n = 0; n < lo; ++n) col[n * g_.m_pad] = kNegInf;
+        for (int64_t n = hi; n < nk; ++n) col[n * g_.m_pad] = kNegInf;
+        if (!per_key) continue;
+        const int64_t mask_row = b_ * ms.batch + h * ms.head + i * ms.row;
+        for (int64_t n = lo; n < hi; ++n) {
+          const int64_t at = mask_row + (j0 + n) * ms.dim;
+          // A bias of -inf masks the key like false in a bool mask (and,
+          // as in the reference, NaN + -inf must not make it NaN).
+          if ((sparse_partial && !bits[il * g_.bk + n]) ||
+              (p_.bool_mask && p_.bool_mask[at] == 0) ||
+              (p_.add_mask && p_.add_mask[at] == kNegInf)) {
+            col[n * g_.m_pad] = kNegInf;
+          } else if (p_.add_mask) {
+            col[n * g_.m_pad] += p_.add_mask[at];
+          }
+        }
+      }
+    }
+  }
+
+  void write_rows() const {
+    const float* o = ws_ + g_.o;
+    for (int64_t m = 0; m < m_; ++m) {
+      const float sum = ws_[g_.row_sum + m], max = ws_[g_.row_max + m];
+      const int64_t h = head_of(m), i = row_of(m);
+      float* out = p_.out + b_ * p_.out_stride.batch + i * p_.out_stride.row +
+                   h * p_.out_stride.head;
+      const bool empty = sum == 0.0f;  // no visible key: 0, never NaN
+      for (int64_t c = 0; c < g_.dv; ++c)
+        out[c * p_.out_stride.dim] = empty ? 0.0f : o[m * g_.dv_pad + c] / sum;
+      if (p_.lse)
+        p_.lse[b_ * p_.lse_stride_batch + h * p_.lse_stride_head + i * p_.lse_stride_row] =
+            empty ? kNegInf : max + std::log(sum);
+    }
+  }
+
+  // Partial layout: o [m_max][dv], then row_max [m_max], row_sum [m_max].
+  void store_partial(float* part) const {
+    for (int64_t m = 0; m < m_; ++m)
+      std::memcpy(part + m * g_.dv, ws_ + g_.o + m * g_.dv_pad, sizeof(float) * g_.dv);
+    std::memcpy(part + g_.m_max * g_.dv, ws_ + g_.row_max, sizeof(float) * m_);
+    std::memcpy(part + g_.m_max * (g_.dv + 1), ws_ + g_.row_sum, sizeof(float) * m_);
+  }
+
+  const Call& c_;
+  const AttentionParams& p_;
+  const Geometry& g_;
+  float* ws_;
+  int64_t b_ = 0, kvh_ = 0, i0_ = 0, rows_ = 0, m_ = 0, offset_ = 0;
+  const char* k_ = nullptr;
+  const char* v_ = nullptr;
+};
+
+// Combines a split base's partials in split order (fixed by the shapes, so
+// the result does not depend on which thread computed which split).
+void merge(const Call& call, const Base& base, float* acc) {
+  const AttentionParams& p = call.p;
+  const Geometry& g = call.g;
+  const int64_t i0 = base.qb * g.bq;
+  const int64_t m_count = std::min(g.bq, p.seqlen_q - i0) * g.group;
+  const float* first = call.parts + base.first_part * g.part_floats;
+  for (int64_t m = 0; m < m_count; ++m) {
+    float max = kNegInf;
+    for (int64_t s = 0; s < base.parts; ++s) {
+      const float* part = first + s * g.part_floats;
+      if (part[g.m_max * (g.dv + 1) + m] != 0.0f) max = std::max(max, part[g.m_max * g.dv + m]);
+    }
+    float total = 0.0f;
+    std::fill_n(acc, g.dv, 0.0f);
+    for (int64_t s = 0; s < base.parts; ++s) {
+      const float* part = first + s * g.part_floats;
+      const float sum = part[g.m_max * (g.dv + 1) + m];
+      if (sum == 0.0f) continue;  // no visible key in this split: contributes nothing
+      const float w = std::exp(part[g.m_max * g.dv + m] - max);
+      total += w * sum;
+      for (int64_t c = 0; c < g.dv; ++c) acc[c] += w * part[m * g.dv + c];
+    }
+    const int64_t h = base.g * g.group + m % g.group, i = i0 + m / g.group;
+    float* out = p.out + base.b * p.out_stride.batch + i * p.out_stride.row + h * p.out_stride.head;
+    const bool empty = total == 0.0f;
+    for (int64_t c = 0; c < g.dv; ++c) out[c * p.out_stride.dim] = empty ? 0.0f : acc[c] / total;
+    if (p.lse)
+      p.lse[base.b * p.lse_stride_batch + h * p.lse_stride_head + i * p.lse_stride_row] =
+          empty ? kNegInf : max + std::log(total);
+  }
+}
+
+}  // namespace
+
+const KernelTable* kernel_table(SimdTarget target) {
+  switch (target) {
+    case SimdTarget::kScalar: return scalar_kernel_table();
+    case SimdTarget::kAvx2: return avx2_kernel_table();
+    case SimdTarget::kAvx512: return avx512_kernel_table();
+    case SimdTarget::kAvx512Bf16: return avx512bf16_kernel_table();
+  }
+  return nullptr;
+}
+
+bool supports(const AttentionParams& p) {
+  return p.probs == nullptr && p.k_stride.dim == 1 && p.v_stride.dim == 1 &&
+         (p.kv_dtype == DType::kF32 || p.kv_dtype == DType::kBF16);
+}
+
+size_t scratch_bytes(const AttentionParams& params, const Plan& plan) {
+  return make_geometry(params, plan).total;
+}
+
+void attention(const AttentionParams& p, const Plan& plan, void* scratch) {
+  if (p.batch == 0 || p.seqlen_q == 0 || p.num_heads == 0) return;
+  const Geometry g = make_geometry(p, plan);
+  char* base_ptr = static_cast<char*>(scratch);
+  base_ptr += (kAlign - reinterpret_cast<uintptr_t>(base_ptr) % kAlign) % kAlign;
+  Task* tasks = reinterpret_cast<Task*>(base_ptr + g.tasks_at);
+  Base* bases = reinterpret_cast<Base*>(base_ptr + g.bases_at);
+  float* parts = reinterpret_cast<float*>(base_ptr + g.parts_at);
+  float* workers = reinterpret_cast<float*>(base_ptr + g.workers_at);
+
+  // Task list: a function of the shapes only.
+  int64_t num_tasks = 0, num_parts = 0, base_index = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t offset = p.offset_of(b);
+    for (int64_t kvh = 0; kvh < p.num_kv_heads; ++kvh)
+      for (int64_t qb = 0; qb < g.q_blocks; ++qb, ++base_index) {
+        const int64_t i0 = qb * g.bq, i1 = std::min(i0 + g.bq, p.seqlen_q);
+        int64_t lo, hi_first, lo_last, hi;
+        key_range(p, b, i0 + offset, &lo, &hi_first);
+        key_range(p, b, i1 - 1 + offset, &lo_last, &hi);
+        const int64_t m_count = (i1 - i0) * g.group;
+        Base& base = bases[base_index];
+        base = {b, kvh, qb, 0, 1};
+        const int64_t split = plan.split_k;
+        if (split > 0 && hi > lo && ceil_div(hi, split) - lo / split >= 2) {
+          base.first_part = num_parts;
+          for (int64_t sidx = lo / split; sidx * split < hi; ++sidx) {
+            const int64_t k0 = std::max(lo, sidx * split), k1 = std::min(hi, (sidx + 1) * split);
+            tasks[num_tasks++] = {base_index, k0, k1, num_parts++, (k1 - k0) * m_count};
+          }
+          base.parts = num_parts - base.first_part;
+        } else {
+          const int64_t k1 = std::max(lo, hi);
+          tasks[num_tasks++] = {base_index, lo, k1, -1, (k1 - lo) * m_count};
+        }
+      }
+  }
+  // Longest first, so that the last tasks to start are short ones.
+  std::sort(tasks, tasks + num_tasks, [](const Task& a, const Task& b) {
+    if (a.cost != b.cost) return a.cost > b.cost;
+    if (a.base != b.base) return a.base < b.base;
+    return a.k0 < b.k0;
+  });
+
+  const Call call{p, g, bases, parts};
+  const int threads = static_cast<int>(std::min<int64_t>(g.workers, num_tasks));
+  parallel_for(num_tasks, threads, [&](int64_t t, int worker) {
+    TaskRunner(call, workers + worker * g.worker_floats).run(tasks[t]);
+  });
+  if (num_parts == 0) return;
+  parallel_for(g.bases, static_cast<int>(std::min<int64_t>(g.workers, g.bases)), [&](int64_t bi, int worker) {
+    if (bases[bi].parts >= 2) merge(call, bases[bi], workers + worker * g.worker_floats);
+  });
+}
+
+}  // namespace attnkit::kernels::cpu

@@ -1,0 +1,58 @@
+// Fast CPU attention: FlashAttention-2's tiling with an online softmax, for
+// prefill and (with a fixed-size split of the keys) decode alike.
+//
+// Work is cut into tasks of (batch item, kv head, block of query rows, key
+// split). A task packs the queries of *all* heads of its kv group for its
+// rows into one tile (rows m = query_row * group + head_in_group), so each
+// K/V tile is read once for the whole group while it is in cache, then
+// walks the key tiles its rows can see: tiles outside every row's visible
+// range (causal, window, seqlens_k) or rejected by the sparse pattern are
+// skipped, per-key masking runs only on tiles that need it. Per tile:
+//   S = K Q^T (key-major), softcap, masks, online softmax, O = alpha O + P V.
+// Nothing seqlen_q x seqlen_k is ever stored.
+//
+// Decode-shaped calls (few tasks) split their keys into splits of a fixed
+// size that depends only on the shapes; each split writes a partial result
+// and a second pass merges the splits of a row in split order. The task
+// list and every reduction order are thus the same for any thread count:
+// the output is the same bits for 1 or N threads.
+//
+// Precision: fp32 K/V, and bf16 K/V widened exactly, accumulate in fp32.
+// On kAvx512Bf16, bf16 K/V go through vdpbf16ps, which rounds the scaled
+// queries and the softmax weights to bf16 (relative error 2^-8 each) and
+// accumulates in fp32.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/cpu_features.h"
+#include "kernels/attention_params.h"
+#include "kernels/cpu/kernel_table.h"
+
+namespace attnkit::kernels::cpu {
+
+struct Plan {
+  SimdTarget target = SimdTarget::kScalar;
+  int64_t block_q = 1;  // query rows per task (times the group's heads = packed rows)
+  int64_t block_k = 1;  // keys per tile
+  int64_t split_k = 0;  // keys per split, a multiple of block_k; 0 = no split
+  int num_threads = 1;  // resolved, >= 1
+};
+
+// False for the cases the fast kernel leaves to the reference (see
+// dispatch.cc): probabilities requested, or K/V rows that are not
+// contiguous along the head dimension.
+bool supports(const AttentionParams& params);
+
+// nullptr when this build has no kernels for `target`.
+const KernelTable* kernel_table(SimdTarget target);
+
+// Bytes of scratch attention() needs for `plan` (any alignment).
+size_t scratch_bytes(const AttentionParams& params, const Plan& plan);
+
+// Runs attention. Requires supports(params), a compiled and available
+// plan.target, and `scratch` of scratch_bytes(params, plan) bytes.
+void attention(const AttentionParams& params, const Plan& plan, void* scratch);
+
+}  // namespace attnkit::kernels::cpu

@@ -1,0 +1,68 @@
+// The microkernels of one SIMD target, as plain function pointers, so that
+// the tile loop (attention_cpu.cc) exists once and every target runs the
+// same algorithm. Each target's table is built in its own translation unit,
+// compiled with that target's flags (see cmake/attnkit_simd.cmake).
+//
+// Layouts (fp32 unless said otherwise; `m` counts packed query rows, i.e.
+// (query row, head of the group) pairs; m_pad and dv_pad are multiples of
+// `lanes`):
+//   qt   [head_dim][m_pad]                  scaled queries, transposed
+//   qt2  [ceil(head_dim / 2)][m_pad][2] bf16 pairs (q[2i], q[2i+1]), q[head_dim] = 0
+//   s    [nk][m_pad]                        scores, then softmax weights: key-major,
+//                                           so the softmax runs down columns with no
+//                                           horizontal reductions
+//   o    [m][dv_pad]                        unnormalised outputs
+//   k, v rows of the caller's tensors: element (n, c) at k[n * row_stride + c]
+#pragma once
+
+#include <cstdint>
+
+namespace attnkit::kernels::cpu {
+
+struct KernelTable {
+  int lanes;  // fp32 lanes of one vector
+
+  // s[n][m] = sum_d k[n][d] * qt[d][m] for n < nk, m < m_pad.
+  void (*qk_f32)(const float* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
+                 const float* qt, int64_t m_pad, float* s);
+  // s = cap * tanh(s / cap), elementwise over `count` floats (a multiple of lanes).
+  void (*softcap)(float* s, int64_t count, float cap);
+  // Online-softmax step over one tile, per column m < m_pad:
+  //   new_max = max(row_max, max_n s[n][m]); alpha[m] = exp(row_max - new_max);
+  //   s[n][m] = exp(s[n][m] - new_max); row_sum = row_sum * alpha + sum_n s[n][m].
+  // Scores of -inf become weights of exactly 0; a column that has seen no
+  // finite score keeps row_max = -inf and gets alpha = 0.
+  void (*softmax)(float* s, int64_t nk, int64_t m_pad, float* row_max, float* row_sum,
+                  float* alpha);
+  // o[m][c] = alpha[m] * o[m][c] + sum_n s[n][m] * v[n][c] for m < rows, c < dv_pad
+  // (v is read for c < head_dim_v only; o's pad columns stay 0).
+  void (*pv_f32)(const float* s, int64_t nk, int64_t m_pad, int64_t rows, const float* v,
+                 int64_t v_row_stride, int64_t head_dim_v, float* o, int64_t dv_pad,
+                 const float* alpha);
+  // dst[n][c] = float(src[n][c]) for n < rows, c < cols (bf16 widening is exact).
+  void (*widen_bf16)(const uint16_t* src, int64_t src_row_stride, int64_t rows, int64_t cols,
+                     float* dst, int64_t dst_row_stride);
+
+  // vdpbf16ps kernels; nullptr unless the target has AVX512_BF16.
+  // As qk_f32 with bf16 keys and qt2 pairs.
+  void (*qk_bf16)(const uint16_t* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
+                  const uint16_t* qt2, int64_t m_pad, float* s);
+  // As pv_f32 with bf16 values; the weights are rounded to bf16. `pack`
+  // holds pv_bf16_pack_elems(nk, m_pad, dv_pad) uint16s of scratch.
+  void (*pv_bf16)(const float* s, int64_t nk, int64_t m_pad, int64_t rows, const uint16_t* v,
+                  int64_t v_row_stride, int64_t head_dim_v, float* o, int64_t dv_pad,
+                  const float* alpha, uint16_t* pack);
+};
+
+inline int64_t pv_bf16_pack_elems(int64_t nk, int64_t m_pad, int64_t dv_pad) {
+  return (nk + 1) / 2 * 2 * (m_pad + dv_pad);
+}
+
+// Per-target tables, defined in the per-target translation units (this
+// header is included there, so it pulls in nothing but <cstdint>).
+const KernelTable* scalar_kernel_table();
+const KernelTable* avx2_kernel_table();        // nullptr if not compiled
+const KernelTable* avx512_kernel_table();      // nullptr if not compiled
+const KernelTable* avx512bf16_kernel_table();  // nullptr if not compiled
+
+}  // namespace attnkit::kernels::cpu

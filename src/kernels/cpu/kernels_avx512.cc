@@ -1,0 +1,283 @@
+// AVX-512 microkernels (compiled with -mavx512f/bw/vl/dq/bf16 -mfma; see
+// cmake/attnkit_simd.cmake). Two tables: kAvx512 widens bf16 K/V to fp32
+// exactly; kAvx512Bf16 adds the vdpbf16ps kernels for bf16 K/V.
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/cpu/kernel_table.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__FMA__)
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's own AVX-512 headers trip -Wmaybe-uninitialized at -O3 (GCC bug
+// 105593: the `__m512 __Y = __Y;` idiom behind _mm512_undefined_ps).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+
+#include "kernels/cpu/simd_kernels.h"
+
+namespace attnkit::kernels::cpu {
+namespace {
+
+struct V512 {
+  using F = __m512;
+  using Mask = __mmask16;
+  static constexpr int kLanes = 16;
+  // 24 accumulators of 32 registers leave room for the loaded operands.
+  // QK: 6 keys x 4 vectors = 6 broadcasts + 4 loads per 24 FMAs; PV: 6 rows
+  // x 4 vectors = 6 broadcasts + 4 loads per 24 FMAs. Both stay under the
+  // two loads per cycle that feed two FMAs per cycle.
+  static constexpr int kQkVecs = 4, kQkAcc = 24, kQkMaxKeys = 12;
+  static constexpr int kPvRows = 6, kPvVecs = 4;
+
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static Mask mask_first(int64_t n) {
+    return n >= 16 ? Mask(0xffff) : Mask((1u << n) - 1u);
+  }
+  static F load_masked(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F abs(F x) { return _mm512_abs_ps(x); }
+  static F copysign(F mag, F sign) {
+    const __m512i bit = _mm512_set1_epi32(int32_t(0x80000000u));
+    return _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(mag), _mm512_and_si512(_mm512_castps_si512(sign), bit)));
+  }
+  static F ninf_to_zero(F x) {
+    const Mask is_ninf = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-__builtin_inff()), _CMP_EQ_OQ);
+    return _mm512_mask_mov_ps(x, is_ninf, _mm512_setzero_ps());
+  }
+  // exp(x) = 2^n p(r), x = n ln2 + r, |r| <= ln2 / 2; p is Cephes' expf
+  // polynomial (about 1 ulp). scalef builds 2^n without integer tricks and
+  // saturates to 0 / inf on its own. Inputs below -104 (where the result
+  // underflows to 0) are clamped first so that -inf gives 0, not NaN; the
+  // operand order keeps NaN a NaN.
+  static F exp(F x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+    const F n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    F r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    F p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+  }
+  static F widen_bf16(const uint16_t* p, int64_t n) {
+    const __m256i h = _mm256_maskz_loadu_epi16(mask_first(n), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+};
+
+// ---- vdpbf16ps kernels ---------------------------------------------------
+// vdpbf16ps multiplies bf16 pairs exactly and adds both products to an fp32
+// lane, so every reduction runs over pairs: head_dim pairs for QK (the q
+// tile is packed as pairs and a key's pair is one 32-bit broadcast), key
+// pairs for PV (weights and values are interleaved per tile below).
+
+inline __m512i bcast_u32(const uint16_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, sizeof x);
+  return _mm512_set1_epi32(static_cast<int32_t>(x));
+}
+
+// Interleaves the low and high 16 halves: (x0, x16, x1, x17, ...).
+inline __m512i interleave_halves(__m512i x) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                       8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, x);
+}
+
+template <int KB, int MV>
+inline void qk2_block(const uint16_t* k, int64_t ks, int64_t d, const uint16_t* qt2, int64_t m_pad,
+                      float* s) {
+  __m512 acc[KB][MV];
+#pragma GCC unroll 16
+  for (int a = 0; a < KB; ++a)
+#pragma GCC unroll 4
+    for (int b = 0; b < MV; ++b) acc[a][b] = _mm512_setzero_ps();
+  const int64_t pairs = d / 2;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const uint16_t* qrow = qt2 + i * m_pad * 2;
+    __m512bh q[MV];
+#pragma GCC unroll 4
+    for (int b = 0; b < MV; ++b) q[b] = (__m512bh)_mm512_loadu_si512(qrow + b * 32);
+#pragma GCC unroll 16
+    for (int a = 0; a < KB; ++a) {
+      const __m512bh kk = (__m512bh)bcast_u32(k + a * ks + 2 * i);
+#pragma GCC unroll 4
+      for (int b = 0; b < MV; ++b) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], kk, q[b]);
+    }
+  }
+  if (d & 1) {  // last element pairs with 0; the key row is not read past d
+    const uint16_t* qrow = qt2 + pairs * m_pad * 2;
+#pragma GCC unroll 16
+    for (int a = 0; a < KB; ++a) {
+      const __m512bh kk = (__m512bh)_mm512_set1_epi32(k[a * ks + d - 1]);
+#pragma GCC unroll 4
+      for (int b = 0; b < MV; ++b)
+        acc[a][b] =
+            _mm512_dpbf16_ps(acc[a][b], kk, (__m512bh)_mm512_loadu_si512(qrow + b * 32));
+    }
+  }
+#pragma GCC unroll 16
+  for (int a = 0; a < KB; ++a)
+#pragma GCC unroll 4
+    for (int b = 0; b < MV; ++b) _mm512_storeu_ps(s + a * m_pad + b * 16, acc[a][b]);
+}
+
+template <int MV>
+inline void qk2_columns(const uint16_t* k, int64_t ks, int64_t nk, int64_t d,
+                        const uint16_t* qt2, int64_t m_pad, float* s) {
+  constexpr int kb = V512::kQkAcc / MV < V512::kQkMaxKeys ? V512::kQkAcc / MV : V512::kQkMaxKeys;
+  int64_t n = 0;
+  for (; n + kb <= nk; n += kb) qk2_block<kb, MV>(k + n * ks, ks, d, qt2, m_pad, s + n * m_pad);
+  for (; n < nk; ++n) qk2_block<1, MV>(k + n * ks, ks, d, qt2, m_pad, s + n * m_pad);
+}
+
+void qk_bf16(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const uint16_t* qt2,
+             int64_t m_pad, float* s) {
+  const int64_t vecs = m_pad / 16;
+  int64_t v = 0;
+  for (; v + 4 <= vecs; v += 4) qk2_columns<4>(k, ks, nk, d, qt2 + v * 32, m_pad, s + v * 16);
+  switch (vecs - v) {
+    case 3: return qk2_columns<3>(k, ks, nk, d, qt2 + v * 32, m_pad, s + v * 16);
+    case 2: return qk2_columns<2>(k, ks, nk, d, qt2 + v * 32, m_pad, s + v * 16);
+    case 1: return qk2_columns<1>(k, ks, nk, d, qt2 + v * 32, m_pad, s + v * 16);
+    default: return;
+  }
+}
+
+template <int MR, int CV>
+inline void pv2_block(const uint16_t* pp, int64_t pairs, int64_t m_pad, const uint16_t* vp,
+                      int64_t dv_pad, float* o, const float* alpha) {
+  __m512 acc[MR][CV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+    for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dv_pad + c * 16), a);
+  }
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512bh vv[CV];
+#pragma GCC unroll 4
+    for (int c = 0; c < CV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + (i * dv_pad + c * 16) * 2);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh p = (__m512bh)bcast_u32(pp + (i * m_pad + r) * 2);
+#pragma GCC unroll 4
+      for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], p);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CV; ++c) _mm512_storeu_ps(o + r * dv_pad + c * 16, acc[r][c]);
+}
+
+template <int MR, int CV>
+inline void pv2_rows(int64_t rows, const uint16_t* pp, int64_t pairs, int64_t m_pad,
+                     const uint16_t* vp, int64_t dv_pad, float* o, const float* alpha) {
+  if constexpr (MR >= 1) {
+    if (rows == MR) return pv2_block<MR, CV>(pp, pairs, m_pad, vp, dv_pad, o, alpha);
+    pv2_rows<MR - 1, CV>(rows, pp, pairs, m_pad, vp, dv_pad, o, alpha);
+  }
+}
+
+template <int CV>
+inline void pv2_columns(int64_t cvecs, int64_t rows, const uint16_t* pp, int64_t pairs,
+                        int64_t m_pad, const uint16_t* vp, int64_t dv_pad, float* o,
+                        const float* alpha) {
+  if constexpr (CV >= 1) {
+    if (cvecs == CV) {
+      int64_t m = 0;
+      for (; m + 6 <= rows; m += 6)
+        pv2_block<6, CV>(pp + m * 2, pairs, m_pad, vp, dv_pad, o + m * dv_pad, alpha + m);
+      return pv2_rows<5, CV>(rows - m, pp + m * 2, pairs, m_pad, vp, dv_pad, o + m * dv_pad,
+                             alpha + m);
+    }
+    pv2_columns<CV - 1>(cvecs, rows, pp, pairs, m_pad, vp, dv_pad, o, alpha);
+  }
+}
+
+void pv_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t rows, const uint16_t* v,
+             int64_t vs, int64_t dv, float* o, int64_t dv_pad, const float* alpha,
+             uint16_t* pack) {
+  const int64_t pairs = (nk + 1) / 2;
+  uint16_t* pp = pack;                       // [pairs][m_pad][2] weights
+  uint16_t* vp = pack + pairs * 2 * m_pad;   // [pairs][dv_pad][2] values
+  for (int64_t i = 0; i < pairs; ++i) {
+    const bool second = 2 * i + 1 < nk;  // an odd tail pairs with zeros
+    const float* s0 = s + 2 * i * m_pad;
+    for (int64_t m = 0; m < m_pad; m += 16) {
+      const __m512 a = _mm512_loadu_ps(s0 + m);
+      const __m512 b = second ? _mm512_loadu_ps(s0 + m_pad + m) : _mm512_setzero_ps();
+      _mm512_storeu_si512(pp + (i * m_pad + m) * 2,
+                          interleave_halves((__m512i)_mm512_cvtne2ps_pbh(b, a)));
+    }
+    const uint16_t* v0 = v + 2 * i * vs;
+    for (int64_t c = 0; c < dv_pad; c += 16) {
+      const __mmask16 mask = V512::mask_first(dv - c < 0 ? 0 : dv - c);
+      const __m256i a = _mm256_maskz_loadu_epi16(mask, v0 + c);
+      const __m256i b = second ? _mm256_maskz_loadu_epi16(mask, v0 + vs + c) : _mm256_setzero_si256();
+      _mm512_storeu_si512(vp + (i * dv_pad + c) * 2,
+                          interleave_halves(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1)));
+    }
+  }
+  const int64_t cvecs_total = dv_pad / 16;
+  for (int64_t c = 0; c < cvecs_total; c += 4) {
+    const int64_t cvecs = cvecs_total - c < 4 ? cvecs_total - c : 4;
+    pv2_columns<4>(cvecs, rows, pp, pairs, m_pad, vp + c * 32, dv_pad, o + c * 16, alpha);
+  }
+}
+
+constexpr KernelTable kAvx512Table = {
+    V512::kLanes,
+    simd::qk_f32<V512>,
+    simd::softcap<V512>,
+    simd::softmax<V512>,
+    simd::pv_f32<V512>,
+    simd::widen_bf16<V512>,
+    nullptr,
+    nullptr,
+};
+
+constexpr KernelTable kAvx512Bf16Table = {
+    V512::kLanes,
+    simd::qk_f32<V512>,
+    simd::softcap<V512>,
+    simd::softmax<V512>,
+    simd::pv_f32<V512>,
+    simd::widen_bf16<V512>,
+    qk_bf16,
+    pv_bf16,
+};
+
+}  // namespace
+
+const KernelTable* avx512_kernel_table() { return &kAvx512Table; }
+const KernelTable* avx512bf16_kernel_table() { return &kAvx512Bf16Table; }
+
+}  // namespace attnkit::kernels::cpu
+
+#else  // the compiler was not given the AVX-512 flags
+
+namespace attnkit::kernels::cpu {
+const KernelTable* avx512_kernel_table() { return nullptr; }
+const KernelTable* avx512bf16_kernel_table() { return nullptr; }
+}  // namespace attnkit::kernels::cpu
+
+#endif

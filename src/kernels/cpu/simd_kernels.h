@@ -1,0 +1,216 @@
+// Microkernel templates shared by every SIMD target. Each per-target
+// translation unit defines a vector-ops struct `V` in an anonymous namespace
+// and instantiates these templates with it. Because V has internal linkage
+// so does every instantiation, and each carries only its own target's
+// instructions: an ordinary inline function shared by translation units
+// compiled with different flags may be merged by the linker into the copy a
+// CPU cannot run. For the same reason this header defines nothing that is
+// not a template on V, and includes only <cstdint> (types, no code).
+//
+// V provides (F = vector of kLanes floats, Mask = lane mask):
+//   kLanes; kQkVecs, kQkAcc, kQkMaxKeys (QK register block: up to kQkVecs
+//   vectors of rows times kQkAcc / vectors keys, at most kQkMaxKeys);
+//   kPvRows, kPvVecs (PV register block: rows times vectors of columns);
+//   zero, set1, load, store, bcast(const float*), mask_first(n),
+//   load_masked(p, mask) (lanes off the mask read as 0 and never touched),
+//   fma(a, b, c) = a * b + c, mul, add, sub, div,
+//   max(a, b) (b when either is NaN), abs, copysign(magnitude, sign),
+//   ninf_to_zero (lanes equal to -inf become 0),
+//   exp (exp(-inf) = 0, NaN stays NaN, a few ulp),
+//   widen_bf16(const uint16_t*, n) (first n of kLanes bf16, rest 0).
+// Layouts are described in kernel_table.h.
+#pragma once
+
+#include <cstdint>
+
+namespace attnkit::kernels::cpu::simd {
+
+// ---- S = K Q^T: scores for one tile, key-major ------------------------
+
+// One register block: KB keys by MV vectors of packed query rows, reduced
+// over the whole head dimension. Keys are broadcast from their rows (no
+// packing), queries are loaded from the transposed q tile.
+template <class V, int KB, int MV>
+inline void qk_block(const float* k, int64_t ks, int64_t d, const float* qt, int64_t m_pad, float* s) {
+  using F = typename V::F;
+  F acc[KB][MV];
+#pragma GCC unroll 16
+  for (int a = 0; a < KB; ++a)
+#pragma GCC unroll 4
+    for (int b = 0; b < MV; ++b) acc[a][b] = V::zero();
+  for (int64_t c = 0; c < d; ++c) {
+    const float* qrow = qt + c * m_pad;
+    F q[MV];
+#pragma GCC unroll 4
+    for (int b = 0; b < MV; ++b) q[b] = V::load(qrow + b * V::kLanes);
+#pragma GCC unroll 16
+    for (int a = 0; a < KB; ++a) {
+      const F kk = V::bcast(k + a * ks + c);
+#pragma GCC unroll 4
+      for (int b = 0; b < MV; ++b) acc[a][b] = V::fma(kk, q[b], acc[a][b]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int a = 0; a < KB; ++a)
+#pragma GCC unroll 4
+    for (int b = 0; b < MV; ++b) V::store(s + a * m_pad + b * V::kLanes, acc[a][b]);
+}
+
+template <class V, int MV>
+inline void qk_columns(const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt, int64_t m_pad,
+                       float* s) {
+  constexpr int kb = V::kQkAcc / MV < V::kQkMaxKeys ? V::kQkAcc / MV : V::kQkMaxKeys;
+  int64_t n = 0;
+  for (; n + kb <= nk; n += kb) qk_block<V, kb, MV>(k + n * ks, ks, d, qt, m_pad, s + n * m_pad);
+  for (; n < nk; ++n) qk_block<V, 1, MV>(k + n * ks, ks, d, qt, m_pad, s + n * m_pad);
+}
+
+template <class V, int MV>
+inline void qk_columns_tail(int64_t vecs, const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt,
+                            int64_t m_pad, float* s) {
+  if constexpr (MV >= 1) {
+    if (vecs == MV) return qk_columns<V, MV>(k, ks, nk, d, qt, m_pad, s);
+    qk_columns_tail<V, MV - 1>(vecs, k, ks, nk, d, qt, m_pad, s);
+  }
+}
+
+template <class V>
+void qk_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt, int64_t m_pad,
+            float* s) {
+  const int64_t vecs = m_pad / V::kLanes;
+  int64_t v = 0;
+  for (; v + V::kQkVecs <= vecs; v += V::kQkVecs)
+    qk_columns<V, V::kQkVecs>(k, ks, nk, d, qt + v * V::kLanes, m_pad, s + v * V::kLanes);
+  qk_columns_tail<V, V::kQkVecs - 1>(vecs - v, k, ks, nk, d, qt + v * V::kLanes, m_pad,
+                                     s + v * V::kLanes);
+}
+
+// ---- soft-capping and the online-softmax step --------------------------
+
+// tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|): e is in (0, 1],
+// so nothing overflows; the absolute error is a few ulp of 1.
+template <class V>
+void softcap(float* s, int64_t count, float cap) {
+  using F = typename V::F;
+  const F inv = V::set1(1.0f / cap), c = V::set1(cap), one = V::set1(1.0f),
+          minus_two = V::set1(-2.0f);
+  for (int64_t i = 0; i < count; i += V::kLanes) {
+    const F x = V::mul(V::load(s + i), inv);
+    const F e = V::exp(V::mul(V::abs(x), minus_two));
+    const F t = V::div(V::sub(one, e), V::add(one, e));
+    V::store(s + i, V::mul(V::copysign(t, x), c));
+  }
+}
+
+template <class V>
+void softmax(float* s, int64_t nk, int64_t m_pad, float* row_max, float* row_sum, float* alpha) {
+  using F = typename V::F;
+  for (int64_t m = 0; m < m_pad; m += V::kLanes) {
+    const F old_max = V::load(row_max + m);
+    F new_max = old_max;
+    for (int64_t n = 0; n < nk; ++n) new_max = V::max(V::load(s + n * m_pad + m), new_max);
+    // A column with no finite score yet shifts by 0, so -inf stays -inf
+    // (exp gives 0) instead of becoming -inf - -inf = NaN.
+    const F shift = V::ninf_to_zero(new_max);
+    const F a = V::exp(V::sub(old_max, shift));
+    F sum = V::zero();
+    for (int64_t n = 0; n < nk; ++n) {
+      const F p = V::exp(V::sub(V::load(s + n * m_pad + m), shift));
+      V::store(s + n * m_pad + m, p);
+      sum = V::add(sum, p);
+    }
+    V::store(row_sum + m, V::fma(V::load(row_sum + m), a, sum));
+    V::store(row_max + m, new_max);
+    V::store(alpha + m, a);
+  }
+}
+
+// ---- O = alpha O + P V -------------------------------------------------
+
+// One register block: MR packed rows by CV vectors of output columns, over
+// all nk keys. The last column vector is loaded under `last` so a row is
+// never read past head_dim_v.
+template <class V, int MR, int CV>
+inline void pv_block(const float* s, int64_t nk, int64_t m_pad, const float* v, int64_t vs, float* o,
+                     int64_t dv_pad, const float* alpha, typename V::Mask last) {
+  using F = typename V::F;
+  F acc[MR][CV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const F a = V::bcast(alpha + r);
+#pragma GCC unroll 4
+    for (int c = 0; c < CV; ++c) acc[r][c] = V::mul(V::load(o + r * dv_pad + c * V::kLanes), a);
+  }
+  for (int64_t n = 0; n < nk; ++n) {
+    const float* vrow = v + n * vs;
+    F vv[CV];
+#pragma GCC unroll 4
+    for (int c = 0; c + 1 < CV; ++c) vv[c] = V::load(vrow + c * V::kLanes);
+    vv[CV - 1] = V::load_masked(vrow + (CV - 1) * V::kLanes, last);
+    const float* prow = s + n * m_pad;
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const F p = V::bcast(prow + r);
+#pragma GCC unroll 4
+      for (int c = 0; c < CV; ++c) acc[r][c] = V::fma(p, vv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CV; ++c) V::store(o + r * dv_pad + c * V::kLanes, acc[r][c]);
+}
+
+template <class V, int MR, int CV>
+inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t m_pad, const float* v, int64_t vs,
+                    float* o, int64_t dv_pad, const float* alpha, typename V::Mask last) {
+  if constexpr (MR >= 1) {
+    if (rows == MR) return pv_block<V, MR, CV>(s, nk, m_pad, v, vs, o, dv_pad, alpha, last);
+    pv_rows<V, MR - 1, CV>(rows, s, nk, m_pad, v, vs, o, dv_pad, alpha, last);
+  }
+}
+
+template <class V, int CV>
+inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, int64_t m_pad, const float* v,
+                       int64_t vs, float* o, int64_t dv_pad, const float* alpha,
+                       typename V::Mask last) {
+  if constexpr (CV >= 1) {
+    if (cvecs == CV) {
+      int64_t m = 0;
+      for (; m + V::kPvRows <= rows; m += V::kPvRows)
+        pv_block<V, V::kPvRows, CV>(s + m, nk, m_pad, v, vs, o + m * dv_pad, dv_pad, alpha + m,
+                                    last);
+      return pv_rows<V, V::kPvRows - 1, CV>(rows - m, s + m, nk, m_pad, v, vs, o + m * dv_pad,
+                                            dv_pad, alpha + m, last);
+    }
+    pv_columns<V, CV - 1>(cvecs, rows, s, nk, m_pad, v, vs, o, dv_pad, alpha, last);
+  }
+}
+
+template <class V>
+void pv_f32(const float* s, int64_t nk, int64_t m_pad, int64_t rows, const float* v, int64_t vs,
+            int64_t dv, float* o, int64_t dv_pad, const float* alpha) {
+  constexpr int64_t block = V::kPvVecs * V::kLanes;
+  for (int64_t c0 = 0; c0 < dv_pad; c0 += block) {
+    const int64_t width = dv_pad - c0 < block ? dv_pad - c0 : block;
+    const int64_t cvecs = width / V::kLanes;
+    const int64_t last_valid = dv - (c0 + (cvecs - 1) * V::kLanes);
+    const typename V::Mask last = V::mask_first(last_valid < 0 ? 0 : last_valid);
+    pv_columns<V, V::kPvVecs>(cvecs, rows, s, nk, m_pad, v + c0, vs, o + c0, dv_pad, alpha, last);
+  }
+}
+
+// ---- bf16 rows to fp32 ---------------------------------------------------
+
+// dst_row_stride is a multiple of kLanes and >= cols; the pad is written 0.
+template <class V>
+void widen_bf16(const uint16_t* src, int64_t src_row_stride, int64_t rows, int64_t cols,
+                float* dst, int64_t dst_row_stride) {
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t c = 0; c < dst_row_stride; c += V::kLanes) {
+      const int64_t valid = cols - c < 0 ? 0 : cols - c;
+      V::store(dst + n * dst_row_stride + c, V::widen_bf16(src + n * src_row_stride + c, valid));
+    }
+}
+
+}  // namespace attnkit::kernels::cpu::simd

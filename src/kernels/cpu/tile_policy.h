@@ -1,0 +1,62 @@
+// Tile and split sizes of the fast CPU attention kernel, in one place, each
+// with the measurement behind it. Correctness never depends on them (tests
+// run many other values); only speed does. Nothing here may depend on the
+// thread count: the split size decides the reduction order, and the output
+// must be the same bits for any number of threads.
+#pragma once
+
+#include <cstdint>
+
+#include "core/cpu_features.h"
+#include "kernels/attention_params.h"
+#include "kernels/cpu/attention_cpu.h"
+
+namespace attnkit::kernels::cpu {
+
+// Packed rows (query rows x heads of the kv group) per task. The K/V tile
+// is reused across all of them, and the pack-Q, finish and per-tile
+// softmax-bookkeeping costs are spread over them; 256 rows keep the q tile
+// (256 x 128 fp32 = 128 KiB) and the accumulators in L2.
+inline constexpr int64_t kTargetRows = 256;
+
+// Keys per tile: the S tile is 64 x m_pad fp32 and a K or V tile of 64
+// rows of head_dim 128 is 32 KiB, so the V tile that PV streams per column
+// block stays in L1.
+inline constexpr int64_t kKeysPerTile = 64;
+
+// Calls with fewer (batch, kv head, query block) tasks than this split
+// their keys so that every core has work (decode: 8 kv heads and one
+// query block give 8 tasks). A constant, not the thread count.
+inline constexpr int64_t kMinTasksWithoutSplit = 64;
+
+// Keys per split when splitting: 8 tiles, enough that the per-split costs
+// (packing q, writing and merging a partial row) stay small next to the
+// tile work, small enough that 16K keys over 8 kv heads give 256 tasks.
+inline constexpr int64_t kSplitKeys = 512;
+
+// Upper bound on the fp32 values all split partials may take together; a
+// bigger call uses proportionally larger splits (still shape-only).
+inline constexpr int64_t kMaxPartialFloats = int64_t{1} << 24;
+
+inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threads) {
+  Plan plan;
+  plan.target = target;
+  plan.num_threads = num_threads;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t rows = (kTargetRows + group - 1) / group;
+  plan.block_q = p.seqlen_q < rows ? (p.seqlen_q > 0 ? p.seqlen_q : 1) : rows;
+  plan.block_k = kKeysPerTile;
+  const int64_t q_blocks = (p.seqlen_q + plan.block_q - 1) / plan.block_q;
+  const int64_t tasks = p.batch * p.num_kv_heads * q_blocks;
+  if (tasks < kMinTasksWithoutSplit && p.seqlen_k > kSplitKeys) {
+    int64_t split = kSplitKeys;
+    const int64_t row_floats = plan.block_q * group * (p.head_dim_v + 2);
+    const int64_t splits_allowed = kMaxPartialFloats / (tasks * row_floats > 0 ? tasks * row_floats : 1);
+    if (splits_allowed < 2) return plan;
+    while ((p.seqlen_k + split - 1) / split + 1 > splits_allowed) split *= 2;
+    plan.split_k = split;
+  }
+  return plan;
+}
+
+}  // namespace attnkit::kernels::cpu

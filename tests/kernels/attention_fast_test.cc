@@ -1,0 +1,818 @@
+// The fast CPU attention kernel against its reference twin (attention_ref,
+// float64 loops) on seeded random inputs: every compiled SIMD target, many
+// tilings and split sizes, 1/2/3/7 threads, edge sizes around the tiles,
+// every mask, ring buffers, strided views, MLA's V-inside-K view, NaN in
+// keys a row may not see, and bit-exact determinism across thread counts.
+//
+// Tolerances are derived per output row from fp32's unit roundoff u, the
+// reduction lengths and the input magnitudes (see bounds_for_row); a
+// failure prints the worst element, both values and the bound.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "core/cpu_features.h"
+#include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/tile_policy.h"
+#include "kernels/dispatch.h"
+#include "kernels/ref/attention_ref.h"
+
+namespace attnkit::kernels {
+namespace {
+
+constexpr double kU = 0x1p-24;      // fp32 unit roundoff
+constexpr double kUBf16 = 0x1p-8;   // bf16 unit roundoff
+constexpr float kSentinel = 1234.5f;
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+enum class MaskKind { kNone, kBool, kAdd };
+
+struct Case {
+  int64_t batch = 1, seqlen_q = 1, seqlen_k = 1, heads = 1, kv_heads = 1, d = 8, dv = 8;
+  DType kv = DType::kF32;
+  bool causal = false;
+  int64_t window_left = -1, window_right = -1;
+  float softcap = 0.0f;
+  bool seqlens = false;    // random valid-key count per batch item
+  bool q_offsets = false;  // explicit query positions per batch item
+  MaskKind mask = MaskKind::kNone;
+  bool mask_broadcast = false;
+  SparsePattern sparse;
+  bool ring = false;
+  bool strided = false;   // padded strides everywhere, non-unit q/out dim strides
+  bool mla_view = false;  // V is the first dv columns of K's rows (dv <= d)
+  double poison = 0.0;    // fraction of (batch, kv row, kv head) K/V rows set to NaN
+  uint64_t seed = 1;
+
+  std::string describe() const {
+    std::ostringstream s;
+    s << "batch=" << batch << " sq=" << seqlen_q << " sk=" << seqlen_k << " h=" << heads << "/"
+      << kv_heads << " d=" << d << "/" << dv << " kv=" << dtype_name(kv) << " causal=" << causal
+      << " window=(" << window_left << "," << window_right << ") softcap=" << softcap
+      << " seqlens=" << seqlens << " q_offsets=" << q_offsets
+      << " mask=" << static_cast<int>(mask) << (mask_broadcast ? "b" : "")
+      << " sparse=" << static_cast<int>(sparse.kind) << "/" << sparse.block_size << "/"
+      << sparse.stride << "/" << sparse.summary << " ring=" << ring << " strided=" << strided
+      << " mla_view=" << mla_view << " poison=" << poison << " seed=" << seed;
+    return s.str();
+  }
+};
+
+// Owns the inputs of one case and builds AttentionParams over them.
+class Problem {
+ public:
+  explicit Problem(const Case& c) : c_(c), rng_(c.seed) {
+    const int64_t pad = c.strided ? 3 : 0;
+    // q [batch, seqlen_q, heads, d]; dim stride 2 when strided.
+    qs_.dim = c.strided ? 2 : 1;
+    qs_.head = c.d * qs_.dim + pad;
+    qs_.row = c.heads * qs_.head + pad;
+    qs_.batch = c.seqlen_q * qs_.row + pad;
+    // k, v [batch, seqlen_k, kv_heads, d / dv]; rows contiguous (dim stride 1).
+    ks_.head = c.d + pad;
+    ks_.row = c.kv_heads * ks_.head + pad;
+    ks_.batch = c.seqlen_k * ks_.row + pad;
+    vs_ = ks_;
+    if (!c.mla_view) {
+      vs_.head = c.dv + pad;
+      vs_.row = c.kv_heads * vs_.head + pad;
+      vs_.batch = c.seqlen_k * vs_.row + pad;
+    }
+    os_.dim = c.strided ? 3 : 1;
+    os_.head = c.dv * os_.dim + pad;
+    os_.row = c.heads * os_.head + pad;
+    os_.batch = c.seqlen_q * os_.row + pad;
+    lse_head_ = c.seqlen_q + pad;
+    lse_batch_ = c.heads * lse_head_ + pad;
+
+    // bf16 K/V: q is made bf16-exact and the scale a power of two, so that
+    // the vdpbf16ps path rounds nothing on the query side and the bound
+    // below can stay tight.
+    const bool bf16_q = c.kv == DType::kBF16;
+    scale_ = bf16_q ? std::ldexp(1.0f, -static_cast<int>(std::round(std::log2(std::sqrt(
+                                           static_cast<double>(c.d))))))
+                    : static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+    q_.resize(static_cast<size_t>(c.batch * qs_.batch), kSentinel);
+    for_each_q([&](int64_t at) { q_[at] = value(2.0f, bf16_q); });
+
+    const int64_t k_elems = c.batch * ks_.batch, v_elems = c.mla_view ? 0 : c.batch * vs_.batch;
+    std::vector<float> k(static_cast<size_t>(k_elems)), v(static_cast<size_t>(v_elems));
+    for (float& x : k) x = value(2.0f, false);
+    for (float& x : v) x = value(2.0f, false);
+    if (c.kv == DType::kBF16) {
+      for (float x : k) kb_.push_back(float_to_bf16(x));
+      for (float x : v) vb_.push_back(float_to_bf16(x));
+    } else {
+      kf_ = std::move(k);
+      vf_ = std::move(v);
+    }
+    poisoned_.assign(static_cast<size_t>(c.batch * c.seqlen_k * c.kv_heads), 0);
+    std::bernoulli_distribution poison(c.poison);
+    for (int64_t b = 0; b < c.batch; ++b)
+      for (int64_t r = 0; r < c.seqlen_k; ++r)
+        for (int64_t g = 0; g < c.kv_heads; ++g)
+          if (poison(rng_)) poison_row(b, r, g);
+
+    std::uniform_int_distribution<int64_t> len(0, c.seqlen_k);
+    if (c.seqlens)
+      for (int64_t b = 0; b < c.batch; ++b) k_len_.push_back(static_cast<int32_t>(len(rng_)));
+    std::uniform_int_distribution<int64_t> off(-c.seqlen_q, c.seqlen_k);
+    if (c.q_offsets)
+      for (int64_t b = 0; b < c.batch; ++b) q_off_.push_back(off(rng_));
+    if (c.ring) {
+      std::uniform_int_distribution<int64_t> start(0, c.seqlen_k - 1);
+      ring_start_ = start(rng_);
+    }
+
+    if (c.mask != MaskKind::kNone) {
+      const int64_t mb = c.mask_broadcast ? 1 : c.batch, mh = c.mask_broadcast ? 1 : c.heads;
+      ms_.dim = 1;
+      ms_.row = c.seqlen_k + 1;
+      ms_.head = c.seqlen_q * ms_.row;
+      ms_.batch = mh * ms_.head;
+      const size_t n = static_cast<size_t>(mb * ms_.batch);
+      std::bernoulli_distribution keep(0.8), ninf(0.1);
+      if (c.mask == MaskKind::kBool) {
+        bool_mask_.resize(n);
+        for (auto& x : bool_mask_) x = keep(rng_);
+      } else {
+        add_mask_.resize(n);
+        for (auto& x : add_mask_) x = ninf(rng_) ? -INFINITY : value(2.0f, false);
+      }
+      if (c.mask_broadcast) {
+        ms_.batch = 0;
+        ms_.head = 0;
+      }
+    }
+  }
+
+  const Case& spec() const { return c_; }
+
+  // Fills the K and V row of (batch b, physical row r, kv head g) with NaN.
+  void poison_row(int64_t b, int64_t r, int64_t g) {
+    s_max_.clear();
+    poisoned_[(b * c_.seqlen_k + r) * c_.kv_heads + g] = 1;
+    const bf16 nan16 = float_to_bf16(kNaN);
+    for (int64_t x = 0; x < c_.d; ++x) {
+      const int64_t at = b * ks_.batch + r * ks_.row + g * ks_.head + x;
+      if (c_.kv == DType::kBF16) kb_[at] = nan16; else kf_[at] = kNaN;
+    }
+    if (c_.mla_view) return;
+    for (int64_t x = 0; x < c_.dv; ++x) {
+      const int64_t at = b * vs_.batch + r * vs_.row + g * vs_.head + x;
+      if (c_.kv == DType::kBF16) vb_[at] = nan16; else vf_[at] = kNaN;
+    }
+  }
+
+  // Params writing to `out` / `lse` (laid out as out_elems() / lse_elems()).
+  AttentionParams params(float* out, float* lse) const {
+    AttentionParams p;
+    p.batch = c_.batch;
+    p.seqlen_q = c_.seqlen_q;
+    p.seqlen_k = c_.seqlen_k;
+    p.num_heads = c_.heads;
+    p.num_kv_heads = c_.kv_heads;
+    p.head_dim = c_.d;
+    p.head_dim_v = c_.dv;
+    p.q = q_.data();
+    p.q_stride = qs_;
+    p.kv_dtype = c_.kv;
+    if (c_.kv == DType::kBF16) {
+      p.k = kb_.data();
+      p.v = c_.mla_view ? static_cast<const void*>(kb_.data()) : vb_.data();
+    } else {
+      p.k = kf_.data();
+      p.v = c_.mla_view ? static_cast<const void*>(kf_.data()) : vf_.data();
+    }
+    p.k_stride = ks_;
+    p.v_stride = vs_;
+    p.out = out;
+    p.out_stride = os_;
+    p.lse = lse;
+    p.lse_stride_batch = lse_batch_;
+    p.lse_stride_head = lse_head_;
+    p.lse_stride_row = 1;
+    p.scale = scale_;
+    p.softcap = c_.softcap;
+    p.k_len = k_len_.empty() ? nullptr : k_len_.data();
+    p.q_offset = q_off_.empty() ? nullptr : q_off_.data();
+    p.causal = c_.causal;
+    p.window_left = c_.window_left;
+    p.window_right = c_.window_right;
+    p.sparse = c_.sparse;
+    p.bool_mask = bool_mask_.empty() ? nullptr : bool_mask_.data();
+    p.add_mask = add_mask_.empty() ? nullptr : add_mask_.data();
+    p.mask_stride = ms_;
+    p.ring_capacity = c_.ring ? c_.seqlen_k : 0;
+    p.ring_start = ring_start_;
+    return p;
+  }
+
+  int64_t out_elems() const { return c_.batch * os_.batch; }
+  int64_t lse_elems() const { return c_.batch * lse_batch_; }
+  int64_t out_index(int64_t b, int64_t i, int64_t h, int64_t c) const {
+    return b * os_.batch + i * os_.row + h * os_.head + c * os_.dim;
+  }
+  int64_t lse_index(int64_t b, int64_t h, int64_t i) const {
+    return b * lse_batch_ + h * lse_head_ + i;
+  }
+
+  // Error bounds for row (b, i, h) of the fast kernel against the exact
+  // result, for `target`. With u = 2^-24, n = keys, S = scale * max over
+  // keys of sum_d |q_d k_d| and Vmax = max |v|:
+  //   score error    E <= (d + 4) u S  (+ 8 u cap for softcap's tanh,
+  //                                     + u (S + max|bias|) for the bias)
+  //   weights        relative error <= expm1(2E) + 8u (exp is ~2 ulp)
+  //   output         <= Vmax (expm1(2E) + (3n + 32) u)  — sums of n terms
+  //                     rescaled once per tile — plus Vmax 2^-8 where
+  //                     vdpbf16ps rounds the weights to bf16
+  //   lse            <= E + (3n + 32) u + 4u |lse|
+  struct Bounds {
+    double out, lse;
+  };
+  Bounds bounds_for_row(int64_t b, int64_t i, int64_t h, SimdTarget target) const {
+    if (s_max_.empty()) compute_row_maxima();
+    const double s_max = s_max_[(b * c_.seqlen_q + i) * c_.heads + h];
+    const double v_max = v_max_[b * c_.kv_heads + h / (c_.heads / c_.kv_heads)];
+    double e = (c_.d + 4) * kU * s_max;
+    if (c_.softcap > 0.0f) e += 8 * kU * c_.softcap;
+    if (c_.mask == MaskKind::kAdd) e += kU * (s_max + 2.0);
+    const double n = static_cast<double>(c_.seqlen_k);
+    double out = v_max * (std::expm1(2 * e) + 8 * kU + (3 * n + 32) * kU);
+    if (c_.kv == DType::kBF16 && target == SimdTarget::kAvx512Bf16) out += v_max * kUBf16;
+    return {out + 1e-30, e + (3 * n + 32) * kU};
+  }
+
+ private:
+  // S (per row) and Vmax (per batch item and kv head) of bounds_for_row,
+  // over the keys that are not NaN.
+  void compute_row_maxima() const {
+    const int64_t group = c_.heads / c_.kv_heads;
+    s_max_.assign(static_cast<size_t>(c_.batch * c_.seqlen_q * c_.heads), 0.0);
+    v_max_.assign(static_cast<size_t>(c_.batch * c_.kv_heads), 0.0);
+    std::vector<double> kabs(static_cast<size_t>(c_.d));
+    for (int64_t b = 0; b < c_.batch; ++b)
+      for (int64_t g = 0; g < c_.kv_heads; ++g)
+        for (int64_t r = 0; r < c_.seqlen_k; ++r) {
+          if (poisoned_[(b * c_.seqlen_k + r) * c_.kv_heads + g]) continue;
+          for (int64_t x = 0; x < c_.d; ++x)
+            kabs[x] = std::fabs(kv_at(true, b * ks_.batch + r * ks_.row + g * ks_.head + x));
+          double& vm = v_max_[b * c_.kv_heads + g];
+          for (int64_t x = 0; x < c_.dv; ++x)
+            vm = std::max(vm, std::fabs(kv_at(false, b * vs_.batch + r * vs_.row + g * vs_.head + x)));
+          for (int64_t i = 0; i < c_.seqlen_q; ++i)
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+              const float* q = q_.data() + b * qs_.batch + i * qs_.row + h * qs_.head;
+              double dot = 0.0;
+              for (int64_t x = 0; x < c_.d; ++x) dot += std::fabs(q[x * qs_.dim]) * kabs[x];
+              double& sm = s_max_[(b * c_.seqlen_q + i) * c_.heads + h];
+              sm = std::max(sm, scale_ * dot);
+            }
+        }
+  }
+
+  template <class F>
+  void for_each_q(F f) {
+    for (int64_t b = 0; b < c_.batch; ++b)
+      for (int64_t i = 0; i < c_.seqlen_q; ++i)
+        for (int64_t h = 0; h < c_.heads; ++h)
+          for (int64_t x = 0; x < c_.d; ++x) f(b * qs_.batch + i * qs_.row + h * qs_.head + x * qs_.dim);
+  }
+  float value(float range, bool bf16_exact) {
+    std::uniform_real_distribution<float> u(-range, range);
+    const float x = u(rng_);
+    return bf16_exact ? bf16_to_float(float_to_bf16(x)) : x;
+  }
+  double kv_at(bool key, int64_t index) const {
+    const bool from_k = key || c_.mla_view;
+    if (c_.kv == DType::kBF16) return bf16_to_float(from_k ? kb_[index] : vb_[index]);
+    return from_k ? kf_[index] : vf_[index];
+  }
+
+  Case c_;
+  std::mt19937_64 rng_;
+  Strides4 qs_, ks_, vs_, os_, ms_;
+  int64_t lse_head_ = 0, lse_batch_ = 0, ring_start_ = 0;
+  float scale_ = 1.0f;
+  std::vector<float> q_, kf_, vf_, add_mask_;
+  std::vector<bf16> kb_, vb_;
+  std::vector<uint8_t> bool_mask_, poisoned_;
+  std::vector<int32_t> k_len_;
+  std::vector<int64_t> q_off_;
+  mutable std::vector<double> s_max_, v_max_;
+};
+
+struct Outputs {
+  std::vector<float> out, lse;
+};
+
+Outputs run_reference(const Problem& pr) {
+  Outputs r{std::vector<float>(static_cast<size_t>(pr.out_elems()), kSentinel),
+            std::vector<float>(static_cast<size_t>(pr.lse_elems()), kSentinel)};
+  const AttentionParams p = pr.params(r.out.data(), r.lse.data());
+  std::vector<double> scratch(attention_ref_scratch(p));
+  attention_ref(p, scratch.data());
+  return r;
+}
+
+Outputs run_fast(const Problem& pr, const cpu::Plan& plan) {
+  Outputs r{std::vector<float>(static_cast<size_t>(pr.out_elems()), kSentinel),
+            std::vector<float>(static_cast<size_t>(pr.lse_elems()), kSentinel)};
+  const AttentionParams p = pr.params(r.out.data(), r.lse.data());
+  EXPECT_TRUE(cpu::supports(p));
+  std::vector<char> scratch(cpu::scratch_bytes(p, plan));
+  cpu::attention(p, plan, scratch.data());
+  return r;
+}
+
+std::vector<SimdTarget> available_targets() {
+  std::vector<SimdTarget> out;
+  for (SimdTarget t : kAllSimdTargets)
+    if (simd_target_available(t)) out.push_back(t);
+  return out;
+}
+
+std::string plan_str(const cpu::Plan& plan) {
+  return std::string(simd_target_name(plan.target)) + " block_q=" + std::to_string(plan.block_q) +
+         " block_k=" + std::to_string(plan.block_k) + " split_k=" + std::to_string(plan.split_k) +
+         " threads=" + std::to_string(plan.num_threads);
+}
+
+// Compares fast against reference element by element; NaN must match NaN
+// (a row that sees a NaN key is NaN in both), every logical output must be
+// written, and the padding between strided outputs must stay untouched.
+void expect_close(const Problem& pr, const Outputs& ref, const Outputs& fast,
+                  const cpu::Plan& plan) {
+  const Case& c = pr.spec();
+  std::vector<uint8_t> logical(ref.out.size(), 0), logical_lse(ref.lse.size(), 0);
+  double worst_ratio = 0.0;
+  std::string worst;
+  int failures = 0;
+  for (int64_t b = 0; b < c.batch; ++b)
+    for (int64_t i = 0; i < c.seqlen_q; ++i)
+      for (int64_t h = 0; h < c.heads; ++h) {
+        const Problem::Bounds bound = pr.bounds_for_row(b, i, h, plan.target);
+        auto check = [&](const char* what, float r, float f, double tol) {
+          std::ostringstream where;
+          where << what << "[b=" << b << ", i=" << i << ", h=" << h << "]";
+          if (std::isnan(r) || std::isnan(f)) {
+            if (std::isnan(r) != std::isnan(f)) {
+              ++failures;
+              worst = where.str() + " ref=" + std::to_string(r) + " fast=" + std::to_string(f);
+              worst_ratio = INFINITY;
+            }
+            return;
+          }
+          if (std::isinf(r) || std::isinf(f)) {
+            if (r != f) {
+              ++failures;
+              worst = where.str() + " ref=" + std::to_string(r) + " fast=" + std::to_string(f);
+              worst_ratio = INFINITY;
+            }
+            return;
+          }
+          const double err = std::fabs(static_cast<double>(r) - f), ratio = err / tol;
+          if (ratio > 1.0) ++failures;
+          if (ratio > worst_ratio) {
+            worst_ratio = ratio;
+            std::ostringstream m;
+            m << where.str() << " ref=" << r << " fast=" << f << " err=" << err << " bound=" << tol;
+            worst = m.str();
+          }
+        };
+        for (int64_t x = 0; x < c.dv; ++x) {
+          const int64_t at = pr.out_index(b, i, h, x);
+          logical[at] = 1;
+          check("out", ref.out[at], fast.out[at], bound.out);
+        }
+        const int64_t at = pr.lse_index(b, h, i);
+        logical_lse[at] = 1;
+        const float lse_ref = ref.lse[at];
+        check("lse", lse_ref, fast.lse[at],
+              bound.lse + 4 * kU * (std::isfinite(lse_ref) ? std::fabs(lse_ref) : 0.0));
+      }
+  for (size_t x = 0; x < logical.size(); ++x)
+    if (!logical[x] && std::memcmp(&fast.out[x], &kSentinel, sizeof(float)) != 0) {
+      ++failures;
+      worst = "out padding element " + std::to_string(x) + " was written";
+    }
+  for (size_t x = 0; x < logical_lse.size(); ++x)
+    if (!logical_lse[x] && std::memcmp(&fast.lse[x], &kSentinel, sizeof(float)) != 0) {
+      ++failures;
+      worst = "lse padding element " + std::to_string(x) + " was written";
+    }
+  EXPECT_EQ(failures, 0) << c.describe() << "\n" << plan_str(plan) << "\nworst: " << worst;
+}
+
+// Runs `c` on every target with `plan_for` choosing the tiling.
+template <class PlanFor>
+void check_case(const Case& c, PlanFor plan_for) {
+  const Problem pr(c);
+  const Outputs ref = run_reference(pr);
+  for (SimdTarget t : available_targets()) {
+    cpu::Plan plan = plan_for(pr);
+    plan.target = t;
+    expect_close(pr, ref, run_fast(pr, plan), plan);
+  }
+}
+
+cpu::Plan default_plan(const Problem& pr, int threads) {
+  AttentionParams p = pr.params(nullptr, nullptr);
+  return cpu::make_plan(p, SimdTarget::kScalar, threads);
+}
+
+cpu::Plan tiled(int64_t block_q, int64_t block_k, int64_t split_k, int threads) {
+  cpu::Plan plan;
+  plan.block_q = block_q;
+  plan.block_k = block_k;
+  plan.split_k = split_k;
+  plan.num_threads = threads;
+  return plan;
+}
+
+// ---- targeted cases ------------------------------------------------------
+
+TEST(AttentionFast, EdgeSizesAroundTiles) {
+  uint64_t seed = 100;
+  for (int64_t tile : {4, 16})
+    for (int64_t sk : {int64_t{1}, tile - 1, tile, tile + 1, 2 * tile + 1})
+      for (int64_t sq : {int64_t{1}, tile - 1, tile + 1})
+        for (bool causal : {false, true}) {
+          Case c;
+          c.seqlen_q = sq;
+          c.seqlen_k = sk;
+          c.heads = 4;
+          c.kv_heads = 2;
+          c.d = tile == 4 ? 7 : 16;
+          c.dv = tile == 4 ? 5 : 17;
+          c.causal = causal;
+          c.seed = ++seed;
+          check_case(c, [&](const Problem&) { return tiled(tile, tile, 0, 2); });
+        }
+}
+
+TEST(AttentionFast, OddHeadDimsAndGroups) {
+  uint64_t seed = 200;
+  const int64_t groups[][2] = {{1, 1}, {3, 3}, {4, 1}, {6, 2}, {8, 2}};
+  for (const auto& hg : groups)
+    for (int64_t d : {1, 2, 3, 17, 33})
+      for (DType kv : {DType::kF32, DType::kBF16}) {
+        Case c;
+        c.seqlen_q = 5;
+        c.seqlen_k = 23;
+        c.heads = hg[0];
+        c.kv_heads = hg[1];
+        c.d = d;
+        c.dv = d == 33 ? 20 : d + 1;
+        c.kv = kv;
+        c.causal = d % 2 == 1;
+        c.seed = ++seed;
+        check_case(c, [&](const Problem&) { return tiled(3, 8, 0, 3); });
+      }
+}
+
+TEST(AttentionFast, EveryMask) {
+  uint64_t seed = 300;
+  std::vector<Case> cases;
+  auto base = [&] {
+    Case c;
+    c.batch = 2;
+    c.seqlen_q = 19;
+    c.seqlen_k = 37;
+    c.heads = 4;
+    c.kv_heads = 2;
+    c.d = 16;
+    c.dv = 12;
+    c.seed = ++seed;
+    return c;
+  };
+  Case c = base();
+  c.causal = true;
+  cases.push_back(c);
+  c = base();
+  c.window_left = 5;
+  c.window_right = 2;
+  cases.push_back(c);
+  c = base();
+  c.causal = true;
+  c.window_left = 8;
+  cases.push_back(c);
+  c = base();
+  c.window_left = 0;
+  c.window_right = 0;
+  cases.push_back(c);
+  c = base();
+  c.seqlens = true;
+  c.causal = true;
+  cases.push_back(c);
+  c = base();
+  c.q_offsets = true;
+  c.causal = true;
+  c.window_left = 6;
+  cases.push_back(c);
+  c = base();
+  c.softcap = 1.5f;
+  c.causal = true;
+  cases.push_back(c);
+  for (MaskKind m : {MaskKind::kBool, MaskKind::kAdd})
+    for (bool broadcast : {false, true}) {
+      c = base();
+      c.mask = m;
+      c.mask_broadcast = broadcast;
+      c.causal = broadcast;
+      cases.push_back(c);
+    }
+  for (auto kind : {SparsePattern::Kind::kStrided, SparsePattern::Kind::kFixed})
+    for (int64_t bs : {1, 3, 8}) {
+      c = base();
+      c.sparse.kind = kind;
+      c.sparse.block_size = bs;
+      c.sparse.stride = 3;
+      c.sparse.summary = 1;
+      c.causal = bs != 3;
+      cases.push_back(c);
+    }
+  c = base();
+  c.ring = true;
+  c.seqlens = true;
+  c.causal = true;
+  cases.push_back(c);
+  for (const Case& cc : cases)
+    for (DType kv : {DType::kF32, DType::kBF16}) {
+      Case k = cc;
+      k.kv = kv;
+      check_case(k, [&](const Problem&) { return tiled(4, 8, 0, 2); });
+      check_case(k, [&](const Problem&) { return tiled(19, 16, 8, 3); });
+    }
+}
+
+// NaN in keys a row may not see (beyond seqlens_k, in the future, outside
+// the window, dropped by a mask) must not reach that row; rows that do see
+// one are NaN in both implementations.
+TEST(AttentionFast, NonFiniteMaskedKeysDoNotLeak) {
+  uint64_t seed = 400;
+  for (int variant = 0; variant < 4; ++variant)
+    for (DType kv : {DType::kF32, DType::kBF16}) {
+      Case c;
+      c.batch = 2;
+      c.seqlen_q = 12;
+      c.seqlen_k = 40;
+      c.heads = 2;
+      c.kv_heads = 1;
+      c.d = 8;
+      c.dv = 8;
+      c.kv = kv;
+      c.causal = true;
+      c.seqlens = variant == 0;
+      c.window_left = variant == 1 ? 3 : -1;
+      c.mask = variant == 2 ? MaskKind::kBool : MaskKind::kNone;
+      if (variant == 3) {
+        c.sparse.kind = SparsePattern::Kind::kStrided;
+        c.sparse.block_size = 2;
+        c.sparse.stride = 4;
+      }
+      c.poison = 0.1;
+      c.seed = ++seed;
+      check_case(c, [&](const Problem&) { return tiled(4, 16, 0, 2); });
+      check_case(c, [&](const Problem&) { return tiled(12, 64, 0, 1); });
+    }
+  // A future key full of NaN under causal masking: only the last row sees it.
+  Case c;
+  c.seqlen_q = 4;
+  c.seqlen_k = 4;
+  c.causal = true;
+  Problem pr(c);
+  pr.poison_row(0, 3, 0);
+  for (SimdTarget t : available_targets()) {
+    cpu::Plan plan = tiled(4, 4, 0, 1);
+    plan.target = t;
+    const Outputs f = run_fast(pr, plan);
+    for (int64_t i = 0; i < 3; ++i)
+      for (int64_t x = 0; x < c.dv; ++x)
+        EXPECT_TRUE(std::isfinite(f.out[pr.out_index(0, i, 0, x)])) << simd_target_name(t) << i;
+    EXPECT_TRUE(std::isnan(f.out[pr.out_index(0, 3, 0, 0)])) << simd_target_name(t);
+  }
+}
+
+TEST(AttentionFast, RowsWithoutVisibleKeysAreZero) {
+  Case c;
+  c.batch = 3;
+  c.seqlen_q = 9;
+  c.seqlen_k = 5;
+  c.heads = 2;
+  c.kv_heads = 1;
+  c.causal = true;  // the first 4 rows sit before key 0
+  c.seqlens = true;
+  c.seed = 7;
+  const Problem pr(c);
+  const Outputs ref = run_reference(pr);
+  for (SimdTarget t : available_targets())
+    for (int64_t split : {0, 2}) {
+      cpu::Plan plan = tiled(3, 2, split, 2);
+      plan.target = t;
+      const Outputs f = run_fast(pr, plan);
+      expect_close(pr, ref, f, plan);
+      for (int64_t b = 0; b < c.batch; ++b)
+        for (int64_t h = 0; h < c.heads; ++h)
+          for (int64_t i = 0; i < 4; ++i) {
+            EXPECT_EQ(f.lse[pr.lse_index(b, h, i)], -INFINITY);
+            for (int64_t x = 0; x < c.dv; ++x) EXPECT_EQ(f.out[pr.out_index(b, i, h, x)], 0.0f);
+          }
+    }
+}
+
+// DeepSeek's absorbed MLA decode: 128 query heads share one latent kv head,
+// keys are 576 wide, values are the first 512 columns of the same rows.
+TEST(AttentionFast, AbsorbedMlaDecode) {
+  uint64_t seed = 500;
+  for (DType kv : {DType::kF32, DType::kBF16})
+    for (int64_t sq : {1, 2}) {
+      Case c;
+      c.batch = 1;
+      c.seqlen_q = sq;
+      c.seqlen_k = 150;
+      c.heads = 128;
+      c.kv_heads = 1;
+      c.d = 576;
+      c.dv = 512;
+      c.kv = kv;
+      c.mla_view = true;
+      c.causal = true;
+      c.seed = ++seed;
+      check_case(c, [&](const Problem& pr) { return default_plan(pr, 2); });
+      check_case(c, [&](const Problem&) { return tiled(1, 32, 64, 3); });
+    }
+}
+
+// ---- randomized sweep ----------------------------------------------------
+
+Case random_case(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto pick = [&](std::initializer_list<int64_t> xs) {
+    std::uniform_int_distribution<size_t> u(0, xs.size() - 1);
+    return *(xs.begin() + u(rng));
+  };
+  auto chance = [&](double p) { return std::bernoulli_distribution(p)(rng); };
+  Case c;
+  c.seed = seed;
+  c.batch = pick({1, 1, 2, 3});
+  c.seqlen_q = pick({1, 2, 3, 4, 7, 16, 17, 33});
+  c.seqlen_k = pick({1, 5, 16, 31, 64, 65, 80});
+  const int64_t heads[][2] = {{1, 1}, {2, 1}, {4, 2}, {6, 3}, {8, 2}, {5, 5}};
+  const auto& hg = heads[pick({0, 1, 2, 3, 4, 5})];
+  c.heads = hg[0];
+  c.kv_heads = hg[1];
+  c.d = pick({1, 3, 8, 16, 17, 32, 40});
+  c.mla_view = chance(0.15);
+  c.dv = c.mla_view ? std::max<int64_t>(1, c.d - pick({0, 1, 5})) : pick({1, 5, 16, 31, 33});
+  c.kv = chance(0.4) ? DType::kBF16 : DType::kF32;
+  c.causal = chance(0.5);
+  if (chance(0.3)) {
+    c.window_left = pick({-1, 0, 3, 10});
+    c.window_right = pick({-1, 0, 2});
+  }
+  if (chance(0.2)) c.softcap = 2.0f;
+  c.seqlens = chance(0.3);
+  c.q_offsets = !c.seqlens && chance(0.15);
+  const int64_t mask = pick({0, 0, 0, 1, 2});
+  c.mask = static_cast<MaskKind>(mask);
+  c.mask_broadcast = chance(0.5);
+  if (chance(0.2)) {
+    c.sparse.kind = chance(0.5) ? SparsePattern::Kind::kStrided : SparsePattern::Kind::kFixed;
+    c.sparse.block_size = pick({1, 2, 4});
+    c.sparse.stride = pick({1, 2, 3});
+    c.sparse.summary = 1;
+  }
+  c.ring = chance(0.15);
+  c.strided = chance(0.3);
+  c.poison = chance(0.15) ? 0.1 : 0.0;
+  return c;
+}
+
+TEST(AttentionFast, RandomCasesEveryTargetTilingAndThreadCount) {
+  for (uint64_t seed = 1; seed <= 120; ++seed) {
+    const Case c = random_case(seed * 7919);
+    std::mt19937_64 rng(seed);
+    auto pick = [&](std::initializer_list<int64_t> xs) {
+      std::uniform_int_distribution<size_t> u(0, xs.size() - 1);
+      return *(xs.begin() + u(rng));
+    };
+    const cpu::Plan random_tiling = tiled(pick({1, 2, 3, 5, 8, 64}), pick({1, 2, 7, 16, 64}),
+                                          pick({0, 0, 1, 5, 16, 64}),
+                                          static_cast<int>(pick({1, 2, 3, 7})));
+    const int threads = static_cast<int>(pick({1, 2, 3, 7}));
+    check_case(c, [&](const Problem&) { return random_tiling; });
+    check_case(c, [&](const Problem& pr) { return default_plan(pr, threads); });
+  }
+}
+
+// ---- determinism -----------------------------------------------------------
+
+// Decode-shaped calls split their keys; the split size depends on shapes
+// only, so outputs are the same bits for any thread count and every run.
+TEST(AttentionFast, DecodeIsBitIdenticalAcrossThreadCounts) {
+  uint64_t seed = 600;
+  for (DType kv : {DType::kF32, DType::kBF16})
+    for (int64_t sq : {1, 4, 16}) {
+      Case c;
+      c.batch = 3;
+      c.seqlen_q = sq;
+      c.seqlen_k = 1500;
+      c.heads = 8;
+      c.kv_heads = 2;
+      c.d = 64;
+      c.dv = 64;
+      c.kv = kv;
+      c.causal = true;
+      c.seqlens = true;  // caches of different lengths
+      c.seed = ++seed;
+      const Problem pr(c);
+      const cpu::Plan base = default_plan(pr, 1);
+      ASSERT_GT(base.split_k, 0) << "decode shapes are expected to split";
+      const Outputs ref = run_reference(pr);
+      for (SimdTarget t : available_targets()) {
+        cpu::Plan plan = base;
+        plan.target = t;
+        const Outputs first = run_fast(pr, plan);
+        expect_close(pr, ref, first, plan);
+        for (int threads : {1, 2, 3, 7, 2}) {
+          plan.num_threads = threads;
+          const Outputs again = run_fast(pr, plan);
+          EXPECT_EQ(0, std::memcmp(first.out.data(), again.out.data(), first.out.size() * 4))
+              << plan_str(plan) << " " << c.describe();
+          EXPECT_EQ(0, std::memcmp(first.lse.data(), again.lse.data(), first.lse.size() * 4))
+              << plan_str(plan) << " " << c.describe();
+        }
+      }
+    }
+}
+
+// ---- dispatch ----------------------------------------------------------------
+
+TensorView view_of(void* data, DType dtype, std::initializer_list<int64_t> shape) {
+  return make_view(data, dtype, shape);
+}
+
+TEST(AttentionFast, DispatchRoutesBackendsAndFallsBack) {
+  const int64_t B = 2, S = 20, H = 4, HKV = 2, D = 16;
+  std::mt19937_64 rng(9);
+  std::uniform_real_distribution<float> u(-2, 2);
+  std::vector<float> q(B * S * H * D), k(B * S * HKV * D), v(B * S * HKV * D);
+  for (auto* t : {&q, &k, &v})
+    for (float& x : *t) x = u(rng);
+  auto run = [&](Backend backend, bool with_probs) {
+    Outputs r{std::vector<float>(B * S * H * D), std::vector<float>(B * H * S)};
+    std::vector<float> probs(with_probs ? B * H * S * S : 0);
+    AttentionOptions o;
+    o.causal = true;
+    o.backend = backend;
+    o.num_threads = 3;
+    const Status st = sdpa(view_of(q.data(), DType::kF32, {B, S, H, D}),
+                           view_of(k.data(), DType::kF32, {B, S, HKV, D}),
+                           view_of(v.data(), DType::kF32, {B, S, HKV, D}),
+                           view_of(r.out.data(), DType::kF32, {B, S, H, D}), o,
+                           view_of(r.lse.data(), DType::kF32, {B, H, S}),
+                           with_probs ? view_of(probs.data(), DType::kF32, {B, H, S, S})
+                                      : TensorView{});
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    return r;
+  };
+  const SimdTarget before = simd_target();
+  const Outputs ref = run(Backend::kReference, false);
+  for (SimdTarget t : available_targets()) {
+    ASSERT_TRUE(set_simd_target(t));
+    const Outputs fast = run(Backend::kFast, false), autod = run(Backend::kAuto, false);
+    // kAuto and kFast run the same fast kernel (unless ATTNKIT_BACKEND=reference
+    // sends kAuto to the reference): the same bits.
+    if (resolve_backend(Backend::kAuto) == Backend::kAuto) {
+      EXPECT_EQ(fast.out, autod.out) << simd_target_name(t);
+    }
+    // ...which is not the reference's double-accumulated result bit for bit,
+    double worst = 0;
+    for (size_t x = 0; x < ref.out.size(); ++x) worst = std::max(worst, double(std::fabs(ref.out[x] - fast.out[x])));
+    EXPECT_LT(worst, 1e-5) << simd_target_name(t);
+    // ...while asking for probabilities falls back to the reference exactly.
+    EXPECT_EQ(run(Backend::kAuto, true).out, ref.out) << simd_target_name(t);
+  }
+  ASSERT_TRUE(set_simd_target(before));
+
+  AttentionParams p;
+  p.k_stride.dim = 2;
+  EXPECT_FALSE(cpu::supports(p));  // K rows not contiguous: reference
+  p.k_stride.dim = 1;
+  EXPECT_TRUE(cpu::supports(p));
+  float probs;
+  p.probs = &probs;
+  EXPECT_FALSE(cpu::supports(p));
+}
+
+}  // namespace
+}  // namespace attnkit::kernels
