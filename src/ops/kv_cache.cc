@@ -12,11 +12,12 @@
 //   A: the T queries over the held ring tokens (oldest -> newest),
 //   B: the T queries over the new chunk itself,
 // and only then are the newest min(T, slots) tokens written into the ring.
+#include "attnkit/kv_cache.h"
+
 #include <algorithm>
 #include <cmath>
 #include <string>
 
-#include "attnkit/kv_cache.h"
 #include "core/check.h"
 #include "core/checked_math.h"
 #include "kernels/dispatch.h"
@@ -106,7 +107,8 @@ Result<KVCache> KVCache::create(const KVCacheSpec& spec) {
     return invalid_argument(f + ": spec.head_dim_v = " + std::to_string(spec.head_dim_v) +
                             " must be >= 1 (or 0 for head_dim)");
   if (spec.dtype != DType::kF32 && spec.dtype != DType::kBF16)
-    return invalid_argument(f + ": spec.dtype = " + dtype_name(spec.dtype) + " must be f32 or bf16");
+    return invalid_argument(f + ": spec.dtype = " + dtype_name(spec.dtype) +
+                            " must be f32 or bf16");
   if (spec.sliding_window < 0)
     return invalid_argument(f + ": spec.sliding_window = " + std::to_string(spec.sliding_window) +
                             " must be >= 1 (or 0 for none)");
@@ -115,15 +117,14 @@ Result<KVCache> KVCache::create(const KVCacheSpec& spec) {
   cache.spec_ = spec;
   if (cache.spec_.head_dim_v == 0) cache.spec_.head_dim_v = spec.head_dim;
   // A window W sees at most W-1 earlier tokens, so W == 1 keeps none.
-  cache.slots_ = spec.sliding_window == 0
-                     ? spec.max_seq_len
-                     : std::min(spec.max_seq_len, spec.sliding_window - 1);
+  cache.slots_ = spec.sliding_window == 0 ? spec.max_seq_len
+                                          : std::min(spec.max_seq_len, spec.sliding_window - 1);
   // Tensor::zeros checks the element and byte counts for overflow.
-  auto keys = Tensor::zeros(spec.dtype, {spec.batch_size, cache.slots_, spec.num_kv_heads,
-                                         spec.head_dim});
+  auto keys =
+      Tensor::zeros(spec.dtype, {spec.batch_size, cache.slots_, spec.num_kv_heads, spec.head_dim});
   if (!keys.ok()) return Status(keys.status().code(), f + ": keys: " + keys.status().message());
-  auto values = Tensor::zeros(spec.dtype, {spec.batch_size, cache.slots_, spec.num_kv_heads,
-                                           cache.spec_.head_dim_v});
+  auto values = Tensor::zeros(
+      spec.dtype, {spec.batch_size, cache.slots_, spec.num_kv_heads, cache.spec_.head_dim_v});
   if (!values.ok())
     return Status(values.status().code(), f + ": values: " + values.status().message());
   cache.keys_ = std::move(keys).value();
@@ -146,7 +147,8 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
   if (T < 1)
     return invalid_argument(f + ": q.shape[1] (T) = " + std::to_string(T) + " must be >= 1");
   ATTNKIT_RETURN_IF_ERROR(check::dim(kAttend, "q", q, 3, "head_dim", head_dim, "spec.head_dim"));
-  ATTNKIT_RETURN_IF_ERROR(check_head_layout(kAttend, num_heads, num_kv_heads, head_dim, head_dim_v));
+  ATTNKIT_RETURN_IF_ERROR(
+      check_head_layout(kAttend, num_heads, num_kv_heads, head_dim, head_dim_v));
   const struct {
     const char* name;
     const TensorView* view;
@@ -159,7 +161,8 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
       {"out", &out, num_heads, head_dim_v, "q.shape[2]", "spec.head_dim_v"},
   };
   for (const auto& s : shaped) {
-    ATTNKIT_RETURN_IF_ERROR(check::dim(kAttend, s.name, *s.view, 0, "batch", batch, "spec.batch_size"));
+    ATTNKIT_RETURN_IF_ERROR(
+        check::dim(kAttend, s.name, *s.view, 0, "batch", batch, "spec.batch_size"));
     ATTNKIT_RETURN_IF_ERROR(check::dim(kAttend, s.name, *s.view, 1, "T", T, "q.shape[1]"));
     ATTNKIT_RETURN_IF_ERROR(check::dim(kAttend, s.name, *s.view, 2,
                                        s.view == &out ? "num_heads" : "num_kv_heads", s.heads,
@@ -171,11 +174,13 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
 
   ATTNKIT_RETURN_IF_ERROR(check_attention_options(kAttend, options));
   if (options.mask.present())
-    return invalid_argument(f + ": options.mask is not supported; a cache's mask is causal "
-                                "(plus its window)");
+    return invalid_argument(f +
+                            ": options.mask is not supported; a cache's mask is causal "
+                            "(plus its window)");
   if (!options.seqlens_k.empty())
-    return invalid_argument(f + ": options.seqlens_k is not supported; every sequence of a "
-                                "cache has length() tokens");
+    return invalid_argument(f +
+                            ": options.seqlens_k is not supported; every sequence of a "
+                            "cache has length() tokens");
   if (options.window_size.left != -1 || options.window_size.right != -1)
     return invalid_argument(f + ": options.window_size = (" +
                             std::to_string(options.window_size.left) + ", " +
@@ -183,8 +188,10 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
                             ") must be (-1, -1); the window is the cache's spec.sliding_window");
   const int64_t W = spec_.sliding_window;
   if (W > 0 && options.sparse.kind != SparsePattern::Kind::kNone)
-    return invalid_argument(f + ": options.sparse cannot be combined with a sliding-window "
-                                "cache (spec.sliding_window = " + std::to_string(W) +
+    return invalid_argument(f +
+                            ": options.sparse cannot be combined with a sliding-window "
+                            "cache (spec.sliding_window = " +
+                            std::to_string(W) +
                             "): the pattern is defined on absolute positions, which the ring "
                             "does not keep");
 
@@ -204,8 +211,8 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
   int64_t new_length;
   if (!checked_add(length_, T, &new_length) || new_length > spec_.max_seq_len)
     return out_of_range(f + ": length() + T = " + std::to_string(length_) + " + " +
-                        std::to_string(T) + " exceeds max_seq_len = " +
-                        std::to_string(spec_.max_seq_len));
+                        std::to_string(T) +
+                        " exceeds max_seq_len = " + std::to_string(spec_.max_seq_len));
 
   kernels::AttentionParams prm = base_params(q, num_kv_heads, head_dim_v, options);
   prm.kv_dtype = spec_.dtype;

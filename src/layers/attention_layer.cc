@@ -1,0 +1,360 @@
+// AttentionLayer: validate -> project (q/k/v) -> per-head RMSNorm (Qwen3)
+// -> RoPE -> attention (sdpa, or the KV cache) -> o_proj.
+//
+// MHA, MQA and GQA are one path: only num_kv_heads differs, and the kernels
+// map query head h to kv head h / (num_heads / num_kv_heads) without
+// expanding K/V. Activations live in per-call scratch owned here (kernels
+// never allocate), laid out [batch, seq, heads, head_dim] contiguous, which
+// is both kernels::linear's [rows, out_features] and the attention layout.
+// Every check runs before anything the caller can see is written: `out`
+// is written last (o_proj), and the cache is touched only by its own
+// attend(), which is all-or-nothing.
+#include "attnkit/attention_layer.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/check.h"
+#include "core/checked_math.h"
+#include "io/weight_loader.h"
+#include "kernels/linear.h"
+
+namespace attnkit {
+namespace {
+
+constexpr const char* kCreate = "AttentionLayer::create";
+constexpr const char* kLoad = "AttentionLayer::load_weights";
+constexpr const char* kWeight = "AttentionLayer::weight";
+constexpr const char* kNewCache = "AttentionLayer::new_cache";
+constexpr const char* kForward = "AttentionLayer::forward";
+constexpr const char* kForwardQkv = "AttentionLayer::forward_qkv";
+
+// Rope::apply's bound: positions must be exact in double.
+constexpr int64_t kMaxPosition = int64_t{1} << 53;
+
+Status prefixed(const char* fn, const Status& st) {
+  return st.ok() ? st : Status(st.code(), std::string(fn) + ": " + st.message());
+}
+
+// A rank-3 f32 activation [batch, seq, hidden] whose last dimension is
+// contiguous (kernels::linear reads rows with unit stride); batch and seq
+// strides are free.
+Status check_activation(const char* fn, const char* name, const TensorView& v, int64_t hidden) {
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, name, v, 3, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(fn, name, v, 2, "hidden_size", hidden, "config().hidden_size"));
+  if (v.shape[2] > 1 && v.strides[2] != 1)
+    return invalid_argument(std::string(fn) + ": " + name +
+                            ".strides[2] = " + std::to_string(v.strides[2]) +
+                            " must be 1 (the hidden dimension must be contiguous)");
+  return Status::Ok();
+}
+
+Status check_run(const char* fn, const RunOptions& run) {
+  if (run.num_threads < 0)
+    return invalid_argument(std::string(fn) + ": run.num_threads = " +
+                            std::to_string(run.num_threads) + " must be >= 0 (0 = default)");
+  if (run.backend != Backend::kAuto && run.backend != Backend::kReference &&
+      run.backend != Backend::kFast)
+    return invalid_argument(std::string(fn) +
+                            ": run.backend = " + std::to_string(static_cast<int>(run.backend)) +
+                            " is not a Backend value");
+  return Status::Ok();
+}
+
+// Zeroed contiguous f32 scratch [batch, seq, heads, dim].
+Status scratch(const char* fn, const char* what, int64_t batch, int64_t seq, int64_t heads,
+               int64_t dim, Tensor* t) {
+  auto r = Tensor::zeros(DType::kF32, {batch, seq, heads, dim});
+  if (!r.ok())
+    return Status(r.status().code(),
+                  std::string(fn) + ": scratch for " + what + ": " + r.status().message());
+  *t = std::move(r).value();
+  return Status::Ok();
+}
+
+// y = x W^T (+ bias) for every batch item; x [batch, seq, in] with row
+// stride x.strides[1] (unit inner stride), y [batch, seq, out] likewise.
+void project(const TensorView& x, const Tensor& w, const Tensor& bias, const TensorView& y) {
+  const int64_t batch = x.shape[0], seq = x.shape[1];
+  const int64_t in = w.dim(1), outf = w.dim(0);
+  for (int64_t b = 0; b < batch; ++b)
+    kernels::linear(x.ptr<const float>() + b * x.strides[0], x.strides[1], w.ptr<const float>(),
+                    bias.ptr<const float>(), y.ptr<float>() + b * y.strides[0], y.strides[1], seq,
+                    outf, in);
+}
+
+// The [batch, seq, heads * dim] view of a [batch, seq, heads, dim] scratch
+// tensor, for project().
+TensorView flat(const Tensor& t) {
+  return make_view(t.data(), DType::kF32, {t.dim(0), t.dim(1), t.dim(2) * t.dim(3)});
+}
+
+}  // namespace
+
+Result<AttentionLayer> AttentionLayer::create(const AttentionConfig& config) {
+  ATTNKIT_RETURN_IF_ERROR(prefixed(kCreate, validate(config)));
+  AttentionLayer layer;
+  layer.config_ = config;
+  if (config.use_rope) {
+    auto rope = Rope::create(config.rope);
+    if (!rope.ok()) return prefixed(kCreate, rope.status());
+    layer.rope_ = std::move(rope).value();
+  }
+  return layer;
+}
+
+std::vector<std::string> AttentionLayer::weight_names() const {
+  std::vector<std::string> names = {"q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                    "o_proj.weight"};
+  if (config_.qkv_bias)
+    for (const char* n : {"q_proj.bias", "k_proj.bias", "v_proj.bias"}) names.emplace_back(n);
+  if (config_.o_bias) names.emplace_back("o_proj.bias");
+  if (config_.qk_norm)
+    for (const char* n : {"q_norm.weight", "k_norm.weight"}) names.emplace_back(n);
+  return names;
+}
+
+Status AttentionLayer::load_weights(const WeightMap& weights, std::string_view prefix) {
+  const AttentionConfig& c = config_;
+  const int64_t hidden = c.hidden_size, q_out = c.num_heads * c.head_dim,
+                kv_out = c.num_kv_heads * c.head_dim;
+  io::WeightLoader w(weights, prefix, kLoad);
+  // Staged, and moved into the layer only when every weight validated.
+  Tensor wq, wk, wv, wo, bq, bk, bv, bo, qn, kn;
+  ATTNKIT_RETURN_IF_ERROR(
+      w.load("q_proj.weight", {q_out, hidden}, "num_heads*head_dim, hidden_size", &wq));
+  ATTNKIT_RETURN_IF_ERROR(
+      w.load("k_proj.weight", {kv_out, hidden}, "num_kv_heads*head_dim, hidden_size", &wk));
+  ATTNKIT_RETURN_IF_ERROR(
+      w.load("v_proj.weight", {kv_out, hidden}, "num_kv_heads*head_dim, hidden_size", &wv));
+  ATTNKIT_RETURN_IF_ERROR(
+      w.load("o_proj.weight", {hidden, q_out}, "hidden_size, num_heads*head_dim", &wo));
+  if (c.qkv_bias) {
+    ATTNKIT_RETURN_IF_ERROR(w.load("q_proj.bias", {q_out}, "num_heads*head_dim", &bq));
+    ATTNKIT_RETURN_IF_ERROR(w.load("k_proj.bias", {kv_out}, "num_kv_heads*head_dim", &bk));
+    ATTNKIT_RETURN_IF_ERROR(w.load("v_proj.bias", {kv_out}, "num_kv_heads*head_dim", &bv));
+  }
+  if (c.o_bias) ATTNKIT_RETURN_IF_ERROR(w.load("o_proj.bias", {hidden}, "hidden_size", &bo));
+  if (c.qk_norm) {
+    ATTNKIT_RETURN_IF_ERROR(w.load("q_norm.weight", {c.head_dim}, "head_dim", &qn));
+    ATTNKIT_RETURN_IF_ERROR(w.load("k_norm.weight", {c.head_dim}, "head_dim", &kn));
+  }
+  ATTNKIT_RETURN_IF_ERROR(w.finish());
+  wq_ = std::move(wq);
+  wk_ = std::move(wk);
+  wv_ = std::move(wv);
+  wo_ = std::move(wo);
+  bq_ = std::move(bq);
+  bk_ = std::move(bk);
+  bv_ = std::move(bv);
+  bo_ = std::move(bo);
+  q_norm_ = std::move(qn);
+  k_norm_ = std::move(kn);
+  return Status::Ok();
+}
+
+Result<TensorView> AttentionLayer::weight(std::string_view name) const {
+  const std::pair<const char*, const Tensor*> table[] = {
+      {"q_proj.weight", &wq_},    {"k_proj.weight", &wk_}, {"v_proj.weight", &wv_},
+      {"o_proj.weight", &wo_},    {"q_proj.bias", &bq_},   {"k_proj.bias", &bk_},
+      {"v_proj.bias", &bv_},      {"o_proj.bias", &bo_},   {"q_norm.weight", &q_norm_},
+      {"k_norm.weight", &k_norm_}};
+  for (const auto& [n, t] : table)
+    if (name == n) {
+      if (wq_.data() == nullptr)
+        return not_found(std::string(kWeight) + ": " + n +
+                         " is not loaded yet (call load_weights)");
+      if (t->data() == nullptr)
+        return not_found(std::string(kWeight) + ": " + n +
+                         " is not a weight of this configuration");
+      return t->view();
+    }
+  return not_found(std::string(kWeight) + ": no weight named \"" + std::string(name) + "\"");
+}
+
+Result<KVCache> AttentionLayer::new_cache(int64_t batch_size, int64_t max_seq_len,
+                                          DType dtype) const {
+  auto cache = KVCache::create({batch_size, max_seq_len, config_.num_kv_heads, config_.head_dim,
+                                config_.head_dim, dtype, config_.sliding_window});
+  if (!cache.ok()) return prefixed(kNewCache, cache.status());
+  return cache;
+}
+
+Status AttentionLayer::forward(const TensorView& x, const TensorView& out,
+                               std::span<const int64_t> positions, KVCache* cache,
+                               const RunOptions& run) {
+  // ---- validation: nothing is written before all of it passes ----------
+  const std::string f = kForward;
+  const AttentionConfig& c = config_;
+  if (wq_.data() == nullptr)
+    return invalid_argument(f + ": no weights loaded (call load_weights first)");
+  ATTNKIT_RETURN_IF_ERROR(check_activation(kForward, "x", x, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(check_activation(kForward, "out", out, c.hidden_size));
+  const int64_t B = x.shape[0], T = x.shape[1];
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kForward, "out", out, 0, "batch", B, "x.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kForward, "out", out, 1, "seq", T, "x.shape[1]"));
+  if (check::overlaps(out, x)) return invalid_argument(f + ": out overlaps x; it must not alias");
+  ATTNKIT_RETURN_IF_ERROR(check_run(kForward, run));
+  int64_t rows;
+  if (!checked_mul(B, T, &rows)) return invalid_argument(f + ": batch * seq overflows 64 bits");
+  const int64_t npos = static_cast<int64_t>(positions.size());
+  if (npos != 0 && npos != T && npos != rows)
+    return invalid_argument(f + ": positions has " + std::to_string(npos) +
+                            " entries, must have 0 (default), seq = " + std::to_string(T) +
+                            " or batch * seq = " + std::to_string(rows));
+  for (int64_t i = 0; i < npos; ++i) {
+    const int64_t p = positions[static_cast<size_t>(i)];
+    if (p < 0 || p >= kMaxPosition)
+      return invalid_argument(f + ": positions[" + std::to_string(i) + "] = " + std::to_string(p) +
+                              " must be in [0, 2^53)");
+  }
+  const int64_t L = cache ? cache->length() : 0;
+  if (cache) {
+    const KVCacheSpec& s = cache->spec();
+    if (!c.causal)
+      return invalid_argument(f + ": a cache needs a causal layer; config().causal is false");
+    const struct {
+      const char* name;
+      int64_t have, want;
+      const char* source;
+    } match[] = {{"num_kv_heads", s.num_kv_heads, c.num_kv_heads, "config().num_kv_heads"},
+                 {"head_dim", s.head_dim, c.head_dim, "config().head_dim"},
+                 {"head_dim_v", s.head_dim_v, c.head_dim, "config().head_dim"},
+                 {"sliding_window", s.sliding_window, c.sliding_window, "config().sliding_window"},
+                 {"batch_size", s.batch_size, B, "x.shape[0] (batch)"}};
+    for (const auto& m : match)
+      if (m.have != m.want)
+        return invalid_argument(f + ": cache spec." + m.name + " = " + std::to_string(m.have) +
+                                " must equal " + m.source + " = " + std::to_string(m.want) +
+                                " (a cache from another layer?)");
+    if (T > s.max_seq_len - L)
+      return out_of_range(f + ": cache length " + std::to_string(L) + " + " + std::to_string(T) +
+                          " new tokens exceeds max_seq_len = " + std::to_string(s.max_seq_len));
+    if (check::overlaps(out, cache->keys()) || check::overlaps(out, cache->values()))
+      return invalid_argument(f + ": out overlaps the cache's storage");
+  }
+  if (rows == 0) return Status::Ok();
+
+  const int64_t H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
+  Tensor q, k, v, o;
+  ATTNKIT_RETURN_IF_ERROR(scratch(kForward, "q", B, T, H, D, &q));
+  ATTNKIT_RETURN_IF_ERROR(scratch(kForward, "k", B, T, Hkv, D, &k));
+  ATTNKIT_RETURN_IF_ERROR(scratch(kForward, "v", B, T, Hkv, D, &v));
+  ATTNKIT_RETURN_IF_ERROR(scratch(kForward, "the attention output", B, T, H, D, &o));
+  std::vector<int64_t> default_pos;
+  if (npos == 0) {
+    default_pos.resize(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) default_pos[static_cast<size_t>(t)] = L + t;
+    positions = default_pos;
+  }
+
+  // ---- projections, qk-norm, RoPE (scratch only) ------------------------
+  project(x, wq_, bq_, flat(q));
+  project(x, wk_, bk_, flat(k));
+  project(x, wv_, bv_, flat(v));
+  if (c.qk_norm) {
+    kernels::rms_norm(q.ptr<float>(), D, q_norm_.ptr<float>(), q.ptr<float>(), D, rows * H, D,
+                      c.rms_norm_eps);
+    kernels::rms_norm(k.ptr<float>(), D, k_norm_.ptr<float>(), k.ptr<float>(), D, rows * Hkv, D,
+                      c.rms_norm_eps);
+  }
+  if (c.use_rope) {
+    ATTNKIT_RETURN_IF_ERROR(prefixed(kForward, rope_.apply(q.view(), positions)));
+    ATTNKIT_RETURN_IF_ERROR(prefixed(kForward, rope_.apply(k.view(), positions)));
+  }
+
+  // ---- attention ---------------------------------------------------------
+  AttentionOptions opt;
+  opt.softmax_scale = c.softmax_scale;
+  opt.softcap = c.softcap;
+  opt.backend = run.backend;
+  opt.num_threads = run.num_threads;
+  if (cache) {
+    // The cache supplies causality and the window; it changes only if this
+    // succeeds, and nothing after it can fail.
+    ATTNKIT_RETURN_IF_ERROR(
+        prefixed(kForward, cache->attend(q.view(), k.view(), v.view(), o.view(), opt)));
+  } else {
+    opt.causal = c.causal;
+    if (c.sliding_window > 0) opt.window_size.left = c.sliding_window - 1;
+    ATTNKIT_RETURN_IF_ERROR(prefixed(kForward, sdpa(q.view(), k.view(), v.view(), o.view(), opt)));
+  }
+
+  // ---- o_proj into the caller's out -------------------------------------
+  project(flat(o), wo_, bo_, out);
+  return Status::Ok();
+}
+
+Status AttentionLayer::forward_qkv(const TensorView& query, const TensorView& key,
+                                   const TensorView& value, const TensorView& out,
+                                   const AttentionOptions& options, const TensorView& probs) {
+  const std::string f = kForwardQkv;
+  const AttentionConfig& c = config_;
+  if (wq_.data() == nullptr)
+    return invalid_argument(f + ": no weights loaded (call load_weights first)");
+  ATTNKIT_RETURN_IF_ERROR(check_activation(kForwardQkv, "query", query, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(check_activation(kForwardQkv, "key", key, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(check_activation(kForwardQkv, "value", value, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(check_activation(kForwardQkv, "out", out, c.hidden_size));
+  const int64_t B = query.shape[0], Sq = query.shape[1], Sk = key.shape[1];
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kForwardQkv, "key", key, 0, "batch", B, "query.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kForwardQkv, "value", value, 0, "batch", B, "query.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(kForwardQkv, "value", value, 1, "seqlen_k", Sk, "key.shape[1]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kForwardQkv, "out", out, 0, "batch", B, "query.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kForwardQkv, "out", out, 1, "seqlen_q", Sq, "query.shape[1]"));
+  const TensorView* ins[] = {&query, &key, &value};
+  const char* in_names[] = {"query", "key", "value"};
+  for (int i = 0; i < 3; ++i) {
+    if (check::overlaps(out, *ins[i]))
+      return invalid_argument(f + ": out overlaps " + in_names[i] + "; it must not alias");
+    if (check::overlaps(probs, *ins[i]))
+      return invalid_argument(f + ": probs overlaps " + in_names[i] + "; it must not alias");
+  }
+  if (check::overlaps(probs, out)) return invalid_argument(f + ": probs overlaps out");
+  // RoPE positions 0..seqlen-1 on each side must stay exact in double.
+  if (c.use_rope && (Sq > kMaxPosition || Sk > kMaxPosition))
+    return invalid_argument(f + ": sequence lengths " + std::to_string(Sq) + ", " +
+                            std::to_string(Sk) + " exceed RoPE's 2^53 positions");
+
+  const int64_t H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
+  Tensor q, k, v, o;
+  ATTNKIT_RETURN_IF_ERROR(scratch(kForwardQkv, "q", B, Sq, H, D, &q));
+  ATTNKIT_RETURN_IF_ERROR(scratch(kForwardQkv, "k", B, Sk, Hkv, D, &k));
+  ATTNKIT_RETURN_IF_ERROR(scratch(kForwardQkv, "v", B, Sk, Hkv, D, &v));
+  ATTNKIT_RETURN_IF_ERROR(scratch(kForwardQkv, "the attention output", B, Sq, H, D, &o));
+
+  project(query, wq_, bq_, flat(q));
+  project(key, wk_, bk_, flat(k));
+  project(value, wv_, bv_, flat(v));
+  if (c.qk_norm) {
+    kernels::rms_norm(q.ptr<float>(), D, q_norm_.ptr<float>(), q.ptr<float>(), D, B * Sq * H, D,
+                      c.rms_norm_eps);
+    kernels::rms_norm(k.ptr<float>(), D, k_norm_.ptr<float>(), k.ptr<float>(), D, B * Sk * Hkv, D,
+                      c.rms_norm_eps);
+  }
+  if (c.use_rope) {
+    std::vector<int64_t> pos(static_cast<size_t>(std::max(Sq, Sk)));
+    for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int64_t>(i);
+    const std::span<const int64_t> all(pos);
+    ATTNKIT_RETURN_IF_ERROR(
+        prefixed(kForwardQkv, rope_.apply(q.view(), all.first(static_cast<size_t>(Sq)))));
+    ATTNKIT_RETURN_IF_ERROR(
+        prefixed(kForwardQkv, rope_.apply(k.view(), all.first(static_cast<size_t>(Sk)))));
+  }
+
+  AttentionOptions opt = options;
+  if (opt.softmax_scale == 0.0f) opt.softmax_scale = c.softmax_scale;
+  if (opt.softcap == 0.0f) opt.softcap = c.softcap;
+  // sdpa validates the masks, the options and probs before writing
+  // anything; only then does o_proj write `out`.
+  ATTNKIT_RETURN_IF_ERROR(
+      prefixed(kForwardQkv, sdpa(q.view(), k.view(), v.view(), o.view(), opt, {}, probs)));
+  project(flat(o), wo_, bo_, out);
+  return Status::Ok();
+}
+
+}  // namespace attnkit
