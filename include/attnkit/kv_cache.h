@@ -59,8 +59,9 @@ class KVCache {
   //   out   [batch, T, num_heads, head_dim_v]    f32
   // From `options` only softmax_scale, softcap, sparse, backend and
   // num_threads apply; causal is implied, the window is the cache's, and a
-  // mask or seqlens_k is an error. Fails with kOutOfRange, changing
-  // nothing, when length() + T > max_seq_len.
+  // mask, seqlens_k, a window_size or (with a sliding window, whose ring
+  // keeps no absolute positions) a sparse pattern is an error. Fails with
+  // kOutOfRange, changing nothing, when length() + T > max_seq_len.
   Status attend(const TensorView& q, const TensorView& k_new, const TensorView& v_new,
                 const TensorView& out, const AttentionOptions& options = {});
 
