@@ -45,7 +45,7 @@ class SafetensorsFile {
   // I32, BOOL; others are rejected. The views are read-only (the mapping is
   // PROT_READ) and contiguous, but NOT aligned: the format places tensors
   // at arbitrary byte offsets, so read elements with memcpy, never by
-  // dereferencing a float* or double* (io/weight_loader.h does this).
+  // dereferencing a float* or double* (the layers' weight loading does).
   // Scalars have rank 0. Overlapping byte ranges and duplicate names are
   // rejected; gaps between tensors are allowed.
   const WeightMap& tensors() const { return tensors_; }
