@@ -1,0 +1,365 @@
+// Benchmarks of the fast CPU attention kernel on the shapes of the speed
+// targets, reported against this machine's own limits, measured in-process
+// before the benchmarks run:
+//   fp32 FMA peak   independent FMAs on the widest vectors the CPU has, on
+//                   as many threads as the benchmark uses (GFLOP/s, 2 per FMA)
+//   DRAM read BW    streaming reads of a 512 MiB buffer, same threads
+// Each benchmark reports GFLOP/s (2 per multiply-add of QK^T and PV, over
+// the visible (query, key) pairs only) as `frac_fma_peak`, and for decode
+// the bytes of K and V it must read as `frac_dram_bw`. Ratios between
+// benchmarks (4-token vs 1-token decode, GQA vs MHA per query head, fast vs
+// reference) are printed in the summary at the end.
+//
+//   build-fast/bench/attnkit_bench                       # everything
+//   build-fast/bench/attnkit_bench --benchmark_filter=decode
+// ATTNKIT_BENCH_THREADS sets the thread count (default 2).
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "core/cpu_features.h"
+#include "core/threads.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace attnkit {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int bench_threads() {
+  static const int threads = [] {
+    const char* env = std::getenv("ATTNKIT_BENCH_THREADS");
+    return env ? std::max(1, std::atoi(env)) : 2;
+  }();
+  return threads;
+}
+
+// ---- machine limits ---------------------------------------------------------
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,fma"))) float fma_loop_avx512(int64_t iters) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
+  const __m512 a = _mm512_set1_ps(0.99999f), b = _mm512_set1_ps(1e-6f);
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+  for (int i = 1; i < 12; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
+  float out[16];
+  _mm512_storeu_ps(out, acc[0]);
+  return out[0];
+}
+__attribute__((target("avx2,fma"))) float fma_loop_avx2(int64_t iters) {
+  __m256 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(0.001f * static_cast<float>(i));
+  const __m256 a = _mm256_set1_ps(0.99999f), b = _mm256_set1_ps(1e-6f);
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+  for (int i = 1; i < 12; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);
+  float out[8];
+  _mm256_storeu_ps(out, acc[0]);
+  return out[0];
+}
+__attribute__((target("avx2"))) float read_avx2(const float* p, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  for (int64_t i = 0; i + 32 <= n; i += 32) {
+    s0 = _mm256_add_ps(s0, _mm256_loadu_ps(p + i));
+    s1 = _mm256_add_ps(s1, _mm256_loadu_ps(p + i + 8));
+    s2 = _mm256_add_ps(s2, _mm256_loadu_ps(p + i + 16));
+    s3 = _mm256_add_ps(s3, _mm256_loadu_ps(p + i + 24));
+  }
+  float out[8];
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+  return out[0];
+}
+#endif
+
+float read_plain(const float* p, int64_t n) {
+  float s[8] = {};
+  for (int64_t i = 0; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) s[j] += p[i + j];
+  return s[0] + s[7];
+}
+
+struct Limits {
+  double fma_gflops = 0;  // fp32 peak of `threads` threads, 2 flops per FMA
+  double dram_gbs = 0;    // read bandwidth of `threads` threads
+  const char* isa = "scalar";
+};
+
+const Limits& limits() {
+  static const Limits l = [] {
+    Limits out;
+    const int threads = bench_threads();
+    const CpuFeatures& f = cpu_features();
+    int lanes = 1;
+    float (*loop)(int64_t) = nullptr;
+#if defined(__x86_64__)
+    if (f.avx512) {
+      loop = fma_loop_avx512;
+      lanes = 16;
+      out.isa = "avx512";
+    } else if (f.avx2) {
+      loop = fma_loop_avx2;
+      lanes = 8;
+      out.isa = "avx2";
+    }
+#endif
+    volatile float sink = 0;
+    if (loop != nullptr) {
+      const int64_t iters = 20'000'000;
+      for (int rep = 0; rep < 5; ++rep) {
+        const auto t0 = Clock::now();
+        parallel_for(threads, threads, [&](int64_t, int) { sink = sink + loop(iters); });
+        const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+        out.fma_gflops = std::max(out.fma_gflops, 2.0 * 12 * lanes * iters * threads / s / 1e9);
+      }
+    }
+    const int64_t n = (int64_t{512} << 20) / 4;
+    std::vector<float> buf(static_cast<size_t>(n), 1.0f);
+    for (int rep = 0; rep < 4; ++rep) {
+      const auto t0 = Clock::now();
+      parallel_for(threads, threads, [&](int64_t t, int) {
+        const int64_t chunk = n / threads;
+#if defined(__x86_64__)
+        if (f.avx2) {
+          sink = sink + read_avx2(buf.data() + t * chunk, chunk);
+          return;
+        }
+#endif
+        sink = sink + read_plain(buf.data() + t * chunk, chunk);
+      });
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (rep > 0) out.dram_gbs = std::max(out.dram_gbs, 4.0 * n / s / 1e9);
+    }
+    return out;
+  }();
+  return l;
+}
+
+// ---- problems ---------------------------------------------------------------
+
+struct Shape {
+  int64_t batch = 1, seqlen_q = 1, seqlen_k = 1, heads = 1, kv_heads = 1, d = 128, dv = 128;
+  DType kv = DType::kF32;
+  bool causal = false;
+  bool mla_view = false;  // V = the first dv columns of K's rows
+};
+
+// Inputs of one shape, filled with random values once.
+class Problem {
+ public:
+  explicit Problem(const Shape& s) : s_(s) {
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    q_.resize(static_cast<size_t>(s.batch * s.seqlen_q * s.heads * s.d));
+    for (float& x : q_) x = u(rng);
+    const size_t kn = static_cast<size_t>(s.batch * s.seqlen_k * s.kv_heads * s.d);
+    const size_t vn = s.mla_view ? 0 : static_cast<size_t>(s.batch * s.seqlen_k * s.kv_heads * s.dv);
+    const size_t bytes = dtype_size(s.kv);
+    k_.resize(kn * bytes);
+    v_.resize(vn * bytes);
+    auto fill = [&](std::vector<char>& buf, size_t n) {
+      for (size_t i = 0; i < n; ++i) {
+        const float x = u(rng);
+        if (s.kv == DType::kBF16) {
+          const bf16 h = float_to_bf16(x);
+          std::memcpy(buf.data() + 2 * i, &h, 2);
+        } else {
+          std::memcpy(buf.data() + 4 * i, &x, 4);
+        }
+      }
+    };
+    fill(k_, kn);
+    fill(v_, vn);
+    out_.resize(static_cast<size_t>(s.batch * s.seqlen_q * s.heads * s.dv));
+  }
+
+  Status run(Backend backend, int threads) {
+    AttentionOptions o;
+    o.causal = s_.causal;
+    o.backend = backend;
+    o.num_threads = threads;
+    TensorView k = make_view(k_.data(), s_.kv, {s_.batch, s_.seqlen_k, s_.kv_heads, s_.d});
+    TensorView v;
+    if (s_.mla_view) {
+      v = k;  // a strided view of the first dv columns of K's rows
+      v.shape[3] = s_.dv;
+    } else {
+      v = make_view(v_.data(), s_.kv, {s_.batch, s_.seqlen_k, s_.kv_heads, s_.dv});
+    }
+    return sdpa(make_view(q_.data(), DType::kF32, {s_.batch, s_.seqlen_q, s_.heads, s_.d}), k, v,
+                make_view(out_.data(), DType::kF32, {s_.batch, s_.seqlen_q, s_.heads, s_.dv}), o);
+  }
+
+  // 2 flops per multiply-add of QK^T and PV over visible (query, key) pairs.
+  double flops() const {
+    double pairs = 0;
+    for (int64_t i = 0; i < s_.seqlen_q; ++i)
+      pairs += s_.causal ? static_cast<double>(std::min(s_.seqlen_k, i + s_.seqlen_k - s_.seqlen_q + 1))
+                         : static_cast<double>(s_.seqlen_k);
+    return 2.0 * (s_.d + s_.dv) * pairs * s_.heads * s_.batch;
+  }
+  // K and V bytes a decode step must read once (V inside K for MLA).
+  double kv_bytes() const {
+    return static_cast<double>(s_.batch * s_.seqlen_k * s_.kv_heads) *
+           (s_.d + (s_.mla_view ? 0 : s_.dv)) * static_cast<double>(dtype_size(s_.kv));
+  }
+
+ private:
+  Shape s_;
+  std::vector<float> q_, out_;
+  std::vector<char> k_, v_;
+};
+
+// Seconds per call of each benchmark, for the summary's ratios.
+std::map<std::string, double>& seconds_per_call() {
+  static std::map<std::string, double> m;
+  return m;
+}
+
+void run_benchmark(benchmark::State& state, const std::string& name, Shape shape, Backend backend,
+                   SimdTarget target) {
+  if (!set_simd_target(target)) {
+    state.SkipWithError("SIMD target not available on this CPU");
+    return;
+  }
+  Problem problem(shape);
+  const int threads = bench_threads();
+  if (Status st = problem.run(backend, threads); !st.ok()) {
+    state.SkipWithError(st.to_string().c_str());
+    return;
+  }
+  const auto t0 = Clock::now();
+  int64_t calls = 0;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(problem.run(backend, threads));
+    ++calls;
+  }
+  const double per_call = std::chrono::duration<double>(Clock::now() - t0).count() / calls;
+  seconds_per_call()[name] = per_call;
+  const Limits& lim = limits();
+  state.counters["GFLOPs"] = problem.flops() / per_call / 1e9;
+  state.counters["frac_fma_peak"] = problem.flops() / per_call / 1e9 / lim.fma_gflops;
+  if (shape.seqlen_q <= 16) {
+    state.counters["GBs"] = problem.kv_bytes() / per_call / 1e9;
+    state.counters["frac_dram_bw"] = problem.kv_bytes() / per_call / 1e9 / lim.dram_gbs;
+  }
+  set_simd_target(best_simd_target(cpu_features()));
+}
+
+void add(const std::string& name, const Shape& shape, Backend backend = Backend::kFast,
+         SimdTarget target = best_simd_target(cpu_features())) {
+  benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& st) {
+    run_benchmark(st, name, shape, backend, target);
+  })->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
+Shape gqa_prefill(int64_t kv_heads, DType kv) {
+  Shape s;
+  s.seqlen_q = s.seqlen_k = 2048;
+  s.heads = 32;
+  s.kv_heads = kv_heads;
+  s.kv = kv;
+  s.causal = true;
+  return s;
+}
+
+Shape gqa_decode(int64_t tokens, DType kv, int64_t batch = 1) {
+  Shape s;
+  s.batch = batch;
+  s.seqlen_q = tokens;
+  s.seqlen_k = 16384;
+  s.heads = 32;
+  s.kv_heads = 8;
+  s.kv = kv;
+  s.causal = true;
+  return s;
+}
+
+Shape mla_decode(DType kv) {
+  Shape s;
+  s.seqlen_k = 4096;
+  s.heads = 128;
+  s.kv_heads = 1;
+  s.d = 576;
+  s.dv = 512;
+  s.kv = kv;
+  s.mla_view = true;
+  s.causal = true;
+  return s;
+}
+
+void register_all() {
+  add("prefill/causal/gqa32-8/s2048/f32", gqa_prefill(8, DType::kF32));
+  add("prefill/causal/gqa32-8/s2048/bf16", gqa_prefill(8, DType::kBF16));
+  add("prefill/causal/mha32/s2048/f32", gqa_prefill(32, DType::kF32));
+  add("prefill/causal/mqa32-1/s2048/f32", gqa_prefill(1, DType::kF32));
+  add("prefill/causal/gqa32-8/s2048/f32/avx2", gqa_prefill(8, DType::kF32), Backend::kFast,
+      SimdTarget::kAvx2);
+  for (int64_t tokens : {1, 2, 4, 8, 16})
+    add("decode/gqa32-8/k16384/q" + std::to_string(tokens) + "/f32", gqa_decode(tokens, DType::kF32));
+  add("decode/gqa32-8/k16384/q1/bf16", gqa_decode(1, DType::kBF16));
+  add("decode/gqa32-8/k16384/q4/bf16", gqa_decode(4, DType::kBF16));
+  add("mla/h128/k4096/q1/f32", mla_decode(DType::kF32));
+  add("mla/h128/k4096/q1/bf16", mla_decode(DType::kBF16));
+  // Against the reference twin, on a size it finishes in reasonable time.
+  Shape small = gqa_prefill(8, DType::kF32);
+  small.seqlen_q = small.seqlen_k = 256;
+  add("prefill/causal/gqa32-8/s256/f32", small);
+  add("prefill/causal/gqa32-8/s256/f32/reference", small, Backend::kReference);
+  add("smoke/prefill", [] {
+    Shape s;
+    s.seqlen_q = s.seqlen_k = 64;
+    s.heads = 4;
+    s.kv_heads = 2;
+    s.d = s.dv = 32;
+    s.causal = true;
+    return s;
+  }());
+}
+
+void ratio(const char* what, const std::string& num, const std::string& den) {
+  const auto& m = seconds_per_call();
+  if (!m.count(num) || !m.count(den)) return;
+  std::printf("  %-48s %.3f\n", what, m.at(num) / m.at(den));
+}
+
+}  // namespace
+}  // namespace attnkit
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  attnkit::register_all();
+  const attnkit::Limits& lim = attnkit::limits();
+  std::printf("threads %d, kernels %s; measured fp32 FMA peak %.1f GFLOP/s (%s), DRAM read %.1f GB/s\n",
+              attnkit::bench_threads(), attnkit::simd_target_name(attnkit::simd_target()),
+              lim.fma_gflops, lim.isa, lim.dram_gbs);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  std::printf("ratios of time per call:\n");
+  using attnkit::ratio;
+  ratio("decode q4 / q1 (f32)", "decode/gqa32-8/k16384/q4/f32", "decode/gqa32-8/k16384/q1/f32");
+  ratio("decode q16 / q1 (f32)", "decode/gqa32-8/k16384/q16/f32", "decode/gqa32-8/k16384/q1/f32");
+  ratio("decode q4 / q1 (bf16)", "decode/gqa32-8/k16384/q4/bf16", "decode/gqa32-8/k16384/q1/bf16");
+  ratio("prefill GQA / MHA (same query heads)", "prefill/causal/gqa32-8/s2048/f32",
+        "prefill/causal/mha32/s2048/f32");
+  ratio("prefill MQA / MHA (same query heads)", "prefill/causal/mqa32-1/s2048/f32",
+        "prefill/causal/mha32/s2048/f32");
+  ratio("prefill reference / fast (s256)", "prefill/causal/gqa32-8/s256/f32/reference",
+        "prefill/causal/gqa32-8/s256/f32");
+  return 0;
+}
