@@ -71,7 +71,7 @@ struct Problem {
 // Full causal attention over the problem's n tokens with window W (0 = none),
 // in float64; K/V rounded to bf16 first when `bf16`.
 std::vector<double> oracle(const Problem& p, int64_t W, bool bf16, double scale = 0.0,
-                           double softcap = 0.0) {
+                           double softcap = 0.0, attnkit::SparsePattern sparse = {}) {
   attnkit_test::OracleOptions o;
   o.batch = p.batch;
   o.seqlen_q = o.seqlen_k = p.n;
@@ -83,6 +83,7 @@ std::vector<double> oracle(const Problem& p, int64_t W, bool bf16, double scale 
   o.window_left = W > 0 ? W - 1 : -1;
   o.softmax_scale = scale;
   o.softcap = softcap;
+  o.sparse = sparse;
   auto kv = [&](const std::vector<float>& x) {
     std::vector<double> d(x.size());
     for (size_t i = 0; i < x.size(); ++i) d[i] = bf16 ? attnkit_test::round_bf16(x[i]) : x[i];
@@ -226,6 +227,31 @@ TEST(KVCacheDecode, OptionsScaleSoftcapAndBackendApply) {
         attnkit_test::all_close("out", out, oracle(p, W, false, double(opt.softmax_scale), 1.5),
                                 tolerance(p, DType::kF32, opt.backend, double(opt.softmax_scale))));
   }
+}
+
+TEST(KVCacheDecode, SparsePatternUsesAbsolutePositions) {
+  // Without a window the logical key index is the absolute position, so a
+  // pattern whose blocks straddle chunk boundaries still matches the
+  // oracle over the whole sequence.
+  for (auto kind : {attnkit::SparsePattern::Kind::kStrided, attnkit::SparsePattern::Kind::kFixed})
+    for (attnkit::Backend backend : {attnkit::Backend::kReference, attnkit::Backend::kAuto}) {
+      SCOPED_TRACE(std::string(kind == attnkit::SparsePattern::Kind::kFixed ? "fixed" : "strided") +
+                   (backend == attnkit::Backend::kReference ? " reference" : " auto"));
+      Problem p;
+      p.n = 15;
+      Rng rng(31);
+      p.fill(rng);
+      attnkit::AttentionOptions opt;
+      opt.sparse.kind = kind;
+      opt.sparse.block_size = 2;
+      opt.sparse.stride = 2;
+      opt.sparse.summary = 1;
+      opt.backend = backend;
+      KVCacheSpec spec{p.batch, p.n, p.num_kv_heads, p.head_dim, 0, DType::kF32, 0};
+      const auto out = decode(p, spec, {5, 1, 3, 1, 2, 1, 2}, opt);
+      EXPECT_TRUE(attnkit_test::all_close("out", out, oracle(p, 0, false, 0.0, 0.0, opt.sparse),
+                                          tolerance(p, DType::kF32, backend)));
+    }
 }
 
 TEST(KVCacheRing, SlotIsPositionModSlots) {
