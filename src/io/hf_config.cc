@@ -148,10 +148,8 @@ Status read_layer_types(const JsonFields& f, const json& types, int64_t num_laye
     return f.error("layer_types = " + io::json_brief(types) + " must be a list of strings");
   const int64_t n = static_cast<int64_t>(types.size());
   if (num_layers > 0 && n != num_layers)
-    return f.error("layer_types has " + std::to_string(n) +
-                   " entries, must have "
-                   "num_hidden_layers = " +
-                   std::to_string(num_layers));
+    return f.error("layer_types has " + std::to_string(n) + " entries, must have " +
+                   "num_hidden_layers = " + std::to_string(num_layers));
   if (layer_index >= n)
     return f.error("layer_index = " + std::to_string(layer_index) +
                    " is past layer_types, which has " + std::to_string(n) + " entries");
@@ -233,7 +231,7 @@ Status parse(std::string_view text, int64_t layer_index, AttentionConfig* c) {
   int64_t window = 0;
   ATTNKIT_RETURN_IF_ERROR(f.integer("sliding_window", &window));
   if (window < 0)
-    return f.error("sliding_window = " + std::to_string(window) + " must be >= 1 or null");
+    return f.error("sliding_window = " + std::to_string(window) + " must be >= 0 or null");
   bool sliding = false;
   if (const json* types = f.get("layer_types")) {
     ATTNKIT_RETURN_IF_ERROR(read_layer_types(f, *types, num_layers, layer_index, &sliding));
@@ -251,7 +249,9 @@ Status parse(std::string_view text, int64_t layer_index, AttentionConfig* c) {
   if (sliding && window == 0)
     return f.error("layer " + std::to_string(layer_index) +
                    " uses sliding-window attention but sliding_window is " +
-                   (j.contains("sliding_window") ? "null" : "missing"));
+                   (f.has("sliding_window")        ? "0"
+                    : j.contains("sliding_window") ? "null"
+                                                   : "missing"));
   c->sliding_window = sliding ? window : 0;
 
   // Logit scale and softcap (Gemma-2 names; read for any family).
