@@ -170,7 +170,9 @@ InputArray typed_input(py::handle obj, const ArgSpec& spec, DType want, const ch
                                    accepted_kinds(accept));
   const py::dtype target = numpy_dtype(want);
   in.view.dtype = want;
-  if (same_dtype(have, target) && describe_in_place(in.array, &in.view)) {
+  if (same_dtype(have, target) && describe_in_place(in.array, &in.view) &&
+      (!spec.unit_last_stride || in.view.rank == 0 || in.view.shape[in.view.rank - 1] <= 1 ||
+       in.view.strides[in.view.rank - 1] == 1)) {
     in.view.data = const_cast<void*>(in.array.data());
     return in;
   }

@@ -63,6 +63,9 @@ struct ArgSpec {
   int min_rank;       // accepted ranks, within 1..4
   int max_rank;
   const char* shape;  // "[batch, seqlen_q, num_heads, head_dim]", for messages
+  // Copy unless the last dimension has unit stride (for APIs such as the
+  // layers' activations that read rows with stride 1).
+  bool unit_last_stride = false;
 };
 
 // `obj` as a float32 view (see the copy policy above). Raises ValueError

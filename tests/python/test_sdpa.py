@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import attnkit
-from torch_ref import EPS32, check_close, randn, rng, sdpa_bounds, sdpa_ref
+from torch_ref import (EPS32, bf16_criterion, check_close, randn, rng, sdpa_bf16_naive,
+                       sdpa_bounds, sdpa_ref)
 
 
 def random_case(seed):
@@ -73,8 +74,10 @@ def test_random_against_torch(seed, backend):
 @pytest.mark.parametrize("seed", range(6))
 def test_bf16_kv_storage(seed, backend):
     """kv_dtype='bfloat16' rounds K/V to nearest-even bf16 (as torch's
-    .to(torch.bfloat16)); the result then matches float64 attention over the
-    rounded values within the fp32 bound."""
+    .to(torch.bfloat16)). Asking for probs runs the reference kernel, which
+    reads the rounded values exactly: the fp32 bound against float64
+    attention over them. Without probs the fast kernels may also round q and
+    the softmax weights: FlashAttention's 2x-naive-twin rule."""
     q, k, v, opts = random_case(100 + seed)
     kb = torch.from_numpy(k).to(torch.bfloat16).float().numpy()
     vb = torch.from_numpy(v).to(torch.bfloat16).float().numpy()
@@ -83,6 +86,13 @@ def test_bf16_kv_storage(seed, backend):
                        backend=backend, **opts)
     check_all("bf16 kv", got, ref_of(q, kb, vb, opts),
               sdpa_bounds(q, kb, vb, opts.get("softmax_scale")))
+    out = attnkit.sdpa(q, k, v, kv_dtype="bfloat16", backend=backend, **opts)
+    exact = ref_of(q, k, v, opts)[0]
+    naive = sdpa_bf16_naive(q, k, v, opts.get("softmax_scale"), opts.get("causal", False),
+                            opts.get("window_size", (-1, -1)), opts.get("softcap", 0.0),
+                            opts.get("seqlens_k"))
+    bf16_criterion("bf16 kv fast", out, exact, naive,
+                   sdpa_bounds(q, k, v, opts.get("softmax_scale"))["out"])
 
 
 @pytest.mark.parametrize("mask_shape", [(1, 1, 5, 7), (2, 4, 5, 7), (2, 1, 1, 7), (1, 4, 5, 1),
@@ -186,9 +196,9 @@ def test_return_forms():
     g = rng(1)
     q, k, v = randn(g, 1, 2, 2, 4), randn(g, 1, 3, 1, 4), randn(g, 1, 3, 1, 4)
     assert isinstance(attnkit.sdpa(q, k, v), np.ndarray)
-    out, lse = attnkit.sdpa(q, k, v, return_lse=True)
+    out, lse = attnkit.sdpa(q, k, v, return_lse=True, backend="reference")
     assert lse.shape == (1, 2, 2)
-    out2, probs = attnkit.sdpa(q, k, v, return_probs=True)
+    out2, probs = attnkit.sdpa(q, k, v, return_probs=True, backend="reference")
     assert probs.shape == (1, 2, 2, 3)
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=0, atol=4 * 3 * EPS32)
     assert len(attnkit.sdpa(q, k, v, return_lse=True, return_probs=True)) == 3

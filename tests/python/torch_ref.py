@@ -145,6 +145,44 @@ def sdpa_bounds(q, k, v, softmax_scale=None, mask=None):
     }
 
 
+def bf16(x):
+    """Round to bfloat16 (nearest, ties to even, as torch) and widen to float64."""
+    return torch.as_tensor(np.asarray(x, dtype=np.float32)).to(torch.bfloat16).double()
+
+
+def sdpa_bf16_naive(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
+                    seqlens_k=None):
+    """The naive low-precision twin of a bf16 K/V attention kernel: K, V, the
+    scaled queries and the normalised softmax weights rounded to bf16, all
+    else float64. Its error against sdpa_ref is the yardstick of
+    bf16_criterion (FlashAttention's test rule)."""
+    d = q.shape[3]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    qs = bf16(np.asarray(q, dtype=np.float32) * np.float32(scale))
+    kb, vb = bf16(k), bf16(v)
+    b, sq, h, _ = qs.shape
+    sk, hk = kb.shape[1], kb.shape[2]
+    kb = kb.repeat_interleave(h // hk, dim=2)
+    vb = vb.repeat_interleave(h // hk, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qs, kb)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~visible(b, sq, sk, causal, window, seqlens_k), -math.inf)
+    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+    p = p.float().to(torch.bfloat16).double()
+    return torch.einsum("bhqk,bkhd->bqhd", p, vb).numpy()
+
+
+def bf16_criterion(name, got, exact, naive, f32_bound):
+    """FlashAttention's rule for low-precision kernels: the error against
+    the float64 result over f32 K/V is at most twice the naive bf16 twin's,
+    plus the fp32 bound (for machines whose kernel rounds nothing but K/V,
+    the naive error is then a loose but valid bound)."""
+    naive_err = np.abs(np.asarray(naive) - exact).max()
+    assert naive_err > 0, f"{name}: the naive bf16 twin rounds nothing"
+    return check_close(name, got, exact, 2 * naive_err + f32_bound)
+
+
 # --------------------------------------------------------------------------
 # RoPE (Hugging Face's formulas, restated)
 # --------------------------------------------------------------------------
@@ -230,3 +268,86 @@ def rope_interleaved_ref(x, positions, inv_freq, rotary_dim, attention_factor=1.
     xc = torch.view_as_complex(xr.reshape(*xr.shape[:-1], -1, 2).contiguous())
     out = torch.view_as_real(xc * rot).flatten(-2)
     return torch.cat((out, xp), dim=-1)
+
+
+# --------------------------------------------------------------------------
+# Attention layers (Hugging Face's equations, restated)
+# --------------------------------------------------------------------------
+
+def rms_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def hf_attention_ref(cfg, sd, x, positions=None, layer_index=0, bf16_naive=False):
+    """Hugging Face Llama/Mistral/Qwen2/Qwen3/Gemma2 self-attention in
+    float64, from the config dict `cfg` and unprefixed weights `sd`
+    (q_proj.weight, ...): projections, Qwen3's per-head RMSNorm, rotate_half
+    RoPE (with rope_scaling and partial_rotary_factor), causal attention with
+    the layer's sliding window, GQA by repeat_interleave, softcap, o_proj.
+    x [b, s, hidden] -> out [b, s, hidden]; also returns the post-RoPE q, k
+    and v [b, s, heads, head_dim]. bf16_naive: attention by sdpa_bf16_naive
+    (the yardstick for bf16 KV caches)."""
+    x = t64(x)
+    b, s, _ = x.shape
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+    def linear(name, inp):
+        y = inp @ t64(sd[name + ".weight"]).T
+        if name + ".bias" in sd:
+            y = y + t64(sd[name + ".bias"])
+        return y
+
+    q = linear("q_proj", x).view(b, s, heads, head_dim)
+    k = linear("k_proj", x).view(b, s, kv_heads, head_dim)
+    v = linear("v_proj", x).view(b, s, kv_heads, head_dim)
+    if "q_norm.weight" in sd:
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        q = rms_norm(q, t64(sd["q_norm.weight"]), eps)
+        k = rms_norm(k, t64(sd["k_norm.weight"]), eps)
+    rotary_dim = int(head_dim * cfg.get("partial_rotary_factor", 1.0))
+    inv, att = inv_freq_ref(rotary_dim, cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"),
+                            cfg.get("max_position_embeddings"))
+    pos = np.arange(s) if positions is None else positions
+    q = rope_half_ref(q, pos, inv, rotary_dim, att)
+    k = rope_half_ref(k, pos, inv, rotary_dim, att)
+    model = cfg["model_type"]
+    window = cfg.get("sliding_window") or 0
+    if model == "gemma2":
+        sliding = layer_index % 2 == 0
+    elif model in ("qwen2", "qwen3"):
+        sliding = cfg.get("use_sliding_window", False) and layer_index >= cfg.get(
+            "max_window_layers", 28)
+    else:
+        sliding = window > 0
+    scale = cfg["query_pre_attn_scalar"] ** -0.5 if "query_pre_attn_scalar" in cfg else None
+    attend = sdpa_bf16_naive if bf16_naive else (lambda *a, **kw: sdpa_ref(*a, **kw)[0])
+    out = attend(q.numpy(), k.numpy(), v.numpy(), softmax_scale=scale, causal=True,
+                 window=(window - 1, 0) if sliding else (-1, -1),
+                 softcap=cfg.get("attn_logit_softcapping") or 0.0)
+    o = linear("o_proj", t64(out).reshape(b, s, heads * head_dim))
+    return o.numpy(), (q.numpy(), k.numpy(), v.numpy())
+
+
+def random_weights(gen, shapes, scale=None):
+    """{name: float32 array} for {name: shape}; matrices ~ N(0, 1/in) so
+    activations stay O(1); biases and norm weights ~ N(0, 0.5) / 1 + N."""
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.3 * gen.standard_normal(shape)
+        elif len(shape) == 1:
+            w = 0.5 * gen.standard_normal(shape)
+        else:
+            w = gen.standard_normal(shape) / math.sqrt(shape[1])
+        out[name] = w.astype(np.float32)
+    return out
+
+
+def layer_tolerance(want):
+    """The suite's layer criterion: |got - want| <= 1e-5 max|want|. The fp32
+    pipeline (projections over hidden, scores over head_dim, softmax over
+    seqlen_k, o_proj over heads*head_dim, all < 100 here) accumulates about
+    eps32 * sqrt(length) ~ 1e-6 relative per stage, a few stages deep."""
+    return 1e-5 * np.abs(want).max()
