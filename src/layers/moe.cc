@@ -113,7 +113,10 @@ bool route_token(const MoeConfig& c, const float* logits, const float* bias, Rou
     double m = logits[0];
     for (int64_t e = 1; e < E; ++e) m = std::max(m, static_cast<double>(logits[e]));
     double sum = 0.0;
-    for (int64_t e = 0; e < E; ++e) sum += score[e] = std::exp(logits[e] - m);
+    for (int64_t e = 0; e < E; ++e) {
+      score[e] = std::exp(logits[e] - m);
+      sum += score[e];
+    }
     for (int64_t e = 0; e < E; ++e) score[e] /= sum;
   } else {
     for (int64_t e = 0; e < E; ++e) score[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(logits[e])));
