@@ -1,6 +1,7 @@
 // The counting conventions are stated in include/attnkit/analysis.h; every
 // function here is a direct transcription of one of them.
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "attnkit/analysis.h"
@@ -71,11 +72,16 @@ int64_t kv_bytes_per_token(const ModelShape& m, DType kv_dtype, bool mla_latent)
 
 int64_t kv_cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int64_t batch,
                        bool mla_latent) {
-  const int64_t per_token_layer =
-      kv_values_per_token_per_layer(m, mla_latent) * static_cast<int64_t>(dtype_size(kv_dtype));
-  int64_t total = 0;
+  // 128-bit sum, saturated: contexts and batches come from users (and the
+  // planner's search probes up to 2^40 tokens).
+  const __int128 per_token_layer =
+      static_cast<__int128>(kv_values_per_token_per_layer(m, mla_latent)) *
+      static_cast<__int128>(dtype_size(kv_dtype));
+  __int128 total = 0;
   for (int64_t l = 0; l < m.num_layers; ++l) total += per_token_layer * tokens_held(m, context, l);
-  return total * batch;
+  total *= batch;
+  constexpr __int128 kMax = INT64_MAX;
+  return static_cast<int64_t>(total > kMax ? kMax : total);
 }
 
 double prefill_flops_per_layer(const ModelShape& m, int64_t seq, int64_t layer) {

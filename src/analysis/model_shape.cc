@@ -3,6 +3,8 @@
 // each family's reading is spelled out below.
 #include <nlohmann/json.hpp>
 
+#include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "attnkit/analysis.h"
@@ -18,16 +20,37 @@ Status field_error(const std::string& field, const std::string& rule, const json
 }
 
 // Reads an integer field; `required` fields must exist, others keep *out.
+// Every size is capped far above any real model (2^20) so that the
+// analysis' products of sizes cannot overflow 64 bits and a hostile config
+// cannot ask for a per-layer table of 10^18 entries.
+constexpr int64_t kMaxSize = int64_t{1} << 20;
+
 Status get_int(const json& j, const char* field, bool required, int64_t* out, int64_t min_value = 1) {
   auto it = j.find(field);
   if (it == j.end() || it->is_null()) {
     if (required) return invalid_argument(std::string(kFn) + ": required field '" + field + "' is missing");
     return Status::Ok();
   }
-  if (!it->is_number_integer() && !(it->is_number_float() && it->get<double>() == static_cast<double>(static_cast<int64_t>(it->get<double>()))))
+  // Integers only; a float is accepted when it is integral and in range
+  // (some exporters write 4096.0). The range check comes before the cast:
+  // converting an out-of-range double to int64 is undefined behaviour.
+  int64_t v;
+  if (it->is_number_unsigned()) {
+    const uint64_t u = it->get<uint64_t>();
+    if (u > static_cast<uint64_t>(INT64_MAX)) return field_error(field, "is out of range", *it);
+    v = static_cast<int64_t>(u);
+  } else if (it->is_number_integer()) {
+    v = it->get<int64_t>();
+  } else if (it->is_number_float()) {
+    const double d = it->get<double>();
+    if (!(d >= -9.2e18 && d <= 9.2e18) || d != std::floor(d))
+      return field_error(field, "must be an integer", *it);
+    v = static_cast<int64_t>(d);
+  } else {
     return field_error(field, "must be an integer", *it);
-  const int64_t v = it->is_number_integer() ? it->get<int64_t>() : static_cast<int64_t>(it->get<double>());
+  }
   if (v < min_value) return field_error(field, "must be >= " + std::to_string(min_value), *it);
+  if (v > kMaxSize) return field_error(field, "must be <= " + std::to_string(kMaxSize), *it);
   *out = v;
   return Status::Ok();
 }

@@ -168,3 +168,29 @@ TEST(Analysis, PresetNamesResolveCaseInsensitively) {
 
 }  // namespace
 }  // namespace attnkit
+
+namespace attnkit {
+namespace {
+
+// Found by the config fuzzer: out-of-range numbers must be rejected, not
+// cast (undefined behaviour), and sizes are capped so products cannot
+// overflow.
+TEST(Analysis, HostileNumbersAreRejected) {
+  for (const char* v : {"1844674407370955161524", "18446744073709551615", "1e300", "4096.5", "-3"}) {
+    const std::string cfg = std::string(R"({"model_type":"llama","hidden_size":64,"num_attention_heads":8,"num_hidden_layers":)") + v + "}";
+    auto m = model_shape_from_json(cfg);
+    ASSERT_FALSE(m.ok()) << v;
+    EXPECT_NE(m.status().message().find("num_hidden_layers"), std::string::npos) << m.status().message();
+  }
+  auto ok = model_shape_from_json(R"({"model_type":"llama","hidden_size":64.0,"num_attention_heads":8,"num_hidden_layers":2})");
+  EXPECT_TRUE(ok.ok()) << ok.status().to_string();
+}
+
+TEST(Analysis, CacheBytesSaturateInsteadOfOverflowing) {
+  auto m = model_preset("Llama-2-70B");
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(kv_cache_bytes(*m, DType::kF32, int64_t{1} << 40, int64_t{1} << 20), INT64_MAX);
+}
+
+}  // namespace
+}  // namespace attnkit
