@@ -343,10 +343,10 @@ std::vector<int64_t> parse_positions(py::handle obj, const char* fn) {
   return out;
 }
 
-DType parse_cache_dtype(const std::string& text, const char* fn) {
+DType parse_cache_dtype(const std::string& text, const char* fn, const char* name) {
   if (text == "float32" || text == "f32") return DType::kF32;
   if (text == "bfloat16" || text == "bf16") return DType::kBF16;
-  raise_value_error(fn, "dtype = '" + text + "' must be 'float32' or 'bfloat16'");
+  raise_value_error(fn, std::string(name) + " = '" + text + "' must be 'float32' or 'bfloat16'");
 }
 
 const char* cache_dtype_name(DType dtype) {
@@ -357,6 +357,7 @@ WeightMap weights_from_dict(py::handle obj, const char* fn, const std::string& p
                             std::vector<InputArray>* keep) {
   if (!py::isinstance<py::dict>(obj))
     raise_value_error(fn, "state_dict must be a dict {name: array}, got " + type_name(obj));
+  const std::string under = prefix.empty() || prefix.back() == '.' ? prefix : prefix + ".";
   WeightMap map;
   for (auto item : py::reinterpret_borrow<py::dict>(obj)) {
     if (!py::isinstance<py::str>(item.first))
@@ -365,7 +366,7 @@ WeightMap weights_from_dict(py::handle obj, const char* fn, const std::string& p
     std::string name = item.first.cast<std::string>();
     // Entries outside the prefix belong to other modules; leave them alone
     // (they may be anything, e.g. integer buffers or scalars).
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    if (name.compare(0, under.size(), under) != 0) continue;
     const std::string label = "state_dict['" + name + "']";
     const ArgSpec spec{fn, label.c_str(), 1, 4, "(a weight; torch bfloat16 tensors: pass .float())"};
     py::array probe = py::array::ensure(item.second);

@@ -110,14 +110,17 @@ std::vector<int32_t> parse_seqlens_k(py::handle obj, const char* fn);
 // flattened row-major (what Rope::apply and the layers take).
 std::vector<int64_t> parse_positions(py::handle obj, const char* fn);
 
-// "float32" | "f32" -> kF32, "bfloat16" | "bf16" -> kBF16.
-DType parse_cache_dtype(const std::string& text, const char* fn);
+// "float32" | "f32" -> kF32, "bfloat16" | "bf16" -> kBF16; `name` is the
+// argument's name in messages.
+DType parse_cache_dtype(const std::string& text, const char* fn, const char* name = "dtype");
 
 // The numpy-facing name of a storage dtype: "float32" or "bfloat16".
 const char* cache_dtype_name(DType dtype);
 
-// The entries of a state dict {name: array} whose names start with
-// `prefix`, as a WeightMap (full names kept). float16/float32/float64 arrays
+// The entries of a state dict {name: array} under `prefix`, as a WeightMap
+// (full names kept). As the layers' loaders do, the prefix is joined with a
+// '.' unless it is empty or already ends in one, so "model.layers.1" selects
+// "model.layers.1.q_proj.weight" but not "model.layers.10.q_proj.weight". float16/float32/float64 arrays
 // are viewed as they are (no copy when aligned and non-negatively strided);
 // other real numeric arrays are converted to float32. Entries outside the
 // prefix are not looked at. `keep` receives the arrays the views point into.
