@@ -40,10 +40,13 @@ constexpr const char* kForward = "LatentAttention::forward";
 // Positions must be exact in double (RoPE computes pos * inv_freq there).
 constexpr int64_t kMaxPosition = int64_t{1} << 53;
 
-// How many projection multiply-adds one attention multiply-add costs, for
-// choose_form(). Measured with bench/mla_form_bench at a DeepSeek-V3-shaped
-// layer on the development machine (docs/MLA.md, "Choosing the form").
-constexpr double kAttentionMacCost = 4.0;
+// What one attention multiply-add costs relative to one multiply-add of the
+// per-head decompression (kernels::linear over d_c inputs), for
+// choose_form(). Fitted to the process-CPU columns of bench/mla_form_bench
+// at a DeepSeek-V3-shaped layer with the fast attention kernel: one
+// decompression MAC ~0.09 ns, one absorbed-attention MAC ~0.015 ns
+// (docs/MLA.md, "Choosing the form").
+constexpr double kAttentionMacCost = 0.2;
 
 // Uninitialised f32 scratch; allocation failure is reported, not thrown.
 class Scratch {
@@ -237,19 +240,26 @@ Status LatentCache::append(const TensorView& rows) {
 }
 
 MlaForm LatentAttention::choose_form(int64_t new_tokens, int64_t cached_tokens) const {
-  // Work both forms share (q/kv_a/o projections, and absorbing T queries
-  // costs what decompressing T tokens does) cancels; what differs:
-  //   naive:    decompress the L cached tokens again, L*H*(d_n+d_v)*d_c,
+  // Work both forms share cancels: the q/kv_a/o projections, and absorbing
+  // T queries (W_UK^T, W_UV) costs exactly what decompressing T tokens does.
+  // What differs, for T new queries over L cached tokens:
+  //   naive:    decompress the L cached tokens again, L*H*(d_n+d_v)*d_c MACs,
   //             plus attention at d_qk + d_v MACs per (query, key, head);
   //   absorbed: attention at (d_c + d_r) + d_c MACs per (query, key, head).
+  // So decode (T = 1, L > 0) is absorbed and prefill from empty (L = 0) is
+  // naive; a chunked prefill over a long cache is absorbed until the chunk
+  // is long enough (~850 tokens at DeepSeek-V3 shapes) that the 3.4x larger
+  // attention outweighs re-decompressing the cache.
   const MlaConfig& c = config_;
   const double T = static_cast<double>(new_tokens), L = static_cast<double>(cached_tokens);
   const double pairs = T * L + T * (T + 1.0) / 2.0;  // causal (query, key) pairs
   const double H = static_cast<double>(c.num_attention_heads);
-  const double naive = L * H * static_cast<double>((c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank) +
-                       kAttentionMacCost * pairs * H * static_cast<double>(c.qk_head_dim() + c.v_head_dim);
-  const double absorbed =
-      kAttentionMacCost * pairs * H * static_cast<double>(2 * c.kv_lora_rank + c.qk_rope_head_dim);
+  const double decompress =
+      L * H * static_cast<double>((c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank);
+  const double naive = decompress + kAttentionMacCost * pairs * H *
+                                        static_cast<double>(c.qk_head_dim() + c.v_head_dim);
+  const double absorbed = kAttentionMacCost * pairs * H *
+                          static_cast<double>(2 * c.kv_lora_rank + c.qk_rope_head_dim);
   return naive <= absorbed ? MlaForm::kNaive : MlaForm::kAbsorbed;
 }
 

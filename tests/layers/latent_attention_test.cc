@@ -729,6 +729,10 @@ TEST(LatentAttention, AutoPicksNaiveForPrefillAndAbsorbedForDecode) {
   EXPECT_EQ(layer->choose_form(1, 512), MlaForm::kAbsorbed);
   EXPECT_EQ(layer->choose_form(1, 100000), MlaForm::kAbsorbed);
   EXPECT_EQ(layer->choose_form(4, 4096), MlaForm::kAbsorbed);
+  // Chunked prefill: short chunks over a long cache stay absorbed (measured
+  // 2.9x faster at 64 over 4096), long chunks go naive.
+  EXPECT_EQ(layer->choose_form(64, 4096), MlaForm::kAbsorbed);
+  EXPECT_EQ(layer->choose_form(2048, 512), MlaForm::kNaive);
   EXPECT_EQ(layer->weight_names().size(), 7u);
   auto lite = LatentAttention::create(*mla_config_from_json(kV2LiteJson));
   ASSERT_TRUE(lite.ok());
