@@ -7,17 +7,84 @@ are converted. Every invalid argument raises ValueError with a message that
 names it (I/O failures: OSError).
 
     out = attnkit.sdpa(q, k, v, causal=True)
-    weights = attnkit.load_safetensors("model.safetensors")
+    layer = attnkit.from_config(json.load(open("config.json")))
+    layer.load_state_dict(attnkit.load_safetensors("model.safetensors"),
+                          prefix="model.layers.0.self_attn.")
+    y = layer.forward(x)
 """
+import json
+import os
+
 from . import _attnkit
-from ._attnkit import (KVCache, Rope, apply_rope, load_safetensors, merge_attention_states,
-                       save_safetensors, sdpa)
+from ._attnkit import (AttentionLayer, KVCache, Rope, apply_rope, load_safetensors,
+                       merge_attention_states, save_safetensors, sdpa)
 from .moe import moe_from_config
 
 __version__ = "0.1.0"
 
+# model_type values whose attention is DeepSeek's multi-head latent attention.
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+
+def _config_dict(config, fn):
+    """A Hugging Face config as a dict: a dict, an object with to_dict()
+    (a transformers config), or the path of a config.json."""
+    if isinstance(config, dict):
+        return config
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    if isinstance(config, (str, os.PathLike)):
+        with open(config, encoding="utf-8") as f:
+            return json.load(f)
+    raise ValueError(f"{fn}: config must be a dict, a transformers config or the path of a "
+                     f"config.json, got {type(config).__name__}")
+
+
+def from_config(config, layer_index=0):
+    """The attention layer of a Hugging Face model config.
+
+    config: a config.json as a dict (or a transformers config object, or the
+        path of a config.json).
+    layer_index: which layer's settings to use where they differ per layer
+        (Mistral/Gemma-2/Qwen2 sliding-window layers, layer_types).
+
+    Returns an AttentionLayer (llama, mistral, qwen2, qwen3, gemma2 and
+    configs of their shape) or, for model_type deepseek_v2 / deepseek_v3 /
+    kimi_k2, a LatentAttention (MLA). The layer expects Hugging Face weight
+    names (q_proj.weight, ...); load them with
+    layer.load_state_dict(state_dict, prefix="model.layers.N.self_attn.").
+    forward(x [batch, seq, hidden]) -> [batch, seq, hidden].
+    Raises ValueError naming the offending field.
+    """
+    config = _config_dict(config, "from_config")
+    text = json.dumps(config)
+    if config.get("model_type") in MLA_MODEL_TYPES:
+        latent = getattr(_attnkit, "LatentAttention", None)
+        if latent is None:
+            raise NotImplementedError(
+                f"from_config: model_type '{config['model_type']}' uses multi-head latent "
+                "attention, and this build of attnkit has no LatentAttention binding")
+        # MLA layers are uniform across layers: layer_index selects nothing.
+        return latent.from_config_json(text)
+    return AttentionLayer.from_config_json(text, layer_index)
+
+
+def attention_from_variant(variant, d_model, num_heads, bias=True):
+    """The seeds' unified constructor: an AttentionLayer for "mha"
+    (num_kv_heads = num_heads), "mqa" (1) or "gqa-N" (N kv heads), with
+    head_dim = d_model // num_heads, no RoPE, not causal, and biases on all
+    four projections when bias is True (nn.Linear's default).
+
+    Load the weights (q_proj/k_proj/v_proj/o_proj .weight/.bias) with
+    load_state_dict before the first forward. Use forward_qkv(query, key, value, ...) for
+    the nn.MultiheadAttention-style call or forward(x) for self-attention.
+    """
+    return AttentionLayer.from_variant(variant, d_model, num_heads, bias)
+
+
 __all__ = [
-    "__version__", "KVCache", "Rope", "apply_rope", "load_safetensors", "merge_attention_states",
+    "__version__", "AttentionLayer", "KVCache", "MLA_MODEL_TYPES", "Rope", "apply_rope",
+    "attention_from_variant", "from_config", "load_safetensors", "merge_attention_states",
     "moe_from_config", "save_safetensors", "sdpa",
 ]
 
