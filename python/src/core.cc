@@ -3,6 +3,7 @@
 // in place where they can be (numpy_util.h); compute runs without the GIL;
 // every failure raises with the C++ Status message.
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <memory>
@@ -830,10 +831,33 @@ void layer_load(PyAttentionLayer& s, py::handle state_dict, const std::string& p
 }
 
 py::dict layer_state_dict(PyAttentionLayer& s, const std::string& prefix) {
+  // Snapshot under the lock (without the GIL), then hand numpy the copies.
+  struct Entry {
+    std::string name;
+    Result<TensorView> view = Status(StatusCode::kInternal, "unset");
+    Result<Tensor> copy = Status(StatusCode::kInternal, "unset");
+  };
+  std::vector<Entry> entries = locked(s.mu, [&] {
+    std::vector<Entry> out;
+    for (const std::string& name : s.layer.weight_names()) {
+      Entry e;
+      e.name = name;
+      e.view = s.layer.weight(name);
+      if (e.view.ok()) {
+        const TensorView& v = *e.view;
+        e.copy = Tensor::zeros(DType::kF32, v.shape.data(), v.rank);
+        // The layer's weights are contiguous f32 Tensors.
+        if (e.copy.ok()) std::memcpy(e.copy->data(), v.data, e.copy->nbytes());
+      }
+      out.push_back(std::move(e));
+    }
+    return out;
+  });
   py::dict d;
-  std::lock_guard<std::mutex> lock(s.mu);  // copies only; nothing here waits
-  for (const std::string& name : s.layer.weight_names())
-    d[py::str(prefix + name)] = copy_to_numpy(value_or_throw(s.layer.weight(name)));
+  for (Entry& e : entries) {
+    if (!e.view.ok()) throw_if_error(e.view.status());
+    d[py::str(prefix + e.name)] = copy_to_numpy(value_or_throw(std::move(e.copy)).view());
+  }
   return d;
 }
 

@@ -210,6 +210,8 @@ def test_bad_weights_raise_and_change_nothing(edit, pattern):
 
 def test_load_state_dict_argument_type():
     layer = attnkit.from_config(LLAMA)
+    with pytest.raises(ValueError, match=r"q_proj.weight is not loaded yet"):
+        layer.state_dict()
     with pytest.raises(ValueError, match=r"state_dict must be a dict"):
         layer.load_state_dict([("q_proj.weight", np.zeros((32, 32)))])
 
