@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "core/threads.h"
+#include "kernels/cpu/tile_policy.h"
 #include "kernels/mask.h"
 
 namespace attnkit::kernels::cpu {
@@ -19,6 +20,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// A row stride of at least `floats` (a multiple of the lanes) that is not
+// an even number of 64-byte lines: a walk down a column of such rows spreads
+// over all L1 sets instead of a few (a 1 KiB stride uses one set in 16).
+int64_t odd_line_stride(int64_t floats) { return floats % 32 == 0 ? floats + 16 : floats; }
 
 // A (batch item, kv head, query block): the unit whose rows share one
 // packed q tile. With parts >= 2 its keys were split and merge() combines
@@ -43,11 +49,12 @@ struct Geometry {
   const KernelTable* kt = nullptr;
   bool bf16 = false;      // K/V are bf16
   bool dot_bf16 = false;  // ... and go through the vdpbf16ps kernels
+  bool copy_v = false;    // fp32 V tiles are copied to a compact buffer
   int64_t group = 1, bq = 1, bk = 1, q_blocks = 0, bases = 0, max_parts = 1;
-  int64_t m_max = 0, m_pad = 0, d = 0, dv = 0, d_pad = 0, dv_pad = 0;
+  int64_t m_max = 0, m_pad = 0, s_stride = 0, d = 0, dv = 0, d_pad = 0, dv_pad = 0, vw_stride = 0;
   int64_t part_floats = 0;  // one partial: o [m_max][dv], row_max, row_sum
   // Offsets in floats inside one worker's region.
-  int64_t qt = 0, s = 0, o = 0, row_max = 0, row_sum = 0, alpha = 0, ones = 0, kw = 0, vw = 0,
+  int64_t qt = 0, qrows = 0, s = 0, o = 0, row_max = 0, row_sum = 0, alpha = 0, ones = 0, kw = 0, vw = 0,
           pack = 0, bitmap = 0, row_lo = 0, row_hi = 0, worker_floats = 0;
   // Byte offsets of the shared regions.
   size_t tasks_at = 0, bases_at = 0, parts_at = 0, workers_at = 0, total = 0;
@@ -71,10 +78,13 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.max_parts = plan.split_k > 0 ? std::max<int64_t>(1, ceil_div(p.seqlen_k, plan.split_k)) : 1;
   g.m_max = g.bq * g.group;
   g.m_pad = round_up(g.m_max, lanes);
+  g.s_stride = odd_line_stride(g.m_pad);
   g.d = p.head_dim;
   g.dv = p.head_dim_v;
   g.d_pad = round_up(g.d, lanes);
   g.dv_pad = round_up(g.dv, lanes);
+  g.vw_stride = odd_line_stride(g.dv_pad);
+  g.copy_v = !g.bf16 && g.m_max >= kCopyValuesMinRows;
   g.part_floats = plan.split_k > 0 ? round_up(g.m_max * (g.dv + 2), 16) : 0;
 
   int64_t at = 0;
@@ -83,16 +93,19 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
     at += round_up(floats, 16);
     return start;
   };
-  g.qt = take(g.d * g.m_pad);  // also holds ceil(d/2) * m_pad bf16 pairs
-  g.s = take(g.bk * g.m_pad);
+  // Column blocks of qk_block_cols: m_pad rounded up to a whole block.
+  const int64_t qt_cols = round_up(g.m_pad, g.kt->qk_block_cols);
+  g.qt = take(round_up(g.d, 2) * qt_cols);  // also holds the bf16 pairs
+  g.qrows = take(2 * g.m_max);              // const float* per packed row
+  g.s = take(g.bk * g.s_stride);
   g.o = take(g.m_max * g.dv_pad);
   g.row_max = take(g.m_pad);
   g.row_sum = take(g.m_pad);
   g.alpha = take(g.m_pad);
   g.ones = take(g.m_pad);
   g.kw = take(g.bf16 && !g.dot_bf16 ? g.bk * g.d_pad : 0);
-  g.vw = take(g.bf16 && !g.dot_bf16 ? g.bk * g.dv_pad : 0);
-  g.pack = take(g.dot_bf16 ? ceil_div(pv_bf16_pack_elems(g.bk, g.m_pad, g.dv_pad), 2) : 0);
+  g.vw = take((g.bf16 && !g.dot_bf16) || g.copy_v ? g.bk * g.vw_stride : 0);
+  g.pack = take(g.dot_bf16 ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2) : 0);
   g.bitmap = take(p.sparse.kind != SparsePattern::Kind::kNone ? ceil_div(g.bq * g.bk, 4) : 0);
   g.row_lo = take(2 * g.bq);  // int64
   g.row_hi = take(2 * g.bq);
@@ -182,6 +195,7 @@ class TaskRunner {
     std::fill_n(ws_ + g_.ones, g_.m_pad, 1.0f);
     std::fill_n(ws_ + g_.o, m_ * g_.dv_pad, 0.0f);
 
+    task_end_ = task.k1;
     for (int64_t j0 = task.k0; j0 < task.k1; j0 += g_.bk)
       tile(j0, std::min(g_.bk, task.k1 - j0), row_lo, row_hi);
 
@@ -202,32 +216,42 @@ class TaskRunner {
   int64_t head_of(int64_t m) const { return kvh_ * g_.group + m % g_.group; }
   int64_t row_of(int64_t m) const { return i0_ + m / g_.group; }
 
-  // qt[c][m] = scale * q[row_of(m)][head_of(m)][c], or bf16 pairs; the pad
-  // columns m >= m_ are 0 so that their scores stay finite.
+  // qt = scale * q in the KernelTable's blocked, transposed layout (fp32, or
+  // bf16 pairs for the vdpbf16ps kernels). Pad columns m >= m_ are 0 so
+  // that their scores stay finite. Columns are the inner loop: writes are
+  // contiguous, and the rows being read (one per column) stay in L1.
   void pack_q() {
+    const float** rows = reinterpret_cast<const float**>(ws_ + g_.qrows);
+    for (int64_t m = 0; m < m_; ++m)
+      rows[m] = p_.q + b_ * p_.q_stride.batch + row_of(m) * p_.q_stride.row +
+                head_of(m) * p_.q_stride.head;
     const float scale = p_.scale;
+    const int64_t w = g_.kt->qk_block_cols, dim = p_.q_stride.dim;
     if (g_.dot_bf16) {
       uint16_t* qt2 = reinterpret_cast<uint16_t*>(ws_ + g_.qt);
       const int64_t pairs = ceil_div(g_.d, 2);
-      std::fill_n(qt2, pairs * g_.m_pad * 2, uint16_t{0});
-      for (int64_t m = 0; m < m_; ++m) {
-        const float* q = q_row(m);
-        for (int64_t c = 0; c < g_.d; ++c)
-          qt2[(c / 2) * g_.m_pad * 2 + m * 2 + (c & 1)] =
-              float_to_bf16(q[c * p_.q_stride.dim] * scale).bits;
+      for (int64_t m0 = 0; m0 < g_.m_pad; m0 += w) {
+        uint16_t* block = qt2 + m0 * pairs * 2;
+        const int64_t valid = std::clamp(m_ - m0, int64_t{0}, w);
+        for (int64_t c = 0; c < pairs * 2; ++c) {
+          uint16_t* out = block + (c / 2) * w * 2 + (c & 1);
+          for (int64_t x = 0; x < valid; ++x)
+            out[2 * x] = c < g_.d ? float_to_bf16(rows[m0 + x][c * dim] * scale).bits : 0;
+          for (int64_t x = valid; x < w; ++x) out[2 * x] = 0;
+        }
       }
       return;
     }
     float* qt = ws_ + g_.qt;
-    for (int64_t c = 0; c < g_.d; ++c) std::fill(qt + c * g_.m_pad + m_, qt + (c + 1) * g_.m_pad, 0.0f);
-    for (int64_t m = 0; m < m_; ++m) {
-      const float* q = q_row(m);
-      for (int64_t c = 0; c < g_.d; ++c) qt[c * g_.m_pad + m] = q[c * p_.q_stride.dim] * scale;
+    for (int64_t m0 = 0; m0 < g_.m_pad; m0 += w) {
+      float* block = qt + m0 * g_.d;
+      const int64_t valid = std::clamp(m_ - m0, int64_t{0}, w);
+      for (int64_t c = 0; c < g_.d; ++c) {
+        float* out = block + c * w;
+        for (int64_t x = 0; x < valid; ++x) out[x] = rows[m0 + x][c * dim] * scale;
+        std::fill(out + valid, out + w, 0.0f);
+      }
     }
-  }
-  const float* q_row(int64_t m) const {
-    return p_.q + b_ * p_.q_stride.batch + row_of(m) * p_.q_stride.row +
-           head_of(m) * p_.q_stride.head;
   }
 
   // One key tile [j0, j0 + nk).
@@ -249,26 +273,29 @@ class TaskRunner {
     const bool masked = !full || sparse_partial || p_.bool_mask || p_.add_mask;
 
     float* s = ws_ + g_.s;
-    scores(j0, nk, s);
-    if (p_.softcap > 0.0f) g_.kt->softcap(s, nk * g_.m_pad, p_.softcap);
+    // The next tile of this task starts nk rows on (unless a ring wraps in
+    // between, where the hint is merely wasted).
+    const int64_t prefetch = j1 < task_end_ ? nk : 0;
+    scores(j0, nk, s, prefetch);
+    if (p_.softcap > 0.0f) g_.kt->softcap(s, nk, g_.m_pad, g_.s_stride, p_.softcap);
     if (masked) apply_masks(j0, nk, s, row_lo, row_hi, sparse_partial);
     float* alpha = ws_ + g_.alpha;
-    g_.kt->softmax(s, nk, g_.m_pad, ws_ + g_.row_max, ws_ + g_.row_sum, alpha);
+    g_.kt->softmax(s, nk, g_.m_pad, g_.s_stride, ws_ + g_.row_max, ws_ + g_.row_sum, alpha);
     // A weight of 0 times a NaN or Inf value is NaN: where masked keys hold
     // non-finite values, add only the nonzero weights (rare, so slow).
     if (masked && !values_finite(j0, nk))
       accumulate_skipping_zeros(j0, nk, s, alpha);
     else
-      accumulate(j0, nk, s, alpha);
+      accumulate(j0, nk, s, alpha, prefetch);
   }
 
-  void scores(int64_t j0, int64_t nk, float* s) {
+  void scores(int64_t j0, int64_t nk, float* s, int64_t prefetch) {
     const KernelTable& kt = *g_.kt;
     if (g_.dot_bf16) {
       const uint16_t* qt2 = reinterpret_cast<const uint16_t*>(ws_ + g_.qt);
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.qk_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, qt2,
-                   g_.m_pad, s + at * g_.m_pad);
+                   g_.m_pad, s + at * g_.s_stride, g_.s_stride, prefetch);
       });
     } else if (g_.bf16) {
       float* kw = ws_ + g_.kw;
@@ -276,38 +303,50 @@ class TaskRunner {
         kt.widen_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d,
                       kw + at * g_.d_pad, g_.d_pad);
       });
-      kt.qk_f32(kw, g_.d_pad, nk, g_.d, ws_ + g_.qt, g_.m_pad, s);
+      kt.qk_f32(kw, g_.d_pad, nk, g_.d, ws_ + g_.qt, g_.m_pad, s, g_.s_stride, 0);
     } else {
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.qk_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d, ws_ + g_.qt,
-                  g_.m_pad, s + at * g_.m_pad);
+                  g_.m_pad, s + at * g_.s_stride, g_.s_stride, prefetch);
       });
     }
   }
 
-  void accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha) {
+  void accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha, int64_t prefetch) {
     const KernelTable& kt = *g_.kt;
     float* o = ws_ + g_.o;
     const float* ones = ws_ + g_.ones;
     if (g_.dot_bf16) {
       uint16_t* pack = reinterpret_cast<uint16_t*>(ws_ + g_.pack);
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-        kt.pv_bf16(s + at * g_.m_pad, n, g_.m_pad, m_, static_cast<const uint16_t*>(v_row(row)),
-                   p_.v_stride.row, g_.dv, o, g_.dv_pad, at == 0 ? alpha : ones, pack);
+        kt.pv_bf16(s + at * g_.s_stride, n, g_.m_pad, g_.s_stride, m_,
+                   static_cast<const uint16_t*>(v_row(row)), p_.v_stride.row, g_.dv, o, g_.dv_pad,
+                   at == 0 ? alpha : ones, pack, prefetch);
       });
-    } else if (g_.bf16) {
+      return;
+    }
+    if (g_.bf16 || g_.copy_v) {
+      // A compact copy: V rows of a kv head are often 4 KiB apart (all
+      // heads of a token are adjacent), which folds a tile's columns onto
+      // a few L1 sets; PV reads the tile once per block of rows.
       float* vw = ws_ + g_.vw;
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-        kt.widen_bf16(static_cast<const uint16_t*>(v_row(row)), p_.v_stride.row, n, g_.dv,
-                      vw + at * g_.dv_pad, g_.dv_pad);
+        if (g_.bf16) {
+          kt.widen_bf16(static_cast<const uint16_t*>(v_row(row)), p_.v_stride.row, n, g_.dv,
+                        vw + at * g_.vw_stride, g_.vw_stride);
+          return;
+        }
+        const float* v = static_cast<const float*>(v_row(row));
+        for (int64_t r = 0; r < n; ++r)
+          std::memcpy(vw + (at + r) * g_.vw_stride, v + r * p_.v_stride.row, sizeof(float) * g_.dv);
       });
-      kt.pv_f32(s, nk, g_.m_pad, m_, vw, g_.dv_pad, g_.dv, o, g_.dv_pad, alpha);
-    } else {
-      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-        kt.pv_f32(s + at * g_.m_pad, n, g_.m_pad, m_, static_cast<const float*>(v_row(row)),
-                  p_.v_stride.row, g_.dv, o, g_.dv_pad, at == 0 ? alpha : ones);
-      });
+      kt.pv_f32(s, nk, g_.s_stride, m_, vw, g_.vw_stride, g_.dv, o, g_.dv_pad, alpha, 0);
+      return;
     }
+    for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      kt.pv_f32(s + at * g_.s_stride, n, g_.s_stride, m_, static_cast<const float*>(v_row(row)),
+                p_.v_stride.row, g_.dv, o, g_.dv_pad, at == 0 ? alpha : ones, prefetch);
+    });
   }
 
   bool values_finite(int64_t j0, int64_t nk) const {
@@ -325,7 +364,7 @@ class TaskRunner {
     for (int64_t n = 0; n < nk; ++n) {
       const void* v = v_row(p_.physical_row(j0 + n));
       for (int64_t m = 0; m < m_; ++m) {
-        const float w = s[n * g_.m_pad + m];
+        const float w = s[n * g_.s_stride + m];
         if (w == 0.0f) continue;
         for (int64_t c = 0; c < g_.dv; ++c) o[m * g_.dv_pad + c] += w * load_kv(v, p_.kv_dtype, c);
       }
@@ -378,8 +417,8 @@ class TaskRunner {
       for (int64_t hg = 0; hg < g_.group; ++hg) {
         const int64_t m = il * g_.group + hg, h = kvh_ * g_.group + hg;
         float* col = s + m;
-        for (int64_t n = 0; n < lo; ++n) col[n * g_.m_pad] = kNegInf;
-        for (int64_t n = hi; n < nk; ++n) col[n * g_.m_pad] = kNegInf;
+        for (int64_t n = 0; n < lo; ++n) col[n * g_.s_stride] = kNegInf;
+        for (int64_t n = hi; n < nk; ++n) col[n * g_.s_stride] = kNegInf;
         if (!per_key) continue;
         const int64_t mask_row = b_ * ms.batch + h * ms.head + i * ms.row;
         for (int64_t n = lo; n < hi; ++n) {
@@ -389,9 +428,9 @@ class TaskRunner {
           if ((sparse_partial && !bits[il * g_.bk + n]) ||
               (p_.bool_mask && p_.bool_mask[at] == 0) ||
               (p_.add_mask && p_.add_mask[at] == kNegInf)) {
-            col[n * g_.m_pad] = kNegInf;
+            col[n * g_.s_stride] = kNegInf;
           } else if (p_.add_mask) {
-            col[n * g_.m_pad] += p_.add_mask[at];
+            col[n * g_.s_stride] += p_.add_mask[at];
           }
         }
       }
@@ -406,8 +445,9 @@ class TaskRunner {
       float* out = p_.out + b_ * p_.out_stride.batch + i * p_.out_stride.row +
                    h * p_.out_stride.head;
       const bool empty = sum == 0.0f;  // no visible key: 0, never NaN
+      const float inv = 1.0f / sum;
       for (int64_t c = 0; c < g_.dv; ++c)
-        out[c * p_.out_stride.dim] = empty ? 0.0f : o[m * g_.dv_pad + c] / sum;
+        out[c * p_.out_stride.dim] = empty ? 0.0f : o[m * g_.dv_pad + c] * inv;
       if (p_.lse)
         p_.lse[b_ * p_.lse_stride_batch + h * p_.lse_stride_head + i * p_.lse_stride_row] =
             empty ? kNegInf : max + std::log(sum);
@@ -426,7 +466,7 @@ class TaskRunner {
   const AttentionParams& p_;
   const Geometry& g_;
   float* ws_;
-  int64_t b_ = 0, kvh_ = 0, i0_ = 0, rows_ = 0, m_ = 0, offset_ = 0;
+  int64_t b_ = 0, kvh_ = 0, i0_ = 0, rows_ = 0, m_ = 0, offset_ = 0, task_end_ = 0;
   const char* k_ = nullptr;
   const char* v_ = nullptr;
 };

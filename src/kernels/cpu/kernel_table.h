@@ -6,11 +6,16 @@
 // Layouts (fp32 unless said otherwise; `m` counts packed query rows, i.e.
 // (query row, head of the group) pairs; m_pad and dv_pad are multiples of
 // `lanes`):
-//   qt   [head_dim][m_pad]                  scaled queries, transposed
-//   qt2  [ceil(head_dim / 2)][m_pad][2] bf16 pairs (q[2i], q[2i+1]), q[head_dim] = 0
-//   s    [nk][m_pad]                        scores, then softmax weights: key-major,
+//   qt   [m_pad / W][head_dim][W]           scaled queries, transposed, in column
+//                                           blocks of W = qk_block_cols (each block
+//                                           streams contiguously through L1)
+//   qt2  [m_pad / W][ceil(head_dim / 2)][W][2] bf16 pairs (q[2i], q[2i+1]), q[head_dim] = 0
+//   s    [nk][s_stride]                     scores, then softmax weights: key-major,
 //                                           so the softmax runs down columns with no
-//                                           horizontal reductions
+//                                           horizontal reductions; s_stride >= m_pad is
+//                                           an odd number of cache lines, so that a
+//                                           column walk does not keep hitting the same
+//                                           few L1 sets
 //   o    [m][dv_pad]                        unnormalised outputs
 //   k, v rows of the caller's tensors: element (n, c) at k[n * row_stride + c]
 #pragma once
@@ -20,25 +25,29 @@
 namespace attnkit::kernels::cpu {
 
 struct KernelTable {
-  int lanes;  // fp32 lanes of one vector
+  int lanes;          // fp32 lanes of one vector
+  int qk_block_cols;  // W of the qt / qt2 layouts (a multiple of lanes)
 
-  // s[n][m] = sum_d k[n][d] * qt[d][m] for n < nk, m < m_pad.
+  // s[n][m] = sum_d k[n][d] * qt[d][m] for n < nk, m < m_pad. The kernels
+  // that read K or V rows take `prefetch`: when > 0 they also prefetch the
+  // rows that many further on (the next tile), so that decode, which reads
+  // every row once from DRAM, has them in flight in time; 0 = none.
   void (*qk_f32)(const float* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
-                 const float* qt, int64_t m_pad, float* s);
-  // s = cap * tanh(s / cap), elementwise over `count` floats (a multiple of lanes).
-  void (*softcap)(float* s, int64_t count, float cap);
+                 const float* qt, int64_t m_pad, float* s, int64_t s_stride, int64_t prefetch);
+  // s = cap * tanh(s / cap) for n < nk, m < m_pad.
+  void (*softcap)(float* s, int64_t nk, int64_t m_pad, int64_t s_stride, float cap);
   // Online-softmax step over one tile, per column m < m_pad:
   //   new_max = max(row_max, max_n s[n][m]); alpha[m] = exp(row_max - new_max);
   //   s[n][m] = exp(s[n][m] - new_max); row_sum = row_sum * alpha + sum_n s[n][m].
   // Scores of -inf become weights of exactly 0; a column that has seen no
   // finite score keeps row_max = -inf and gets alpha = 0.
-  void (*softmax)(float* s, int64_t nk, int64_t m_pad, float* row_max, float* row_sum,
-                  float* alpha);
+  void (*softmax)(float* s, int64_t nk, int64_t m_pad, int64_t s_stride, float* row_max,
+                  float* row_sum, float* alpha);
   // o[m][c] = alpha[m] * o[m][c] + sum_n s[n][m] * v[n][c] for m < rows, c < dv_pad
   // (v is read for c < head_dim_v only; o's pad columns stay 0).
-  void (*pv_f32)(const float* s, int64_t nk, int64_t m_pad, int64_t rows, const float* v,
+  void (*pv_f32)(const float* s, int64_t nk, int64_t s_stride, int64_t rows, const float* v,
                  int64_t v_row_stride, int64_t head_dim_v, float* o, int64_t dv_pad,
-                 const float* alpha);
+                 const float* alpha, int64_t prefetch);
   // dst[n][c] = float(src[n][c]) for n < rows, c < cols (bf16 widening is exact).
   void (*widen_bf16)(const uint16_t* src, int64_t src_row_stride, int64_t rows, int64_t cols,
                      float* dst, int64_t dst_row_stride);
@@ -46,16 +55,17 @@ struct KernelTable {
   // vdpbf16ps kernels; nullptr unless the target has AVX512_BF16.
   // As qk_f32 with bf16 keys and qt2 pairs.
   void (*qk_bf16)(const uint16_t* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
-                  const uint16_t* qt2, int64_t m_pad, float* s);
+                  const uint16_t* qt2, int64_t m_pad, float* s, int64_t s_stride,
+                  int64_t prefetch);
   // As pv_f32 with bf16 values; the weights are rounded to bf16. `pack`
-  // holds pv_bf16_pack_elems(nk, m_pad, dv_pad) uint16s of scratch.
-  void (*pv_bf16)(const float* s, int64_t nk, int64_t m_pad, int64_t rows, const uint16_t* v,
-                  int64_t v_row_stride, int64_t head_dim_v, float* o, int64_t dv_pad,
-                  const float* alpha, uint16_t* pack);
+  // holds pv_bf16_pack_elems(nk, s_stride, dv_pad) uint16s of scratch.
+  void (*pv_bf16)(const float* s, int64_t nk, int64_t m_pad, int64_t s_stride, int64_t rows,
+                  const uint16_t* v, int64_t v_row_stride, int64_t head_dim_v, float* o,
+                  int64_t dv_pad, const float* alpha, uint16_t* pack, int64_t prefetch);
 };
 
-inline int64_t pv_bf16_pack_elems(int64_t nk, int64_t m_pad, int64_t dv_pad) {
-  return (nk + 1) / 2 * 2 * (m_pad + dv_pad);
+inline int64_t pv_bf16_pack_elems(int64_t nk, int64_t s_stride, int64_t dv_pad) {
+  return (nk + 1) / 2 * 2 * (s_stride + dv_pad);
 }
 
 // Per-target tables, defined in the per-target translation units (this

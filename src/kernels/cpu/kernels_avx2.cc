@@ -73,6 +73,7 @@ struct V256 {
     const F y = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(2.0f));
     return _mm256_andnot_ps(tiny, y);
   }
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static F widen_bf16(const uint16_t* p, int64_t n) {
     __m128i h;
     if (n >= 8) {
@@ -88,6 +89,7 @@ struct V256 {
 
 constexpr KernelTable kAvx2Table = {
     V256::kLanes,
+    V256::kQkVecs * V256::kLanes,
     simd::qk_f32<V256>,
     simd::softcap<V256>,
     simd::softmax<V256>,

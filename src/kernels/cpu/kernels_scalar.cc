@@ -65,6 +65,7 @@ struct VScalar {
     return map(a, [](float u) { return u == -INFINITY ? 0.0f : u; });
   }
   static F exp(F a) { return map(a, [](float u) { return std::exp(u); }); }
+  static void prefetch(const void*) {}
   static F widen_bf16(const uint16_t* p, int64_t n) {
     F r{};
     for (int64_t i = 0; i < n && i < kLanes; ++i) {
@@ -77,6 +78,7 @@ struct VScalar {
 
 constexpr KernelTable kScalarTable = {
     VScalar::kLanes,
+    VScalar::kQkVecs * VScalar::kLanes,
     simd::qk_f32<VScalar>,
     simd::softcap<VScalar>,
     simd::softmax<VScalar>,

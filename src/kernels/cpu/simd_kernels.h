@@ -17,7 +17,8 @@
 //   max(a, b) (b when either is NaN), abs, copysign(magnitude, sign),
 //   ninf_to_zero (lanes equal to -inf become 0),
 //   exp (exp(-inf) = 0, NaN stays NaN, a few ulp),
-//   widen_bf16(const uint16_t*, n) (first n of kLanes bf16, rest 0).
+//   widen_bf16(const uint16_t*, n) (first n of kLanes bf16, rest 0),
+//   prefetch(const void*) (a hint; any address, never faults).
 // Layouts are described in kernel_table.h.
 #pragma once
 
@@ -29,9 +30,11 @@ namespace attnkit::kernels::cpu::simd {
 
 // One register block: KB keys by MV vectors of packed query rows, reduced
 // over the whole head dimension. Keys are broadcast from their rows (no
-// packing), queries are loaded from the transposed q tile.
+// packing); queries are read from one column block of the q tile, whose
+// rows are `w` floats apart (contiguous, so the block streams through L1).
 template <class V, int KB, int MV>
-inline void qk_block(const float* k, int64_t ks, int64_t d, const float* qt, int64_t m_pad, float* s) {
+inline void qk_block(const float* k, int64_t ks, int64_t d, const float* qt, int64_t w,
+                     int64_t ss, float* s, int64_t pf) {
   using F = typename V::F;
   F acc[KB][MV];
 #pragma GCC unroll 16
@@ -39,7 +42,10 @@ inline void qk_block(const float* k, int64_t ks, int64_t d, const float* qt, int
 #pragma GCC unroll 4
     for (int b = 0; b < MV; ++b) acc[a][b] = V::zero();
   for (int64_t c = 0; c < d; ++c) {
-    const float* qrow = qt + c * m_pad;
+    if (pf != 0 && c % 16 == 0)
+#pragma GCC unroll 16
+      for (int a = 0; a < KB; ++a) V::prefetch(k + (a + pf) * ks + c);
+    const float* qrow = qt + c * w;
     F q[MV];
 #pragma GCC unroll 4
     for (int b = 0; b < MV; ++b) q[b] = V::load(qrow + b * V::kLanes);
@@ -53,36 +59,53 @@ inline void qk_block(const float* k, int64_t ks, int64_t d, const float* qt, int
 #pragma GCC unroll 16
   for (int a = 0; a < KB; ++a)
 #pragma GCC unroll 4
-    for (int b = 0; b < MV; ++b) V::store(s + a * m_pad + b * V::kLanes, acc[a][b]);
+    for (int b = 0; b < MV; ++b) V::store(s + a * ss + b * V::kLanes, acc[a][b]);
 }
 
+// All nk keys against one column block. A key count that is not a multiple
+// of the block's KB ends with one more full block over the last KB keys,
+// recomputing a few scores (the same values, written again) rather than
+// running narrow blocks that are limited by loads.
 template <class V, int MV>
-inline void qk_columns(const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt, int64_t m_pad,
-                       float* s) {
+inline void qk_columns(const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt,
+                       int64_t w, int64_t ss, float* s, int64_t pf) {
   constexpr int kb = V::kQkAcc / MV < V::kQkMaxKeys ? V::kQkAcc / MV : V::kQkMaxKeys;
-  int64_t n = 0;
-  for (; n + kb <= nk; n += kb) qk_block<V, kb, MV>(k + n * ks, ks, d, qt, m_pad, s + n * m_pad);
-  for (; n < nk; ++n) qk_block<V, 1, MV>(k + n * ks, ks, d, qt, m_pad, s + n * m_pad);
-}
-
-template <class V, int MV>
-inline void qk_columns_tail(int64_t vecs, const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt,
-                            int64_t m_pad, float* s) {
-  if constexpr (MV >= 1) {
-    if (vecs == MV) return qk_columns<V, MV>(k, ks, nk, d, qt, m_pad, s);
-    qk_columns_tail<V, MV - 1>(vecs, k, ks, nk, d, qt, m_pad, s);
+  if (nk < kb) {
+    for (int64_t n = 0; n < nk; ++n)
+      qk_block<V, 1, MV>(k + n * ks, ks, d, qt, w, ss, s + n * ss, pf);
+    return;
+  }
+  for (int64_t n = 0;; n += kb) {
+    if (n + kb > nk) n = nk - kb;
+    qk_block<V, kb, MV>(k + n * ks, ks, d, qt, w, ss, s + n * ss, pf);
+    if (n + kb == nk) return;
   }
 }
 
+template <class V, int MV>
+inline void qk_columns_tail(int64_t vecs, const float* k, int64_t ks, int64_t nk, int64_t d,
+                            const float* qt, int64_t w, int64_t ss, float* s, int64_t pf) {
+  if constexpr (MV >= 1) {
+    if (vecs == MV) return qk_columns<V, MV>(k, ks, nk, d, qt, w, ss, s, pf);
+    qk_columns_tail<V, MV - 1>(vecs, k, ks, nk, d, qt, w, ss, s, pf);
+  }
+}
+
+// qt holds column blocks of kQkBlockCols = kQkVecs * kLanes columns, each
+// [head_dim][kQkBlockCols] (see KernelTable::qk_block_cols).
+// `pf` > 0: while reading key rows, prefetch the rows pf further on (the
+// next tile), once, from the first column block.
 template <class V>
 void qk_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt, int64_t m_pad,
-            float* s) {
+            float* s, int64_t ss, int64_t pf) {
+  constexpr int64_t w = V::kQkVecs * V::kLanes;
   const int64_t vecs = m_pad / V::kLanes;
   int64_t v = 0;
   for (; v + V::kQkVecs <= vecs; v += V::kQkVecs)
-    qk_columns<V, V::kQkVecs>(k, ks, nk, d, qt + v * V::kLanes, m_pad, s + v * V::kLanes);
-  qk_columns_tail<V, V::kQkVecs - 1>(vecs - v, k, ks, nk, d, qt + v * V::kLanes, m_pad,
-                                     s + v * V::kLanes);
+    qk_columns<V, V::kQkVecs>(k, ks, nk, d, qt + v / V::kQkVecs * d * w, w, ss,
+                              s + v * V::kLanes, v == 0 ? pf : 0);
+  qk_columns_tail<V, V::kQkVecs - 1>(vecs - v, k, ks, nk, d, qt + v / V::kQkVecs * d * w, w,
+                                     ss, s + v * V::kLanes, v == 0 ? pf : 0);
 }
 
 // ---- soft-capping and the online-softmax step --------------------------
@@ -90,33 +113,35 @@ void qk_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt, 
 // tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|): e is in (0, 1],
 // so nothing overflows; the absolute error is a few ulp of 1.
 template <class V>
-void softcap(float* s, int64_t count, float cap) {
+void softcap(float* s, int64_t nk, int64_t m_pad, int64_t ss, float cap) {
   using F = typename V::F;
   const F inv = V::set1(1.0f / cap), c = V::set1(cap), one = V::set1(1.0f),
           minus_two = V::set1(-2.0f);
-  for (int64_t i = 0; i < count; i += V::kLanes) {
-    const F x = V::mul(V::load(s + i), inv);
-    const F e = V::exp(V::mul(V::abs(x), minus_two));
-    const F t = V::div(V::sub(one, e), V::add(one, e));
-    V::store(s + i, V::mul(V::copysign(t, x), c));
-  }
+  for (int64_t n = 0; n < nk; ++n)
+    for (int64_t m = 0; m < m_pad; m += V::kLanes) {
+      const F x = V::mul(V::load(s + n * ss + m), inv);
+      const F e = V::exp(V::mul(V::abs(x), minus_two));
+      const F t = V::div(V::sub(one, e), V::add(one, e));
+      V::store(s + n * ss + m, V::mul(V::copysign(t, x), c));
+    }
 }
 
 template <class V>
-void softmax(float* s, int64_t nk, int64_t m_pad, float* row_max, float* row_sum, float* alpha) {
+void softmax(float* s, int64_t nk, int64_t m_pad, int64_t ss, float* row_max, float* row_sum,
+             float* alpha) {
   using F = typename V::F;
   for (int64_t m = 0; m < m_pad; m += V::kLanes) {
     const F old_max = V::load(row_max + m);
     F new_max = old_max;
-    for (int64_t n = 0; n < nk; ++n) new_max = V::max(V::load(s + n * m_pad + m), new_max);
+    for (int64_t n = 0; n < nk; ++n) new_max = V::max(V::load(s + n * ss + m), new_max);
     // A column with no finite score yet shifts by 0, so -inf stays -inf
     // (exp gives 0) instead of becoming -inf - -inf = NaN.
     const F shift = V::ninf_to_zero(new_max);
     const F a = V::exp(V::sub(old_max, shift));
     F sum = V::zero();
     for (int64_t n = 0; n < nk; ++n) {
-      const F p = V::exp(V::sub(V::load(s + n * m_pad + m), shift));
-      V::store(s + n * m_pad + m, p);
+      const F p = V::exp(V::sub(V::load(s + n * ss + m), shift));
+      V::store(s + n * ss + m, p);
       sum = V::add(sum, p);
     }
     V::store(row_sum + m, V::fma(V::load(row_sum + m), a, sum));
@@ -131,8 +156,8 @@ void softmax(float* s, int64_t nk, int64_t m_pad, float* row_max, float* row_sum
 // all nk keys. The last column vector is loaded under `last` so a row is
 // never read past head_dim_v.
 template <class V, int MR, int CV>
-inline void pv_block(const float* s, int64_t nk, int64_t m_pad, const float* v, int64_t vs, float* o,
-                     int64_t dv_pad, const float* alpha, typename V::Mask last) {
+inline void pv_block(const float* s, int64_t nk, int64_t ss, const float* v, int64_t vs, float* o,
+                     int64_t dv_pad, const float* alpha, typename V::Mask last, int64_t pf) {
   using F = typename V::F;
   F acc[MR][CV];
 #pragma GCC unroll 8
@@ -143,11 +168,14 @@ inline void pv_block(const float* s, int64_t nk, int64_t m_pad, const float* v, 
   }
   for (int64_t n = 0; n < nk; ++n) {
     const float* vrow = v + n * vs;
+    if (pf != 0)
+#pragma GCC unroll 4
+      for (int c = 0; c < CV; ++c) V::prefetch(vrow + pf * vs + c * V::kLanes);
     F vv[CV];
 #pragma GCC unroll 4
     for (int c = 0; c + 1 < CV; ++c) vv[c] = V::load(vrow + c * V::kLanes);
     vv[CV - 1] = V::load_masked(vrow + (CV - 1) * V::kLanes, last);
-    const float* prow = s + n * m_pad;
+    const float* prow = s + n * ss;
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const F p = V::bcast(prow + r);
@@ -162,41 +190,43 @@ inline void pv_block(const float* s, int64_t nk, int64_t m_pad, const float* v, 
 }
 
 template <class V, int MR, int CV>
-inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t m_pad, const float* v, int64_t vs,
-                    float* o, int64_t dv_pad, const float* alpha, typename V::Mask last) {
+inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const float* v, int64_t vs,
+                    float* o, int64_t dv_pad, const float* alpha, typename V::Mask last,
+                    int64_t pf) {
   if constexpr (MR >= 1) {
-    if (rows == MR) return pv_block<V, MR, CV>(s, nk, m_pad, v, vs, o, dv_pad, alpha, last);
-    pv_rows<V, MR - 1, CV>(rows, s, nk, m_pad, v, vs, o, dv_pad, alpha, last);
+    if (rows == MR) return pv_block<V, MR, CV>(s, nk, ss, v, vs, o, dv_pad, alpha, last, pf);
+    pv_rows<V, MR - 1, CV>(rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf);
   }
 }
 
 template <class V, int CV>
-inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, int64_t m_pad, const float* v,
-                       int64_t vs, float* o, int64_t dv_pad, const float* alpha,
-                       typename V::Mask last) {
+inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, int64_t ss,
+                       const float* v, int64_t vs, float* o, int64_t dv_pad, const float* alpha,
+                       typename V::Mask last, int64_t pf) {
   if constexpr (CV >= 1) {
     if (cvecs == CV) {
       int64_t m = 0;
       for (; m + V::kPvRows <= rows; m += V::kPvRows)
-        pv_block<V, V::kPvRows, CV>(s + m, nk, m_pad, v, vs, o + m * dv_pad, dv_pad, alpha + m,
-                                    last);
-      return pv_rows<V, V::kPvRows - 1, CV>(rows - m, s + m, nk, m_pad, v, vs, o + m * dv_pad,
-                                            dv_pad, alpha + m, last);
+        pv_block<V, V::kPvRows, CV>(s + m, nk, ss, v, vs, o + m * dv_pad, dv_pad, alpha + m,
+                                    last, m == 0 ? pf : 0);
+      return pv_rows<V, V::kPvRows - 1, CV>(rows - m, s + m, nk, ss, v, vs, o + m * dv_pad,
+                                            dv_pad, alpha + m, last, m == 0 ? pf : 0);
     }
-    pv_columns<V, CV - 1>(cvecs, rows, s, nk, m_pad, v, vs, o, dv_pad, alpha, last);
+    pv_columns<V, CV - 1>(cvecs, rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf);
   }
 }
 
+// `pf` > 0: prefetch the value rows pf further on (the next tile), once.
 template <class V>
-void pv_f32(const float* s, int64_t nk, int64_t m_pad, int64_t rows, const float* v, int64_t vs,
-            int64_t dv, float* o, int64_t dv_pad, const float* alpha) {
+void pv_f32(const float* s, int64_t nk, int64_t ss, int64_t rows, const float* v, int64_t vs,
+            int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf) {
   constexpr int64_t block = V::kPvVecs * V::kLanes;
   for (int64_t c0 = 0; c0 < dv_pad; c0 += block) {
     const int64_t width = dv_pad - c0 < block ? dv_pad - c0 : block;
     const int64_t cvecs = width / V::kLanes;
     const int64_t last_valid = dv - (c0 + (cvecs - 1) * V::kLanes);
     const typename V::Mask last = V::mask_first(last_valid < 0 ? 0 : last_valid);
-    pv_columns<V, V::kPvVecs>(cvecs, rows, s, nk, m_pad, v + c0, vs, o + c0, dv_pad, alpha, last);
+    pv_columns<V, V::kPvVecs>(cvecs, rows, s, nk, ss, v + c0, vs, o + c0, dv_pad, alpha, last, pf);
   }
 }
 
