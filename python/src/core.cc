@@ -2,6 +2,8 @@
 // cache, the MHA/MQA/GQA attention layer and safetensors. Inputs are viewed
 // in place where they can be (numpy_util.h); compute runs without the GIL;
 // every failure raises with the C++ Status message.
+#include <pybind11/stl.h>
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -11,8 +13,6 @@
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <pybind11/stl.h>
 
 #include "attnkit/attention.h"
 #include "attnkit/attention_layer.h"
@@ -35,8 +35,8 @@ void round_to_bf16(const TensorView& src, bf16* dst) {
     for (int64_t b = 0; b < src.shape[1]; ++b)
       for (int64_t c = 0; c < src.shape[2]; ++c)
         for (int64_t d = 0; d < src.shape[3]; ++d)
-          *dst++ = float_to_bf16(p[a * src.strides[0] + b * src.strides[1] + c * src.strides[2] +
-                                   d * src.strides[3]]);
+          *dst++ = float_to_bf16(
+              p[a * src.strides[0] + b * src.strides[1] + c * src.strides[2] + d * src.strides[3]]);
 }
 
 float parse_softmax_scale(const std::optional<double>& scale, const char* fn) {
@@ -54,8 +54,7 @@ py::object sdpa_py(py::object q, py::object k, py::object v, std::optional<doubl
                    const std::string& kv_dtype, const std::string& backend, int num_threads) {
   constexpr const char* kFn = "sdpa";
   const InputArray qi = f32_input(q, {kFn, "q", 4, 4, "[batch, seqlen_q, num_heads, head_dim]"});
-  const InputArray ki =
-      f32_input(k, {kFn, "k", 4, 4, "[batch, seqlen_k, num_kv_heads, head_dim]"});
+  const InputArray ki = f32_input(k, {kFn, "k", 4, 4, "[batch, seqlen_k, num_kv_heads, head_dim]"});
   const InputArray vi =
       f32_input(v, {kFn, "v", 4, 4, "[batch, seqlen_k, num_kv_heads, head_dim_v]"});
   const DType kv = parse_cache_dtype(kv_dtype, kFn, "kv_dtype");
@@ -78,13 +77,13 @@ py::object sdpa_py(py::object q, py::object k, py::object v, std::optional<doubl
 
   const TensorView &qv = qi.view, &kv_view = ki.view, &vv = vi.view;
   TensorView out, lse, probs;
-  py::array out_a = new_array(DType::kF32, {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]},
-                              &out);
+  py::array out_a =
+      new_array(DType::kF32, {qv.shape[0], qv.shape[1], qv.shape[2], vv.shape[3]}, &out);
   py::array lse_a, probs_a;
   if (return_lse) lse_a = new_array(DType::kF32, {qv.shape[0], qv.shape[2], qv.shape[1]}, &lse);
   if (return_probs)
-    probs_a = new_array(DType::kF32, {qv.shape[0], qv.shape[2], qv.shape[1], kv_view.shape[1]},
-                        &probs);
+    probs_a =
+        new_array(DType::kF32, {qv.shape[0], qv.shape[2], qv.shape[1], kv_view.shape[1]}, &probs);
   Status st;
   {
     py::gil_scoped_release nogil;
@@ -120,7 +119,8 @@ py::tuple merge_py(py::object out_a, py::object lse_a, py::object out_b, py::obj
   const InputArray lb = f32_input(lse_b, {kFn, "lse_b", 3, 3, l_shape});
   const TensorView& o = oa.view;
   TensorView out, lse;
-  py::array out_arr = new_array(DType::kF32, {o.shape[0], o.shape[1], o.shape[2], o.shape[3]}, &out);
+  py::array out_arr =
+      new_array(DType::kF32, {o.shape[0], o.shape[1], o.shape[2], o.shape[3]}, &out);
   py::array lse_arr = new_array(DType::kF32, {o.shape[0], o.shape[2], o.shape[1]}, &lse);
   Status st;
   {
@@ -181,10 +181,14 @@ merge_state) into the attention over their union.
 
 const char* rope_type_name(RopeScaling::Type t) {
   switch (t) {
-    case RopeScaling::Type::kNone: return "default";
-    case RopeScaling::Type::kLinear: return "linear";
-    case RopeScaling::Type::kLlama3: return "llama3";
-    case RopeScaling::Type::kYarn: return "yarn";
+    case RopeScaling::Type::kNone:
+      return "default";
+    case RopeScaling::Type::kLinear:
+      return "linear";
+    case RopeScaling::Type::kLlama3:
+      return "llama3";
+    case RopeScaling::Type::kYarn:
+      return "yarn";
   }
   return "default";
 }
@@ -220,8 +224,8 @@ RopeScaling parse_rope_scaling(py::handle obj, const char* fn) {
       else if (t == "yarn")
         type = RopeScaling::Type::kYarn;
       else
-        raise_value_error(fn, what + " = '" + t +
-                                  "' is not supported; supported: default, linear, llama3, yarn");
+        raise_value_error(
+            fn, what + " = '" + t + "' is not supported; supported: default, linear, llama3, yarn");
       if (has_type && type != s.type)
         raise_value_error(fn, "scaling['rope_type'] and scaling['type'] disagree");
       s.type = type;
@@ -256,7 +260,8 @@ RopeScaling parse_rope_scaling(py::handle obj, const char* fn) {
     }
   }
   if (!has_type && !d.empty())
-    raise_value_error(fn, "scaling['rope_type'] is missing; must be default, linear, llama3 or yarn");
+    raise_value_error(fn,
+                      "scaling['rope_type'] is missing; must be default, linear, llama3 or yarn");
   return s;
 }
 
@@ -298,8 +303,8 @@ Rope make_rope(const char* fn, int64_t head_dim, double theta, std::optional<int
   if (rotary_dim) {
     // The C++ API reads 0 as "head_dim"; in Python that is spelled None.
     if (*rotary_dim <= 0)
-      raise_value_error(fn, "rotary_dim = " + std::to_string(*rotary_dim) +
-                                " must be > 0 (None = head_dim)");
+      raise_value_error(
+          fn, "rotary_dim = " + std::to_string(*rotary_dim) + " must be > 0 (None = head_dim)");
     c.rotary_dim = *rotary_dim;
   }
   c.theta = theta;
@@ -387,8 +392,9 @@ void bind_rope(py::module_& m) {
       .def_property_readonly("attention_factor", &Rope::attention_factor,
                              "cos/sin multiplier: YaRN's mscale ratio, 1.0 otherwise")
       .def_property_readonly("rotary_dim", &Rope::rotary_dim)
-      .def_property_readonly("config", [](const Rope& r) { return rope_config_to_dict(r.config()); },
-                             "dict: head_dim, rotary_dim, theta, interleaved, scaling")
+      .def_property_readonly(
+          "config", [](const Rope& r) { return rope_config_to_dict(r.config()); },
+          "dict: head_dim, rotary_dim, theta, interleaved, scaling")
       .def(
           "apply",
           [](const Rope& r, py::object x, py::object positions) {
@@ -402,7 +408,8 @@ void bind_rope(py::module_& m) {
       "apply_rope",
       [](py::object x, py::object positions, double theta, std::optional<int64_t> rotary_dim,
          bool interleaved, py::object scaling) {
-        const InputArray xi = f32_input(x, {"apply_rope", "x", 4, 4, "[batch, seq, heads, head_dim]"});
+        const InputArray xi =
+            f32_input(x, {"apply_rope", "x", 4, 4, "[batch, seq, heads, head_dim]"});
         const Rope rope =
             make_rope("apply_rope", xi.view.shape[3], theta, rotary_dim, interleaved, scaling);
         return rope_apply(rope, "apply_rope", xi.array, positions);
@@ -465,12 +472,13 @@ py::array cache_tokens(PyKVCache& c, bool keys) {
   return copy_to_numpy(t.view());
 }
 
-py::array cache_attend(PyKVCache& c, py::handle q, py::handle k_new, py::handle v_new,
-                       std::optional<double> softmax_scale, double softcap, py::handle sparse,
+py::array cache_attend(PyKVCache& c, py::object q, py::object k_new, py::object v_new,
+                       std::optional<double> softmax_scale, double softcap, py::object sparse,
                        const std::string& backend, int num_threads) {
   constexpr const char* kFn = "KVCache.attend";
   const InputArray qi = f32_input(q, {kFn, "q", 4, 4, "[batch, T, num_heads, head_dim]"});
-  const InputArray ki = f32_input(k_new, {kFn, "k_new", 4, 4, "[batch, T, num_kv_heads, head_dim]"});
+  const InputArray ki =
+      f32_input(k_new, {kFn, "k_new", 4, 4, "[batch, T, num_kv_heads, head_dim]"});
   const InputArray vi =
       f32_input(v_new, {kFn, "v_new", 4, 4, "[batch, T, num_kv_heads, head_dim_v]"});
   AttentionOptions opt;
@@ -482,8 +490,7 @@ py::array cache_attend(PyKVCache& c, py::handle q, py::handle k_new, py::handle 
   TensorView out;
   py::array out_a = new_array(
       DType::kF32, {qi.view.shape[0], qi.view.shape[1], qi.view.shape[2], vi.view.shape[3]}, &out);
-  throw_if_error(
-      locked(c.mu, [&] { return c.cache.attend(qi.view, ki.view, vi.view, out, opt); }));
+  throw_if_error(locked(c.mu, [&] { return c.cache.attend(qi.view, ki.view, vi.view, out, opt); }));
   return out_a;
 }
 
@@ -537,10 +544,10 @@ void bind_kv_cache(py::module_& m) {
       .def_property_readonly(
           "stored", [](PyKVCache& c) { return locked(c.mu, [&] { return c.cache.stored(); }); },
           "tokens currently held: min(length, slots)")
-      .def_property_readonly("slots", [](PyKVCache& c) { return c.cache.slots(); },
-                             "tokens the storage holds")
-      .def_property_readonly("nbytes", [](PyKVCache& c) { return c.cache.nbytes(); },
-                             "bytes of K and V storage")
+      .def_property_readonly(
+          "slots", [](PyKVCache& c) { return c.cache.slots(); }, "tokens the storage holds")
+      .def_property_readonly(
+          "nbytes", [](PyKVCache& c) { return c.cache.nbytes(); }, "bytes of K and V storage")
       .def_property_readonly("dtype",
                              [](PyKVCache& c) { return cache_dtype_name(c.cache.spec().dtype); })
       .def_property_readonly("batch_size", [](PyKVCache& c) { return c.cache.spec().batch_size; })
@@ -548,10 +555,11 @@ void bind_kv_cache(py::module_& m) {
       .def_property_readonly("num_kv_heads",
                              [](PyKVCache& c) { return c.cache.spec().num_kv_heads; })
       .def_property_readonly("head_dim", [](PyKVCache& c) { return c.cache.spec().head_dim; })
-      .def_property_readonly("head_dim_v", [](PyKVCache& c) {
-        const KVCacheSpec& s = c.cache.spec();
-        return s.head_dim_v == 0 ? s.head_dim : s.head_dim_v;
-      })
+      .def_property_readonly("head_dim_v",
+                             [](PyKVCache& c) {
+                               const KVCacheSpec& s = c.cache.spec();
+                               return s.head_dim_v == 0 ? s.head_dim : s.head_dim_v;
+                             })
       .def_property_readonly("sliding_window",
                              [](PyKVCache& c) { return c.cache.spec().sliding_window; })
       .def(
@@ -564,18 +572,18 @@ void bind_kv_cache(py::module_& m) {
           "values", [](PyKVCache& c) { return cache_tokens(c, false); },
           "Copy of the held values, oldest first: float32 [batch, stored, num_kv_heads, "
           "head_dim_v].")
-      .def("attend", &cache_attend, py::arg("q"), py::arg("k_new"), py::arg("v_new"),
-           py::kw_only(), py::arg("softmax_scale") = py::none(), py::arg("softcap") = 0.0,
-           py::arg("sparse") = py::none(), py::arg("backend") = "auto",
-           py::arg("num_threads") = 0, kAttendDoc)
+      .def("attend", &cache_attend, py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::kw_only(),
+           py::arg("softmax_scale") = py::none(), py::arg("softcap") = 0.0,
+           py::arg("sparse") = py::none(), py::arg("backend") = "auto", py::arg("num_threads") = 0,
+           kAttendDoc)
       .def("__repr__", [](PyKVCache& c) {
         const KVCacheSpec& s = c.cache.spec();
         return "KVCache(batch_size=" + std::to_string(s.batch_size) +
                ", max_seq_len=" + std::to_string(s.max_seq_len) +
                ", num_kv_heads=" + std::to_string(s.num_kv_heads) +
                ", head_dim=" + std::to_string(s.head_dim) + ", dtype='" +
-               cache_dtype_name(s.dtype) + "', sliding_window=" +
-               std::to_string(s.sliding_window) + ")";
+               cache_dtype_name(s.dtype) + "', sliding_window=" + std::to_string(s.sliding_window) +
+               ")";
       });
 }
 
@@ -672,8 +680,9 @@ AttentionConfig config_from_dict(py::handle obj) {
   c.rope.head_dim = c.head_dim;
   if (c.use_rope && rope && !rope.is_none()) {
     if (!py::isinstance<py::dict>(rope))
-      raise_value_error(kFn, "config['rope'] must be a dict (head_dim, rotary_dim, theta, "
-                             "interleaved, scaling) or None");
+      raise_value_error(kFn,
+                        "config['rope'] must be a dict (head_dim, rotary_dim, theta, "
+                        "interleaved, scaling) or None");
     for (auto item : py::reinterpret_borrow<py::dict>(rope)) {
       const std::string key = py::str(item.first).cast<std::string>();
       const py::handle v = item.second;
@@ -708,7 +717,7 @@ PyKVCache* cache_arg(py::handle cache, const char* fn) {
   return cache.cast<PyKVCache*>();
 }
 
-py::array layer_forward(PyAttentionLayer& s, py::handle x, py::handle positions, py::handle cache,
+py::array layer_forward(PyAttentionLayer& s, py::object x, py::object positions, py::object cache,
                         const std::string& backend, int num_threads) {
   constexpr const char* kFn = "AttentionLayer.forward";
   const InputArray xi = f32_input(x, {kFn, "x", 3, 3, "[batch, seq, hidden]", true});
@@ -718,8 +727,8 @@ py::array layer_forward(PyAttentionLayer& s, py::handle x, py::handle positions,
   run.backend = parse_backend(backend, kFn);
   run.num_threads = num_threads;
   TensorView out;
-  py::array out_a = new_array(DType::kF32, {xi.view.shape[0], xi.view.shape[1],
-                                            s.layer.config().hidden_size}, &out);
+  py::array out_a = new_array(
+      DType::kF32, {xi.view.shape[0], xi.view.shape[1], s.layer.config().hidden_size}, &out);
   Status st;
   {
     py::gil_scoped_release nogil;
@@ -740,13 +749,13 @@ py::array layer_forward(PyAttentionLayer& s, py::handle x, py::handle positions,
 // user mask the padding mask is viewed in place as [batch, 1, 1, seqlen_k];
 // with one, the two are combined into a new array of the mask's dtype
 // (bool: and; float: -inf where padded), broadcast over batch and keys.
-InputArray qkv_mask(py::handle mask, py::handle key_padding_mask, int64_t batch,
-                    int64_t num_heads, int64_t seqlen_q, int64_t seqlen_k, const char* fn) {
+InputArray qkv_mask(py::handle mask, py::handle key_padding_mask, int64_t batch, int64_t num_heads,
+                    int64_t seqlen_q, int64_t seqlen_k, const char* fn) {
   InputArray m;
   if (!mask.is_none()) m = mask_input(mask, fn);
   if (key_padding_mask.is_none()) return m;
-  InputArray pad = typed_input(key_padding_mask, {fn, "key_padding_mask", 2, 2, "[batch, seqlen_k]"},
-                               DType::kBool, "b");
+  InputArray pad = typed_input(
+      key_padding_mask, {fn, "key_padding_mask", 2, 2, "[batch, seqlen_k]"}, DType::kBool, "b");
   const TensorView& p = pad.view;
   if (p.shape[0] != batch || p.shape[1] != seqlen_k)
     raise_value_error(fn, "key_padding_mask has shape " + shape_str(pad.array) +
@@ -762,9 +771,9 @@ InputArray qkv_mask(py::handle mask, py::handle key_padding_mask, int64_t batch,
   const char* names[4] = {"batch", "num_heads", "seqlen_q", "seqlen_k"};
   for (int i = 0; i < 4; ++i)
     if (m.view.shape[i] != 1 && m.view.shape[i] != full[i])
-      raise_value_error(fn, "mask.shape[" + std::to_string(i) + "] = " +
-                                std::to_string(m.view.shape[i]) + " must be 1 or " + names[i] +
-                                " = " + std::to_string(full[i]));
+      raise_value_error(fn, "mask.shape[" + std::to_string(i) +
+                                "] = " + std::to_string(m.view.shape[i]) + " must be 1 or " +
+                                names[i] + " = " + std::to_string(full[i]));
   const TensorView& mv = m.view;
   InputArray both;
   both.copied = true;
@@ -775,8 +784,8 @@ InputArray qkv_mask(py::handle mask, py::handle key_padding_mask, int64_t batch,
       for (int64_t i = 0; i < mv.shape[2]; ++i)
         for (int64_t j = 0; j < seqlen_k; ++j) {
           // Size-1 mask axes have stride 0 (mask_input), so this broadcasts.
-          const int64_t src = b * mv.strides[0] + h * mv.strides[1] + i * mv.strides[2] +
-                              j * mv.strides[3];
+          const int64_t src =
+              b * mv.strides[0] + h * mv.strides[1] + i * mv.strides[2] + j * mv.strides[3];
           const bool real = pp[b * p.strides[0] + j * p.strides[1]] != 0;
           const int64_t dst = ((b * mv.shape[1] + h) * mv.shape[2] + i) * seqlen_k + j;
           if (mv.dtype == DType::kBool)
@@ -788,11 +797,10 @@ InputArray qkv_mask(py::handle mask, py::handle key_padding_mask, int64_t batch,
   return both;
 }
 
-py::object layer_forward_qkv(PyAttentionLayer& s, py::handle query, py::handle key,
-                             py::handle value, bool causal, py::handle mask,
-                             py::handle key_padding_mask, bool need_weights,
-                             py::handle window_size, py::handle sparse,
-                             const std::string& backend, int num_threads) {
+py::object layer_forward_qkv(PyAttentionLayer& s, py::object query, py::object key,
+                             py::object value, bool causal, py::object mask,
+                             py::object key_padding_mask, bool need_weights, py::object window_size,
+                             py::object sparse, const std::string& backend, int num_threads) {
   constexpr const char* kFn = "AttentionLayer.forward_qkv";
   const InputArray qi = f32_input(query, {kFn, "query", 3, 3, "[batch, seqlen_q, hidden]", true});
   const InputArray ki = f32_input(key, {kFn, "key", 3, 3, "[batch, seqlen_k, hidden]", true});
@@ -824,9 +832,10 @@ py::object layer_forward_qkv(PyAttentionLayer& s, py::handle query, py::handle k
   return out_a;
 }
 
-void layer_load(PyAttentionLayer& s, py::handle state_dict, const std::string& prefix) {
+void layer_load(PyAttentionLayer& s, py::object state_dict, const std::string& prefix) {
   std::vector<InputArray> keep;
-  const WeightMap map = weights_from_dict(state_dict, "AttentionLayer.load_state_dict", prefix, &keep);
+  const WeightMap map =
+      weights_from_dict(state_dict, "AttentionLayer.load_state_dict", prefix, &keep);
   throw_if_error(locked(s.mu, [&] { return s.layer.load_weights(map, prefix); }));
 }
 
@@ -944,12 +953,11 @@ void bind_attention_layer(py::module_& m) {
       .def("__call__", &layer_forward, py::arg("x"), py::arg("positions") = py::none(),
            py::arg("cache") = py::none(), py::kw_only(), py::arg("backend") = "auto",
            py::arg("num_threads") = 0, "Same as forward.")
-      .def("forward_qkv", &layer_forward_qkv, py::arg("query"), py::arg("key"),
-           py::arg("value"), py::kw_only(), py::arg("causal") = false,
-           py::arg("mask") = py::none(), py::arg("key_padding_mask") = py::none(),
-           py::arg("need_weights") = false, py::arg("window_size") = py::make_tuple(-1, -1),
-           py::arg("sparse") = py::none(), py::arg("backend") = "auto",
-           py::arg("num_threads") = 0, kForwardQkvDoc)
+      .def("forward_qkv", &layer_forward_qkv, py::arg("query"), py::arg("key"), py::arg("value"),
+           py::kw_only(), py::arg("causal") = false, py::arg("mask") = py::none(),
+           py::arg("key_padding_mask") = py::none(), py::arg("need_weights") = false,
+           py::arg("window_size") = py::make_tuple(-1, -1), py::arg("sparse") = py::none(),
+           py::arg("backend") = "auto", py::arg("num_threads") = 0, kForwardQkvDoc)
       .def(
           "new_cache",
           [](PyAttentionLayer& s, int64_t batch_size, int64_t max_seq_len,
@@ -973,12 +981,12 @@ std::string fspath(py::handle path, const char* fn) {
   try {
     return py::module_::import("os").attr("fspath")(path).cast<std::string>();
   } catch (const py::error_already_set&) {
-    raise_value_error(fn, "path must be a str or os.PathLike, got " +
-                              py::repr(path).cast<std::string>());
+    raise_value_error(
+        fn, "path must be a str or os.PathLike, got " + py::repr(path).cast<std::string>());
   }
 }
 
-py::object load_safetensors_py(py::handle path, bool return_metadata) {
+py::object load_safetensors_py(py::object path, bool return_metadata) {
   const std::string p = fspath(path, "load_safetensors");
   Result<SafetensorsFile> file = Status(StatusCode::kInternal, "unset");
   {
@@ -994,7 +1002,7 @@ py::object load_safetensors_py(py::handle path, bool return_metadata) {
   return py::make_tuple(tensors, metadata);
 }
 
-void save_safetensors_py(py::handle path, py::handle tensors, py::handle metadata) {
+void save_safetensors_py(py::object path, py::object tensors, py::object metadata) {
   constexpr const char* kFn = "save_safetensors";
   const std::string p = fspath(path, kFn);
   if (!py::isinstance<py::dict>(tensors))
@@ -1005,8 +1013,8 @@ void save_safetensors_py(py::handle path, py::handle tensors, py::handle metadat
   WeightMap map;
   for (auto item : py::reinterpret_borrow<py::dict>(tensors)) {
     if (!py::isinstance<py::str>(item.first))
-      raise_value_error(kFn, "tensors keys must be str, got " +
-                                 py::repr(item.first).cast<std::string>());
+      raise_value_error(
+          kFn, "tensors keys must be str, got " + py::repr(item.first).cast<std::string>());
     const std::string name = item.first.cast<std::string>();
     const std::string label = "tensors['" + name + "']";
     py::array probe = py::array::ensure(item.second);
@@ -1030,11 +1038,11 @@ void save_safetensors_py(py::handle path, py::handle tensors, py::handle metadat
     else if (kind == 'b')
       dtype = DType::kBool;
     else
-      raise_value_error(kFn, label + " has dtype " +
-                                 py::str(static_cast<py::handle>(probe.dtype())).cast<std::string>() +
-                                 ", must be float16/32/64, int32/64 or bool");
-    keep.push_back(typed_input(probe, {kFn, label.c_str(), 0, 4, "(rank 0 to 4)"}, dtype,
-                               "fiub"));
+      raise_value_error(kFn,
+                        label + " has dtype " +
+                            py::str(static_cast<py::handle>(probe.dtype())).cast<std::string>() +
+                            ", must be float16/32/64, int32/64 or bool");
+    keep.push_back(typed_input(probe, {kFn, label.c_str(), 0, 4, "(rank 0 to 4)"}, dtype, "fiub"));
     map.emplace(name, keep.back().view);
   }
   std::map<std::string, std::string, std::less<>> meta;
@@ -1088,8 +1096,8 @@ void bind_core(py::module_& m) {
         py::arg("mask") = py::none(), py::arg("sparse") = py::none(),
         py::arg("return_probs") = false, py::arg("kv_dtype") = "float32",
         py::arg("backend") = "auto", py::arg("num_threads") = 0, kSdpaDoc);
-  m.def("merge_attention_states", &merge_py, py::arg("out_a"), py::arg("lse_a"),
-        py::arg("out_b"), py::arg("lse_b"), kMergeDoc);
+  m.def("merge_attention_states", &merge_py, py::arg("out_a"), py::arg("lse_a"), py::arg("out_b"),
+        py::arg("lse_b"), kMergeDoc);
   bind_rope(m);
   bind_kv_cache(m);
   bind_attention_layer(m);

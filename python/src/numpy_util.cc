@@ -10,13 +10,20 @@ namespace {
 
 py::dtype numpy_dtype(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return py::dtype::of<float>();
-    case DType::kF64: return py::dtype::of<double>();
-    case DType::kF16: return py::dtype("float16");
-    case DType::kBool: return py::dtype::of<bool>();
-    case DType::kI32: return py::dtype::of<int32_t>();
-    case DType::kI64: return py::dtype::of<int64_t>();
-    case DType::kBF16: break;  // numpy has no bfloat16; callers widen to float32
+    case DType::kF32:
+      return py::dtype::of<float>();
+    case DType::kF64:
+      return py::dtype::of<double>();
+    case DType::kF16:
+      return py::dtype("float16");
+    case DType::kBool:
+      return py::dtype::of<bool>();
+    case DType::kI32:
+      return py::dtype::of<int32_t>();
+    case DType::kI64:
+      return py::dtype::of<int64_t>();
+    case DType::kBF16:
+      break;  // numpy has no bfloat16; callers widen to float32
   }
   throw std::runtime_error(std::string("attnkit: no numpy dtype for ") + dtype_name(dtype));
 }
@@ -130,8 +137,8 @@ int64_t checked_int(py::handle obj, const char* fn, const std::string& what) {
   try {
     return py::int_(py::reinterpret_borrow<py::object>(obj)).cast<int64_t>();
   } catch (const py::cast_error&) {
-    raise_value_error(fn, what + " = " + py::repr(obj).cast<std::string>() +
-                              " does not fit a 64-bit integer");
+    raise_value_error(
+        fn, what + " = " + py::repr(obj).cast<std::string>() + " does not fit a 64-bit integer");
   }
 }
 
@@ -165,9 +172,8 @@ InputArray typed_input(py::handle obj, const ArgSpec& spec, DType want, const ch
                                    spec.shape + ", got shape " + shape_str(in.array));
   const py::dtype have = in.array.dtype();
   if (!std::strchr(accept, have.kind()))
-    raise_value_error(spec.fn, std::string(spec.name) + " has dtype " +
-                                   dtype_str(have) + ", must be " +
-                                   accepted_kinds(accept));
+    raise_value_error(spec.fn, std::string(spec.name) + " has dtype " + dtype_str(have) +
+                                   ", must be " + accepted_kinds(accept));
   const py::dtype target = numpy_dtype(want);
   in.view.dtype = want;
   if (same_dtype(have, target) && describe_in_place(in.array, &in.view) &&
@@ -195,8 +201,7 @@ InputArray f32_input(py::handle obj, const ArgSpec& spec) {
 }
 
 InputArray mask_input(py::handle obj, const char* fn) {
-  const ArgSpec spec{fn, "mask", 1, 4,
-                     "broadcastable to [batch, num_heads, seqlen_q, seqlen_k]"};
+  const ArgSpec spec{fn, "mask", 1, 4, "broadcastable to [batch, num_heads, seqlen_q, seqlen_k]"};
   py::array probe = py::array::ensure(obj);
   InputArray in;
   if (probe && probe.dtype().kind() == 'b')
@@ -240,8 +245,12 @@ py::array copy_to_numpy(const TensorView& v) {
   if (v.numel() == 0) return a;
   auto same = [](auto x) { return x; };
   switch (v.dtype) {
-    case DType::kF32: copy_strided<float>(v, static_cast<float*>(a.mutable_data()), same); break;
-    case DType::kF64: copy_strided<double>(v, static_cast<double*>(a.mutable_data()), same); break;
+    case DType::kF32:
+      copy_strided<float>(v, static_cast<float*>(a.mutable_data()), same);
+      break;
+    case DType::kF64:
+      copy_strided<double>(v, static_cast<double*>(a.mutable_data()), same);
+      break;
     case DType::kF16:
       copy_strided<uint16_t>(v, static_cast<uint16_t*>(a.mutable_data()), same);
       break;
@@ -272,8 +281,7 @@ Backend parse_backend(const std::string& text, const char* fn) {
 
 WindowSize parse_window_size(py::handle obj, const char* fn) {
   if (obj.is_none()) return {};
-  if (!py::isinstance<py::sequence>(obj) || py::isinstance<py::str>(obj) ||
-      py::len(obj) != 2)
+  if (!py::isinstance<py::sequence>(obj) || py::isinstance<py::str>(obj) || py::len(obj) != 2)
     raise_value_error(fn, "window_size = " + py::repr(obj).cast<std::string>() +
                               " must be a pair (left, right); -1 = unlimited");
   const py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
@@ -285,8 +293,10 @@ SparsePattern parse_sparse(py::handle obj, const char* fn) {
   SparsePattern sp;
   if (obj.is_none()) return sp;
   if (!py::isinstance<py::dict>(obj))
-    raise_value_error(fn, "sparse must be None or a dict {'kind': 'strided'|'fixed', 'stride': "
-                          "l, 'summary': c, 'block_size': b}, got " + type_name(obj));
+    raise_value_error(fn,
+                      "sparse must be None or a dict {'kind': 'strided'|'fixed', 'stride': "
+                      "l, 'summary': c, 'block_size': b}, got " +
+                          type_name(obj));
   const py::dict d = py::reinterpret_borrow<py::dict>(obj);
   if (!d.contains("kind"))
     raise_value_error(fn, "sparse['kind'] is missing; must be 'strided' or 'fixed'");
@@ -307,8 +317,8 @@ SparsePattern parse_sparse(py::handle obj, const char* fn) {
     } else if (key == "block_size") {
       sp.block_size = checked_int(item.second, fn, "sparse['block_size']");
     } else {
-      raise_value_error(fn, "sparse has unknown key '" + key +
-                                "'; known: kind, stride, summary, block_size");
+      raise_value_error(
+          fn, "sparse has unknown key '" + key + "'; known: kind, stride, summary, block_size");
     }
   }
   return sp;
@@ -339,7 +349,8 @@ std::vector<int64_t> parse_positions(py::handle obj, const char* fn) {
   const int64_t row_stride = v.rank == 2 ? v.strides[0] : 0, col_stride = v.strides[v.rank - 1];
   out.reserve(static_cast<size_t>(rows * cols));
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) out.push_back(v.ptr<const int64_t>()[r * row_stride + c * col_stride]);
+    for (int64_t c = 0; c < cols; ++c)
+      out.push_back(v.ptr<const int64_t>()[r * row_stride + c * col_stride]);
   return out;
 }
 
@@ -349,9 +360,7 @@ DType parse_cache_dtype(const std::string& text, const char* fn, const char* nam
   raise_value_error(fn, std::string(name) + " = '" + text + "' must be 'float32' or 'bfloat16'");
 }
 
-const char* cache_dtype_name(DType dtype) {
-  return dtype == DType::kBF16 ? "bfloat16" : "float32";
-}
+const char* cache_dtype_name(DType dtype) { return dtype == DType::kBF16 ? "bfloat16" : "float32"; }
 
 WeightMap weights_from_dict(py::handle obj, const char* fn, const std::string& prefix,
                             std::vector<InputArray>* keep) {
@@ -368,7 +377,8 @@ WeightMap weights_from_dict(py::handle obj, const char* fn, const std::string& p
     // (they may be anything, e.g. integer buffers or scalars).
     if (name.compare(0, under.size(), under) != 0) continue;
     const std::string label = "state_dict['" + name + "']";
-    const ArgSpec spec{fn, label.c_str(), 1, 4, "(a weight; torch bfloat16 tensors: pass .float())"};
+    const ArgSpec spec{fn, label.c_str(), 1, 4,
+                       "(a weight; torch bfloat16 tensors: pass .float())"};
     py::array probe = py::array::ensure(item.second);
     DType want = DType::kF32;
     if (probe && probe.dtype().kind() == 'f') {

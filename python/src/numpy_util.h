@@ -58,9 +58,9 @@ struct InputArray {
 
 // What an input argument is, for messages and conversion.
 struct ArgSpec {
-  const char* fn;     // "sdpa"
-  const char* name;   // "q"
-  int min_rank;       // accepted ranks, within 1..4
+  const char* fn;    // "sdpa"
+  const char* name;  // "q"
+  int min_rank;      // accepted ranks, within 1..4
   int max_rank;
   const char* shape;  // "[batch, seqlen_q, num_heads, head_dim]", for messages
   // Copy unless the last dimension has unit stride (for APIs such as the
@@ -120,10 +120,10 @@ const char* cache_dtype_name(DType dtype);
 // The entries of a state dict {name: array} under `prefix`, as a WeightMap
 // (full names kept). As the layers' loaders do, the prefix is joined with a
 // '.' unless it is empty or already ends in one, so "model.layers.1" selects
-// "model.layers.1.q_proj.weight" but not "model.layers.10.q_proj.weight". float16/float32/float64 arrays
-// are viewed as they are (no copy when aligned and non-negatively strided);
-// other real numeric arrays are converted to float32. Entries outside the
-// prefix are not looked at. `keep` receives the arrays the views point into.
+// "model.layers.1.q_proj.weight" but not "model.layers.10.q_proj.weight". float16/float32/float64
+// arrays are viewed as they are (no copy when aligned and non-negatively strided); other real
+// numeric arrays are converted to float32. Entries outside the prefix are not looked at. `keep`
+// receives the arrays the views point into.
 WeightMap weights_from_dict(py::handle obj, const char* fn, const std::string& prefix,
                             std::vector<InputArray>* keep);
 

@@ -15,7 +15,8 @@ os.environ.setdefault("ATTNKIT_NUM_THREADS", "2")
 
 def pytest_report_header(config):
     import attnkit
-    return f"attnkit {attnkit.__version__} from {os.path.dirname(attnkit.__file__)}; torch {torch.__version__}"
+    where = os.path.dirname(attnkit.__file__)
+    return f"attnkit {attnkit.__version__} from {where}; torch {torch.__version__}"
 
 
 @pytest.fixture(params=["auto", "reference"])

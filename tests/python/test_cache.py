@@ -55,8 +55,9 @@ def test_decode_equals_full_causal(variant, dtype, window, backend):
         # The reference reads the stored bf16 K/V exactly: attention over
         # the rounded values, within the fp32 bound.
         ks, vs = bf16_round(k), bf16_round(v)
-        check_close(f"{variant} bf16 W={window}", got, sdpa_ref(q, ks, vs, causal=True, window=win)[0],
-                    sdpa_bounds(q, ks, vs)["out"], rel=1e-5)
+        want = sdpa_ref(q, ks, vs, causal=True, window=win)[0]
+        check_close(f"{variant} bf16 W={window}", got, want, sdpa_bounds(q, ks, vs)["out"],
+                    rel=1e-5)
     else:
         # Fast kernels may also round q and the softmax weights to bf16.
         bf16_criterion(f"{variant} bf16 W={window}", got, exact,

@@ -79,7 +79,8 @@ def test_merge_errors():
     (dict(scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8,
                    "truncate": False}), r"scaling\['truncate'\] = False is not supported"),
     (dict(scaling="llama3"), r"apply_rope: scaling must be None or a Hugging Face rope_scaling"),
-    (dict(positions=np.array([0, 1, -1])), r"Rope::apply: positions\[2\] = -1 must be in \[0, 2\^53\)"),
+    (dict(positions=np.array([0, 1, -1])),
+     r"Rope::apply: positions\[2\] = -1 must be in \[0, 2\^53\)"),
     (dict(positions=np.arange(4)), r"positions has 4 entries, must have seq = 3"),
     (dict(positions=np.array([0.0, 1.0, 2.0])), r"apply_rope: positions has dtype float64, "
                                                 r"must be integer"),

@@ -5,8 +5,6 @@ their Hugging Face equations, built by attnkit.from_config from HF-style
 config dicts and loaded with HF weight names. Then decoding with a KV cache
 (f32 and bf16, with and without a sliding window) against the full causal
 forward."""
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -311,7 +309,8 @@ def test_non_contiguous_and_float64_inputs_match():
     want = layer.forward(x, backend="reference")
     wide = np.zeros((2, 5, 2 * cfg["hidden_size"]), np.float32)
     wide[..., ::2] = x
-    for variant in (x.astype(np.float64), wide[..., ::2], x.transpose(1, 0, 2).copy().transpose(1, 0, 2)):
+    seq_major = x.transpose(1, 0, 2).copy().transpose(1, 0, 2)
+    for variant in (x.astype(np.float64), wide[..., ::2], seq_major):
         np.testing.assert_array_equal(layer.forward(variant, backend="reference"), want)
 
 

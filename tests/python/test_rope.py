@@ -3,7 +3,6 @@ for the half-split pairing, Meta's complex-number form for the interleaved
 one, partial rotary, and the linear / llama3 / yarn inverse frequencies."""
 import numpy as np
 import pytest
-import torch
 
 import attnkit
 from torch_ref import (EPS32, check_close, inv_freq_ref, randn, rng, rope_half_ref,
