@@ -343,6 +343,7 @@ std::vector<SimdTarget> available_targets() {
 std::string plan_str(const cpu::Plan& plan) {
   return std::string(simd_target_name(plan.target)) + " block_q=" + std::to_string(plan.block_q) +
          " block_k=" + std::to_string(plan.block_k) + " split_k=" + std::to_string(plan.split_k) +
+         " kv_heads_per_task=" + std::to_string(plan.kv_heads_per_task) +
          " threads=" + std::to_string(plan.num_threads);
 }
 
@@ -429,11 +430,13 @@ cpu::Plan default_plan(const Problem& pr, int threads) {
   return cpu::make_plan(p, SimdTarget::kScalar, threads);
 }
 
-cpu::Plan tiled(int64_t block_q, int64_t block_k, int64_t split_k, int threads) {
+cpu::Plan tiled(int64_t block_q, int64_t block_k, int64_t split_k, int threads,
+                int64_t kv_heads_per_task = 1) {
   cpu::Plan plan;
   plan.block_q = block_q;
   plan.block_k = block_k;
   plan.split_k = split_k;
+  plan.kv_heads_per_task = kv_heads_per_task;
   plan.num_threads = threads;
   return plan;
 }
@@ -550,7 +553,7 @@ TEST(AttentionFast, EveryMask) {
       Case k = cc;
       k.kv = kv;
       check_case(k, [&](const Problem&) { return tiled(4, 8, 0, 2); });
-      check_case(k, [&](const Problem&) { return tiled(19, 16, 8, 3); });
+      check_case(k, [&](const Problem&) { return tiled(19, 16, 8, 3, 2); });
     }
 }
 
@@ -707,7 +710,7 @@ TEST(AttentionFast, RandomCasesEveryTargetTilingAndThreadCount) {
     };
     const cpu::Plan random_tiling = tiled(pick({1, 2, 3, 5, 8, 64}), pick({1, 2, 7, 16, 64}),
                                           pick({0, 0, 1, 5, 16, 64}),
-                                          static_cast<int>(pick({1, 2, 3, 7})));
+                                          static_cast<int>(pick({1, 2, 3, 7})), pick({1, 1, 2, 3}));
     const int threads = static_cast<int>(pick({1, 2, 3, 7}));
     check_case(c, [&](const Problem&) { return random_tiling; });
     check_case(c, [&](const Problem& pr) { return default_plan(pr, threads); });

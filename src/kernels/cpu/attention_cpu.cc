@@ -26,11 +26,11 @@ int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 // over all L1 sets instead of a few (a 1 KiB stride uses one set in 16).
 int64_t odd_line_stride(int64_t floats) { return floats % 32 == 0 ? floats + 16 : floats; }
 
-// A (batch item, kv head, query block): the unit whose rows share one
-// packed q tile. With parts >= 2 its keys were split and merge() combines
-// partials [first_part, first_part + parts).
+// A (batch item, block of kv heads, query block): the unit whose rows share
+// packed q tiles (one per kv head). With parts >= 2 its keys were split and
+// merge() combines partials [first_part, first_part + parts).
 struct Base {
-  int64_t b, g, qb;
+  int64_t b, g, qb;  // g: the first kv head of the block
   int64_t first_part;
   int64_t parts;
 };
@@ -51,11 +51,15 @@ struct Geometry {
   bool dot_bf16 = false;  // ... and go through the vdpbf16ps kernels
   bool copy_v = false;    // fp32 V tiles are copied to a compact buffer
   int64_t group = 1, bq = 1, bk = 1, q_blocks = 0, bases = 0, max_parts = 1;
+  int64_t heads = 1, head_blocks = 1;  // kv heads per task, blocks of them
   int64_t m_max = 0, m_pad = 0, s_stride = 0, d = 0, dv = 0, d_pad = 0, dv_pad = 0, vw_stride = 0;
-  int64_t part_floats = 0;  // one partial: o [m_max][dv], row_max, row_sum
-  // Offsets in floats inside one worker's region.
-  int64_t qt = 0, qrows = 0, s = 0, o = 0, row_max = 0, row_sum = 0, alpha = 0, ones = 0, kw = 0, vw = 0,
-          pack = 0, bitmap = 0, row_lo = 0, row_hi = 0, worker_floats = 0;
+  int64_t part_floats = 0;  // one partial: per head o [m_max][dv], row_max, row_sum
+  // Offsets in floats inside one worker's region: per kv head of a task
+  // (head h at offset + h * head_floats) ...
+  int64_t qt = 0, o = 0, row_max = 0, row_sum = 0, head_floats = 0;
+  // ... and shared by the heads.
+  int64_t qrows = 0, s = 0, alpha = 0, ones = 0, kw = 0, vw = 0, pack = 0, bitmap = 0,
+          row_lo = 0, row_hi = 0, worker_floats = 0;
   // Byte offsets of the shared regions.
   size_t tasks_at = 0, bases_at = 0, parts_at = 0, workers_at = 0, total = 0;
   int workers = 1;
@@ -71,10 +75,12 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.bf16 = p.kv_dtype == DType::kBF16;
   g.dot_bf16 = g.bf16 && g.kt->qk_bf16 != nullptr;
   g.group = p.num_heads / p.num_kv_heads;
+  g.heads = std::clamp<int64_t>(plan.kv_heads_per_task, 1, p.num_kv_heads);
+  g.head_blocks = ceil_div(p.num_kv_heads, g.heads);
   g.bq = plan.block_q;
   g.bk = plan.block_k;
   g.q_blocks = ceil_div(p.seqlen_q, g.bq);
-  g.bases = p.batch * p.num_kv_heads * g.q_blocks;
+  g.bases = p.batch * g.head_blocks * g.q_blocks;
   g.max_parts = plan.split_k > 0 ? std::max<int64_t>(1, ceil_div(p.seqlen_k, plan.split_k)) : 1;
   g.m_max = g.bq * g.group;
   g.m_pad = round_up(g.m_max, lanes);
@@ -85,7 +91,7 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.dv_pad = round_up(g.dv, lanes);
   g.vw_stride = odd_line_stride(g.dv_pad);
   g.copy_v = !g.bf16 && g.m_max >= kCopyValuesMinRows;
-  g.part_floats = plan.split_k > 0 ? round_up(g.m_max * (g.dv + 2), 16) : 0;
+  g.part_floats = plan.split_k > 0 ? round_up(g.heads * g.m_max * (g.dv + 2), 16) : 0;
 
   int64_t at = 0;
   auto take = [&](int64_t floats) {
@@ -96,11 +102,13 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   // Column blocks of qk_block_cols: m_pad rounded up to a whole block.
   const int64_t qt_cols = round_up(g.m_pad, g.kt->qk_block_cols);
   g.qt = take(round_up(g.d, 2) * qt_cols);  // also holds the bf16 pairs
-  g.qrows = take(2 * g.m_max);              // const float* per packed row
-  g.s = take(g.bk * g.s_stride);
   g.o = take(g.m_max * g.dv_pad);
   g.row_max = take(g.m_pad);
   g.row_sum = take(g.m_pad);
+  g.head_floats = at;
+  at = g.heads * g.head_floats;
+  g.qrows = take(2 * g.m_max);  // const float* per packed row
+  g.s = take(g.bk * g.s_stride);
   g.alpha = take(g.m_pad);
   g.ones = take(g.m_pad);
   g.kw = take(g.bf16 && !g.dot_bf16 ? g.bk * g.d_pad : 0);
@@ -175,37 +183,54 @@ class TaskRunner {
   void run(const Task& task) {
     const Base& base = c_.bases[task.base];
     b_ = base.b;
-    kvh_ = base.g;
     i0_ = base.qb * g_.bq;
     rows_ = std::min(g_.bq, p_.seqlen_q - i0_);
     m_ = rows_ * g_.group;
     offset_ = p_.offset_of(b_);
-    k_ = static_cast<const char*>(p_.k) +
-         (b_ * p_.k_stride.batch + kvh_ * p_.k_stride.head) * elem_size();
-    v_ = static_cast<const char*>(p_.v) +
-         (b_ * p_.v_stride.batch + kvh_ * p_.v_stride.head) * elem_size();
+    g0_ = base.g;
+    heads_ = std::min(g_.heads, p_.num_kv_heads - g0_);
 
     int64_t* row_lo = reinterpret_cast<int64_t*>(ws_ + g_.row_lo);
     int64_t* row_hi = reinterpret_cast<int64_t*>(ws_ + g_.row_hi);
     for (int64_t il = 0; il < rows_; ++il)
       key_range(p_, b_, i0_ + il + offset_, &row_lo[il], &row_hi[il]);
-    pack_q();
-    std::fill_n(ws_ + g_.row_max, g_.m_pad, kNegInf);
-    std::fill_n(ws_ + g_.row_sum, g_.m_pad, 0.0f);
     std::fill_n(ws_ + g_.ones, g_.m_pad, 1.0f);
-    std::fill_n(ws_ + g_.o, m_ * g_.dv_pad, 0.0f);
+    for (int64_t h = 0; h < heads_; ++h) {
+      select_head(h);
+      pack_q();
+      std::fill_n(row_max_, g_.m_pad, kNegInf);
+      std::fill_n(row_sum_, g_.m_pad, 0.0f);
+      std::fill_n(o_, m_ * g_.dv_pad, 0.0f);
+    }
 
     task_end_ = task.k1;
     for (int64_t j0 = task.k0; j0 < task.k1; j0 += g_.bk)
       tile(j0, std::min(g_.bk, task.k1 - j0), row_lo, row_hi);
 
-    if (task.part < 0)
-      write_rows();
-    else
-      store_partial(c_.parts + task.part * g_.part_floats);
+    for (int64_t h = 0; h < heads_; ++h) {
+      select_head(h);
+      if (task.part < 0)
+        write_rows();
+      else
+        store_partial(c_.parts + task.part * g_.part_floats + h * g_.m_max * (g_.dv + 2));
+    }
   }
 
  private:
+  // Points the per-head members at kv head g0_ + h and its state.
+  void select_head(int64_t h) {
+    kvh_ = g0_ + h;
+    k_ = static_cast<const char*>(p_.k) +
+         (b_ * p_.k_stride.batch + kvh_ * p_.k_stride.head) * elem_size();
+    v_ = static_cast<const char*>(p_.v) +
+         (b_ * p_.v_stride.batch + kvh_ * p_.v_stride.head) * elem_size();
+    float* state = ws_ + h * g_.head_floats;
+    qt_ = state + g_.qt;
+    o_ = state + g_.o;
+    row_max_ = state + g_.row_max;
+    row_sum_ = state + g_.row_sum;
+  }
+
   size_t elem_size() const { return g_.bf16 ? 2 : 4; }
   const void* k_row(int64_t physical) const {
     return k_ + physical * p_.k_stride.row * static_cast<int64_t>(elem_size());
@@ -228,7 +253,7 @@ class TaskRunner {
     const float scale = p_.scale;
     const int64_t w = g_.kt->qk_block_cols, dim = p_.q_stride.dim;
     if (g_.dot_bf16) {
-      uint16_t* qt2 = reinterpret_cast<uint16_t*>(ws_ + g_.qt);
+      uint16_t* qt2 = reinterpret_cast<uint16_t*>(qt_);
       const int64_t pairs = ceil_div(g_.d, 2);
       for (int64_t m0 = 0; m0 < g_.m_pad; m0 += w) {
         uint16_t* block = qt2 + m0 * pairs * 2;
@@ -242,7 +267,7 @@ class TaskRunner {
       }
       return;
     }
-    float* qt = ws_ + g_.qt;
+    float* qt = qt_;
     for (int64_t m0 = 0; m0 < g_.m_pad; m0 += w) {
       float* block = qt + m0 * g_.d;
       const int64_t valid = std::clamp(m_ - m0, int64_t{0}, w);
@@ -271,28 +296,30 @@ class TaskRunner {
       sparse_partial = admitted < rows_ * nk;
     }
     const bool masked = !full || sparse_partial || p_.bool_mask || p_.add_mask;
-
-    float* s = ws_ + g_.s;
     // The next tile of this task starts nk rows on (unless a ring wraps in
     // between, where the hint is merely wasted).
     const int64_t prefetch = j1 < task_end_ ? nk : 0;
-    scores(j0, nk, s, prefetch);
-    if (p_.softcap > 0.0f) g_.kt->softcap(s, nk, g_.m_pad, g_.s_stride, p_.softcap);
-    if (masked) apply_masks(j0, nk, s, row_lo, row_hi, sparse_partial);
-    float* alpha = ws_ + g_.alpha;
-    g_.kt->softmax(s, nk, g_.m_pad, g_.s_stride, ws_ + g_.row_max, ws_ + g_.row_sum, alpha);
-    // A weight of 0 times a NaN or Inf value is NaN: where masked keys hold
-    // non-finite values, add only the nonzero weights (rare, so slow).
-    if (masked && !values_finite(j0, nk))
-      accumulate_skipping_zeros(j0, nk, s, alpha);
-    else
-      accumulate(j0, nk, s, alpha, prefetch);
+    for (int64_t h = 0; h < heads_; ++h) {
+      select_head(h);
+      float* s = ws_ + g_.s;
+      scores(j0, nk, s, prefetch);
+      if (p_.softcap > 0.0f) g_.kt->softcap(s, nk, g_.m_pad, g_.s_stride, p_.softcap);
+      if (masked) apply_masks(j0, nk, s, row_lo, row_hi, sparse_partial);
+      float* alpha = ws_ + g_.alpha;
+      g_.kt->softmax(s, nk, g_.m_pad, g_.s_stride, row_max_, row_sum_, alpha);
+      // A weight of 0 times a NaN or Inf value is NaN: where masked keys
+      // hold non-finite values, add only the nonzero weights (rare, slow).
+      if (masked && !values_finite(j0, nk))
+        accumulate_skipping_zeros(j0, nk, s, alpha);
+      else
+        accumulate(j0, nk, s, alpha, prefetch);
+    }
   }
 
   void scores(int64_t j0, int64_t nk, float* s, int64_t prefetch) {
     const KernelTable& kt = *g_.kt;
     if (g_.dot_bf16) {
-      const uint16_t* qt2 = reinterpret_cast<const uint16_t*>(ws_ + g_.qt);
+      const uint16_t* qt2 = reinterpret_cast<const uint16_t*>(qt_);
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.qk_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, qt2,
                    g_.m_pad, s + at * g_.s_stride, g_.s_stride, prefetch);
@@ -303,10 +330,10 @@ class TaskRunner {
         kt.widen_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d,
                       kw + at * g_.d_pad, g_.d_pad);
       });
-      kt.qk_f32(kw, g_.d_pad, nk, g_.d, ws_ + g_.qt, g_.m_pad, s, g_.s_stride, 0);
+      kt.qk_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.m_pad, s, g_.s_stride, 0);
     } else {
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-        kt.qk_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d, ws_ + g_.qt,
+        kt.qk_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_,
                   g_.m_pad, s + at * g_.s_stride, g_.s_stride, prefetch);
       });
     }
@@ -314,7 +341,7 @@ class TaskRunner {
 
   void accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha, int64_t prefetch) {
     const KernelTable& kt = *g_.kt;
-    float* o = ws_ + g_.o;
+    float* o = o_;
     const float* ones = ws_ + g_.ones;
     if (g_.dot_bf16) {
       uint16_t* pack = reinterpret_cast<uint16_t*>(ws_ + g_.pack);
@@ -358,7 +385,7 @@ class TaskRunner {
   }
 
   void accumulate_skipping_zeros(int64_t j0, int64_t nk, const float* s, const float* alpha) {
-    float* o = ws_ + g_.o;
+    float* o = o_;
     for (int64_t m = 0; m < m_; ++m)
       for (int64_t c = 0; c < g_.dv; ++c) o[m * g_.dv_pad + c] *= alpha[m];
     for (int64_t n = 0; n < nk; ++n) {
@@ -438,9 +465,9 @@ class TaskRunner {
   }
 
   void write_rows() const {
-    const float* o = ws_ + g_.o;
+    const float* o = o_;
     for (int64_t m = 0; m < m_; ++m) {
-      const float sum = ws_[g_.row_sum + m], max = ws_[g_.row_max + m];
+      const float sum = row_sum_[m], max = row_max_[m];
       const int64_t h = head_of(m), i = row_of(m);
       float* out = p_.out + b_ * p_.out_stride.batch + i * p_.out_stride.row +
                    h * p_.out_stride.head;
@@ -457,18 +484,25 @@ class TaskRunner {
   // Partial layout: o [m_max][dv], then row_max [m_max], row_sum [m_max].
   void store_partial(float* part) const {
     for (int64_t m = 0; m < m_; ++m)
-      std::memcpy(part + m * g_.dv, ws_ + g_.o + m * g_.dv_pad, sizeof(float) * g_.dv);
-    std::memcpy(part + g_.m_max * g_.dv, ws_ + g_.row_max, sizeof(float) * m_);
-    std::memcpy(part + g_.m_max * (g_.dv + 1), ws_ + g_.row_sum, sizeof(float) * m_);
+      std::memcpy(part + m * g_.dv, o_ + m * g_.dv_pad, sizeof(float) * g_.dv);
+    std::memcpy(part + g_.m_max * g_.dv, row_max_, sizeof(float) * m_);
+    std::memcpy(part + g_.m_max * (g_.dv + 1), row_sum_, sizeof(float) * m_);
   }
 
   const Call& c_;
   const AttentionParams& p_;
   const Geometry& g_;
   float* ws_;
-  int64_t b_ = 0, kvh_ = 0, i0_ = 0, rows_ = 0, m_ = 0, offset_ = 0, task_end_ = 0;
+  int64_t b_ = 0, i0_ = 0, rows_ = 0, m_ = 0, offset_ = 0, task_end_ = 0;
+  int64_t g0_ = 0, heads_ = 1;  // the task's kv heads
+  // The selected head (select_head).
+  int64_t kvh_ = 0;
   const char* k_ = nullptr;
   const char* v_ = nullptr;
+  float* qt_ = nullptr;
+  float* o_ = nullptr;
+  float* row_max_ = nullptr;
+  float* row_sum_ = nullptr;
 };
 
 // Combines a split base's partials in split order (fixed by the shapes, so
@@ -478,30 +512,36 @@ void merge(const Call& call, const Base& base, float* acc) {
   const Geometry& g = call.g;
   const int64_t i0 = base.qb * g.bq;
   const int64_t m_count = std::min(g.bq, p.seqlen_q - i0) * g.group;
-  const float* first = call.parts + base.first_part * g.part_floats;
-  for (int64_t m = 0; m < m_count; ++m) {
-    float max = kNegInf;
-    for (int64_t s = 0; s < base.parts; ++s) {
-      const float* part = first + s * g.part_floats;
-      if (part[g.m_max * (g.dv + 1) + m] != 0.0f) max = std::max(max, part[g.m_max * g.dv + m]);
+  const int64_t heads = std::min(g.heads, p.num_kv_heads - base.g);
+  for (int64_t hh = 0; hh < heads; ++hh) {
+    // Partial layout (store_partial): per head o [m_max][dv], row_max, row_sum.
+    const float* first = call.parts + base.first_part * g.part_floats + hh * g.m_max * (g.dv + 2);
+    for (int64_t m = 0; m < m_count; ++m) {
+      float max = kNegInf;
+      for (int64_t s = 0; s < base.parts; ++s) {
+        const float* part = first + s * g.part_floats;
+        if (part[g.m_max * (g.dv + 1) + m] != 0.0f) max = std::max(max, part[g.m_max * g.dv + m]);
+      }
+      float total = 0.0f;
+      std::fill_n(acc, g.dv, 0.0f);
+      for (int64_t s = 0; s < base.parts; ++s) {
+        const float* part = first + s * g.part_floats;
+        const float sum = part[g.m_max * (g.dv + 1) + m];
+        if (sum == 0.0f) continue;  // no visible key in this split: contributes nothing
+        const float w = std::exp(part[g.m_max * g.dv + m] - max);
+        total += w * sum;
+        for (int64_t c = 0; c < g.dv; ++c) acc[c] += w * part[m * g.dv + c];
+      }
+      const int64_t h = (base.g + hh) * g.group + m % g.group, i = i0 + m / g.group;
+      float* out =
+          p.out + base.b * p.out_stride.batch + i * p.out_stride.row + h * p.out_stride.head;
+      const bool empty = total == 0.0f;
+      const float inv = 1.0f / total;
+      for (int64_t c = 0; c < g.dv; ++c) out[c * p.out_stride.dim] = empty ? 0.0f : acc[c] * inv;
+      if (p.lse)
+        p.lse[base.b * p.lse_stride_batch + h * p.lse_stride_head + i * p.lse_stride_row] =
+            empty ? kNegInf : max + std::log(total);
     }
-    float total = 0.0f;
-    std::fill_n(acc, g.dv, 0.0f);
-    for (int64_t s = 0; s < base.parts; ++s) {
-      const float* part = first + s * g.part_floats;
-      const float sum = part[g.m_max * (g.dv + 1) + m];
-      if (sum == 0.0f) continue;  // no visible key in this split: contributes nothing
-      const float w = std::exp(part[g.m_max * g.dv + m] - max);
-      total += w * sum;
-      for (int64_t c = 0; c < g.dv; ++c) acc[c] += w * part[m * g.dv + c];
-    }
-    const int64_t h = base.g * g.group + m % g.group, i = i0 + m / g.group;
-    float* out = p.out + base.b * p.out_stride.batch + i * p.out_stride.row + h * p.out_stride.head;
-    const bool empty = total == 0.0f;
-    for (int64_t c = 0; c < g.dv; ++c) out[c * p.out_stride.dim] = empty ? 0.0f : acc[c] / total;
-    if (p.lse)
-      p.lse[base.b * p.lse_stride_batch + h * p.lse_stride_head + i * p.lse_stride_row] =
-          empty ? kNegInf : max + std::log(total);
   }
 }
 
@@ -540,13 +580,13 @@ void attention(const AttentionParams& p, const Plan& plan, void* scratch) {
   int64_t num_tasks = 0, num_parts = 0, base_index = 0;
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t offset = p.offset_of(b);
-    for (int64_t kvh = 0; kvh < p.num_kv_heads; ++kvh)
+    for (int64_t kvh = 0; kvh < p.num_kv_heads; kvh += g.heads)
       for (int64_t qb = 0; qb < g.q_blocks; ++qb, ++base_index) {
         const int64_t i0 = qb * g.bq, i1 = std::min(i0 + g.bq, p.seqlen_q);
         int64_t lo, hi_first, lo_last, hi;
         key_range(p, b, i0 + offset, &lo, &hi_first);
         key_range(p, b, i1 - 1 + offset, &lo_last, &hi);
-        const int64_t m_count = (i1 - i0) * g.group;
+        const int64_t m_count = (i1 - i0) * g.group * std::min(g.heads, p.num_kv_heads - kvh);
         Base& base = bases[base_index];
         base = {b, kvh, qb, 0, 1};
         const int64_t split = plan.split_k;

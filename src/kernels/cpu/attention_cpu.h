@@ -1,11 +1,13 @@
 // Fast CPU attention: FlashAttention-2's tiling with an online softmax, for
 // prefill and (with a fixed-size split of the keys) decode alike.
 //
-// Work is cut into tasks of (batch item, kv head, block of query rows, key
-// split). A task packs the queries of *all* heads of its kv group for its
+// Work is cut into tasks of (batch item, kv head(s), block of query rows,
+// key split). A task packs the queries of *all* heads of a kv group for its
 // rows into one tile (rows m = query_row * group + head_in_group), so each
 // K/V tile is read once for the whole group while it is in cache, then
-// walks the key tiles its rows can see: tiles outside every row's visible
+// walks the key tiles its rows can see (decode tasks take several kv heads
+// and visit them tile by tile, so that the cache is read in address order
+// rather than one 4 KiB-strided head at a time): tiles outside every row's visible
 // range (causal, window, seqlens_k) or rejected by the sparse pattern are
 // skipped, per-key masking runs only on tiles that need it. Per tile:
 //   S = K Q^T (key-major), softcap, masks, online softmax, O = alpha O + P V.
@@ -36,7 +38,9 @@ struct Plan {
   SimdTarget target = SimdTarget::kScalar;
   int64_t block_q = 1;  // query rows per task (times the group's heads = packed rows)
   int64_t block_k = 1;  // keys per tile
-  int64_t split_k = 0;  // keys per split, a multiple of block_k; 0 = no split
+  int64_t split_k = 0;  // keys per split; 0 = no split
+  // kv heads one task walks together, tile by tile; 1 = a task per kv head.
+  int64_t kv_heads_per_task = 1;
   int num_threads = 1;  // resolved, >= 1
 };
 
