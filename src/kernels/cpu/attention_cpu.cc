@@ -252,6 +252,18 @@ class TaskRunner {
                 head_of(m) * p_.q_stride.head;
     const float scale = p_.scale;
     const int64_t w = g_.kt->qk_block_cols, dim = p_.q_stride.dim;
+    const KernelTable& kt = *g_.kt;
+    if (dim == 1 && (g_.dot_bf16 ? kt.pack_q_bf16 != nullptr : kt.pack_q_f32 != nullptr)) {
+      for (int64_t m0 = 0; m0 < g_.m_pad; m0 += w) {
+        const int64_t valid = std::clamp(m_ - m0, int64_t{0}, w);
+        if (g_.dot_bf16)
+          kt.pack_q_bf16(rows + m0, valid, g_.d, scale,
+                         reinterpret_cast<uint16_t*>(qt_) + m0 * ceil_div(g_.d, 2) * 2, w);
+        else
+          kt.pack_q_f32(rows + m0, valid, g_.d, scale, qt_ + m0 * g_.d, w);
+      }
+      return;
+    }
     if (g_.dot_bf16) {
       uint16_t* qt2 = reinterpret_cast<uint16_t*>(qt_);
       const int64_t pairs = ceil_div(g_.d, 2);
@@ -472,9 +484,14 @@ class TaskRunner {
       float* out = p_.out + b_ * p_.out_stride.batch + i * p_.out_stride.row +
                    h * p_.out_stride.head;
       const bool empty = sum == 0.0f;  // no visible key: 0, never NaN
-      const float inv = 1.0f / sum;
-      for (int64_t c = 0; c < g_.dv; ++c)
-        out[c * p_.out_stride.dim] = empty ? 0.0f : o[m * g_.dv_pad + c] * inv;
+      const float inv = empty ? 0.0f : 1.0f / sum;
+      const float* row = o + m * g_.dv_pad;
+      if (empty)
+        for (int64_t c = 0; c < g_.dv; ++c) out[c * p_.out_stride.dim] = 0.0f;
+      else if (p_.out_stride.dim == 1)
+        for (int64_t c = 0; c < g_.dv; ++c) out[c] = row[c] * inv;  // vectorised by the compiler
+      else
+        for (int64_t c = 0; c < g_.dv; ++c) out[c * p_.out_stride.dim] = row[c] * inv;
       if (p_.lse)
         p_.lse[b_ * p_.lse_stride_batch + h * p_.lse_stride_head + i * p_.lse_stride_row] =
             empty ? kNegInf : max + std::log(sum);

@@ -52,6 +52,12 @@ struct KernelTable {
   void (*widen_bf16)(const uint16_t* src, int64_t src_row_stride, int64_t rows, int64_t cols,
                      float* dst, int64_t dst_row_stride);
 
+  // qt (one column block of width w) from `count` <= w query rows, each
+  // contiguous: dst[c][x] = scale * rows[x][c], 0 for x >= count. nullptr
+  // where the portable loop is used instead.
+  void (*pack_q_f32)(const float* const* rows, int64_t count, int64_t head_dim, float scale,
+                     float* dst, int64_t w);
+
   // vdpbf16ps kernels; nullptr unless the target has AVX512_BF16.
   // As qk_f32 with bf16 keys and qt2 pairs.
   void (*qk_bf16)(const uint16_t* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
@@ -62,6 +68,9 @@ struct KernelTable {
   void (*pv_bf16)(const float* s, int64_t nk, int64_t m_pad, int64_t s_stride, int64_t rows,
                   const uint16_t* v, int64_t v_row_stride, int64_t head_dim_v, float* o,
                   int64_t dv_pad, const float* alpha, uint16_t* pack, int64_t prefetch);
+  // As pack_q_f32, into qt2's bf16 pairs (the odd tail pairs with 0).
+  void (*pack_q_bf16)(const float* const* rows, int64_t count, int64_t head_dim, float scale,
+                      uint16_t* dst, int64_t w);
 };
 
 inline int64_t pv_bf16_pack_elems(int64_t nk, int64_t s_stride, int64_t dv_pad) {

@@ -97,6 +97,8 @@ constexpr KernelTable kAvx2Table = {
     simd::widen_bf16<V256>,
     nullptr,
     nullptr,
+    nullptr,
+    nullptr,
 };
 
 }  // namespace

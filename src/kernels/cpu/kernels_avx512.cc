@@ -268,6 +268,73 @@ void pv_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows
   }
 }
 
+// ---- packing q ----------------------------------------------------------
+
+// Transposes a 16 x 16 block held as 16 row vectors (the usual unpack and
+// 128-bit-lane shuffle network, 64 shuffles).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// Loads scale * rows[x][c0 .. c0 + 16) for the 16 rows of group x0 (rows at
+// or past `count` and columns at or past d read as 0) and transposes them:
+// r[j] then holds column c0 + j of the 16 rows.
+inline void load_transposed(const float* const* rows, int64_t x0, int64_t count, int64_t c0,
+                            int64_t d, __m512 scale, __m512 r[16]) {
+  const __mmask16 mask = V512::mask_first(d - c0);
+  for (int i = 0; i < 16; ++i)
+    r[i] = x0 + i < count ? _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, rows[x0 + i] + c0), scale)
+                          : _mm512_setzero_ps();
+  transpose16(r);
+}
+
+void pack_q_f32(const float* const* rows, int64_t count, int64_t d, float scale, float* dst,
+                int64_t w) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 r[16];
+  for (int64_t x0 = 0; x0 < w; x0 += 16)
+    for (int64_t c0 = 0; c0 < d; c0 += 16) {
+      load_transposed(rows, x0, count, c0, d, sc, r);
+      for (int j = 0; j < 16 && c0 + j < d; ++j) _mm512_storeu_ps(dst + (c0 + j) * w + x0, r[j]);
+    }
+}
+
+void pack_q_bf16(const float* const* rows, int64_t count, int64_t d, float scale, uint16_t* dst,
+                 int64_t w) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 r[16];
+  for (int64_t x0 = 0; x0 < w; x0 += 16)
+    for (int64_t c0 = 0; c0 < d; c0 += 16) {
+      load_transposed(rows, x0, count, c0, d, sc, r);
+      for (int j = 0; j < 16 && c0 + j < d; j += 2) {
+        const __m512i pairs = interleave_halves((__m512i)_mm512_cvtne2ps_pbh(r[j + 1], r[j]));
+        _mm512_storeu_si512(dst + ((c0 + j) / 2 * w + x0) * 2, pairs);
+      }
+    }
+}
+
 constexpr KernelTable kAvx512Table = {
     V512::kLanes,
     V512::kQkVecs * V512::kLanes,
@@ -276,6 +343,8 @@ constexpr KernelTable kAvx512Table = {
     simd::softmax<V512>,
     simd::pv_f32<V512>,
     simd::widen_bf16<V512>,
+    pack_q_f32,
+    nullptr,
     nullptr,
     nullptr,
 };
@@ -288,8 +357,10 @@ constexpr KernelTable kAvx512Bf16Table = {
     simd::softmax<V512>,
     simd::pv_f32<V512>,
     simd::widen_bf16<V512>,
+    pack_q_f32,
     qk_bf16,
     pv_bf16,
+    pack_q_bf16,
 };
 
 }  // namespace

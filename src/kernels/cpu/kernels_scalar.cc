@@ -86,6 +86,8 @@ constexpr KernelTable kScalarTable = {
     simd::widen_bf16<VScalar>,
     nullptr,
     nullptr,
+    nullptr,
+    nullptr,
 };
 
 }  // namespace

@@ -132,19 +132,37 @@ void softmax(float* s, int64_t nk, int64_t m_pad, int64_t ss, float* row_max, fl
   using F = typename V::F;
   for (int64_t m = 0; m < m_pad; m += V::kLanes) {
     const F old_max = V::load(row_max + m);
-    F new_max = old_max;
-    for (int64_t n = 0; n < nk; ++n) new_max = V::max(V::load(s + n * ss + m), new_max);
+    // Four independent max chains and two sum chains: the column is short
+    // (a tile), so the reduction latency would otherwise dominate.
+    F mx0 = old_max, mx1 = old_max, mx2 = old_max, mx3 = old_max;
+    int64_t n = 0;
+    for (; n + 4 <= nk; n += 4) {
+      mx0 = V::max(V::load(s + n * ss + m), mx0);
+      mx1 = V::max(V::load(s + (n + 1) * ss + m), mx1);
+      mx2 = V::max(V::load(s + (n + 2) * ss + m), mx2);
+      mx3 = V::max(V::load(s + (n + 3) * ss + m), mx3);
+    }
+    for (; n < nk; ++n) mx0 = V::max(V::load(s + n * ss + m), mx0);
+    const F new_max = V::max(V::max(mx0, mx1), V::max(mx2, mx3));
     // A column with no finite score yet shifts by 0, so -inf stays -inf
     // (exp gives 0) instead of becoming -inf - -inf = NaN.
     const F shift = V::ninf_to_zero(new_max);
     const F a = V::exp(V::sub(old_max, shift));
-    F sum = V::zero();
-    for (int64_t n = 0; n < nk; ++n) {
-      const F p = V::exp(V::sub(V::load(s + n * ss + m), shift));
-      V::store(s + n * ss + m, p);
-      sum = V::add(sum, p);
+    F sum0 = V::zero(), sum1 = V::zero();
+    for (n = 0; n + 2 <= nk; n += 2) {
+      const F p0 = V::exp(V::sub(V::load(s + n * ss + m), shift));
+      const F p1 = V::exp(V::sub(V::load(s + (n + 1) * ss + m), shift));
+      V::store(s + n * ss + m, p0);
+      V::store(s + (n + 1) * ss + m, p1);
+      sum0 = V::add(sum0, p0);
+      sum1 = V::add(sum1, p1);
     }
-    V::store(row_sum + m, V::fma(V::load(row_sum + m), a, sum));
+    if (n < nk) {
+      const F p0 = V::exp(V::sub(V::load(s + n * ss + m), shift));
+      V::store(s + n * ss + m, p0);
+      sum0 = V::add(sum0, p0);
+    }
+    V::store(row_sum + m, V::fma(V::load(row_sum + m), a, V::add(sum0, sum1)));
     V::store(row_max + m, new_max);
     V::store(alpha + m, a);
   }
