@@ -70,11 +70,8 @@ py::dict config_dict(const MlaConfig& c) {
 
 void load_py(PyLatentAttention& self, py::handle state_dict, const std::string& prefix) {
   std::vector<InputArray> keep;
-  // weights_from_dict matches the raw prefix; the layer joins names with
-  // '.', so a prefix given without its trailing dot selects the same names.
-  const std::string dotted = prefix.empty() || prefix.back() == '.' ? prefix : prefix + ".";
   const WeightMap map =
-      weights_from_dict(state_dict, "LatentAttention.load_state_dict", dotted, &keep);
+      weights_from_dict(state_dict, "LatentAttention.load_state_dict", prefix, &keep);
   Status st;
   {
     py::gil_scoped_release release;
