@@ -44,7 +44,8 @@ constexpr int64_t kMaxPosition = int64_t{1} << 53;
 // per-head decompression (kernels::linear over d_c inputs), for
 // choose_form(). Fitted to the process-CPU columns of bench/mla_form_bench
 // at a DeepSeek-V3-shaped layer with the fast attention kernel: one
-// decompression MAC ~0.09 ns, one absorbed-attention MAC ~0.015 ns
+// decompression MAC ~0.08-0.09 ns of CPU, one absorbed-attention MAC
+// ~0.01-0.025 ns; every measured decision holds for 0.1 .. 0.5
 // (docs/MLA.md, "Choosing the form").
 constexpr double kAttentionMacCost = 0.2;
 
