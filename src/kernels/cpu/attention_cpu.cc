@@ -308,13 +308,22 @@ class TaskRunner {
       sparse_partial = admitted < rows_ * nk;
     }
     const bool masked = !full || sparse_partial || p_.bool_mask || p_.add_mask;
-    // The next tile of this task starts nk rows on (unless a ring wraps in
-    // between, where the hint is merely wasted).
-    const int64_t prefetch = j1 < task_end_ ? nk : 0;
+    const bool more_tiles = j1 < task_end_;
     for (int64_t h = 0; h < heads_; ++h) {
       select_head(h);
+      // While reading this head's rows, prefetch the rows read next: the
+      // next head's in this tile, else the first head's in the next tile
+      // (unless a ring wraps in between, where the hint is merely wasted).
+      int64_t k_ahead = 0, v_ahead = 0;
+      if (h + 1 < heads_) {
+        k_ahead = p_.k_stride.head;
+        v_ahead = p_.v_stride.head;
+      } else if (more_tiles) {
+        k_ahead = nk * p_.k_stride.row - (heads_ - 1) * p_.k_stride.head;
+        v_ahead = nk * p_.v_stride.row - (heads_ - 1) * p_.v_stride.head;
+      }
       float* s = ws_ + g_.s;
-      scores(j0, nk, s, prefetch);
+      scores(j0, nk, s, k_ahead);
       if (p_.softcap > 0.0f) g_.kt->softcap(s, nk, g_.m_pad, g_.s_stride, p_.softcap);
       if (masked) apply_masks(j0, nk, s, row_lo, row_hi, sparse_partial);
       float* alpha = ws_ + g_.alpha;
@@ -324,7 +333,7 @@ class TaskRunner {
       if (masked && !values_finite(j0, nk))
         accumulate_skipping_zeros(j0, nk, s, alpha);
       else
-        accumulate(j0, nk, s, alpha, prefetch);
+        accumulate(j0, nk, s, alpha, v_ahead);
     }
   }
 

@@ -29,9 +29,10 @@ struct KernelTable {
   int qk_block_cols;  // W of the qt / qt2 layouts (a multiple of lanes)
 
   // s[n][m] = sum_d k[n][d] * qt[d][m] for n < nk, m < m_pad. The kernels
-  // that read K or V rows take `prefetch`: when > 0 they also prefetch the
-  // rows that many further on (the next tile), so that decode, which reads
-  // every row once from DRAM, has them in flight in time; 0 = none.
+  // that read K or V rows take `prefetch`: when nonzero they also prefetch,
+  // for each row read, the row that many elements further on (the next
+  // kv head's rows of the tile, or the next tile's), so that decode, which
+  // reads every row once from DRAM, has the next rows in flight; 0 = none.
   void (*qk_f32)(const float* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
                  const float* qt, int64_t m_pad, float* s, int64_t s_stride, int64_t prefetch);
   // s = cap * tanh(s / cap) for n < nk, m < m_pad.

@@ -117,7 +117,7 @@ inline void qk2_block(const uint16_t* k, int64_t ks, int64_t d, const uint16_t* 
   for (int64_t i = 0; i < pairs; ++i) {
     if (pf != 0 && i % 32 == 0)  // one 64-byte line holds 32 pairs
 #pragma GCC unroll 16
-      for (int a = 0; a < KB; ++a) V512::prefetch(k + (a + pf) * ks + 2 * i);
+      for (int a = 0; a < KB; ++a) V512::prefetch(k + a * ks + pf + 2 * i);
     const uint16_t* qrow = qt2 + i * w * 2;
     __m512bh q[MV];
 #pragma GCC unroll 4
@@ -250,8 +250,8 @@ void pv_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows
     const uint16_t* v0 = v + 2 * i * vs;
     if (pf != 0)
       for (int64_t c = 0; c < dv; c += 32) {  // 32 bf16 per 64-byte line
-        V512::prefetch(v0 + pf * vs + c);
-        V512::prefetch(v0 + (pf + 1) * vs + c);
+        V512::prefetch(v0 + pf + c);
+        V512::prefetch(v0 + vs + pf + c);
       }
     for (int64_t c = 0; c < dv_pad; c += 16) {
       const __mmask16 mask = V512::mask_first(dv - c < 0 ? 0 : dv - c);

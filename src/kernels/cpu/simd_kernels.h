@@ -44,7 +44,7 @@ inline void qk_block(const float* k, int64_t ks, int64_t d, const float* qt, int
   for (int64_t c = 0; c < d; ++c) {
     if (pf != 0 && c % 16 == 0)
 #pragma GCC unroll 16
-      for (int a = 0; a < KB; ++a) V::prefetch(k + (a + pf) * ks + c);
+      for (int a = 0; a < KB; ++a) V::prefetch(k + a * ks + pf + c);
     const float* qrow = qt + c * w;
     F q[MV];
 #pragma GCC unroll 4
@@ -93,8 +93,8 @@ inline void qk_columns_tail(int64_t vecs, const float* k, int64_t ks, int64_t nk
 
 // qt holds column blocks of kQkBlockCols = kQkVecs * kLanes columns, each
 // [head_dim][kQkBlockCols] (see KernelTable::qk_block_cols).
-// `pf` > 0: while reading key rows, prefetch the rows pf further on (the
-// next tile), once, from the first column block.
+// `pf` != 0: while reading a key row, prefetch the row pf elements further
+// on (the next head's or the next tile's), once, from the first column block.
 template <class V>
 void qk_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt, int64_t m_pad,
             float* s, int64_t ss, int64_t pf) {
@@ -188,7 +188,7 @@ inline void pv_block(const float* s, int64_t nk, int64_t ss, const float* v, int
     const float* vrow = v + n * vs;
     if (pf != 0)
 #pragma GCC unroll 4
-      for (int c = 0; c < CV; ++c) V::prefetch(vrow + pf * vs + c * V::kLanes);
+      for (int c = 0; c < CV; ++c) V::prefetch(vrow + pf + c * V::kLanes);
     F vv[CV];
 #pragma GCC unroll 4
     for (int c = 0; c + 1 < CV; ++c) vv[c] = V::load(vrow + c * V::kLanes);
@@ -234,7 +234,7 @@ inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, 
   }
 }
 
-// `pf` > 0: prefetch the value rows pf further on (the next tile), once.
+// `pf` != 0: prefetch the value rows pf elements further on, once.
 template <class V>
 void pv_f32(const float* s, int64_t nk, int64_t ss, int64_t rows, const float* v, int64_t vs,
             int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf) {
