@@ -1,18 +1,62 @@
 // Dense projections for the layers, in nn.Linear's convention:
 //   y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])
 //   x [rows, in_features] row stride ldx; w [out_features, in_features]
-//   contiguous; y [rows, out_features] row stride ldy; bias may be null.
-// Accumulates in fp32 with eight partial sums (error grows ~ sqrt(k) eps).
-// Every layer calls this one function, so swapping in a tuned GEMM is a
-// change here only.
+//   contiguous; y [rows, out_features] row stride ldy; bias [out_features]
+//   or null. y must not overlap x, w or bias; ldy >= out_features when
+//   rows > 1.
+// Every layer calls this one function, so the GEMM behind it is chosen
+// here only (docs/GEMM.md has the measurements behind the choice).
+//
+// Backends (`backend`; kAuto follows ATTNKIT_BACKEND, see dispatch.h):
+//   kAuto, kFast  oneDNN's matmul primitive (Debian's libdnnl), JIT-compiled
+//                 for the CPU it runs on (AVX-512, AVX2, ...) whatever the
+//                 environment says to other BLAS libraries
+//                 (OPENBLAS_CORETYPE). Each y[m, n] is one fp32 chain of
+//                 fused multiply-adds over k, so a row of y depends only on
+//                 its row of x and on W: not on `rows`, the blocking or the
+//                 thread count (unless gemv_for_one_row, below). Each
+//                 thread keeps scratch buffers for oneDNN that grow to its
+//                 largest call.
+//   kReference    linear_ref: the plain loop, eight fp32 partial sums.
+// Both write every element of y [rows, out_features] and nothing else.
+//
+// Threads: `options.num_threads` >= 1 is used as given, 0 means the default
+// (core/threads.h: ATTNKIT_NUM_THREADS, else all cores). The default of 1
+// suits callers that already run in parallel (the MoE experts' shards).
+// The work is cut into row or column blocks that depend only on the shape
+// and run on attnkit's own pool, oneDNN single-threaded inside each block,
+// so no second thread pool (OpenMP's) competes for the cores.
 #pragma once
 
 #include <cstdint>
 
+#include "attnkit/attention.h"
+
 namespace attnkit::kernels {
 
+struct LinearOptions {
+  int num_threads = 1;
+  Backend backend = Backend::kAuto;
+  // Runs a one-row call (decode) through oneDNN's GEMV (dnnl_sgemm), which
+  // streams W ~1.4x faster than the matmul kernels (docs/GEMM.md), but
+  // sums in another order: the row's last bits then differ from the same
+  // row computed among others. Leave false where results must not depend
+  // on how rows are grouped into calls (the MoE layer shards its tokens
+  // by thread count).
+  bool gemv_for_one_row = false;
+};
+
 void linear(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t ldy,
-            int64_t rows, int64_t out_features, int64_t in_features);
+            int64_t rows, int64_t out_features, int64_t in_features,
+            const LinearOptions& options = {});
+
+// The reference twin: the loop, single-threaded; same contract.
+void linear_ref(const float* x, int64_t ldx, const float* w, const float* bias, float* y,
+                int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features);
+
+// The GEMM behind the fast backend and the ISA it runs, for reports, e.g.
+// "oneDNN 2.6.3 sgemm (avx512_core_bf16)". Not affected by ATTNKIT_BACKEND.
+const char* linear_backend_name();
 
 // RMSNorm over the last dimension, in double:
 //   y = x / sqrt(mean(x^2) + eps) * gain

@@ -77,13 +77,27 @@ Status scratch(const char* fn, const char* what, int64_t batch, int64_t seq, int
 
 // y = x W^T (+ bias) for every batch item; x [batch, seq, in] with row
 // stride x.strides[1] (unit inner stride), y [batch, seq, out] likewise.
-void project(const TensorView& x, const Tensor& w, const Tensor& bias, const TensorView& y) {
+// Batch items whose rows lie at one stride go in one call, so that
+// batched decode is one GEMM of `batch` rows rather than `batch` GEMVs.
+void project(const TensorView& x, const Tensor& w, const Tensor& bias, const TensorView& y,
+             const RunOptions& run) {
   const int64_t batch = x.shape[0], seq = x.shape[1];
   const int64_t in = w.dim(1), outf = w.dim(0);
+  // Row strides with batch and seq merged (a size-1 seq's stride is moot).
+  const int64_t ldx = seq == 1 ? x.strides[0] : x.strides[1];
+  const int64_t ldy = seq == 1 ? y.strides[0] : y.strides[1];
+  const bool one_call = batch == 1 || (x.strides[0] == seq * ldx && y.strides[0] == seq * ldy);
+  const kernels::LinearOptions opt{
+      .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = true};
+  if (one_call) {
+    kernels::linear(x.ptr<const float>(), ldx, w.ptr<const float>(), bias.ptr<const float>(),
+                    y.ptr<float>(), ldy, batch * seq, outf, in, opt);
+    return;
+  }
   for (int64_t b = 0; b < batch; ++b)
     kernels::linear(x.ptr<const float>() + b * x.strides[0], x.strides[1], w.ptr<const float>(),
                     bias.ptr<const float>(), y.ptr<float>() + b * y.strides[0], y.strides[1], seq,
-                    outf, in);
+                    outf, in, opt);
 }
 
 // The [batch, seq, heads * dim] view of a [batch, seq, heads, dim] scratch
@@ -252,9 +266,9 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& out,
   }
 
   // ---- projections, qk-norm, RoPE (scratch only) ------------------------
-  project(x, wq_, bq_, flat(q));
-  project(x, wk_, bk_, flat(k));
-  project(x, wv_, bv_, flat(v));
+  project(x, wq_, bq_, flat(q), run);
+  project(x, wk_, bk_, flat(k), run);
+  project(x, wv_, bv_, flat(v), run);
   if (c.qk_norm) {
     kernels::rms_norm(q.ptr<float>(), D, q_norm_.ptr<float>(), q.ptr<float>(), D, rows * H, D,
                       c.rms_norm_eps);
@@ -284,7 +298,7 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& out,
   }
 
   // ---- o_proj into the caller's out -------------------------------------
-  project(flat(o), wo_, bo_, out);
+  project(flat(o), wo_, bo_, out, run);
   return Status::Ok();
 }
 
@@ -327,9 +341,10 @@ Status AttentionLayer::forward_qkv(const TensorView& query, const TensorView& ke
   ATTNKIT_RETURN_IF_ERROR(scratch(kForwardQkv, "v", B, Sk, Hkv, D, &v));
   ATTNKIT_RETURN_IF_ERROR(scratch(kForwardQkv, "the attention output", B, Sq, H, D, &o));
 
-  project(query, wq_, bq_, flat(q));
-  project(key, wk_, bk_, flat(k));
-  project(value, wv_, bv_, flat(v));
+  const RunOptions run{options.backend, options.num_threads};  // for the projections
+  project(query, wq_, bq_, flat(q), run);
+  project(key, wk_, bk_, flat(k), run);
+  project(value, wv_, bv_, flat(v), run);
   if (c.qk_norm) {
     kernels::rms_norm(q.ptr<float>(), D, q_norm_.ptr<float>(), q.ptr<float>(), D, B * Sq * H, D,
                       c.rms_norm_eps);
@@ -353,7 +368,7 @@ Status AttentionLayer::forward_qkv(const TensorView& query, const TensorView& ke
   // anything; only then does o_proj write `out`.
   ATTNKIT_RETURN_IF_ERROR(
       prefixed(kForwardQkv, sdpa(q.view(), k.view(), v.view(), o.view(), opt, {}, probs)));
-  project(flat(o), wo_, bo_, out);
+  project(flat(o), wo_, bo_, out, run);
   return Status::Ok();
 }
 

@@ -372,17 +372,19 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
   }
 
   // ---- projections ------------------------------------------------------
+  const kernels::LinearOptions lin{
+      .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = true};
   const float* xp = x.ptr<const float>();
   if (dq > 0) {
-    kernels::linear(xp, d, w_.q_a.ptr<float>(), nullptr, cq.data(), dq, rows, dq, d);
+    kernels::linear(xp, d, w_.q_a.ptr<float>(), nullptr, cq.data(), dq, rows, dq, d, lin);
     kernels::rms_norm(cq.data(), dq, w_.q_a_norm.ptr<float>(), cq.data(), dq, rows, dq,
                       c.rms_norm_eps);
     kernels::linear(cq.data(), dq, w_.q_b.ptr<float>(), nullptr, q.data(), H * dqk, rows, H * dqk,
-                    dq);
+                    dq, lin);
   } else {
-    kernels::linear(xp, d, w_.q.ptr<float>(), nullptr, q.data(), H * dqk, rows, H * dqk, d);
+    kernels::linear(xp, d, w_.q.ptr<float>(), nullptr, q.data(), H * dqk, rows, H * dqk, d, lin);
   }
-  kernels::linear(xp, d, w_.kv_a.ptr<float>(), nullptr, kv_new.data(), dkv, rows, dkv, d);
+  kernels::linear(xp, d, w_.kv_a.ptr<float>(), nullptr, kv_new.data(), dkv, rows, dkv, d, lin);
   // RMSNorm on the latent only; the rope key is not normalised.
   kernels::rms_norm(kv_new.data(), dkv, w_.kv_a_norm.ptr<float>(), kv_new.data(), dkv, rows, dc,
                     c.rms_norm_eps);
@@ -454,8 +456,8 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
       for (int64_t h = 0; h < H; ++h) {
         const float* w_uk = kv_b + h * (dn + dv) * dc;  // [d_n, d_c]
         const float* w_uv = w_uk + dn * dc;             // [d_v, d_c]
-        kernels::linear(lb, dkv, w_uk, nullptr, kb + h * wh, H * wh, S, dn, dc);
-        kernels::linear(lb, dkv, w_uv, nullptr, kb + h * wh + dqk, H * wh, S, dv, dc);
+        kernels::linear(lb, dkv, w_uk, nullptr, kb + h * wh, H * wh, S, dn, dc, lin);
+        kernels::linear(lb, dkv, w_uv, nullptr, kb + h * wh + dqk, H * wh, S, dv, dc, lin);
       }
       for (int64_t s = 0; s < S; ++s)
         for (int64_t h = 0; h < H; ++h)
@@ -504,12 +506,12 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
     for (int64_t h = 0; h < H; ++h) {
       const float* w_uv = kv_b + (h * (dn + dv) + dn) * dc;  // [d_v, d_c]
       kernels::linear(oa.data() + h * dc, H * dc, w_uv, nullptr, o.data() + h * dv, H * dv, rows,
-                      dv, dc);
+                      dv, dc, lin);
     }
   }
 
   kernels::linear(o.data(), H * dv, w_.o.ptr<float>(), nullptr, out.ptr<float>(), d, rows, d,
-                  H * dv);
+                  H * dv, lin);
   if (cache) cache->length_ += T;
   return Status::Ok();
 }
