@@ -100,13 +100,22 @@ class Problem {
     scale_ = bf16_q ? std::ldexp(1.0f, -static_cast<int>(std::round(std::log2(std::sqrt(
                                            static_cast<double>(c.d))))))
                     : static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
-    q_.resize(static_cast<size_t>(c.batch * qs_.batch), kSentinel);
+    q_.resize(static_cast<size_t>(c.batch * qs_.batch), kNaN);
     for_each_q([&](int64_t at) { q_[at] = value(2.0f, bf16_q); });
 
     const int64_t k_elems = c.batch * ks_.batch, v_elems = c.mla_view ? 0 : c.batch * vs_.batch;
-    std::vector<float> k(static_cast<size_t>(k_elems)), v(static_cast<size_t>(v_elems));
-    for (float& x : k) x = value(2.0f, false);
-    for (float& x : v) x = value(2.0f, false);
+    // Padding between rows and heads (strided layouts) holds NaN: a kernel
+    // that reads past a row, even to multiply by 0, makes its output NaN.
+    std::vector<float> k(static_cast<size_t>(k_elems), kNaN), v(static_cast<size_t>(v_elems), kNaN);
+    for (int64_t b = 0; b < c.batch; ++b)
+      for (int64_t r = 0; r < c.seqlen_k; ++r)
+        for (int64_t g = 0; g < c.kv_heads; ++g) {
+          for (int64_t x = 0; x < c.d; ++x)
+            k[b * ks_.batch + r * ks_.row + g * ks_.head + x] = value(2.0f, false);
+          if (!c.mla_view)
+            for (int64_t x = 0; x < c.dv; ++x)
+              v[b * vs_.batch + r * vs_.row + g * vs_.head + x] = value(2.0f, false);
+        }
     if (c.kv == DType::kBF16) {
       for (float x : k) kb_.push_back(float_to_bf16(x));
       for (float x : v) vb_.push_back(float_to_bf16(x));

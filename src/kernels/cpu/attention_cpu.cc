@@ -50,6 +50,8 @@ struct Geometry {
   bool bf16 = false;      // K/V are bf16
   bool dot_bf16 = false;  // ... and go through the vdpbf16ps kernels
   bool copy_v = false;    // fp32 V tiles are copied to a compact buffer
+  bool rows_qk = false;   // S = K Q^T by qk_rows_* (q row-major, qt_row apart)
+  int64_t qt_row = 0;
   int64_t group = 1, bq = 1, bk = 1, q_blocks = 0, bases = 0, max_parts = 1;
   int64_t heads = 1, head_blocks = 1;  // kv heads per task, blocks of them
   int64_t m_max = 0, m_pad = 0, s_stride = 0, d = 0, dv = 0, d_pad = 0, dv_pad = 0, vw_stride = 0;
@@ -91,6 +93,9 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.dv_pad = round_up(g.dv, lanes);
   g.vw_stride = odd_line_stride(g.dv_pad);
   g.copy_v = !g.bf16 && g.m_max >= kCopyValuesMinRows;
+  g.rows_qk = g.m_max <= g.kt->qk_rows_max && g.m_pad == lanes &&
+              (g.dot_bf16 ? g.kt->qk_rows_bf16 != nullptr : g.kt->qk_rows_f32 != nullptr);
+  g.qt_row = round_up(g.d, 32);
   g.part_floats = plan.split_k > 0 ? round_up(g.heads * g.m_max * (g.dv + 2), 16) : 0;
 
   int64_t at = 0;
@@ -101,7 +106,8 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   };
   // Column blocks of qk_block_cols: m_pad rounded up to a whole block.
   const int64_t qt_cols = round_up(g.m_pad, g.kt->qk_block_cols);
-  g.qt = take(round_up(g.d, 2) * qt_cols);  // also holds the bf16 pairs
+  // Also holds the bf16 pairs, or qk_rows_*'s 4 row-major rows.
+  g.qt = take(std::max(round_up(g.d, 2) * qt_cols, 4 * g.qt_row));
   g.o = take(g.m_max * g.dv_pad);
   g.row_max = take(g.m_pad);
   g.row_sum = take(g.m_pad);
@@ -253,6 +259,17 @@ class TaskRunner {
     const float scale = p_.scale;
     const int64_t w = g_.kt->qk_block_cols, dim = p_.q_stride.dim;
     const KernelTable& kt = *g_.kt;
+    if (g_.rows_qk) {  // 4 row-major rows, zero-padded
+      for (int64_t r = 0; r < 4; ++r)
+        for (int64_t c = 0; c < g_.qt_row; ++c) {
+          const float x = r < m_ && c < g_.d ? rows[r][c * dim] * scale : 0.0f;
+          if (g_.dot_bf16)
+            reinterpret_cast<uint16_t*>(qt_)[r * g_.qt_row + c] = float_to_bf16(x).bits;
+          else
+            qt_[r * g_.qt_row + c] = x;
+        }
+      return;
+    }
     if (dim == 1 && (g_.dot_bf16 ? kt.pack_q_bf16 != nullptr : kt.pack_q_f32 != nullptr)) {
       for (int64_t m0 = 0; m0 < g_.m_pad; m0 += w) {
         const int64_t valid = std::clamp(m_ - m0, int64_t{0}, w);
@@ -339,7 +356,18 @@ class TaskRunner {
 
   void scores(int64_t j0, int64_t nk, float* s, int64_t prefetch) {
     const KernelTable& kt = *g_.kt;
-    if (g_.dot_bf16) {
+    if (g_.rows_qk && g_.dot_bf16) {
+      const uint16_t* q = reinterpret_cast<const uint16_t*>(qt_);
+      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+        kt.qk_rows_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, q,
+                        g_.qt_row, s + at * g_.s_stride, g_.s_stride, prefetch);
+      });
+    } else if (g_.rows_qk && !g_.bf16) {
+      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+        kt.qk_rows_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_,
+                       g_.qt_row, s + at * g_.s_stride, g_.s_stride, prefetch);
+      });
+    } else if (g_.dot_bf16) {
       const uint16_t* qt2 = reinterpret_cast<const uint16_t*>(qt_);
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.qk_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, qt2,
@@ -351,7 +379,10 @@ class TaskRunner {
         kt.widen_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d,
                       kw + at * g_.d_pad, g_.d_pad);
       });
-      kt.qk_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.m_pad, s, g_.s_stride, 0);
+      if (g_.rows_qk)
+        kt.qk_rows_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.qt_row, s, g_.s_stride, 0);
+      else
+        kt.qk_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.m_pad, s, g_.s_stride, 0);
     } else {
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.qk_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_,

@@ -59,6 +59,16 @@ struct KernelTable {
   void (*pack_q_f32)(const float* const* rows, int64_t count, int64_t head_dim, float scale,
                      float* dst, int64_t w);
 
+  // For tiles of at most qk_rows_max packed rows (0 = no such kernel; only
+  // when m_pad == lanes): s = K Q^T with the head dimension along the lanes,
+  // from q row-major, q[r * q_stride + c] = scale * q_r[c], rows r < 4
+  // (rows past the tile's are 0, as are columns past head_dim up to a
+  // multiple of 32). Writes all m_pad columns of s (the pad ones 0).
+  int qk_rows_max;
+  void (*qk_rows_f32)(const float* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
+                      const float* q, int64_t q_stride, float* s, int64_t s_stride,
+                      int64_t prefetch);
+
   // vdpbf16ps kernels; nullptr unless the target has AVX512_BF16.
   // As qk_f32 with bf16 keys and qt2 pairs.
   void (*qk_bf16)(const uint16_t* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
@@ -72,6 +82,10 @@ struct KernelTable {
   // As pack_q_f32, into qt2's bf16 pairs (the odd tail pairs with 0).
   void (*pack_q_bf16)(const float* const* rows, int64_t count, int64_t head_dim, float scale,
                       uint16_t* dst, int64_t w);
+  // As qk_rows_f32 with bf16 keys and bf16 q rows.
+  void (*qk_rows_bf16)(const uint16_t* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
+                       const uint16_t* q, int64_t q_stride, float* s, int64_t s_stride,
+                       int64_t prefetch);
 };
 
 inline int64_t pv_bf16_pack_elems(int64_t nk, int64_t s_stride, int64_t dv_pad) {

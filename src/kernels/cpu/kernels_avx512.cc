@@ -3,15 +3,17 @@
 // exactly; kAvx512Bf16 adds the vdpbf16ps kernels for bf16 K/V.
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cpu/kernel_table.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__FMA__)
 #if defined(__GNUC__) && !defined(__clang__)
-// GCC 12's own AVX-512 headers trip -Wmaybe-uninitialized at -O3 (GCC bug
+// GCC 12's own AVX-512 headers trip -W(maybe-)uninitialized (GCC bug
 // 105593: the `__m512 __Y = __Y;` idiom behind _mm512_undefined_ps).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #include <immintrin.h>
 
@@ -335,6 +337,106 @@ void pack_q_bf16(const float* const* rows, int64_t count, int64_t d, float scale
     }
 }
 
+// ---- S = K Q^T for up to 4 rows (decode) ----------------------------------
+// With one vector of packed rows mostly empty (1-token decode: 1-4 rows),
+// broadcasting every key element would spend an FMA per element on 16 lanes
+// of which 4 or fewer matter. Here the head dimension runs along the lanes
+// instead: 4 keys x 4 rows = 16 accumulators, then one transposing
+// reduction (hsum16) turns them into the 16 scores. ~60 instead of ~140
+// instructions per key and kv head.
+
+// Lane i of the result = the sum of v[i]'s lanes (45 shuffles and adds).
+inline __m512 hsum16(const __m512 v[16]) {
+  __m512 w[4];
+  for (int q = 0; q < 4; ++q) {
+    __m512 u[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512 a = v[4 * q + 2 * h], b = v[4 * q + 2 * h + 1];
+      u[h] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    }
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]));
+    w[q] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // lane 4L+j: source j, 128-bit lane L
+  }
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xee));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xee));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y, z, 0x88), _mm512_shuffle_f32x4(y, z, 0xdd));
+}
+
+// Writes the scores of keys [0, keys) of a 4-key block: row n of s gets the
+// key's 4 row scores in lanes 0-3 and zeros in the other 12 (m_pad = 16).
+inline void store_rows4(const __m512 acc[16], int keys, float* s, int64_t ss) {
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, hsum16(acc));
+  for (int a = 0; a < keys; ++a) _mm512_storeu_ps(s + a * ss, _mm512_maskz_loadu_ps(0xf, sums + 4 * a));
+}
+
+// Keys [0, keys) (keys <= 4; loads of the others are skipped) against the
+// 4 query rows q[r * qs ...]; acc[a * 4 + r].
+template <bool kFull, class Load, class Dot>
+inline void rows4_block(int keys, int64_t chunks, Load load_k, Dot dot, float* s, int64_t ss) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+#pragma GCC unroll 4
+    for (int a = 0; a < 4; ++a) {
+      if (!kFull && a >= keys) break;
+      dot(acc + 4 * a, load_k(a, c), c);
+    }
+  }
+  store_rows4(acc, kFull ? 4 : keys, s, ss);
+}
+
+template <class Block>
+inline void rows4_keys(int64_t nk, Block block) {
+  if (nk < 4) return block(0, static_cast<int>(nk), std::false_type{});
+  for (int64_t n = 0;; n += 4) {  // the last block overlaps, as in simd::qk_columns
+    if (n + 4 > nk) n = nk - 4;
+    block(n, 4, std::true_type{});
+    if (n + 4 == nk) return;
+  }
+}
+
+void qk_rows_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs,
+                 float* s, int64_t ss, int64_t pf) {
+  const int64_t chunks = (d + 15) / 16;
+  const __mmask16 tail = V512::mask_first(d - (chunks - 1) * 16);
+  rows4_keys(nk, [&](int64_t n, int keys, auto full) {
+    const float* kb = k + n * ks;
+    auto load_k = [&](int a, int64_t c) {
+      const float* row = kb + a * ks + c * 16;
+      if (pf != 0) V512::prefetch(row + pf);
+      return c + 1 < chunks ? _mm512_loadu_ps(row) : _mm512_maskz_loadu_ps(tail, row);
+    };
+    auto dot = [&](__m512* acc, __m512 kv, int64_t c) {
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * qs + c * 16), acc[r]);
+    };
+    rows4_block<decltype(full)::value>(keys, chunks, load_k, dot, s + n * ss, ss);
+  });
+}
+
+void qk_rows_bf16(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const uint16_t* q,
+                  int64_t qs, float* s, int64_t ss, int64_t pf) {
+  const int64_t chunks = (d + 31) / 32;
+  const int64_t last = d - (chunks - 1) * 32;
+  const __mmask32 tail = last >= 32 ? ~__mmask32{0} : (__mmask32{1} << last) - 1;
+  rows4_keys(nk, [&](int64_t n, int keys, auto full) {
+    const uint16_t* kb = k + n * ks;
+    auto load_k = [&](int a, int64_t c) {
+      const uint16_t* row = kb + a * ks + c * 32;
+      if (pf != 0) V512::prefetch(row + pf);
+      return c + 1 < chunks ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi16(tail, row);
+    };
+    auto dot = [&](__m512* acc, __m512i kv, int64_t c) {
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r)
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)kv, (__m512bh)_mm512_loadu_si512(q + r * qs + c * 32));
+    };
+    rows4_block<decltype(full)::value>(keys, chunks, load_k, dot, s + n * ss, ss);
+  });
+}
+
 constexpr KernelTable kAvx512Table = {
     V512::kLanes,
     V512::kQkVecs * V512::kLanes,
@@ -344,6 +446,9 @@ constexpr KernelTable kAvx512Table = {
     simd::pv_f32<V512>,
     simd::widen_bf16<V512>,
     pack_q_f32,
+    4,
+    qk_rows_f32,
+    nullptr,
     nullptr,
     nullptr,
     nullptr,
@@ -358,9 +463,12 @@ constexpr KernelTable kAvx512Bf16Table = {
     simd::pv_f32<V512>,
     simd::widen_bf16<V512>,
     pack_q_f32,
+    4,
+    qk_rows_f32,
     qk_bf16,
     pv_bf16,
     pack_q_bf16,
+    qk_rows_bf16,
 };
 
 }  // namespace
