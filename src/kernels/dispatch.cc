@@ -52,15 +52,25 @@ Status run_attention(const AttentionParams& params, Backend backend) {
     return run_reference(params);
   const cpu::Plan plan =
       cpu::make_plan(params, simd_target(), resolve_num_threads(params.num_threads));
+  // Scratch is kept per calling thread and only grows: a decode step's
+  // ~1 MiB would otherwise be mapped and faulted in anew on every call.
+  struct Scratch {
+    std::unique_ptr<char[]> data;
+    size_t bytes = 0;
+  };
+  thread_local Scratch scratch;
   const size_t bytes = cpu::scratch_bytes(params, plan);
-  std::unique_ptr<char[]> scratch;
-  try {
-    scratch.reset(new char[bytes]);
-  } catch (const std::bad_alloc&) {
-    return resource_exhausted("sdpa: cannot allocate " + std::to_string(bytes) +
-                              " bytes of attention scratch");
+  if (bytes > scratch.bytes) {
+    scratch = {};
+    try {
+      scratch.data.reset(new char[bytes]);
+    } catch (const std::bad_alloc&) {
+      return resource_exhausted("sdpa: cannot allocate " + std::to_string(bytes) +
+                                " bytes of attention scratch");
+    }
+    scratch.bytes = bytes;
   }
-  cpu::attention(params, plan, scratch.get());
+  cpu::attention(params, plan, scratch.data.get());
   return Status::Ok();
 }
 
