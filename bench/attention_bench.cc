@@ -167,7 +167,8 @@ class Problem {
     q_.resize(static_cast<size_t>(s.batch * s.seqlen_q * s.heads * s.d));
     for (float& x : q_) x = u(rng);
     const size_t kn = static_cast<size_t>(s.batch * s.seqlen_k * s.kv_heads * s.d);
-    const size_t vn = s.mla_view ? 0 : static_cast<size_t>(s.batch * s.seqlen_k * s.kv_heads * s.dv);
+    const size_t vn =
+        s.mla_view ? 0 : static_cast<size_t>(s.batch * s.seqlen_k * s.kv_heads * s.dv);
     const size_t bytes = dtype_size(s.kv);
     k_.resize(kn * bytes);
     v_.resize(vn * bytes);
@@ -208,8 +209,9 @@ class Problem {
   double flops() const {
     double pairs = 0;
     for (int64_t i = 0; i < s_.seqlen_q; ++i)
-      pairs += s_.causal ? static_cast<double>(std::min(s_.seqlen_k, i + s_.seqlen_k - s_.seqlen_q + 1))
-                         : static_cast<double>(s_.seqlen_k);
+      pairs += s_.causal
+                   ? static_cast<double>(std::min(s_.seqlen_k, i + s_.seqlen_k - s_.seqlen_q + 1))
+                   : static_cast<double>(s_.seqlen_k);
     return 2.0 * (s_.d + s_.dv) * pairs * s_.heads * s_.batch;
   }
   // K and V bytes a decode step must read once (V inside K for MLA).
@@ -262,9 +264,10 @@ void run_benchmark(benchmark::State& state, const std::string& name, Shape shape
 
 void add(const std::string& name, const Shape& shape, Backend backend = Backend::kFast,
          SimdTarget target = best_simd_target(cpu_features())) {
-  benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& st) {
-    run_benchmark(st, name, shape, backend, target);
-  })->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark(
+      name.c_str(), [=](benchmark::State& st) { run_benchmark(st, name, shape, backend, target); })
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
 }
 
 Shape gqa_prefill(int64_t kv_heads, DType kv) {
@@ -310,7 +313,8 @@ void register_all() {
   add("prefill/causal/gqa32-8/s2048/f32/avx2", gqa_prefill(8, DType::kF32), Backend::kFast,
       SimdTarget::kAvx2);
   for (int64_t tokens : {1, 2, 4, 8, 16})
-    add("decode/gqa32-8/k16384/q" + std::to_string(tokens) + "/f32", gqa_decode(tokens, DType::kF32));
+    add("decode/gqa32-8/k16384/q" + std::to_string(tokens) + "/f32",
+        gqa_decode(tokens, DType::kF32));
   add("decode/gqa32-8/k16384/q1/bf16", gqa_decode(1, DType::kBF16));
   add("decode/gqa32-8/k16384/q4/bf16", gqa_decode(4, DType::kBF16));
   add("mla/h128/k4096/q1/f32", mla_decode(DType::kF32));
@@ -345,9 +349,10 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   attnkit::register_all();
   const attnkit::Limits& lim = attnkit::limits();
-  std::printf("threads %d, kernels %s; measured fp32 FMA peak %.1f GFLOP/s (%s), DRAM read %.1f GB/s\n",
-              attnkit::bench_threads(), attnkit::simd_target_name(attnkit::simd_target()),
-              lim.fma_gflops, lim.isa, lim.dram_gbs);
+  std::printf(
+      "threads %d, kernels %s; measured fp32 FMA peak %.1f GFLOP/s (%s), DRAM read %.1f GB/s\n",
+      attnkit::bench_threads(), attnkit::simd_target_name(attnkit::simd_target()), lim.fma_gflops,
+      lim.isa, lim.dram_gbs);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   std::printf("ratios of time per call:\n");

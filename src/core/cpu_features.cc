@@ -98,10 +98,14 @@ SimdTarget best_simd_target(const CpuFeatures& f) {
 
 const char* simd_target_name(SimdTarget target) {
   switch (target) {
-    case SimdTarget::kScalar: return "scalar";
-    case SimdTarget::kAvx2: return "avx2";
-    case SimdTarget::kAvx512: return "avx512";
-    case SimdTarget::kAvx512Bf16: return "avx512bf16";
+    case SimdTarget::kScalar:
+      return "scalar";
+    case SimdTarget::kAvx2:
+      return "avx2";
+    case SimdTarget::kAvx512:
+      return "avx512";
+    case SimdTarget::kAvx512Bf16:
+      return "avx512bf16";
   }
   return "unknown";
 }

@@ -27,8 +27,8 @@ inline constexpr SimdTarget kAllSimdTargets[] = {SimdTarget::kScalar, SimdTarget
                                                  SimdTarget::kAvx512, SimdTarget::kAvx512Bf16};
 
 struct CpuFeatures {
-  bool avx2 = false;      // with FMA and OS-enabled YMM state
-  bool avx512 = false;    // F, BW, VL, DQ and OS-enabled ZMM/opmask state
+  bool avx2 = false;    // with FMA and OS-enabled YMM state
+  bool avx512 = false;  // F, BW, VL, DQ and OS-enabled ZMM/opmask state
   bool avx512_bf16 = false;
 };
 

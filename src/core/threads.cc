@@ -119,8 +119,8 @@ int resolve_num_threads(int requested, const char* env_value, unsigned hardware_
 }
 
 int resolve_num_threads(int requested) {
-  static const int by_default =
-      resolve_num_threads(0, std::getenv("ATTNKIT_NUM_THREADS"), std::thread::hardware_concurrency());
+  static const int by_default = resolve_num_threads(0, std::getenv("ATTNKIT_NUM_THREADS"),
+                                                    std::thread::hardware_concurrency());
   return requested > 0 ? clamp_threads(requested) : by_default;
 }
 

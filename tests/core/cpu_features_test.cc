@@ -35,8 +35,7 @@ TEST(CpuFeatures, AgreesWithCompilerDetection) {
   EXPECT_EQ(f.avx2, __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
   EXPECT_EQ(f.avx512, f.avx2 && __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512dq"));
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"));
 }
 #endif
 

@@ -11,14 +11,14 @@ namespace attnkit {
 namespace {
 
 TEST(Threads, ResolveNumThreads) {
-  EXPECT_EQ(resolve_num_threads(3, "5", 8), 3);         // the call wins
-  EXPECT_EQ(resolve_num_threads(0, "5", 8), 5);         // then the environment
-  EXPECT_EQ(resolve_num_threads(0, nullptr, 8), 8);     // then the hardware
+  EXPECT_EQ(resolve_num_threads(3, "5", 8), 3);      // the call wins
+  EXPECT_EQ(resolve_num_threads(0, "5", 8), 5);      // then the environment
+  EXPECT_EQ(resolve_num_threads(0, nullptr, 8), 8);  // then the hardware
   EXPECT_EQ(resolve_num_threads(0, "", 8), 8);
-  EXPECT_EQ(resolve_num_threads(0, "0", 8), 8);         // not positive: ignored
+  EXPECT_EQ(resolve_num_threads(0, "0", 8), 8);  // not positive: ignored
   EXPECT_EQ(resolve_num_threads(0, "-2", 8), 8);
-  EXPECT_EQ(resolve_num_threads(0, "4x", 8), 8);        // not an integer: ignored
-  EXPECT_EQ(resolve_num_threads(0, nullptr, 0), 1);     // unknown hardware: 1
+  EXPECT_EQ(resolve_num_threads(0, "4x", 8), 8);     // not an integer: ignored
+  EXPECT_EQ(resolve_num_threads(0, nullptr, 0), 1);  // unknown hardware: 1
   EXPECT_EQ(resolve_num_threads(100000, nullptr, 8), kMaxThreads);
   EXPECT_EQ(resolve_num_threads(0, "100000", 8), kMaxThreads);
   EXPECT_GE(resolve_num_threads(0), 1);
@@ -45,8 +45,8 @@ TEST(Threads, ParallelForRunsEveryTaskOnce) {
       EXPECT_EQ(bad_worker.load(), 0);
       EXPECT_EQ(overlap.load(), 0);
       for (int64_t t = 0; t < tasks; ++t)
-        ASSERT_EQ(runs[t].load(), 1) << "task " << t << " of " << tasks << ", " << threads
-                                     << " threads";
+        ASSERT_EQ(runs[t].load(), 1)
+            << "task " << t << " of " << tasks << ", " << threads << " threads";
     }
   }
 }

@@ -28,8 +28,8 @@
 namespace attnkit::kernels {
 namespace {
 
-constexpr double kU = 0x1p-24;      // fp32 unit roundoff
-constexpr double kUBf16 = 0x1p-8;   // bf16 unit roundoff
+constexpr double kU = 0x1p-24;     // fp32 unit roundoff
+constexpr double kUBf16 = 0x1p-8;  // bf16 unit roundoff
 constexpr float kSentinel = 1234.5f;
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
 
@@ -57,11 +57,11 @@ struct Case {
     s << "batch=" << batch << " sq=" << seqlen_q << " sk=" << seqlen_k << " h=" << heads << "/"
       << kv_heads << " d=" << d << "/" << dv << " kv=" << dtype_name(kv) << " causal=" << causal
       << " window=(" << window_left << "," << window_right << ") softcap=" << softcap
-      << " seqlens=" << seqlens << " q_offsets=" << q_offsets
-      << " mask=" << static_cast<int>(mask) << (mask_broadcast ? "b" : "")
-      << " sparse=" << static_cast<int>(sparse.kind) << "/" << sparse.block_size << "/"
-      << sparse.stride << "/" << sparse.summary << " ring=" << ring << " strided=" << strided
-      << " mla_view=" << mla_view << " poison=" << poison << " seed=" << seed;
+      << " seqlens=" << seqlens << " q_offsets=" << q_offsets << " mask=" << static_cast<int>(mask)
+      << (mask_broadcast ? "b" : "") << " sparse=" << static_cast<int>(sparse.kind) << "/"
+      << sparse.block_size << "/" << sparse.stride << "/" << sparse.summary << " ring=" << ring
+      << " strided=" << strided << " mla_view=" << mla_view << " poison=" << poison
+      << " seed=" << seed;
     return s.str();
   }
 };
@@ -97,8 +97,8 @@ class Problem {
     // the vdpbf16ps path rounds nothing on the query side and the bound
     // below can stay tight.
     const bool bf16_q = c.kv == DType::kBF16;
-    scale_ = bf16_q ? std::ldexp(1.0f, -static_cast<int>(std::round(std::log2(std::sqrt(
-                                           static_cast<double>(c.d))))))
+    scale_ = bf16_q ? std::ldexp(1.0f, -static_cast<int>(std::round(
+                                           std::log2(std::sqrt(static_cast<double>(c.d))))))
                     : static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
     q_.resize(static_cast<size_t>(c.batch * qs_.batch), kNaN);
     for_each_q([&](int64_t at) { q_[at] = value(2.0f, bf16_q); });
@@ -172,12 +172,18 @@ class Problem {
     const bf16 nan16 = float_to_bf16(kNaN);
     for (int64_t x = 0; x < c_.d; ++x) {
       const int64_t at = b * ks_.batch + r * ks_.row + g * ks_.head + x;
-      if (c_.kv == DType::kBF16) kb_[at] = nan16; else kf_[at] = kNaN;
+      if (c_.kv == DType::kBF16)
+        kb_[at] = nan16;
+      else
+        kf_[at] = kNaN;
     }
     if (c_.mla_view) return;
     for (int64_t x = 0; x < c_.dv; ++x) {
       const int64_t at = b * vs_.batch + r * vs_.row + g * vs_.head + x;
-      if (c_.kv == DType::kBF16) vb_[at] = nan16; else vf_[at] = kNaN;
+      if (c_.kv == DType::kBF16)
+        vb_[at] = nan16;
+      else
+        vf_[at] = kNaN;
     }
   }
 
@@ -276,7 +282,8 @@ class Problem {
             kabs[x] = std::fabs(kv_at(true, b * ks_.batch + r * ks_.row + g * ks_.head + x));
           double& vm = v_max_[b * c_.kv_heads + g];
           for (int64_t x = 0; x < c_.dv; ++x)
-            vm = std::max(vm, std::fabs(kv_at(false, b * vs_.batch + r * vs_.row + g * vs_.head + x)));
+            vm = std::max(vm,
+                          std::fabs(kv_at(false, b * vs_.batch + r * vs_.row + g * vs_.head + x)));
           for (int64_t i = 0; i < c_.seqlen_q; ++i)
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
               const float* q = q_.data() + b * qs_.batch + i * qs_.row + h * qs_.head;
@@ -293,7 +300,8 @@ class Problem {
     for (int64_t b = 0; b < c_.batch; ++b)
       for (int64_t i = 0; i < c_.seqlen_q; ++i)
         for (int64_t h = 0; h < c_.heads; ++h)
-          for (int64_t x = 0; x < c_.d; ++x) f(b * qs_.batch + i * qs_.row + h * qs_.head + x * qs_.dim);
+          for (int64_t x = 0; x < c_.d; ++x)
+            f(b * qs_.batch + i * qs_.row + h * qs_.head + x * qs_.dim);
   }
   float value(float range, bool bf16_exact) {
     std::uniform_real_distribution<float> u(-range, range);
@@ -717,9 +725,9 @@ TEST(AttentionFast, RandomCasesEveryTargetTilingAndThreadCount) {
       std::uniform_int_distribution<size_t> u(0, xs.size() - 1);
       return *(xs.begin() + u(rng));
     };
-    const cpu::Plan random_tiling = tiled(pick({1, 2, 3, 5, 8, 64}), pick({1, 2, 7, 16, 64}),
-                                          pick({0, 0, 1, 5, 16, 64}),
-                                          static_cast<int>(pick({1, 2, 3, 7})), pick({1, 1, 2, 3}));
+    const cpu::Plan random_tiling =
+        tiled(pick({1, 2, 3, 5, 8, 64}), pick({1, 2, 7, 16, 64}), pick({0, 0, 1, 5, 16, 64}),
+              static_cast<int>(pick({1, 2, 3, 7})), pick({1, 1, 2, 3}));
     const int threads = static_cast<int>(pick({1, 2, 3, 7}));
     check_case(c, [&](const Problem&) { return random_tiling; });
     check_case(c, [&](const Problem& pr) { return default_plan(pr, threads); });
@@ -787,13 +795,13 @@ TEST(AttentionFast, DispatchRoutesBackendsAndFallsBack) {
     o.causal = true;
     o.backend = backend;
     o.num_threads = 3;
-    const Status st = sdpa(view_of(q.data(), DType::kF32, {B, S, H, D}),
-                           view_of(k.data(), DType::kF32, {B, S, HKV, D}),
-                           view_of(v.data(), DType::kF32, {B, S, HKV, D}),
-                           view_of(r.out.data(), DType::kF32, {B, S, H, D}), o,
-                           view_of(r.lse.data(), DType::kF32, {B, H, S}),
-                           with_probs ? view_of(probs.data(), DType::kF32, {B, H, S, S})
-                                      : TensorView{});
+    const Status st =
+        sdpa(view_of(q.data(), DType::kF32, {B, S, H, D}),
+             view_of(k.data(), DType::kF32, {B, S, HKV, D}),
+             view_of(v.data(), DType::kF32, {B, S, HKV, D}),
+             view_of(r.out.data(), DType::kF32, {B, S, H, D}), o,
+             view_of(r.lse.data(), DType::kF32, {B, H, S}),
+             with_probs ? view_of(probs.data(), DType::kF32, {B, H, S, S}) : TensorView{});
     EXPECT_TRUE(st.ok()) << st.to_string();
     return r;
   };
@@ -809,7 +817,8 @@ TEST(AttentionFast, DispatchRoutesBackendsAndFallsBack) {
     }
     // ...which is not the reference's double-accumulated result bit for bit,
     double worst = 0;
-    for (size_t x = 0; x < ref.out.size(); ++x) worst = std::max(worst, double(std::fabs(ref.out[x] - fast.out[x])));
+    for (size_t x = 0; x < ref.out.size(); ++x)
+      worst = std::max(worst, double(std::fabs(ref.out[x] - fast.out[x])));
     EXPECT_LT(worst, 1e-5) << simd_target_name(t);
     // ...while asking for probabilities falls back to the reference exactly.
     EXPECT_EQ(run(Backend::kAuto, true).out, ref.out) << simd_target_name(t);

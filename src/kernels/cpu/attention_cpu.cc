@@ -60,8 +60,8 @@ struct Geometry {
   // (head h at offset + h * head_floats) ...
   int64_t qt = 0, o = 0, row_max = 0, row_sum = 0, head_floats = 0;
   // ... and shared by the heads.
-  int64_t qrows = 0, s = 0, alpha = 0, ones = 0, kw = 0, vw = 0, pack = 0, bitmap = 0,
-          row_lo = 0, row_hi = 0, worker_floats = 0;
+  int64_t qrows = 0, s = 0, alpha = 0, ones = 0, kw = 0, vw = 0, pack = 0, bitmap = 0, row_lo = 0,
+          row_hi = 0, worker_floats = 0;
   // Byte offsets of the shared regions.
   size_t tasks_at = 0, bases_at = 0, parts_at = 0, workers_at = 0, total = 0;
   int workers = 1;
@@ -126,7 +126,8 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.worker_floats = at;
 
   const int64_t max_tasks = g.bases * g.max_parts;
-  g.workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(plan.num_threads, max_tasks)));
+  g.workers =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(plan.num_threads, max_tasks)));
   size_t bytes = 0;
   g.tasks_at = bytes;
   bytes = align_bytes(bytes + sizeof(Task) * static_cast<size_t>(max_tasks));
@@ -171,8 +172,7 @@ bool rows_finite(const void* base, DType dtype, int64_t stride, int64_t rows, in
   } else {
     const uint32_t* x = static_cast<const uint32_t*>(base);
     for (int64_t n = 0; n < rows; ++n)
-      for (int64_t c = 0; c < cols; ++c)
-        bad |= (x[n * stride + c] & 0x7f800000u) == 0x7f800000u;
+      for (int64_t c = 0; c < cols; ++c) bad |= (x[n * stride + c] & 0x7f800000u) == 0x7f800000u;
   }
   return bad == 0;
 }
@@ -385,8 +385,8 @@ class TaskRunner {
         kt.qk_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.m_pad, s, g_.s_stride, 0);
     } else {
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-        kt.qk_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_,
-                  g_.m_pad, s + at * g_.s_stride, g_.s_stride, prefetch);
+        kt.qk_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_, g_.m_pad,
+                  s + at * g_.s_stride, g_.s_stride, prefetch);
       });
     }
   }
@@ -521,8 +521,8 @@ class TaskRunner {
     for (int64_t m = 0; m < m_; ++m) {
       const float sum = row_sum_[m], max = row_max_[m];
       const int64_t h = head_of(m), i = row_of(m);
-      float* out = p_.out + b_ * p_.out_stride.batch + i * p_.out_stride.row +
-                   h * p_.out_stride.head;
+      float* out =
+          p_.out + b_ * p_.out_stride.batch + i * p_.out_stride.row + h * p_.out_stride.head;
       const bool empty = sum == 0.0f;  // no visible key: 0, never NaN
       const float inv = empty ? 0.0f : 1.0f / sum;
       const float* row = o + m * g_.dv_pad;
@@ -606,10 +606,14 @@ void merge(const Call& call, const Base& base, float* acc) {
 
 const KernelTable* kernel_table(SimdTarget target) {
   switch (target) {
-    case SimdTarget::kScalar: return scalar_kernel_table();
-    case SimdTarget::kAvx2: return avx2_kernel_table();
-    case SimdTarget::kAvx512: return avx512_kernel_table();
-    case SimdTarget::kAvx512Bf16: return avx512bf16_kernel_table();
+    case SimdTarget::kScalar:
+      return scalar_kernel_table();
+    case SimdTarget::kAvx2:
+      return avx2_kernel_table();
+    case SimdTarget::kAvx512:
+      return avx512_kernel_table();
+    case SimdTarget::kAvx512Bf16:
+      return avx512bf16_kernel_table();
   }
   return nullptr;
 }
@@ -673,9 +677,11 @@ void attention(const AttentionParams& p, const Plan& plan, void* scratch) {
     TaskRunner(call, workers + worker * g.worker_floats).run(tasks[t]);
   });
   if (num_parts == 0) return;
-  parallel_for(g.bases, static_cast<int>(std::min<int64_t>(g.workers, g.bases)), [&](int64_t bi, int worker) {
-    if (bases[bi].parts >= 2) merge(call, bases[bi], workers + worker * g.worker_floats);
-  });
+  parallel_for(g.bases, static_cast<int>(std::min<int64_t>(g.workers, g.bases)),
+               [&](int64_t bi, int worker) {
+                 if (bases[bi].parts >= 2)
+                   merge(call, bases[bi], workers + worker * g.worker_floats);
+               });
 }
 
 }  // namespace attnkit::kernels::cpu

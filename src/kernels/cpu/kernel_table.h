@@ -72,8 +72,7 @@ struct KernelTable {
   // vdpbf16ps kernels; nullptr unless the target has AVX512_BF16.
   // As qk_f32 with bf16 keys and qt2 pairs.
   void (*qk_bf16)(const uint16_t* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
-                  const uint16_t* qt2, int64_t m_pad, float* s, int64_t s_stride,
-                  int64_t prefetch);
+                  const uint16_t* qt2, int64_t m_pad, float* s, int64_t s_stride, int64_t prefetch);
   // As pv_f32 with bf16 values; the weights are rounded to bf16. `pack`
   // holds pv_bf16_pack_elems(nk, s_stride, dv_pad) uint16s of scratch.
   void (*pv_bf16)(const float* s, int64_t nk, int64_t m_pad, int64_t s_stride, int64_t rows,

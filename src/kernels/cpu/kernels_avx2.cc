@@ -37,9 +37,7 @@ struct V256 {
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
-  static F abs(F x) {
-    return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-  }
+  static F abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
   static F copysign(F mag, F sign) {
     const F bit = _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0x80000000u)));
     return _mm256_or_ps(mag, _mm256_and_ps(sign, bit));
@@ -68,8 +66,8 @@ struct V256 {
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     // n = 128 (x near 88.7) would overflow the exponent field: split 2^n
     // into 2^(n - 1) * 2.
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
     const F y = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(2.0f));
     return _mm256_andnot_ps(tiny, y);
   }
@@ -89,7 +87,7 @@ struct V256 {
 
 constexpr KernelTable kAvx2Table = {
     V256::kLanes,
-    V256::kQkVecs * V256::kLanes,
+    V256::kQkVecs* V256::kLanes,
     simd::qk_f32<V256>,
     simd::softcap<V256>,
     simd::softmax<V256>,

@@ -40,9 +40,7 @@ struct V512 {
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
   static F bcast(const float* p) { return _mm512_set1_ps(*p); }
-  static Mask mask_first(int64_t n) {
-    return n >= 16 ? Mask(0xffff) : Mask((1u << n) - 1u);
-  }
+  static Mask mask_first(int64_t n) { return n >= 16 ? Mask(0xffff) : Mask((1u << n) - 1u); }
   static F load_masked(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -53,8 +51,8 @@ struct V512 {
   static F abs(F x) { return _mm512_abs_ps(x); }
   static F copysign(F mag, F sign) {
     const __m512i bit = _mm512_set1_epi32(int32_t(0x80000000u));
-    return _mm512_castsi512_ps(_mm512_or_si512(
-        _mm512_castps_si512(mag), _mm512_and_si512(_mm512_castps_si512(sign), bit)));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag),
+                                               _mm512_and_si512(_mm512_castps_si512(sign), bit)));
   }
   static F ninf_to_zero(F x) {
     const Mask is_ninf = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-__builtin_inff()), _CMP_EQ_OQ);
@@ -101,8 +99,8 @@ inline __m512i bcast_u32(const uint16_t* p) {
 
 // Interleaves the low and high 16 halves: (x0, x16, x1, x17, ...).
 inline __m512i interleave_halves(__m512i x) {
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
-                                       8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   return _mm512_permutexvar_epi16(idx, x);
 }
 
@@ -138,8 +136,7 @@ inline void qk2_block(const uint16_t* k, int64_t ks, int64_t d, const uint16_t* 
       const __m512bh kk = (__m512bh)_mm512_set1_epi32(k[a * ks + d - 1]);
 #pragma GCC unroll 4
       for (int b = 0; b < MV; ++b)
-        acc[a][b] =
-            _mm512_dpbf16_ps(acc[a][b], kk, (__m512bh)_mm512_loadu_si512(qrow + b * 32));
+        acc[a][b] = _mm512_dpbf16_ps(acc[a][b], kk, (__m512bh)_mm512_loadu_si512(qrow + b * 32));
     }
   }
 #pragma GCC unroll 16
@@ -149,8 +146,8 @@ inline void qk2_block(const uint16_t* k, int64_t ks, int64_t d, const uint16_t* 
 }
 
 template <int MV>
-inline void qk2_columns(const uint16_t* k, int64_t ks, int64_t nk, int64_t d,
-                        const uint16_t* qt2, int64_t w, int64_t ss, float* s, int64_t pf) {
+inline void qk2_columns(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const uint16_t* qt2,
+                        int64_t w, int64_t ss, float* s, int64_t pf) {
   constexpr int kb = V512::kQkAcc / MV < V512::kQkMaxKeys ? V512::kQkAcc / MV : V512::kQkMaxKeys;
   if (nk < kb) {
     for (int64_t n = 0; n < nk; ++n)
@@ -175,10 +172,14 @@ void qk_bf16(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const uint16_
   const uint16_t* tail = qt2 + v / 4 * block;
   pf = v == 0 ? pf : 0;
   switch (vecs - v) {
-    case 3: return qk2_columns<3>(k, ks, nk, d, tail, w, ss, s + v * 16, pf);
-    case 2: return qk2_columns<2>(k, ks, nk, d, tail, w, ss, s + v * 16, pf);
-    case 1: return qk2_columns<1>(k, ks, nk, d, tail, w, ss, s + v * 16, pf);
-    default: return;
+    case 3:
+      return qk2_columns<3>(k, ks, nk, d, tail, w, ss, s + v * 16, pf);
+    case 2:
+      return qk2_columns<2>(k, ks, nk, d, tail, w, ss, s + v * 16, pf);
+    case 1:
+      return qk2_columns<1>(k, ks, nk, d, tail, w, ss, s + v * 16, pf);
+    default:
+      return;
   }
 }
 
@@ -190,12 +191,14 @@ inline void pv2_block(const uint16_t* pp, int64_t pairs, int64_t ss, const uint1
   for (int r = 0; r < MR; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
 #pragma GCC unroll 4
-    for (int c = 0; c < CV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dv_pad + c * 16), a);
+    for (int c = 0; c < CV; ++c)
+      acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dv_pad + c * 16), a);
   }
   for (int64_t i = 0; i < pairs; ++i) {
     __m512bh vv[CV];
 #pragma GCC unroll 4
-    for (int c = 0; c < CV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + (i * dv_pad + c * 16) * 2);
+    for (int c = 0; c < CV; ++c)
+      vv[c] = (__m512bh)_mm512_loadu_si512(vp + (i * dv_pad + c * 16) * 2);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m512bh p = (__m512bh)bcast_u32(pp + (i * ss + r) * 2);
@@ -219,9 +222,8 @@ inline void pv2_rows(int64_t rows, const uint16_t* pp, int64_t pairs, int64_t ss
 }
 
 template <int CV>
-inline void pv2_columns(int64_t cvecs, int64_t rows, const uint16_t* pp, int64_t pairs,
-                        int64_t ss, const uint16_t* vp, int64_t dv_pad, float* o,
-                        const float* alpha) {
+inline void pv2_columns(int64_t cvecs, int64_t rows, const uint16_t* pp, int64_t pairs, int64_t ss,
+                        const uint16_t* vp, int64_t dv_pad, float* o, const float* alpha) {
   if constexpr (CV >= 1) {
     if (cvecs == CV) {
       int64_t m = 0;
@@ -234,9 +236,9 @@ inline void pv2_columns(int64_t cvecs, int64_t rows, const uint16_t* pp, int64_t
   }
 }
 
-void pv_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows,
-             const uint16_t* v, int64_t vs, int64_t dv, float* o, int64_t dv_pad,
-             const float* alpha, uint16_t* pack, int64_t pf) {
+void pv_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows, const uint16_t* v,
+             int64_t vs, int64_t dv, float* o, int64_t dv_pad, const float* alpha, uint16_t* pack,
+             int64_t pf) {
   const int64_t pairs = (nk + 1) / 2;
   uint16_t* pp = pack;                   // [pairs][ss][2] weights
   uint16_t* vp = pack + pairs * 2 * ss;  // [pairs][dv_pad][2] values
@@ -258,7 +260,8 @@ void pv_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows
     for (int64_t c = 0; c < dv_pad; c += 16) {
       const __mmask16 mask = V512::mask_first(dv - c < 0 ? 0 : dv - c);
       const __m256i a = _mm256_maskz_loadu_epi16(mask, v0 + c);
-      const __m256i b = second ? _mm256_maskz_loadu_epi16(mask, v0 + vs + c) : _mm256_setzero_si256();
+      const __m256i b =
+          second ? _mm256_maskz_loadu_epi16(mask, v0 + vs + c) : _mm256_setzero_si256();
       _mm512_storeu_si512(vp + (i * dv_pad + c) * 2,
                           interleave_halves(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1)));
     }
@@ -282,9 +285,12 @@ inline void transpose16(__m512 r[16]) {
   }
   for (int i = 0; i < 16; i += 4) {
     r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 1] =
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(
+        _mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(
+        _mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
   }
   for (int i = 0; i < 4; ++i) {
     t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
@@ -356,10 +362,13 @@ inline __m512 hsum16(const __m512 v[16]) {
     }
     const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]));
     const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]));
-    w[q] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // lane 4L+j: source j, 128-bit lane L
+    w[q] = _mm512_add_ps(_mm512_castpd_ps(lo),
+                         _mm512_castpd_ps(hi));  // lane 4L+j: source j, 128-bit lane L
   }
-  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xee));
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xee));
+  const __m512 y =
+      _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xee));
+  const __m512 z =
+      _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xee));
   return _mm512_add_ps(_mm512_shuffle_f32x4(y, z, 0x88), _mm512_shuffle_f32x4(y, z, 0xdd));
 }
 
@@ -368,7 +377,8 @@ inline __m512 hsum16(const __m512 v[16]) {
 inline void store_rows4(const __m512 acc[16], int keys, float* s, int64_t ss) {
   alignas(64) float sums[16];
   _mm512_store_ps(sums, hsum16(acc));
-  for (int a = 0; a < keys; ++a) _mm512_storeu_ps(s + a * ss, _mm512_maskz_loadu_ps(0xf, sums + 4 * a));
+  for (int a = 0; a < keys; ++a)
+    _mm512_storeu_ps(s + a * ss, _mm512_maskz_loadu_ps(0xf, sums + 4 * a));
 }
 
 // Keys [0, keys) (keys <= 4; loads of the others are skipped) against the
@@ -410,7 +420,8 @@ void qk_rows_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float*
     };
     auto dot = [&](__m512* acc, __m512 kv, int64_t c) {
 #pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * qs + c * 16), acc[r]);
+      for (int r = 0; r < 4; ++r)
+        acc[r] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * qs + c * 16), acc[r]);
     };
     rows4_block<decltype(full)::value>(keys, chunks, load_k, dot, s + n * ss, ss);
   });
@@ -431,7 +442,8 @@ void qk_rows_bf16(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const ui
     auto dot = [&](__m512* acc, __m512i kv, int64_t c) {
 #pragma GCC unroll 4
       for (int r = 0; r < 4; ++r)
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)kv, (__m512bh)_mm512_loadu_si512(q + r * qs + c * 32));
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)kv,
+                                  (__m512bh)_mm512_loadu_si512(q + r * qs + c * 32));
     };
     rows4_block<decltype(full)::value>(keys, chunks, load_k, dot, s + n * ss, ss);
   });
@@ -439,7 +451,7 @@ void qk_rows_bf16(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const ui
 
 constexpr KernelTable kAvx512Table = {
     V512::kLanes,
-    V512::kQkVecs * V512::kLanes,
+    V512::kQkVecs* V512::kLanes,
     simd::qk_f32<V512>,
     simd::softcap<V512>,
     simd::softmax<V512>,
@@ -456,7 +468,7 @@ constexpr KernelTable kAvx512Table = {
 
 constexpr KernelTable kAvx512Bf16Table = {
     V512::kLanes,
-    V512::kQkVecs * V512::kLanes,
+    V512::kQkVecs* V512::kLanes,
     simd::qk_f32<V512>,
     simd::softcap<V512>,
     simd::softmax<V512>,

@@ -51,20 +51,34 @@ struct VScalar {
     for (int i = 0; i < kLanes; ++i) c.x[i] = std::fma(a.x[i], b.x[i], c.x[i]);
     return c;
   }
-  static F mul(F a, F b) { return zip(a, b, [](float u, float v) { return u * v; }); }
-  static F add(F a, F b) { return zip(a, b, [](float u, float v) { return u + v; }); }
-  static F sub(F a, F b) { return zip(a, b, [](float u, float v) { return u - v; }); }
-  static F div(F a, F b) { return zip(a, b, [](float u, float v) { return u / v; }); }
+  static F mul(F a, F b) {
+    return zip(a, b, [](float u, float v) { return u * v; });
+  }
+  static F add(F a, F b) {
+    return zip(a, b, [](float u, float v) { return u + v; });
+  }
+  static F sub(F a, F b) {
+    return zip(a, b, [](float u, float v) { return u - v; });
+  }
+  static F div(F a, F b) {
+    return zip(a, b, [](float u, float v) { return u / v; });
+  }
   // Same NaN rule as the x86 max instructions: b unless a > b.
-  static F max(F a, F b) { return zip(a, b, [](float u, float v) { return u > v ? u : v; }); }
-  static F abs(F a) { return map(a, [](float u) { return std::fabs(u); }); }
+  static F max(F a, F b) {
+    return zip(a, b, [](float u, float v) { return u > v ? u : v; });
+  }
+  static F abs(F a) {
+    return map(a, [](float u) { return std::fabs(u); });
+  }
   static F copysign(F mag, F sign) {
     return zip(mag, sign, [](float u, float v) { return std::copysign(u, v); });
   }
   static F ninf_to_zero(F a) {
     return map(a, [](float u) { return u == -INFINITY ? 0.0f : u; });
   }
-  static F exp(F a) { return map(a, [](float u) { return std::exp(u); }); }
+  static F exp(F a) {
+    return map(a, [](float u) { return std::exp(u); });
+  }
   static void prefetch(const void*) {}
   static F widen_bf16(const uint16_t* p, int64_t n) {
     F r{};
@@ -78,7 +92,7 @@ struct VScalar {
 
 constexpr KernelTable kScalarTable = {
     VScalar::kLanes,
-    VScalar::kQkVecs * VScalar::kLanes,
+    VScalar::kQkVecs* VScalar::kLanes,
     simd::qk_f32<VScalar>,
     simd::softcap<VScalar>,
     simd::softmax<VScalar>,

@@ -33,8 +33,8 @@ namespace attnkit::kernels::cpu::simd {
 // packing); queries are read from one column block of the q tile, whose
 // rows are `w` floats apart (contiguous, so the block streams through L1).
 template <class V, int KB, int MV>
-inline void qk_block(const float* k, int64_t ks, int64_t d, const float* qt, int64_t w,
-                     int64_t ss, float* s, int64_t pf) {
+inline void qk_block(const float* k, int64_t ks, int64_t d, const float* qt, int64_t w, int64_t ss,
+                     float* s, int64_t pf) {
   using F = typename V::F;
   F acc[KB][MV];
 #pragma GCC unroll 16
@@ -102,10 +102,10 @@ void qk_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt, 
   const int64_t vecs = m_pad / V::kLanes;
   int64_t v = 0;
   for (; v + V::kQkVecs <= vecs; v += V::kQkVecs)
-    qk_columns<V, V::kQkVecs>(k, ks, nk, d, qt + v / V::kQkVecs * d * w, w, ss,
-                              s + v * V::kLanes, v == 0 ? pf : 0);
-  qk_columns_tail<V, V::kQkVecs - 1>(vecs - v, k, ks, nk, d, qt + v / V::kQkVecs * d * w, w,
-                                     ss, s + v * V::kLanes, v == 0 ? pf : 0);
+    qk_columns<V, V::kQkVecs>(k, ks, nk, d, qt + v / V::kQkVecs * d * w, w, ss, s + v * V::kLanes,
+                              v == 0 ? pf : 0);
+  qk_columns_tail<V, V::kQkVecs - 1>(vecs - v, k, ks, nk, d, qt + v / V::kQkVecs * d * w, w, ss,
+                                     s + v * V::kLanes, v == 0 ? pf : 0);
 }
 
 // ---- soft-capping and the online-softmax step --------------------------
@@ -208,8 +208,8 @@ inline void pv_block(const float* s, int64_t nk, int64_t ss, const float* v, int
 }
 
 template <class V, int MR, int CV>
-inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const float* v, int64_t vs,
-                    float* o, int64_t dv_pad, const float* alpha, typename V::Mask last,
+inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const float* v,
+                    int64_t vs, float* o, int64_t dv_pad, const float* alpha, typename V::Mask last,
                     int64_t pf) {
   if constexpr (MR >= 1) {
     if (rows == MR) return pv_block<V, MR, CV>(s, nk, ss, v, vs, o, dv_pad, alpha, last, pf);
@@ -225,10 +225,10 @@ inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, 
     if (cvecs == CV) {
       int64_t m = 0;
       for (; m + V::kPvRows <= rows; m += V::kPvRows)
-        pv_block<V, V::kPvRows, CV>(s + m, nk, ss, v, vs, o + m * dv_pad, dv_pad, alpha + m,
-                                    last, m == 0 ? pf : 0);
-      return pv_rows<V, V::kPvRows - 1, CV>(rows - m, s + m, nk, ss, v, vs, o + m * dv_pad,
-                                            dv_pad, alpha + m, last, m == 0 ? pf : 0);
+        pv_block<V, V::kPvRows, CV>(s + m, nk, ss, v, vs, o + m * dv_pad, dv_pad, alpha + m, last,
+                                    m == 0 ? pf : 0);
+      return pv_rows<V, V::kPvRows - 1, CV>(rows - m, s + m, nk, ss, v, vs, o + m * dv_pad, dv_pad,
+                                            alpha + m, last, m == 0 ? pf : 0);
     }
     pv_columns<V, CV - 1>(cvecs, rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf);
   }
@@ -252,8 +252,8 @@ void pv_f32(const float* s, int64_t nk, int64_t ss, int64_t rows, const float* v
 
 // dst_row_stride is a multiple of kLanes and >= cols; the pad is written 0.
 template <class V>
-void widen_bf16(const uint16_t* src, int64_t src_row_stride, int64_t rows, int64_t cols,
-                float* dst, int64_t dst_row_stride) {
+void widen_bf16(const uint16_t* src, int64_t src_row_stride, int64_t rows, int64_t cols, float* dst,
+                int64_t dst_row_stride) {
   for (int64_t n = 0; n < rows; ++n)
     for (int64_t c = 0; c < dst_row_stride; c += V::kLanes) {
       const int64_t valid = cols - c < 0 ? 0 : cols - c;

@@ -68,7 +68,8 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
   if (tasks < kMinTasksWithoutSplit && p.seqlen_k > kSplitKeys) {
     int64_t split = kSplitKeys;
     const int64_t row_floats = plan.block_q * group * (p.head_dim_v + 2);
-    const int64_t splits_allowed = kMaxPartialFloats / (tasks * row_floats > 0 ? tasks * row_floats : 1);
+    const int64_t splits_allowed =
+        kMaxPartialFloats / (tasks * row_floats > 0 ? tasks * row_floats : 1);
     if (splits_allowed < 2) return plan;
     while ((p.seqlen_k + split - 1) / split + 1 > splits_allowed) split *= 2;
     plan.split_k = split;
