@@ -39,8 +39,15 @@ inline bool sparse_admits(const SparsePattern& sp, int64_t p, int64_t j) {
 inline void key_range(const AttentionParams& prm, int64_t b, int64_t p, int64_t* lo, int64_t* hi) {
   int64_t begin = 0, end = prm.keys_of(b);
   if (prm.causal) end = std::min(end, p + 1);
-  if (prm.window_right >= 0) end = std::min(end, p + prm.window_right + 1);
-  if (prm.window_left >= 0) begin = std::max(begin, p - prm.window_left);
+  // Windows may be anything up to INT64_MAX (the API only requires >= -1),
+  // so the bounds saturate: a bound that overflows lies beyond every key.
+  int64_t bound;
+  if (prm.window_right >= 0 && !__builtin_add_overflow(p, prm.window_right, &bound) &&
+      bound < end)
+    end = bound + 1;
+  if (prm.window_left >= 0 && !__builtin_sub_overflow(p, prm.window_left, &bound) &&
+      bound > begin)
+    begin = bound;
   *lo = begin;
   *hi = std::max(begin, end);
 }
