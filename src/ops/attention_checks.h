@@ -29,6 +29,11 @@ inline Status check_head_layout(const char* fn, int64_t num_heads, int64_t num_k
   return Status::Ok();
 }
 
+// Rejects an output view two of whose elements provably share memory (a
+// dim of size > 1 with stride 0, or one stride a small multiple of
+// another); never rejects a layout that does not overlap itself.
+Status check_no_self_overlap(const char* fn, const char* name, const TensorView& v);
+
 // softmax_scale, softcap, window, sparse, num_threads, backend.
 Status check_attention_options(const char* fn, const AttentionOptions& options);
 

@@ -172,6 +172,8 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
                                        s.dim_src));
   }
 
+  // Threads write distinct output rows; rows that share memory would race.
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kAttend, "out", out));
   ATTNKIT_RETURN_IF_ERROR(check_attention_options(kAttend, options));
   if (options.mask.present())
     return invalid_argument(f +

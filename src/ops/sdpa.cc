@@ -1,5 +1,6 @@
 // Public sdpa() and merge_attention_states(): validate every argument, fill
 // the kernel params, dispatch. Nothing is written before validation passes.
+#include <charconv>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -18,12 +19,18 @@ kernels::Strides4 strides_of(const TensorView& v) {
   return {v.strides[0], v.strides[1], v.strides[2], v.strides[3]};
 }
 
+}  // namespace
+
 // Rejects an output view in which two distinct elements provably share
 // memory: a dim of size > 1 with stride 0, or stride[a] = m * stride[b] with
 // 1 <= m < shape[b] (element 1 along a is element m along b). Writing such a
 // view would make the result depend on write order. It never rejects a
 // layout that does not overlap, so "any strides" stays true for valid ones.
 Status check_no_self_overlap(const char* fn, const char* name, const TensorView& v) {
+  // An empty view has no elements to share (and row-major strides of an
+  // empty shape, as make_view and numpy compute them, contain zeros).
+  for (int i = 0; i < v.rank; ++i)
+    if (v.shape[i] == 0) return Status::Ok();
   const std::string n = name;
   for (int b = 0; b < v.rank; ++b) {
     if (v.shape[b] < 2) continue;
@@ -49,8 +56,6 @@ Status check_no_self_overlap(const char* fn, const char* name, const TensorView&
   return Status::Ok();
 }
 
-}  // namespace
-
 Status check_attention_options(const char* fn, const AttentionOptions& o) {
   const std::string f = fn;
   if (!std::isfinite(o.softmax_scale) || o.softmax_scale < 0.0f)
@@ -59,6 +64,14 @@ Status check_attention_options(const char* fn, const AttentionOptions& o) {
   if (!std::isfinite(o.softcap) || o.softcap < 0.0f)
     return invalid_argument(f + ": softcap = " + std::to_string(o.softcap) +
                             " must be finite and >= 0 (0 = off)");
+  // The fast kernels multiply by 1 / softcap, which is +inf for a subnormal
+  // cap (and 0 * inf is NaN); no model uses a cap anywhere near this small.
+  if (o.softcap > 0.0f && o.softcap < std::numeric_limits<float>::min()) {
+    char value[32];  // shortest round-trip form: "1e-40", not "0.000000"
+    const auto end = std::to_chars(value, value + sizeof value, o.softcap).ptr;
+    return invalid_argument(f + ": softcap = " + std::string(value, end) +
+                            " is subnormal; a nonzero softcap must be >= FLT_MIN = 1.1754944e-38");
+  }
   if (o.window_size.left < -1)
     return invalid_argument(f + ": window_size.left = " + std::to_string(o.window_size.left) +
                             " must be >= 0, or -1 for unlimited");
