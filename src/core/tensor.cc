@@ -90,10 +90,12 @@ TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> sha
   v.rank = static_cast<int>(shape.size());
   int i = 0;
   for (int64_t d : shape) v.shape[i++] = d;
+  // Saturating: a shape whose strides overflow gives INT64_MAX strides,
+  // which every entry point's view check then rejects (no UB here).
   int64_t stride = 1;
   for (int r = v.rank - 1; r >= 0; --r) {
     v.strides[r] = stride;
-    stride *= v.shape[r];
+    if (!checked_mul(stride, v.shape[r], &stride)) stride = INT64_MAX;
   }
   return v;
 }
