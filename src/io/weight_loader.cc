@@ -115,8 +115,11 @@ Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::s
 
   Tensor out;
   {
-    // Tensor::zeros takes a rank-0 shape as a scalar.
-    ATTNKIT_ASSIGN_OR_RETURN(out, Tensor::zeros(DType::kF32, want, want_rank));
+    // Tensor::zeros takes a rank-0 shape as a scalar. A shape the config
+    // allows may still not fit in memory: say which weight and caller.
+    Result<Tensor> r = Tensor::zeros(DType::kF32, want, want_rank);
+    if (!r.ok()) return Status(r.status().code(), where + ": " + r.status().message());
+    out = std::move(r).value();
   }
   if (numel > 0) {
     const size_t esize = dtype_size(src.dtype);
