@@ -36,8 +36,9 @@ inline constexpr int64_t kCopyValuesMinRows = 32;
 inline constexpr int64_t kMinTasksWithoutSplit = 64;
 
 // Keys per split when splitting: 8 tiles, enough that the per-split costs
-// (packing q, writing and merging a partial row) stay small next to the
-// tile work, small enough that 16K keys over 8 kv heads give 256 tasks.
+// (packing q, writing and merging partial rows) stay small next to the tile
+// work, small enough that a 16K-key decode step gives 32 tasks per batch
+// item, and absorbed MLA over 4096 keys (one kv head) gives 8.
 inline constexpr int64_t kSplitKeys = 512;
 
 // Split calls whose tasks have at most this many packed rows per kv head
@@ -47,9 +48,9 @@ inline constexpr int64_t kSplitKeys = 512;
 // they cost a TLB miss per row and defeat the hardware prefetchers (a
 // single-threaded read of such rows ran at 7-16 GB/s where a sequential
 // read ran at 35); walked with the other heads, every page is used whole.
-// Bigger tasks keep one head each: their q tile and accumulators (100+ KiB
-// per head) must stay in L2.
-inline constexpr int64_t kInterleaveHeadsMaxRows = 64;
+// Bigger tasks are bound by arithmetic, not by memory, and keep one head
+// each so that their q tiles and accumulators stay in L2.
+inline constexpr int64_t kInterleaveHeadsMaxRows = 16;
 
 // Upper bound on the fp32 values all split partials may take together; a
 // bigger call uses proportionally larger splits (still shape-only).
