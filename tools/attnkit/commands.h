@@ -10,6 +10,9 @@ namespace attnkit::cli {
 
 int run_analyze(int argc, char** argv);
 int run_plan(int argc, char** argv);
+int run_compare(int argc, char** argv);
+int run_bench(int argc, char** argv);
+int run_plot(int argc, char** argv);
 
 // --model NAME or --config PATH (exactly one) -> the model's shape.
 // Throws UsageError with a one-line reason.

@@ -25,8 +25,11 @@ int run_presets(int argc, char** argv) {
 }
 
 const Command kCommands[] = {
+    {"compare", attnkit::cli::run_compare, "build MHA/GQA/MQA/MLA layers, measure them here, print one table"},
     {"analyze", attnkit::cli::run_analyze, "exact parameters, KV bytes, FLOPs and what-if sweeps for a model"},
     {"plan", attnkit::cli::run_plan, "largest batch or context per variant for a memory budget"},
+    {"bench", attnkit::cli::run_bench, "sdpa kernel sweeps: variants x context x batch x KV dtype, vs reference and torch"},
+    {"plot", attnkit::cli::run_plot, "PNG/SVG plots: KV memory, decode latency vs context, roofline"},
     {"presets", run_presets, "list the built-in model presets"},
 };
 

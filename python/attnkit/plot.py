@@ -1,0 +1,258 @@
+"""Plots of `attnkit bench --json` results (matplotlib, Agg backend).
+
+Three pictures, each from one bench result (a dict as loaded by load()):
+
+- kv_memory_vs_context: KV-cache bytes against context for every variant
+  and KV dtype (exact arithmetic from the bench's shapes, not measured);
+- decode_latency_vs_context: the measured decode time per step against
+  context, one line per variant and KV dtype (batch 1 by default), the
+  seeds' naive PyTorch attention dashed where bench measured it;
+- roofline: this machine's measured fp32 peak and read bandwidth, and
+  every measured row at its arithmetic intensity.
+
+From a shell (this is what `attnkit plot` runs):
+
+    attnkit bench --json > bench.json
+    /usr/bin/python3 -m attnkit.plot --input bench.json --out plots --format png,svg
+
+This file needs only the standard library and matplotlib, so it also runs
+as a plain script (`python3 plot.py ...`) without the compiled module.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+__all__ = ["load", "kv_memory_vs_context", "decode_latency_vs_context", "roofline", "plot_all", "main"]
+
+_VARIANT_ORDER = ["mha", "gqa-16", "gqa-8", "gqa-4", "gqa-2", "mqa", "mla"]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def load(path):
+    """Reads an `attnkit bench --json` file and checks it is one."""
+    with open(path) as f:
+        bench = json.load(f)
+    if not isinstance(bench, dict) or "rows" not in bench or "machine" not in bench:
+        raise ValueError("%s is not an `attnkit bench --json` result (no 'rows'/'machine')" % path)
+    return bench
+
+
+def _variants(bench):
+    names = list(bench.get("kv_bytes_per_token", {}))
+    for r in bench["rows"]:
+        if r["variant"] not in names:
+            names.append(r["variant"])
+    rank = {v: i for i, v in enumerate(_VARIANT_ORDER)}
+    return sorted(names, key=lambda v: (rank.get(v, len(rank)), v))
+
+
+def _colors(variants):
+    plt = _plt()
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {v: cycle[i % len(cycle)] for i, v in enumerate(variants)}
+
+
+def _bytes_label(b, _pos=None):
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            v = b / scale
+            return ("%.0f %s" if v >= 10 or v == int(v) else "%.1f %s") % (v, unit)
+    return "%.0f B" % b
+
+
+def _seconds_label(s, _pos=None):
+    if s >= 1:
+        return "%g s" % s
+    if s >= 1e-3:
+        return "%g ms" % round(s * 1e3, 6)
+    return "%g us" % round(s * 1e6, 6)
+
+
+def _context_label(n, _pos=None):
+    n = int(round(n))
+    return "%dK" % (n // 1024) if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _shape_title(bench):
+    c = bench.get("config", {})
+    return "d_model %s, %s query heads of %s" % (c.get("d_model", "?"), c.get("num_heads", "?"),
+                                                  c.get("head_dim", "?"))
+
+
+def _save(fig, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return path
+
+
+def kv_memory_vs_context(bench, path, layers=1, batch=1, contexts=None):
+    """KV-cache bytes for `batch` sequences of every context, per variant
+    and KV dtype (solid f32, dashed bf16), for `layers` layers of the
+    bench's shape. Writes `path` (.png or .svg) and returns it."""
+    from matplotlib.ticker import FuncFormatter
+
+    plt = _plt()
+    per_token = bench.get("kv_bytes_per_token")
+    if not per_token:
+        raise ValueError("the bench result has no kv_bytes_per_token (made by an older attnkit?)")
+    contexts = contexts or [2**k for k in range(9, 18)]
+    variants = _variants(bench)
+    colors = _colors(variants)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for v in variants:
+        for dtype, style in (("f32", "-"), ("bf16", "--")):
+            b = per_token.get(v, {}).get(dtype)
+            if b is None:
+                continue
+            ax.plot(contexts, [b * c * layers * batch for c in contexts], style, color=colors[v],
+                    marker="o" if dtype == "f32" else None, markersize=3,
+                    label="%s %s" % (v, dtype))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(_context_label))
+    ax.yaxis.set_major_formatter(FuncFormatter(_bytes_label))
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("KV cache")
+    ax.set_title("KV cache, %d layer%s x batch %d\n%s" % (layers, "" if layers == 1 else "s", batch,
+                                                          _shape_title(bench)), fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def decode_latency_vs_context(bench, path, batch=1):
+    """Measured decode time per step against context, batch `batch`, per
+    variant and KV dtype; the PyTorch baseline (f32) dashed grey-tinted.
+    Writes `path` and returns it."""
+    from matplotlib.ticker import FuncFormatter
+
+    plt = _plt()
+    rows = [r for r in bench["rows"] if r["mode"] == "decode" and r["batch"] == batch]
+    if not rows:
+        raise ValueError("the bench result has no decode rows at batch %d" % batch)
+    variants = _variants(bench)
+    colors = _colors(variants)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for v in variants:
+        for dtype, marker in (("f32", "o"), ("bf16", "^")):
+            pts = sorted((r["context"], r["seconds"]) for r in rows
+                         if r["variant"] == v and r["kv_dtype"] == dtype and r["seconds"] is not None)
+            if pts:
+                ax.plot(*zip(*pts), "-", marker=marker, color=colors[v], markersize=4,
+                        label="%s %s" % (v, dtype))
+        torch_pts = sorted({(r["context"], r["torch_seconds"]) for r in rows
+                            if r["variant"] == v and r.get("torch_seconds") is not None})
+        if torch_pts:
+            ax.plot(*zip(*torch_pts), ":", color=colors[v], alpha=0.6, linewidth=1.5,
+                    label="%s torch (f32)" % v)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(_context_label))
+    ax.yaxis.set_major_formatter(FuncFormatter(_seconds_label))
+    ax.set_xlabel("context (cached tokens)")
+    ax.set_ylabel("decode time per step (median)")
+    m = bench["machine"]
+    ax.set_title("sdpa decode, batch %d, %s\n%s, %s threads" % (batch, _shape_title(bench), m.get("simd", "?"),
+                                                                m.get("threads", "?")), fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def roofline(bench, path):
+    """Roofline of this machine (measured fp32 FMA peak and read bandwidth)
+    with every measured row at (FLOPs / bytes, achieved GFLOP/s): circles
+    decode, squares prefill; filled f32 KV, hollow bf16. Writes `path`."""
+    plt = _plt()
+    m = bench["machine"]
+    peak, bw = float(m["fp32_peak_gflops"]), float(m["dram_read_gbps"])
+    rows = [r for r in bench["rows"] if r.get("gflops") is not None]
+    variants = _variants(bench)
+    colors = _colors(variants)
+    xs = [r["arithmetic_intensity"] for r in rows] or [1.0]
+    lo = min(min(xs) / 2, peak / bw / 20)
+    hi = max(max(xs) * 2, peak / bw * 20)
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(grid, [min(peak, bw * x) for x in grid], "k-", linewidth=1.5,
+            label="roof: %.0f GFLOP/s, %.1f GB/s" % (peak, bw))
+    ax.axvline(peak / bw, color="k", alpha=0.2, linewidth=1)
+    seen = set()
+    for r in rows:
+        v = r["variant"]
+        hollow = r["kv_dtype"] == "bf16"
+        label = None
+        key = (v, r["mode"])
+        if key not in seen:
+            seen.add(key)
+            label = "%s %s" % (v, r["mode"])
+        ax.plot(r["arithmetic_intensity"], r["gflops"], "o" if r["mode"] == "decode" else "s",
+                markersize=5, color=colors[v], markerfacecolor="none" if hollow else colors[v],
+                label=label, linestyle="none")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("achieved GFLOP/s")
+    ax.set_title("roofline (measured here): %s, %s threads\nfilled = f32 KV, hollow = bf16 KV"
+                 % (m.get("simd", "?"), m.get("threads", "?")), fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    top = max([peak] + [r["gflops"] for r in rows])
+    bottom = min([bw * lo] + [r["gflops"] for r in rows])
+    ax.set_ylim(bottom / 2, top * 2)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_all(bench, out_dir, formats=("png",), layers=1):
+    """All three plots in every format; returns [{"plot": name, "path": p}]."""
+    files = []
+    for fmt in formats:
+        if fmt not in ("png", "svg"):
+            raise ValueError("format must be png or svg, got %r" % fmt)
+        for name, fn, kwargs in (("kv_memory_vs_context", kv_memory_vs_context, {"layers": layers}),
+                                 ("decode_latency_vs_context", decode_latency_vs_context, {}),
+                                 ("roofline", roofline, {})):
+            path = os.path.join(out_dir, "%s.%s" % (name, fmt))
+            files.append({"plot": name, "path": fn(bench, path, **kwargs)})
+    return files
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python3 -m attnkit.plot",
+                                description="Plots of an `attnkit bench --json` result.")
+    p.add_argument("--input", required=True, help="bench JSON (attnkit bench --json > bench.json)")
+    p.add_argument("--out", default=".", help="output directory (default .)")
+    p.add_argument("--format", default="png", help="png, svg or png,svg (default png)")
+    p.add_argument("--layers", type=int, default=1, help="layers for the KV-memory plot (default 1)")
+    p.add_argument("--json", action="store_true", help="print the files written as JSON")
+    a = p.parse_args(argv)
+    try:
+        bench = load(a.input)
+        files = plot_all(bench, a.out, [f for f in a.format.split(",") if f], a.layers)
+    except (OSError, ValueError, KeyError) as e:
+        print("attnkit.plot: %s" % e, file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps({"files": files, "input": a.input}))
+    else:
+        for f in files:
+            print("%-26s %s" % (f["plot"], f["path"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,508 @@
+// attnkit bench: the attention kernel (public sdpa) timed over a sweep of
+// variants x contexts x batches x KV dtypes, decode and prefill, each
+// figure also given as a fraction of this machine's fp32 peak and read
+// bandwidth (measured in the same process), as a ratio to the reference
+// kernel and as a ratio to the seeds' naive PyTorch attention on the same
+// shapes (tools/attnkit/torch_baseline.py, run by /usr/bin/python3).
+//
+// Shapes: query heads H and head_dim D = d_model / H; kv heads per variant.
+// MLA decode is its absorbed form as FlashMLA runs it: H query heads over
+// one latent kv head, key = [c ; k_rope] (d_c + d_r), value = c (a view of
+// the key's first d_c values, so the latent is read once). MLA prefill is
+// its naive form: H heads of d_n + d_r, values of d_v.
+//
+// Decode rows rotate enough K/V buffers that their total is >= 128 MiB
+// (four times this machine's 32 MiB L3): consecutive calls do not find
+// their K/V in the last-level cache, so GB/s is DRAM's.
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include "attnkit/attention.h"
+#include "attnkit/machine.h"
+#include "cli.h"
+#include "commands.h"
+#include "measure.h"
+
+namespace attnkit::cli {
+namespace {
+
+// Without --reference, the reference kernel (scalar loops in double,
+// about 1 GFLOP/s) runs only on rows of at most this many FLOPs, so it
+// adds at most a few seconds to a sweep.
+constexpr double kReferenceMaxFlops = 2.5e8;
+
+struct Options {
+  int64_t d_model = 2048, heads = 32, q_tokens = 1, threads = 0, mla_rank = 0, mla_rope_dim = 0;
+  std::vector<std::string> variants = {"mha", "gqa-8", "mqa", "mla"};
+  std::vector<int64_t> contexts = {1024, 4096, 16384}, batches = {1, 8}, prompts = {1024};
+  std::vector<std::string> kv_dtypes = {"f32", "bf16"}, modes = {"decode", "prefill"};
+  int64_t max_memory = int64_t{2} << 30;
+  // Decode K/V rotation: four times this machine's 32 MiB L3, so that
+  // whatever its replacement policy (AMD's L3 is a victim cache, not
+  // strict LRU) little of a set survives until its next use.
+  int64_t rotate = int64_t{128} << 20;
+  double budget = 0.3, peak = 0, bw = 0;
+  bool reference = false, no_torch = false, json = false, csv = false;
+};
+
+// One kernel shape to time.
+struct Shape {
+  std::string mode, variant, kv_name;
+  int64_t batch = 1, seqlen_q = 1, seqlen_k = 1, heads = 1, kv_heads = 1, head_dim = 1, head_dim_v = 1;
+  bool v_is_k_prefix = false;  // MLA absorbed: V = K[..., :head_dim_v]
+  float scale = 0;
+  int64_t rotate_bytes = 0;  // decode: K/V sets rotate until they total this
+  DType kv = DType::kF32;
+
+  double pairs() const {  // visible (query, key) pairs, causal bottom-right
+    const double T = static_cast<double>(seqlen_q), L = static_cast<double>(seqlen_k);
+    return T * (L - T) + T * (T + 1) / 2;
+  }
+  double flops() const {
+    return 2.0 * static_cast<double>(batch * heads * (head_dim + head_dim_v)) * pairs();
+  }
+  int64_t kv_elems() const {
+    return batch * seqlen_k * kv_heads * (head_dim + (v_is_k_prefix ? 0 : head_dim_v));
+  }
+  double kv_bytes() const { return static_cast<double>(kv_elems() * static_cast<int64_t>(dtype_size(kv))); }
+  double bytes() const {  // read K/V once, read q and write out
+    return kv_bytes() + 4.0 * static_cast<double>(batch * seqlen_q * heads * (head_dim + head_dim_v));
+  }
+  int buffers() const {
+    if (mode == "prefill") return 1;
+    return static_cast<int>(std::max(1.0, std::ceil(static_cast<double>(rotate_bytes) / kv_bytes())));
+  }
+  // torch runs f32 whatever the row's KV dtype: the seeds' dtype, and
+  // rows differing only in KV dtype share one torch measurement.
+  std::string torch_key() const {
+    char b[160];
+    std::snprintf(b, sizeof b, "%s/%lld/%lld/%lld/%lld/%lld/%lld/%lld/%d", mode.c_str(), (long long)batch,
+                  (long long)seqlen_q, (long long)seqlen_k, (long long)heads, (long long)kv_heads,
+                  (long long)head_dim, (long long)head_dim_v, v_is_k_prefix ? 1 : 0);
+    return b;
+  }
+};
+
+struct Row {
+  Shape s;
+  std::optional<Timing> fast, ref;
+  std::optional<double> torch_seconds;
+  std::string note;  // why something is missing
+};
+
+// K/V buffers for one shape, `n` sets, each [batch, seqlen_k, kv_heads, dk+dv].
+struct Buffers {
+  std::vector<Tensor> k, v;
+  TensorView kview(size_t i) const { return k[i].view(); }
+  TensorView vview(size_t i, const Shape& s) const {
+    if (!s.v_is_k_prefix) return v[i].view();
+    TensorView view = k[i].view();
+    view.shape[3] = s.head_dim_v;  // same strides: a view of the first head_dim_v features
+    return view;
+  }
+};
+
+Tensor alloc(DType dtype, std::initializer_list<int64_t> shape) {
+  return value_or_throw(Tensor::zeros(dtype, shape), "allocating a bench buffer");
+}
+
+Buffers make_buffers(const Shape& s, int n) {
+  Buffers b;
+  for (int i = 0; i < n; ++i) {
+    b.k.push_back(alloc(s.kv, {s.batch, s.seqlen_k, s.kv_heads, s.head_dim}));
+    if (!s.v_is_k_prefix) b.v.push_back(alloc(s.kv, {s.batch, s.seqlen_k, s.kv_heads, s.head_dim_v}));
+  }
+  // Random values once, copied into the other sets (a memcpy is much
+  // cheaper than generating them again); values do not change the time.
+  fill_uniform(b.k[0].view(), 11, 1.0);
+  if (!b.v.empty()) fill_uniform(b.v[0].view(), 12, 1.0);
+  for (int i = 1; i < n; ++i) {
+    std::memcpy(b.k[static_cast<size_t>(i)].data(), b.k[0].data(), b.k[0].nbytes());
+    if (!b.v.empty()) std::memcpy(b.v[static_cast<size_t>(i)].data(), b.v[0].data(), b.v[0].nbytes());
+  }
+  return b;
+}
+
+Timing time_sdpa(const Shape& s, const Buffers& buf, int n, Backend backend, int threads, double budget,
+                 int min_samples) {
+  Tensor q = alloc(DType::kF32, {s.batch, s.seqlen_q, s.heads, s.head_dim});
+  Tensor out = alloc(DType::kF32, {s.batch, s.seqlen_q, s.heads, s.head_dim_v});
+  fill_uniform(q.view(), 13, 1.0);
+  AttentionOptions opt;
+  opt.causal = true;
+  opt.softmax_scale = s.scale;
+  opt.backend = backend;
+  opt.num_threads = threads;
+  return time_median(
+      [&](int64_t i) {
+        const size_t r = static_cast<size_t>(i % n);
+        ok_or_throw(sdpa(q.view(), buf.kview(r), buf.vview(r, s), out.view(), opt), "sdpa");
+      },
+      budget, min_samples, 200);
+}
+
+std::vector<Shape> plan_shapes(const Options& o) {
+  const int64_t D = o.d_model / o.heads;
+  const int64_t rank = o.mla_rank ? o.mla_rank : 4 * D;
+  const int64_t rope = o.mla_rope_dim ? o.mla_rope_dim : std::max<int64_t>(2, std::min<int64_t>(64, D / 2) / 2 * 2);
+  if (rope >= D) throw UsageError{"--mla-rope-dim must be < head_dim = " + std::to_string(D)};
+  const int64_t nope = D - rope;  // q.k width per head = MHA's head_dim, as analyze's MLA
+  std::vector<Shape> out;
+  for (const std::string& mode : o.modes) {
+    const std::vector<int64_t>& lengths = mode == "decode" ? o.contexts : o.prompts;
+    const std::vector<int64_t> batches = mode == "decode" ? o.batches : std::vector<int64_t>{1};
+    for (const std::string& v : o.variants)
+      for (int64_t L : lengths)
+        for (int64_t B : batches)
+          for (const std::string& kvn : o.kv_dtypes) {
+            Shape s;
+            s.mode = mode;
+            s.variant = v;
+            s.kv_name = kvn;
+            s.kv = kvn == "bf16" ? DType::kBF16 : DType::kF32;
+            s.batch = B;
+            s.seqlen_k = L;
+            s.seqlen_q = mode == "decode" ? std::min(o.q_tokens, L) : L;
+            s.heads = o.heads;
+            s.head_dim = s.head_dim_v = D;
+            s.rotate_bytes = o.rotate;
+            if (v == "mla") {
+              s.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(nope + rope)));
+              if (mode == "decode") {
+                s.kv_heads = 1;
+                s.head_dim = rank + rope;
+                s.head_dim_v = rank;
+                s.v_is_k_prefix = true;
+              } else {
+                s.kv_heads = o.heads;
+                s.head_dim = nope + rope;
+              }
+            } else if (v == "mha") {
+              s.kv_heads = o.heads;
+            } else if (v == "mqa") {
+              s.kv_heads = 1;
+            } else {
+              s.kv_heads = std::stoll(v.substr(4));
+            }
+            out.push_back(s);
+          }
+  }
+  return out;
+}
+
+void check_variant(const std::string& v, int64_t heads) {
+  if (v == "mha" || v == "mqa" || v == "mla") return;
+  if (v.rfind("gqa-", 0) == 0 && v.size() > 4 &&
+      v.find_first_not_of("0123456789", 4) == std::string::npos && v.size() < 12) {
+    const int64_t g = std::stoll(v.substr(4));
+    if (g >= 1 && heads % g == 0) return;
+    throw UsageError{"--variants: " + v + ": " + std::to_string(g) + " kv heads must divide --heads " +
+                     std::to_string(heads)};
+  }
+  throw UsageError{"--variants: unknown variant '" + v + "' (mha, mqa, gqa-N, mla)"};
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// The torch baseline script: $ATTNKIT_TORCH_BASELINE, next to this source
+// file (a build tree), or share/attnkit/ beside an installed binary.
+std::string find_torch_script() {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> candidates;
+  if (const char* env = std::getenv("ATTNKIT_TORCH_BASELINE")) candidates.emplace_back(env);
+  candidates.push_back(fs::path(__FILE__).parent_path() / "torch_baseline.py");
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) candidates.push_back(exe.parent_path() / ".." / "share" / "attnkit" / "torch_baseline.py");
+  for (const fs::path& p : candidates)
+    if (fs::is_regular_file(p, ec)) return p.string();
+  return "";
+}
+
+std::string python_path() {
+  const char* env = std::getenv("ATTNKIT_PYTHON");
+  return env ? env : "/usr/bin/python3";
+}
+
+// Runs the torch baseline on every distinct shape; fills rows'
+// torch_seconds or notes; returns a one-line summary for the footer.
+std::string run_torch(std::vector<Row>& rows, const Options& o, int threads) {
+  const std::string py = python_path(), script = find_torch_script();
+  if (access(py.c_str(), X_OK) != 0) return "torch baseline skipped: " + py + " not found";
+  if (script.empty()) return "torch baseline skipped: torch_baseline.py not found (set ATTNKIT_TORCH_BASELINE)";
+  std::vector<std::string> keys;
+  nlohmann::json shapes = nlohmann::json::array();
+  for (const Row& r : rows) {
+    if (!r.fast) continue;
+    const std::string key = r.s.torch_key();
+    if (std::find(keys.begin(), keys.end(), key) != keys.end()) continue;
+    keys.push_back(key);
+    shapes.push_back({{"id", keys.size() - 1}, {"batch", r.s.batch}, {"seqlen_q", r.s.seqlen_q},
+                      {"seqlen_k", r.s.seqlen_k}, {"num_heads", r.s.heads}, {"num_kv_heads", r.s.kv_heads},
+                      {"head_dim", r.s.head_dim}, {"head_dim_v", r.s.head_dim_v},
+                      {"v_is_k_prefix", r.s.v_is_k_prefix},
+                      {"softmax_scale", r.s.scale > 0 ? r.s.scale : 1.0 / std::sqrt(static_cast<double>(r.s.head_dim))}});
+  }
+  if (keys.empty()) return "";
+  char tmpl[] = "/tmp/attnkit-bench-XXXXXX";
+  const int fd = mkstemp(tmpl);
+  if (fd < 0) return "torch baseline skipped: cannot create a temporary file";
+  close(fd);
+  {
+    std::ofstream in(tmpl);
+    in << nlohmann::json{{"threads", threads}, {"budget_s", o.budget}, {"max_bytes", o.max_memory},
+                         {"rotate_bytes", o.rotate}, {"shapes", shapes}}
+              .dump();
+  }
+  const std::string cmd = shell_quote(py) + " " + shell_quote(script) + " " + shell_quote(tmpl);
+  std::string text;
+  if (FILE* p = popen(cmd.c_str(), "r")) {
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) text.append(buf, n);
+    pclose(p);
+  }
+  std::remove(tmpl);
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return "torch baseline failed: no JSON from " + script;
+  if (j.contains("error")) return "torch baseline skipped: " + j["error"].get<std::string>();
+  std::vector<std::optional<double>> secs(keys.size());
+  std::vector<std::string> why(keys.size());
+  for (const auto& r : j["results"]) {
+    const size_t id = r["id"].get<size_t>();
+    if (id >= keys.size()) continue;
+    if (r.contains("seconds")) secs[id] = r["seconds"].get<double>();
+    else why[id] = "torch: " + r.value("skipped", std::string("skipped"));
+  }
+  for (Row& r : rows) {
+    const auto it = std::find(keys.begin(), keys.end(), r.s.torch_key());
+    if (it == keys.end()) continue;
+    const size_t id = static_cast<size_t>(it - keys.begin());
+    r.torch_seconds = secs[id];
+    if (!why[id].empty()) r.note += (r.note.empty() ? "" : "; ") + why[id];
+  }
+  return "torch " + j.value("torch", std::string("?")) + ", the seeds' naive attention in f32 (" +
+         std::to_string(j.value("threads", 0)) + " threads)";
+}
+
+std::string csv_cell(const nlohmann::ordered_json& v) {
+  if (v.is_null()) return "";
+  if (v.is_string()) {
+    std::string s = v.get<std::string>(), out = "\"";
+    for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+    return out + "\"";
+  }
+  return v.dump();
+}
+
+}  // namespace
+
+int run_bench(int argc, char** argv) {
+  Options o;
+  Flags f("bench",
+          "Times the attention kernel (sdpa) over variants x contexts x batches x KV dtypes: decode\n"
+          "(--q-tokens queries against a cache of `context` tokens) and causal prefill (--prompts\n"
+          "tokens, batch 1). Every figure is a median, printed with GFLOP/s and GB/s, as a fraction\n"
+          "of this machine's fp32 FMA peak and DRAM read bandwidth (measured first, in this\n"
+          "process), as a ratio to the reference kernel, and as a ratio to the seeds' naive PyTorch\n"
+          "attention (repeat_interleave + matmul + masked softmax + matmul, f32, /usr/bin/python3)\n"
+          "on the same shapes. Decode rows rotate >= 128 MiB of K/V buffers, so they measure DRAM,\n"
+          "not the last-level cache (--rotate). A progress bar goes to stderr when it is a terminal.",
+          {"attnkit bench",
+           "attnkit bench --variants mha,gqa-8 --contexts 2048,8192 --batches 1 --kv-dtypes bf16",
+           "attnkit bench --modes decode --q-tokens 4 --csv > decode.csv",
+           "attnkit bench --json > bench.json && attnkit plot --input bench.json --out plots",
+           "attnkit bench --d-model 64 --heads 4 --contexts 64 --prompts 64 --no-torch   # seconds"});
+  f.add_int("--d-model", &o.d_model, "hidden size (default 2048)", 1);
+  f.add_int("--heads", &o.heads, "query heads (default 32); head_dim = d_model / heads", 1);
+  f.add_string_list("--variants", &o.variants, "mha, mqa, gqa-N, mla (default mha,gqa-8,mqa,mla)");
+  f.add_int_list("--contexts", &o.contexts, "decode: cached tokens (default 1024,4096,16384)");
+  f.add_int_list("--batches", &o.batches, "decode: sequences (default 1,8)");
+  f.add_string_list("--kv-dtypes", &o.kv_dtypes, "f32, bf16 (default f32,bf16)");
+  f.add_string_list("--modes", &o.modes, "decode, prefill (default both)");
+  f.add_int_list("--prompts", &o.prompts, "prefill: tokens, batch 1 (default 1024)");
+  f.add_int("--q-tokens", &o.q_tokens, "decode: new tokens per step (default 1)", 1);
+  f.add_int("--mla-rank", &o.mla_rank, "MLA kv_lora_rank (default 4 x head_dim)", 0);
+  f.add_int("--mla-rope-dim", &o.mla_rope_dim, "MLA qk_rope_head_dim (default head_dim / 2)", 0);
+  f.add_int("--threads", &o.threads, "threads (default 0 = all cores)", 0);
+  f.add_double("--budget", &o.budget, "seconds of samples per measurement (default 0.3)");
+  f.add_bytes("--max-memory", &o.max_memory, "skip rows needing more (default 2GiB)");
+  f.add_bytes("--rotate", &o.rotate, "decode K/V buffers rotate until they total this (default 128MiB; 0 = one)");
+  f.add_bool("--reference", &o.reference,
+             "time the reference kernel on every row (default: rows of <= 0.25 GFLOP)");
+  f.add_bool("--no-torch", &o.no_torch, "skip the PyTorch baseline");
+  f.add_double("--peak-gflops", &o.peak, "use this fp32 peak instead of measuring");
+  f.add_double("--bandwidth-gbps", &o.bw, "use this read bandwidth instead of measuring");
+  f.add_bool("--json", &o.json, "print JSON instead of a table");
+  f.add_bool("--csv", &o.csv, "print CSV (one line per row) instead of a table");
+  if (!f.parse(argc, argv, 2)) return 0;
+  if (o.json && o.csv) throw UsageError{"give at most one of --json and --csv"};
+  if (o.d_model % o.heads != 0)
+    throw UsageError{"--d-model " + std::to_string(o.d_model) + " must be divisible by --heads " +
+                     std::to_string(o.heads)};
+  if (!(o.budget >= 0) || o.budget > 60) throw UsageError{"--budget must be in [0, 60] seconds"};
+  // The default list drops the GQA sizes a smaller --heads cannot have.
+  if (o.variants == Options{}.variants)
+    std::erase_if(o.variants, [&](const std::string& v) {
+      return v.rfind("gqa-", 0) == 0 && (o.heads <= std::stoll(v.substr(4)) || o.heads % std::stoll(v.substr(4)));
+    });
+  for (const std::string& v : o.variants) check_variant(v, o.heads);
+  for (const std::string& d : o.kv_dtypes)
+    if (d != "f32" && d != "bf16") throw UsageError{"--kv-dtypes entries must be f32 or bf16, got '" + d + "'"};
+  for (const std::string& m : o.modes)
+    if (m != "decode" && m != "prefill")
+      throw UsageError{"--modes entries must be decode or prefill, got '" + m + "'"};
+  std::vector<Shape> shapes = plan_shapes(o);
+
+  try {
+    const double t_start = now_seconds();
+    MachineProfile mp;
+    if (o.peak > 0 && o.bw > 0) {
+      mp = machine_profile(o.peak, o.bw);
+    } else {
+      mp = measure_machine(static_cast<int>(o.threads), /*quick=*/false);
+      if (o.peak > 0) mp.fp32_peak_gflops = o.peak;
+      if (o.bw > 0) mp.dram_read_gbps = o.bw;
+    }
+    const int threads = o.threads > 0 ? static_cast<int>(o.threads) : mp.threads;
+
+    std::vector<Row> rows;
+    Progress progress("bench", static_cast<int64_t>(shapes.size()));
+    for (const Shape& s : shapes) {
+      char what[96];
+      std::snprintf(what, sizeof what, "%s %s ctx %lld b%lld %s", s.mode.c_str(), s.variant.c_str(),
+                    (long long)s.seqlen_k, (long long)s.batch, s.kv_name.c_str());
+      progress.step(what);
+      Row r;
+      r.s = s;
+      const int n = s.buffers();
+      const double need = s.kv_bytes() * n;
+      if (need > static_cast<double>(o.max_memory)) {
+        r.note = "skipped: K/V " + format_bytes(need) + " > --max-memory " +
+                 format_bytes(static_cast<double>(o.max_memory));
+        rows.push_back(r);
+        continue;
+      }
+      const Buffers buf = make_buffers(s, n);
+      r.fast = time_sdpa(s, buf, n, Backend::kFast, static_cast<int>(o.threads), o.budget, 5);
+      if (o.reference || s.flops() <= kReferenceMaxFlops)
+        r.ref = time_sdpa(s, buf, n, Backend::kReference, static_cast<int>(o.threads), o.budget, 3);
+      rows.push_back(r);
+    }
+    progress.finish();
+    const std::string torch_note =
+        o.no_torch ? "torch baseline skipped (--no-torch)" : run_torch(rows, o, threads);
+
+    const double peak = mp.fp32_peak_gflops * 1e9, bw = mp.dram_read_gbps * 1e9;
+    using ojson = nlohmann::ordered_json;
+    ojson jrows = ojson::array();
+    for (const Row& r : rows) {
+      const Shape& s = r.s;
+      ojson j = {{"mode", s.mode}, {"variant", s.variant}, {"batch", s.batch},
+                          {"context", s.seqlen_k}, {"q_tokens", s.seqlen_q}, {"kv_dtype", s.kv_name},
+                          {"num_heads", s.heads}, {"num_kv_heads", s.kv_heads}, {"head_dim", s.head_dim},
+                          {"head_dim_v", s.head_dim_v}, {"flops", s.flops()}, {"bytes", s.bytes()},
+                          {"kv_buffers", s.buffers()}};
+      const auto opt = [](bool has, double v) { return has ? ojson(v) : ojson(nullptr); };
+      const bool fast = r.fast.has_value();
+      const double t = fast ? r.fast->median : 0;
+      j["seconds"] = opt(fast, t);
+      j["gflops"] = opt(fast, fast ? s.flops() / t / 1e9 : 0);
+      j["gbps"] = opt(fast, fast ? s.bytes() / t / 1e9 : 0);
+      j["peak_fraction"] = opt(fast, fast ? s.flops() / t / peak : 0);
+      j["bandwidth_fraction"] = opt(fast, fast ? s.bytes() / t / bw : 0);
+      j["arithmetic_intensity"] = s.flops() / s.bytes();
+      j["reference_seconds"] = opt(r.ref.has_value(), r.ref ? r.ref->median : 0);
+      j["speedup_vs_reference"] = opt(fast && r.ref.has_value(), r.ref && fast ? r.ref->median / t : 0);
+      j["torch_seconds"] = opt(r.torch_seconds.has_value(), r.torch_seconds.value_or(0));
+      j["speedup_vs_torch"] = opt(fast && r.torch_seconds.has_value(), fast ? r.torch_seconds.value_or(0) / t : 0);
+      j["samples"] = fast ? r.fast->samples : 0;
+      j["note"] = r.note;
+      jrows.push_back(j);
+    }
+    const double elapsed = now_seconds() - t_start;
+    if (o.csv) {
+      for (const ojson& j : jrows) {
+        if (&j == &jrows[0]) {
+          for (auto it = j.begin(); it != j.end(); ++it)
+            std::printf("%s%s", it == j.begin() ? "" : ",", it.key().c_str());
+          std::printf("\n");
+        }
+        for (auto it = j.begin(); it != j.end(); ++it)
+          std::printf("%s%s", it == j.begin() ? "" : ",", csv_cell(*it).c_str());
+        std::printf("\n");
+      }
+      return 0;
+    }
+    if (o.json) {
+      // KV bytes per token of one layer, per variant, for plots of memory
+      // against context.
+      Options one = o;
+      one.modes = {"decode"};
+      one.contexts = one.batches = {1};
+      one.kv_dtypes = {"f32", "bf16"};
+      ojson per_token = ojson::object();
+      for (const Shape& s : plan_shapes(one)) per_token[s.variant][s.kv_name] = s.kv_bytes();
+      ojson j = {
+          {"config", {{"d_model", o.d_model}, {"num_heads", o.heads}, {"head_dim", o.d_model / o.heads},
+                      {"q_tokens", o.q_tokens}, {"threads", threads}, {"budget_s", o.budget},
+                      {"rotate_bytes", o.rotate}}},
+          {"machine", {{"simd", mp.simd}, {"threads", mp.threads}, {"fp32_peak_gflops", mp.fp32_peak_gflops},
+                       {"dram_read_gbps", mp.dram_read_gbps}, {"bf16_dot_peak_gflops", mp.bf16_dot_peak_gflops}}},
+          {"torch", torch_note},
+          {"kv_bytes_per_token", per_token},
+          {"rows", jrows},
+          {"seconds", elapsed}};
+      std::printf("%s\n", j.dump(2).c_str());
+      return 0;
+    }
+    Table table({"mode", "variant", "batch", "context", "KV", "time", "GFLOP/s", "GB/s", "% peak", "% BW",
+                 "vs ref", "vs torch", "note"});
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      const ojson& j = jrows[i];
+      const bool fast = r.fast.has_value();
+      auto cell = [&](const char* key, auto fmt) {
+        return j[key].is_null() ? std::string("-") : fmt(j[key].get<double>());
+      };
+      table.add({r.s.mode, r.s.variant, std::to_string(r.s.batch),
+                 std::to_string(r.s.seqlen_k) + (r.s.mode == "decode" && r.s.seqlen_q > 1
+                                                      ? " (q " + std::to_string(r.s.seqlen_q) + ")"
+                                                      : ""),
+                 r.s.kv_name, fast ? format_seconds(r.fast->median) : "-",
+                 cell("gflops", [](double v) { return format_rate(v * 1e9); }),
+                 cell("gbps", [](double v) { return format_bandwidth(v * 1e9); }),
+                 cell("peak_fraction", format_percent), cell("bandwidth_fraction", format_percent),
+                 cell("speedup_vs_reference", format_ratio), cell("speedup_vs_torch", format_ratio), r.note});
+    }
+    std::printf("sdpa kernels: d_model %lld, %lld query heads of %lld; MLA decode = absorbed (1 latent kv head), "
+                "prefill = naive\n\n",
+                (long long)o.d_model, (long long)o.heads, (long long)(o.d_model / o.heads));
+    std::fputs(table.str().c_str(), stdout);
+    std::printf("\nmachine (measured now): %s, %d threads, fp32 peak %.0f GFLOP/s, read bandwidth %.1f GB/s\n",
+                mp.simd.c_str(), mp.threads, mp.fp32_peak_gflops, mp.dram_read_gbps);
+    std::printf("time = median; vs ref / vs torch = their time / ours; %s. Took %.0f s.\n", torch_note.c_str(),
+                elapsed);
+    return 0;
+  } catch (const RunError& e) {
+    std::fprintf(stderr, "attnkit bench: %s\n", e.message.c_str());
+    return 1;
+  }
+}
+
+}  // namespace attnkit::cli

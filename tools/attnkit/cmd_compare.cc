@@ -1,0 +1,501 @@
+// attnkit compare: the seeds' comparison table, measured. Builds MHA, MQA,
+// GQA and MLA layers of one size, runs a prefill and decode steps on this
+// machine, and prints sizes, FLOPs, latencies, achieved rates (also as
+// fractions of the peak and bandwidth measured in the same process) and how
+// far each variant's output is from MHA's when its weights are derived from
+// MHA's.
+//
+// Design choices (docs/TOOL.md explains them for users):
+// - Layers are causal decoders with RoPE (theta 10000, half-split), as every
+//   model the variants are used in; --no-rope gives the seeds' modules,
+//   which have none. MLA always has its decoupled RoPE.
+// - MHA weights are seeded random; GQA/MQA K/V projections (and biases)
+//   are the mean of MHA's K/V heads in each group, the GQA paper's
+//   checkpoint conversion, and Q/O are MHA's, so "diff vs MHA" measures
+//   what the conversion loses. MLA has its own random weights (no exact
+//   conversion exists: its latent RMSNorm and decoupled RoPE are not
+//   linear in MHA's weights), so its diff is n/a.
+// - Decode caches are filled without running attention over the context
+//   (see fill_kv_cache), since only their size, not their values, sets the
+//   decode time. Each variant is decoded on enough copies of (layer, cache)
+//   that one step's bytes are not still in the last-level cache from the
+//   step before.
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+#include "attnkit/analysis.h"
+#include "attnkit/attention_layer.h"
+#include "attnkit/config.h"
+#include "attnkit/latent_attention.h"
+#include "cli.h"
+#include "commands.h"
+#include "measure.h"
+
+namespace attnkit::cli {
+namespace {
+
+// Decode rotates (layer, cache) copies until they total this: four times
+// this machine's 32 MiB L3, as bench's --rotate default.
+constexpr int64_t kRotateBytes = int64_t{128} << 20;
+constexpr int kMaxInstances = 4;
+
+struct Options {
+  int64_t d_model = 2048, heads = 32, prompt = 256, context = 4096, batch = 1;
+  int64_t steps = 8, repeats = 3, threads = 0, seed = 1;
+  int64_t mla_rank = 0, mla_rope_dim = 0;
+  std::string kv = "f32", backend = "auto";
+  std::vector<std::string> variants = {"mha", "gqa-8", "gqa-4", "mqa", "mla"};
+  bool bias = false, no_rope = false, json = false;
+  double peak = 0, bw = 0;
+};
+
+Tensor zeros(std::initializer_list<int64_t> shape, DType dtype = DType::kF32) {
+  return value_or_throw(Tensor::zeros(dtype, shape), "allocating a buffer");
+}
+
+// What a variant's rows report.
+struct Measured {
+  std::string variant;
+  ModelShape shape;
+  bool derived = false;  // weights derived from MHA's
+  Timing prefill, decode;
+  int instances = 1;
+  double diff = -1;  // relative L2 vs MHA; < 0 = n/a
+};
+
+// MHA's weights in nn.Linear layout, and the GQA/MQA ones derived from them.
+class Weights {
+ public:
+  void add(const std::string& name, Tensor t) {
+    views_[name] = t.view();
+    owned_.push_back(std::move(t));
+  }
+  const WeightMap& map() const { return views_; }
+  const TensorView& operator[](const std::string& name) const { return views_.at(name); }
+
+ private:
+  std::vector<Tensor> owned_;
+  WeightMap views_;
+};
+
+Weights random_mha_weights(const Options& o) {
+  const int64_t d = o.d_model;
+  const double s = 1.0 / std::sqrt(static_cast<double>(d));
+  Weights w;
+  uint64_t seed = static_cast<uint64_t>(o.seed) * 16;
+  for (const char* n : {"q_proj", "k_proj", "v_proj", "o_proj"}) {
+    Tensor t = zeros({d, d});
+    fill_uniform(t.view(), seed++, s);
+    w.add(std::string(n) + ".weight", std::move(t));
+    if (o.bias) {
+      Tensor b = zeros({d});
+      fill_uniform(b.view(), seed++, 0.1);
+      w.add(std::string(n) + ".bias", std::move(b));
+    }
+  }
+  return w;
+}
+
+// Mean of the rows of each group of `heads / groups` consecutive heads:
+// src [heads * head_dim, (in)] -> [groups * head_dim, (in)] (rank 1 or 2).
+Tensor mean_pool_heads(const TensorView& src, int64_t heads, int64_t groups) {
+  const int64_t head_dim = src.shape[0] / heads, per = heads / groups;
+  const int64_t in = src.rank == 2 ? src.shape[1] : 1;
+  Tensor dst = src.rank == 2 ? zeros({groups * head_dim, in}) : zeros({groups * head_dim});
+  const float* s = src.ptr<const float>();
+  float* out = dst.ptr<float>();
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t r = 0; r < head_dim; ++r) {
+      float* row = out + (g * head_dim + r) * in;
+      for (int64_t h = g * per; h < (g + 1) * per; ++h) {
+        const float* srow = s + (h * head_dim + r) * in;
+        for (int64_t c = 0; c < in; ++c) row[c] += srow[c];
+      }
+      for (int64_t c = 0; c < in; ++c) row[c] /= static_cast<float>(per);
+    }
+  return dst;
+}
+
+Weights derived_weights(const Weights& mha, const Options& o, int64_t kv_heads) {
+  Weights w;
+  for (const auto& [name, view] : mha.map()) {
+    const bool kv = name.rfind("k_proj.", 0) == 0 || name.rfind("v_proj.", 0) == 0;
+    if (kv) {
+      w.add(name, mean_pool_heads(view, o.heads, kv_heads));
+    } else {
+      Tensor t = view.rank == 2 ? zeros({view.shape[0], view.shape[1]}) : zeros({view.shape[0]});
+      std::copy_n(view.ptr<const float>(), view.numel(), t.ptr<float>());
+      w.add(name, std::move(t));
+    }
+  }
+  return w;
+}
+
+Weights random_mla_weights(const MlaConfig& c, uint64_t seed) {
+  const int64_t d = c.hidden_size, H = c.num_attention_heads;
+  const auto stdev = [](int64_t fan_in) { return 1.0 / std::sqrt(static_cast<double>(fan_in)); };
+  Weights w;
+  const struct {
+    const char* name;
+    int64_t rows, cols;
+  } mats[] = {{"q_proj.weight", H * c.qk_head_dim(), d},
+              {"kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, d},
+              {"kv_b_proj.weight", H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank},
+              {"o_proj.weight", d, H * c.v_head_dim}};
+  for (const auto& m : mats) {
+    Tensor t = zeros({m.rows, m.cols});
+    fill_uniform(t.view(), seed++, stdev(m.cols));
+    w.add(m.name, std::move(t));
+  }
+  Tensor g = zeros({c.kv_lora_rank});
+  std::fill_n(g.ptr<float>(), c.kv_lora_rank, 1.0f);
+  w.add("kv_a_layernorm.weight", std::move(g));
+  return w;
+}
+
+// Appends `context` tokens of random K/V to the cache at little cost: the
+// queries that KVCache::attend needs are given num_kv_heads heads (group
+// size 1, so MQA's fill does 1/num_heads of the work) and a block-sparse
+// pattern that shows each query its own 1024-token block and one
+// 128-token block from each earlier one (kernels skip blocks no query
+// sees); their outputs are thrown away.
+void fill_kv_cache(KVCache* cache, int64_t context, const RunOptions& run, uint64_t seed) {
+  const KVCacheSpec& s = cache->spec();
+  const int64_t B = s.batch_size, Hkv = s.num_kv_heads, D = s.head_dim;
+  const int64_t chunk = std::min<int64_t>(context, 1024);
+  Tensor q = zeros({B, chunk, Hkv, D}), k = zeros({B, chunk, Hkv, D}), v = zeros({B, chunk, Hkv, D}),
+         out = zeros({B, chunk, Hkv, D});
+  fill_uniform(q.view(), seed, 1.0);
+  AttentionOptions opt;
+  opt.sparse = {SparsePattern::Kind::kFixed, /*block_size=*/128, /*stride=*/8, /*summary=*/1};
+  opt.backend = run.backend;
+  opt.num_threads = run.num_threads;
+  for (int64_t t = 0; t < context; t += chunk) {
+    const int64_t n = std::min(chunk, context - t);
+    fill_uniform(k.view(), seed + 1 + static_cast<uint64_t>(t), 1.0);
+    fill_uniform(v.view(), seed + 2 + static_cast<uint64_t>(t), 1.0);
+    auto view = [&](const Tensor& x) { return make_view(x.data(), DType::kF32, {B, n, Hkv, D}); };
+    ok_or_throw(cache->attend(view(q), view(k), view(v), view(out), opt), "filling the KV cache");
+  }
+}
+
+void fill_latent_cache(LatentCache* cache, int64_t context, uint64_t seed) {
+  const int64_t B = cache->batch_size(), W = cache->values_per_token();
+  const int64_t chunk = std::min<int64_t>(context, 1024);
+  Tensor rows = zeros({B, chunk, W});
+  for (int64_t t = 0; t < context; t += chunk) {
+    const int64_t n = std::min(chunk, context - t);
+    fill_uniform(rows.view(), seed + static_cast<uint64_t>(t), 1.0);
+    ok_or_throw(cache->append(make_view(rows.data(), DType::kF32, {B, n, W})), "filling the latent cache");
+  }
+}
+
+// Copies of (layer, cache) so that consecutive decode steps read different
+// memory; enough for kRotateBytes, at most kMaxInstances.
+int instances_for(double bytes_per_instance) {
+  const double n = std::ceil(static_cast<double>(kRotateBytes) / std::max(bytes_per_instance, 1.0));
+  return static_cast<int>(std::clamp(n, 1.0, static_cast<double>(kMaxInstances)));
+}
+
+// Times prefill (returning its output in *y) and decode for one layer type.
+// make() builds a layer with the variant's weights; new_cache() and fill()
+// prepare a cache for it.
+template <typename Layer, typename Cache, typename Forward>
+void measure(const Options& o, const ModelShape& shape, DType kv, const std::function<Layer()>& make, const std::function<Cache(Layer&, int64_t)>& new_cache,
+             const std::function<void(Cache*, uint64_t)>& fill, const Forward& forward,
+             const TensorView& x, const TensorView& y, Measured* m) {
+  std::vector<Layer> layers;
+  layers.push_back(make());
+  m->prefill = time_median([&](int64_t) { ok_or_throw(forward(layers[0], x, y, nullptr), "prefill"); },
+                           0.0, static_cast<int>(o.repeats), static_cast<int>(o.repeats));
+
+  const int64_t max_len = o.context + o.steps + 2;
+  const double per_instance = static_cast<double>(attention_params_per_layer(shape)) * 4.0 +
+                              static_cast<double>(kv_cache_bytes(shape, kv, max_len, o.batch));
+  m->instances = instances_for(per_instance);
+  while (static_cast<int>(layers.size()) < m->instances) layers.push_back(make());
+  std::vector<Cache> caches;
+  for (int i = 0; i < m->instances; ++i) {
+    caches.push_back(new_cache(layers[static_cast<size_t>(i)], max_len));
+    fill(&caches.back(), static_cast<uint64_t>(o.seed) * 1000 + static_cast<uint64_t>(i));
+  }
+  Tensor x1 = zeros({o.batch, 1, o.d_model}), y1 = zeros({o.batch, 1, o.d_model});
+  fill_uniform(x1.view(), static_cast<uint64_t>(o.seed) + 7, 1.0);
+  m->decode = time_median(
+      [&](int64_t i) {
+        const size_t r = static_cast<size_t>(i % m->instances);
+        ok_or_throw(forward(layers[r], x1.view(), y1.view(), &caches[r]), "decode");
+      },
+      0.0, static_cast<int>(o.steps), static_cast<int>(o.steps), /*max_calls_per_sample=*/1);
+}
+
+double relative_l2(const TensorView& a, const TensorView& ref) {
+  double num = 0, den = 0;
+  const float* pa = a.ptr<const float>();
+  const float* pr = ref.ptr<const float>();
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double d = static_cast<double>(pa[i]) - pr[i];
+    num += d * d;
+    den += static_cast<double>(pr[i]) * pr[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : 0.0;
+}
+
+DType parse_kv(const std::string& s) {
+  if (s == "f32") return DType::kF32;
+  if (s == "bf16") return DType::kBF16;
+  throw UsageError{"--kv-dtype must be f32 or bf16, got '" + s + "'"};
+}
+
+Backend parse_backend(const std::string& s) {
+  if (s == "auto") return Backend::kAuto;
+  if (s == "fast") return Backend::kFast;
+  if (s == "reference") return Backend::kReference;
+  throw UsageError{"--backend must be auto, fast or reference, got '" + s + "'"};
+}
+
+std::string percent_cell(double rate, double of) { return of > 0 ? format_percent(rate / of) : "-"; }
+
+}  // namespace
+
+int run_compare(int argc, char** argv) {
+  Options o;
+  Flags f("compare",
+          "Builds MHA, GQA, MQA and MLA attention layers of one size (default: the seeds'\n"
+          "comparison, d_model 2048 with 32 query heads), runs a causal prefill and decode steps\n"
+          "over a filled KV cache on this machine, and prints one table: parameters, KV-cache\n"
+          "bytes, FLOPs, measured latencies, achieved GFLOP/s and GB/s (also as a fraction of the\n"
+          "fp32 peak and read bandwidth measured in the same process), and each variant's output\n"
+          "difference from MHA with GQA/MQA weights mean-pooled from MHA's (the GQA paper's\n"
+          "checkpoint conversion). Figures are medians of several runs.",
+          {"attnkit compare",
+           "attnkit compare --context 16384 --kv-dtype bf16 --variants mha,gqa-8,mla",
+           "attnkit compare --d-model 4096 --heads 32 --batch 4 --json",
+           "attnkit compare --d-model 64 --heads 4 --prompt 16 --context 64   # seconds"});
+  f.add_int("--d-model", &o.d_model, "hidden size (default 2048)", 1);
+  f.add_int("--heads", &o.heads, "query heads (default 32); head_dim = d_model / heads", 1);
+  f.add_string_list("--variants", &o.variants, "mha, mqa, gqa-N, mla (default mha,gqa-8,gqa-4,mqa,mla)");
+  f.add_int("--prompt", &o.prompt, "prefill tokens (default 256)", 1);
+  f.add_int("--context", &o.context, "cached tokens a decode step attends to (default 4096)", 1);
+  f.add_int("--batch", &o.batch, "sequences (default 1)", 1);
+  f.add_string("--kv-dtype", &o.kv, "f32 or bf16 cache storage (default f32)");
+  f.add_int("--mla-rank", &o.mla_rank, "MLA kv_lora_rank (default 4 x head_dim, DeepSeek's ratio)", 0);
+  f.add_int("--mla-rope-dim", &o.mla_rope_dim, "MLA qk_rope_head_dim (default head_dim / 2, even)", 0);
+  f.add_bool("--bias", &o.bias, "q/k/v/o biases, as nn.Linear's default in the seeds' modules");
+  f.add_bool("--no-rope", &o.no_rope, "no RoPE in MHA/GQA/MQA (the seeds' modules)");
+  f.add_int("--steps", &o.steps, "timed decode steps (default 8)", 1);
+  f.add_int("--repeats", &o.repeats, "timed prefills (default 3)", 1);
+  f.add_int("--threads", &o.threads, "threads (default 0 = all cores)", 0);
+  f.add_string("--backend", &o.backend, "auto, fast or reference attention kernels (default auto)");
+  f.add_int("--seed", &o.seed, "weights and inputs seed (default 1)", 0);
+  f.add_double("--peak-gflops", &o.peak, "use this fp32 peak instead of measuring");
+  f.add_double("--bandwidth-gbps", &o.bw, "use this read bandwidth instead of measuring");
+  f.add_bool("--json", &o.json, "print JSON instead of a table");
+  if (!f.parse(argc, argv, 2)) return 0;
+
+  // The default list drops the GQA sizes a smaller --heads cannot have.
+  if (o.variants == Options{}.variants)
+    std::erase_if(o.variants, [&](const std::string& v) {
+      return v.rfind("gqa-", 0) == 0 && (o.heads <= std::stoll(v.substr(4)) || o.heads % std::stoll(v.substr(4)));
+    });
+  const DType kv = parse_kv(o.kv);
+  const RunOptions run{parse_backend(o.backend), static_cast<int>(o.threads)};
+  if (o.d_model % o.heads != 0)
+    throw UsageError{"--d-model " + std::to_string(o.d_model) + " must be divisible by --heads " +
+                     std::to_string(o.heads)};
+  const int64_t head_dim = o.d_model / o.heads;
+  if (!o.no_rope && head_dim % 2 != 0)
+    throw UsageError{"head_dim = d_model / heads = " + std::to_string(head_dim) +
+                     " must be even for RoPE (or give --no-rope)"};
+  if (o.mla_rank == 0) o.mla_rank = 4 * head_dim;
+  if (o.mla_rope_dim == 0) o.mla_rope_dim = std::max<int64_t>(2, std::min<int64_t>(64, head_dim / 2) / 2 * 2);
+
+  ModelShape base;
+  base.name = "d_model " + std::to_string(o.d_model);
+  base.num_layers = 1;
+  base.hidden_size = o.d_model;
+  base.num_heads = base.num_kv_heads = o.heads;
+  base.head_dim = base.head_dim_v = head_dim;
+  base.q_bias = base.k_bias = base.v_bias = base.o_bias = o.bias;
+  base.window_per_layer = {0};
+  base.source = "attnkit compare";
+
+  // Parse every variant before anything runs, so a bad name costs nothing.
+  struct Plan {
+    std::string name;
+    ModelShape shape;
+    AttentionConfig config;  // not MLA
+  };
+  std::vector<Plan> plans;
+  for (const std::string& v : o.variants) {
+    Plan p{v, base, {}};
+    if (v == "mla") {
+      auto s = with_mla(base, o.mla_rank, o.mla_rope_dim, 0);
+      if (!s.ok()) throw UsageError{"mla: " + s.status().message()};
+      if (o.mla_rope_dim < 2) throw UsageError{"--mla-rope-dim must be >= 2"};
+      p.shape = *s;
+    } else {
+      auto c = attention_config_from_variant(v, o.d_model, o.heads, o.bias);
+      if (!c.ok()) throw UsageError{"--variants: " + c.status().message()};
+      p.config = *c;
+      p.config.causal = true;
+      p.config.use_rope = !o.no_rope;
+      p.config.rope.head_dim = head_dim;
+      p.shape = *with_kv_heads(base, p.config.num_kv_heads);
+    }
+    plans.push_back(p);
+  }
+
+  try {
+    const double t_start = now_seconds();
+    const MachineProfile mp = machine_profile(o.peak, o.bw);
+    const Weights mha = random_mha_weights(o);
+    Tensor x = zeros({o.batch, o.prompt, o.d_model});
+    fill_uniform(x.view(), static_cast<uint64_t>(o.seed) + 3, 1.0);
+    std::vector<Tensor> outputs;
+    std::vector<Measured> rows;
+    Progress progress("compare", static_cast<int64_t>(plans.size()));
+    for (const Plan& p : plans) {
+      progress.step(p.name);
+      Measured m;
+      m.variant = p.name;
+      m.shape = p.shape;
+      outputs.push_back(zeros({o.batch, o.prompt, o.d_model}));
+      const TensorView y = outputs.back().view();
+      if (p.shape.mla) {
+        MlaConfig c;
+        c.model_type = "attnkit-compare";
+        c.hidden_size = o.d_model;
+        c.num_attention_heads = o.heads;
+        c.kv_lora_rank = p.shape.kv_lora_rank;
+        c.qk_nope_head_dim = p.shape.qk_nope_head_dim;
+        c.qk_rope_head_dim = p.shape.qk_rope_head_dim;
+        c.v_head_dim = p.shape.v_head_dim;
+        const Weights w = random_mla_weights(c, static_cast<uint64_t>(o.seed) * 16 + 8);
+        measure<LatentAttention, LatentCache>(
+            o, p.shape, kv,
+            [&] {
+              LatentAttention l = value_or_throw(LatentAttention::create(c), "mla");
+              ok_or_throw(l.load_weights(w.map()), "mla weights");
+              return l;
+            },
+            [&](LatentAttention& l, int64_t len) {
+              return value_or_throw(l.new_cache(o.batch, len, kv), "mla cache");
+            },
+            [&](LatentCache* cache, uint64_t seed) { fill_latent_cache(cache, o.context, seed); },
+            [&](LatentAttention& l, const TensorView& in, const TensorView& out, LatentCache* cache) {
+              return l.forward(in, out, {}, cache, run);
+            },
+            x.view(), y, &m);
+      } else {
+        const bool is_mha = p.config.num_kv_heads == o.heads;
+        const Weights derived = is_mha ? Weights{} : derived_weights(mha, o, p.config.num_kv_heads);
+        const Weights& w = is_mha ? mha : derived;
+        m.derived = true;
+        measure<AttentionLayer, KVCache>(
+            o, p.shape, kv,
+            [&] {
+              AttentionLayer l = value_or_throw(AttentionLayer::create(p.config), p.name);
+              ok_or_throw(l.load_weights(w.map()), p.name + " weights");
+              return l;
+            },
+            [&](AttentionLayer& l, int64_t len) {
+              return value_or_throw(l.new_cache(o.batch, len, kv), p.name + " cache");
+            },
+            [&](KVCache* cache, uint64_t seed) { fill_kv_cache(cache, o.context, run, seed); },
+            [&](AttentionLayer& l, const TensorView& in, const TensorView& out, KVCache* cache) {
+              return l.forward(in, out, {}, cache, run);
+            },
+            x.view(), y, &m);
+      }
+      rows.push_back(std::move(m));
+    }
+    progress.finish();
+
+    // Diff vs the MHA row, when there is one.
+    const Tensor* ref = nullptr;
+    for (size_t i = 0; i < rows.size(); ++i)
+      if (!rows[i].shape.mla && rows[i].shape.num_kv_heads == o.heads) ref = &outputs[i];
+    for (size_t i = 0; i < rows.size(); ++i)
+      if (ref && rows[i].derived) rows[i].diff = relative_l2(outputs[i].view(), ref->view());
+
+    const double peak = mp.fp32_peak_gflops * 1e9, bw = mp.dram_read_gbps * 1e9;
+    const std::string ctx = std::to_string(o.context);
+    nlohmann::json jrows = nlohmann::json::array();
+    Table table({"variant", "KV heads", "params", "KV/token", "KV @ " + ctx, "prefill FLOPs", "prefill",
+                 "GFLOP/s", "% peak", "decode FLOPs", "decode/token", "GB/s", "% BW", "diff vs MHA"});
+    for (const Measured& m : rows) {
+      const ModelShape& s = m.shape;
+      const double params = static_cast<double>(attention_params_per_layer(s));
+      const double per_token = static_cast<double>(kv_bytes_per_token(s, kv));
+      const double cache = static_cast<double>(kv_cache_bytes(s, kv, o.context, o.batch));
+      const double pf = prefill_flops_per_layer(s, o.prompt) * static_cast<double>(o.batch);
+      const double df = decode_flops_per_layer(s, o.context) * static_cast<double>(o.batch);
+      const double db = decode_bytes_per_layer(s, o.context, o.batch, kv, DType::kF32);
+      const double prate = pf / m.prefill.median, drate = df / m.decode.median;
+      const double dbw = db / m.decode.median;
+      // "n/a" padded to the header's width reads as right-aligned with the numbers.
+      char diff[32] = "        n/a";
+      if (m.diff >= 0) std::snprintf(diff, sizeof diff, "%.4f", m.diff);
+      table.add({m.variant, s.mla ? "latent" : std::to_string(s.num_kv_heads), format_count(params),
+                 format_bytes(per_token), format_bytes(cache), format_flops(pf),
+                 format_seconds(m.prefill.median), format_rate(prate), percent_cell(prate, peak),
+                 format_flops(df), format_seconds(m.decode.median), format_bandwidth(dbw),
+                 percent_cell(dbw, bw), diff});
+      nlohmann::json r = {
+          {"variant", m.variant}, {"num_kv_heads", s.mla ? 0 : s.num_kv_heads},
+          {"params", params}, {"kv_bytes_per_token", per_token}, {"kv_cache_bytes", cache},
+          {"prefill_flops", pf}, {"prefill_seconds", m.prefill.median},
+          {"prefill_gflops", prate / 1e9}, {"prefill_peak_fraction", prate / peak},
+          {"decode_flops", df}, {"decode_bytes", db}, {"decode_seconds", m.decode.median},
+          {"decode_gflops", drate / 1e9}, {"decode_gbps", dbw / 1e9},
+          {"decode_bandwidth_fraction", dbw / bw}, {"decode_instances", m.instances},
+          {"weights_derived_from_mha", m.derived},
+          {"diff_vs_mha", m.diff >= 0 ? nlohmann::json(m.diff) : nlohmann::json(nullptr)}};
+      if (s.mla)
+        r["mla"] = {{"kv_lora_rank", s.kv_lora_rank}, {"qk_rope_head_dim", s.qk_rope_head_dim},
+                    {"qk_nope_head_dim", s.qk_nope_head_dim}, {"v_head_dim", s.v_head_dim}};
+      jrows.push_back(r);
+    }
+    const double elapsed = now_seconds() - t_start;
+    if (o.json) {
+      nlohmann::json j = {
+          {"config", {{"d_model", o.d_model}, {"num_heads", o.heads}, {"head_dim", head_dim},
+                      {"prompt", o.prompt}, {"context", o.context}, {"batch", o.batch},
+                      {"kv_dtype", o.kv}, {"rope", !o.no_rope}, {"bias", o.bias},
+                      {"backend", o.backend}, {"threads", o.threads}, {"steps", o.steps},
+                      {"repeats", o.repeats}, {"seed", o.seed}}},
+          {"machine", {{"simd", mp.simd}, {"threads", mp.threads},
+                       {"fp32_peak_gflops", mp.fp32_peak_gflops},
+                       {"dram_read_gbps", mp.dram_read_gbps}}},
+          {"variants", jrows},
+          {"seconds", elapsed}};
+      std::printf("%s\n", j.dump(2).c_str());
+      return 0;
+    }
+    std::printf("attention layers: d_model %lld, %lld query heads of %lld, %s; batch %lld, %s KV cache\n",
+                (long long)o.d_model, (long long)o.heads, (long long)head_dim,
+                o.no_rope ? "causal, no RoPE" : "causal, RoPE", (long long)o.batch, o.kv.c_str());
+    std::printf("prefill: %lld tokens, one forward (median of %lld); decode: 1 token over %lld cached "
+                "(median of %lld steps)\n\n",
+                (long long)o.prompt, (long long)o.repeats, (long long)o.context, (long long)o.steps);
+    std::fputs(table.str().c_str(), stdout);
+    std::printf("\nmachine (measured now): %s, %d threads, fp32 peak %.0f GFLOP/s, read bandwidth %.1f GB/s\n",
+                mp.simd.c_str(), mp.threads, mp.fp32_peak_gflops, mp.dram_read_gbps);
+    std::printf("GB/s = weights (f32) + KV read per decode step / its time. diff vs MHA = relative L2 of\n"
+                "the prefill output; GQA/MQA K/V weights are MHA's mean-pooled per group, MLA has its own\n"
+                "weights (n/a). Took %.1f s.\n",
+                elapsed);
+    return 0;
+  } catch (const RunError& e) {
+    std::fprintf(stderr, "attnkit compare: %s\n", e.message.c_str());
+    return 1;
+  }
+}
+
+}  // namespace attnkit::cli
