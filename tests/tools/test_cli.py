@@ -111,3 +111,58 @@ def test_presets_lists_all_required_models():
                  "Mistral-7B", "Falcon-7B", "Qwen2.5-7B", "Qwen3-8B", "Gemma-2-9B",
                  "DeepSeek-V2-Lite", "DeepSeek-V2", "DeepSeek-V3", "Kimi-K2"]:
         assert name in r.stdout
+
+
+TINY = ["--d-model", "64", "--heads", "4"]
+
+
+def test_compare_smoke_json():
+    r = run("compare", *TINY, "--context", "64", "--prompt", "16", "--steps", "2", "--repeats", "1",
+            "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    rows = {row["variant"]: row for row in j["variants"]}
+    # With 4 heads the default gqa-8 / gqa-4 would be invalid or equal MHA.
+    assert set(rows) == {"mha", "mqa", "mla"}
+    mha = rows["mha"]
+    # The diff column compares each variant with MHA on the same input:
+    # exactly 0 for MHA itself, > 0 for a variant with pooled K/V heads.
+    diffs = {k: v.get("diff_vs_mha") for k, v in rows.items()}
+    assert diffs["mha"] == 0
+    assert diffs["mqa"] is not None and diffs["mqa"] > 0
+    assert mha["kv_bytes_per_token"] == 2 * 4 * 16 * 4      # K+V, 4 heads, head_dim 16, f32
+    assert rows["mqa"]["kv_bytes_per_token"] == 2 * 1 * 16 * 4
+
+
+def test_compare_gqa_derived_from_mha():
+    r = run("compare", "--d-model", "64", "--heads", "8", "--variants", "mha,gqa-4,gqa-2,mqa",
+            "--context", "32", "--prompt", "8", "--steps", "1", "--repeats", "1", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    rows = {row["variant"]: row for row in json.loads(r.stdout)["variants"]}
+    assert [rows[v]["num_kv_heads"] for v in ("mha", "gqa-4", "gqa-2", "mqa")] == [8, 4, 2, 1]
+    assert all(rows[v]["weights_derived_from_mha"] for v in ("gqa-4", "gqa-2", "mqa"))
+    assert rows["mha"]["diff_vs_mha"] == 0
+    assert all(rows[v]["diff_vs_mha"] > 0 for v in ("gqa-4", "gqa-2", "mqa"))
+
+
+def test_compare_bad_variant():
+    r = run("compare", *TINY, "--variants", "gqa-3")
+    assert r.returncode == 2
+
+
+def test_bench_smoke_json_and_csv():
+    args = ["bench", *TINY, "--variants", "mha,mqa", "--contexts", "64", "--batches", "1",
+            "--kv-dtypes", "f32", "--prompts", "32", "--budget", "0.01", "--rotate", "1MiB",
+            "--no-torch", *FIXED]
+    r = run(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    rows = j["rows"]
+    assert {row["variant"] for row in rows} == {"mha", "mqa"}
+    assert {row["mode"] for row in rows} == {"decode", "prefill"}
+    for row in rows:
+        assert row["seconds"] > 0
+    c = run(*args, "--csv")
+    assert c.returncode == 0, c.stderr
+    lines = c.stdout.strip().splitlines()
+    assert len(lines) == 1 + len(rows) and "," in lines[0]
