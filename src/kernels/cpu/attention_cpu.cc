@@ -92,7 +92,8 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.d_pad = round_up(g.d, lanes);
   g.dv_pad = round_up(g.dv, lanes);
   g.vw_stride = odd_line_stride(g.dv_pad);
-  g.copy_v = !g.bf16 && g.m_max >= kCopyValuesMinRows;
+  g.copy_v = !g.bf16 && g.m_max >= kCopyValuesMinRows &&
+             (p.v_stride.row * 4) % kCopyValuesStrideBytes == 0;
   g.rows_qk = g.m_max <= g.kt->qk_rows_max && g.m_pad == lanes &&
               (g.dot_bf16 ? g.kt->qk_rows_bf16 != nullptr : g.kt->qk_rows_f32 != nullptr);
   g.qt_row = round_up(g.d, 32);

@@ -25,10 +25,14 @@ inline constexpr int64_t kTargetRows = 256;
 inline constexpr int64_t kKeysPerTile = 64;
 
 // fp32 V tiles are copied to a compact buffer when a task has at least this
-// many packed rows: the copy costs one load and store per value, PV then
-// reads each value once per block of 6 rows. Prefill (256 rows) gained 6 %
-// (GQA 32/8, s2048, one thread); decode (4 rows) streams V once anyway.
+// many packed rows and V's row stride is a multiple of 1 KiB: then a tile's
+// columns fold onto a quarter or less of the L1 sets, and PV, which reads
+// the tile once per block of 6 rows, misses L1. The copy costs one load and
+// store per value; prefill (GQA 32/8: 4 KiB rows, 256 rows) gained 6 % on
+// one thread. Decode (4 rows) streams V once anyway, and MLA's 2304-byte
+// rows spread over all sets.
 inline constexpr int64_t kCopyValuesMinRows = 32;
+inline constexpr int64_t kCopyValuesStrideBytes = 1024;
 
 // Calls with fewer (batch, kv head, query block) tasks than this split
 // their keys so that every core has work (decode: 8 kv heads and one
