@@ -33,14 +33,17 @@
 //   best     2 M N K / the fastest call's wall seconds, GFLOP/s: on a
 //            shared machine the fastest of many short calls is the one
 //            least disturbed
-//   %peak    best over measure_machine()'s fp32 FMA peak at T threads,
-//            measured in this process before the table (also a best-of)
+//   %peak    best over T times one core's fp32 FMA peak timed in
+//            thread-CPU seconds (measure_machine's probe loop, timed by CPU
+//            time so that a busy machine does not lower it)
+//   %mm      best over measure_machine()'s fp32 FMA peak at T threads,
+//            measured in this process before the table (a best-of in wall
+//            time: on a busy machine it can read low, and %mm high)
 //   median   2 M N K / the median call's wall seconds
 //   %core    2 M N K / the median call's process-CPU seconds, over one
-//            core's FMA peak timed in thread-CPU seconds (measure_machine's
-//            probe loop): the fraction of the cores' peak while they
-//            worked. For calls too long to run undisturbed this is the
-//            robust column
+//            core's peak as in %peak: the fraction of the cores' peak
+//            while they worked. For calls too long to run undisturbed
+//            this is the robust column
 //   W GB/s   4 N K / best seconds: the weight stream, which bounds decode
 #include <dlfcn.h>
 #include <immintrin.h>
@@ -304,7 +307,9 @@ std::unique_ptr<Cblas> open_blis() {
   auto arch = reinterpret_cast<int (*)()>(dlsym(h, "bli_arch_query_id"));
   auto arch_name = reinterpret_cast<const char* (*)(int)>(dlsym(h, "bli_arch_string"));
   auto version = reinterpret_cast<const char* (*)()>(dlsym(h, "bli_info_get_version_str"));
-  if (!c->sgemm || !c->sgemv || !set || !arch || !arch_name || !version) return nullptr;
+  auto init = reinterpret_cast<void (*)()>(dlsym(h, "bli_init"));
+  if (!c->sgemm || !c->sgemv || !set || !arch || !arch_name || !version || !init) return nullptr;
+  init();  // before the query: BLIS_ARCH_TYPE is honoured only once BLIS is initialised
   c->set_threads = [set](int n) { set(n); };
   const char* env = std::getenv("BLIS_ARCH_TYPE");
   c->info = std::string("BLIS ") + version() + "; sub-configuration: " + arch_name(arch()) +
@@ -437,6 +442,7 @@ int main(int argc, char** argv) {
     } else if (lib == "eigen") {
 #if ATTNKIT_BENCH_EIGEN
       if (!__builtin_cpu_supports("avx512f")) continue;
+      // No threads of its own (Debian's Eigen without OpenMP): the pool's.
       cands.push_back({lib, "pool", [](const Problem& p, int t) {
                          pool_columns(p, t, [ldy = p.n](const Problem& q) {
                            eigen_linear_avx512(q.x, q.k, q.w, q.y, ldy, q.m, q.n, q.k);
@@ -453,13 +459,13 @@ int main(int argc, char** argv) {
   size_t rotation = 0;  // which copy of W the next call reads
   for (int64_t threads : opt.threads) {
     const int t = static_cast<int>(threads);
-    const attnkit::MachineProfile mp = attnkit::measure_machine(t, true);
+    const attnkit::MachineProfile mp = attnkit::measure_machine(t);
     std::printf(
         "\n== %d thread(s): measure_machine: fp32 FMA peak %.0f GFLOP/s, DRAM read %.1f GB/s;"
         " one core's peak by CPU time %.0f GFLOP/s ==\n",
         t, mp.fp32_peak_gflops, mp.dram_read_gbps, core_peak);
-    std::printf("%-10s %5s  %-14s %-4s  %8s %6s %8s %6s %7s %5s %9s\n", "shape", "M", "lib", "mode",
-                "best", "%peak", "median", "%core", "W GB/s", "calls", "best s");
+    std::printf("%-10s %5s  %-14s %-4s  %8s %6s %6s %8s %6s %7s %5s %9s\n", "shape", "M", "lib",
+                "mode", "best", "%peak", "%mm", "median", "%core", "W GB/s", "calls", "best s");
     for (const Shape& s : kShapes) {
       if (!wanted(opt, s.name)) continue;
       const size_t wsize = static_cast<size_t>(s.n * s.k);
@@ -472,7 +478,11 @@ int main(int argc, char** argv) {
         fill(x, 3);
         const double flop = 2.0 * static_cast<double>(m) * s.n * s.k;
         for (const Candidate& c : cands) {
-          if (t == 1 && c.mode == "pool") continue;  // the same as "lib" at one thread
+          // At one thread "pool" is "lib" where a library has both.
+          if (t == 1 && c.mode == "pool" &&
+              std::any_of(cands.begin(), cands.end(),
+                          [&](const Candidate& o) { return o.name == c.name && o.mode == "lib"; }))
+            continue;
           if (c.name == "loop" && flop > opt.loop_max_gflop * 1e9) continue;
           if (c.name == "attnkit-inv" && m > 1) continue;  // the same as attnkit
           // Untimed warm-up: JIT compilation, primitive creation, thread start.
@@ -500,11 +510,13 @@ int main(int argc, char** argv) {
           std::sort(cpu.begin(), cpu.end());
           const double best = wall.front(), med = wall[wall.size() / 2];
           const double med_cpu = cpu[cpu.size() / 2];
-          std::printf("%-10s %5lld  %-14s %-4s  %8.1f %5.0f%% %8.1f %5.0f%% %7.1f %5zu %9.5f\n",
-                      s.name, static_cast<long long>(m), c.name.c_str(), c.mode.c_str(),
-                      flop / best / 1e9, 100.0 * flop / best / 1e9 / mp.fp32_peak_gflops,
-                      flop / med / 1e9, 100.0 * flop / med_cpu / 1e9 / core_peak,
-                      4.0 * s.n * s.k / best / 1e9, wall.size(), best);
+          std::printf(
+              "%-10s %5lld  %-14s %-4s  %8.1f %5.0f%% %5.0f%% %8.1f %5.0f%% %7.1f %5zu %9.5f\n",
+              s.name, static_cast<long long>(m), c.name.c_str(), c.mode.c_str(), flop / best / 1e9,
+              100.0 * flop / best / 1e9 / (t * core_peak),
+              100.0 * flop / best / 1e9 / mp.fp32_peak_gflops, flop / med / 1e9,
+              100.0 * flop / med_cpu / 1e9 / core_peak, 4.0 * s.n * s.k / best / 1e9, wall.size(),
+              best);
           std::fflush(stdout);
           // Idle library threads spin for a while after a call (OpenBLAS
           // for ~2^28 cycles, libgomp briefly): let them settle before the

@@ -23,4 +23,10 @@ struct MachineProfile {
 // probe (about 0.3 s in all instead of about 1 s) for interactive tools.
 MachineProfile measure_machine(int threads = 0, bool quick = false);
 
+// The GEMM behind the layers' projections and the instruction set it runs,
+// for reports next to the profile, e.g. "oneDNN 2.6.3 matmul
+// (avx512_core_bf16)" (docs/GEMM.md). ATTNKIT_BACKEND=reference replaces it
+// with a plain loop; this name does not change with that setting.
+const char* gemm_backend_name();
+
 }  // namespace attnkit

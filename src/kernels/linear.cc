@@ -39,6 +39,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "attnkit/machine.h"
 #include "core/threads.h"
 #include "kernels/dispatch.h"
 
@@ -372,3 +373,9 @@ void rms_norm(const float* x, int64_t ldx, const float* gain, float* y, int64_t 
 }
 
 }  // namespace attnkit::kernels
+
+namespace attnkit {
+
+const char* gemm_backend_name() { return kernels::linear_backend_name(); }
+
+}  // namespace attnkit

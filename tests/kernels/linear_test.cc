@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "attnkit/attention.h"
+#include "attnkit/machine.h"
 #include "common/random.h"
 
 namespace attnkit::kernels {
@@ -307,6 +308,7 @@ TEST(Linear, BackendNameSaysWhichGemm) {
   const std::string name = linear_backend_name();
   EXPECT_EQ(name.rfind("oneDNN ", 0), 0u) << name;
   EXPECT_EQ(name.find("unknown"), std::string::npos) << name;
+  EXPECT_EQ(name, std::string(gemm_backend_name()));  // the public name is the same
 }
 
 }  // namespace
