@@ -20,7 +20,7 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_COMPILER=clang++ -DATTNKIT_BUILD_FUZZERS=ON \
   -DATTNKIT_BUILD_TESTS=OFF -DATTNKIT_BUILD_PYTHON=OFF -DATTNKIT_BUILD_TOOLS=OFF >/dev/null
 
-targets=(safetensors_fuzz)
+targets=(safetensors_fuzz attention_fuzz)
 # The config fuzzer needs attention_config_from_json (src/io/hf_config.cc).
 if [[ -f $root/src/io/hf_config.cc ]]; then targets+=(config_fuzz); fi
 cmake --build "$build" -j "${ATTNKIT_FUZZ_BUILD_JOBS:-2}" --target "${targets[@]}"
@@ -32,8 +32,10 @@ for t in "${targets[@]}"; do
   echo "== $t: ${seconds}s"
   # One process (no -jobs/-workers): the machines are shared. -max_len
   # leaves room for headers of a few dozen tensors; -timeout catches hangs.
+  dict=()
+  if [[ -f $root/fuzz/$t.dict ]]; then dict=(-dict="$root/fuzz/$t.dict"); fi
   if "$build/fuzz/$t" "$build/corpus/$t" "$root/fuzz/corpus/$t" \
-      -dict="$root/fuzz/$t.dict" -max_total_time="$seconds" -max_len=16384 -timeout=10 \
+      "${dict[@]}" -max_total_time="$seconds" -max_len=16384 -timeout=10 \
       -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$build/artifacts/$t/" \
       >"$log" 2>&1; then
     echo "   ok: $(grep -m1 '^stat::number_of_executed_units' "$log" | awk '{print $2}') executions"
