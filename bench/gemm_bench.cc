@@ -264,7 +264,7 @@ struct Cblas {
 
   void run(const Problem& p, int64_t ldy) const {
     const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-    if (p.m == 1)  // y = W x: sgemm with M == 1 is 10x slower in OpenBLAS 0.3.21
+    if (p.m == 1)  // y = W x: sgemm with M == 1 is 3-4x slower in OpenBLAS 0.3.21
       sgemv(kRowMajor, kNoTrans, n, k, 1.0f, p.w, k, p.x, 1, 0.0f, p.y, 1);
     else
       sgemm(kRowMajor, kNoTrans, kTrans, m, n, k, 1.0f, p.x, k, p.w, k, 0.0f, p.y,
@@ -518,9 +518,8 @@ int main(int argc, char** argv) {
               100.0 * flop / med_cpu / 1e9 / core_peak, 4.0 * s.n * s.k / best / 1e9, wall.size(),
               best);
           std::fflush(stdout);
-          // Idle library threads spin for a while after a call (OpenBLAS
-          // for ~2^28 cycles, libgomp briefly): let them settle before the
-          // next candidate is timed.
+          // Idle library threads (OpenBLAS's, libgomp's) busy-wait for a
+          // while after a call: let them settle before the next candidate.
           std::this_thread::sleep_for(std::chrono::milliseconds(t > 1 ? 200 : 0));
         }
       }
