@@ -91,7 +91,11 @@ def test_reset_and_reuse():
     first = decode(cache, q, k, v, [2, 3])
     cache.reset()
     assert cache.length == 0 and cache.keys().shape == (1, 0, 2, 8)
-    np.testing.assert_array_equal(decode(cache, q, k, v, [5]), first)
+    # The same calls after reset() give the same bits; a different chunking
+    # may take another tile plan, so it agrees to rounding only.
+    np.testing.assert_array_equal(decode(cache, q, k, v, [2, 3]), first)
+    cache.reset()
+    np.testing.assert_allclose(decode(cache, q, k, v, [5]), first, rtol=1e-5, atol=1e-6)
 
 
 def test_overflow_and_bad_input_leave_cache_unchanged():
