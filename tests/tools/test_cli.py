@@ -166,3 +166,26 @@ def test_bench_smoke_json_and_csv():
     assert c.returncode == 0, c.stderr
     lines = c.stdout.strip().splitlines()
     assert len(lines) == 1 + len(rows) and "," in lines[0]
+
+
+def test_plot_writes_png_and_svg(tmp_path):
+    bench = tmp_path / "bench.json"
+    r = run("bench", *TINY, "--variants", "mha,mqa", "--contexts", "32,64", "--batches", "1",
+            "--kv-dtypes", "f32", "--prompts", "16", "--budget", "0.01", "--rotate", "1MiB",
+            "--no-torch", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    bench.write_text(r.stdout)
+    out = tmp_path / "plots"
+    p = run("plot", "--input", str(bench), "--out", str(out), "--format", "png,svg", "--json")
+    assert p.returncode == 0, p.stderr
+    for name in ("kv_memory_vs_context", "decode_latency_vs_context", "roofline"):
+        png = (out / (name + ".png")).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+        assert b"<svg" in (out / (name + ".svg")).read_bytes()[:2000]
+
+
+def test_plot_bad_input(tmp_path):
+    bad = tmp_path / "bench.json"
+    bad.write_text("{not json")
+    r = run("plot", "--input", str(bad), "--out", str(tmp_path / "p"))
+    assert r.returncode == 2
