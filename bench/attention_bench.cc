@@ -8,7 +8,8 @@
 // the visible (query, key) pairs only) as `frac_fma_peak`, and for decode
 // the bytes of K and V it must read as `frac_dram_bw`. Ratios between
 // benchmarks (4-token vs 1-token decode, GQA vs MHA per query head, fast vs
-// reference) are printed in the summary at the end.
+// reference) are printed in the summary at the end, which takes each
+// benchmark's best repetition and re-measures the limits afterwards.
 //
 //   build-fast/bench/attnkit_bench                       # everything
 //   build-fast/bench/attnkit_bench --benchmark_filter=decode
@@ -99,8 +100,8 @@ struct Limits {
   const char* isa = "scalar";
 };
 
-const Limits& limits() {
-  static const Limits l = [] {
+Limits measure_limits() {
+  {
     Limits out;
     const int threads = bench_threads();
     const CpuFeatures& f = cpu_features();
@@ -145,7 +146,14 @@ const Limits& limits() {
       if (rep > 0) out.dram_gbs = std::max(out.dram_gbs, 4.0 * n / s / 1e9);
     }
     return out;
-  }();
+  }
+}
+
+// Measured once before the benchmarks (for the per-benchmark counters) and
+// again after them; the summary uses the higher of the two, so that a busy
+// moment while measuring cannot flatter the fractions.
+const Limits& limits() {
+  static const Limits l = measure_limits();
   return l;
 }
 
@@ -226,9 +234,15 @@ class Problem {
   std::vector<char> k_, v_;
 };
 
-// Seconds per call of each benchmark, for the summary's ratios.
-std::map<std::string, double>& seconds_per_call() {
-  static std::map<std::string, double> m;
+// The best (lowest) seconds per call of each benchmark over its
+// repetitions, with its work, for the summary.
+struct Record {
+  double seconds = 1e300;
+  double flops = 0, kv_bytes = 0;
+  bool decode = false;
+};
+std::map<std::string, Record>& records() {
+  static std::map<std::string, Record> m;
   return m;
 }
 
@@ -251,7 +265,11 @@ void run_benchmark(benchmark::State& state, const std::string& name, Shape shape
     ++calls;
   }
   const double per_call = std::chrono::duration<double>(Clock::now() - t0).count() / calls;
-  seconds_per_call()[name] = per_call;
+  Record& rec = records()[name];
+  rec.seconds = std::min(rec.seconds, per_call);
+  rec.flops = problem.flops();
+  rec.kv_bytes = problem.kv_bytes();
+  rec.decode = shape.seqlen_q <= 16;
   const Limits& lim = limits();
   state.counters["GFLOPs"] = problem.flops() / per_call / 1e9;
   state.counters["frac_fma_peak"] = problem.flops() / per_call / 1e9 / lim.fma_gflops;
@@ -336,9 +354,37 @@ void register_all() {
 }
 
 void ratio(const char* what, const std::string& num, const std::string& den) {
-  const auto& m = seconds_per_call();
+  const auto& m = records();
   if (!m.count(num) || !m.count(den)) return;
-  std::printf("  %-48s %.3f\n", what, m.at(num) / m.at(den));
+  std::printf("  %-48s %.3f\n", what, m.at(num).seconds / m.at(den).seconds);
+}
+
+void summary() {
+  const Limits before = limits(), after = measure_limits();
+  const double peak = std::max(before.fma_gflops, after.fma_gflops);
+  const double bw = std::max(before.dram_gbs, after.dram_gbs);
+  std::printf(
+      "\nsummary: best time per call; fractions of the higher of the limits measured\n"
+      "before (%.1f GFLOP/s, %.1f GB/s) and after (%.1f GFLOP/s, %.1f GB/s) the run\n",
+      before.fma_gflops, before.dram_gbs, after.fma_gflops, after.dram_gbs);
+  std::printf("  %-46s %10s %9s %8s %8s %8s\n", "benchmark", "ms", "GFLOP/s", "of peak", "GB/s",
+              "of DRAM");
+  for (const auto& [name, r] : records()) {
+    const double gflops = r.flops / r.seconds / 1e9, gbs = r.kv_bytes / r.seconds / 1e9;
+    std::printf("  %-46s %10.3f %9.1f %8.3f", name.c_str(), r.seconds * 1e3, gflops, gflops / peak);
+    if (r.decode) std::printf(" %8.1f %8.3f", gbs, gbs / bw);
+    std::printf("\n");
+  }
+  std::printf("ratios of best time per call:\n");
+  ratio("decode q4 / q1 (f32)", "decode/gqa32-8/k16384/q4/f32", "decode/gqa32-8/k16384/q1/f32");
+  ratio("decode q16 / q1 (f32)", "decode/gqa32-8/k16384/q16/f32", "decode/gqa32-8/k16384/q1/f32");
+  ratio("decode q4 / q1 (bf16)", "decode/gqa32-8/k16384/q4/bf16", "decode/gqa32-8/k16384/q1/bf16");
+  ratio("prefill GQA / MHA (same query heads)", "prefill/causal/gqa32-8/s2048/f32",
+        "prefill/causal/mha32/s2048/f32");
+  ratio("prefill MQA / MHA (same query heads)", "prefill/causal/mqa32-1/s2048/f32",
+        "prefill/causal/mha32/s2048/f32");
+  ratio("prefill reference / fast (s256)", "prefill/causal/gqa32-8/s256/f32/reference",
+        "prefill/causal/gqa32-8/s256/f32");
 }
 
 }  // namespace
@@ -355,16 +401,6 @@ int main(int argc, char** argv) {
       lim.isa, lim.dram_gbs);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
-  std::printf("ratios of time per call:\n");
-  using attnkit::ratio;
-  ratio("decode q4 / q1 (f32)", "decode/gqa32-8/k16384/q4/f32", "decode/gqa32-8/k16384/q1/f32");
-  ratio("decode q16 / q1 (f32)", "decode/gqa32-8/k16384/q16/f32", "decode/gqa32-8/k16384/q1/f32");
-  ratio("decode q4 / q1 (bf16)", "decode/gqa32-8/k16384/q4/bf16", "decode/gqa32-8/k16384/q1/bf16");
-  ratio("prefill GQA / MHA (same query heads)", "prefill/causal/gqa32-8/s2048/f32",
-        "prefill/causal/mha32/s2048/f32");
-  ratio("prefill MQA / MHA (same query heads)", "prefill/causal/mqa32-1/s2048/f32",
-        "prefill/causal/mha32/s2048/f32");
-  ratio("prefill reference / fast (s256)", "prefill/causal/gqa32-8/s256/f32/reference",
-        "prefill/causal/gqa32-8/s256/f32");
+  attnkit::summary();
   return 0;
 }
