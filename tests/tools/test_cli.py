@@ -3,11 +3,13 @@ and figures that agree with hand-computed values (shared/reference/mla.md)."""
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
 CLI = os.environ.get("ATTNKIT_CLI", "build/attnkit")
-# Machine figures are given so these tests never time anything.
+# Machine figures are given so no test measures the machine; compare and
+# bench do time their work, but no test asserts on a time.
 FIXED = ["--peak-gflops", "300", "--bandwidth-gbps", "35"]
 
 
@@ -18,7 +20,7 @@ def run(*args):
 def test_help_lists_commands():
     r = run("--help")
     assert r.returncode == 0
-    for cmd in ("analyze", "plan", "presets"):
+    for cmd in ("compare", "analyze", "plan", "bench", "plot", "presets"):
         assert cmd in r.stdout
 
 
@@ -33,6 +35,21 @@ def test_help_lists_commands():
     ["plan", "--model", "llama-3-8b", "--context", "4096"],
     ["plan", "--model", "llama-3-8b", "--memory", "24XB", "--context", "4096"],
     ["plan", "--model", "llama-3-8b", "--memory", "24GiB"],
+    ["compare", "--kv-dtype", "int8"],
+    ["compare", "--d-model", "100", "--heads", "3"],
+    ["compare", "--variants", "mha,gqa-3"],
+    ["compare", "--variants", "mha,,mqa"],
+    ["compare", "--backend", "gpu"],
+    ["compare", "--context", "0"],
+    ["compare", "--steps"],
+    ["bench", "--kv-dtypes", "f16"],
+    ["bench", "--modes", "train"],
+    ["bench", "--variants", "gqa-5"],
+    ["bench", "--contexts", "0"],
+    ["bench", "--json", "--csv"],
+    ["bench", "--rotate", "12XB"],
+    ["plot", "--format", "gif"],
+    ["plot", "--input", "/nonexistent/bench.json"],
 ])
 def test_bad_flags_exit_2_with_one_line(args):
     r = run(*args)
@@ -49,9 +66,11 @@ def test_unreadable_config(tmp_path):
 
 
 def test_every_command_has_help():
-    for cmd in ("analyze", "plan", "presets"):
+    for cmd in ("compare", "analyze", "plan", "bench", "plot", "presets"):
         r = run(cmd, "--help")
         assert r.returncode == 0 and "usage: attnkit " + cmd in r.stdout
+        if cmd != "presets":
+            assert "examples:" in r.stdout and "--json" in r.stdout
 
 
 def test_analyze_json_matches_hand_computed(tmp_path):
@@ -189,3 +208,104 @@ def test_plot_bad_input(tmp_path):
     bad.write_text("{not json")
     r = run("plot", "--input", str(bad), "--out", str(tmp_path / "p"))
     assert r.returncode == 2
+
+
+def test_compare_mla_diff_is_null_and_pooling_one_head_per_group_is_exact():
+    # gqa-4 with 4 heads pools groups of one head: the weights are copied
+    # exactly, so the output must equal MHA's bit for bit.
+    r = run("compare", *TINY, "--variants", "mha,gqa-4,gqa-2,mla", "--context", "32", "--prompt", "8",
+            "--steps", "1", "--repeats", "1", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    rows = {row["variant"]: row for row in j["variants"]}
+    assert rows["gqa-4"]["diff_vs_mha"] == 0
+    assert rows["gqa-2"]["diff_vs_mha"] > 0
+    assert rows["mla"]["diff_vs_mha"] is None and not rows["mla"]["weights_derived_from_mha"]
+    # Default MLA ranks: kv_lora_rank = 4 x head_dim, rope = head_dim / 2;
+    # its cache sits between MQA's and GQA-4's (2 and 8 x head_dim values).
+    assert rows["mla"]["mla"]["kv_lora_rank"] == 64 and rows["mla"]["mla"]["qk_rope_head_dim"] == 8
+    assert rows["mla"]["kv_bytes_per_token"] == (64 + 8) * 4
+    assert j["config"]["context"] == 32 and j["config"]["kv_dtype"] == "f32"
+    for row in j["variants"]:
+        for key in ("params", "kv_cache_bytes", "prefill_flops", "prefill_seconds", "prefill_gflops",
+                    "prefill_peak_fraction", "decode_flops", "decode_bytes", "decode_seconds",
+                    "decode_gflops", "decode_gbps", "decode_bandwidth_fraction"):
+            assert row[key] > 0, key
+        assert row["kv_cache_bytes"] == row["kv_bytes_per_token"] * 32
+
+
+def test_compare_table_has_units_and_no_progress_bar_when_piped():
+    r = run("compare", *TINY, "--context", "32", "--prompt", "8", "--steps", "1", "--repeats", "1",
+            "--kv-dtype", "bf16", *FIXED)
+    assert r.returncode == 0 and r.stderr == ""
+    for unit in ("KiB", "GFLOP/s", "GB/s", "n/a", "diff vs MHA"):
+        assert unit in r.stdout
+
+
+# Fields every bench row carries (docs/TOOL.md lists them).
+BENCH_FIELDS = {"mode", "variant", "batch", "context", "q_tokens", "kv_dtype", "num_heads", "num_kv_heads",
+                "head_dim", "head_dim_v", "flops", "bytes", "kv_buffers", "seconds", "gflops", "gbps",
+                "peak_fraction", "bandwidth_fraction", "arithmetic_intensity", "reference_seconds",
+                "speedup_vs_reference", "torch_seconds", "speedup_vs_torch", "samples", "note"}
+
+
+def bench_tiny(*extra, env=None):
+    args = ["bench", *TINY, "--variants", "mha,mqa,mla", "--contexts", "64", "--batches", "2",
+            "--kv-dtypes", "f32,bf16", "--modes", "decode", "--budget", "0.01", "--rotate", "1MiB",
+            "--json", *FIXED, *extra]
+    r = subprocess.run([CLI, *args], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **(env or {})})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout), r.stderr
+
+
+def test_bench_rows_have_documented_fields_and_exact_arithmetic():
+    j, err = bench_tiny("--no-torch")
+    assert err == ""                              # no progress bar when stderr is not a terminal
+    assert j["machine"]["fp32_peak_gflops"] == 300 and j["machine"]["dram_read_gbps"] == 35
+    rows = {(r["variant"], r["kv_dtype"]): r for r in j["rows"]}
+    for r in j["rows"]:
+        assert set(r) == BENCH_FIELDS
+        assert r["kv_buffers"] * r["bytes"] >= 1 << 20   # rotated past --rotate
+        assert r["gflops"] == pytest.approx(r["flops"] / r["seconds"] / 1e9)
+        assert r["peak_fraction"] == pytest.approx(r["gflops"] / 300)
+        assert r["bandwidth_fraction"] == pytest.approx(r["gbps"] / 35)
+        # 64 x 2 x 4 heads x (D+Dv) x 2 FLOPs: the reference always runs at this size.
+        assert r["speedup_vs_reference"] == pytest.approx(r["reference_seconds"] / r["seconds"])
+        assert r["torch_seconds"] is None and r["speedup_vs_torch"] is None
+    # decode: 2 FLOPs x heads x (head_dim + head_dim_v) x context x batch
+    assert rows[("mha", "f32")]["flops"] == 2 * 4 * (16 + 16) * 64 * 2
+    # MLA decode is absorbed: one latent kv head of kv_lora_rank + rope = 64 + 8,
+    # values = its first 64 features, read once.
+    mla = rows[("mla", "bf16")]
+    assert (mla["num_kv_heads"], mla["head_dim"], mla["head_dim_v"]) == (1, 72, 64)
+    assert mla["flops"] == 2 * 4 * (72 + 64) * 64 * 2
+    assert mla["bytes"] == 2 * 64 * 72 * 2 + 4 * 2 * 1 * 4 * (72 + 64)
+    assert rows[("mqa", "bf16")]["bytes"] == 2 * 64 * 1 * 32 * 2 + 4 * 2 * 1 * 4 * 32
+    assert j["kv_bytes_per_token"]["mla"] == {"f32": 72 * 4, "bf16": 72 * 2}
+
+
+def test_bench_without_python_notes_and_carries_on():
+    j, _ = bench_tiny(env={"ATTNKIT_PYTHON": "/nonexistent/python3"})
+    assert "skipped" in j["torch"] and "/nonexistent/python3" in j["torch"]
+    assert all(r["torch_seconds"] is None for r in j["rows"])
+
+
+def test_bench_torch_baseline_on_same_shapes():
+    pytest.importorskip("torch")
+    j, _ = bench_tiny()
+    assert j["torch"].startswith("torch ")
+    for r in j["rows"]:
+        assert r["torch_seconds"] > 0
+        assert r["speedup_vs_torch"] == pytest.approx(r["torch_seconds"] / r["seconds"])
+    # torch runs f32 whatever the KV dtype, so the two dtypes share one timing.
+    by = {(r["variant"], r["kv_dtype"]): r["torch_seconds"] for r in j["rows"]}
+    assert by[("mha", "f32")] == by[("mha", "bf16")]
+
+
+def test_python_plot_module_rejects_a_non_bench_file(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps({"variants": []}))
+    r = subprocess.run([sys.executable, "-m", "attnkit.plot", "--input", str(p), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not an `attnkit bench --json` result" in r.stderr

@@ -15,9 +15,9 @@
 //   what the conversion loses. MLA has its own random weights (no exact
 //   conversion exists: its latent RMSNorm and decoupled RoPE are not
 //   linear in MHA's weights), so its diff is n/a.
-// - Decode caches are filled without running attention over the context
-//   (see fill_kv_cache), since only their size, not their values, sets the
-//   decode time. Each variant is decoded on enough copies of (layer, cache)
+// - Decode caches are filled cheaply (random K/V appended through a
+//   block-sparse pattern, see fill_kv_cache), since only their size, not
+//   their values, sets the decode time. Each variant is decoded on enough copies of (layer, cache)
 //   that one step's bytes are not still in the last-level cache from the
 //   step before.
 #include <nlohmann/json.hpp>
