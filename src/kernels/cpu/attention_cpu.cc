@@ -249,8 +249,9 @@ class TaskRunner {
   int64_t row_of(int64_t m) const { return i0_ + m / g_.group; }
 
   // qt = scale * q in the KernelTable's blocked, transposed layout (fp32, or
-  // bf16 pairs for the vdpbf16ps kernels). Pad columns m >= m_ are 0 so
-  // that their scores stay finite. Columns are the inner loop: writes are
+  // bf16 pairs for the vdpbf16ps kernels), or as 4 row-major rows for the
+  // qk_rows_* kernels. Pad columns m >= m_ are 0 so that their scores stay
+  // finite. In the portable loops columns are the inner loop: writes are
   // contiguous, and the rows being read (one per column) stay in L1.
   void pack_q() {
     const float** rows = reinterpret_cast<const float**>(ws_ + g_.qrows);
