@@ -50,6 +50,7 @@ struct Case {
   bool strided = false;   // padded strides everywhere, non-unit q/out dim strides
   bool mla_view = false;  // V is the first dv columns of K's rows (dv <= d)
   double poison = 0.0;    // fraction of (batch, kv row, kv head) K/V rows set to NaN
+  bool inexact_q = false;  // bf16 K/V: leave q and the scale arbitrary (see Problem)
   uint64_t seed = 1;
 
   std::string describe() const {
@@ -95,8 +96,8 @@ class Problem {
 
     // bf16 K/V: q is made bf16-exact and the scale a power of two, so that
     // the vdpbf16ps path rounds nothing on the query side and the bound
-    // below can stay tight.
-    const bool bf16_q = c.kv == DType::kBF16;
+    // below can stay tight (unless the case asks for inexact q).
+    const bool bf16_q = c.kv == DType::kBF16 && !c.inexact_q;
     scale_ = bf16_q ? std::ldexp(1.0f, -static_cast<int>(std::round(
                                            std::log2(std::sqrt(static_cast<double>(c.d))))))
                     : static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
@@ -244,7 +245,9 @@ class Problem {
   // result, for `target`. With u = 2^-24, n = keys, S = scale * max over
   // keys of sum_d |q_d k_d| and Vmax = max |v|:
   //   score error    E <= (d + 4) u S  (+ 8 u cap for softcap's tanh,
-  //                                     + u (S + max|bias|) for the bias)
+  //                                     + u (S + max|bias|) for the bias,
+  //                                     + 2^-8 S where vdpbf16ps rounds a
+  //                                     q that is not bf16-exact)
   //   weights        relative error <= expm1(2E) + 8u (exp is ~2 ulp)
   //   output         <= Vmax (expm1(2E) + (3n + 32) u)  — sums of n terms
   //                     rescaled once per tile — plus Vmax 2^-8 where
@@ -260,6 +263,8 @@ class Problem {
     double e = (c_.d + 4) * kU * s_max;
     if (c_.softcap > 0.0f) e += 8 * kU * c_.softcap;
     if (c_.mask == MaskKind::kAdd) e += kU * (s_max + 2.0);
+    if (c_.inexact_q && c_.kv == DType::kBF16 && target == SimdTarget::kAvx512Bf16)
+      e += kUBf16 * s_max;
     const double n = static_cast<double>(c_.seqlen_k);
     double out = v_max * (std::expm1(2 * e) + 8 * kU + (3 * n + 32) * kU);
     if (c_.kv == DType::kBF16 && target == SimdTarget::kAvx512Bf16) out += v_max * kUBf16;
@@ -670,6 +675,29 @@ TEST(AttentionFast, AbsorbedMlaDecode) {
       check_case(c, [&](const Problem& pr) { return default_plan(pr, 2); });
       check_case(c, [&](const Problem&) { return tiled(1, 32, 64, 3); });
     }
+}
+
+// The vdpbf16ps path rounds scaled queries to bf16: its documented bound
+// (2^-8 S on the scores) holds for queries and scales that bf16 cannot
+// represent, prefill and decode shapes alike.
+TEST(AttentionFast, Bf16DotProductsRoundQueriesWithinTheirBound) {
+  uint64_t seed = 550;
+  for (int64_t sq : {1, 3, 40}) {
+    Case c;
+    c.batch = 2;
+    c.seqlen_q = sq;
+    c.seqlen_k = 90;
+    c.heads = 8;
+    c.kv_heads = 2;
+    c.d = 48;
+    c.dv = 33;
+    c.kv = DType::kBF16;
+    c.causal = true;
+    c.inexact_q = true;
+    c.seed = ++seed;
+    check_case(c, [&](const Problem& pr) { return default_plan(pr, 2); });
+    check_case(c, [&](const Problem&) { return tiled(5, 16, 32, 3, 2); });
+  }
 }
 
 // ---- randomized sweep ----------------------------------------------------
