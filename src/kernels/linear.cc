@@ -151,17 +151,15 @@ class MatmulCache {
   static constexpr size_t kMaxEntries = 1024;
 
   std::shared_ptr<const Matmul> get(int64_t rows, int64_t cols, int64_t depth, bool has_bias) {
+    // Creation (~0.1 ms of JIT, once per shape) happens under the lock too:
+    // oneDNN's own primitive cache synchronises in ways ThreadSanitizer
+    // cannot see, so concurrent creations would be reported as races.
+    std::lock_guard<std::mutex> lock(mu_);
     const MatmulKey key{rows, cols, depth, has_bias};
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = entries_.find(key);
-      if (it != entries_.end()) return it->second;
-    }
-    // Created outside the lock (JIT compilation takes ~0.1-1 ms); two
-    // threads may both create the same one, and either is kept.
+    auto it = entries_.find(key);
+    if (it != entries_.end()) return it->second;
     auto m = create(rows, cols, depth, has_bias);
     if (m == nullptr) return nullptr;
-    std::lock_guard<std::mutex> lock(mu_);
     if (entries_.size() >= kMaxEntries) entries_.clear();
     return entries_.emplace(key, std::move(m)).first->second;
   }
