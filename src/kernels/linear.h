@@ -17,6 +17,10 @@
 //                 thread count (unless gemv_for_one_row, below). Each
 //                 thread keeps scratch buffers for oneDNN that grow to its
 //                 largest call.
+//                 Falls back to dnnl_sgemm, then to the loop, for a block
+//                 oneDNN refuses (out of memory), and to the loop for
+//                 overlapping input rows (ldx < in_features), which BLAS
+//                 does not take.
 //   kReference    linear_ref: the plain loop, eight fp32 partial sums.
 // Both write every element of y [rows, out_features] and nothing else.
 //
@@ -38,7 +42,7 @@ struct LinearOptions {
   int num_threads = 1;
   Backend backend = Backend::kAuto;
   // Runs a one-row call (decode) through oneDNN's GEMV (dnnl_sgemm), which
-  // streams W ~1.4x faster than the matmul kernels (docs/GEMM.md), but
+  // streams W ~1.5x faster than the matmul kernels (docs/GEMM.md), but
   // sums in another order: the row's last bits then differ from the same
   // row computed among others. Leave false where results must not depend
   // on how rows are grouped into calls (the MoE layer shards its tokens
@@ -55,7 +59,7 @@ void linear_ref(const float* x, int64_t ldx, const float* w, const float* bias, 
                 int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features);
 
 // The GEMM behind the fast backend and the ISA it runs, for reports, e.g.
-// "oneDNN 2.6.3 sgemm (avx512_core_bf16)". Not affected by ATTNKIT_BACKEND.
+// "oneDNN 2.6.3 matmul (avx512_core_bf16)". Not affected by ATTNKIT_BACKEND.
 const char* linear_backend_name();
 
 // RMSNorm over the last dimension, in double:
