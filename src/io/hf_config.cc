@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <limits>
 #include <new>
 #include <string>
 #include <string_view>
@@ -330,6 +331,14 @@ Status validate(const AttentionConfig& c) {
   if (!std::isfinite(c.softcap) || c.softcap < 0.0f)
     return invalid_argument(fn + ": softcap = " + num(c.softcap) +
                             " must be finite and >= 0 (0 = off)");
+  // sdpa rejects a subnormal cap (1 / cap is +inf in the fast kernels), so a
+  // layer built with one could never run.
+  if (c.softcap > 0.0f && c.softcap < std::numeric_limits<float>::min()) {
+    char value[32];  // shortest round-trip form of the float: "1e-40"
+    const auto end = std::to_chars(value, value + sizeof value, c.softcap).ptr;
+    return invalid_argument(fn + ": softcap = " + std::string(value, end) +
+                            " is subnormal; a nonzero softcap must be >= FLT_MIN = 1.1754944e-38");
+  }
   if (!std::isfinite(c.softmax_scale) || c.softmax_scale < 0.0f)
     return invalid_argument(fn + ": softmax_scale = " + num(c.softmax_scale) +
                             " must be finite and >= 0 (0 = 1/sqrt(head_dim))");

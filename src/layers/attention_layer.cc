@@ -20,6 +20,7 @@
 #include "core/checked_math.h"
 #include "io/weight_loader.h"
 #include "kernels/linear.h"
+#include "ops/attention_checks.h"
 
 namespace attnkit {
 namespace {
@@ -211,6 +212,7 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& out,
   ATTNKIT_RETURN_IF_ERROR(check::dim(kForward, "out", out, 0, "batch", B, "x.shape[0]"));
   ATTNKIT_RETURN_IF_ERROR(check::dim(kForward, "out", out, 1, "seq", T, "x.shape[1]"));
   if (check::overlaps(out, x)) return invalid_argument(f + ": out overlaps x; it must not alias");
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kForward, "out", out));
   ATTNKIT_RETURN_IF_ERROR(check_run(kForward, run));
   int64_t rows;
   if (!checked_mul(B, T, &rows)) return invalid_argument(f + ": batch * seq overflows 64 bits");
@@ -329,6 +331,7 @@ Status AttentionLayer::forward_qkv(const TensorView& query, const TensorView& ke
       return invalid_argument(f + ": probs overlaps " + in_names[i] + "; it must not alias");
   }
   if (check::overlaps(probs, out)) return invalid_argument(f + ": probs overlaps out");
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kForwardQkv, "out", out));
   // RoPE positions 0..seqlen-1 on each side must stay exact in double.
   if (c.use_rope && (Sq > kMaxPosition || Sk > kMaxPosition))
     return invalid_argument(f + ": sequence lengths " + std::to_string(Sq) + ", " +

@@ -27,6 +27,7 @@
 #include "core/checked_math.h"
 #include "io/weight_loader.h"
 #include "kernels/linear.h"
+#include "ops/attention_checks.h"
 
 namespace attnkit {
 namespace {
@@ -254,6 +255,7 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
   ATTNKIT_RETURN_IF_ERROR(check::dim(kFwd, "out", out, 2, "hidden_size", H, "config.hidden_size"));
   if (check::overlaps(out, x))
     return invalid_argument(std::string(kFwd) + ": out overlaps x; out must not alias x");
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kFwd, "out", out));
   if (run.num_threads < 0)
     return invalid_argument(std::string(kFwd) + ": num_threads = " +
                             std::to_string(run.num_threads) + " must be >= 0 (0 = default)");

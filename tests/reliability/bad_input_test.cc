@@ -9,8 +9,10 @@
 #include <vector>
 
 #include "attnkit/attention.h"
+#include "attnkit/config.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/tensor.h"
+#include "reliability/test_layers.h"
 
 namespace {
 
@@ -61,6 +63,56 @@ TEST(ReliabilityBadInput, ViewsOfShapesWhoseStridesOverflow) {
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
   EXPECT_NE(st.message().find("overflows"), std::string::npos) << st.message();
   for (float x : out) EXPECT_EQ(x, kSentinel);
+}
+
+// The layers reject an out whose elements share memory (a stride of 0 on a
+// dim of size > 1), as sdpa does, and write nothing: otherwise their last
+// write would win, and the result would depend on the write order.
+TEST(ReliabilityBadInput, LayersRejectAnOutThatOverlapsItself) {
+  attnkit_reliability::OwnedWeights attention_weights, moe_weights;
+  attnkit::AttentionLayer layer = attnkit_reliability::make_attention_layer(
+      attnkit_reliability::gqa_config(0), attention_weights, 7);
+  const attnkit::MoeLayer moe = attnkit_reliability::make_moe_layer(moe_weights, 8);
+  const int64_t T = 3;
+  for (bool is_moe : {false, true}) {
+    const int64_t hidden = is_moe ? moe.config().hidden_size : layer.config().hidden_size;
+    std::vector<float> x(static_cast<size_t>(T * hidden), 0.5f), out(x.size(), kSentinel);
+    const TensorView xv = attnkit::make_view(x.data(), DType::kF32, {1, T, hidden});
+    for (int axis : {1, 2}) {
+      TensorView ov = attnkit::make_view(out.data(), DType::kF32, {1, T, hidden});
+      ov.strides[axis] = 0;
+      std::vector<std::pair<std::string, Status>> calls;
+      if (is_moe) {
+        calls.emplace_back("MoeLayer::forward", moe.forward(xv, ov));
+      } else {
+        calls.emplace_back("AttentionLayer::forward", layer.forward(xv, ov));
+        calls.emplace_back("AttentionLayer::forward_qkv", layer.forward_qkv(xv, xv, xv, ov));
+      }
+      for (const auto& [fn, st] : calls) {
+        EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << fn << ": " << st.to_string();
+        EXPECT_NE(st.message().find(fn + ": out.strides[" + std::to_string(axis) + "] = 0"),
+                  std::string::npos)
+            << st.message();
+      }
+      for (float v : out) ASSERT_EQ(v, kSentinel);
+    }
+    // The same buffer as a plain row-major out works.
+    const TensorView ok = attnkit::make_view(out.data(), DType::kF32, {1, T, hidden});
+    EXPECT_TRUE((is_moe ? moe.forward(xv, ok) : layer.forward(xv, ok)).ok());
+  }
+}
+
+// validate() rejects a subnormal softcap, which sdpa would reject on every
+// forward call: a layer that can never run is not built.
+TEST(ReliabilityBadInput, ConfigWithSubnormalSoftcapIsRejected) {
+  attnkit::AttentionConfig c = attnkit_reliability::gqa_config(0);
+  c.softcap = 1e-40f;
+  const Status st = attnkit::validate(c);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("softcap = 1e-40 is subnormal"), std::string::npos) << st.message();
+  EXPECT_FALSE(attnkit::AttentionLayer::create(c).ok());
+  c.softcap = std::numeric_limits<float>::min();
+  EXPECT_TRUE(attnkit::validate(c).ok());
 }
 
 }  // namespace

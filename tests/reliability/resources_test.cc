@@ -16,8 +16,10 @@
 // the environment still overrides them).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -190,8 +192,11 @@ TEST(ReliabilityResources, LayerWeightsBeyondMemory) {
                          StatusCode::kInvalidArgument, "no weights loaded"));
 }
 
-// Loaded layers asked for 2^50 tokens through broadcast x and out: the
-// activation scratch cannot be allocated; out stays as it was.
+// Loaded layers asked for 2^50 tokens through a broadcast x and an out view
+// whose extent (2^56 bytes) is valid arithmetic but no memory: the
+// activation scratch cannot be allocated, and since nothing is written
+// before it is, out stays as it was. (A broadcast out, stride 0, is
+// rejected as overlapping itself.)
 TEST(ReliabilityResources, LayerForwardOverHugeBroadcastSequences) {
   const AttentionConfig c = small_config();
   auto layer = AttentionLayer::create(c);
@@ -203,15 +208,21 @@ TEST(ReliabilityResources, LayerForwardOverHugeBroadcastSequences) {
       {"v_proj.weight", attnkit::make_view(wkv.data(), DType::kF32, {16, 16})},
       {"o_proj.weight", attnkit::make_view(wo.data(), DType::kF32, {16, 32})}};
   ASSERT_TRUE(layer->load_weights(weights).ok());
-  const std::vector<float> x(16, 0.5f);
-  std::vector<float> out(16, kSentinel);
+  // x below out in one buffer, so that out's huge extent (upwards from
+  // its first element) cannot cover x.
+  std::vector<float> buffer(32, 0.5f);
+  std::fill(buffer.begin() + 16, buffer.end(), kSentinel);
+  const std::span<const float> out(buffer.data() + 16, 16);
   const int64_t T = int64_t{1} << 50;
-  TensorView xv = attnkit::make_view(x.data(), DType::kF32, {1, T, 16});
+  TensorView xv = attnkit::make_view(buffer.data(), DType::kF32, {1, T, 16});
   xv.strides = {0, 0, 1, 0};
-  TensorView ov = attnkit::make_view(out.data(), DType::kF32, {1, T, 16});
-  ov.strides = {0, 0, 1, 0};
+  const TensorView ov = attnkit::make_view(buffer.data() + 16, DType::kF32, {1, T, 16});
   EXPECT_TRUE(fails_with(layer->forward(xv, ov), StatusCode::kResourceExhausted,
                          "AttentionLayer::forward"));
+  TensorView broadcast_out = ov;
+  broadcast_out.strides = {0, 0, 1, 0};
+  EXPECT_TRUE(fails_with(layer->forward(xv, broadcast_out), StatusCode::kInvalidArgument,
+                         "out.strides[1] = 0"));
   for (float v : out) EXPECT_EQ(v, kSentinel);
 
   // The same through the cache path: the cache's capacity is checked first.
@@ -244,20 +255,26 @@ TEST(ReliabilityResources, MoeForwardOverHugeBroadcastSequences) {
     w[p + "w2.weight"] = attnkit::make_view(down.data(), DType::kF32, {8, 4});
   }
   ASSERT_TRUE(moe->load_weights(w).ok());
-  const std::vector<float> x(8, 0.5f);
-  std::vector<float> out(8, kSentinel);
-  // 2^50 tokens: the routing arrays' operator new fails (bad_alloc);
-  // 2^61 tokens: 2^62 slots exceed std::vector's max_size (length_error).
+  // x below out in one buffer, as above.
+  std::vector<float> buffer(16, 0.5f);
+  std::fill(buffer.begin() + 8, buffer.end(), kSentinel);
+  const std::span<const float> out(buffer.data() + 8, 8);
+  // 2^50 tokens, out a view of 2^55 bytes (valid arithmetic, no memory):
+  // the routing arrays' operator new fails (bad_alloc) before any write.
+  // 2^61 tokens only fit a broadcast out, which overlaps itself.
   for (int64_t T : {int64_t{1} << 50, int64_t{1} << 61}) {
     SCOPED_TRACE("T = " + std::to_string(T));
-    if (kNewAbortsOnFailure && T == int64_t{1} << 50) continue;
-    TensorView xv = attnkit::make_view(x.data(), DType::kF32, {1, T, 8});
+    const bool broadcast_out = T == int64_t{1} << 61;
+    if (kNewAbortsOnFailure && !broadcast_out) continue;
+    TensorView xv = attnkit::make_view(buffer.data(), DType::kF32, {1, T, 8});
     xv.strides = {0, 0, 1, 0};
-    TensorView ov = attnkit::make_view(out.data(), DType::kF32, {1, T, 8});
-    ov.strides = {0, 0, 1, 0};
+    TensorView ov = attnkit::make_view(buffer.data() + 8, DType::kF32, {1, T, 8});
+    if (broadcast_out) ov.strides = {0, 0, 1, 0};
     const Status st = moe->forward(xv, ov);
     EXPECT_FALSE(st.ok());
-    EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st.to_string();
+    EXPECT_EQ(st.code(),
+              broadcast_out ? StatusCode::kInvalidArgument : StatusCode::kResourceExhausted)
+        << st.to_string();
     for (float v : out) EXPECT_EQ(v, kSentinel);
   }
 }
