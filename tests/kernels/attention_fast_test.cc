@@ -702,6 +702,34 @@ TEST(AttentionFast, Bf16DotProductsRoundQueriesWithinTheirBound) {
 
 // ---- randomized sweep ----------------------------------------------------
 
+// Decode with the default plans: tasks walk up to kInterleaveMaxHeads kv
+// heads of a batch item together (20 kv heads: a block of 16 and one of
+// 4), with split keys (700) and without (300), batch 1 and 3, 1-4 tokens.
+TEST(AttentionFast, DecodeDefaultPlansOverManyKvHeadsAndBatches) {
+  uint64_t seed = 650;
+  for (int64_t batch : {1, 3})
+    for (int64_t seqlen_k : {300, 700})
+      for (int64_t tokens : {1, 4})
+        for (DType kv : {DType::kF32, DType::kBF16}) {
+          Case c;
+          c.batch = batch;
+          c.seqlen_q = tokens;
+          c.seqlen_k = seqlen_k;
+          c.heads = 40;
+          c.kv_heads = 20;
+          c.d = c.dv = 24;
+          c.kv = kv;
+          c.causal = true;
+          c.seqlens = batch > 1;
+          c.seed = ++seed;
+          const Problem pr(c);
+          const cpu::Plan plan = default_plan(pr, 2);
+          EXPECT_EQ(plan.kv_heads_per_task, cpu::kInterleaveMaxHeads) << c.describe();
+          EXPECT_EQ(plan.split_k > 0, seqlen_k > cpu::kSplitKeys) << c.describe();
+          check_case(c, [&](const Problem& p) { return default_plan(p, 2); });
+        }
+}
+
 Case random_case(uint64_t seed) {
   std::mt19937_64 rng(seed);
   auto pick = [&](std::initializer_list<int64_t> xs) {

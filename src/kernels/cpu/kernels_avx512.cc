@@ -381,72 +381,94 @@ inline void store_rows4(const __m512 acc[16], int keys, float* s, int64_t ss) {
     _mm512_storeu_ps(s + a * ss, _mm512_maskz_loadu_ps(0xf, sums + 4 * a));
 }
 
-// Keys [0, keys) (keys <= 4; loads of the others are skipped) against the
-// 4 query rows q[r * qs ...]; acc[a * 4 + r].
-template <bool kFull, class Load, class Dot>
-inline void rows4_block(int keys, int64_t chunks, Load load_k, Dot dot, float* s, int64_t ss) {
+// One block of kKeys (1-4) keys against the 4 query rows q[r * qs ...]:
+// acc[a * 4 + r]. Elements are fp32 (Elem = float, 16 per vector) or bf16
+// pairs (Elem = uint16_t, 32 per vector, vdpbf16ps). The key count and the
+// prefetch are template parameters and the chunk loop has no calls, so the
+// 16 accumulators stay in registers (a version that took them through a
+// lambda kept them on the stack, one store per FMA, and ran QK at half
+// speed). The last chunk is loaded under `tail`, the others whole.
+template <int kKeys, bool kPrefetch, class Elem>
+inline void rows4_block(const Elem* k, int64_t ks, int64_t chunks, __mmask32 tail,
+                        const Elem* q, int64_t qs, float* s, int64_t ss, int64_t pf) {
+  constexpr int kPer = 64 / sizeof(Elem);  // elements per vector
   __m512 acc[16];
+#pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  auto fma = [](__m512 a, __m512i kv, __m512i qv) {
+    if constexpr (sizeof(Elem) == 2)
+      return _mm512_dpbf16_ps(a, (__m512bh)kv, (__m512bh)qv);
+    else
+      return _mm512_fmadd_ps(_mm512_castsi512_ps(kv), _mm512_castsi512_ps(qv), a);
+  };
   for (int64_t c = 0; c < chunks; ++c) {
+    const bool last = c + 1 == chunks;
+    __m512i qv[4], kv[kKeys];
 #pragma GCC unroll 4
-    for (int a = 0; a < 4; ++a) {
-      if (!kFull && a >= keys) break;
-      dot(acc + 4 * a, load_k(a, c), c);
+    for (int r = 0; r < 4; ++r) qv[r] = _mm512_loadu_si512(q + r * qs + c * kPer);
+#pragma GCC unroll 4
+    for (int a = 0; a < kKeys; ++a) {
+      const Elem* row = k + a * ks + c * kPer;
+      if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(row + pf), _MM_HINT_T0);
+      if constexpr (sizeof(Elem) == 2)
+        kv[a] = last ? _mm512_maskz_loadu_epi16(tail, row) : _mm512_loadu_si512(row);
+      else
+        kv[a] = last ? _mm512_castps_si512(_mm512_maskz_loadu_ps(__mmask16(tail), row))
+                     : _mm512_loadu_si512(row);
     }
+#pragma GCC unroll 4
+    for (int a = 0; a < kKeys; ++a)
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) acc[a * 4 + r] = fma(acc[a * 4 + r], kv[a], qv[r]);
   }
-  store_rows4(acc, kFull ? 4 : keys, s, ss);
+  // A copy for the reduction: were acc's own address taken, GCC would keep
+  // acc in memory and store it after every FMA.
+  __m512 sums[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) sums[i] = acc[i];
+  store_rows4(sums, kKeys, s, ss);
 }
 
-template <class Block>
-inline void rows4_keys(int64_t nk, Block block) {
-  if (nk < 4) return block(0, static_cast<int>(nk), std::false_type{});
-  for (int64_t n = 0;; n += 4) {  // the last block overlaps, as in simd::qk_columns
-    if (n + 4 > nk) n = nk - 4;
-    block(n, 4, std::true_type{});
-    if (n + 4 == nk) return;
+// S = K Q^T for nk keys in blocks of 4 (a last block of 1-3 keys alone).
+template <bool kPrefetch, class Elem>
+inline void rows4_keys(const Elem* k, int64_t ks, int64_t nk, int64_t chunks, __mmask32 tail,
+                       const Elem* q, int64_t qs, float* s, int64_t ss, int64_t pf) {
+  int64_t n = 0;
+  for (; n + 4 <= nk; n += 4)
+    rows4_block<4, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, s + n * ss, ss, pf);
+  switch (nk - n) {
+    case 3:
+      return rows4_block<3, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, s + n * ss, ss, pf);
+    case 2:
+      return rows4_block<2, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, s + n * ss, ss, pf);
+    case 1:
+      return rows4_block<1, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, s + n * ss, ss, pf);
+    default:
+      return;
   }
+}
+
+template <class Elem>
+void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const Elem* q, int64_t qs,
+             float* s, int64_t ss, int64_t pf) {
+  constexpr int64_t kPer = 64 / sizeof(Elem);
+  const int64_t chunks = (d + kPer - 1) / kPer;
+  const int64_t last = d - (chunks - 1) * kPer;
+  const __mmask32 tail = last >= 32 ? ~__mmask32{0} : (__mmask32{1} << last) - 1;
+  if (pf != 0)
+    rows4_keys<true>(k, ks, nk, chunks, tail, q, qs, s, ss, pf);
+  else
+    rows4_keys<false>(k, ks, nk, chunks, tail, q, qs, s, ss, pf);
 }
 
 void qk_rows_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs,
                  float* s, int64_t ss, int64_t pf) {
-  const int64_t chunks = (d + 15) / 16;
-  const __mmask16 tail = V512::mask_first(d - (chunks - 1) * 16);
-  rows4_keys(nk, [&](int64_t n, int keys, auto full) {
-    const float* kb = k + n * ks;
-    auto load_k = [&](int a, int64_t c) {
-      const float* row = kb + a * ks + c * 16;
-      if (pf != 0) V512::prefetch(row + pf);
-      return c + 1 < chunks ? _mm512_loadu_ps(row) : _mm512_maskz_loadu_ps(tail, row);
-    };
-    auto dot = [&](__m512* acc, __m512 kv, int64_t c) {
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r)
-        acc[r] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * qs + c * 16), acc[r]);
-    };
-    rows4_block<decltype(full)::value>(keys, chunks, load_k, dot, s + n * ss, ss);
-  });
+  qk_rows(k, ks, nk, d, q, qs, s, ss, pf);
 }
 
 void qk_rows_bf16(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const uint16_t* q,
                   int64_t qs, float* s, int64_t ss, int64_t pf) {
-  const int64_t chunks = (d + 31) / 32;
-  const int64_t last = d - (chunks - 1) * 32;
-  const __mmask32 tail = last >= 32 ? ~__mmask32{0} : (__mmask32{1} << last) - 1;
-  rows4_keys(nk, [&](int64_t n, int keys, auto full) {
-    const uint16_t* kb = k + n * ks;
-    auto load_k = [&](int a, int64_t c) {
-      const uint16_t* row = kb + a * ks + c * 32;
-      if (pf != 0) V512::prefetch(row + pf);
-      return c + 1 < chunks ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi16(tail, row);
-    };
-    auto dot = [&](__m512* acc, __m512i kv, int64_t c) {
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r)
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)kv,
-                                  (__m512bh)_mm512_loadu_si512(q + r * qs + c * 32));
-    };
-    rows4_block<decltype(full)::value>(keys, chunks, load_k, dot, s + n * ss, ss);
-  });
+  qk_rows(k, ks, nk, d, q, qs, s, ss, pf);
 }
 
 constexpr KernelTable kAvx512Table = {

@@ -34,9 +34,9 @@ inline constexpr int64_t kKeysPerTile = 64;
 inline constexpr int64_t kCopyValuesMinRows = 32;
 inline constexpr int64_t kCopyValuesStrideBytes = 1024;
 
-// Calls with fewer (batch, kv head, query block) tasks than this split
-// their keys so that every core has work (decode: 8 kv heads and one
-// query block give 8 tasks). A constant, not the thread count.
+// Calls with fewer (batch item, kv heads, query block) tasks than this
+// split their keys so that every core has work (decode: one task per batch
+// item, see kInterleaveHeadsMaxRows). A constant, not the thread count.
 inline constexpr int64_t kMinTasksWithoutSplit = 64;
 
 // Keys per split when splitting: 8 tiles, enough that the per-split costs
@@ -45,16 +45,25 @@ inline constexpr int64_t kMinTasksWithoutSplit = 64;
 // item, and absorbed MLA over 4096 keys (one kv head) gives 8.
 inline constexpr int64_t kSplitKeys = 512;
 
-// Split calls whose tasks have at most this many packed rows per kv head
-// (decode: 1-16 tokens times the group) walk all kv heads of a batch item
-// together, tile by tile. A cache is laid out [token, kv head, dim], so one
-// kv head's rows are 512 B pieces 4 KiB apart, one page each: walked alone
-// they cost a TLB miss per row and defeat the hardware prefetchers (a
-// single-threaded read of such rows ran at 7-16 GB/s where a sequential
-// read ran at 35); walked with the other heads, every page is used whole.
+// Calls whose tasks have at most this many packed rows per kv head
+// (decode: 1-16 tokens times the group) walk up to kInterleaveMaxHeads kv
+// heads of a batch item together, tile by tile, whether or not their keys
+// are split. A cache is laid out [token, kv head, dim], so one kv head's
+// rows are 512 B pieces 4 KiB apart, one page each: walked alone they cost
+// a TLB miss per row and defeat the hardware prefetchers (a single-threaded
+// read of such rows ran at 7-16 GB/s where a sequential read ran at 35);
+// walked with the other heads, every page is used whole. (Walking a tile
+// in address order, a few keys of every head at a time, read 1.5x faster
+// in a read-only sweep but not in the kernel, whose arithmetic per byte
+// hides the difference; measured 2026-11-22, docs/PERFORMANCE.md.)
 // Bigger tasks are bound by arithmetic, not by memory, and keep one head
 // each so that their q tiles and accumulators stay in L2.
 inline constexpr int64_t kInterleaveHeadsMaxRows = 16;
+
+// Each walked head keeps its q tile, scores and accumulators (~13 KiB at
+// head_dim 128); 16 heads keep them in L2 and still read 8 KiB (fp32) or
+// 4 KiB (bf16) of each token's row at a time, whole pages.
+inline constexpr int64_t kInterleaveMaxHeads = 16;
 
 // Upper bound on the fp32 values all split partials may take together; a
 // bigger call uses proportionally larger splits (still shape-only).
@@ -69,16 +78,21 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
   plan.block_q = p.seqlen_q < rows ? (p.seqlen_q > 0 ? p.seqlen_q : 1) : rows;
   plan.block_k = kKeysPerTile;
   const int64_t q_blocks = (p.seqlen_q + plan.block_q - 1) / plan.block_q;
-  const int64_t tasks = p.batch * p.num_kv_heads * q_blocks;
+  if (plan.block_q * group <= kInterleaveHeadsMaxRows && p.num_kv_heads > 1)
+    plan.kv_heads_per_task = p.num_kv_heads < kInterleaveMaxHeads ? p.num_kv_heads
+                                                                    : kInterleaveMaxHeads;
+  const int64_t head_blocks =
+      (p.num_kv_heads + plan.kv_heads_per_task - 1) / plan.kv_heads_per_task;
+  const int64_t tasks = p.batch * head_blocks * q_blocks;
   if (tasks < kMinTasksWithoutSplit && p.seqlen_k > kSplitKeys) {
     int64_t split = kSplitKeys;
-    const int64_t row_floats = plan.block_q * group * (p.head_dim_v + 2);
+    const int64_t task_floats =
+        plan.block_q * group * plan.kv_heads_per_task * (p.head_dim_v + 2);
     const int64_t splits_allowed =
-        kMaxPartialFloats / (tasks * row_floats > 0 ? tasks * row_floats : 1);
+        kMaxPartialFloats / (tasks * task_floats > 0 ? tasks * task_floats : 1);
     if (splits_allowed < 2) return plan;
     while ((p.seqlen_k + split - 1) / split + 1 > splits_allowed) split *= 2;
     plan.split_k = split;
-    if (plan.block_q * group <= kInterleaveHeadsMaxRows) plan.kv_heads_per_task = p.num_kv_heads;
   }
   return plan;
 }
