@@ -1,19 +1,21 @@
 // Benchmarks of the fast CPU attention kernel on the shapes of the speed
 // targets, reported against this machine's own limits, measured in-process
-// before the benchmarks run:
+// (per thread count) before the benchmarks run and again after them:
 //   fp32 FMA peak   independent FMAs on the widest vectors the CPU has, on
 //                   as many threads as the benchmark uses (GFLOP/s, 2 per FMA)
 //   DRAM read BW    streaming reads of a 512 MiB buffer, same threads
 // Each benchmark reports GFLOP/s (2 per multiply-add of QK^T and PV, over
 // the visible (query, key) pairs only) as `frac_fma_peak`, and for decode
-// the bytes of K and V it must read as `frac_dram_bw`. Ratios between
-// benchmarks (4-token vs 1-token decode, GQA vs MHA per query head, fast vs
-// reference) are printed in the summary at the end, which takes each
-// benchmark's best repetition and re-measures the limits afterwards.
+// the bytes of K and V it must read as `frac_dram_bw`; decode calls rotate
+// over copies of K/V totalling >= 128 MiB so that they read DRAM, not L3.
+// Ratios between benchmarks (4-token vs 1-token decode, per-key decode time
+// from 4K to 64K keys, GQA/MQA vs MHA per query head, 1 thread vs the
+// default, fast vs reference) are printed in the summary at the end, from
+// each benchmark's best repetition.
 //
-//   build-fast/bench/attnkit_bench                       # everything
-//   build-fast/bench/attnkit_bench --benchmark_filter=decode
-// ATTNKIT_BENCH_THREADS sets the thread count (default 2).
+//   build/bench/attnkit_bench --benchmark_repetitions=5      # everything
+//   build/bench/attnkit_bench --benchmark_filter=decode
+// ATTNKIT_BENCH_THREADS sets the default thread count (2).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -100,10 +102,9 @@ struct Limits {
   const char* isa = "scalar";
 };
 
-Limits measure_limits() {
+Limits measure_limits(int threads) {
   {
     Limits out;
-    const int threads = bench_threads();
     const CpuFeatures& f = cpu_features();
     int lanes = 1;
     float (*loop)(int64_t) = nullptr;
@@ -149,12 +150,15 @@ Limits measure_limits() {
   }
 }
 
-// Measured once before the benchmarks (for the per-benchmark counters) and
-// again after them; the summary uses the higher of the two, so that a busy
-// moment while measuring cannot flatter the fractions.
-const Limits& limits() {
-  static const Limits l = measure_limits();
-  return l;
+// Measured once per thread count before its first benchmark (for the
+// per-benchmark counters) and again after all of them; the summary uses the
+// higher of the two, so that a busy moment while measuring cannot flatter
+// the fractions.
+const Limits& limits(int threads) {
+  static std::map<int, Limits> measured;
+  auto it = measured.find(threads);
+  if (it == measured.end()) it = measured.emplace(threads, measure_limits(threads)).first;
+  return it->second;
 }
 
 // ---- problems ---------------------------------------------------------------
@@ -164,7 +168,15 @@ struct Shape {
   DType kv = DType::kF32;
   bool causal = false;
   bool mla_view = false;  // V = the first dv columns of K's rows
+  int threads = 0;        // 0 = bench_threads()
 };
+
+bool is_decode(const Shape& s) { return s.seqlen_q <= 16; }
+
+// Decode calls rotate over copies of K/V until they total at least this:
+// four times this machine's 32 MiB L3 (AMD's L3 is a victim cache, not
+// strict LRU), so each call finds its K/V in DRAM, not in the L3.
+constexpr size_t kDecodeRotateBytes = size_t{128} << 20;
 
 // Inputs of one shape, filled with random values once.
 class Problem {
@@ -178,8 +190,14 @@ class Problem {
     const size_t vn =
         s.mla_view ? 0 : static_cast<size_t>(s.batch * s.seqlen_k * s.kv_heads * s.dv);
     const size_t bytes = dtype_size(s.kv);
-    k_.resize(kn * bytes);
-    v_.resize(vn * bytes);
+    const size_t set_bytes = (kn + vn) * bytes;
+    sets_ = is_decode(s) && set_bytes > 0
+                ? std::max<size_t>(1, (kDecodeRotateBytes + set_bytes - 1) / set_bytes)
+                : 1;
+    k_.resize(kn * bytes * sets_);
+    v_.resize(vn * bytes * sets_);
+    kn_ = kn * sets_;
+    vn_ = vn * sets_;
     auto fill = [&](std::vector<char>& buf, size_t n) {
       for (size_t i = 0; i < n; ++i) {
         const float x = u(rng);
@@ -191,23 +209,27 @@ class Problem {
         }
       }
     };
-    fill(k_, kn);
-    fill(v_, vn);
+    fill(k_, kn_);
+    fill(v_, vn_);
     out_.resize(static_cast<size_t>(s.batch * s.seqlen_q * s.heads * s.dv));
   }
 
+  // One call on the next K/V set of the rotation.
   Status run(Backend backend, int threads) {
     AttentionOptions o;
     o.causal = s_.causal;
     o.backend = backend;
     o.num_threads = threads;
-    TensorView k = make_view(k_.data(), s_.kv, {s_.batch, s_.seqlen_k, s_.kv_heads, s_.d});
+    const size_t set = next_set_;
+    next_set_ = (next_set_ + 1) % sets_;
+    const size_t k_at = k_.size() / sets_ * set, v_at = v_.size() / sets_ * set;
+    TensorView k = make_view(k_.data() + k_at, s_.kv, {s_.batch, s_.seqlen_k, s_.kv_heads, s_.d});
     TensorView v;
     if (s_.mla_view) {
       v = k;  // a strided view of the first dv columns of K's rows
       v.shape[3] = s_.dv;
     } else {
-      v = make_view(v_.data(), s_.kv, {s_.batch, s_.seqlen_k, s_.kv_heads, s_.dv});
+      v = make_view(v_.data() + v_at, s_.kv, {s_.batch, s_.seqlen_k, s_.kv_heads, s_.dv});
     }
     return sdpa(make_view(q_.data(), DType::kF32, {s_.batch, s_.seqlen_q, s_.heads, s_.d}), k, v,
                 make_view(out_.data(), DType::kF32, {s_.batch, s_.seqlen_q, s_.heads, s_.dv}), o);
@@ -231,7 +253,8 @@ class Problem {
  private:
   Shape s_;
   std::vector<float> q_, out_;
-  std::vector<char> k_, v_;
+  std::vector<char> k_, v_;  // `sets_` copies, one after the other
+  size_t kn_ = 0, vn_ = 0, sets_ = 1, next_set_ = 0;
 };
 
 // The best (lowest) seconds per call of each benchmark over its
@@ -240,6 +263,7 @@ struct Record {
   double seconds = 1e300;
   double flops = 0, kv_bytes = 0;
   bool decode = false;
+  int threads = 0;
 };
 std::map<std::string, Record>& records() {
   static std::map<std::string, Record> m;
@@ -253,7 +277,7 @@ void run_benchmark(benchmark::State& state, const std::string& name, Shape shape
     return;
   }
   Problem problem(shape);
-  const int threads = bench_threads();
+  const int threads = shape.threads > 0 ? shape.threads : bench_threads();
   if (Status st = problem.run(backend, threads); !st.ok()) {
     state.SkipWithError(st.to_string().c_str());
     return;
@@ -269,11 +293,12 @@ void run_benchmark(benchmark::State& state, const std::string& name, Shape shape
   rec.seconds = std::min(rec.seconds, per_call);
   rec.flops = problem.flops();
   rec.kv_bytes = problem.kv_bytes();
-  rec.decode = shape.seqlen_q <= 16;
-  const Limits& lim = limits();
+  rec.decode = is_decode(shape);
+  rec.threads = threads;
+  const Limits& lim = limits(threads);
   state.counters["GFLOPs"] = problem.flops() / per_call / 1e9;
   state.counters["frac_fma_peak"] = problem.flops() / per_call / 1e9 / lim.fma_gflops;
-  if (shape.seqlen_q <= 16) {
+  if (is_decode(shape)) {
     state.counters["GBs"] = problem.kv_bytes() / per_call / 1e9;
     state.counters["frac_dram_bw"] = problem.kv_bytes() / per_call / 1e9 / lim.dram_gbs;
   }
@@ -288,9 +313,9 @@ void add(const std::string& name, const Shape& shape, Backend backend = Backend:
       ->Unit(benchmark::kMillisecond);
 }
 
-Shape gqa_prefill(int64_t kv_heads, DType kv) {
+Shape gqa_prefill(int64_t kv_heads, DType kv, int64_t seqlen = 2048) {
   Shape s;
-  s.seqlen_q = s.seqlen_k = 2048;
+  s.seqlen_q = s.seqlen_k = seqlen;
   s.heads = 32;
   s.kv_heads = kv_heads;
   s.kv = kv;
@@ -298,11 +323,11 @@ Shape gqa_prefill(int64_t kv_heads, DType kv) {
   return s;
 }
 
-Shape gqa_decode(int64_t tokens, DType kv, int64_t batch = 1) {
+Shape gqa_decode(int64_t tokens, DType kv, int64_t batch = 1, int64_t keys = 16384) {
   Shape s;
   s.batch = batch;
   s.seqlen_q = tokens;
-  s.seqlen_k = 16384;
+  s.seqlen_k = keys;
   s.heads = 32;
   s.kv_heads = 8;
   s.kv = kv;
@@ -323,11 +348,22 @@ Shape mla_decode(DType kv) {
   return s;
 }
 
+Shape on_threads(Shape s, int threads) {
+  s.threads = threads;
+  return s;
+}
+
+// The shapes of the speed targets (docs/PERFORMANCE.md), then the thread
+// scaling pair (1 thread against the default), the per-token decode
+// scaling from 4K to 64K keys, and the reference twin on a small size.
 void register_all() {
   add("prefill/causal/gqa32-8/s2048/f32", gqa_prefill(8, DType::kF32));
   add("prefill/causal/gqa32-8/s2048/bf16", gqa_prefill(8, DType::kBF16));
-  add("prefill/causal/mha32/s2048/f32", gqa_prefill(32, DType::kF32));
-  add("prefill/causal/mqa32-1/s2048/f32", gqa_prefill(1, DType::kF32));
+  add("prefill/causal/gqa32-8/s1024/f32", gqa_prefill(8, DType::kF32, 1024));
+  add("prefill/causal/mha32/s1024/f32", gqa_prefill(32, DType::kF32, 1024));
+  add("prefill/causal/mqa32-1/s1024/f32", gqa_prefill(1, DType::kF32, 1024));
+  add("prefill/causal/mha32/s1024/bf16", gqa_prefill(32, DType::kBF16, 1024));
+  add("prefill/causal/mqa32-1/s1024/bf16", gqa_prefill(1, DType::kBF16, 1024));
   add("prefill/causal/gqa32-8/s2048/f32/avx2", gqa_prefill(8, DType::kF32), Backend::kFast,
       SimdTarget::kAvx2);
   for (int64_t tokens : {1, 2, 4, 8, 16})
@@ -335,11 +371,20 @@ void register_all() {
         gqa_decode(tokens, DType::kF32));
   add("decode/gqa32-8/k16384/q1/bf16", gqa_decode(1, DType::kBF16));
   add("decode/gqa32-8/k16384/q4/bf16", gqa_decode(4, DType::kBF16));
+  add("decode/gqa32-8/k16384/b8/q1/f32", gqa_decode(1, DType::kF32, 8));
+  add("decode/gqa32-8/k16384/b8/q1/bf16", gqa_decode(1, DType::kBF16, 8));
+  add("decode/gqa32-8/k16384/b8/q4/f32", gqa_decode(4, DType::kF32, 8));
   add("mla/h128/k4096/q1/f32", mla_decode(DType::kF32));
   add("mla/h128/k4096/q1/bf16", mla_decode(DType::kBF16));
+  // Thread scaling: the same shapes on one thread.
+  add("threads1/prefill/causal/gqa32-8/s2048/f32", on_threads(gqa_prefill(8, DType::kF32), 1));
+  add("threads1/decode/gqa32-8/k16384/q1/f32", on_threads(gqa_decode(1, DType::kF32), 1));
+  add("threads1/mla/h128/k4096/q1/f32", on_threads(mla_decode(DType::kF32), 1));
+  // Per-token decode time from 4K to 64K keys.
+  add("decode/gqa32-8/k4096/q1/f32", gqa_decode(1, DType::kF32, 1, 4096));
+  add("decode/gqa32-8/k65536/q1/f32", gqa_decode(1, DType::kF32, 1, 65536));
   // Against the reference twin, on a size it finishes in reasonable time.
-  Shape small = gqa_prefill(8, DType::kF32);
-  small.seqlen_q = small.seqlen_k = 256;
+  Shape small = gqa_prefill(8, DType::kF32, 256);
   add("prefill/causal/gqa32-8/s256/f32", small);
   add("prefill/causal/gqa32-8/s256/f32/reference", small, Backend::kReference);
   add("smoke/prefill", [] {
@@ -353,25 +398,31 @@ void register_all() {
   }());
 }
 
-void ratio(const char* what, const std::string& num, const std::string& den) {
+void ratio(const char* what, const std::string& num, const std::string& den, double scale = 1.0) {
   const auto& m = records();
   if (!m.count(num) || !m.count(den)) return;
-  std::printf("  %-48s %.3f\n", what, m.at(num).seconds / m.at(den).seconds);
+  std::printf("  %-52s %.3f\n", what, scale * m.at(num).seconds / m.at(den).seconds);
 }
 
 void summary() {
-  const Limits before = limits(), after = measure_limits();
-  const double peak = std::max(before.fma_gflops, after.fma_gflops);
-  const double bw = std::max(before.dram_gbs, after.dram_gbs);
-  std::printf(
-      "\nsummary: best time per call; fractions of the higher of the limits measured\n"
-      "before (%.1f GFLOP/s, %.1f GB/s) and after (%.1f GFLOP/s, %.1f GB/s) the run\n",
-      before.fma_gflops, before.dram_gbs, after.fma_gflops, after.dram_gbs);
-  std::printf("  %-46s %10s %9s %8s %8s %8s\n", "benchmark", "ms", "GFLOP/s", "of peak", "GB/s",
-              "of DRAM");
+  std::map<int, std::pair<Limits, Limits>> lim;  // threads -> (before, after)
+  for (const auto& [name, r] : records())
+    if (!lim.count(r.threads)) lim[r.threads] = {limits(r.threads), measure_limits(r.threads)};
+  std::printf("\nsummary: best time per call; fractions of the higher of the limits measured\n"
+              "before and after the run, on the benchmark's thread count:\n");
+  for (const auto& [threads, ba] : lim)
+    std::printf("  %d thread(s): before %.1f GFLOP/s, %.1f GB/s; after %.1f GFLOP/s, %.1f GB/s\n",
+                threads, ba.first.fma_gflops, ba.first.dram_gbs, ba.second.fma_gflops,
+                ba.second.dram_gbs);
+  std::printf("  %-46s %3s %10s %9s %8s %8s %8s\n", "benchmark", "thr", "ms", "GFLOP/s", "of peak",
+              "GB/s", "of DRAM");
   for (const auto& [name, r] : records()) {
+    const auto& [before, after] = lim.at(r.threads);
+    const double peak = std::max(before.fma_gflops, after.fma_gflops);
+    const double bw = std::max(before.dram_gbs, after.dram_gbs);
     const double gflops = r.flops / r.seconds / 1e9, gbs = r.kv_bytes / r.seconds / 1e9;
-    std::printf("  %-46s %10.3f %9.1f %8.3f", name.c_str(), r.seconds * 1e3, gflops, gflops / peak);
+    std::printf("  %-46s %3d %10.3f %9.1f %8.3f", name.c_str(), r.threads, r.seconds * 1e3, gflops,
+                gflops / peak);
     if (r.decode) std::printf(" %8.1f %8.3f", gbs, gbs / bw);
     std::printf("\n");
   }
@@ -379,10 +430,22 @@ void summary() {
   ratio("decode q4 / q1 (f32)", "decode/gqa32-8/k16384/q4/f32", "decode/gqa32-8/k16384/q1/f32");
   ratio("decode q16 / q1 (f32)", "decode/gqa32-8/k16384/q16/f32", "decode/gqa32-8/k16384/q1/f32");
   ratio("decode q4 / q1 (bf16)", "decode/gqa32-8/k16384/q4/bf16", "decode/gqa32-8/k16384/q1/bf16");
-  ratio("prefill GQA / MHA (same query heads)", "prefill/causal/gqa32-8/s2048/f32",
-        "prefill/causal/mha32/s2048/f32");
-  ratio("prefill MQA / MHA (same query heads)", "prefill/causal/mqa32-1/s2048/f32",
-        "prefill/causal/mha32/s2048/f32");
+  ratio("decode q4 / q1 (f32, batch 8)", "decode/gqa32-8/k16384/b8/q4/f32",
+        "decode/gqa32-8/k16384/b8/q1/f32");
+  ratio("decode per key, 4K / 16K keys", "decode/gqa32-8/k4096/q1/f32",
+        "decode/gqa32-8/k16384/q1/f32", 4.0);
+  ratio("decode per key, 64K / 16K keys", "decode/gqa32-8/k65536/q1/f32",
+        "decode/gqa32-8/k16384/q1/f32", 0.25);
+  ratio("prefill GQA / MHA (same query heads, s1024)", "prefill/causal/gqa32-8/s1024/f32",
+        "prefill/causal/mha32/s1024/f32");
+  ratio("prefill MQA / MHA (same query heads, s1024)", "prefill/causal/mqa32-1/s1024/f32",
+        "prefill/causal/mha32/s1024/f32");
+  ratio("speedup 1 -> default threads, prefill GQA s2048", "threads1/prefill/causal/gqa32-8/s2048/f32",
+        "prefill/causal/gqa32-8/s2048/f32");
+  ratio("speedup 1 -> default threads, decode q1 f32", "threads1/decode/gqa32-8/k16384/q1/f32",
+        "decode/gqa32-8/k16384/q1/f32");
+  ratio("speedup 1 -> default threads, absorbed MLA f32", "threads1/mla/h128/k4096/q1/f32",
+        "mla/h128/k4096/q1/f32");
   ratio("prefill reference / fast (s256)", "prefill/causal/gqa32-8/s256/f32/reference",
         "prefill/causal/gqa32-8/s256/f32");
 }
@@ -394,7 +457,7 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   attnkit::register_all();
-  const attnkit::Limits& lim = attnkit::limits();
+  const attnkit::Limits& lim = attnkit::limits(attnkit::bench_threads());
   std::printf(
       "threads %d, kernels %s; measured fp32 FMA peak %.1f GFLOP/s (%s), DRAM read %.1f GB/s\n",
       attnkit::bench_threads(), attnkit::simd_target_name(attnkit::simd_target()), lim.fma_gflops,
