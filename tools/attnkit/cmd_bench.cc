@@ -123,13 +123,12 @@ Buffers make_buffers(const Shape& s, int n) {
     b.k.push_back(alloc(s.kv, {s.batch, s.seqlen_k, s.kv_heads, s.head_dim}));
     if (!s.v_is_k_prefix) b.v.push_back(alloc(s.kv, {s.batch, s.seqlen_k, s.kv_heads, s.head_dim_v}));
   }
-  // Random values once, copied into the other sets (a memcpy is much
-  // cheaper than generating them again); values do not change the time.
-  fill_uniform(b.k[0].view(), 11, 1.0);
-  if (!b.v.empty()) fill_uniform(b.v[0].view(), 12, 1.0);
-  for (int i = 1; i < n; ++i) {
-    std::memcpy(b.k[static_cast<size_t>(i)].data(), b.k[0].data(), b.k[0].nbytes());
-    if (!b.v.empty()) std::memcpy(b.v[static_cast<size_t>(i)].data(), b.v[0].data(), b.v[0].nbytes());
+  // Every set gets its own random values: identical pages can be merged by
+  // a VM's host and then read from cache, which would flatter decode.
+  for (int i = 0; i < n; ++i) {
+    const uint64_t seed = 11 + 2 * static_cast<uint64_t>(i);
+    fill_uniform(b.k[static_cast<size_t>(i)].view(), seed, 1.0);
+    if (!b.v.empty()) fill_uniform(b.v[static_cast<size_t>(i)].view(), seed + 1, 1.0);
   }
   return b;
 }
