@@ -327,6 +327,15 @@ class TaskRunner {
       sparse_partial = admitted < rows_ * nk;
     }
     const bool masked = !full || sparse_partial || p_.bool_mask || p_.add_mask;
+    // On a causal diagonal (or a window's edge) the task's first query rows
+    // may see none of this tile's keys: whole column blocks of them (the qt
+    // layout's unit) are skipped, leaving their state as a fully masked tile
+    // would. Without this, causal MHA, whose tasks hold 256 query rows,
+    // computed ~25 % more (query, key) pairs than visible at s1024.
+    int64_t il_first = 0;
+    while (row_lo[il_first] >= j1 || row_hi[il_first] <= j0) ++il_first;  // a row sees it
+    const int64_t w = g_.kt->qk_block_cols;
+    m_lo_ = g_.rows_qk ? 0 : il_first * g_.group / w * w;
     const bool more_tiles = j1 < task_end_;
     for (int64_t h = 0; h < heads_; ++h) {
       select_head(h);
@@ -341,12 +350,15 @@ class TaskRunner {
         k_ahead = nk * p_.k_stride.row - (heads_ - 1) * p_.k_stride.head;
         v_ahead = nk * p_.v_stride.row - (heads_ - 1) * p_.v_stride.head;
       }
+      // Columns [m_lo_, m_pad) of s, alpha and the row state are live.
       float* s = ws_ + g_.s;
       scores(j0, nk, s, k_ahead);
-      if (p_.softcap > 0.0f) g_.kt->softcap(s, nk, g_.m_pad, g_.s_stride, p_.softcap);
+      const int64_t cols = g_.m_pad - m_lo_;
+      if (p_.softcap > 0.0f) g_.kt->softcap(s + m_lo_, nk, cols, g_.s_stride, p_.softcap);
       if (masked) apply_masks(j0, nk, s, row_lo, row_hi, sparse_partial);
       float* alpha = ws_ + g_.alpha;
-      g_.kt->softmax(s, nk, g_.m_pad, g_.s_stride, row_max_, row_sum_, alpha);
+      g_.kt->softmax(s + m_lo_, nk, cols, g_.s_stride, row_max_ + m_lo_, row_sum_ + m_lo_,
+                     alpha + m_lo_);
       // A weight of 0 times a NaN or Inf value is NaN: where masked keys
       // hold non-finite values, add only the nonzero weights (rare, slow).
       if (masked && !values_finite(j0, nk))
@@ -370,10 +382,10 @@ class TaskRunner {
                        g_.qt_row, s + at * g_.s_stride, g_.s_stride, prefetch);
       });
     } else if (g_.dot_bf16) {
-      const uint16_t* qt2 = reinterpret_cast<const uint16_t*>(qt_);
+      const uint16_t* qt2 = reinterpret_cast<const uint16_t*>(qt_) + m_lo_ * ceil_div(g_.d, 2) * 2;
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.qk_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, qt2,
-                   g_.m_pad, s + at * g_.s_stride, g_.s_stride, prefetch);
+                   g_.m_pad - m_lo_, s + at * g_.s_stride + m_lo_, g_.s_stride, prefetch);
       });
     } else if (g_.bf16) {
       float* kw = ws_ + g_.kw;
@@ -384,23 +396,29 @@ class TaskRunner {
       if (g_.rows_qk)
         kt.qk_rows_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.qt_row, s, g_.s_stride, 0);
       else
-        kt.qk_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.m_pad, s, g_.s_stride, 0);
+        kt.qk_f32(kw, g_.d_pad, nk, g_.d, qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_, s + m_lo_,
+                  g_.s_stride, 0);
     } else {
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-        kt.qk_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_, g_.m_pad,
-                  s + at * g_.s_stride, g_.s_stride, prefetch);
+        kt.qk_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d,
+                  qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_, s + at * g_.s_stride + m_lo_, g_.s_stride,
+                  prefetch);
       });
     }
   }
 
+  // Rows [m_lo_, m_) of o += P V (s and alpha indexed by packed row).
   void accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha, int64_t prefetch) {
     const KernelTable& kt = *g_.kt;
-    float* o = o_;
+    float* o = o_ + m_lo_ * g_.dv_pad;
     const float* ones = ws_ + g_.ones;
+    s += m_lo_;
+    alpha += m_lo_;
+    const int64_t rows = m_ - m_lo_;
     if (g_.dot_bf16) {
       uint16_t* pack = reinterpret_cast<uint16_t*>(ws_ + g_.pack);
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-        kt.pv_bf16(s + at * g_.s_stride, n, g_.m_pad, g_.s_stride, m_,
+        kt.pv_bf16(s + at * g_.s_stride, n, g_.m_pad - m_lo_, g_.s_stride, rows,
                    static_cast<const uint16_t*>(v_row(row)), p_.v_stride.row, g_.dv, o, g_.dv_pad,
                    at == 0 ? alpha : ones, pack, prefetch);
       });
@@ -421,11 +439,11 @@ class TaskRunner {
         for (int64_t r = 0; r < n; ++r)
           std::memcpy(vw + (at + r) * g_.vw_stride, v + r * p_.v_stride.row, sizeof(float) * g_.dv);
       });
-      kt.pv_f32(s, nk, g_.s_stride, m_, vw, g_.vw_stride, g_.dv, o, g_.dv_pad, alpha, 0);
+      kt.pv_f32(s, nk, g_.s_stride, rows, vw, g_.vw_stride, g_.dv, o, g_.dv_pad, alpha, 0);
       return;
     }
     for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-      kt.pv_f32(s + at * g_.s_stride, n, g_.s_stride, m_, static_cast<const float*>(v_row(row)),
+      kt.pv_f32(s + at * g_.s_stride, n, g_.s_stride, rows, static_cast<const float*>(v_row(row)),
                 p_.v_stride.row, g_.dv, o, g_.dv_pad, at == 0 ? alpha : ones, prefetch);
     });
   }
@@ -440,11 +458,11 @@ class TaskRunner {
 
   void accumulate_skipping_zeros(int64_t j0, int64_t nk, const float* s, const float* alpha) {
     float* o = o_;
-    for (int64_t m = 0; m < m_; ++m)
+    for (int64_t m = m_lo_; m < m_; ++m)
       for (int64_t c = 0; c < g_.dv; ++c) o[m * g_.dv_pad + c] *= alpha[m];
     for (int64_t n = 0; n < nk; ++n) {
       const void* v = v_row(p_.physical_row(j0 + n));
-      for (int64_t m = 0; m < m_; ++m) {
+      for (int64_t m = m_lo_; m < m_; ++m) {
         const float w = s[n * g_.s_stride + m];
         if (w == 0.0f) continue;
         for (int64_t c = 0; c < g_.dv; ++c) o[m * g_.dv_pad + c] += w * load_kv(v, p_.kv_dtype, c);
@@ -491,7 +509,7 @@ class TaskRunner {
     const uint8_t* bits = reinterpret_cast<const uint8_t*>(ws_ + g_.bitmap);
     const bool per_key = sparse_partial || p_.bool_mask || p_.add_mask;
     const Strides4& ms = p_.mask_stride;
-    for (int64_t il = 0; il < rows_; ++il) {
+    for (int64_t il = m_lo_ / g_.group; il < rows_; ++il) {
       const int64_t lo = std::clamp(row_lo[il] - j0, int64_t{0}, nk);
       const int64_t hi = std::clamp(row_hi[il] - j0, lo, nk);
       const int64_t i = i0_ + il;
@@ -554,6 +572,7 @@ class TaskRunner {
   float* ws_;
   int64_t b_ = 0, i0_ = 0, rows_ = 0, m_ = 0, offset_ = 0, task_end_ = 0;
   int64_t g0_ = 0, heads_ = 1;  // the task's kv heads
+  int64_t m_lo_ = 0;            // the tile's first live packed row (tile())
   // The selected head (select_head).
   int64_t kvh_ = 0;
   const char* k_ = nullptr;
