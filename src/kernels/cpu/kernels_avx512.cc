@@ -236,9 +236,138 @@ inline void pv2_columns(int64_t cvecs, int64_t rows, const uint16_t* pp, int64_t
   }
 }
 
+// ---- O = alpha O + P V for bf16 V and at most 4 rows (decode) ------------
+// vdpbf16ps sums adjacent bf16 pairs, so P V needs (v[n][c], v[n+1][c])
+// pairs: keys along the pair. pv_bf16 packs them into scratch per tile;
+// with 1-4 rows that packing cost more than the dot products. Here two V
+// rows are paired in registers: unpacklo/hi_epi16 interleave them within
+// each 128-bit lane, so the accumulators hold columns in the order
+// lo = {0-3, 8-11, 16-19, 24-27}, hi = {4-7, 12-15, 20-23, 28-31} of each
+// 32 columns, and are put back in order once, when stored.
+
+// (x0 = columns 0-15, x1 = 16-31) <-> (lo, hi) as above.
+inline void to_pair_order(__m512 x0, __m512 x1, __m512* lo, __m512* hi) {
+  const __m512i ilo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i ihi =
+      _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  *lo = _mm512_permutex2var_ps(x0, ilo, x1);
+  *hi = _mm512_permutex2var_ps(x0, ihi, x1);
+}
+inline void from_pair_order(__m512 lo, __m512 hi, __m512* x0, __m512* x1) {
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  *x0 = _mm512_permutex2var_ps(lo, i0, hi);
+  *x1 = _mm512_permutex2var_ps(lo, i1, hi);
+}
+
+// Rows [0, kRows) of o, columns [c0, c0 + 64) (fewer at the end of dv:
+// loads are masked to dv, stores stay within dv_pad); pp holds the
+// (p[n][r], p[n+1][r]) pairs of every key pair as 32-bit words [pair][4].
+// kPrefetch: the first block also prefetches both rows whole, pf further on.
+template <int kRows, bool kPrefetch>
+inline void pv_rows_bf16_block(const uint32_t* pp, int64_t pairs, int64_t nk, const uint16_t* v,
+                               int64_t vs, int64_t dv, int64_t c0, float* o, int64_t dv_pad,
+                               const float* alpha, int64_t pf) {
+  const int64_t halves = dv_pad - c0 >= 64 ? 2 : (dv_pad - c0 + 31) / 32;  // 32-column groups
+  __mmask32 mask[2];
+  for (int q = 0; q < 2; ++q) {
+    const int64_t valid = dv - (c0 + 32 * q);
+    mask[q] = valid >= 32 ? ~__mmask32{0} : valid <= 0 ? 0 : (__mmask32{1} << valid) - 1;
+  }
+  __m512 acc[kRows][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q) {
+      if (q < halves) {
+        const float* row = o + r * dv_pad + c0 + 32 * q;
+        // dv_pad is a multiple of 16: the second 16 columns may not exist.
+        const __m512 x0 = _mm512_loadu_ps(row);
+        const __m512 x1 =
+            c0 + 32 * q + 16 < dv_pad ? _mm512_loadu_ps(row + 16) : _mm512_setzero_ps();
+        to_pair_order(_mm512_mul_ps(x0, a), _mm512_mul_ps(x1, a), &acc[r][2 * q],
+                      &acc[r][2 * q + 1]);
+      } else {
+        acc[r][2 * q] = acc[r][2 * q + 1] = _mm512_setzero_ps();
+      }
+    }
+  }
+  for (int64_t i = 0; i < pairs; ++i) {
+    const bool second = 2 * i + 1 < nk;  // an odd tail pairs with zeros
+    const uint16_t* v0 = v + 2 * i * vs + c0;
+    if constexpr (kPrefetch)
+      for (int64_t c = 0; c < dv; c += 32) {  // 32 bf16 per 64-byte line
+        V512::prefetch(v0 + pf + c);
+        V512::prefetch(v0 + vs + pf + c);
+      }
+    __m512i w[4];
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q) {
+      const __m512i a = _mm512_maskz_loadu_epi16(mask[q], v0 + 32 * q);
+      const __m512i b = second ? _mm512_maskz_loadu_epi16(mask[q], v0 + vs + 32 * q)
+                               : _mm512_setzero_si512();
+      w[2 * q] = _mm512_unpacklo_epi16(a, b);
+      w[2 * q + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i * 4 + r]));
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)w[j], p);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q) {
+      if (q >= halves) continue;
+      __m512 x0, x1;
+      from_pair_order(acc[r][2 * q], acc[r][2 * q + 1], &x0, &x1);
+      float* row = o + r * dv_pad + c0 + 32 * q;
+      _mm512_storeu_ps(row, x0);
+      if (c0 + 32 * q + 16 < dv_pad) _mm512_storeu_ps(row + 16, x1);
+    }
+}
+
+template <int kRows>
+void pv_rows_bf16(const float* s, int64_t nk, int64_t ss, const uint16_t* v, int64_t vs,
+                  int64_t dv, float* o, int64_t dv_pad, const float* alpha, uint16_t* pack,
+                  int64_t pf) {
+  const int64_t pairs = (nk + 1) / 2;
+  // The weight pairs, rounded to bf16 as pv_bf16 rounds them.
+  uint32_t* pp = reinterpret_cast<uint32_t*>(pack);
+  for (int64_t i = 0; i < pairs; ++i) {
+    const __m512 a = _mm512_loadu_ps(s + 2 * i * ss);
+    const __m512 b = 2 * i + 1 < nk ? _mm512_loadu_ps(s + (2 * i + 1) * ss) : _mm512_setzero_ps();
+    // Lanes 0-3 of the interleaved pairs are rows 0-3.
+    const __m512i pairs16 = interleave_halves((__m512i)_mm512_cvtne2ps_pbh(b, a));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pp + 4 * i), _mm512_castsi512_si128(pairs16));
+  }
+  for (int64_t c0 = 0; c0 < dv_pad; c0 += 64) {
+    if (c0 == 0 && pf != 0)
+      pv_rows_bf16_block<kRows, true>(pp, pairs, nk, v, vs, dv, c0, o + c0, dv_pad, alpha, pf);
+    else
+      pv_rows_bf16_block<kRows, false>(pp, pairs, nk, v, vs, dv, c0, o + c0, dv_pad, alpha, 0);
+  }
+}
+
 void pv_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows, const uint16_t* v,
              int64_t vs, int64_t dv, float* o, int64_t dv_pad, const float* alpha, uint16_t* pack,
              int64_t pf) {
+  switch (rows) {  // decode: pair V rows in registers (above)
+    case 1:
+      return pv_rows_bf16<1>(s, nk, ss, v, vs, dv, o, dv_pad, alpha, pack, pf);
+    case 2:
+      return pv_rows_bf16<2>(s, nk, ss, v, vs, dv, o, dv_pad, alpha, pack, pf);
+    case 3:
+      return pv_rows_bf16<3>(s, nk, ss, v, vs, dv, o, dv_pad, alpha, pack, pf);
+    case 4:
+      return pv_rows_bf16<4>(s, nk, ss, v, vs, dv, o, dv_pad, alpha, pack, pf);
+    default:
+      break;
+  }
   const int64_t pairs = (nk + 1) / 2;
   uint16_t* pp = pack;                   // [pairs][ss][2] weights
   uint16_t* vp = pack + pairs * 2 * ss;  // [pairs][dv_pad][2] values
