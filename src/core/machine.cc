@@ -174,10 +174,11 @@ MachineProfile measure_machine(int threads, bool quick) {
   const int64_t n = bytes / 4;
   float* buf = static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(bytes)));
   if (buf != nullptr) {
-    // First touch from the reading threads so pages sit where they are read.
-    // Distinct pseudo-random values, as a K/V cache holds: pages of equal
-    // contents (all zeros, all ones) read 1.5-2x faster on this project's
-    // VMs (50-74 GB/s against 35-39), presumably merged by the host.
+    // First touch from the reading threads so pages sit where they are read,
+    // with pseudo-random values, as a K/V cache holds. (On this project's
+    // VMs the rate of this read moves between 34 and 59 GB/s from one second
+    // to the next, whatever the contents; attnkit_bench therefore also
+    // pairs decode calls with reads of the same bytes.)
     timed_parallel(threads, [&](int t) {
       const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
       uint32_t x = 0x9e3779b9u ^ static_cast<uint32_t>(t + 1);

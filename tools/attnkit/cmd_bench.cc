@@ -123,8 +123,7 @@ Buffers make_buffers(const Shape& s, int n) {
     b.k.push_back(alloc(s.kv, {s.batch, s.seqlen_k, s.kv_heads, s.head_dim}));
     if (!s.v_is_k_prefix) b.v.push_back(alloc(s.kv, {s.batch, s.seqlen_k, s.kv_heads, s.head_dim_v}));
   }
-  // Every set gets its own random values: identical pages can be merged by
-  // a VM's host and then read from cache, which would flatter decode.
+  // Every set gets its own random values, as distinct caches hold.
   for (int i = 0; i < n; ++i) {
     const uint64_t seed = 11 + 2 * static_cast<uint64_t>(i);
     fill_uniform(b.k[static_cast<size_t>(i)].view(), seed, 1.0);
