@@ -339,13 +339,18 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
   const float* gate_w = tensors_[kGateIndex].ptr<const float>();
   const float* bias = has_score_bias(c) ? tensors_[kScoreBiasIndex].ptr<const float>() : nullptr;
 
+  // Every projection runs on its shard's thread (one thread inside), on the
+  // caller's backend: kReference runs the loop twin (kernels/linear.h).
+  kernels::LinearOptions lin;
+  lin.backend = run.backend;
+
   // Phase 1: routing. bad[s] = first token of shard s with a non-finite logit.
   std::vector<int64_t> bad(static_cast<size_t>(shards), -1);
   run_shards(shards, [&](int64_t s) {
     const int64_t t0 = std::min(T, s * per_shard), t1 = std::min(T, t0 + per_shard);
     if (t0 == t1) return;
     float* lg = logits.ptr<float>() + t0 * E;
-    kernels::linear(xrows + t0 * ldx, ldx, gate_w, nullptr, lg, E, t1 - t0, E, H);
+    kernels::linear(xrows + t0 * ldx, ldx, gate_w, nullptr, lg, E, t1 - t0, E, H, lin);
     for (int64_t t = t0; t < t1; ++t) {
       if (!route_token(c, lg + (t - t0) * E, bias, route[static_cast<size_t>(s)],
                        r.expert_ids.data() + t * K, r.weights.data() + t * K)) {
@@ -381,7 +386,8 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
     const int32_t* ids = r.expert_ids.data();
     for (int64_t q = t0 * K; q < t1 * K; ++q) ++cnt[static_cast<size_t>(ids[q]) + 1];
     for (int64_t e = 0; e < E; ++e) cnt[static_cast<size_t>(e + 1)] += cnt[static_cast<size_t>(e)];
-    for (int64_t q = t0 * K; q < t1 * K; ++q) slots[static_cast<size_t>(cnt[static_cast<size_t>(ids[q])]++)] = q;
+    for (int64_t q = t0 * K; q < t1 * K; ++q)
+      slots[static_cast<size_t>(cnt[static_cast<size_t>(ids[q])]++)] = q;
     // cnt[e] now holds the end of expert e's run; runs start at cnt[e-1].
     int64_t begin = 0;
     for (int64_t e = 0; e < E; ++e) {
@@ -390,10 +396,10 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
       for (int64_t i = 0; i < n; ++i)
         std::copy_n(xrows + (slots[static_cast<size_t>(begin + i)] / K) * ldx, H, xb + i * H);
       const size_t w = expert_index(c, e);
-      kernels::linear(xb, H, tensors_[w].ptr<const float>(), nullptr, g, I, n, I, H);
-      kernels::linear(xb, H, tensors_[w + 1].ptr<const float>(), nullptr, u, I, n, I, H);
+      kernels::linear(xb, H, tensors_[w].ptr<const float>(), nullptr, g, I, n, I, H, lin);
+      kernels::linear(xb, H, tensors_[w + 1].ptr<const float>(), nullptr, u, I, n, I, H, lin);
       swiglu(g, u, n * I);
-      kernels::linear(g, I, tensors_[w + 2].ptr<const float>(), nullptr, y, H, n, H, I);
+      kernels::linear(g, I, tensors_[w + 2].ptr<const float>(), nullptr, y, H, n, H, I, lin);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t q = slots[static_cast<size_t>(begin + i)];
         const float wt = r.weights[static_cast<size_t>(q)];
@@ -405,10 +411,11 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
     }
     if (S > 0) {
       const size_t w = shared_index(c);
-      kernels::linear(xrows + t0 * ldx, ldx, tensors_[w].ptr<const float>(), nullptr, g, S, nt, S, H);
-      kernels::linear(xrows + t0 * ldx, ldx, tensors_[w + 1].ptr<const float>(), nullptr, u, S, nt, S, H);
+      const float* xs = xrows + t0 * ldx;
+      kernels::linear(xs, ldx, tensors_[w].ptr<const float>(), nullptr, g, S, nt, S, H, lin);
+      kernels::linear(xs, ldx, tensors_[w + 1].ptr<const float>(), nullptr, u, S, nt, S, H, lin);
       swiglu(g, u, nt * S);
-      kernels::linear(g, S, tensors_[w + 2].ptr<const float>(), nullptr, y, H, nt, H, S);
+      kernels::linear(g, S, tensors_[w + 2].ptr<const float>(), nullptr, y, H, nt, H, S, lin);
       for (int64_t i = 0; i < nt * H; ++i) acc[i] += y[i];
     }
     float* od = out.ptr<float>();

@@ -234,7 +234,8 @@ MoeLayer make_layer(const MoeConfig& c, const Weights& w, const std::string& pre
 // the oracle. Returns the worst output error relative to max |out|.
 double check_against_oracle(const MoeConfig& c, const Weights& w, const std::string& prefix,
                             const std::vector<float>& x, int64_t batch, int64_t seq,
-                            bool guard_margin = true, int num_threads = 0) {
+                            bool guard_margin = true, int num_threads = 0,
+                            attnkit::Backend backend = attnkit::Backend::kAuto) {
   const int64_t T = batch * seq, H = c.hidden_size, K = c.num_experts_per_tok;
   const Oracle o = oracle(c, w, prefix, x, T);
   if (guard_margin) {
@@ -246,6 +247,7 @@ double check_against_oracle(const MoeConfig& c, const Weights& w, const std::str
   MoeRouting r;
   attnkit::RunOptions run;
   run.num_threads = num_threads;
+  run.backend = backend;
   const auto st = layer.forward(attnkit::make_view(x.data(), DType::kF32, {batch, seq, H}),
                                 attnkit::make_view(out.data(), DType::kF32, {batch, seq, H}), &r, run);
   EXPECT_TRUE(st.ok()) << st.to_string();
@@ -295,8 +297,11 @@ TEST(MoeLayer, MixtralMatchesDenseOracle) {
   Rng rng(101);
   const Weights w = random_weights(c, "model.layers.3.", rng);
   const auto x = attnkit_test::normal_vector(2 * 13 * 44, rng);
-  const double err = check_against_oracle(c, w, "model.layers.3.", x, 2, 13);
-  EXPECT_LT(err, 1e-5);
+  // Both backends: the projections' oneDNN path and their loop twin.
+  for (attnkit::Backend backend : {attnkit::Backend::kAuto, attnkit::Backend::kReference}) {
+    const double err = check_against_oracle(c, w, "model.layers.3.", x, 2, 13, true, 0, backend);
+    EXPECT_LT(err, 1e-5);
+  }
 }
 
 TEST(MoeLayer, DeepseekV2GroupLimitedGreedyMatchesDenseOracle) {
