@@ -713,8 +713,9 @@ void fuzz_bad(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
       out.data = q.data;
       break;
     case 23:
-      // An out whose elements share memory; an empty out has none to share.
-      if (p.batch == 0) {
+      // An out whose elements share memory; an empty out (any dim 0) has
+      // none to share, so break another rule instead.
+      if (p.batch * p.sq * p.heads * p.dv == 0) {
         out.rank = 2;
       } else if (p.sq >= 2) {
         out.strides[1] = 0;
