@@ -347,6 +347,30 @@ void linear_ref(const float* x, int64_t ldx, const float* w, const float* bias, 
   }
 }
 
+void linear_nn(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+               int64_t rows, int64_t out_features, int64_t in_features, Backend backend) {
+  if (rows <= 0 || out_features <= 0) return;
+  if (resolve_backend(backend) != Backend::kReference && in_features > 0) {
+    OmpThreadsScope single(1);
+    // oneDNN checks lda >= K and ldc >= N even for one row (see block_sgemm).
+    const int64_t lda = rows == 1 ? std::max(ldx, in_features) : ldx;
+    const int64_t ldc = rows == 1 ? std::max(ldy, out_features) : ldy;
+    if (ldx >= in_features || rows == 1)
+      if (dnnl_sgemm('N', 'N', rows, out_features, in_features, 1.0f, x, lda, w, ldw, 0.0f, y,
+                     ldc) == dnnl_success)
+        return;
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    float* yr = y + m * ldy;
+    std::fill(yr, yr + out_features, 0.0f);
+    for (int64_t k = 0; k < in_features; ++k) {
+      const float a = x[m * ldx + k];
+      const float* wr = w + k * ldw;
+      for (int64_t n = 0; n < out_features; ++n) yr[n] += a * wr[n];
+    }
+  }
+}
+
 const char* linear_backend_name() {
   static const std::string name = [] {
     const dnnl_version_t* v = dnnl_version();

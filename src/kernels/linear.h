@@ -58,6 +58,18 @@ void linear(const float* x, int64_t ldx, const float* w, const float* bias, floa
 void linear_ref(const float* x, int64_t ldx, const float* w, const float* bias, float* y,
                 int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features);
 
+// y = x W with W stored [in_features, out_features] (row stride ldw >=
+// out_features), i.e. the weight un-transposed: MLA's absorbed queries
+// W_UK_h^T q use row blocks of kv_b_proj this way without copying them.
+//   x [rows, in_features] row stride ldx; y [rows, out_features] row stride
+//   ldy, not overlapping x or W.
+// On the calling thread only (callers run many of these in parallel, one
+// per head): kAuto/kFast through dnnl_sgemm, single-threaded, falling back
+// to the loop if oneDNN refuses; kReference the loop (fp32 axpys over the
+// rows of W, so each sum runs in k order).
+void linear_nn(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+               int64_t rows, int64_t out_features, int64_t in_features, Backend backend);
+
 // The GEMM behind the fast backend and the ISA it runs, for reports, e.g.
 // "oneDNN 2.6.3 matmul (avx512_core_bf16)". Not affected by ATTNKIT_BACKEND.
 const char* linear_backend_name();

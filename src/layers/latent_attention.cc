@@ -25,6 +25,7 @@
 
 #include "core/check.h"
 #include "core/checked_math.h"
+#include "core/threads.h"
 #include "io/weight_loader.h"
 #include "kernels/dispatch.h"
 #include "kernels/linear.h"
@@ -42,12 +43,12 @@ constexpr int64_t kMaxPosition = int64_t{1} << 53;
 
 // What one attention multiply-add costs relative to one multiply-add of the
 // per-head decompression (kernels::linear over d_c inputs), for
-// choose_form(). Fitted to the process-CPU columns of bench/mla_form_bench
-// at a DeepSeek-V3-shaped layer with the fast attention kernel: one
-// decompression MAC ~0.08-0.09 ns of CPU, one absorbed-attention MAC
-// ~0.01-0.025 ns; every measured decision holds for 0.1 .. 0.5
-// (docs/MLA.md, "Choosing the form").
-constexpr double kAttentionMacCost = 0.2;
+// choose_form(). Measured with bench/mla_form_bench at a DeepSeek-V3-shaped
+// layer, oneDNN projections and the fast attention kernel (2026-11-22): a
+// decompression MAC 0.0144 ns wall / 0.0229 ns CPU, an absorbed-attention
+// MAC 0.0048 / 0.0097 ns, a ratio of 0.33 / 0.42 (docs/MLA.md, "Choosing
+// the form").
+constexpr double kAttentionMacCost = 0.4;
 
 // Uninitialised f32 scratch; allocation failure is reported, not thrown.
 class Scratch {
@@ -66,24 +67,6 @@ class Scratch {
  private:
   std::unique_ptr<float[]> buf_;
 };
-
-// y[m, c] = sum_n x[m, n] * w[n, c]: the product with a transposed
-// nn.Linear weight, for the query absorption q^ = W_UK_h^T q_nope, whose
-// W_UK_h rows lie contiguous in kv_b_proj. Row-wise axpy keeps the inner
-// loop contiguous in both w and y.
-//   x [rows, k] row stride ldx; w [k, n] contiguous; y [rows, n] row stride ldy
-void linear_transposed(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy,
-                       int64_t rows, int64_t k, int64_t n) {
-  for (int64_t m = 0; m < rows; ++m) {
-    float* yr = y + m * ldy;
-    for (int64_t c = 0; c < n; ++c) yr[c] = 0.0f;
-    for (int64_t i = 0; i < k; ++i) {
-      const float a = x[m * ldx + i];
-      const float* wr = w + i * n;
-      for (int64_t c = 0; c < n; ++c) yr[c] += a * wr[c];
-    }
-  }
-}
 
 kernels::Strides4 strides4(int64_t batch, int64_t row, int64_t head) { return {batch, row, head, 1}; }
 
@@ -249,7 +232,7 @@ MlaForm LatentAttention::choose_form(int64_t new_tokens, int64_t cached_tokens) 
   //   absorbed: attention at (d_c + d_r) + d_c MACs per (query, key, head).
   // So decode (T = 1, L > 0) is absorbed and prefill from empty (L = 0) is
   // naive; a chunked prefill over a long cache is absorbed until the chunk
-  // is long enough (~850 tokens at DeepSeek-V3 shapes) that the 3.4x larger
+  // is long enough (~430 tokens at DeepSeek-V3 shapes) that the 3.4x larger
   // attention outweighs re-decompressing the cache.
   const MlaConfig& c = config_;
   const double T = static_cast<double>(new_tokens), L = static_cast<double>(cached_tokens);
@@ -478,12 +461,13 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
     prm.out_stride = strides4(T * H * dv, H * dv, dv);
     ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, run.backend));
   } else {
-    // qa[r, h] = [W_UK_h^T q_nope[r, h] ; q_rope[r, h]].
-    for (int64_t h = 0; h < H; ++h) {
+    // qa[r, h] = [W_UK_h^T q_nope[r, h] ; q_rope[r, h]]: one GEMM per head
+    // against kv_b_proj's rows as stored, the heads spread over the threads.
+    parallel_for(H, resolve_num_threads(run.num_threads), [&](int64_t h, int) {
       const float* w_uk = kv_b + h * (dn + dv) * dc;  // [d_n, d_c]
-      linear_transposed(q.data() + h * dqk, H * dqk, w_uk, qa.data() + h * dkv, H * dkv, rows, dn,
-                        dc);
-    }
+      kernels::linear_nn(q.data() + h * dqk, H * dqk, w_uk, dc, qa.data() + h * dkv, H * dkv,
+                         rows, dc, dn, run.backend);
+    });
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t h = 0; h < H; ++h)
         std::memcpy(qa.data() + (r * H + h) * dkv + dc, q.data() + (r * H + h) * dqk + dn,

@@ -311,5 +311,44 @@ TEST(Linear, BackendNameSaysWhichGemm) {
   EXPECT_EQ(name, std::string(gemm_backend_name()));  // the public name is the same
 }
 
+// linear_nn: y = x W with W stored [in, out] (row stride ldw), both
+// backends, against the float64 loop with the same bound as linear's, and
+// nothing written outside y's [rows, out] elements.
+TEST(LinearNN, RandomShapesAndStrides) {
+  attnkit_test::Rng rng(77);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int64_t rows = rng.integer(1, 9), out = rng.integer(1, 70), in = rng.integer(1, 150);
+    const int64_t ldx = in + rng.integer(0, 3), ldw = out + rng.integer(0, 5),
+                  ldy = out + rng.integer(0, 4);
+    const std::vector<float> x = attnkit_test::uniform_vector(size_t(rows * ldx), rng);
+    const std::vector<float> w = attnkit_test::uniform_vector(size_t(in * ldw), rng);
+    for (Backend backend : {Backend::kFast, Backend::kReference}) {
+      std::vector<float> y(size_t(rows * ldy), kSentinel);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t n = 0; n < out; ++n) y[size_t(m * ldy + n)] = kNaN;  // beta 0: never read
+      linear_nn(x.data(), ldx, w.data(), ldw, y.data(), ldy, rows, out, in, backend);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t n = 0; n < ldy; ++n) {
+          const float got = y[size_t(m * ldy + n)];
+          if (n >= out) {
+            ASSERT_EQ(got, kSentinel) << "wrote outside y at row " << m << " column " << n;
+            continue;
+          }
+          double exact = 0.0, magnitude = 0.0;
+          for (int64_t k = 0; k < in; ++k) {
+            const double p = double(x[size_t(m * ldx + k)]) * w[size_t(k * ldw + n)];
+            exact += p;
+            magnitude += std::fabs(p);
+          }
+          const double nu = double(in + 1) * kU;
+          ASSERT_LE(std::fabs(got - exact), nu / (1.0 - nu) * magnitude)
+              << (backend == Backend::kFast ? "fast" : "reference") << " rows=" << rows
+              << " out=" << out << " in=" << in << " y[" << m << ", " << n << "] = " << got
+              << ", exact " << exact;
+        }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attnkit::kernels
