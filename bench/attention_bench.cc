@@ -1,6 +1,7 @@
 // Benchmarks of the fast CPU attention kernel on the shapes of the speed
 // targets, reported against this machine's own limits, measured in-process
-// (per thread count) before the benchmarks run and again after them:
+// (per thread count, attnkit::measure_machine) before the benchmarks run and
+// again after them:
 //   fp32 FMA peak   independent FMAs on the widest vectors the CPU has, on
 //                   as many threads as the benchmark uses (GFLOP/s, 2 per FMA)
 //   DRAM read BW    streaming reads of a 512 MiB buffer, same threads
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "attnkit/attention.h"
+#include "attnkit/machine.h"
 #include "core/cpu_features.h"
 #include "core/threads.h"
 
@@ -56,29 +58,9 @@ int bench_threads() {
 
 // ---- machine limits ---------------------------------------------------------
 
+// A sequential read, for the decode benchmarks' paired reads (the limits
+// themselves come from attnkit::measure_machine, src/core/machine.cc).
 #if defined(__x86_64__)
-__attribute__((target("avx512f,fma"))) float fma_loop_avx512(int64_t iters) {
-  __m512 acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
-  const __m512 a = _mm512_set1_ps(0.99999f), b = _mm512_set1_ps(1e-6f);
-  for (int64_t it = 0; it < iters; ++it)
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
-  for (int i = 1; i < 12; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
-  float out[16];
-  _mm512_storeu_ps(out, acc[0]);
-  return out[0];
-}
-__attribute__((target("avx2,fma"))) float fma_loop_avx2(int64_t iters) {
-  __m256 acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(0.001f * static_cast<float>(i));
-  const __m256 a = _mm256_set1_ps(0.99999f), b = _mm256_set1_ps(1e-6f);
-  for (int64_t it = 0; it < iters; ++it)
-    for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
-  for (int i = 1; i < 12; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);
-  float out[8];
-  _mm256_storeu_ps(out, acc[0]);
-  return out[0];
-}
 __attribute__((target("avx2"))) float read_avx2(const float* p, int64_t n) {
   __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
   for (int64_t i = 0; i + 32 <= n; i += 32) {
@@ -103,58 +85,12 @@ float read_plain(const float* p, int64_t n) {
 struct Limits {
   double fma_gflops = 0;  // fp32 peak of `threads` threads, 2 flops per FMA
   double dram_gbs = 0;    // read bandwidth of `threads` threads
-  const char* isa = "scalar";
+  std::string isa;
 };
 
 Limits measure_limits(int threads) {
-  {
-    Limits out;
-    const CpuFeatures& f = cpu_features();
-    int lanes = 1;
-    float (*loop)(int64_t) = nullptr;
-#if defined(__x86_64__)
-    if (f.avx512) {
-      loop = fma_loop_avx512;
-      lanes = 16;
-      out.isa = "avx512";
-    } else if (f.avx2) {
-      loop = fma_loop_avx2;
-      lanes = 8;
-      out.isa = "avx2";
-    }
-#endif
-    volatile float sink = 0;
-    if (loop != nullptr) {
-      const int64_t iters = 20'000'000;
-      for (int rep = 0; rep < 5; ++rep) {
-        const auto t0 = Clock::now();
-        parallel_for(threads, threads, [&](int64_t, int) { sink = sink + loop(iters); });
-        const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-        out.fma_gflops = std::max(out.fma_gflops, 2.0 * 12 * lanes * iters * threads / s / 1e9);
-      }
-    }
-    // Random values, as a K/V cache holds.
-    const int64_t n = (int64_t{512} << 20) / 4;
-    std::vector<float> buf(static_cast<size_t>(n));
-    std::mt19937 fill_rng(7);
-    for (float& x : buf) x = static_cast<float>(fill_rng() >> 8) * (1.0f / 16777216.0f);
-    for (int rep = 0; rep < 4; ++rep) {
-      const auto t0 = Clock::now();
-      parallel_for(threads, threads, [&](int64_t t, int) {
-        const int64_t chunk = n / threads;
-#if defined(__x86_64__)
-        if (f.avx2) {
-          sink = sink + read_avx2(buf.data() + t * chunk, chunk);
-          return;
-        }
-#endif
-        sink = sink + read_plain(buf.data() + t * chunk, chunk);
-      });
-      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-      if (rep > 0) out.dram_gbs = std::max(out.dram_gbs, 4.0 * n / s / 1e9);
-    }
-    return out;
-  }
+  const MachineProfile m = measure_machine(threads);
+  return {m.fp32_peak_gflops, m.dram_read_gbps, m.simd};
 }
 
 // Measured once per thread count before its first benchmark (for the
@@ -520,7 +456,7 @@ int main(int argc, char** argv) {
   std::printf(
       "threads %d, kernels %s; measured fp32 FMA peak %.1f GFLOP/s (%s), DRAM read %.1f GB/s\n",
       attnkit::bench_threads(), attnkit::simd_target_name(attnkit::simd_target()), lim.fma_gflops,
-      lim.isa, lim.dram_gbs);
+      lim.isa.c_str(), lim.dram_gbs);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   attnkit::summary();
