@@ -730,6 +730,34 @@ TEST(AttentionFast, DecodeDefaultPlansOverManyKvHeadsAndBatches) {
         }
 }
 
+// Head dims of real models (64-256) span several of the kernels' 64-column
+// blocks and 16-lane vectors; decode tiles (1-4 rows per kv head, the
+// rows_qk and bf16 P V kernels) and prefill tiles are checked at the
+// dims around those boundaries. (The bf16 decode P V once offset its
+// second 64-column block twice; every smaller dim missed it.)
+TEST(AttentionFast, HeadDimsAcrossColumnBlocks) {
+  uint64_t seed = 700;
+  const int64_t dims[][2] = {{64, 63}, {64, 64}, {64, 65}, {96, 96}, {128, 128},
+                             {128, 129}, {192, 128}, {256, 200}, {576, 512}};
+  for (const auto& dd : dims)
+    for (int64_t tokens : {1, 2, 9})
+      for (int64_t group : {1, 4})
+        for (DType kv : {DType::kF32, DType::kBF16}) {
+          Case c;
+          c.seqlen_q = tokens;
+          c.seqlen_k = 150;
+          c.kv_heads = 2;
+          c.heads = 2 * group;
+          c.d = dd[0];
+          c.dv = dd[1];
+          c.kv = kv;
+          c.causal = true;
+          c.seed = ++seed;
+          check_case(c, [&](const Problem& p) { return default_plan(p, 2); });
+          check_case(c, [&](const Problem&) { return tiled(tokens, 64, 64, 3, 2); });
+        }
+}
+
 Case random_case(uint64_t seed) {
   std::mt19937_64 rng(seed);
   auto pick = [&](std::initializer_list<int64_t> xs) {

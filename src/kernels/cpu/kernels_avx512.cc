@@ -345,11 +345,12 @@ void pv_rows_bf16(const float* s, int64_t nk, int64_t ss, const uint16_t* v, int
     const __m512i pairs16 = interleave_halves((__m512i)_mm512_cvtne2ps_pbh(b, a));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(pp + 4 * i), _mm512_castsi512_si128(pairs16));
   }
+  // The block offsets o and v by c0 itself.
   for (int64_t c0 = 0; c0 < dv_pad; c0 += 64) {
     if (c0 == 0 && pf != 0)
-      pv_rows_bf16_block<kRows, true>(pp, pairs, nk, v, vs, dv, c0, o + c0, dv_pad, alpha, pf);
+      pv_rows_bf16_block<kRows, true>(pp, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha, pf);
     else
-      pv_rows_bf16_block<kRows, false>(pp, pairs, nk, v, vs, dv, c0, o + c0, dv_pad, alpha, 0);
+      pv_rows_bf16_block<kRows, false>(pp, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha, 0);
   }
 }
 
