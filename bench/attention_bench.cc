@@ -126,8 +126,8 @@ constexpr size_t kDecodeRotateBytes = size_t{128} << 20;
 // K/V storage aligned as attnkit's own tensors and caches are (64 bytes).
 // A std::vector's 16-byte alignment splits every 64-byte load across two
 // cache lines: a plain read of such a buffer ran 1.4x slower (23 vs 33
-// GB/s, one thread), and so did the kernel's resident decode, which would
-// flatter neither the kernel nor its paired-read yardstick honestly.
+// GB/s, one thread) and resident decode 1.2x slower, so both the kernel
+// and its paired-read yardstick measured split loads, not the cache.
 class AlignedBytes {
  public:
   void resize(size_t n) {
