@@ -5,6 +5,7 @@
 #include "kernels/cpu/attention_cpu.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -86,7 +87,6 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.max_parts = plan.split_k > 0 ? std::max<int64_t>(1, ceil_div(p.seqlen_k, plan.split_k)) : 1;
   g.m_max = g.bq * g.group;
   g.m_pad = round_up(g.m_max, lanes);
-  g.s_stride = odd_line_stride(g.m_pad);
   g.d = p.head_dim;
   g.dv = p.head_dim_v;
   g.d_pad = round_up(g.d, lanes);
@@ -96,6 +96,8 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
              (p.v_stride.row * 4) % kCopyValuesStrideBytes == 0;
   g.rows_qk = g.m_max <= g.kt->qk_rows_max && g.m_pad == lanes &&
               (g.dot_bf16 ? g.kt->qk_rows_bf16 != nullptr : g.kt->qk_rows_f32 != nullptr);
+  // qk_rows_* write s packed, 4 rows per key (see kernel_table.h).
+  g.s_stride = g.rows_qk ? 4 : odd_line_stride(g.m_pad);
   g.qt_row = round_up(g.d, 32);
   g.part_floats = plan.split_k > 0 ? round_up(g.heads * g.m_max * (g.dv + 2), 16) : 0;
 
@@ -178,6 +180,18 @@ bool rows_finite(const void* base, DType dtype, int64_t stride, int64_t rows, in
   return bad == 0;
 }
 
+// out[c] = float_to_bf16(x[c] * scale), without branches so that the
+// compiler vectorises it: decode packs q once per task and kv head, which
+// as a scalar loop took ~6 % of a bf16 decode step.
+void scaled_to_bf16(const float* x, int64_t n, float scale, uint16_t* out) {
+  for (int64_t c = 0; c < n; ++c) {
+    const uint32_t u = std::bit_cast<uint32_t>(x[c] * scale);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // to nearest, ties even
+    const uint32_t quiet_nan = (u >> 16) | 0x40u;
+    out[c] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+  }
+}
+
 float load_kv(const void* base, DType dtype, int64_t index) {
   if (dtype == DType::kBF16) return bf16_to_float(static_cast<const bf16*>(base)[index]);
   return static_cast<const float*>(base)[index];
@@ -202,6 +216,8 @@ class TaskRunner {
     for (int64_t il = 0; il < rows_; ++il)
       key_range(p_, b_, i0_ + il + offset_, &row_lo[il], &row_hi[il]);
     std::fill_n(ws_ + g_.ones, g_.m_pad, 1.0f);
+    // softcap reads a packed tile in whole vectors, past the last key.
+    if (g_.rows_qk) std::fill_n(ws_ + g_.s, round_up(g_.bk * 4, 16), 0.0f);
     for (int64_t h = 0; h < heads_; ++h) {
       select_head(h);
       pack_q();
@@ -262,14 +278,21 @@ class TaskRunner {
     const int64_t w = g_.kt->qk_block_cols, dim = p_.q_stride.dim;
     const KernelTable& kt = *g_.kt;
     if (g_.rows_qk) {  // 4 row-major rows, zero-padded
-      for (int64_t r = 0; r < 4; ++r)
-        for (int64_t c = 0; c < g_.qt_row; ++c) {
-          const float x = r < m_ && c < g_.d ? rows[r][c * dim] * scale : 0.0f;
-          if (g_.dot_bf16)
-            reinterpret_cast<uint16_t*>(qt_)[r * g_.qt_row + c] = float_to_bf16(x).bits;
+      for (int64_t r = 0; r < 4; ++r) {
+        const int64_t valid = r < m_ ? g_.d : 0;
+        if (g_.dot_bf16) {
+          uint16_t* out = reinterpret_cast<uint16_t*>(qt_) + r * g_.qt_row;
+          if (dim == 1)
+            scaled_to_bf16(rows[r], valid, scale, out);
           else
-            qt_[r * g_.qt_row + c] = x;
+            for (int64_t c = 0; c < valid; ++c) out[c] = float_to_bf16(rows[r][c * dim] * scale).bits;
+          std::fill(out + valid, out + g_.qt_row, uint16_t{0});
+        } else {
+          float* out = qt_ + r * g_.qt_row;
+          for (int64_t c = 0; c < valid; ++c) out[c] = rows[r][c * dim] * scale;
+          std::fill(out + valid, out + g_.qt_row, 0.0f);
         }
+      }
       return;
     }
     if (dim == 1 && (g_.dot_bf16 ? kt.pack_q_bf16 != nullptr : kt.pack_q_f32 != nullptr)) {
@@ -354,11 +377,19 @@ class TaskRunner {
       float* s = ws_ + g_.s;
       scores(j0, nk, s, k_ahead);
       const int64_t cols = g_.m_pad - m_lo_;
-      if (p_.softcap > 0.0f) g_.kt->softcap(s + m_lo_, nk, cols, g_.s_stride, p_.softcap);
+      if (p_.softcap > 0.0f) {
+        if (g_.rows_qk)  // elementwise: the packed tile as rows of 16 (whole vectors)
+          g_.kt->softcap(s, ceil_div(nk * 4, 16), 16, 16, p_.softcap);
+        else
+          g_.kt->softcap(s + m_lo_, nk, cols, g_.s_stride, p_.softcap);
+      }
       if (masked) apply_masks(j0, nk, s, row_lo, row_hi, sparse_partial);
       float* alpha = ws_ + g_.alpha;
-      g_.kt->softmax(s + m_lo_, nk, cols, g_.s_stride, row_max_ + m_lo_, row_sum_ + m_lo_,
-                     alpha + m_lo_);
+      if (g_.rows_qk)
+        g_.kt->softmax_rows4(s, nk, row_max_, row_sum_, alpha);
+      else
+        g_.kt->softmax(s + m_lo_, nk, cols, g_.s_stride, row_max_ + m_lo_, row_sum_ + m_lo_,
+                       alpha + m_lo_);
       // A weight of 0 times a NaN or Inf value is NaN: where masked keys
       // hold non-finite values, add only the nonzero weights (rare, slow).
       if (masked && !values_finite(j0, nk))
@@ -374,12 +405,12 @@ class TaskRunner {
       const uint16_t* q = reinterpret_cast<const uint16_t*>(qt_);
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.qk_rows_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, q,
-                        g_.qt_row, s + at * g_.s_stride, g_.s_stride, prefetch);
+                        g_.qt_row, s + at * 4, prefetch);
       });
     } else if (g_.rows_qk && !g_.bf16) {
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.qk_rows_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_,
-                       g_.qt_row, s + at * g_.s_stride, g_.s_stride, prefetch);
+                       g_.qt_row, s + at * 4, prefetch);
       });
     } else if (g_.dot_bf16) {
       const uint16_t* qt2 = reinterpret_cast<const uint16_t*>(qt_) + m_lo_ * ceil_div(g_.d, 2) * 2;
@@ -394,7 +425,7 @@ class TaskRunner {
                       kw + at * g_.d_pad, g_.d_pad);
       });
       if (g_.rows_qk)
-        kt.qk_rows_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.qt_row, s, g_.s_stride, 0);
+        kt.qk_rows_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.qt_row, s, 0);
       else
         kt.qk_f32(kw, g_.d_pad, nk, g_.d, qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_, s + m_lo_,
                   g_.s_stride, 0);

@@ -63,11 +63,15 @@ struct KernelTable {
   // when m_pad == lanes): s = K Q^T with the head dimension along the lanes,
   // from q row-major, q[r * q_stride + c] = scale * q_r[c], rows r < 4
   // (rows past the tile's are 0, as are columns past head_dim up to a
-  // multiple of 32). Writes all m_pad columns of s (the pad ones 0).
+  // multiple of 32). s is packed: s[n * 4 + r], four keys per 16 lanes, so
+  // that the softmax works on whole vectors (softmax_rows4) instead of
+  // vectors of which 12 lanes are padding.
   int qk_rows_max;
   void (*qk_rows_f32)(const float* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
-                      const float* q, int64_t q_stride, float* s, int64_t s_stride,
-                      int64_t prefetch);
+                      const float* q, int64_t q_stride, float* s, int64_t prefetch);
+  // The online-softmax step of `softmax` for packed s[n * 4 + r], rows
+  // r < 4; row_max, row_sum and alpha are read and written at [0, 4).
+  void (*softmax_rows4)(float* s, int64_t nk, float* row_max, float* row_sum, float* alpha);
 
   // vdpbf16ps kernels; nullptr unless the target has AVX512_BF16.
   // As qk_f32 with bf16 keys and qt2 pairs.
@@ -83,8 +87,7 @@ struct KernelTable {
                       uint16_t* dst, int64_t w);
   // As qk_rows_f32 with bf16 keys and bf16 q rows.
   void (*qk_rows_bf16)(const uint16_t* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
-                       const uint16_t* q, int64_t q_stride, float* s, int64_t s_stride,
-                       int64_t prefetch);
+                       const uint16_t* q, int64_t q_stride, float* s, int64_t prefetch);
 };
 
 inline int64_t pv_bf16_pack_elems(int64_t nk, int64_t s_stride, int64_t dv_pad) {

@@ -100,6 +100,7 @@ constexpr KernelTable kAvx2Table = {
     nullptr,
     nullptr,
     nullptr,
+    nullptr,
 };
 
 }  // namespace

@@ -3,6 +3,7 @@
 // exactly; kAvx512Bf16 adds the vdpbf16ps kernels for bf16 K/V.
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "kernels/cpu/kernel_table.h"
@@ -338,12 +339,13 @@ void pv_rows_bf16(const float* s, int64_t nk, int64_t ss, const uint16_t* v, int
   const int64_t pairs = (nk + 1) / 2;
   // The weight pairs, rounded to bf16 as pv_bf16 rounds them.
   uint32_t* pp = reinterpret_cast<uint32_t*>(pack);
+  // Rows 0-3 of a key (4 floats; s may be packed, ss = 4).
+  const __m128i order = _mm_setr_epi16(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t i = 0; i < pairs; ++i) {
-    const __m512 a = _mm512_loadu_ps(s + 2 * i * ss);
-    const __m512 b = 2 * i + 1 < nk ? _mm512_loadu_ps(s + (2 * i + 1) * ss) : _mm512_setzero_ps();
-    // Lanes 0-3 of the interleaved pairs are rows 0-3.
-    const __m512i pairs16 = interleave_halves((__m512i)_mm512_cvtne2ps_pbh(b, a));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(pp + 4 * i), _mm512_castsi512_si128(pairs16));
+    const __m128 a = _mm_loadu_ps(s + 2 * i * ss);
+    const __m128 b = 2 * i + 1 < nk ? _mm_loadu_ps(s + (2 * i + 1) * ss) : _mm_setzero_ps();
+    const __m128i ab = (__m128i)_mm_cvtne2ps_pbh(b, a);  // a0-a3, b0-b3
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pp + 4 * i), _mm_permutexvar_epi16(order, ab));
   }
   // The block offsets o and v by c0 itself.
   for (int64_t c0 = 0; c0 < dv_pad; c0 += 64) {
@@ -502,13 +504,14 @@ inline __m512 hsum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(y, z, 0x88), _mm512_shuffle_f32x4(y, z, 0xdd));
 }
 
-// Writes the scores of keys [0, keys) of a 4-key block: row n of s gets the
-// key's 4 row scores in lanes 0-3 and zeros in the other 12 (m_pad = 16).
-inline void store_rows4(const __m512 acc[16], int keys, float* s, int64_t ss) {
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, hsum16(acc));
-  for (int a = 0; a < keys; ++a)
-    _mm512_storeu_ps(s + a * ss, _mm512_maskz_loadu_ps(0xf, sums + 4 * a));
+// Writes the scores of keys [0, keys) of a 4-key block, packed: hsum16
+// leaves key a's row r in lane 4a + r, which is s[a * 4 + r].
+inline void store_rows4(const __m512 acc[16], int keys, float* s) {
+  const __m512 sums = hsum16(acc);
+  if (keys == 4)
+    _mm512_storeu_ps(s, sums);
+  else
+    _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << (4 * keys)) - 1u), sums);
 }
 
 // One block of kKeys (1-4) keys against the 4 query rows q[r * qs ...]:
@@ -520,7 +523,7 @@ inline void store_rows4(const __m512 acc[16], int keys, float* s, int64_t ss) {
 // speed). The last chunk is loaded under `tail`, the others whole.
 template <int kKeys, bool kPrefetch, class Elem>
 inline void rows4_block(const Elem* k, int64_t ks, int64_t chunks, __mmask32 tail,
-                        const Elem* q, int64_t qs, float* s, int64_t ss, int64_t pf) {
+                        const Elem* q, int64_t qs, float* s, int64_t pf) {
   constexpr int kPer = 64 / sizeof(Elem);  // elements per vector
   __m512 acc[16];
 #pragma GCC unroll 16
@@ -556,23 +559,23 @@ inline void rows4_block(const Elem* k, int64_t ks, int64_t chunks, __mmask32 tai
   __m512 sums[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) sums[i] = acc[i];
-  store_rows4(sums, kKeys, s, ss);
+  store_rows4(sums, kKeys, s);
 }
 
 // S = K Q^T for nk keys in blocks of 4 (a last block of 1-3 keys alone).
 template <bool kPrefetch, class Elem>
 inline void rows4_keys(const Elem* k, int64_t ks, int64_t nk, int64_t chunks, __mmask32 tail,
-                       const Elem* q, int64_t qs, float* s, int64_t ss, int64_t pf) {
+                       const Elem* q, int64_t qs, float* s, int64_t pf) {
   int64_t n = 0;
   for (; n + 4 <= nk; n += 4)
-    rows4_block<4, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, s + n * ss, ss, pf);
+    rows4_block<4, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, s + n * 4, pf);
   switch (nk - n) {
     case 3:
-      return rows4_block<3, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, s + n * ss, ss, pf);
+      return rows4_block<3, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, s + n * 4, pf);
     case 2:
-      return rows4_block<2, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, s + n * ss, ss, pf);
+      return rows4_block<2, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, s + n * 4, pf);
     case 1:
-      return rows4_block<1, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, s + n * ss, ss, pf);
+      return rows4_block<1, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, s + n * 4, pf);
     default:
       return;
   }
@@ -580,25 +583,76 @@ inline void rows4_keys(const Elem* k, int64_t ks, int64_t nk, int64_t chunks, __
 
 template <class Elem>
 void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const Elem* q, int64_t qs,
-             float* s, int64_t ss, int64_t pf) {
+             float* s, int64_t pf) {
   constexpr int64_t kPer = 64 / sizeof(Elem);
   const int64_t chunks = (d + kPer - 1) / kPer;
   const int64_t last = d - (chunks - 1) * kPer;
   const __mmask32 tail = last >= 32 ? ~__mmask32{0} : (__mmask32{1} << last) - 1;
   if (pf != 0)
-    rows4_keys<true>(k, ks, nk, chunks, tail, q, qs, s, ss, pf);
+    rows4_keys<true>(k, ks, nk, chunks, tail, q, qs, s, pf);
   else
-    rows4_keys<false>(k, ks, nk, chunks, tail, q, qs, s, ss, pf);
+    rows4_keys<false>(k, ks, nk, chunks, tail, q, qs, s, pf);
 }
 
 void qk_rows_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs,
-                 float* s, int64_t ss, int64_t pf) {
-  qk_rows(k, ks, nk, d, q, qs, s, ss, pf);
+                 float* s, int64_t pf) {
+  qk_rows(k, ks, nk, d, q, qs, s, pf);
 }
 
 void qk_rows_bf16(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const uint16_t* q,
-                  int64_t qs, float* s, int64_t ss, int64_t pf) {
-  qk_rows(k, ks, nk, d, q, qs, s, ss, pf);
+                  int64_t qs, float* s, int64_t pf) {
+  qk_rows(k, ks, nk, d, q, qs, s, pf);
+}
+
+// ---- the online-softmax step on packed 4-row scores -----------------------
+// simd::softmax on s[n][16] with 4 live rows spends 16 lanes of max, exp and
+// sum per key on 4 values. Packed, lane 4a + r of a vector is key a's row r,
+// so a vector holds 4 keys and every lane counts: a row's values sit in the
+// same lane of each 128-bit quarter, and two quarter swaps reduce them.
+
+// Every quarter gets f of all four quarters, lane by lane.
+template <class Op>
+inline __m512 across_quarters(__m512 x, Op op) {
+  x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  return op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+void softmax_rows4(float* s, int64_t nk, float* row_max, float* row_sum, float* alpha) {
+  const int64_t vecs = (nk + 3) / 4;
+  // Lanes past the last key read as -inf: no effect on the max, weight 0.
+  const __mmask16 tail = V512::mask_first(nk * 4 - (vecs - 1) * 16);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  auto load = [&](int64_t j) {
+    return j + 1 < vecs ? _mm512_loadu_ps(s + 16 * j) : _mm512_mask_loadu_ps(ninf, tail, s + 16 * j);
+  };
+  const __m512 old_max = _mm512_broadcast_f32x4(_mm_loadu_ps(row_max));
+  __m512 mx0 = old_max, mx1 = old_max;
+  int64_t j = 0;
+  for (; j + 2 <= vecs; j += 2) {
+    mx0 = V512::max(load(j), mx0);
+    mx1 = V512::max(load(j + 1), mx1);
+  }
+  if (j < vecs) mx0 = V512::max(load(j), mx0);
+  const __m512 new_max = across_quarters(V512::max(mx0, mx1), V512::max);
+  // As in simd::softmax: a row with no finite score yet shifts by 0.
+  const __m512 shift = V512::ninf_to_zero(new_max);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  for (j = 0; j < vecs; ++j) {
+    const __m512 p = V512::exp(_mm512_sub_ps(load(j), shift));
+    if (j + 1 < vecs)
+      _mm512_storeu_ps(s + 16 * j, p);
+    else
+      _mm512_mask_storeu_ps(s + 16 * j, tail, p);
+    if (j & 1)
+      sum1 = _mm512_add_ps(sum1, p);
+    else
+      sum0 = _mm512_add_ps(sum0, p);
+  }
+  const __m512 sum = across_quarters(_mm512_add_ps(sum0, sum1), _mm512_add_ps);
+  const __m128 a = _mm512_castps512_ps128(V512::exp(_mm512_sub_ps(old_max, shift)));
+  _mm_storeu_ps(row_sum, _mm_fmadd_ps(_mm_loadu_ps(row_sum), a, _mm512_castps512_ps128(sum)));
+  _mm_storeu_ps(row_max, _mm512_castps512_ps128(new_max));
+  _mm_storeu_ps(alpha, a);
 }
 
 constexpr KernelTable kAvx512Table = {
@@ -612,6 +666,7 @@ constexpr KernelTable kAvx512Table = {
     pack_q_f32,
     4,
     qk_rows_f32,
+    softmax_rows4,
     nullptr,
     nullptr,
     nullptr,
@@ -629,6 +684,7 @@ constexpr KernelTable kAvx512Bf16Table = {
     pack_q_f32,
     4,
     qk_rows_f32,
+    softmax_rows4,
     qk_bf16,
     pv_bf16,
     pack_q_bf16,

@@ -105,6 +105,7 @@ constexpr KernelTable kScalarTable = {
     nullptr,
     nullptr,
     nullptr,
+    nullptr,
 };
 
 }  // namespace
