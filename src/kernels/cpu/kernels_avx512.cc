@@ -237,14 +237,20 @@ inline void pv2_columns(int64_t cvecs, int64_t rows, const uint16_t* pp, int64_t
   }
 }
 
-// ---- O = alpha O + P V for bf16 V and at most 4 rows (decode) ------------
+// ---- O = alpha O + P V for bf16 V and at most 16 rows (decode) -----------
 // vdpbf16ps sums adjacent bf16 pairs, so P V needs (v[n][c], v[n+1][c])
-// pairs: keys along the pair. pv_bf16 packs them into scratch per tile;
-// with 1-4 rows that packing cost more than the dot products. Here two V
-// rows are paired in registers: unpacklo/hi_epi16 interleave them within
+// pairs: keys along the pair. pv_bf16 packs them into scratch per tile for
+// prefill; for decode's few rows that packing costs more than the dot
+// products. Here two V rows are paired in registers: unpacklo/hi_epi16 interleave them within
 // each 128-bit lane, so the accumulators hold columns in the order
 // lo = {0-3, 8-11, 16-19, 24-27}, hi = {4-7, 12-15, 20-23, 28-31} of each
 // 32 columns, and are put back in order once, when stored.
+
+// Tiles of up to this many rows pair V in registers; bigger ones (prefill)
+// pack V pairs once per tile and reuse them across all their row blocks.
+// At 16 rows (4-token GQA decode) the packing pass cost more than the
+// unpacks it saves: see docs/PERFORMANCE.md.
+constexpr int64_t kPvPairInRegistersMaxRows = 16;
 
 // (x0 = columns 0-15, x1 = 16-31) <-> (lo, hi) as above.
 inline void to_pair_order(__m512 x0, __m512 x1, __m512* lo, __m512* hi) {
@@ -264,12 +270,14 @@ inline void from_pair_order(__m512 lo, __m512 hi, __m512* x0, __m512* x1) {
 
 // Rows [0, kRows) of o, columns [c0, c0 + 64) (fewer at the end of dv:
 // loads are masked to dv, stores stay within dv_pad); pp holds the
-// (p[n][r], p[n+1][r]) pairs of every key pair as 32-bit words [pair][4].
-// kPrefetch: the first block also prefetches both rows whole, pf further on.
+// (p[n][r], p[n+1][r]) pairs of every key pair as 32-bit words
+// pp[pair * pp_stride + r]. kRows <= 6: 24 accumulators, 4 paired V
+// vectors and a weight fit the 32 registers.
+// kPrefetch: the block also prefetches both rows whole, pf further on.
 template <int kRows, bool kPrefetch>
-inline void pv_rows_bf16_block(const uint32_t* pp, int64_t pairs, int64_t nk, const uint16_t* v,
-                               int64_t vs, int64_t dv, int64_t c0, float* o, int64_t dv_pad,
-                               const float* alpha, int64_t pf) {
+inline void pv_rows_bf16_block(const uint32_t* pp, int64_t pp_stride, int64_t pairs, int64_t nk,
+                               const uint16_t* v, int64_t vs, int64_t dv, int64_t c0, float* o,
+                               int64_t dv_pad, const float* alpha, int64_t pf) {
   const int64_t halves = dv_pad - c0 >= 64 ? 2 : (dv_pad - c0 + 31) / 32;  // 32-column groups
   __mmask32 mask[2];
   for (int q = 0; q < 2; ++q) {
@@ -277,7 +285,7 @@ inline void pv_rows_bf16_block(const uint32_t* pp, int64_t pairs, int64_t nk, co
     mask[q] = valid >= 32 ? ~__mmask32{0} : valid <= 0 ? 0 : (__mmask32{1} << valid) - 1;
   }
   __m512 acc[kRows][4];
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int r = 0; r < kRows; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
 #pragma GCC unroll 2
@@ -312,14 +320,14 @@ inline void pv_rows_bf16_block(const uint32_t* pp, int64_t pairs, int64_t nk, co
       w[2 * q] = _mm512_unpacklo_epi16(a, b);
       w[2 * q + 1] = _mm512_unpackhi_epi16(a, b);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < kRows; ++r) {
-      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i * 4 + r]));
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i * pp_stride + r]));
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)w[j], p);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int r = 0; r < kRows; ++r)
 #pragma GCC unroll 2
     for (int q = 0; q < 2; ++q) {
@@ -333,44 +341,61 @@ inline void pv_rows_bf16_block(const uint32_t* pp, int64_t pairs, int64_t nk, co
 }
 
 template <int kRows>
-void pv_rows_bf16(const float* s, int64_t nk, int64_t ss, const uint16_t* v, int64_t vs,
-                  int64_t dv, float* o, int64_t dv_pad, const float* alpha, uint16_t* pack,
-                  int64_t pf) {
-  const int64_t pairs = (nk + 1) / 2;
-  // The weight pairs, rounded to bf16 as pv_bf16 rounds them.
-  uint32_t* pp = reinterpret_cast<uint32_t*>(pack);
-  // Rows 0-3 of a key (4 floats; s may be packed, ss = 4).
-  const __m128i order = _mm_setr_epi16(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t i = 0; i < pairs; ++i) {
-    const __m128 a = _mm_loadu_ps(s + 2 * i * ss);
-    const __m128 b = 2 * i + 1 < nk ? _mm_loadu_ps(s + (2 * i + 1) * ss) : _mm_setzero_ps();
-    const __m128i ab = (__m128i)_mm_cvtne2ps_pbh(b, a);  // a0-a3, b0-b3
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(pp + 4 * i), _mm_permutexvar_epi16(order, ab));
-  }
-  // The block offsets o and v by c0 itself.
-  for (int64_t c0 = 0; c0 < dv_pad; c0 += 64) {
-    if (c0 == 0 && pf != 0)
-      pv_rows_bf16_block<kRows, true>(pp, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha, pf);
+inline void pv_rows_bf16_any(int64_t rows, const uint32_t* pp, int64_t pp_stride, int64_t pairs,
+                             int64_t nk, const uint16_t* v, int64_t vs, int64_t dv, int64_t c0,
+                             float* o, int64_t dv_pad, const float* alpha, int64_t pf) {
+  if constexpr (kRows >= 1) {
+    if (rows != kRows)
+      return pv_rows_bf16_any<kRows - 1>(rows, pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad,
+                                         alpha, pf);
+    if (pf != 0)
+      pv_rows_bf16_block<kRows, true>(pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha,
+                                      pf);
     else
-      pv_rows_bf16_block<kRows, false>(pp, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha, 0);
+      pv_rows_bf16_block<kRows, false>(pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha,
+                                       0);
   }
+}
+
+// Decode tiles: the weight pairs, rounded to bf16 as pv_bf16 rounds them,
+// then blocks of up to 6 rows by 64 columns; the first block prefetches.
+void pv_rows_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows,
+                  const uint16_t* v, int64_t vs, int64_t dv, float* o, int64_t dv_pad,
+                  const float* alpha, uint16_t* pack, int64_t pf) {
+  const int64_t pairs = (nk + 1) / 2;
+  uint32_t* pp = reinterpret_cast<uint32_t*>(pack);
+  int64_t pp_stride;
+  if (rows <= 4) {  // 4 floats per key (s may be packed, ss = 4): pp [pair][4]
+    pp_stride = 4;
+    const __m128i order = _mm_setr_epi16(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = 0; i < pairs; ++i) {
+      const __m128 a = _mm_loadu_ps(s + 2 * i * ss);
+      const __m128 b = 2 * i + 1 < nk ? _mm_loadu_ps(s + (2 * i + 1) * ss) : _mm_setzero_ps();
+      const __m128i ab = (__m128i)_mm_cvtne2ps_pbh(b, a);  // a0-a3, b0-b3
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pp + 4 * i), _mm_permutexvar_epi16(order, ab));
+    }
+  } else {  // pp [pair][ss]
+    pp_stride = ss;
+    for (int64_t i = 0; i < pairs; ++i) {
+      const float* s0 = s + 2 * i * ss;
+      for (int64_t m = 0; m < m_pad; m += 16) {
+        const __m512 a = _mm512_loadu_ps(s0 + m);
+        const __m512 b = 2 * i + 1 < nk ? _mm512_loadu_ps(s0 + ss + m) : _mm512_setzero_ps();
+        _mm512_storeu_si512(pp + i * ss + m, interleave_halves((__m512i)_mm512_cvtne2ps_pbh(b, a)));
+      }
+    }
+  }
+  for (int64_t c0 = 0; c0 < dv_pad; c0 += 64)  // the block offsets o and v by c0 itself
+    for (int64_t m = 0; m < rows; m += 6)
+      pv_rows_bf16_any<6>(rows - m < 6 ? rows - m : 6, pp + m, pp_stride, pairs, nk, v, vs, dv,
+                          c0, o + m * dv_pad, dv_pad, alpha + m, c0 == 0 && m == 0 ? pf : 0);
 }
 
 void pv_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows, const uint16_t* v,
              int64_t vs, int64_t dv, float* o, int64_t dv_pad, const float* alpha, uint16_t* pack,
              int64_t pf) {
-  switch (rows) {  // decode: pair V rows in registers (above)
-    case 1:
-      return pv_rows_bf16<1>(s, nk, ss, v, vs, dv, o, dv_pad, alpha, pack, pf);
-    case 2:
-      return pv_rows_bf16<2>(s, nk, ss, v, vs, dv, o, dv_pad, alpha, pack, pf);
-    case 3:
-      return pv_rows_bf16<3>(s, nk, ss, v, vs, dv, o, dv_pad, alpha, pack, pf);
-    case 4:
-      return pv_rows_bf16<4>(s, nk, ss, v, vs, dv, o, dv_pad, alpha, pack, pf);
-    default:
-      break;
-  }
+  if (rows <= kPvPairInRegistersMaxRows)
+    return pv_rows_bf16(s, nk, m_pad, ss, rows, v, vs, dv, o, dv_pad, alpha, pack, pf);
   const int64_t pairs = (nk + 1) / 2;
   uint16_t* pp = pack;                   // [pairs][ss][2] weights
   uint16_t* vp = pack + pairs * 2 * ss;  // [pairs][dv_pad][2] values
