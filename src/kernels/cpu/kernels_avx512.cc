@@ -116,7 +116,7 @@ inline void qk2_block(const uint16_t* k, int64_t ks, int64_t d, const uint16_t* 
     for (int b = 0; b < MV; ++b) acc[a][b] = _mm512_setzero_ps();
   const int64_t pairs = d / 2;
   for (int64_t i = 0; i < pairs; ++i) {
-    if (pf != 0 && i % 32 == 0)  // one 64-byte line holds 32 pairs
+    if (pf != 0 && i % 16 == 0)  // one 64-byte line holds 16 pairs
 #pragma GCC unroll 16
       for (int a = 0; a < KB; ++a) V512::prefetch(k + a * ks + pf + 2 * i);
     const uint16_t* qrow = qt2 + i * w * 2;
