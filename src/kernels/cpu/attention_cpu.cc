@@ -285,7 +285,8 @@ class TaskRunner {
           if (dim == 1)
             scaled_to_bf16(rows[r], valid, scale, out);
           else
-            for (int64_t c = 0; c < valid; ++c) out[c] = float_to_bf16(rows[r][c * dim] * scale).bits;
+            for (int64_t c = 0; c < valid; ++c)
+              out[c] = float_to_bf16(rows[r][c * dim] * scale).bits;
           std::fill(out + valid, out + g_.qt_row, uint16_t{0});
         } else {
           float* out = qt_ + r * g_.qt_row;

@@ -635,7 +635,7 @@ void qk_rows_bf16(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const ui
 // so a vector holds 4 keys and every lane counts: a row's values sit in the
 // same lane of each 128-bit quarter, and two quarter swaps reduce them.
 
-// Every quarter gets f of all four quarters, lane by lane.
+// Every 128-bit quarter gets op over all four quarters, lane by lane.
 template <class Op>
 inline __m512 across_quarters(__m512 x, Op op) {
   x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -648,7 +648,8 @@ void softmax_rows4(float* s, int64_t nk, float* row_max, float* row_sum, float* 
   const __mmask16 tail = V512::mask_first(nk * 4 - (vecs - 1) * 16);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   auto load = [&](int64_t j) {
-    return j + 1 < vecs ? _mm512_loadu_ps(s + 16 * j) : _mm512_mask_loadu_ps(ninf, tail, s + 16 * j);
+    return j + 1 < vecs ? _mm512_loadu_ps(s + 16 * j)
+                        : _mm512_mask_loadu_ps(ninf, tail, s + 16 * j);
   };
   const __m512 old_max = _mm512_broadcast_f32x4(_mm_loadu_ps(row_max));
   __m512 mx0 = old_max, mx1 = old_max;
