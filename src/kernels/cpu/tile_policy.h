@@ -65,6 +65,11 @@ inline constexpr int64_t kInterleaveHeadsMaxRows = 16;
 // 4 KiB (bf16) of each token's row at a time, whole pages.
 inline constexpr int64_t kInterleaveMaxHeads = 16;
 
+// Packed rows per merge item when split partials are combined: items are
+// spread over the threads, and 16 rows of 512 values from 8 splits (256
+// KiB) are work enough to amortise claiming an item.
+inline constexpr int64_t kMergeRows = 16;
+
 // Upper bound on the fp32 values all split partials may take together; a
 // bigger call uses proportionally larger splits (still shape-only).
 inline constexpr int64_t kMaxPartialFloats = int64_t{1} << 24;
