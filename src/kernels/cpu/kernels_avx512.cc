@@ -241,8 +241,8 @@ inline void pv2_columns(int64_t cvecs, int64_t rows, const uint16_t* pp, int64_t
 // vdpbf16ps sums adjacent bf16 pairs, so P V needs (v[n][c], v[n+1][c])
 // pairs: keys along the pair. pv_bf16 packs them into scratch per tile for
 // prefill; for decode's few rows that packing costs more than the dot
-// products. Here two V rows are paired in registers: unpacklo/hi_epi16 interleave them within
-// each 128-bit lane, so the accumulators hold columns in the order
+// products. Here two V rows are paired in registers: unpacklo/hi_epi16
+// interleave them within each 128-bit lane, so the accumulators hold columns in the order
 // lo = {0-3, 8-11, 16-19, 24-27}, hi = {4-7, 12-15, 20-23, 28-31} of each
 // 32 columns, and are put back in order once, when stored.
 
@@ -340,6 +340,20 @@ inline void pv_rows_bf16_block(const uint32_t* pp, int64_t pp_stride, int64_t pa
     }
 }
 
+// pp[pair][ss] (32-bit words) = the bf16 weight pairs (s[2 pair][m],
+// s[2 pair + 1][m]) of columns m < m_pad; an odd last key pairs with 0.
+inline void pack_weight_pairs(const float* s, int64_t nk, int64_t m_pad, int64_t ss,
+                              uint32_t* pp) {
+  for (int64_t i = 0; i < (nk + 1) / 2; ++i) {
+    const float* s0 = s + 2 * i * ss;
+    for (int64_t m = 0; m < m_pad; m += 16) {
+      const __m512 a = _mm512_loadu_ps(s0 + m);
+      const __m512 b = 2 * i + 1 < nk ? _mm512_loadu_ps(s0 + ss + m) : _mm512_setzero_ps();
+      _mm512_storeu_si512(pp + i * ss + m, interleave_halves((__m512i)_mm512_cvtne2ps_pbh(b, a)));
+    }
+  }
+}
+
 template <int kRows>
 inline void pv_rows_bf16_any(int64_t rows, const uint32_t* pp, int64_t pp_stride, int64_t pairs,
                              int64_t nk, const uint16_t* v, int64_t vs, int64_t dv, int64_t c0,
@@ -374,16 +388,9 @@ void pv_rows_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t
       const __m128i ab = (__m128i)_mm_cvtne2ps_pbh(b, a);  // a0-a3, b0-b3
       _mm_storeu_si128(reinterpret_cast<__m128i*>(pp + 4 * i), _mm_permutexvar_epi16(order, ab));
     }
-  } else {  // pp [pair][ss]
+  } else {
     pp_stride = ss;
-    for (int64_t i = 0; i < pairs; ++i) {
-      const float* s0 = s + 2 * i * ss;
-      for (int64_t m = 0; m < m_pad; m += 16) {
-        const __m512 a = _mm512_loadu_ps(s0 + m);
-        const __m512 b = 2 * i + 1 < nk ? _mm512_loadu_ps(s0 + ss + m) : _mm512_setzero_ps();
-        _mm512_storeu_si512(pp + i * ss + m, interleave_halves((__m512i)_mm512_cvtne2ps_pbh(b, a)));
-      }
-    }
+    pack_weight_pairs(s, nk, m_pad, ss, pp);
   }
   for (int64_t c0 = 0; c0 < dv_pad; c0 += 64)  // the block offsets o and v by c0 itself
     for (int64_t m = 0; m < rows; m += 6)
@@ -399,15 +406,9 @@ void pv_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows
   const int64_t pairs = (nk + 1) / 2;
   uint16_t* pp = pack;                   // [pairs][ss][2] weights
   uint16_t* vp = pack + pairs * 2 * ss;  // [pairs][dv_pad][2] values
+  pack_weight_pairs(s, nk, m_pad, ss, reinterpret_cast<uint32_t*>(pp));
   for (int64_t i = 0; i < pairs; ++i) {
     const bool second = 2 * i + 1 < nk;  // an odd tail pairs with zeros
-    const float* s0 = s + 2 * i * ss;
-    for (int64_t m = 0; m < m_pad; m += 16) {
-      const __m512 a = _mm512_loadu_ps(s0 + m);
-      const __m512 b = second ? _mm512_loadu_ps(s0 + ss + m) : _mm512_setzero_ps();
-      _mm512_storeu_si512(pp + (i * ss + m) * 2,
-                          interleave_halves((__m512i)_mm512_cvtne2ps_pbh(b, a)));
-    }
     const uint16_t* v0 = v + 2 * i * vs;
     if (pf != 0)
       for (int64_t c = 0; c < dv; c += 32) {  // 32 bf16 per 64-byte line
