@@ -1,0 +1,255 @@
+// What one decode tile costs, stage by stage: the time split behind
+// docs/PERFORMANCE.md ("What limits decode"). One kv head's 64-key tile
+// (the kernel's kKeysPerTile) is run through the active SIMD target's
+// microkernels, as the tile loop (src/kernels/cpu/attention_cpu.cc) runs
+// them, on one thread with K and V resident in cache:
+//   qk       S = K Q^T (qk_rows_* for 1-4 packed rows, else qk_f32/qk_bf16)
+//   softmax  the online-softmax step (softmax_rows4 on packed scores, else softmax)
+//   pv       O = alpha O + P V (pv_f32, or pv_bf16 with vdpbf16ps)
+//   tile     the three in sequence
+// for 4 packed rows (1-token GQA 32/8 decode) and 16 (4 tokens), fp32 and
+// bf16 K/V, and two row strides: `compact` (a kv head's rows adjacent) and
+// `cache` (a [token, 8 kv heads, 128] cache: rows 4 KiB apart in fp32, 2 KiB
+// in bf16, which fold a tile onto a few L1 sets).
+//
+// Each stage reports `frac_fma_peak` (its multiply-adds against the
+// one-thread fp32 FMA peak measured in-process) and `read_to_compute`: the
+// time one thread needs to stream the stage's K and/or V bytes from DRAM at
+// the measured one-thread read rate, divided by the stage's time (above 1:
+// the arithmetic outruns the memory). A decode step
+// from DRAM can take no less than the larger of the arithmetic and the read;
+// the summary puts both side by side per tile.
+//
+//   build/bench/decode_tile_bench
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnkit/machine.h"
+#include "attnkit/tensor.h"
+#include "core/cpu_features.h"
+#include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/kernel_table.h"
+
+namespace attnkit {
+namespace {
+
+using kernels::cpu::KernelTable;
+
+constexpr int64_t kKeys = 64, kHeadDim = 128, kCacheKvHeads = 8;
+
+const MachineProfile& one_thread() {
+  static const MachineProfile m = measure_machine(1);
+  return m;
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// One kv head's tile and the scratch the tile loop gives the kernels, laid
+// out as attention_cpu.cc lays them out (see kernel_table.h for each).
+struct Tile {
+  const KernelTable* kt;
+  bool bf16, rows_qk;
+  int64_t rows, m_pad, s_stride, stride;
+  std::vector<float> kf, vf, q, o, s, s0, alpha, row_max, row_sum;
+  std::vector<uint16_t> kb, vb, qb, pack;
+
+  Tile(const KernelTable* table, bool is_bf16, int64_t packed_rows, int64_t row_stride)
+      : kt(table), bf16(is_bf16), rows(packed_rows), stride(row_stride) {
+    m_pad = round_up(rows, kt->lanes);
+    rows_qk = rows <= kt->qk_rows_max && m_pad == kt->lanes &&
+              (bf16 ? kt->qk_rows_bf16 != nullptr : kt->qk_rows_f32 != nullptr);
+    s_stride = rows_qk ? 4 : (m_pad % 32 == 0 ? m_pad + 16 : m_pad);  // odd_line_stride
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal;
+    const size_t kv_elems = static_cast<size_t>(kKeys * stride);
+    // q: 4 row-major rows (qk_rows_*) or the blocked transposed layout;
+    // either way as many elements as the larger of the two.
+    const size_t q_elems = static_cast<size_t>(
+        std::max(4 * round_up(kHeadDim, 32), kHeadDim * round_up(m_pad, kt->qk_block_cols)));
+    auto fill = [&](std::vector<float>& f, std::vector<uint16_t>& b, size_t n, float scale) {
+      f.resize(n);
+      b.resize(n);
+      for (size_t i = 0; i < n; ++i) {
+        f[i] = scale * normal(rng);
+        b[i] = float_to_bf16(f[i]).bits;
+      }
+    };
+    fill(kf, kb, kv_elems, 1.0f);
+    fill(vf, vb, kv_elems, 1.0f);
+    fill(q, qb, q_elems, 0.1f);
+    s.assign(static_cast<size_t>(round_up(kKeys * s_stride, 16)), 0.0f);
+    // Scores for the softmax and weights for P V, as a real step leaves them.
+    s0.resize(s.size());
+    for (auto& x : s0) x = normal(rng);
+    alpha.assign(static_cast<size_t>(m_pad), 0.5f);  // keeps O bounded over repeats
+    row_max.assign(static_cast<size_t>(m_pad), 0.0f);
+    row_sum.assign(static_cast<size_t>(m_pad), 0.0f);
+    o.assign(static_cast<size_t>(rows * kHeadDim), 0.0f);
+    pack.resize(static_cast<size_t>(kernels::cpu::pv_bf16_pack_elems(kKeys, s_stride, kHeadDim)));
+  }
+
+  void qk() {
+    if (rows_qk && bf16)
+      kt->qk_rows_bf16(kb.data(), stride, kKeys, kHeadDim, qb.data(), round_up(kHeadDim, 32),
+                       s.data(), 0);
+    else if (rows_qk)
+      kt->qk_rows_f32(kf.data(), stride, kKeys, kHeadDim, q.data(), round_up(kHeadDim, 32),
+                      s.data(), 0);
+    else if (bf16)
+      kt->qk_bf16(kb.data(), stride, kKeys, kHeadDim, qb.data(), m_pad, s.data(), s_stride, 0);
+    else
+      kt->qk_f32(kf.data(), stride, kKeys, kHeadDim, q.data(), m_pad, s.data(), s_stride, 0);
+  }
+  // Repeated on its own output the step stays finite: weights in (0, 1].
+  void softmax() {
+    if (rows_qk)
+      kt->softmax_rows4(s.data(), kKeys, row_max.data(), row_sum.data(), alpha.data());
+    else
+      kt->softmax(s.data(), kKeys, m_pad, s_stride, row_max.data(), row_sum.data(), alpha.data());
+  }
+  void pv() {
+    if (bf16)
+      kt->pv_bf16(s.data(), kKeys, m_pad, s_stride, rows, vb.data(), stride, kHeadDim, o.data(),
+                  kHeadDim, alpha.data(), pack.data(), 0);
+    else
+      kt->pv_f32(s.data(), kKeys, s_stride, rows, vf.data(), stride, kHeadDim, o.data(), kHeadDim,
+                 alpha.data(), 0);
+  }
+};
+
+enum class Stage { kQk, kSoftmax, kPv, kTile };
+const char* stage_name(Stage s) {
+  switch (s) {
+    case Stage::kQk: return "qk";
+    case Stage::kSoftmax: return "softmax";
+    case Stage::kPv: return "pv";
+    case Stage::kTile: return "tile";
+  }
+  return "";
+}
+
+std::map<std::string, double>& seconds() {  // best time per tile, by benchmark name
+  static std::map<std::string, double> m;
+  return m;
+}
+
+// Multiply-adds and K/V bytes of a stage.
+double stage_macs(Stage stage, int64_t rows) {
+  const double one = static_cast<double>(kKeys * rows * kHeadDim);
+  return stage == Stage::kTile ? 2 * one : stage == Stage::kSoftmax ? 0 : one;
+}
+double stage_bytes(Stage stage, bool bf16) {
+  const double one = static_cast<double>(kKeys * kHeadDim) * (bf16 ? 2 : 4);
+  return stage == Stage::kTile ? 2 * one : stage == Stage::kSoftmax ? 0 : one;
+}
+
+void run(benchmark::State& state, const std::string& name, bool bf16, int64_t rows, bool cache,
+         Stage stage) {
+  const KernelTable* kt = kernels::cpu::kernel_table(simd_target());
+  if (bf16 && kt->qk_bf16 == nullptr) {
+    state.SkipWithError("no vdpbf16ps on this target: bf16 K/V are widened to fp32");
+    return;
+  }
+  Tile t(kt, bf16, rows, cache ? kCacheKvHeads * kHeadDim : kHeadDim);
+  t.s = t.s0;
+  if (stage == Stage::kPv) {  // weights in (0, 1], as P V sees them; alpha < 1 bounds O
+    t.softmax();
+    std::fill(t.alpha.begin(), t.alpha.end(), 0.5f);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    switch (stage) {
+      case Stage::kQk: t.qk(); break;
+      case Stage::kSoftmax: t.softmax(); break;
+      case Stage::kPv: t.pv(); break;
+      case Stage::kTile:
+        t.qk();
+        t.softmax();
+        t.pv();
+        break;
+    }
+    benchmark::ClobberMemory();
+  }
+  const double per_tile =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+      static_cast<double>(state.iterations());
+  double& best = seconds().emplace(name, 1e300).first->second;
+  best = std::min(best, per_tile);
+  const MachineProfile& m = one_thread();
+  state.counters["frac_fma_peak"] = 2 * stage_macs(stage, rows) / per_tile / 1e9 / m.fp32_peak_gflops;
+  state.counters["read_to_compute"] = stage_bytes(stage, bf16) / (m.dram_read_gbps * 1e9) / per_tile;
+}
+
+std::string bench_name(bool bf16, int64_t rows, bool cache, Stage stage) {
+  return std::string("tile/") + (bf16 ? "bf16" : "f32") + "/rows" + std::to_string(rows) + "/" +
+         (cache ? "cache" : "compact") + "/" + stage_name(stage);
+}
+
+void register_all() {
+  for (bool bf16 : {false, true})
+    for (int64_t rows : {4, 16})
+      for (bool cache : {false, true})
+        for (Stage stage : {Stage::kQk, Stage::kSoftmax, Stage::kPv, Stage::kTile}) {
+          const std::string name = bench_name(bf16, rows, cache, stage);
+          benchmark::RegisterBenchmark(name.c_str(),
+                                       [=](benchmark::State& st) {
+                                         run(st, name, bf16, rows, cache, stage);
+                                       })
+              ->Unit(benchmark::kNanosecond);
+        }
+}
+
+// Per tile: each stage's best time, their sum and the whole tile, against
+// the time one thread takes to read the tile's K and V from DRAM.
+void summary() {
+  const MachineProfile& m = one_thread();
+  std::printf("\nsummary: ns per 64-key tile of one kv head, 1 thread, best repetition;\n"
+              "read = the tile's K and V at the measured 1-thread DRAM read rate (%.1f GB/s);\n"
+              "fp32 FMA peak %.1f GFLOP/s\n",
+              m.dram_read_gbps, m.fp32_peak_gflops);
+  std::printf("  %-22s %8s %8s %8s %8s %8s %8s %13s\n", "tile", "qk", "softmax", "pv", "sum", "tile",
+              "read", "of fp32 peak");
+  for (bool bf16 : {false, true})
+    for (int64_t rows : {4, 16})
+      for (bool cache : {false, true}) {
+        double ns[4];
+        bool all = true;
+        for (Stage stage : {Stage::kQk, Stage::kSoftmax, Stage::kPv, Stage::kTile}) {
+          auto it = seconds().find(bench_name(bf16, rows, cache, stage));
+          all = all && it != seconds().end();
+          ns[static_cast<int>(stage)] = all ? it->second * 1e9 : 0;
+        }
+        if (!all) continue;
+        const double read_ns = stage_bytes(Stage::kTile, bf16) / m.dram_read_gbps;
+        const double peak = 2 * stage_macs(Stage::kTile, rows) / ns[3] / m.fp32_peak_gflops;
+        const std::string label = std::string(bf16 ? "bf16" : "f32") + " rows" +
+                                  std::to_string(rows) + (cache ? " cache" : " compact");
+        std::printf("  %-22s %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f %13.3f\n", label.c_str(), ns[0],
+                    ns[1], ns[2], ns[0] + ns[1] + ns[2], ns[3], read_ns, peak);
+      }
+}
+
+}  // namespace
+}  // namespace attnkit
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  attnkit::register_all();
+  const attnkit::MachineProfile& m = attnkit::one_thread();
+  std::printf("kernels %s; 1 thread: fp32 FMA peak %.1f GFLOP/s, DRAM read %.1f GB/s\n",
+              attnkit::simd_target_name(attnkit::simd_target()), m.fp32_peak_gflops,
+              m.dram_read_gbps);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  attnkit::summary();
+  return 0;
+}
