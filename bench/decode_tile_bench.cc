@@ -64,9 +64,8 @@ struct Tile {
   Tile(const KernelTable* table, bool is_bf16, int64_t packed_rows, int64_t row_stride)
       : kt(table), bf16(is_bf16), rows(packed_rows), stride(row_stride) {
     m_pad = round_up(rows, kt->lanes);
-    rows_qk = rows <= kt->qk_rows_max && m_pad == kt->lanes &&
-              (bf16 ? kt->qk_rows_bf16 != nullptr : kt->qk_rows_f32 != nullptr);
-    s_stride = rows_qk ? 4 : (m_pad % 32 == 0 ? m_pad + 16 : m_pad);  // odd_line_stride
+    rows_qk = kernels::cpu::takes_rows_qk(*kt, rows, bf16);
+    s_stride = kernels::cpu::score_stride(m_pad, rows_qk);
     std::mt19937 rng(7);
     std::normal_distribution<float> normal;
     const size_t kv_elems = static_cast<size_t>(kKeys * stride);

@@ -21,11 +21,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
-// A row stride of at least `floats` (a multiple of the lanes) that is not
-// an even number of 64-byte lines: a walk down a column of such rows spreads
-// over all L1 sets instead of a few (a 1 KiB stride uses one set in 16).
-int64_t odd_line_stride(int64_t floats) { return floats % 32 == 0 ? floats + 16 : floats; }
-
 // A (batch item, block of kv heads, query block): the unit whose rows share
 // packed q tiles (one per kv head). With parts >= 2 its keys were split and
 // merge() combines partials [first_part, first_part + parts).
@@ -93,10 +88,8 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.vw_stride = odd_line_stride(g.dv_pad);
   g.copy_v = !g.bf16 && g.m_max >= kCopyValuesMinRows &&
              (p.v_stride.row * 4) % kCopyValuesStrideBytes == 0;
-  g.rows_qk = g.m_max <= g.kt->qk_rows_max && g.m_pad == lanes &&
-              (g.dot_bf16 ? g.kt->qk_rows_bf16 != nullptr : g.kt->qk_rows_f32 != nullptr);
-  // qk_rows_* write s packed, 4 rows per key (see kernel_table.h).
-  g.s_stride = g.rows_qk ? 4 : odd_line_stride(g.m_pad);
+  g.rows_qk = takes_rows_qk(*g.kt, g.m_max, g.dot_bf16);
+  g.s_stride = score_stride(g.m_pad, g.rows_qk);
   g.qt_row = round_up(g.d, 32);
   g.part_floats = plan.split_k > 0 ? round_up(g.heads * g.m_max * (g.dv + 2), 16) : 0;
 

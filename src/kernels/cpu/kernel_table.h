@@ -90,6 +90,25 @@ struct KernelTable {
                        const uint16_t* q, int64_t q_stride, float* s, int64_t prefetch);
 };
 
+// A row stride of at least `floats` (a multiple of the lanes) that is not
+// an even number of 64-byte lines: a walk down a column of such rows spreads
+// over all L1 sets instead of a few (a 1 KiB stride uses one set in 16).
+inline int64_t odd_line_stride(int64_t floats) { return floats % 32 == 0 ? floats + 16 : floats; }
+
+// Whether tiles of m_max packed rows take the qk_rows_* kernels (with
+// dot_bf16: the bf16 one) and their packed s, rather than qk_f32 / qk_bf16.
+inline bool takes_rows_qk(const KernelTable& kt, int64_t m_max, bool dot_bf16) {
+  const int64_t m_pad = (m_max + kt.lanes - 1) / kt.lanes * kt.lanes;
+  return m_max <= kt.qk_rows_max && m_pad == kt.lanes &&
+         (dot_bf16 ? kt.qk_rows_bf16 != nullptr : kt.qk_rows_f32 != nullptr);
+}
+
+// The s row stride of a tile: 4 packed rows per key for qk_rows_*, else
+// m_pad columns on an odd number of lines.
+inline int64_t score_stride(int64_t m_pad, bool rows_qk) {
+  return rows_qk ? 4 : odd_line_stride(m_pad);
+}
+
 inline int64_t pv_bf16_pack_elems(int64_t nk, int64_t s_stride, int64_t dv_pad) {
   return (nk + 1) / 2 * 2 * (s_stride + dv_pad);
 }
