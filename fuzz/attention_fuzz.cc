@@ -790,6 +790,9 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
   spec.head_dim_v = fdp.ConsumeBool() ? 0 : fdp.ConsumeIntegralInRange<int64_t>(1, 24);
   spec.dtype = fdp.ConsumeBool() ? DType::kBF16 : DType::kF32;
   spec.sliding_window = fdp.ConsumeBool() ? 0 : fdp.ConsumeIntegralInRange<int64_t>(1, 20);
+  // Sometimes K rows of whole 2 KiB, which the cache stores padded.
+  if (spec.num_kv_heads != 3 && fdp.ConsumeIntegralInRange<int>(0, 7) == 0)
+    spec.head_dim = (spec.dtype == DType::kBF16 ? 1024 : 512) / spec.num_kv_heads;
   const int64_t heads = spec.num_kv_heads * fdp.ConsumeIntegralInRange<int64_t>(1, 3);
   const int64_t B = spec.batch_size, Hkv = spec.num_kv_heads, D = spec.head_dim;
   const int64_t Dv = spec.head_dim_v == 0 ? D : spec.head_dim_v;
@@ -839,9 +842,13 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
     // Sometimes a bad call first: it must change nothing.
     const int bad = fdp.ConsumeIntegralInRange<int>(0, 6);
     if (bad > 0) {
-      const uint8_t* keys_at = static_cast<const uint8_t*>(cache.keys().data);
+      // Every byte the strided keys view spans, row padding included.
+      const TensorView& keys = cache.keys();
+      int64_t last = 1;  // one past the last element's offset
+      for (int r = 0; r < 4; ++r) last += (keys.shape[r] - 1) * keys.strides[r];
+      const uint8_t* keys_at = static_cast<const uint8_t*>(keys.data);
       const std::vector<uint8_t> keys_before(
-          keys_at, keys_at + cache.keys().numel() * attnkit::dtype_size(cache.keys().dtype));
+          keys_at, keys_at + (keys.numel() == 0 ? 0 : last) * attnkit::dtype_size(keys.dtype));
       AttentionOptions bad_opt = opt;
       TensorView bq = qv, bo = ov;
       std::vector<int32_t> lens(static_cast<size_t>(B), 1);

@@ -4,6 +4,11 @@
 // stores K and V as f32 or bf16:
 //   keys   [batch, slots, num_kv_heads, head_dim]
 //   values [batch, slots, num_kv_heads, head_dim_v]
+// A token's row of K (or V) is padded by one 64-byte line when its bytes
+// are a multiple of 2 KiB (see kv_token_stride), so the views are strided:
+// keys().strides[1] may exceed num_kv_heads * head_dim. Read them through
+// their strides.
+//
 // Without a window, slots = max_seq_len and token t lives in slot t. With a
 // sliding window of W (each token sees itself and the W-1 tokens before it),
 // only W-1 past tokens can ever be seen again, so slots = min(max_seq_len,
@@ -32,6 +37,15 @@ struct KVCacheSpec {
   int64_t sliding_window = 0;  // 0 = none, else W >= 1
 };
 
+// Elements between consecutive tokens of a [token, num_kv_heads, dim]
+// cache of `dtype` as KVCache lays it out: num_kv_heads * dim, plus one
+// 64-byte line when that row is a multiple of 2 KiB. A row that size puts
+// all of a kv head's rows into a few of the L1's sets, which cost 1-token
+// decode 3-11 % (docs/PERFORMANCE.md); callers that keep their own caches
+// for sdpa() can use the same stride. Returns 0 when an argument is < 1 or
+// the row's element count overflows 64 bits.
+int64_t kv_token_stride(int64_t num_kv_heads, int64_t dim, DType dtype);
+
 class KVCache {
  public:
   static Result<KVCache> create(const KVCacheSpec& spec);
@@ -41,10 +55,14 @@ class KVCache {
   int64_t slots() const { return slots_; }    // tokens the storage holds
   // Tokens currently held: min(length, slots).
   int64_t stored() const { return length_ < slots_ ? length_ : slots_; }
-  // Bytes of K and V storage.
-  size_t nbytes() const { return keys_.nbytes() + values_.nbytes(); }
-  const TensorView& keys() const { return keys_.view(); }
-  const TensorView& values() const { return values_.view(); }
+  // Bytes of the K and V values the cache can hold (the KV memory formula:
+  // batch * slots * num_kv_heads * (head_dim + head_dim_v) * dtype size).
+  size_t nbytes() const;
+  // Bytes allocated for them, including the row padding.
+  size_t storage_nbytes() const { return key_storage_.nbytes() + value_storage_.nbytes(); }
+  // [batch, slots, num_kv_heads, head_dim (head_dim_v)], strided.
+  const TensorView& keys() const { return keys_; }
+  const TensorView& values() const { return values_; }
 
   // Forgets every token (storage is kept).
   void reset() { length_ = 0; }
@@ -69,8 +87,10 @@ class KVCache {
   KVCacheSpec spec_;
   int64_t slots_ = 0;
   int64_t length_ = 0;
-  Tensor keys_;
-  Tensor values_;
+  Tensor key_storage_;    // [batch, slots, kv_token_stride]
+  Tensor value_storage_;
+  TensorView keys_;       // views into the storage
+  TensorView values_;
 };
 
 }  // namespace attnkit

@@ -547,7 +547,12 @@ void bind_kv_cache(py::module_& m) {
       .def_property_readonly(
           "slots", [](PyKVCache& c) { return c.cache.slots(); }, "tokens the storage holds")
       .def_property_readonly(
-          "nbytes", [](PyKVCache& c) { return c.cache.nbytes(); }, "bytes of K and V storage")
+          "nbytes", [](PyKVCache& c) { return c.cache.nbytes(); },
+          "bytes of the K and V values the cache holds (the KV memory formula)")
+      .def_property_readonly(
+          "storage_nbytes", [](PyKVCache& c) { return c.cache.storage_nbytes(); },
+          "bytes allocated for K and V: nbytes plus one 64-byte line per token row whose "
+          "size is a multiple of 2 KiB")
       .def_property_readonly("dtype",
                              [](PyKVCache& c) { return cache_dtype_name(c.cache.spec().dtype); })
       .def_property_readonly("batch_size", [](PyKVCache& c) { return c.cache.spec().batch_size; })

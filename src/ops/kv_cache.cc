@@ -20,6 +20,7 @@
 
 #include "core/check.h"
 #include "core/checked_math.h"
+#include "kernels/cpu/tile_policy.h"
 #include "kernels/dispatch.h"
 #include "ops/attention_checks.h"
 
@@ -88,7 +89,32 @@ void set_out(const TensorView& out, const TensorView& lse, kernels::AttentionPar
   }
 }
 
+// Storage [batch, slots, stride] (zeroed) and the [batch, slots, heads, dim]
+// view of its first heads * dim elements per token.
+Status make_storage(DType dtype, int64_t batch, int64_t slots, int64_t heads, int64_t dim,
+                    Tensor* storage, TensorView* view) {
+  const int64_t stride = kv_token_stride(heads, dim, dtype);
+  if (stride == 0) return resource_exhausted("element count overflows 64 bits");
+  auto t = Tensor::zeros(dtype, {batch, slots, stride});
+  if (!t.ok()) return t.status();
+  *storage = std::move(t).value();
+  *view = make_view(storage->data(), dtype, {batch, slots, heads, dim});
+  view->strides[1] = stride;
+  view->strides[0] = slots * stride;
+  return Status::Ok();
+}
+
 }  // namespace
+
+int64_t kv_token_stride(int64_t num_kv_heads, int64_t dim, DType dtype) {
+  int64_t row;
+  if (num_kv_heads < 1 || dim < 1 || !checked_mul(num_kv_heads, dim, &row)) return 0;
+  return kernels::cpu::padded_token_row(row, static_cast<int64_t>(dtype_size(dtype)));
+}
+
+size_t KVCache::nbytes() const {
+  return static_cast<size_t>(keys_.numel() + values_.numel()) * dtype_size(spec_.dtype);
+}
 
 Result<KVCache> KVCache::create(const KVCacheSpec& spec) {
   const std::string f = kCreate;
@@ -120,15 +146,12 @@ Result<KVCache> KVCache::create(const KVCacheSpec& spec) {
   cache.slots_ = spec.sliding_window == 0 ? spec.max_seq_len
                                           : std::min(spec.max_seq_len, spec.sliding_window - 1);
   // Tensor::zeros checks the element and byte counts for overflow.
-  auto keys =
-      Tensor::zeros(spec.dtype, {spec.batch_size, cache.slots_, spec.num_kv_heads, spec.head_dim});
-  if (!keys.ok()) return Status(keys.status().code(), f + ": keys: " + keys.status().message());
-  auto values = Tensor::zeros(
-      spec.dtype, {spec.batch_size, cache.slots_, spec.num_kv_heads, cache.spec_.head_dim_v});
-  if (!values.ok())
-    return Status(values.status().code(), f + ": values: " + values.status().message());
-  cache.keys_ = std::move(keys).value();
-  cache.values_ = std::move(values).value();
+  Status st = make_storage(spec.dtype, spec.batch_size, cache.slots_, spec.num_kv_heads,
+                           spec.head_dim, &cache.key_storage_, &cache.keys_);
+  if (!st.ok()) return Status(st.code(), f + ": keys: " + st.message());
+  st = make_storage(spec.dtype, spec.batch_size, cache.slots_, spec.num_kv_heads,
+                    cache.spec_.head_dim_v, &cache.value_storage_, &cache.values_);
+  if (!st.ok()) return Status(st.code(), f + ": values: " + st.message());
   return cache;
 }
 
@@ -207,7 +230,7 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
   const TensorView* all[] = {&q, &k_new, &v_new, &out};
   const char* all_names[] = {"q", "k_new", "v_new", "out"};
   for (int i = 0; i < 4; ++i)
-    if (check::overlaps(*all[i], keys_.view()) || check::overlaps(*all[i], values_.view()))
+    if (check::overlaps(*all[i], keys_) || check::overlaps(*all[i], values_))
       return invalid_argument(f + ": " + all_names[i] + " overlaps the cache's own storage");
 
   int64_t new_length;
@@ -223,14 +246,14 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
     // Slots [length, length + T) hold no token yet, so writing them before
     // attending changes nothing observable if the kernel call fails.
     for (int64_t t = 0; t < T; ++t) {
-      store_token(k_new, t, keys_.view(), length_ + t);
-      store_token(v_new, t, values_.view(), length_ + t);
+      store_token(k_new, t, keys_, length_ + t);
+      store_token(v_new, t, values_, length_ + t);
     }
     prm.seqlen_k = new_length;  // bottom-right causal: q_offset = length
-    prm.k = keys_.data();
-    prm.k_stride = strides_of(keys_.view());
-    prm.v = values_.data();
-    prm.v_stride = strides_of(values_.view());
+    prm.k = keys_.data;
+    prm.k_stride = strides_of(keys_);
+    prm.v = values_.data;
+    prm.v_stride = strides_of(values_);
     set_out(out, {}, &prm);
     ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, options.backend));
     length_ = new_length;
@@ -293,10 +316,10 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
     for (int64_t b = 0; b < batch; ++b) offsets[b] = held;
     pa.q_offset = offsets;
     pa.window_left = W - 1;
-    pa.k = keys_.data();
-    pa.k_stride = strides_of(keys_.view());
-    pa.v = values_.data();
-    pa.v_stride = strides_of(values_.view());
+    pa.k = keys_.data;
+    pa.k_stride = strides_of(keys_);
+    pa.v = values_.data;
+    pa.v_stride = strides_of(values_);
     set_out(out_a.view(), lse_a.view(), &pa);
     ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(pa, options.backend));
     // The views' shapes were set from validated sizes; merge cannot fail.
@@ -317,8 +340,8 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
   // overwritten within this same loop anyway.
   for (int64_t t = std::max<int64_t>(0, T - slots_); t < T; ++t) {
     const int64_t slot = (length_ + t) % slots_;
-    store_token(k_src, t, keys_.view(), slot);
-    store_token(v_src, t, values_.view(), slot);
+    store_token(k_src, t, keys_, slot);
+    store_token(v_src, t, values_, slot);
   }
   length_ = new_length;
   return Status::Ok();

@@ -27,6 +27,7 @@
 
 #include "common/attention_f64.h"
 #include "common/random.h"
+#include "common/views.h"
 
 namespace {
 
@@ -678,14 +679,10 @@ TEST(AttentionLayerWeights, FailedLoadChangesNothing) {
 struct Snapshot {
   int64_t length;
   std::vector<unsigned char> keys, values;
-  explicit Snapshot(const KVCache& c) : length(c.length()) {
-    auto bytes = [](const TensorView& v) {
-      const auto* p = static_cast<const unsigned char*>(v.data);
-      return std::vector<unsigned char>(p, p + v.numel() * int64_t(attnkit::dtype_size(v.dtype)));
-    };
-    keys = bytes(c.keys());
-    values = bytes(c.values());
-  }
+  explicit Snapshot(const KVCache& c)
+      : length(c.length()),
+        keys(attnkit_test::span_bytes(c.keys())),
+        values(attnkit_test::span_bytes(c.values())) {}
   bool operator==(const Snapshot&) const = default;
 };
 

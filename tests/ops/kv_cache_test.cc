@@ -34,6 +34,7 @@
 
 #include "common/attention_f64.h"
 #include "common/random.h"
+#include "common/views.h"
 
 namespace {
 
@@ -43,6 +44,8 @@ using attnkit::KVCacheSpec;
 using attnkit::StatusCode;
 using attnkit::TensorView;
 using attnkit_test::Rng;
+using attnkit_test::span_bytes;
+using attnkit_test::view_at;
 
 constexpr double kU32 = 0x1p-24;  // f32 unit roundoff
 
@@ -283,13 +286,11 @@ TEST(KVCacheRing, SlotIsPositionModSlots) {
         for (int64_t h = 0; h < p.num_kv_heads; ++h) {
           const int64_t slot = pos % 3;
           for (int64_t d = 0; d < p.head_dim; ++d)
-            ASSERT_EQ(
-                cache->keys().ptr<float>()[((b * 3 + slot) * p.num_kv_heads + h) * p.head_dim + d],
-                p.k[size_t(((b * p.n + pos) * p.num_kv_heads + h) * p.head_dim + d)])
+            ASSERT_EQ(view_at(cache->keys(), b, slot, h, d),
+                      p.k[size_t(((b * p.n + pos) * p.num_kv_heads + h) * p.head_dim + d)])
                 << "pos " << pos;
           for (int64_t d = 0; d < p.head_dim_v; ++d)
-            ASSERT_EQ(cache->values()
-                          .ptr<float>()[((b * 3 + slot) * p.num_kv_heads + h) * p.head_dim_v + d],
+            ASSERT_EQ(view_at(cache->values(), b, slot, h, d),
                       p.v[size_t(((b * p.n + pos) * p.num_kv_heads + h) * p.head_dim_v + d)])
                 << "pos " << pos;
         }
@@ -324,18 +325,59 @@ TEST(KVCacheStorage, Bf16StoresRoundToNearestEven) {
   }
 }
 
-// Byte snapshot of a cache's observable state.
+TEST(KVCacheStorage, TokenStridePadsRowsOfWholeTwoKiB) {
+  using attnkit::kv_token_stride;
+  EXPECT_EQ(kv_token_stride(8, 128, DType::kF32), 8 * 128 + 16);   // 4 KiB rows
+  EXPECT_EQ(kv_token_stride(8, 128, DType::kBF16), 8 * 128 + 32);  // 2 KiB
+  EXPECT_EQ(kv_token_stride(4, 128, DType::kF32), 4 * 128 + 16);   // 2 KiB
+  EXPECT_EQ(kv_token_stride(4, 128, DType::kBF16), 4 * 128);       // 1 KiB
+  EXPECT_EQ(kv_token_stride(1, 576, DType::kF32), 576);            // 2304 B
+  EXPECT_EQ(kv_token_stride(3, 5, DType::kF32), 15);
+  EXPECT_EQ(kv_token_stride(0, 128, DType::kF32), 0);
+  EXPECT_EQ(kv_token_stride(8, -1, DType::kF32), 0);
+}
+
+// Rows of whole 2 KiB are stored padded; decoding through them must equal
+// the oracle as unpadded rows do, with and without a ring, on both
+// backends, and nbytes() stays the KV memory formula.
+TEST(KVCacheStorage, PaddedRowsDecodeLikeTheOracle) {
+  uint64_t seed = 900;
+  for (DType dtype : {DType::kF32, DType::kBF16})
+    for (int64_t W : {int64_t{0}, int64_t{6}})
+      for (attnkit::Backend backend : {attnkit::Backend::kReference, attnkit::Backend::kAuto}) {
+        Problem p;
+        p.num_heads = 8;
+        p.num_kv_heads = dtype == DType::kF32 ? 2 : 4;  // 2 KiB rows either way
+        p.head_dim = p.head_dim_v = 256;
+        p.n = 13;
+        Rng rng(seed++);
+        p.fill(rng);
+        const KVCacheSpec spec{p.batch, p.n, p.num_kv_heads, p.head_dim, 0, dtype, W};
+        SCOPED_TRACE(std::string(attnkit::dtype_name(dtype)) + " window " + std::to_string(W) +
+                     (backend == attnkit::Backend::kReference ? " reference" : " auto"));
+        auto cache = KVCache::create(spec);
+        ASSERT_TRUE(cache.ok()) << cache.status().to_string();
+        const int64_t row = p.num_kv_heads * p.head_dim, pad = 64 / int64_t(attnkit::dtype_size(dtype));
+        EXPECT_EQ(cache->keys().strides[1], row + pad);
+        EXPECT_EQ(cache->values().strides[0], cache->slots() * (row + pad));
+        const size_t elem = attnkit::dtype_size(dtype);
+        EXPECT_EQ(cache->nbytes(), size_t(p.batch * cache->slots() * row * 2) * elem);
+        EXPECT_EQ(cache->storage_nbytes(), size_t(p.batch * cache->slots() * (row + pad) * 2) * elem);
+        attnkit::AttentionOptions opt;
+        opt.backend = backend;
+        const std::vector<float> out = decode(p, spec, {5, 1, 3, 1, 1, 2}, opt);
+        EXPECT_TRUE(attnkit_test::all_close("out", out, oracle(p, W, dtype == DType::kBF16),
+                                            tolerance(p, dtype, backend)));
+      }
+}
+
+// Byte snapshot of a cache's observable state: every byte its (strided)
+// views span, padding included.
 struct Snapshot {
   int64_t length;
   std::vector<unsigned char> keys, values;
   explicit Snapshot(const KVCache& c)
-      : length(c.length()),
-        keys(static_cast<const unsigned char*>(c.keys().data),
-             static_cast<const unsigned char*>(c.keys().data) +
-                 c.keys().numel() * attnkit::dtype_size(c.keys().dtype)),
-        values(static_cast<const unsigned char*>(c.values().data),
-               static_cast<const unsigned char*>(c.values().data) +
-                   c.values().numel() * attnkit::dtype_size(c.values().dtype)) {}
+      : length(c.length()), keys(span_bytes(c.keys())), values(span_bytes(c.values())) {}
   bool operator==(const Snapshot&) const = default;
 };
 

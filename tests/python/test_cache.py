@@ -84,6 +84,23 @@ def test_keys_values_hold_the_latest_tokens(dtype):
     assert cache.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_padded_rows_read_back_and_count(dtype):
+    # 2 KiB token rows (2 x 256 float32, 4 x 256 bfloat16) are stored one
+    # 64-byte line apart; keys()/values() and nbytes do not show it.
+    heads = 2 if dtype == "float32" else 4
+    item = 4 if dtype == "float32" else 2
+    g = rng(8)
+    q, k, v = randn(g, 2, 5, 8, 256), randn(g, 2, 5, heads, 256), randn(g, 2, 5, heads, 256)
+    cache = attnkit.KVCache(2, 7, heads, 256, dtype=dtype)
+    decode(cache, q, k, v, [3, 1, 1])
+    ks, vs = (bf16_round(k), bf16_round(v)) if dtype == "bfloat16" else (k, v)
+    np.testing.assert_array_equal(cache.keys(), ks)
+    np.testing.assert_array_equal(cache.values(), vs)
+    assert cache.nbytes == 2 * 7 * heads * 256 * 2 * item
+    assert cache.storage_nbytes == cache.nbytes + 2 * 7 * 2 * 64
+
+
 def test_reset_and_reuse():
     g = rng(6)
     q, k, v = randn(g, 1, 5, 2, 8), randn(g, 1, 5, 2, 8), randn(g, 1, 5, 2, 8)

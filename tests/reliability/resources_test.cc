@@ -116,6 +116,15 @@ TEST(ReliabilityResources, KVCacheSpecsBeyondMemory) {
   s.dtype = DType::kBF16;
   EXPECT_TRUE(fails_with(KVCache::create(s).status(), StatusCode::kResourceExhausted,
                          "KVCache::create: keys"));
+  // num_kv_heads * head_dim itself overflows (the padded row stride
+  // must not wrap to a small allocation).
+  s = {};
+  s.batch_size = 1;
+  s.max_seq_len = 1;
+  s.num_kv_heads = int64_t{1} << 32;
+  s.head_dim = int64_t{1} << 32;
+  EXPECT_TRUE(fails_with(KVCache::create(s).status(), StatusCode::kResourceExhausted,
+                         "KVCache::create: keys"));
   // Keys fit, values overflow.
   s = {};
   s.batch_size = 1;
