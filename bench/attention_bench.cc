@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "attnkit/attention.h"
+#include "attnkit/kv_cache.h"
 #include "attnkit/machine.h"
 #include "core/cpu_features.h"
 #include "core/threads.h"
@@ -154,9 +155,13 @@ class Problem {
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     q_.resize(static_cast<size_t>(s.batch * s.seqlen_q * s.heads * s.d));
     for (float& x : q_) x = u(rng);
-    const size_t kn = static_cast<size_t>(s.batch * s.seqlen_k * s.kv_heads * s.d);
-    const size_t vn =
-        s.mla_view ? 0 : static_cast<size_t>(s.batch * s.seqlen_k * s.kv_heads * s.dv);
+    // Decode reads a KV cache, laid out as attnkit's KVCache lays it out
+    // (token rows of whole 2 KiB padded by a line, kv_token_stride).
+    const bool cache_layout = is_decode(s) && !s.mla_view;
+    k_row_ = cache_layout ? kv_token_stride(s.kv_heads, s.d, s.kv) : s.kv_heads * s.d;
+    v_row_ = cache_layout ? kv_token_stride(s.kv_heads, s.dv, s.kv) : s.kv_heads * s.dv;
+    const size_t kn = static_cast<size_t>(s.batch * s.seqlen_k * k_row_);
+    const size_t vn = s.mla_view ? 0 : static_cast<size_t>(s.batch * s.seqlen_k * v_row_);
     const size_t bytes = dtype_size(s.kv);
     const size_t set_bytes = (kn + vn) * bytes;
     sets_ = is_decode(s) && set_bytes > 0
@@ -182,15 +187,18 @@ class Problem {
     out_.resize(static_cast<size_t>(s.batch * s.seqlen_q * s.heads * s.dv));
   }
 
-  // A plain sequential read of the next set's K and V bytes on `threads`
-  // threads (the bytes a decode call reads); returns its seconds.
+  // A plain sequential read, on `threads` threads, of as many bytes of the
+  // next set's K and V as a decode call needs (kv_bytes(): row padding is
+  // not counted); returns its seconds.
   double read_next_set(int threads) {
     const size_t set = next_set_;
     next_set_ = (next_set_ + 1) % sets_;
     const char* parts[2] = {k_.data() + k_.size() / sets_ * set,
                             v_.data() + v_.size() / sets_ * set};
-    const int64_t floats[2] = {static_cast<int64_t>(k_.size() / sets_ / 4),
-                               static_cast<int64_t>(v_.size() / sets_ / 4)};
+    const size_t elem = dtype_size(s_.kv);
+    const int64_t floats[2] = {
+        static_cast<int64_t>(s_.batch * s_.seqlen_k * s_.kv_heads * s_.d * elem / 4),
+        s_.mla_view ? 0 : static_cast<int64_t>(s_.batch * s_.seqlen_k * s_.kv_heads * s_.dv * elem / 4)};
     volatile float sink = 0;
     const auto t0 = Clock::now();
     parallel_for(threads, threads, [&](int64_t t, int) {
@@ -220,12 +228,16 @@ class Problem {
     next_set_ = (next_set_ + 1) % sets_;
     const size_t k_at = k_.size() / sets_ * set, v_at = v_.size() / sets_ * set;
     TensorView k = make_view(k_.data() + k_at, s_.kv, {s_.batch, s_.seqlen_k, s_.kv_heads, s_.d});
+    k.strides[1] = k_row_;
+    k.strides[0] = s_.seqlen_k * k_row_;
     TensorView v;
     if (s_.mla_view) {
       v = k;  // a strided view of the first dv columns of K's rows
       v.shape[3] = s_.dv;
     } else {
       v = make_view(v_.data() + v_at, s_.kv, {s_.batch, s_.seqlen_k, s_.kv_heads, s_.dv});
+      v.strides[1] = v_row_;
+      v.strides[0] = s_.seqlen_k * v_row_;
     }
     return sdpa(make_view(q_.data(), DType::kF32, {s_.batch, s_.seqlen_q, s_.heads, s_.d}), k, v,
                 make_view(out_.data(), DType::kF32, {s_.batch, s_.seqlen_q, s_.heads, s_.dv}), o);
@@ -251,6 +263,7 @@ class Problem {
   std::vector<float> q_, out_;
   AlignedBytes k_, v_;  // `sets_` copies, one after the other (each a multiple of 64 B)
   size_t kn_ = 0, vn_ = 0, sets_ = 1, next_set_ = 0;
+  int64_t k_row_ = 0, v_row_ = 0;  // elements between tokens
 };
 
 // The best (lowest) seconds per call of each benchmark over its

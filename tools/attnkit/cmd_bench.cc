@@ -29,6 +29,7 @@
 #include <sstream>
 
 #include "attnkit/attention.h"
+#include "attnkit/kv_cache.h"
 #include "attnkit/machine.h"
 #include "cli.h"
 #include "commands.h"
@@ -102,12 +103,21 @@ struct Row {
 };
 
 // K/V buffers for one shape, `n` sets, each [batch, seqlen_k, kv_heads, dk+dv].
+// Decode reads them laid out as attnkit's KVCache lays out its storage:
+// token rows of whole 2 KiB are one 64-byte line apart (kv_token_stride).
 struct Buffers {
-  std::vector<Tensor> k, v;
-  TensorView kview(size_t i) const { return k[i].view(); }
+  std::vector<Tensor> k, v;  // [batch, seqlen_k, row elements]
+  int64_t k_row = 0, v_row = 0;
+  static TensorView shaped(const Tensor& t, const Shape& s, int64_t dim, int64_t row) {
+    TensorView view = make_view(t.data(), s.kv, {s.batch, s.seqlen_k, s.kv_heads, dim});
+    view.strides[1] = row;
+    view.strides[0] = s.seqlen_k * row;
+    return view;
+  }
+  TensorView kview(size_t i, const Shape& s) const { return shaped(k[i], s, s.head_dim, k_row); }
   TensorView vview(size_t i, const Shape& s) const {
-    if (!s.v_is_k_prefix) return v[i].view();
-    TensorView view = k[i].view();
+    if (!s.v_is_k_prefix) return shaped(v[i], s, s.head_dim_v, v_row);
+    TensorView view = kview(i, s);
     view.shape[3] = s.head_dim_v;  // same strides: a view of the first head_dim_v features
     return view;
   }
@@ -119,9 +129,12 @@ Tensor alloc(DType dtype, std::initializer_list<int64_t> shape) {
 
 Buffers make_buffers(const Shape& s, int n) {
   Buffers b;
+  const bool cache = s.mode == "decode" && !s.v_is_k_prefix;
+  b.k_row = cache ? kv_token_stride(s.kv_heads, s.head_dim, s.kv) : s.kv_heads * s.head_dim;
+  b.v_row = cache ? kv_token_stride(s.kv_heads, s.head_dim_v, s.kv) : s.kv_heads * s.head_dim_v;
   for (int i = 0; i < n; ++i) {
-    b.k.push_back(alloc(s.kv, {s.batch, s.seqlen_k, s.kv_heads, s.head_dim}));
-    if (!s.v_is_k_prefix) b.v.push_back(alloc(s.kv, {s.batch, s.seqlen_k, s.kv_heads, s.head_dim_v}));
+    b.k.push_back(alloc(s.kv, {s.batch, s.seqlen_k, b.k_row}));
+    if (!s.v_is_k_prefix) b.v.push_back(alloc(s.kv, {s.batch, s.seqlen_k, b.v_row}));
   }
   // Every set gets its own random values, as distinct caches hold.
   for (int i = 0; i < n; ++i) {
@@ -145,7 +158,7 @@ Timing time_sdpa(const Shape& s, const Buffers& buf, int n, Backend backend, int
   return time_median(
       [&](int64_t i) {
         const size_t r = static_cast<size_t>(i % n);
-        ok_or_throw(sdpa(q.view(), buf.kview(r), buf.vview(r, s), out.view(), opt), "sdpa");
+        ok_or_throw(sdpa(q.view(), buf.kview(r, s), buf.vview(r, s), out.view(), opt), "sdpa");
       },
       budget, min_samples, 200);
 }
