@@ -157,11 +157,13 @@ class Problem {
     for (float& x : q_) x = u(rng);
     // Decode reads a KV cache, laid out as attnkit's KVCache lays it out
     // (token rows of whole 2 KiB padded by a line, kv_token_stride).
-    const bool cache_layout = is_decode(s) && !s.mla_view;
-    k_row_ = cache_layout ? kv_token_stride(s.kv_heads, s.d, s.kv) : s.kv_heads * s.d;
-    v_row_ = cache_layout ? kv_token_stride(s.kv_heads, s.dv, s.kv) : s.kv_heads * s.dv;
-    const size_t kn = static_cast<size_t>(s.batch * s.seqlen_k * k_row_);
-    const size_t vn = s.mla_view ? 0 : static_cast<size_t>(s.batch * s.seqlen_k * v_row_);
+    cache_layout_ = is_decode(s) && !s.mla_view;
+    const int64_t k_row =
+        cache_layout_ ? kv_token_stride(s.kv_heads, s.d, s.kv) : s.kv_heads * s.d;
+    const int64_t v_row =
+        cache_layout_ ? kv_token_stride(s.kv_heads, s.dv, s.kv) : s.kv_heads * s.dv;
+    const size_t kn = static_cast<size_t>(s.batch * s.seqlen_k * k_row);
+    const size_t vn = s.mla_view ? 0 : static_cast<size_t>(s.batch * s.seqlen_k * v_row);
     const size_t bytes = dtype_size(s.kv);
     const size_t set_bytes = (kn + vn) * bytes;
     sets_ = is_decode(s) && set_bytes > 0
@@ -195,10 +197,9 @@ class Problem {
     next_set_ = (next_set_ + 1) % sets_;
     const char* parts[2] = {k_.data() + k_.size() / sets_ * set,
                             v_.data() + v_.size() / sets_ * set};
-    const size_t elem = dtype_size(s_.kv);
-    const int64_t floats[2] = {
-        static_cast<int64_t>(s_.batch * s_.seqlen_k * s_.kv_heads * s_.d * elem / 4),
-        s_.mla_view ? 0 : static_cast<int64_t>(s_.batch * s_.seqlen_k * s_.kv_heads * s_.dv * elem / 4)};
+    const int64_t rows = s_.batch * s_.seqlen_k * s_.kv_heads;
+    const int64_t elem = static_cast<int64_t>(dtype_size(s_.kv));
+    const int64_t floats[2] = {rows * s_.d * elem / 4, s_.mla_view ? 0 : rows * s_.dv * elem / 4};
     volatile float sink = 0;
     const auto t0 = Clock::now();
     parallel_for(threads, threads, [&](int64_t t, int) {
@@ -227,17 +228,17 @@ class Problem {
     const size_t set = next_set_;
     next_set_ = (next_set_ + 1) % sets_;
     const size_t k_at = k_.size() / sets_ * set, v_at = v_.size() / sets_ * set;
-    TensorView k = make_view(k_.data() + k_at, s_.kv, {s_.batch, s_.seqlen_k, s_.kv_heads, s_.d});
-    k.strides[1] = k_row_;
-    k.strides[0] = s_.seqlen_k * k_row_;
+    auto shaped = [&](char* data, int64_t dim) {
+      return cache_layout_ ? kv_cache_view(data, s_.kv, s_.batch, s_.seqlen_k, s_.kv_heads, dim)
+                           : make_view(data, s_.kv, {s_.batch, s_.seqlen_k, s_.kv_heads, dim});
+    };
+    TensorView k = shaped(k_.data() + k_at, s_.d);
     TensorView v;
     if (s_.mla_view) {
       v = k;  // a strided view of the first dv columns of K's rows
       v.shape[3] = s_.dv;
     } else {
-      v = make_view(v_.data() + v_at, s_.kv, {s_.batch, s_.seqlen_k, s_.kv_heads, s_.dv});
-      v.strides[1] = v_row_;
-      v.strides[0] = s_.seqlen_k * v_row_;
+      v = shaped(v_.data() + v_at, s_.dv);
     }
     return sdpa(make_view(q_.data(), DType::kF32, {s_.batch, s_.seqlen_q, s_.heads, s_.d}), k, v,
                 make_view(out_.data(), DType::kF32, {s_.batch, s_.seqlen_q, s_.heads, s_.dv}), o);
@@ -263,7 +264,7 @@ class Problem {
   std::vector<float> q_, out_;
   AlignedBytes k_, v_;  // `sets_` copies, one after the other (each a multiple of 64 B)
   size_t kn_ = 0, vn_ = 0, sets_ = 1, next_set_ = 0;
-  int64_t k_row_ = 0, v_row_ = 0;  // elements between tokens
+  bool cache_layout_ = false;  // K/V laid out as KVCache's (kv_cache_view)
 };
 
 // The best (lowest) seconds per call of each benchmark over its

@@ -46,6 +46,13 @@ struct KVCacheSpec {
 // the row's element count overflows 64 bits.
 int64_t kv_token_stride(int64_t num_kv_heads, int64_t dim, DType dtype);
 
+// A [batch, tokens, num_kv_heads, dim] view of `data` in that layout:
+// tokens kv_token_stride() elements apart, batch items tokens times that.
+// `data` holds batch * tokens * kv_token_stride() elements; the caller keeps
+// it alive and checks the sizes (kv_token_stride() > 0).
+TensorView kv_cache_view(void* data, DType dtype, int64_t batch, int64_t tokens,
+                         int64_t num_kv_heads, int64_t dim);
+
 class KVCache {
  public:
   static Result<KVCache> create(const KVCacheSpec& spec);

@@ -98,9 +98,7 @@ Status make_storage(DType dtype, int64_t batch, int64_t slots, int64_t heads, in
   auto t = Tensor::zeros(dtype, {batch, slots, stride});
   if (!t.ok()) return t.status();
   *storage = std::move(t).value();
-  *view = make_view(storage->data(), dtype, {batch, slots, heads, dim});
-  view->strides[1] = stride;
-  view->strides[0] = slots * stride;
+  *view = kv_cache_view(storage->data(), dtype, batch, slots, heads, dim);
   return Status::Ok();
 }
 
@@ -110,6 +108,15 @@ int64_t kv_token_stride(int64_t num_kv_heads, int64_t dim, DType dtype) {
   int64_t row;
   if (num_kv_heads < 1 || dim < 1 || !checked_mul(num_kv_heads, dim, &row)) return 0;
   return kernels::cpu::padded_token_row(row, static_cast<int64_t>(dtype_size(dtype)));
+}
+
+TensorView kv_cache_view(void* data, DType dtype, int64_t batch, int64_t tokens,
+                         int64_t num_kv_heads, int64_t dim) {
+  const int64_t stride = kv_token_stride(num_kv_heads, dim, dtype);
+  TensorView v = make_view(data, dtype, {batch, tokens, num_kv_heads, dim});
+  v.strides[1] = stride;
+  v.strides[0] = tokens * stride;
+  return v;
 }
 
 size_t KVCache::nbytes() const {

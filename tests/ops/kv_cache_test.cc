@@ -26,6 +26,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -337,6 +338,35 @@ TEST(KVCacheStorage, TokenStridePadsRowsOfWholeTwoKiB) {
   EXPECT_EQ(kv_token_stride(8, -1, DType::kF32), 0);
 }
 
+// kv_cache_view gives the layout the cache itself uses, padded or not.
+TEST(KVCacheStorage, CacheViewIsTheCachesLayout) {
+  struct Case {
+    KVCacheSpec spec;
+    std::array<int64_t, 4> k_strides, v_strides;
+  } cases[] = {
+      {{2, 5, 8, 128, 0, DType::kF32, 0}, {5 * 1040, 1040, 128, 1}, {5 * 1040, 1040, 128, 1}},
+      {{2, 5, 8, 128, 64, DType::kBF16, 0}, {5 * 1056, 1056, 128, 1}, {5 * 512, 512, 64, 1}},
+      {{3, 4, 3, 5, 7, DType::kF32, 0}, {4 * 15, 15, 5, 1}, {4 * 21, 21, 7, 1}},
+  };
+  for (const Case& c : cases) {
+    const KVCacheSpec& spec = c.spec;
+    auto cache = KVCache::create(spec);
+    ASSERT_TRUE(cache.ok()) << cache.status().to_string();
+    const int64_t dims[2] = {spec.head_dim, spec.head_dim_v == 0 ? spec.head_dim : spec.head_dim_v};
+    const TensorView* own[2] = {&cache->keys(), &cache->values()};
+    const std::array<int64_t, 4>* expected[2] = {&c.k_strides, &c.v_strides};
+    for (int i = 0; i < 2; ++i) {
+      const TensorView w = attnkit::kv_cache_view(own[i]->data, spec.dtype, spec.batch_size,
+                                                  cache->slots(), spec.num_kv_heads, dims[i]);
+      for (int r = 0; r < 4; ++r) {
+        EXPECT_EQ(w.strides[r], (*expected[i])[r]) << "view " << i << " axis " << r;
+        EXPECT_EQ(own[i]->strides[r], w.strides[r]) << "view " << i << " axis " << r;
+        EXPECT_EQ(own[i]->shape[r], w.shape[r]) << "view " << i << " axis " << r;
+      }
+    }
+  }
+}
+
 // Rows of whole 2 KiB are stored padded; decoding through them must equal
 // the oracle as unpadded rows do, with and without a ring, on both
 // backends, and nbytes() stays the KV memory formula.
@@ -357,12 +387,13 @@ TEST(KVCacheStorage, PaddedRowsDecodeLikeTheOracle) {
                      (backend == attnkit::Backend::kReference ? " reference" : " auto"));
         auto cache = KVCache::create(spec);
         ASSERT_TRUE(cache.ok()) << cache.status().to_string();
-        const int64_t row = p.num_kv_heads * p.head_dim, pad = 64 / int64_t(attnkit::dtype_size(dtype));
+        const size_t elem = attnkit::dtype_size(dtype);
+        const int64_t row = p.num_kv_heads * p.head_dim, pad = 64 / int64_t(elem);
+        const int64_t rows = p.batch * cache->slots();
         EXPECT_EQ(cache->keys().strides[1], row + pad);
         EXPECT_EQ(cache->values().strides[0], cache->slots() * (row + pad));
-        const size_t elem = attnkit::dtype_size(dtype);
-        EXPECT_EQ(cache->nbytes(), size_t(p.batch * cache->slots() * row * 2) * elem);
-        EXPECT_EQ(cache->storage_nbytes(), size_t(p.batch * cache->slots() * (row + pad) * 2) * elem);
+        EXPECT_EQ(cache->nbytes(), size_t(rows * row * 2) * elem);
+        EXPECT_EQ(cache->storage_nbytes(), size_t(rows * (row + pad) * 2) * elem);
         attnkit::AttentionOptions opt;
         opt.backend = backend;
         const std::vector<float> out = decode(p, spec, {5, 1, 3, 1, 1, 2}, opt);

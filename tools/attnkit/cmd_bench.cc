@@ -107,16 +107,14 @@ struct Row {
 // token rows of whole 2 KiB are one 64-byte line apart (kv_token_stride).
 struct Buffers {
   std::vector<Tensor> k, v;  // [batch, seqlen_k, row elements]
-  int64_t k_row = 0, v_row = 0;
-  static TensorView shaped(const Tensor& t, const Shape& s, int64_t dim, int64_t row) {
-    TensorView view = make_view(t.data(), s.kv, {s.batch, s.seqlen_k, s.kv_heads, dim});
-    view.strides[1] = row;
-    view.strides[0] = s.seqlen_k * row;
-    return view;
+  bool cache = false;        // KVCache's layout, else contiguous
+  TensorView shaped(const Tensor& t, const Shape& s, int64_t dim) const {
+    return cache ? kv_cache_view(t.data(), s.kv, s.batch, s.seqlen_k, s.kv_heads, dim)
+                 : make_view(t.data(), s.kv, {s.batch, s.seqlen_k, s.kv_heads, dim});
   }
-  TensorView kview(size_t i, const Shape& s) const { return shaped(k[i], s, s.head_dim, k_row); }
+  TensorView kview(size_t i, const Shape& s) const { return shaped(k[i], s, s.head_dim); }
   TensorView vview(size_t i, const Shape& s) const {
-    if (!s.v_is_k_prefix) return shaped(v[i], s, s.head_dim_v, v_row);
+    if (!s.v_is_k_prefix) return shaped(v[i], s, s.head_dim_v);
     TensorView view = kview(i, s);
     view.shape[3] = s.head_dim_v;  // same strides: a view of the first head_dim_v features
     return view;
@@ -129,12 +127,14 @@ Tensor alloc(DType dtype, std::initializer_list<int64_t> shape) {
 
 Buffers make_buffers(const Shape& s, int n) {
   Buffers b;
-  const bool cache = s.mode == "decode" && !s.v_is_k_prefix;
-  b.k_row = cache ? kv_token_stride(s.kv_heads, s.head_dim, s.kv) : s.kv_heads * s.head_dim;
-  b.v_row = cache ? kv_token_stride(s.kv_heads, s.head_dim_v, s.kv) : s.kv_heads * s.head_dim_v;
+  b.cache = s.mode == "decode" && !s.v_is_k_prefix;
+  const int64_t k_row =
+      b.cache ? kv_token_stride(s.kv_heads, s.head_dim, s.kv) : s.kv_heads * s.head_dim;
+  const int64_t v_row =
+      b.cache ? kv_token_stride(s.kv_heads, s.head_dim_v, s.kv) : s.kv_heads * s.head_dim_v;
   for (int i = 0; i < n; ++i) {
-    b.k.push_back(alloc(s.kv, {s.batch, s.seqlen_k, b.k_row}));
-    if (!s.v_is_k_prefix) b.v.push_back(alloc(s.kv, {s.batch, s.seqlen_k, b.v_row}));
+    b.k.push_back(alloc(s.kv, {s.batch, s.seqlen_k, k_row}));
+    if (!s.v_is_k_prefix) b.v.push_back(alloc(s.kv, {s.batch, s.seqlen_k, v_row}));
   }
   // Every set gets its own random values, as distinct caches hold.
   for (int i = 0; i < n; ++i) {
