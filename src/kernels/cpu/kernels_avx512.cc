@@ -146,20 +146,37 @@ inline void qk2_block(const uint16_t* k, int64_t ks, int64_t d, const uint16_t* 
     for (int b = 0; b < MV; ++b) _mm512_storeu_ps(s + a * ss + b * 16, acc[a][b]);
 }
 
+// Keys per block when the rows fill one vector (decode: up to 16 packed
+// rows). A dependent chain of vdpbf16ps runs 1.5x as long as one of FMAs
+// (6 cycles against 4 on Zen 5, measured), so two per cycle need 12
+// independent accumulators, and the 8 keys of the fp32 kernels allowed
+// two thirds of that rate (decode_tile_bench, 16 rows, bf16 QK per tile:
+// 855-1061 ns with 8 keys, 752-982 with 16, runs alternated).
+// 16 fit the registers and split a 64-key tile evenly.
+constexpr int kQk2OneVectorKeys = 16;
+
+// nk >= KB keys in blocks of KB; the last block overlaps, as in
+// simd::qk_columns.
+template <int KB, int MV>
+inline void qk2_blocks(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const uint16_t* qt2,
+                       int64_t w, int64_t ss, float* s, int64_t pf) {
+  for (int64_t n = 0;; n += KB) {
+    if (n + KB > nk) n = nk - KB;
+    qk2_block<KB, MV>(k + n * ks, ks, d, qt2, w, ss, s + n * ss, pf);
+    if (n + KB == nk) return;
+  }
+}
+
 template <int MV>
 inline void qk2_columns(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const uint16_t* qt2,
                         int64_t w, int64_t ss, float* s, int64_t pf) {
   constexpr int kb = V512::kQkAcc / MV < V512::kQkMaxKeys ? V512::kQkAcc / MV : V512::kQkMaxKeys;
-  if (nk < kb) {
-    for (int64_t n = 0; n < nk; ++n)
-      qk2_block<1, MV>(k + n * ks, ks, d, qt2, w, ss, s + n * ss, pf);
-    return;
+  if constexpr (MV == 1) {
+    if (nk >= kQk2OneVectorKeys)
+      return qk2_blocks<kQk2OneVectorKeys, 1>(k, ks, nk, d, qt2, w, ss, s, pf);
   }
-  for (int64_t n = 0;; n += kb) {  // the last block overlaps, as in simd::qk_columns
-    if (n + kb > nk) n = nk - kb;
-    qk2_block<kb, MV>(k + n * ks, ks, d, qt2, w, ss, s + n * ss, pf);
-    if (n + kb == nk) return;
-  }
+  if (nk >= kb) return qk2_blocks<kb, MV>(k, ks, nk, d, qt2, w, ss, s, pf);
+  for (int64_t n = 0; n < nk; ++n) qk2_block<1, MV>(k + n * ks, ks, d, qt2, w, ss, s + n * ss, pf);
 }
 
 void qk_bf16(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const uint16_t* qt2,
