@@ -8,9 +8,10 @@
 //   pv       O = alpha O + P V (pv_f32, or pv_bf16 with vdpbf16ps)
 //   tile     the three in sequence
 // for 4 packed rows (1-token GQA 32/8 decode) and 16 (4 tokens), fp32 and
-// bf16 K/V, and two row strides: `compact` (a kv head's rows adjacent) and
-// `cache` (a [token, 8 kv heads, 128] cache: rows 4 KiB apart in fp32, 2 KiB
-// in bf16, which fold a tile onto a few L1 sets).
+// bf16 K/V, and three row strides: `compact` (a kv head's rows adjacent),
+// `cache` (a dense [token, 8 kv heads, 128] cache: rows 4 KiB apart in
+// fp32, 2 KiB in bf16, which fold a tile onto a few L1 sets) and `padded`
+// (the same cache as KVCache stores it, kv_token_stride() apart).
 //
 // Each stage reports `frac_fma_peak` (its multiply-adds against the
 // one-thread fp32 FMA peak measured in-process) and `read_to_compute`: the
@@ -32,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "attnkit/kv_cache.h"
 #include "attnkit/machine.h"
 #include "attnkit/tensor.h"
 #include "core/cpu_features.h"
@@ -44,6 +46,23 @@ namespace {
 using kernels::cpu::KernelTable;
 
 constexpr int64_t kKeys = 64, kHeadDim = 128, kCacheKvHeads = 8;
+
+enum class Layout { kCompact, kCache, kPadded };
+constexpr Layout kLayouts[] = {Layout::kCompact, Layout::kCache, Layout::kPadded};
+
+const char* layout_name(Layout layout) {
+  return layout == Layout::kCompact ? "compact" : layout == Layout::kCache ? "cache" : "padded";
+}
+
+// Elements between a kv head's consecutive rows.
+int64_t row_stride(Layout layout, bool bf16) {
+  switch (layout) {
+    case Layout::kCompact: return kHeadDim;
+    case Layout::kCache: return kCacheKvHeads * kHeadDim;
+    case Layout::kPadded: break;
+  }
+  return kv_token_stride(kCacheKvHeads, kHeadDim, bf16 ? DType::kBF16 : DType::kF32);
+}
 
 const MachineProfile& one_thread() {
   static const MachineProfile m = measure_machine(1);
@@ -150,14 +169,14 @@ double stage_bytes(Stage stage, bool bf16) {
   return stage == Stage::kTile ? 2 * one : stage == Stage::kSoftmax ? 0 : one;
 }
 
-void run(benchmark::State& state, const std::string& name, bool bf16, int64_t rows, bool cache,
+void run(benchmark::State& state, const std::string& name, bool bf16, int64_t rows, Layout layout,
          Stage stage) {
   const KernelTable* kt = kernels::cpu::kernel_table(simd_target());
   if (bf16 && kt->qk_bf16 == nullptr) {
     state.SkipWithError("no vdpbf16ps on this target: bf16 K/V are widened to fp32");
     return;
   }
-  Tile t(kt, bf16, rows, cache ? kCacheKvHeads * kHeadDim : kHeadDim);
+  Tile t(kt, bf16, rows, row_stride(layout, bf16));
   t.s = t.s0;
   if (stage == Stage::kPv) {  // weights in (0, 1], as P V sees them; alpha < 1 bounds O
     t.softmax();
@@ -187,20 +206,20 @@ void run(benchmark::State& state, const std::string& name, bool bf16, int64_t ro
   state.counters["read_to_compute"] = stage_bytes(stage, bf16) / (m.dram_read_gbps * 1e9) / per_tile;
 }
 
-std::string bench_name(bool bf16, int64_t rows, bool cache, Stage stage) {
+std::string bench_name(bool bf16, int64_t rows, Layout layout, Stage stage) {
   return std::string("tile/") + (bf16 ? "bf16" : "f32") + "/rows" + std::to_string(rows) + "/" +
-         (cache ? "cache" : "compact") + "/" + stage_name(stage);
+         layout_name(layout) + "/" + stage_name(stage);
 }
 
 void register_all() {
   for (bool bf16 : {false, true})
     for (int64_t rows : {4, 16})
-      for (bool cache : {false, true})
+      for (Layout layout : kLayouts)
         for (Stage stage : {Stage::kQk, Stage::kSoftmax, Stage::kPv, Stage::kTile}) {
-          const std::string name = bench_name(bf16, rows, cache, stage);
+          const std::string name = bench_name(bf16, rows, layout, stage);
           benchmark::RegisterBenchmark(name.c_str(),
                                        [=](benchmark::State& st) {
-                                         run(st, name, bf16, rows, cache, stage);
+                                         run(st, name, bf16, rows, layout, stage);
                                        })
               ->Unit(benchmark::kNanosecond);
         }
@@ -218,11 +237,11 @@ void summary() {
               "read", "of fp32 peak");
   for (bool bf16 : {false, true})
     for (int64_t rows : {4, 16})
-      for (bool cache : {false, true}) {
+      for (Layout layout : kLayouts) {
         double ns[4];
         bool all = true;
         for (Stage stage : {Stage::kQk, Stage::kSoftmax, Stage::kPv, Stage::kTile}) {
-          auto it = seconds().find(bench_name(bf16, rows, cache, stage));
+          auto it = seconds().find(bench_name(bf16, rows, layout, stage));
           all = all && it != seconds().end();
           ns[static_cast<int>(stage)] = all ? it->second * 1e9 : 0;
         }
@@ -230,7 +249,7 @@ void summary() {
         const double read_ns = stage_bytes(Stage::kTile, bf16) / m.dram_read_gbps;
         const double peak = 2 * stage_macs(Stage::kTile, rows) / ns[3] / m.fp32_peak_gflops;
         const std::string label = std::string(bf16 ? "bf16" : "f32") + " rows" +
-                                  std::to_string(rows) + (cache ? " cache" : " compact");
+                                  std::to_string(rows) + " " + layout_name(layout);
         std::printf("  %-22s %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f %13.3f\n", label.c_str(), ns[0],
                     ns[1], ns[2], ns[0] + ns[1] + ns[2], ns[3], read_ns, peak);
       }
