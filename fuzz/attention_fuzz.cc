@@ -60,6 +60,7 @@
 #include "attnkit/attention.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/tensor.h"
+#include "common/views.h"
 #include "core/cpu_features.h"
 
 namespace {
@@ -843,12 +844,7 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
     const int bad = fdp.ConsumeIntegralInRange<int>(0, 6);
     if (bad > 0) {
       // Every byte the strided keys view spans, row padding included.
-      const TensorView& keys = cache.keys();
-      int64_t last = 1;  // one past the last element's offset
-      for (int r = 0; r < 4; ++r) last += (keys.shape[r] - 1) * keys.strides[r];
-      const uint8_t* keys_at = static_cast<const uint8_t*>(keys.data);
-      const std::vector<uint8_t> keys_before(
-          keys_at, keys_at + (keys.numel() == 0 ? 0 : last) * attnkit::dtype_size(keys.dtype));
+      const std::vector<unsigned char> keys_before = attnkit_test::span_bytes(cache.keys());
       AttentionOptions bad_opt = opt;
       TensorView bq = qv, bo = ov;
       std::vector<int32_t> lens(static_cast<size_t>(B), 1);
@@ -899,7 +895,7 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
       }
       if (st.ok()) fail("KVCache::attend accepted bad call " + std::to_string(bad));
       if (cache.length() != len) fail("KVCache::attend: a failed call changed length()");
-      if (!keys_before.empty() && std::memcmp(keys_before.data(), keys_at, keys_before.size()) != 0)
+      if (attnkit_test::span_bytes(cache.keys()) != keys_before)
         fail("KVCache::attend: a failed call changed the stored keys");
       for (float x : out)
         if (!bits_equal(x, kSentinel)) fail("KVCache::attend: a failed call wrote out");
