@@ -32,7 +32,8 @@ struct V512 {
   // x 4 vectors = 6 broadcasts + 4 loads per 24 FMAs. Both stay under the
   // two loads per cycle that feed two FMAs per cycle (each measured at
   // 93-95 % of the FMA peak on L1-resident tiles, Zen 5). With fewer row
-  // vectors (decode) at most 8 keys, so that a 64-key tile splits evenly.
+  // vectors (decode) at most 8 keys, so that a 64-key tile splits evenly
+  // (the bf16 QK with one row vector takes kQk2OneVectorKeys).
   static constexpr int kQkVecs = 4, kQkAcc = 24, kQkMaxKeys = 8;
   static constexpr int kPvRows = 6, kPvVecs = 4;
 
