@@ -343,20 +343,33 @@ class TaskRunner {
     const bool more_tiles = j1 < task_end_;
     for (int64_t h = 0; h < heads_; ++h) {
       select_head(h);
-      // While reading this head's rows, prefetch the rows read next: the
-      // next head's in this tile, else the first head's in the next tile
-      // (unless a ring wraps in between, where the hint is merely wasted).
-      int64_t k_ahead = 0, v_ahead = 0;
+      // Prefetch one phase ahead (elements from the rows being read): QK
+      // fetches this head's V rows, PV the K rows read next, the next head's
+      // in this tile, else the first head's in the next tile (unless a ring
+      // wraps in between, where the hint is merely wasted). Fetching K and V
+      // a whole head step ahead, each during its own phase, left more of the
+      // lines to be evicted before use and ran slower: 1-token decode 3-15 %,
+      // 4-token 5-17 % (docs/PERFORMANCE.md, sixth session). Where V lies in
+      // K's rows (absorbed MLA), the strides differ, or PV reads a copy (and
+      // so takes no prefetch), each phase fetches its own rows of the next
+      // step instead.
+      int64_t k_next = 0, v_next = 0;
       if (h + 1 < heads_) {
-        k_ahead = p_.k_stride.head;
-        v_ahead = p_.v_stride.head;
+        k_next = p_.k_stride.head;
+        v_next = p_.v_stride.head;
       } else if (more_tiles) {
-        k_ahead = nk * p_.k_stride.row - (heads_ - 1) * p_.k_stride.head;
-        v_ahead = nk * p_.v_stride.row - (heads_ - 1) * p_.v_stride.head;
+        k_next = nk * p_.k_stride.row - (heads_ - 1) * p_.k_stride.head;
+        v_next = nk * p_.v_stride.row - (heads_ - 1) * p_.v_stride.head;
       }
+      const int64_t k_to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
+                             static_cast<int64_t>(elem_size());
+      const bool pv_prefetches = g_.dot_bf16 || (!g_.bf16 && !g_.copy_v);
+      const bool one_phase = pv_prefetches && p_.k_stride.row == p_.v_stride.row && k_to_v != 0;
+      const int64_t qk_prefetch = one_phase ? k_to_v : k_next;
+      const int64_t pv_prefetch = one_phase ? (k_next != 0 ? k_next - k_to_v : 0) : v_next;
       // Columns [m_lo_, m_pad) of s, alpha and the row state are live.
       float* s = ws_ + g_.s;
-      scores(j0, nk, s, k_ahead);
+      scores(j0, nk, s, qk_prefetch);
       const int64_t cols = g_.m_pad - m_lo_;
       if (p_.softcap > 0.0f) {
         if (g_.rows_qk)  // elementwise: the packed tile as rows of 16 (whole vectors)
@@ -376,7 +389,7 @@ class TaskRunner {
       if (masked && !values_finite(j0, nk))
         accumulate_skipping_zeros(j0, nk, s, alpha);
       else
-        accumulate(j0, nk, s, alpha, v_ahead);
+        accumulate(j0, nk, s, alpha, pv_prefetch);
     }
   }
 

@@ -291,11 +291,13 @@ inline void from_pair_order(__m512 lo, __m512 hi, __m512* x0, __m512* x1) {
 // (p[n][r], p[n+1][r]) pairs of every key pair as 32-bit words
 // pp[pair * pp_stride + r]. kRows <= 6: 24 accumulators, 4 paired V
 // vectors and a weight fit the 32 registers.
-// kPrefetch: the block also prefetches both rows whole, pf further on.
+// kPrefetch: for pairs [pf_lo, pf_hi) the block also prefetches both rows
+// whole (from column 0), pf further on.
 template <int kRows, bool kPrefetch>
 inline void pv_rows_bf16_block(const uint32_t* pp, int64_t pp_stride, int64_t pairs, int64_t nk,
                                const uint16_t* v, int64_t vs, int64_t dv, int64_t c0, float* o,
-                               int64_t dv_pad, const float* alpha, int64_t pf) {
+                               int64_t dv_pad, const float* alpha, int64_t pf, int64_t pf_lo,
+                               int64_t pf_hi) {
   const int64_t halves = dv_pad - c0 >= 64 ? 2 : (dv_pad - c0 + 31) / 32;  // 32-column groups
   __mmask32 mask[2];
   for (int q = 0; q < 2; ++q) {
@@ -325,10 +327,11 @@ inline void pv_rows_bf16_block(const uint32_t* pp, int64_t pp_stride, int64_t pa
     const bool second = 2 * i + 1 < nk;  // an odd tail pairs with zeros
     const uint16_t* v0 = v + 2 * i * vs + c0;
     if constexpr (kPrefetch)
-      for (int64_t c = 0; c < dv; c += 32) {  // 32 bf16 per 64-byte line
-        V512::prefetch(v0 + pf + c);
-        V512::prefetch(v0 + vs + pf + c);
-      }
+      if (i >= pf_lo && i < pf_hi)
+        for (int64_t c = 0; c < dv; c += 32) {  // 32 bf16 per 64-byte line
+          V512::prefetch(v0 - c0 + pf + c);
+          V512::prefetch(v0 - c0 + vs + pf + c);
+        }
     __m512i w[4];
 #pragma GCC unroll 2
     for (int q = 0; q < 2; ++q) {
@@ -375,22 +378,27 @@ inline void pack_weight_pairs(const float* s, int64_t nk, int64_t m_pad, int64_t
 template <int kRows>
 inline void pv_rows_bf16_any(int64_t rows, const uint32_t* pp, int64_t pp_stride, int64_t pairs,
                              int64_t nk, const uint16_t* v, int64_t vs, int64_t dv, int64_t c0,
-                             float* o, int64_t dv_pad, const float* alpha, int64_t pf) {
+                             float* o, int64_t dv_pad, const float* alpha, int64_t pf,
+                             int64_t pf_lo, int64_t pf_hi) {
   if constexpr (kRows >= 1) {
     if (rows != kRows)
       return pv_rows_bf16_any<kRows - 1>(rows, pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad,
-                                         alpha, pf);
+                                         alpha, pf, pf_lo, pf_hi);
     if (pf != 0)
       pv_rows_bf16_block<kRows, true>(pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha,
-                                      pf);
+                                      pf, pf_lo, pf_hi);
     else
       pv_rows_bf16_block<kRows, false>(pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha,
-                                       0);
+                                       0, 0, 0);
   }
 }
 
 // Decode tiles: the weight pairs, rounded to bf16 as pv_bf16 rounds them,
-// then blocks of up to 6 rows by 64 columns; the first block prefetches.
+// then blocks of up to 6 rows by 64 columns. Every block reads the whole
+// tile, so the prefetch is shared out: block b of B fetches the whole rows
+// of pairs [b pairs / B, (b + 1) pairs / B). Issued by the first block alone,
+// a tile's lines were asked for in a sixth of the product (16 rows), and
+// decode ran 2-8 % slower (docs/PERFORMANCE.md, sixth session).
 void pv_rows_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows,
                   const uint16_t* v, int64_t vs, int64_t dv, float* o, int64_t dv_pad,
                   const float* alpha, uint16_t* pack, int64_t pf) {
@@ -410,10 +418,13 @@ void pv_rows_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t
     pp_stride = ss;
     pack_weight_pairs(s, nk, m_pad, ss, pp);
   }
+  const int64_t blocks = (dv_pad + 63) / 64 * ((rows + 5) / 6);
+  int64_t b = 0;
   for (int64_t c0 = 0; c0 < dv_pad; c0 += 64)  // the block offsets o and v by c0 itself
-    for (int64_t m = 0; m < rows; m += 6)
+    for (int64_t m = 0; m < rows; m += 6, ++b)
       pv_rows_bf16_any<6>(rows - m < 6 ? rows - m : 6, pp + m, pp_stride, pairs, nk, v, vs, dv,
-                          c0, o + m * dv_pad, dv_pad, alpha + m, c0 == 0 && m == 0 ? pf : 0);
+                          c0, o + m * dv_pad, dv_pad, alpha + m, pf, b * pairs / blocks,
+                          (b + 1) * pairs / blocks);
 }
 
 void pv_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows, const uint16_t* v,

@@ -175,7 +175,8 @@ void softmax(float* s, int64_t nk, int64_t m_pad, int64_t ss, float* row_max, fl
 // never read past head_dim_v.
 template <class V, int MR, int CV>
 inline void pv_block(const float* s, int64_t nk, int64_t ss, const float* v, int64_t vs, float* o,
-                     int64_t dv_pad, const float* alpha, typename V::Mask last, int64_t pf) {
+                     int64_t dv_pad, const float* alpha, typename V::Mask last, int64_t pf,
+                     int64_t pf_lo, int64_t pf_hi) {
   using F = typename V::F;
   F acc[MR][CV];
 #pragma GCC unroll 8
@@ -186,7 +187,7 @@ inline void pv_block(const float* s, int64_t nk, int64_t ss, const float* v, int
   }
   for (int64_t n = 0; n < nk; ++n) {
     const float* vrow = v + n * vs;
-    if (pf != 0)
+    if (pf != 0 && n >= pf_lo && n < pf_hi)
 #pragma GCC unroll 4
       for (int c = 0; c < CV; ++c) V::prefetch(vrow + pf + c * V::kLanes);
     F vv[CV];
@@ -210,25 +211,32 @@ inline void pv_block(const float* s, int64_t nk, int64_t ss, const float* v, int
 template <class V, int MR, int CV>
 inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const float* v,
                     int64_t vs, float* o, int64_t dv_pad, const float* alpha, typename V::Mask last,
-                    int64_t pf) {
+                    int64_t pf, int64_t pf_lo, int64_t pf_hi) {
   if constexpr (MR >= 1) {
-    if (rows == MR) return pv_block<V, MR, CV>(s, nk, ss, v, vs, o, dv_pad, alpha, last, pf);
-    pv_rows<V, MR - 1, CV>(rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf);
+    if (rows == MR)
+      return pv_block<V, MR, CV>(s, nk, ss, v, vs, o, dv_pad, alpha, last, pf, pf_lo, pf_hi);
+    pv_rows<V, MR - 1, CV>(rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf, pf_lo, pf_hi);
   }
 }
 
+// Each row block reads the whole V tile, so the prefetch of the rows pf
+// further on is shared out, block b of B taking keys [b nk / B, (b + 1) nk /
+// B): issued by the first block alone, a tile's lines were asked for in a
+// third of the product (16 rows) and 4-token decode ran 5 % slower
+// (docs/PERFORMANCE.md, sixth session).
 template <class V, int CV>
 inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, int64_t ss,
                        const float* v, int64_t vs, float* o, int64_t dv_pad, const float* alpha,
                        typename V::Mask last, int64_t pf) {
   if constexpr (CV >= 1) {
     if (cvecs == CV) {
-      int64_t m = 0;
-      for (; m + V::kPvRows <= rows; m += V::kPvRows)
+      const int64_t blocks = (rows + V::kPvRows - 1) / V::kPvRows;
+      int64_t m = 0, b = 0;
+      for (; m + V::kPvRows <= rows; m += V::kPvRows, ++b)
         pv_block<V, V::kPvRows, CV>(s + m, nk, ss, v, vs, o + m * dv_pad, dv_pad, alpha + m, last,
-                                    m == 0 ? pf : 0);
+                                    pf, b * nk / blocks, (b + 1) * nk / blocks);
       return pv_rows<V, V::kPvRows - 1, CV>(rows - m, s + m, nk, ss, v, vs, o + m * dv_pad, dv_pad,
-                                            alpha + m, last, m == 0 ? pf : 0);
+                                            alpha + m, last, pf, b * nk / blocks, nk);
     }
     pv_columns<V, CV - 1>(cvecs, rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf);
   }
