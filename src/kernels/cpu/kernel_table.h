@@ -30,9 +30,10 @@ struct KernelTable {
 
   // s[n][m] = sum_d k[n][d] * qt[d][m] for n < nk, m < m_pad. The kernels
   // that read K or V rows take `prefetch`: when nonzero they also prefetch,
-  // for each row read, the row that many elements further on (the next
-  // kv head's rows of the tile, or the next tile's), so that decode, which
-  // reads every row once from DRAM, has the next rows in flight; 0 = none.
+  // for each row read, the row that many elements further on (the rows the
+  // tile loop reads next, which may lie in another tensor: QK fetches V, PV
+  // the next K), so that decode, which reads every row once from DRAM, has
+  // the next rows in flight; 0 = none.
   void (*qk_f32)(const float* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
                  const float* qt, int64_t m_pad, float* s, int64_t s_stride, int64_t prefetch);
   // s = cap * tanh(s / cap) for n < nk, m < m_pad.
