@@ -45,6 +45,7 @@ struct Geometry {
   bool bf16 = false;      // K/V are bf16
   bool dot_bf16 = false;  // ... and go through the vdpbf16ps kernels
   bool copy_v = false;    // fp32 V tiles are copied to a compact buffer
+  bool pv_copies = false;  // PV reads V from the vw buffer (copy_v, or bf16 widened)
   bool rows_qk = false;   // S = K Q^T by qk_rows_* (q row-major, qt_row apart)
   int64_t qt_row = 0;
   int64_t group = 1, bq = 1, bk = 1, q_blocks = 0, bases = 0, max_parts = 1;
@@ -88,6 +89,7 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.vw_stride = odd_line_stride(g.dv_pad);
   g.copy_v = !g.bf16 && g.m_max >= kCopyValuesMinRows &&
              (p.v_stride.row * 4) % kCopyValuesStrideBytes == 0;
+  g.pv_copies = (g.bf16 && !g.dot_bf16) || g.copy_v;
   g.rows_qk = takes_rows_qk(*g.kt, g.m_max, g.dot_bf16);
   g.s_stride = score_stride(g.m_pad, g.rows_qk);
   g.qt_row = round_up(g.d, 32);
@@ -113,7 +115,7 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.alpha = take(g.m_pad);
   g.ones = take(g.m_pad);
   g.kw = take(g.bf16 && !g.dot_bf16 ? g.bk * g.d_pad : 0);
-  g.vw = take((g.bf16 && !g.dot_bf16) || g.copy_v ? g.bk * g.vw_stride : 0);
+  g.vw = take(g.pv_copies ? g.bk * g.vw_stride : 0);
   g.pack = take(g.dot_bf16 ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2) : 0);
   g.bitmap = take(p.sparse.kind != SparsePattern::Kind::kNone ? ceil_div(g.bq * g.bk, 4) : 0);
   g.row_lo = take(2 * g.bq);  // int64
@@ -363,8 +365,7 @@ class TaskRunner {
       }
       const int64_t k_to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
                              static_cast<int64_t>(elem_size());
-      const bool pv_prefetches = g_.dot_bf16 || (!g_.bf16 && !g_.copy_v);
-      const bool one_phase = pv_prefetches && p_.k_stride.row == p_.v_stride.row && k_to_v != 0;
+      const bool one_phase = !g_.pv_copies && p_.k_stride.row == p_.v_stride.row && k_to_v != 0;
       const int64_t qk_prefetch = one_phase ? k_to_v : k_next;
       const int64_t pv_prefetch = one_phase ? (k_next != 0 ? k_next - k_to_v : 0) : v_next;
       // Columns [m_lo_, m_pad) of s, alpha and the row state are live.
@@ -449,7 +450,7 @@ class TaskRunner {
       });
       return;
     }
-    if (g_.bf16 || g_.copy_v) {
+    if (g_.pv_copies) {
       // A compact copy: V rows of a kv head are often 4 KiB apart (all
       // heads of a token are adjacent), which folds a tile's columns onto
       // a few L1 sets; PV reads the tile once per block of rows.
