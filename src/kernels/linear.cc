@@ -2,19 +2,23 @@
 //
 // The fast path cuts y into blocks (Grid) that pool threads take one at a
 // time. Each block is one single-threaded call of oneDNN's matmul primitive
-// (its brgemm kernels), created once per block shape and cached.
+// (its brgemm kernels where the CPU has AVX-512), created once per block
+// shape and cached.
 //
 // Why the matmul primitive and not dnnl_sgemm (docs/GEMM.md): it is
-// 1.5-2x faster on 4-64 rows and equal on long prefills, and, run on one
-// thread, it computes every y[m, n] as one sequential chain of fused
-// multiply-adds over k, whatever the number of rows or columns in the call.
-// So a row's result depends on that row of x and on W only: not on the
-// other rows, the blocks or the thread count (the MoE layer shards tokens
-// by thread and relies on this). dnnl_sgemm breaks that: it runs a GEMV
-// on one row and other kernels on 2-15 rows. Its GEMV streams W ~1.4x
-// faster than the matmul kernels on one row, though, so callers that do
-// not need the invariance (attention, MLA) ask for it in decode
-// (LinearOptions::gemv_for_one_row).
+// 1.5-2x faster on 4-64 rows and equal on long prefills, and, where it
+// runs brgemm on one thread, it computes every y[m, n] as one sequential
+// chain of fused multiply-adds over k, whatever the number of rows or
+// columns in the call. So a row's result depends on that row of x and on
+// W only: not on the other rows, the blocks or the thread count. oneDNN 2.x
+// has no brgemm for AVX2; there the primitive runs its jit sgemm, as
+// dnnl_sgemm does, which picks other kernels by the row count (a GEMV on
+// one row), and a row's last bits depend on the other rows of its call
+// (linear_rows_independent says which holds). The blocks depend on the
+// shape only, so either way the thread count does not change a bit. The
+// GEMV streams W ~1.4x faster than the matmul kernels on one row, so
+// callers that do not need row independence (attention, MLA) ask for it
+// in decode (LinearOptions::gemv_for_one_row).
 //
 // oneDNN 2.6 runs brgemm only on dense operands (otherwise it silently
 // picks its slower sgemm-based matmul), so strided x rows are packed
@@ -371,12 +375,35 @@ void linear_nn(const float* x, int64_t ldx, const float* w, int64_t ldw, float* 
   }
 }
 
+// The implementation oneDNN picks for the matmul primitive here, e.g.
+// "brg:avx512_core" or "gemm:jit"; "" if it refuses.
+const std::string& matmul_impl() {
+  static const std::string impl = [] {
+    using dnnl::memory;
+    constexpr int64_t kRows = 16, kCols = 256, kDepth = 256;  // a small dense block
+    try {
+      const memory::desc x({kRows, kDepth}, memory::data_type::f32, memory::dims{kDepth, 1});
+      const memory::desc w({kDepth, kCols}, memory::data_type::f32, memory::dims{1, kDepth});
+      const memory::desc y({kRows, kCols}, memory::data_type::f32, memory::dims{kCols, 1});
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(x, w, y), cpu_engine());
+      return std::string(pd.impl_info_str());
+    } catch (const dnnl::error&) {
+      return std::string();
+    }
+  }();
+  return impl;
+}
+
+bool linear_rows_independent(Backend backend) {
+  return resolve_backend(backend) == Backend::kReference || matmul_impl().rfind("brg", 0) == 0;
+}
+
 const char* linear_backend_name() {
   static const std::string name = [] {
     const dnnl_version_t* v = dnnl_version();
-    char buf[96];
-    std::snprintf(buf, sizeof buf, "oneDNN %d.%d.%d matmul (%s)", v->major, v->minor, v->patch,
-                  isa_name(dnnl_get_effective_cpu_isa()));
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "oneDNN %d.%d.%d matmul %s (%s)", v->major, v->minor, v->patch,
+                  matmul_impl().c_str(), isa_name(dnnl_get_effective_cpu_isa()));
     return std::string(buf);
   }();
   return name.c_str();

@@ -11,10 +11,13 @@
 //   kAuto, kFast  oneDNN's matmul primitive (Debian's libdnnl), JIT-compiled
 //                 for the CPU it runs on (AVX-512, AVX2, ...) whatever the
 //                 environment says to other BLAS libraries
-//                 (OPENBLAS_CORETYPE). Each y[m, n] is one fp32 chain of
-//                 fused multiply-adds over k, so a row of y depends only on
-//                 its row of x and on W: not on `rows`, the blocking or the
-//                 thread count (unless gemv_for_one_row, below). Each
+//                 (OPENBLAS_CORETYPE). The result does not depend on the
+//                 thread count. Where linear_rows_independent() (oneDNN's
+//                 brgemm, AVX-512), each y[m, n] is one fp32 chain of fused
+//                 multiply-adds over k, so a row of y depends only on its
+//                 row of x and on W, not on `rows` or the blocking (unless
+//                 gemv_for_one_row, below); elsewhere (AVX2) a row's last
+//                 bits may depend on the other rows of the call. Each
 //                 thread keeps scratch buffers for oneDNN that grow to its
 //                 largest call.
 //                 Falls back to dnnl_sgemm, then to the loop, for a block
@@ -46,9 +49,16 @@ struct LinearOptions {
   // sums in another order: the row's last bits then differ from the same
   // row computed among others. Leave false where results must not depend
   // on how rows are grouped into calls (the MoE layer shards its tokens
-  // by thread count).
+  // by thread count where linear_rows_independent()).
   bool gemv_for_one_row = false;
 };
+
+// Whether a row of linear()'s result depends only on its row of x and on W
+// (not on the other rows of the call) with this backend on this machine:
+// always for kReference; for kFast where oneDNN runs its brgemm kernels
+// (AVX-512), not where it falls back to its jit sgemm (AVX2). Decided once
+// per process, from the implementation oneDNN picks for a small block.
+bool linear_rows_independent(Backend backend);
 
 void linear(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t ldy,
             int64_t rows, int64_t out_features, int64_t in_features,
@@ -70,8 +80,9 @@ void linear_ref(const float* x, int64_t ldx, const float* w, const float* bias, 
 void linear_nn(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
                int64_t rows, int64_t out_features, int64_t in_features, Backend backend);
 
-// The GEMM behind the fast backend and the ISA it runs, for reports, e.g.
-// "oneDNN 2.6.3 matmul (avx512_core_bf16)". Not affected by ATTNKIT_BACKEND.
+// The GEMM behind the fast backend, oneDNN's implementation and the ISA it
+// runs, for reports, e.g. "oneDNN 2.6.3 matmul brg:avx512_core
+// (avx512_core_bf16)". Not affected by ATTNKIT_BACKEND.
 const char* linear_backend_name();
 
 // RMSNorm over the last dimension, in double:

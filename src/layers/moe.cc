@@ -1,7 +1,7 @@
 // MoeLayer: router, top-k selection, expert dispatch by counting sort, and
 // the SwiGLU experts through kernels::linear.
 //
-// forward() runs in two phases over token shards (one shard per thread):
+// forward() runs in two phases over token shards (see shard_count):
 //   1. route: router logits for the shard's tokens (one linear), then per
 //      token the scores, the group limit and the top-k, into the routing
 //      arrays. Any non-finite logit fails the call here, before anything is
@@ -36,6 +36,9 @@ constexpr const char* kFwd = "MoeLayer::forward";
 constexpr const char* kLoad = "MoeLayer::load_weights";
 // Fewer tokens than this per shard are not worth a thread.
 constexpr int64_t kMinTokensPerShard = 8;
+// Shards where they must follow the shape alone (see shard_count): a few,
+// as each shard reads every expert it routes to.
+constexpr int64_t kShapeShards = 4;
 
 bool has_score_bias(const MoeConfig& c) { return c.topk_method == MoeTopkMethod::kNoauxTc; }
 
@@ -62,26 +65,43 @@ int resolve_threads(int requested) {
   return hw > 0 ? static_cast<int>(hw) : 1;
 }
 
-// Runs fn(0) .. fn(n - 1), shard 0 on the calling thread. If a thread cannot
-// be started its shard runs here instead, so the work always completes.
+// Token shards of a T-token call. A shard's tokens share each expert's
+// projections, so its boundaries decide which rows meet in a linear call.
+// Where a row's result does not depend on the other rows of its call
+// (kernels::linear_rows_independent: oneDNN's brgemm, or the reference),
+// any boundaries give the same bits, and there is one shard per thread.
+// Elsewhere (oneDNN's jit sgemm on AVX2) they would change the last bits
+// with the thread count, so they follow the shape alone: kShapeShards.
+int64_t shard_count(int64_t T, int threads, Backend backend) {
+  const int64_t wanted = kernels::linear_rows_independent(backend) ? threads : kShapeShards;
+  return std::max<int64_t>(1, std::min<int64_t>(wanted, T / kMinTokensPerShard));
+}
+
+// Runs fn(0) .. fn(n - 1) on up to `workers` threads, worker w taking
+// shards w, w + workers, ...; worker 0 is the calling thread. If a thread
+// cannot be started its shards run here instead, so the work always
+// completes.
 template <typename Fn>
-void run_shards(int64_t n, const Fn& fn) {
+void run_shards(int64_t n, int64_t workers, const Fn& fn) {
+  workers = std::clamp<int64_t>(workers, 1, n);
+  auto work = [&fn, n, workers](int64_t w) {
+    for (int64_t s = w; s < n; s += workers) fn(s);
+  };
   std::vector<std::thread> threads;
-  std::vector<int64_t> inline_shards;
   try {
-    threads.reserve(static_cast<size_t>(n));
+    threads.reserve(static_cast<size_t>(workers));
   } catch (const std::bad_alloc&) {
     for (int64_t s = 0; s < n; ++s) fn(s);
     return;
   }
-  for (int64_t s = 1; s < n; ++s) {
+  for (int64_t w = 1; w < workers; ++w) {
     try {
-      threads.emplace_back([&fn, s] { fn(s); });
+      threads.emplace_back([&work, w] { work(w); });
     } catch (const std::system_error&) {
-      fn(s);
+      work(w);
     }
   }
-  fn(0);
+  work(0);
   for (auto& t : threads) t.join();
 }
 
@@ -283,8 +303,8 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
     else pack = true;
   }
 
-  const int64_t shards =
-      std::max<int64_t>(1, std::min<int64_t>(resolve_threads(run.num_threads), T / kMinTokensPerShard));
+  const int threads = resolve_threads(run.num_threads);
+  const int64_t shards = shard_count(T, threads, run.backend);
   const int64_t per_shard = (T + shards - 1) / shards;
   const int64_t inter_max = std::max(I, S);
 
@@ -346,7 +366,7 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
 
   // Phase 1: routing. bad[s] = first token of shard s with a non-finite logit.
   std::vector<int64_t> bad(static_cast<size_t>(shards), -1);
-  run_shards(shards, [&](int64_t s) {
+  run_shards(shards, threads, [&](int64_t s) {
     const int64_t t0 = std::min(T, s * per_shard), t1 = std::min(T, t0 + per_shard);
     if (t0 == t1) return;
     float* lg = logits.ptr<float>() + t0 * E;
@@ -368,7 +388,7 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
   for (int32_t id : r.expert_ids) ++r.tokens_per_expert[static_cast<size_t>(id)];
 
   // Phase 2: experts, shared experts, output.
-  run_shards(shards, [&](int64_t s) {
+  run_shards(shards, threads, [&](int64_t s) {
     const int64_t t0 = std::min(T, s * per_shard), t1 = std::min(T, t0 + per_shard);
     const int64_t nt = t1 - t0;
     if (nt == 0) return;
