@@ -3,9 +3,11 @@
 // (the kernel's kKeysPerTile) is run through the active SIMD target's
 // microkernels, as the tile loop (src/kernels/cpu/attention_cpu.cc) runs
 // them, on one thread with K and V resident in cache:
-//   qk       S = K Q^T (qk_rows_* for 1-4 packed rows, else qk_f32/qk_bf16)
+//   qk       S = K Q^T (qk_rows_* for 1-4 packed rows, else qk_f32/qk_bf16;
+//            bf16 keys without vdpbf16ps: qk_rows_widen, or a widened copy)
 //   softmax  the online-softmax step (softmax_rows4 on packed scores, else softmax)
-//   pv       O = alpha O + P V (pv_f32, or pv_bf16 with vdpbf16ps)
+//   pv       O = alpha O + P V (pv_f32, or pv_bf16 with vdpbf16ps, else pv_widen
+//            or a widened copy)
 //   tile     the three in sequence
 // for 4 packed rows (1-token GQA 32/8 decode) and 16 (4 tokens), fp32 and
 // bf16 K/V, and three row strides: `compact` (a kv head's rows adjacent),
@@ -75,15 +77,16 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // out as attention_cpu.cc lays them out (see kernel_table.h for each).
 struct Tile {
   const KernelTable* kt;
-  bool bf16, rows_qk;
+  bool bf16, dot, rows_qk;
   int64_t rows, m_pad, s_stride, stride;
-  std::vector<float> kf, vf, q, o, s, s0, alpha, row_max, row_sum;
+  std::vector<float> kf, vf, q, o, s, s0, alpha, row_max, row_sum, kw, vw;
   std::vector<uint16_t> kb, vb, qb, pack;
 
   Tile(const KernelTable* table, bool is_bf16, int64_t packed_rows, int64_t row_stride)
       : kt(table), bf16(is_bf16), rows(packed_rows), stride(row_stride) {
     m_pad = round_up(rows, kt->lanes);
-    rows_qk = kernels::cpu::takes_rows_qk(*kt, rows, bf16);
+    dot = bf16 && kt->qk_bf16 != nullptr;
+    rows_qk = kernels::cpu::takes_rows_qk(*kt, rows, dot);
     s_stride = kernels::cpu::score_stride(m_pad, rows_qk);
     std::mt19937 rng(7);
     std::normal_distribution<float> normal;
@@ -112,20 +115,35 @@ struct Tile {
     row_sum.assign(static_cast<size_t>(m_pad), 0.0f);
     o.assign(static_cast<size_t>(rows * kHeadDim), 0.0f);
     pack.resize(static_cast<size_t>(kernels::cpu::pv_bf16_pack_elems(kKeys, s_stride, kHeadDim)));
+    kw.resize(static_cast<size_t>(kKeys * kHeadDim));
+    vw.resize(kw.size());
   }
 
+  // Without vdpbf16ps, bf16 rows are widened in registers where the target
+  // has the kernel for it, else (as the tile loop does) into a copy.
   void qk() {
-    if (rows_qk && bf16)
-      kt->qk_rows_bf16(kb.data(), stride, kKeys, kHeadDim, qb.data(), round_up(kHeadDim, 32),
-                       s.data(), 0);
-    else if (rows_qk)
-      kt->qk_rows_f32(kf.data(), stride, kKeys, kHeadDim, q.data(), round_up(kHeadDim, 32),
-                      s.data(), 0);
-    else if (bf16)
+    const int64_t qs = round_up(kHeadDim, 32);
+    if (rows_qk && dot) {
+      kt->qk_rows_bf16(kb.data(), stride, kKeys, kHeadDim, qb.data(), qs, s.data(), 0);
+    } else if (rows_qk && bf16 && kt->qk_rows_widen != nullptr) {
+      kt->qk_rows_widen(kb.data(), stride, kKeys, kHeadDim, q.data(), qs, s.data(), 0);
+    } else if (dot) {
       kt->qk_bf16(kb.data(), stride, kKeys, kHeadDim, qb.data(), m_pad, s.data(), s_stride, 0);
-    else
-      kt->qk_f32(kf.data(), stride, kKeys, kHeadDim, q.data(), m_pad, s.data(), s_stride, 0);
+    } else {
+      const float* k = kf.data();
+      int64_t ks = stride;
+      if (bf16) {
+        kt->widen_bf16(kb.data(), stride, kKeys, kHeadDim, kw.data(), kHeadDim, 0);
+        k = kw.data();
+        ks = kHeadDim;
+      }
+      if (rows_qk)
+        kt->qk_rows_f32(k, ks, kKeys, kHeadDim, q.data(), qs, s.data(), 0);
+      else
+        kt->qk_f32(k, ks, kKeys, kHeadDim, q.data(), m_pad, s.data(), s_stride, 0);
+    }
   }
+
   // Repeated on its own output the step stays finite: weights in (0, 1].
   void softmax() {
     if (rows_qk)
@@ -134,12 +152,20 @@ struct Tile {
       kt->softmax(s.data(), kKeys, m_pad, s_stride, row_max.data(), row_sum.data(), alpha.data());
   }
   void pv() {
-    if (bf16)
+    if (dot) {
       kt->pv_bf16(s.data(), kKeys, m_pad, s_stride, rows, vb.data(), stride, kHeadDim, o.data(),
                   kHeadDim, alpha.data(), pack.data(), 0);
-    else
+    } else if (bf16 && kt->pv_widen != nullptr) {
+      kt->pv_widen(s.data(), kKeys, s_stride, rows, vb.data(), stride, kHeadDim, o.data(),
+                   kHeadDim, alpha.data(), 0);
+    } else if (bf16) {
+      kt->widen_bf16(vb.data(), stride, kKeys, kHeadDim, vw.data(), kHeadDim, 0);
+      kt->pv_f32(s.data(), kKeys, s_stride, rows, vw.data(), kHeadDim, kHeadDim, o.data(),
+                 kHeadDim, alpha.data(), 0);
+    } else {
       kt->pv_f32(s.data(), kKeys, s_stride, rows, vf.data(), stride, kHeadDim, o.data(), kHeadDim,
                  alpha.data(), 0);
+    }
   }
 };
 
@@ -172,10 +198,6 @@ double stage_bytes(Stage stage, bool bf16) {
 void run(benchmark::State& state, const std::string& name, bool bf16, int64_t rows, Layout layout,
          Stage stage) {
   const KernelTable* kt = kernels::cpu::kernel_table(simd_target());
-  if (bf16 && kt->qk_bf16 == nullptr) {
-    state.SkipWithError("no vdpbf16ps on this target: bf16 K/V are widened to fp32");
-    return;
-  }
   Tile t(kt, bf16, rows, row_stride(layout, bf16));
   t.s = t.s0;
   if (stage == Stage::kPv) {  // weights in (0, 1], as P V sees them; alpha < 1 bounds O

@@ -44,9 +44,10 @@ struct Geometry {
   const KernelTable* kt = nullptr;
   bool bf16 = false;      // K/V are bf16
   bool dot_bf16 = false;  // ... and go through the vdpbf16ps kernels
-  bool copy_v = false;    // fp32 V tiles are copied to a compact buffer
-  bool pv_copies = false;  // PV reads V from the vw buffer (copy_v, or bf16 widened)
+  bool copy_v = false;    // V tiles are copied (bf16: widened) to a compact buffer
+  bool pv_copies = false;  // PV reads V from the vw buffer (copy_v, or bf16 with no pv_widen)
   bool rows_qk = false;   // S = K Q^T by qk_rows_* (q row-major, qt_row apart)
+  bool k_copies = false;  // QK reads K from the kw buffer (bf16, widened)
   int64_t qt_row = 0;
   int64_t group = 1, bq = 1, bk = 1, q_blocks = 0, bases = 0, max_parts = 1;
   int64_t heads = 1, head_blocks = 1;  // kv heads per task, blocks of them
@@ -87,10 +88,13 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.d_pad = round_up(g.d, lanes);
   g.dv_pad = round_up(g.dv, lanes);
   g.vw_stride = odd_line_stride(g.dv_pad);
-  g.copy_v = !g.bf16 && g.m_max >= kCopyValuesMinRows &&
-             (p.v_stride.row * 4) % kCopyValuesStrideBytes == 0;
-  g.pv_copies = (g.bf16 && !g.dot_bf16) || g.copy_v;
+  const int64_t elem_bytes = g.bf16 ? 2 : 4;
+  g.copy_v = !g.dot_bf16 && g.m_max >= kCopyValuesMinRows &&
+             (p.v_stride.row * elem_bytes) % kCopyValuesStrideBytes == 0;
+  const bool widen = g.bf16 && !g.dot_bf16;
+  g.pv_copies = g.copy_v || (widen && g.kt->pv_widen == nullptr);
   g.rows_qk = takes_rows_qk(*g.kt, g.m_max, g.dot_bf16);
+  g.k_copies = widen && !(g.rows_qk && g.kt->qk_rows_widen != nullptr);
   g.s_stride = score_stride(g.m_pad, g.rows_qk);
   g.qt_row = round_up(g.d, 32);
   g.part_floats = plan.split_k > 0 ? round_up(g.heads * g.m_max * (g.dv + 2), 16) : 0;
@@ -114,7 +118,7 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.s = take(g.bk * g.s_stride);
   g.alpha = take(g.m_pad);
   g.ones = take(g.m_pad);
-  g.kw = take(g.bf16 && !g.dot_bf16 ? g.bk * g.d_pad : 0);
+  g.kw = take(g.k_copies ? g.bk * g.d_pad : 0);
   g.vw = take(g.pv_copies ? g.bk * g.vw_stride : 0);
   g.pack = take(g.dot_bf16 ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2) : 0);
   g.bitmap = take(p.sparse.kind != SparsePattern::Kind::kNone ? ceil_div(g.bq * g.bk, 4) : 0);
@@ -352,9 +356,10 @@ class TaskRunner {
       // a whole head step ahead, each during its own phase, left more of the
       // lines to be evicted before use and ran slower: 1-token decode 3-15 %,
       // 4-token 5-17 % (docs/PERFORMANCE.md, sixth session). Where V lies in
-      // K's rows (absorbed MLA), the strides differ, or PV reads a copy (and
-      // so takes no prefetch), each phase fetches its own rows of the next
-      // step instead.
+      // K's rows (absorbed MLA), the strides differ, or PV reads a copy
+      // (made before the product, so a fetch from PV would come late), each
+      // phase fetches its own rows of the next step instead; a bf16 copy's
+      // widening issues them, an fp32 copy issues none.
       int64_t k_next = 0, v_next = 0;
       if (h + 1 < heads_) {
         k_next = p_.k_stride.head;
@@ -413,11 +418,16 @@ class TaskRunner {
         kt.qk_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, qt2,
                    g_.m_pad - m_lo_, s + at * g_.s_stride + m_lo_, g_.s_stride, prefetch);
       });
+    } else if (g_.rows_qk && g_.bf16 && !g_.k_copies) {
+      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+        kt.qk_rows_widen(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_,
+                         g_.qt_row, s + at * 4, prefetch);
+      });
     } else if (g_.bf16) {
       float* kw = ws_ + g_.kw;
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.widen_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d,
-                      kw + at * g_.d_pad, g_.d_pad);
+                      kw + at * g_.d_pad, g_.d_pad, prefetch);
       });
       if (g_.rows_qk)
         kt.qk_rows_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.qt_row, s, 0);
@@ -458,7 +468,7 @@ class TaskRunner {
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         if (g_.bf16) {
           kt.widen_bf16(static_cast<const uint16_t*>(v_row(row)), p_.v_stride.row, n, g_.dv,
-                        vw + at * g_.vw_stride, g_.vw_stride);
+                        vw + at * g_.vw_stride, g_.vw_stride, prefetch);
           return;
         }
         const float* v = static_cast<const float*>(v_row(row));
@@ -466,6 +476,14 @@ class TaskRunner {
           std::memcpy(vw + (at + r) * g_.vw_stride, v + r * p_.v_stride.row, sizeof(float) * g_.dv);
       });
       kt.pv_f32(s, nk, g_.s_stride, rows, vw, g_.vw_stride, g_.dv, o, g_.dv_pad, alpha, 0);
+      return;
+    }
+    if (g_.bf16) {
+      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+        kt.pv_widen(s + at * g_.s_stride, n, g_.s_stride, rows,
+                    static_cast<const uint16_t*>(v_row(row)), p_.v_stride.row, g_.dv, o, g_.dv_pad,
+                    at == 0 ? alpha : ones, prefetch);
+      });
       return;
     }
     for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {

@@ -50,9 +50,10 @@ struct KernelTable {
   void (*pv_f32)(const float* s, int64_t nk, int64_t s_stride, int64_t rows, const float* v,
                  int64_t v_row_stride, int64_t head_dim_v, float* o, int64_t dv_pad,
                  const float* alpha, int64_t prefetch);
-  // dst[n][c] = float(src[n][c]) for n < rows, c < cols (bf16 widening is exact).
+  // dst[n][c] = float(src[n][c]) for n < rows, c < cols (bf16 widening is
+  // exact), prefetching as the kernels above.
   void (*widen_bf16)(const uint16_t* src, int64_t src_row_stride, int64_t rows, int64_t cols,
-                     float* dst, int64_t dst_row_stride);
+                     float* dst, int64_t dst_row_stride, int64_t prefetch);
 
   // qt (one column block of width w) from `count` <= w query rows, each
   // contiguous: dst[c][x] = scale * rows[x][c], 0 for x >= count. nullptr
@@ -89,6 +90,17 @@ struct KernelTable {
   // As qk_rows_f32 with bf16 keys and bf16 q rows.
   void (*qk_rows_bf16)(const uint16_t* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
                        const uint16_t* q, int64_t q_stride, float* s, int64_t prefetch);
+
+  // bf16 K/V read where they lie and widened to fp32 in registers, for
+  // targets without vdpbf16ps (exact, as widen_bf16); nullptr where the
+  // tile loop widens a copy of the tile instead.
+  // As qk_rows_f32 with bf16 keys (q stays fp32).
+  void (*qk_rows_widen)(const uint16_t* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
+                        const float* q, int64_t q_stride, float* s, int64_t prefetch);
+  // As pv_f32 with bf16 values (the weights stay fp32).
+  void (*pv_widen)(const float* s, int64_t nk, int64_t s_stride, int64_t rows, const uint16_t* v,
+                   int64_t v_row_stride, int64_t head_dim_v, float* o, int64_t dv_pad,
+                   const float* alpha, int64_t prefetch);
 };
 
 // A row stride of at least `floats` (a multiple of the lanes) that is not

@@ -85,6 +85,146 @@ struct V256 {
   }
 };
 
+// ---- S = K Q^T for 1-4 packed rows, the head dimension along the lanes --
+// simd::qk_f32 puts packed rows along the lanes: a 1-token GQA 32/8 tile
+// has 4 rows, so half of every 8-lane multiply-add was padding, and on a
+// machine whose DRAM read outruns its FMA units (AVX2 Zen 3 here) that
+// made decode bound by arithmetic. Here each (key, row) pair sums over
+// the head dimension in one vector: 2 keys x 4 rows = 8 accumulators, 4 q
+// rows and 2 key vectors per 8 columns (6 loads per 8 FMAs; 3 keys would
+// leave q no registers), then one transposing reduction per 2 keys.
+
+// Lane i of the result = the sum of v[i]'s lanes.
+inline __m256 hsum8(const __m256 v[8]) {
+  // hadd(a, b) = a01 a23 b01 b23 | a45 a67 b45 b67; twice gives the 128-bit
+  // halves' sums of four sources, and the halves are then added.
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return V256::widen_bf16(p, 8); }
+inline __m256 load_tail(const float* p, int64_t n) {
+  return _mm256_maskload_ps(p, V256::mask_first(n));
+}
+inline __m256 load_tail(const uint16_t* p, int64_t n) { return V256::widen_bf16(p, n); }
+
+// Keys [0, kKeys) (1 or 2) of a block against the 4 rows q[r * qs ...]:
+// acc[a * 4 + r], stored packed as s[a * 4 + r] (hsum8 leaves it in lane
+// 4a + r). The last d % 8 columns are loaded under a mask (q is zero past
+// d, up to its row's multiple of 32). One prefetch per 64-byte line of K.
+// No calls or lambdas in the loop, so that acc stays in registers.
+template <int kKeys, bool kPrefetch, class Elem>
+inline void rows4_block(const Elem* k, int64_t ks, int64_t d, const float* q, int64_t qs,
+                        float* s, int64_t pf) {
+  constexpr int64_t kLine = 64 / sizeof(Elem);
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    const bool tail = c + 8 > d;
+    __m256 kv[kKeys];
+#pragma GCC unroll 2
+    for (int a = 0; a < kKeys; ++a) {
+      const Elem* row = k + a * ks + c;
+      if (kPrefetch && c % kLine == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(row + pf), _MM_HINT_T0);
+      kv[a] = tail ? load_tail(row, d - c) : load8(row);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const __m256 qv = _mm256_loadu_ps(q + r * qs + c);
+#pragma GCC unroll 2
+      for (int a = 0; a < kKeys; ++a) acc[a * 4 + r] = _mm256_fmadd_ps(kv[a], qv, acc[a * 4 + r]);
+    }
+  }
+  // A copy for the reduction, as in the AVX-512 kernel: taking acc's own
+  // address would keep it in memory.
+  __m256 sums[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) sums[i] = kKeys == 2 || i < 4 ? acc[i] : _mm256_setzero_ps();
+  const __m256 packed = hsum8(sums);
+  if (kKeys == 2)
+    _mm256_storeu_ps(s, packed);
+  else
+    _mm_storeu_ps(s, _mm256_castps256_ps128(packed));
+}
+
+template <bool kPrefetch, class Elem>
+void rows4_keys(const Elem* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs,
+                float* s, int64_t pf) {
+  int64_t n = 0;
+  for (; n + 2 <= nk; n += 2) rows4_block<2, kPrefetch>(k + n * ks, ks, d, q, qs, s + n * 4, pf);
+  if (n < nk) rows4_block<1, kPrefetch>(k + n * ks, ks, d, q, qs, s + n * 4, pf);
+}
+
+template <class Elem>
+void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs,
+             float* s, int64_t pf) {
+  if (pf != 0)
+    rows4_keys<true>(k, ks, nk, d, q, qs, s, pf);
+  else
+    rows4_keys<false>(k, ks, nk, d, q, qs, s, pf);
+}
+
+void qk_rows_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs,
+                 float* s, int64_t pf) {
+  qk_rows(k, ks, nk, d, q, qs, s, pf);
+}
+
+void qk_rows_widen(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const float* q,
+                   int64_t qs, float* s, int64_t pf) {
+  qk_rows(k, ks, nk, d, q, qs, s, pf);
+}
+
+// The online-softmax step on packed 4-row scores (as the AVX-512 kernel's
+// softmax_rows4): lane 4a + r of a vector is key a's row r, two keys per
+// vector, and a row's two lanes are combined by swapping the 128-bit halves.
+inline __m256 across_halves_max(__m256 x) {
+  return V256::max(x, _mm256_permute2f128_ps(x, x, 0x01));
+}
+
+void softmax_rows4(float* s, int64_t nk, float* row_max, float* row_sum, float* alpha) {
+  const int64_t vecs = (nk + 1) / 2;
+  const bool half = nk % 2 == 1;  // the last vector holds one key
+  const __m256 ninf = _mm256_set1_ps(-__builtin_inff());
+  // Lanes past the last key read as -inf: no effect on the max, weight 0.
+  auto load = [&](int64_t j) {
+    return half && j + 1 == vecs ? _mm256_insertf128_ps(ninf, _mm_loadu_ps(s + 8 * j), 0)
+                                 : _mm256_loadu_ps(s + 8 * j);
+  };
+  const __m256 old_max = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(row_max));
+  __m256 mx0 = old_max, mx1 = old_max;
+  int64_t j = 0;
+  for (; j + 2 <= vecs; j += 2) {
+    mx0 = V256::max(load(j), mx0);
+    mx1 = V256::max(load(j + 1), mx1);
+  }
+  if (j < vecs) mx0 = V256::max(load(j), mx0);
+  const __m256 new_max = across_halves_max(V256::max(mx0, mx1));
+  // As in simd::softmax: a row with no finite score yet shifts by 0.
+  const __m256 shift = V256::ninf_to_zero(new_max);
+  __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+  for (j = 0; j < vecs; ++j) {
+    const __m256 p = V256::exp(_mm256_sub_ps(load(j), shift));
+    if (half && j + 1 == vecs)
+      _mm_storeu_ps(s + 8 * j, _mm256_castps256_ps128(p));
+    else
+      _mm256_storeu_ps(s + 8 * j, p);
+    if (j & 1)
+      sum1 = _mm256_add_ps(sum1, p);
+    else
+      sum0 = _mm256_add_ps(sum0, p);
+  }
+  const __m256 sums = _mm256_add_ps(sum0, sum1);
+  const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+  const __m128 a = _mm256_castps256_ps128(V256::exp(_mm256_sub_ps(old_max, shift)));
+  _mm_storeu_ps(row_sum, _mm_fmadd_ps(_mm_loadu_ps(row_sum), a, sum));
+  _mm_storeu_ps(row_max, _mm256_castps256_ps128(new_max));
+  _mm_storeu_ps(alpha, a);
+}
+
 constexpr KernelTable kAvx2Table = {
     V256::kLanes,
     V256::kQkVecs* V256::kLanes,
@@ -94,13 +234,15 @@ constexpr KernelTable kAvx2Table = {
     simd::pv_f32<V256>,
     simd::widen_bf16<V256>,
     nullptr,
-    0,
+    4,
+    qk_rows_f32,
+    softmax_rows4,
     nullptr,
     nullptr,
     nullptr,
     nullptr,
-    nullptr,
-    nullptr,
+    qk_rows_widen,
+    simd::pv_widen<V256>,
 };
 
 }  // namespace

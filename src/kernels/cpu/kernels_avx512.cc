@@ -727,6 +727,8 @@ constexpr KernelTable kAvx512Table = {
     nullptr,
     nullptr,
     nullptr,
+    nullptr,
+    nullptr,
 };
 
 constexpr KernelTable kAvx512Bf16Table = {
@@ -745,6 +747,8 @@ constexpr KernelTable kAvx512Bf16Table = {
     pv_bf16,
     pack_q_bf16,
     qk_rows_bf16,
+    nullptr,
+    nullptr,
 };
 
 }  // namespace

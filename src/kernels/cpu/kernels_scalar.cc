@@ -106,6 +106,8 @@ constexpr KernelTable kScalarTable = {
     nullptr,
     nullptr,
     nullptr,
+    nullptr,
+    simd::pv_widen<VScalar>,
 };
 
 }  // namespace

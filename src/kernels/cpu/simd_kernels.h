@@ -170,12 +170,41 @@ void softmax(float* s, int64_t nk, int64_t m_pad, int64_t ss, float* row_max, fl
 
 // ---- O = alpha O + P V -------------------------------------------------
 
+// V rows are fp32 (Elem = float) or bf16 (Elem = uint16_t, widened to fp32
+// in registers, exactly, for targets without vdpbf16ps: a widened copy of
+// the tile cost a store and a load per value and took no prefetch).
+// The last vector of a row: lanes [count, kLanes) read as 0 and never
+// touched; `mask` says the same for fp32 loads.
+template <class V>
+struct LastVec {
+  typename V::Mask mask;
+  int64_t count;
+};
+
+template <class V>
+inline typename V::F load_vec(const float* p) {
+  return V::load(p);
+}
+template <class V>
+inline typename V::F load_vec(const uint16_t* p) {
+  return V::widen_bf16(p, V::kLanes);
+}
+template <class V>
+inline typename V::F load_last(const float* p, LastVec<V> last) {
+  return V::load_masked(p, last.mask);
+}
+template <class V>
+inline typename V::F load_last(const uint16_t* p, LastVec<V> last) {
+  return V::widen_bf16(p, last.count);
+}
+
 // One register block: MR packed rows by CV vectors of output columns, over
 // all nk keys. The last column vector is loaded under `last` so a row is
-// never read past head_dim_v.
-template <class V, int MR, int CV>
-inline void pv_block(const float* s, int64_t nk, int64_t ss, const float* v, int64_t vs, float* o,
-                     int64_t dv_pad, const float* alpha, typename V::Mask last, int64_t pf,
+// never read past head_dim_v. Prefetches are issued once per 64-byte line
+// of the block's columns (a vector of 8 fp32 is half a line).
+template <class V, int MR, int CV, class Elem>
+inline void pv_block(const float* s, int64_t nk, int64_t ss, const Elem* v, int64_t vs, float* o,
+                     int64_t dv_pad, const float* alpha, LastVec<V> last, int64_t pf,
                      int64_t pf_lo, int64_t pf_hi) {
   using F = typename V::F;
   F acc[MR][CV];
@@ -186,14 +215,15 @@ inline void pv_block(const float* s, int64_t nk, int64_t ss, const float* v, int
     for (int c = 0; c < CV; ++c) acc[r][c] = V::mul(V::load(o + r * dv_pad + c * V::kLanes), a);
   }
   for (int64_t n = 0; n < nk; ++n) {
-    const float* vrow = v + n * vs;
+    const Elem* vrow = v + n * vs;
     if (pf != 0 && n >= pf_lo && n < pf_hi)
 #pragma GCC unroll 4
-      for (int c = 0; c < CV; ++c) V::prefetch(vrow + pf + c * V::kLanes);
+      for (int c = 0; c < CV; ++c)
+        if (c * V::kLanes * sizeof(Elem) % 64 == 0) V::prefetch(vrow + pf + c * V::kLanes);
     F vv[CV];
 #pragma GCC unroll 4
-    for (int c = 0; c + 1 < CV; ++c) vv[c] = V::load(vrow + c * V::kLanes);
-    vv[CV - 1] = V::load_masked(vrow + (CV - 1) * V::kLanes, last);
+    for (int c = 0; c + 1 < CV; ++c) vv[c] = load_vec<V>(vrow + c * V::kLanes);
+    vv[CV - 1] = load_last<V>(vrow + (CV - 1) * V::kLanes, last);
     const float* prow = s + n * ss;
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
@@ -208,9 +238,9 @@ inline void pv_block(const float* s, int64_t nk, int64_t ss, const float* v, int
     for (int c = 0; c < CV; ++c) V::store(o + r * dv_pad + c * V::kLanes, acc[r][c]);
 }
 
-template <class V, int MR, int CV>
-inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const float* v,
-                    int64_t vs, float* o, int64_t dv_pad, const float* alpha, typename V::Mask last,
+template <class V, int MR, int CV, class Elem>
+inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const Elem* v,
+                    int64_t vs, float* o, int64_t dv_pad, const float* alpha, LastVec<V> last,
                     int64_t pf, int64_t pf_lo, int64_t pf_hi) {
   if constexpr (MR >= 1) {
     if (rows == MR)
@@ -224,10 +254,10 @@ inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const 
 // B): issued by the first block alone, a tile's lines were asked for in a
 // third of the product (16 rows) and 4-token decode ran 5 % slower
 // (docs/PERFORMANCE.md, sixth session).
-template <class V, int CV>
+template <class V, int CV, class Elem>
 inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, int64_t ss,
-                       const float* v, int64_t vs, float* o, int64_t dv_pad, const float* alpha,
-                       typename V::Mask last, int64_t pf) {
+                       const Elem* v, int64_t vs, float* o, int64_t dv_pad, const float* alpha,
+                       LastVec<V> last, int64_t pf) {
   if constexpr (CV >= 1) {
     if (cvecs == CV) {
       const int64_t blocks = (rows + V::kPvRows - 1) / V::kPvRows;
@@ -243,30 +273,48 @@ inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, 
 }
 
 // `pf` != 0: prefetch the value rows pf elements further on, once.
-template <class V>
-void pv_f32(const float* s, int64_t nk, int64_t ss, int64_t rows, const float* v, int64_t vs,
-            int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf) {
+template <class V, class Elem>
+void pv(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int64_t vs,
+       int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf) {
   constexpr int64_t block = V::kPvVecs * V::kLanes;
   for (int64_t c0 = 0; c0 < dv_pad; c0 += block) {
     const int64_t width = dv_pad - c0 < block ? dv_pad - c0 : block;
     const int64_t cvecs = width / V::kLanes;
     const int64_t last_valid = dv - (c0 + (cvecs - 1) * V::kLanes);
-    const typename V::Mask last = V::mask_first(last_valid < 0 ? 0 : last_valid);
+    const int64_t count = last_valid < 0 ? 0 : last_valid;
+    const LastVec<V> last{V::mask_first(count), count};
     pv_columns<V, V::kPvVecs>(cvecs, rows, s, nk, ss, v + c0, vs, o + c0, dv_pad, alpha, last, pf);
   }
+}
+
+template <class V>
+void pv_f32(const float* s, int64_t nk, int64_t ss, int64_t rows, const float* v, int64_t vs,
+            int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf) {
+  pv<V>(s, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf);
+}
+
+template <class V>
+void pv_widen(const float* s, int64_t nk, int64_t ss, int64_t rows, const uint16_t* v, int64_t vs,
+              int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf) {
+  pv<V>(s, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf);
 }
 
 // ---- bf16 rows to fp32 ---------------------------------------------------
 
 // dst_row_stride is a multiple of kLanes and >= cols; the pad is written 0.
+// `pf` != 0: also prefetch, per 64-byte line read, the line pf elements on.
 template <class V>
 void widen_bf16(const uint16_t* src, int64_t src_row_stride, int64_t rows, int64_t cols, float* dst,
-                int64_t dst_row_stride) {
-  for (int64_t n = 0; n < rows; ++n)
+                int64_t dst_row_stride, int64_t pf) {
+  for (int64_t n = 0; n < rows; ++n) {
+    const uint16_t* row = src + n * src_row_stride;
+    if (pf != 0)
+      for (int64_t c = 0; c < cols; c += 32) V::prefetch(row + pf + c);
     for (int64_t c = 0; c < dst_row_stride; c += V::kLanes) {
       const int64_t valid = cols - c < 0 ? 0 : cols - c;
-      V::store(dst + n * dst_row_stride + c, V::widen_bf16(src + n * src_row_stride + c, valid));
+      V::store(dst + n * dst_row_stride + c, V::widen_bf16(row + c, valid));
     }
+  }
 }
 
 }  // namespace attnkit::kernels::cpu::simd
