@@ -87,12 +87,13 @@ struct V256 {
 
 // ---- S = K Q^T for 1-4 packed rows, the head dimension along the lanes --
 // simd::qk_f32 puts packed rows along the lanes: a 1-token GQA 32/8 tile
-// has 4 rows, so half of every 8-lane multiply-add was padding, and on a
-// machine whose DRAM read outruns its FMA units (AVX2 Zen 3 here) that
-// made decode bound by arithmetic. Here each (key, row) pair sums over
-// the head dimension in one vector: 2 keys x 4 rows = 8 accumulators, 4 q
-// rows and 2 key vectors per 8 columns (6 loads per 8 FMAs; 3 keys would
-// leave q no registers), then one transposing reduction per 2 keys.
+// has 4 rows, so half of every 8-lane multiply-add was padding (on a Zen 3
+// core the QK of a 64-key fp32 tile took 1.8 us, longer than reading its
+// K from DRAM, 1.65 us, and bf16 decode was bound by it). Here each
+// (key, row) pair sums over the head dimension in one vector: 2 keys x 4
+// rows = 8 accumulators, 4 q rows and 2 key vectors per 8 columns (6 loads
+// per 8 FMAs; 3 keys would leave q no registers), then one transposing
+// reduction per 2 keys: 1.07 us (docs/PERFORMANCE.md, seventh session).
 
 // Lane i of the result = the sum of v[i]'s lanes.
 inline __m256 hsum8(const __m256 v[8]) {
