@@ -20,6 +20,9 @@ struct V256 {
   // 16 registers: 12 accumulators + 2 loaded rows/columns + 1 broadcast.
   static constexpr int kQkVecs = 2, kQkAcc = 12, kQkMaxKeys = 12;
   static constexpr int kPvRows = 6, kPvVecs = 2;
+  // bf16 PV of up to 4 rows: 4 x 3 vectors, 12 accumulators, as QK's 3
+  // keys x 4 rows.
+  static constexpr int kPvFewRows = 4, kPvFewVecs = 3;
 
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float x) { return _mm256_set1_ps(x); }
@@ -90,10 +93,13 @@ struct V256 {
 // has 4 rows, so half of every 8-lane multiply-add was padding (on a Zen 3
 // core the QK of a 64-key fp32 tile took 1.8 us, longer than reading its
 // K from DRAM, 1.65 us, and bf16 decode was bound by it). Here each
-// (key, row) pair sums over the head dimension in one vector: 2 keys x 4
-// rows = 8 accumulators, 4 q rows and 2 key vectors per 8 columns (6 loads
-// per 8 FMAs; 3 keys would leave q no registers), then one transposing
-// reduction per 2 keys: 1.07 us (docs/PERFORMANCE.md, seventh session).
+// (key, row) pair sums over the head dimension in one vector: 3 keys x 4
+// rows = 12 accumulators, 3 key vectors and one q row at a time per 8
+// columns (7 loads per 12 FMAs, all 16 registers), then transposing
+// reductions. With 2 keys (8 accumulators, exactly the FMA latency times
+// its throughput, so any late load stalled a chain) the 64-key fp32 tile's
+// QK took 1.07-1.27 us; with 3, 1.01-1.02 (docs/PERFORMANCE.md, seventh
+// and eighth sessions).
 
 // Lane i of the result = the sum of v[i]'s lanes.
 inline __m256 hsum8(const __m256 v[8]) {
@@ -111,22 +117,28 @@ inline __m256 load_tail(const float* p, int64_t n) {
 }
 inline __m256 load_tail(const uint16_t* p, int64_t n) { return V256::widen_bf16(p, n); }
 
-// Keys [0, kKeys) (1 or 2) of a block against the 4 rows q[r * qs ...]:
-// acc[a * 4 + r], stored packed as s[a * 4 + r] (hsum8 leaves it in lane
-// 4a + r). The last d % 8 columns are loaded under a mask (q is zero past
-// d, up to its row's multiple of 32). One prefetch per 64-byte line of K.
-// No calls or lambdas in the loop, so that acc stays in registers.
+// Lane i of the result (i < 4) = the sum of v[i]'s lanes.
+inline __m128 hsum4(const __m256 v[4]) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Keys [0, kKeys) (1 to 3) of a block against the 4 rows q[r * qs ...]:
+// acc[a * 4 + r], stored packed as s[a * 4 + r]. The last d % 8 columns are
+// loaded under a mask (q is zero past d, up to its row's multiple of 32).
+// One prefetch per 64-byte line of K. No calls or lambdas in the loop, so
+// that acc stays in registers.
 template <int kKeys, bool kPrefetch, class Elem>
 inline void rows4_block(const Elem* k, int64_t ks, int64_t d, const float* q, int64_t qs,
                         float* s, int64_t pf) {
   constexpr int64_t kLine = 64 / sizeof(Elem);
-  __m256 acc[8];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc[12];
+#pragma GCC unroll 12
+  for (int i = 0; i < 12; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t c = 0; c < d; c += 8) {
     const bool tail = c + 8 > d;
     __m256 kv[kKeys];
-#pragma GCC unroll 2
+#pragma GCC unroll 3
     for (int a = 0; a < kKeys; ++a) {
       const Elem* row = k + a * ks + c;
       if (kPrefetch && c % kLine == 0)
@@ -136,28 +148,34 @@ inline void rows4_block(const Elem* k, int64_t ks, int64_t d, const float* q, in
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       const __m256 qv = _mm256_loadu_ps(q + r * qs + c);
-#pragma GCC unroll 2
+#pragma GCC unroll 3
       for (int a = 0; a < kKeys; ++a) acc[a * 4 + r] = _mm256_fmadd_ps(kv[a], qv, acc[a * 4 + r]);
     }
   }
-  // A copy for the reduction, as in the AVX-512 kernel: taking acc's own
+  // Copies for the reductions, as in the AVX-512 kernel: taking acc's own
   // address would keep it in memory.
-  __m256 sums[8];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) sums[i] = kKeys == 2 || i < 4 ? acc[i] : _mm256_setzero_ps();
-  const __m256 packed = hsum8(sums);
-  if (kKeys == 2)
-    _mm256_storeu_ps(s, packed);
-  else
-    _mm_storeu_ps(s, _mm256_castps256_ps128(packed));
+  if constexpr (kKeys == 1) {
+    const __m256 sums[4] = {acc[0], acc[1], acc[2], acc[3]};
+    _mm_storeu_ps(s, hsum4(sums));
+  } else {
+    const __m256 sums[8] = {acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]};
+    _mm256_storeu_ps(s, hsum8(sums));
+    if constexpr (kKeys == 3) {
+      const __m256 last[4] = {acc[8], acc[9], acc[10], acc[11]};
+      _mm_storeu_ps(s + 8, hsum4(last));
+    }
+  }
 }
 
 template <bool kPrefetch, class Elem>
 void rows4_keys(const Elem* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs,
                 float* s, int64_t pf) {
   int64_t n = 0;
-  for (; n + 2 <= nk; n += 2) rows4_block<2, kPrefetch>(k + n * ks, ks, d, q, qs, s + n * 4, pf);
-  if (n < nk) rows4_block<1, kPrefetch>(k + n * ks, ks, d, q, qs, s + n * 4, pf);
+  for (; n + 3 <= nk; n += 3) rows4_block<3, kPrefetch>(k + n * ks, ks, d, q, qs, s + n * 4, pf);
+  if (nk - n == 2)
+    rows4_block<2, kPrefetch>(k + n * ks, ks, d, q, qs, s + n * 4, pf);
+  else if (nk - n == 1)
+    rows4_block<1, kPrefetch>(k + n * ks, ks, d, q, qs, s + n * 4, pf);
 }
 
 template <class Elem>

@@ -11,6 +11,8 @@
 //   kLanes; kQkVecs, kQkAcc, kQkMaxKeys (QK register block: up to kQkVecs
 //   vectors of rows times kQkAcc / vectors keys, at most kQkMaxKeys);
 //   kPvRows, kPvVecs (PV register block: rows times vectors of columns);
+//   optionally kPvFewRows, kPvFewVecs (a wider block for bf16 rows widened
+//   in registers, in calls with at most kPvFewRows rows: 1-token decode);
 //   zero, set1, load, store, bcast(const float*), mask_first(n),
 //   load_masked(p, mask) (lanes off the mask read as 0 and never touched),
 //   fma(a, b, c) = a * b + c, mul, add, sub, div,
@@ -272,10 +274,49 @@ inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, 
   }
 }
 
+// The few-rows path: column blocks of up to CV vectors, one row block.
+template <class V, int CV, class Elem>
+inline void pv_few_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, int64_t ss,
+                           const Elem* v, int64_t vs, float* o, int64_t dv_pad,
+                           const float* alpha, LastVec<V> last, int64_t pf) {
+  if constexpr (CV >= 1) {
+    if (cvecs == CV)
+      return pv_rows<V, V::kPvFewRows, CV>(rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf, 0,
+                                            nk);
+    pv_few_columns<V, CV - 1>(cvecs, rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf);
+  }
+}
+
 // `pf` != 0: prefetch the value rows pf elements further on, once.
 template <class V, class Elem>
 void pv(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int64_t vs,
        int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf) {
+  if constexpr (sizeof(Elem) == 2 && requires { V::kPvFewVecs; }) {
+    // Few rows leave most registers of the kPvRows block idle: a wider
+    // block widens each loaded bf16 vector once for more multiply-adds and
+    // keeps more accumulator chains in flight. (fp32 rows, which need no
+    // widening, ran 5-10 % slower so; docs/PERFORMANCE.md, eighth session.)
+    // The columns are cut so that no block is narrower than it must be (16
+    // vectors at 3: 3 3 3 3 2 2, not 3 3 3 3 3 1, whose last block would
+    // run one short chain per row).
+    if (rows <= V::kPvFewRows) {
+      const int64_t vecs = dv_pad / V::kLanes;
+      for (int64_t c = 0; c < vecs;) {
+        const int64_t left = vecs - c;
+        const int64_t cvecs = left == V::kPvFewVecs + 1 ? (left + 1) / 2
+                              : left < V::kPvFewVecs    ? left
+                                                        : V::kPvFewVecs;
+        const int64_t c0 = c * V::kLanes;
+        const int64_t last_valid = dv - (c0 + (cvecs - 1) * V::kLanes);
+        const int64_t count = last_valid < 0 ? 0 : last_valid;
+        const LastVec<V> last{V::mask_first(count), count};
+        pv_few_columns<V, V::kPvFewVecs>(cvecs, rows, s, nk, ss, v + c0, vs, o + c0, dv_pad,
+                                         alpha, last, pf);
+        c += cvecs;
+      }
+      return;
+    }
+  }
   constexpr int64_t block = V::kPvVecs * V::kLanes;
   for (int64_t c0 = 0; c0 < dv_pad; c0 += block) {
     const int64_t width = dv_pad - c0 < block ? dv_pad - c0 : block;
