@@ -447,9 +447,18 @@ void check_case(const Case& c, PlanFor plan_for) {
   }
 }
 
-cpu::Plan default_plan(const Problem& pr, int threads) {
+cpu::Plan default_plan(const Problem& pr, int threads, SimdTarget target = SimdTarget::kScalar) {
   AttentionParams p = pr.params(nullptr, nullptr);
-  return cpu::make_plan(p, SimdTarget::kScalar, threads);
+  return cpu::make_plan(p, target, threads);
+}
+
+// As check_case, with the plan make_plan picks for each target (tile sizes
+// may depend on the target).
+void check_case_default_plans(const Case& c, int threads) {
+  const Problem pr(c);
+  const Outputs ref = run_reference(pr);
+  for (SimdTarget t : available_targets())
+    expect_close(pr, ref, run_fast(pr, default_plan(pr, threads, t)), default_plan(pr, threads, t));
 }
 
 cpu::Plan tiled(int64_t block_q, int64_t block_k, int64_t split_k, int threads,
@@ -704,12 +713,14 @@ TEST(AttentionFast, Bf16DotProductsRoundQueriesWithinTheirBound) {
 
 // Decode with the default plans: tasks walk up to kInterleaveMaxHeads kv
 // heads of a batch item together (20 kv heads: a block of 16 and one of
-// 4), with split keys (700) and without (300), batch 1 and 3, 1-4 tokens.
+// 4), with split keys (700) and without (300), batch 1 and 3, 1-8 tokens
+// (2-16 packed rows per kv head: AVX2 tiles up to kShortTileMaxRows rows
+// with 12 or 24 keys, whose splits of kSplitKeys end in a shorter tile).
 TEST(AttentionFast, DecodeDefaultPlansOverManyKvHeadsAndBatches) {
   uint64_t seed = 650;
   for (int64_t batch : {1, 3})
     for (int64_t seqlen_k : {300, 700})
-      for (int64_t tokens : {1, 4})
+      for (int64_t tokens : {1, 4, 8})
         for (DType kv : {DType::kF32, DType::kBF16}) {
           Case c;
           c.batch = batch;
@@ -726,7 +737,7 @@ TEST(AttentionFast, DecodeDefaultPlansOverManyKvHeadsAndBatches) {
           const cpu::Plan plan = default_plan(pr, 2);
           EXPECT_EQ(plan.kv_heads_per_task, cpu::kInterleaveMaxHeads) << c.describe();
           EXPECT_EQ(plan.split_k > 0, seqlen_k > cpu::kSplitKeys) << c.describe();
-          check_case(c, [&](const Problem& p) { return default_plan(p, 2); });
+          check_case_default_plans(c, 2);
         }
 }
 
@@ -839,12 +850,10 @@ TEST(AttentionFast, DecodeIsBitIdenticalAcrossThreadCounts) {
       c.seqlens = true;  // caches of different lengths
       c.seed = ++seed;
       const Problem pr(c);
-      const cpu::Plan base = default_plan(pr, 1);
-      ASSERT_GT(base.split_k, 0) << "decode shapes are expected to split";
       const Outputs ref = run_reference(pr);
       for (SimdTarget t : available_targets()) {
-        cpu::Plan plan = base;
-        plan.target = t;
+        cpu::Plan plan = default_plan(pr, 1, t);
+        ASSERT_GT(plan.split_k, 0) << "decode shapes are expected to split";
         const Outputs first = run_fast(pr, plan);
         expect_close(pr, ref, first, plan);
         for (int threads : {1, 2, 3, 7, 2}) {

@@ -25,6 +25,30 @@ inline constexpr int64_t kTargetRows = 256;
 // block stays in L1.
 inline constexpr int64_t kKeysPerTile = 64;
 
+// Keys per tile on AVX2 for tasks of at most kShortTileMaxRows packed rows
+// per kv head (1-token decode; 2 tokens under GQA-4). Each head step
+// prefetches the rows of its next phase (tile()), so the tile size is also
+// the prefetch distance: at 64 keys of head_dim 128, 32 KiB of fp32 rows
+// are in flight while 32 KiB more are read, the whole of a Zen 3 core's
+// L1. Measured on a Zen 3 (GQA 32/8, 16K keys, 2 threads, tile sizes
+// alternated call by call in one process, medians of 30 pairs; time
+// relative to 64 keys): fp32 at 12 keys 0.70-0.82 over three runs (8-24
+// keys gained too, 32 and more did not), batch 8 0.80-0.85, MHA
+// 0.83-0.87, 2 tokens 0.86-0.92; bf16 at 12 keys 0.80-0.91, and at 24 a
+// further 4-7 % under 12. Head dims 64 and 256 kept the same key counts
+// best or within 3 % of it. The shorter tiles also cut the loss without
+// software prefetch (one run: 1.42 -> 1.17 bf16, 1.22 -> 1.01 fp32,
+// against the prefetched 64-key time): each page's rows are read within a
+// short window, which the hardware prefetchers follow as well. Resident
+// data pays for them (bf16, 1,024 keys, 1 thread: 12 keys 1.15x the
+// 64-key time; fp32 even). 16 rows (4 tokens) lost 2-10 %: their phases
+// are long enough already, and the per-tile softmax and rescale grow with
+// the rows. Measured on AVX2 only (docs/PERFORMANCE.md, ninth session);
+// the AVX-512 kernels keep the tile they were tuned with.
+inline constexpr int64_t kShortTileKeysF32 = 12;   // four 3-key QK blocks
+inline constexpr int64_t kShortTileKeysBf16 = 24;
+inline constexpr int64_t kShortTileMaxRows = 8;
+
 // fp32 V tiles are copied to a compact buffer when a task has at least this
 // many packed rows and V's row stride is a multiple of 1 KiB: then a tile's
 // columns fold onto a quarter or less of the L1 sets, and PV, which reads
@@ -107,6 +131,8 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
   const int64_t rows = (kTargetRows + group - 1) / group;
   plan.block_q = p.seqlen_q < rows ? (p.seqlen_q > 0 ? p.seqlen_q : 1) : rows;
   plan.block_k = kKeysPerTile;
+  if (target == SimdTarget::kAvx2 && plan.block_q * group <= kShortTileMaxRows)
+    plan.block_k = p.kv_dtype == DType::kBF16 ? kShortTileKeysBf16 : kShortTileKeysF32;
   const int64_t q_blocks = (p.seqlen_q + plan.block_q - 1) / plan.block_q;
   if (plan.block_q * group <= kInterleaveHeadsMaxRows && p.num_kv_heads > 1)
     plan.kv_heads_per_task = p.num_kv_heads < kInterleaveMaxHeads ? p.num_kv_heads
