@@ -187,16 +187,6 @@ void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const float* q, i
     rows4_keys<false>(k, ks, nk, d, q, qs, s, pf);
 }
 
-void qk_rows_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs,
-                 float* s, int64_t pf) {
-  qk_rows(k, ks, nk, d, q, qs, s, pf);
-}
-
-void qk_rows_widen(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const float* q,
-                   int64_t qs, float* s, int64_t pf) {
-  qk_rows(k, ks, nk, d, q, qs, s, pf);
-}
-
 // The online-softmax step on packed 4-row scores (as the AVX-512 kernel's
 // softmax_rows4): lane 4a + r of a vector is key a's row r, two keys per
 // vector, and a row's two lanes are combined by swapping the 128-bit halves.
@@ -254,13 +244,13 @@ constexpr KernelTable kAvx2Table = {
     simd::widen_bf16<V256>,
     nullptr,
     4,
-    qk_rows_f32,
+    qk_rows<float>,
     softmax_rows4,
     nullptr,
     nullptr,
     nullptr,
     nullptr,
-    qk_rows_widen,
+    qk_rows<uint16_t>,  // bf16 keys, fp32 q
     simd::pv_widen<V256>,
 };
 

@@ -649,16 +649,6 @@ void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const Elem* q, in
     rows4_keys<false>(k, ks, nk, chunks, tail, q, qs, s, pf);
 }
 
-void qk_rows_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs,
-                 float* s, int64_t pf) {
-  qk_rows(k, ks, nk, d, q, qs, s, pf);
-}
-
-void qk_rows_bf16(const uint16_t* k, int64_t ks, int64_t nk, int64_t d, const uint16_t* q,
-                  int64_t qs, float* s, int64_t pf) {
-  qk_rows(k, ks, nk, d, q, qs, s, pf);
-}
-
 // ---- the online-softmax step on packed 4-row scores -----------------------
 // simd::softmax on s[n][16] with 4 live rows spends 16 lanes of max, exp and
 // sum per key on 4 values. Packed, lane 4a + r of a vector is key a's row r,
@@ -721,7 +711,7 @@ constexpr KernelTable kAvx512Table = {
     simd::widen_bf16<V512>,
     pack_q_f32,
     4,
-    qk_rows_f32,
+    qk_rows<float>,
     softmax_rows4,
     nullptr,
     nullptr,
@@ -741,12 +731,12 @@ constexpr KernelTable kAvx512Bf16Table = {
     simd::widen_bf16<V512>,
     pack_q_f32,
     4,
-    qk_rows_f32,
+    qk_rows<float>,
     softmax_rows4,
     qk_bf16,
     pv_bf16,
     pack_q_bf16,
-    qk_rows_bf16,
+    qk_rows<uint16_t>,
     nullptr,
     nullptr,
 };
