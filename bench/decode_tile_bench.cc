@@ -1,6 +1,8 @@
 // What one decode tile costs, stage by stage: the time split behind
-// docs/PERFORMANCE.md ("What limits decode"). One kv head's 64-key tile
-// (the kernel's kKeysPerTile) is run through the active SIMD target's
+// docs/PERFORMANCE.md ("What limits decode"). One kv head's tile of 64 keys
+// (kKeysPerTile), and for 4 rows also of the short tile AVX2 decode uses
+// (kShortTileKeysF32 / kShortTileKeysBf16, names with /k12 or /k24), is
+// run through the active SIMD target's
 // microkernels, as the tile loop (src/kernels/cpu/attention_cpu.cc) runs
 // them, on one thread with K and V resident in cache:
 //   qk       S = K Q^T (qk_rows_* for 1-4 packed rows, else qk_f32/qk_bf16;
@@ -41,13 +43,14 @@
 #include "core/cpu_features.h"
 #include "kernels/cpu/attention_cpu.h"
 #include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/tile_policy.h"
 
 namespace attnkit {
 namespace {
 
 using kernels::cpu::KernelTable;
 
-constexpr int64_t kKeys = 64, kHeadDim = 128, kCacheKvHeads = 8;
+constexpr int64_t kHeadDim = 128, kCacheKvHeads = 8;
 
 enum class Layout { kCompact, kCache, kPadded };
 constexpr Layout kLayouts[] = {Layout::kCompact, Layout::kCache, Layout::kPadded};
@@ -78,19 +81,20 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 struct Tile {
   const KernelTable* kt;
   bool bf16, dot, rows_qk;
-  int64_t rows, m_pad, s_stride, stride;
+  int64_t keys, rows, m_pad, s_stride, stride;
   std::vector<float> kf, vf, q, o, s, s0, alpha, row_max, row_sum, kw, vw;
   std::vector<uint16_t> kb, vb, qb, pack;
 
-  Tile(const KernelTable* table, bool is_bf16, int64_t packed_rows, int64_t row_stride)
-      : kt(table), bf16(is_bf16), rows(packed_rows), stride(row_stride) {
+  Tile(const KernelTable* table, bool is_bf16, int64_t tile_keys, int64_t packed_rows,
+       int64_t row_stride)
+      : kt(table), bf16(is_bf16), keys(tile_keys), rows(packed_rows), stride(row_stride) {
     m_pad = round_up(rows, kt->lanes);
     dot = bf16 && kt->qk_bf16 != nullptr;
     rows_qk = kernels::cpu::takes_rows_qk(*kt, rows, dot);
     s_stride = kernels::cpu::score_stride(m_pad, rows_qk);
     std::mt19937 rng(7);
     std::normal_distribution<float> normal;
-    const size_t kv_elems = static_cast<size_t>(kKeys * stride);
+    const size_t kv_elems = static_cast<size_t>(keys * stride);
     // q: 4 row-major rows (qk_rows_*) or the blocked transposed layout;
     // either way as many elements as the larger of the two.
     const size_t q_elems = static_cast<size_t>(
@@ -106,7 +110,7 @@ struct Tile {
     fill(kf, kb, kv_elems, 1.0f);
     fill(vf, vb, kv_elems, 1.0f);
     fill(q, qb, q_elems, 0.1f);
-    s.assign(static_cast<size_t>(round_up(kKeys * s_stride, 16)), 0.0f);
+    s.assign(static_cast<size_t>(round_up(keys * s_stride, 16)), 0.0f);
     // Scores for the softmax and weights for P V, as a real step leaves them.
     s0.resize(s.size());
     for (auto& x : s0) x = normal(rng);
@@ -114,8 +118,8 @@ struct Tile {
     row_max.assign(static_cast<size_t>(m_pad), 0.0f);
     row_sum.assign(static_cast<size_t>(m_pad), 0.0f);
     o.assign(static_cast<size_t>(rows * kHeadDim), 0.0f);
-    pack.resize(static_cast<size_t>(kernels::cpu::pv_bf16_pack_elems(kKeys, s_stride, kHeadDim)));
-    kw.resize(static_cast<size_t>(kKeys * kHeadDim));
+    pack.resize(static_cast<size_t>(kernels::cpu::pv_bf16_pack_elems(keys, s_stride, kHeadDim)));
+    kw.resize(static_cast<size_t>(keys * kHeadDim));
     vw.resize(kw.size());
   }
 
@@ -124,46 +128,46 @@ struct Tile {
   void qk() {
     const int64_t qs = round_up(kHeadDim, 32);
     if (rows_qk && dot) {
-      kt->qk_rows_bf16(kb.data(), stride, kKeys, kHeadDim, qb.data(), qs, s.data(), 0);
+      kt->qk_rows_bf16(kb.data(), stride, keys, kHeadDim, qb.data(), qs, s.data(), 0);
     } else if (rows_qk && bf16 && kt->qk_rows_widen != nullptr) {
-      kt->qk_rows_widen(kb.data(), stride, kKeys, kHeadDim, q.data(), qs, s.data(), 0);
+      kt->qk_rows_widen(kb.data(), stride, keys, kHeadDim, q.data(), qs, s.data(), 0);
     } else if (dot) {
-      kt->qk_bf16(kb.data(), stride, kKeys, kHeadDim, qb.data(), m_pad, s.data(), s_stride, 0);
+      kt->qk_bf16(kb.data(), stride, keys, kHeadDim, qb.data(), m_pad, s.data(), s_stride, 0);
     } else {
       const float* k = kf.data();
       int64_t ks = stride;
       if (bf16) {
-        kt->widen_bf16(kb.data(), stride, kKeys, kHeadDim, kw.data(), kHeadDim, 0);
+        kt->widen_bf16(kb.data(), stride, keys, kHeadDim, kw.data(), kHeadDim, 0);
         k = kw.data();
         ks = kHeadDim;
       }
       if (rows_qk)
-        kt->qk_rows_f32(k, ks, kKeys, kHeadDim, q.data(), qs, s.data(), 0);
+        kt->qk_rows_f32(k, ks, keys, kHeadDim, q.data(), qs, s.data(), 0);
       else
-        kt->qk_f32(k, ks, kKeys, kHeadDim, q.data(), m_pad, s.data(), s_stride, 0);
+        kt->qk_f32(k, ks, keys, kHeadDim, q.data(), m_pad, s.data(), s_stride, 0);
     }
   }
 
   // Repeated on its own output the step stays finite: weights in (0, 1].
   void softmax() {
     if (rows_qk)
-      kt->softmax_rows4(s.data(), kKeys, row_max.data(), row_sum.data(), alpha.data());
+      kt->softmax_rows4(s.data(), keys, row_max.data(), row_sum.data(), alpha.data());
     else
-      kt->softmax(s.data(), kKeys, m_pad, s_stride, row_max.data(), row_sum.data(), alpha.data());
+      kt->softmax(s.data(), keys, m_pad, s_stride, row_max.data(), row_sum.data(), alpha.data());
   }
   void pv() {
     if (dot) {
-      kt->pv_bf16(s.data(), kKeys, m_pad, s_stride, rows, vb.data(), stride, kHeadDim, o.data(),
+      kt->pv_bf16(s.data(), keys, m_pad, s_stride, rows, vb.data(), stride, kHeadDim, o.data(),
                   kHeadDim, alpha.data(), pack.data(), 0);
     } else if (bf16 && kt->pv_widen != nullptr) {
-      kt->pv_widen(s.data(), kKeys, s_stride, rows, vb.data(), stride, kHeadDim, o.data(),
+      kt->pv_widen(s.data(), keys, s_stride, rows, vb.data(), stride, kHeadDim, o.data(),
                    kHeadDim, alpha.data(), 0);
     } else if (bf16) {
-      kt->widen_bf16(vb.data(), stride, kKeys, kHeadDim, vw.data(), kHeadDim, 0);
-      kt->pv_f32(s.data(), kKeys, s_stride, rows, vw.data(), kHeadDim, kHeadDim, o.data(),
+      kt->widen_bf16(vb.data(), stride, keys, kHeadDim, vw.data(), kHeadDim, 0);
+      kt->pv_f32(s.data(), keys, s_stride, rows, vw.data(), kHeadDim, kHeadDim, o.data(),
                  kHeadDim, alpha.data(), 0);
     } else {
-      kt->pv_f32(s.data(), kKeys, s_stride, rows, vf.data(), stride, kHeadDim, o.data(), kHeadDim,
+      kt->pv_f32(s.data(), keys, s_stride, rows, vf.data(), stride, kHeadDim, o.data(), kHeadDim,
                  alpha.data(), 0);
     }
   }
@@ -186,19 +190,19 @@ std::map<std::string, double>& seconds() {  // best time per tile, by benchmark 
 }
 
 // Multiply-adds and K/V bytes of a stage.
-double stage_macs(Stage stage, int64_t rows) {
-  const double one = static_cast<double>(kKeys * rows * kHeadDim);
+double stage_macs(Stage stage, int64_t keys, int64_t rows) {
+  const double one = static_cast<double>(keys * rows * kHeadDim);
   return stage == Stage::kTile ? 2 * one : stage == Stage::kSoftmax ? 0 : one;
 }
-double stage_bytes(Stage stage, bool bf16) {
-  const double one = static_cast<double>(kKeys * kHeadDim) * (bf16 ? 2 : 4);
+double stage_bytes(Stage stage, int64_t keys, bool bf16) {
+  const double one = static_cast<double>(keys * kHeadDim) * (bf16 ? 2 : 4);
   return stage == Stage::kTile ? 2 * one : stage == Stage::kSoftmax ? 0 : one;
 }
 
-void run(benchmark::State& state, const std::string& name, bool bf16, int64_t rows, Layout layout,
-         Stage stage) {
+void run(benchmark::State& state, const std::string& name, bool bf16, int64_t keys, int64_t rows,
+         Layout layout, Stage stage) {
   const KernelTable* kt = kernels::cpu::kernel_table(simd_target());
-  Tile t(kt, bf16, rows, row_stride(layout, bf16));
+  Tile t(kt, bf16, keys, rows, row_stride(layout, bf16));
   t.s = t.s0;
   if (stage == Stage::kPv) {  // weights in (0, 1], as P V sees them; alpha < 1 bounds O
     t.softmax();
@@ -224,24 +228,36 @@ void run(benchmark::State& state, const std::string& name, bool bf16, int64_t ro
   double& best = seconds().emplace(name, 1e300).first->second;
   best = std::min(best, per_tile);
   const MachineProfile& m = one_thread();
-  state.counters["frac_fma_peak"] = 2 * stage_macs(stage, rows) / per_tile / 1e9 / m.fp32_peak_gflops;
-  state.counters["read_to_compute"] = stage_bytes(stage, bf16) / (m.dram_read_gbps * 1e9) / per_tile;
+  state.counters["frac_fma_peak"] =
+      2 * stage_macs(stage, keys, rows) / per_tile / 1e9 / m.fp32_peak_gflops;
+  state.counters["read_to_compute"] =
+      stage_bytes(stage, keys, bf16) / (m.dram_read_gbps * 1e9) / per_tile;
 }
 
-std::string bench_name(bool bf16, int64_t rows, Layout layout, Stage stage) {
-  return std::string("tile/") + (bf16 ? "bf16" : "f32") + "/rows" + std::to_string(rows) + "/" +
+std::string bench_name(bool bf16, int64_t keys, int64_t rows, Layout layout, Stage stage) {
+  return std::string("tile/") + (bf16 ? "bf16" : "f32") + "/rows" + std::to_string(rows) +
+         (keys == kernels::cpu::kKeysPerTile ? "" : "/k" + std::to_string(keys)) + "/" +
          layout_name(layout) + "/" + stage_name(stage);
+}
+
+// The (keys, rows) tiles measured: 64 keys at 4 and 16 rows, and the short
+// tile at 4 rows.
+std::vector<std::pair<int64_t, int64_t>> tiles(bool bf16) {
+  const int64_t full = kernels::cpu::kKeysPerTile;
+  return {{full, 4},
+          {bf16 ? kernels::cpu::kShortTileKeysBf16 : kernels::cpu::kShortTileKeysF32, 4},
+          {full, 16}};
 }
 
 void register_all() {
   for (bool bf16 : {false, true})
-    for (int64_t rows : {4, 16})
+    for (auto [keys, rows] : tiles(bf16))
       for (Layout layout : kLayouts)
         for (Stage stage : {Stage::kQk, Stage::kSoftmax, Stage::kPv, Stage::kTile}) {
-          const std::string name = bench_name(bf16, rows, layout, stage);
+          const std::string name = bench_name(bf16, keys, rows, layout, stage);
           benchmark::RegisterBenchmark(name.c_str(),
                                        [=](benchmark::State& st) {
-                                         run(st, name, bf16, rows, layout, stage);
+                                         run(st, name, bf16, keys, rows, layout, stage);
                                        })
               ->Unit(benchmark::kNanosecond);
         }
@@ -251,28 +267,29 @@ void register_all() {
 // the time one thread takes to read the tile's K and V from DRAM.
 void summary() {
   const MachineProfile& m = one_thread();
-  std::printf("\nsummary: ns per 64-key tile of one kv head, 1 thread, best repetition;\n"
+  std::printf("\nsummary: ns per tile of one kv head, 1 thread, best repetition;\n"
               "read = the tile's K and V at the measured 1-thread DRAM read rate (%.1f GB/s);\n"
               "fp32 FMA peak %.1f GFLOP/s\n",
               m.dram_read_gbps, m.fp32_peak_gflops);
-  std::printf("  %-22s %8s %8s %8s %8s %8s %8s %13s\n", "tile", "qk", "softmax", "pv", "sum", "tile",
-              "read", "of fp32 peak");
+  std::printf("  %-28s %8s %8s %8s %8s %8s %8s %13s\n", "tile", "qk", "softmax", "pv", "sum",
+              "tile", "read", "of fp32 peak");
   for (bool bf16 : {false, true})
-    for (int64_t rows : {4, 16})
+    for (auto [keys, rows] : tiles(bf16))
       for (Layout layout : kLayouts) {
         double ns[4];
         bool all = true;
         for (Stage stage : {Stage::kQk, Stage::kSoftmax, Stage::kPv, Stage::kTile}) {
-          auto it = seconds().find(bench_name(bf16, rows, layout, stage));
+          auto it = seconds().find(bench_name(bf16, keys, rows, layout, stage));
           all = all && it != seconds().end();
           ns[static_cast<int>(stage)] = all ? it->second * 1e9 : 0;
         }
         if (!all) continue;
-        const double read_ns = stage_bytes(Stage::kTile, bf16) / m.dram_read_gbps;
-        const double peak = 2 * stage_macs(Stage::kTile, rows) / ns[3] / m.fp32_peak_gflops;
+        const double read_ns = stage_bytes(Stage::kTile, keys, bf16) / m.dram_read_gbps;
+        const double peak = 2 * stage_macs(Stage::kTile, keys, rows) / ns[3] / m.fp32_peak_gflops;
         const std::string label = std::string(bf16 ? "bf16" : "f32") + " rows" +
-                                  std::to_string(rows) + " " + layout_name(layout);
-        std::printf("  %-22s %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f %13.3f\n", label.c_str(), ns[0],
+                                  std::to_string(rows) + " keys" + std::to_string(keys) + " " +
+                                  layout_name(layout);
+        std::printf("  %-28s %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f %13.3f\n", label.c_str(), ns[0],
                     ns[1], ns[2], ns[0] + ns[1] + ns[2], ns[3], read_ns, peak);
       }
 }
