@@ -457,8 +457,10 @@ cpu::Plan default_plan(const Problem& pr, int threads, SimdTarget target = SimdT
 void check_case_default_plans(const Case& c, int threads) {
   const Problem pr(c);
   const Outputs ref = run_reference(pr);
-  for (SimdTarget t : available_targets())
-    expect_close(pr, ref, run_fast(pr, default_plan(pr, threads, t)), default_plan(pr, threads, t));
+  for (SimdTarget t : available_targets()) {
+    const cpu::Plan plan = default_plan(pr, threads, t);
+    expect_close(pr, ref, run_fast(pr, plan), plan);
+  }
 }
 
 cpu::Plan tiled(int64_t block_q, int64_t block_k, int64_t split_k, int threads,

@@ -30,21 +30,16 @@ inline constexpr int64_t kKeysPerTile = 64;
 // prefetches the rows of its next phase (tile()), so the tile size is also
 // the prefetch distance: at 64 keys of head_dim 128, 32 KiB of fp32 rows
 // are in flight while 32 KiB more are read, the whole of a Zen 3 core's
-// L1. Measured on a Zen 3 (GQA 32/8, 16K keys, 2 threads, tile sizes
-// alternated call by call in one process, medians of 30 pairs; time
-// relative to 64 keys): fp32 at 12 keys 0.70-0.82 over three runs (8-24
-// keys gained too, 32 and more did not), batch 8 0.80-0.85, MHA
-// 0.83-0.87, 2 tokens 0.86-0.92; bf16 at 12 keys 0.80-0.91, and at 24 a
-// further 4-7 % under 12. Head dims 64 and 256 kept the same key counts
-// best or within 3 % of it. The shorter tiles also cut the loss without
-// software prefetch (one run: 1.42 -> 1.17 bf16, 1.22 -> 1.01 fp32,
-// against the prefetched 64-key time): each page's rows are read within a
-// short window, which the hardware prefetchers follow as well. Resident
-// data pays for them (bf16, 1,024 keys, 1 thread: 12 keys 1.15x the
-// 64-key time; fp32 even). 16 rows (4 tokens) lost 2-10 %: their phases
-// are long enough already, and the per-tile softmax and rescale grow with
-// the rows. Measured on AVX2 only (docs/PERFORMANCE.md, ninth session);
-// the AVX-512 kernels keep the tile they were tuned with.
+// L1. On a Zen 3 (GQA 32/8, 16K keys, 2 threads, tile sizes alternated
+// call by call, medians of 30 pairs), 64-key tiles took 1.26-1.31x the
+// time of these for 1-token fp32, 1.08-1.22x for bf16, 1.14-1.30x at
+// batch 8 and 1.11x for 2 tokens; 8-24 keys all gained, 32 and more did
+// not, and head dims 64 and 256 kept the same best sizes within 3 %. Per
+// key, a short tile's arithmetic on data in the L1 costs the same
+// (decode_tile_bench). 16 rows (4 tokens) lost 2-10 % with short tiles:
+// their phases are long enough already. Measured on AVX2 only
+// (docs/PERFORMANCE.md, ninth session); the AVX-512 targets keep the tile
+// they were tuned with on a Zen 5, whose L1 is 48 KiB.
 inline constexpr int64_t kShortTileKeysF32 = 12;   // four 3-key QK blocks
 inline constexpr int64_t kShortTileKeysBf16 = 24;
 inline constexpr int64_t kShortTileMaxRows = 8;
