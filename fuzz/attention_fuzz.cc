@@ -824,10 +824,22 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
     return spec.dtype == DType::kBF16 ? attnkit::bf16_to_float(attnkit::float_to_bf16(x)) : x;
   };
 
+  // Each round's check (the reference and compare()'s row bounds) visits
+  // every (query, key, column) triple, about 10 M a second in the
+  // instrumented build; an input that chose the padded 1024-wide rows and
+  // 8 rounds took 14 s, past -timeout. Rounds stop once the next would
+  // take the input past kMaxCacheWork (the first always runs: at most
+  // 2e7).
+  constexpr double kMaxCacheWork = 3e7;
+  double work = 0.0;
   int64_t len = 0;
   int rounds = 0;
   while (len < cap && fdp.remaining_bytes() > 0 && rounds++ < 12) {
     const int64_t T = std::min<int64_t>(cap - len, fdp.ConsumeIntegralInRange<int64_t>(1, 40));
+    const double round_work =
+        static_cast<double>(B * T * heads) * static_cast<double>(len + T) * (D + Dv);
+    if (rounds > 1 && work + round_work > kMaxCacheWork) break;
+    work += round_work;
     // New tokens, contiguous [B, T, heads|Hkv, D|Dv].
     std::vector<float> q(static_cast<size_t>(B * T * heads * D)),
         kn(static_cast<size_t>(B * T * Hkv * D)), vn(static_cast<size_t>(B * T * Hkv * Dv));
