@@ -16,6 +16,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attnkit/attention.h"
@@ -435,13 +436,19 @@ void expect_close(const Problem& pr, const Outputs& ref, const Outputs& fast,
   EXPECT_EQ(failures, 0) << c.describe() << "\n" << plan_str(plan) << "\nworst: " << worst;
 }
 
-// Runs `c` on every target with `plan_for` choosing the tiling.
+// Runs `c` on every target with `plan_for` choosing the tiling: called
+// with the problem, or with the problem and the target where tile sizes
+// may depend on it (make_plan's).
 template <class PlanFor>
 void check_case(const Case& c, PlanFor plan_for) {
   const Problem pr(c);
   const Outputs ref = run_reference(pr);
   for (SimdTarget t : available_targets()) {
-    cpu::Plan plan = plan_for(pr);
+    cpu::Plan plan;
+    if constexpr (std::is_invocable_v<PlanFor, const Problem&, SimdTarget>)
+      plan = plan_for(pr, t);
+    else
+      plan = plan_for(pr);
     plan.target = t;
     expect_close(pr, ref, run_fast(pr, plan), plan);
   }
@@ -450,17 +457,6 @@ void check_case(const Case& c, PlanFor plan_for) {
 cpu::Plan default_plan(const Problem& pr, int threads, SimdTarget target = SimdTarget::kScalar) {
   AttentionParams p = pr.params(nullptr, nullptr);
   return cpu::make_plan(p, target, threads);
-}
-
-// As check_case, with the plan make_plan picks for each target (tile sizes
-// may depend on the target).
-void check_case_default_plans(const Case& c, int threads) {
-  const Problem pr(c);
-  const Outputs ref = run_reference(pr);
-  for (SimdTarget t : available_targets()) {
-    const cpu::Plan plan = default_plan(pr, threads, t);
-    expect_close(pr, ref, run_fast(pr, plan), plan);
-  }
 }
 
 cpu::Plan tiled(int64_t block_q, int64_t block_k, int64_t split_k, int threads,
@@ -739,7 +735,7 @@ TEST(AttentionFast, DecodeDefaultPlansOverManyKvHeadsAndBatches) {
           const cpu::Plan plan = default_plan(pr, 2);
           EXPECT_EQ(plan.kv_heads_per_task, cpu::kInterleaveMaxHeads) << c.describe();
           EXPECT_EQ(plan.split_k > 0, seqlen_k > cpu::kSplitKeys) << c.describe();
-          check_case_default_plans(c, 2);
+          check_case(c, [&](const Problem& p, SimdTarget t) { return default_plan(p, 2, t); });
         }
 }
 

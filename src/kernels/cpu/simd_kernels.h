@@ -183,6 +183,15 @@ struct LastVec {
   int64_t count;
 };
 
+// The last vector of a column block of `cvecs` vectors from column c0, in
+// rows of dv valid columns.
+template <class V>
+inline LastVec<V> last_vec(int64_t dv, int64_t c0, int64_t cvecs) {
+  const int64_t valid = dv - (c0 + (cvecs - 1) * V::kLanes);
+  const int64_t count = valid < 0 ? 0 : valid;
+  return {V::mask_first(count), count};
+}
+
 template <class V>
 inline typename V::F load_vec(const float* p) {
   return V::load(p);
@@ -307,11 +316,8 @@ void pv(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int
                               : left < V::kPvFewVecs    ? left
                                                         : V::kPvFewVecs;
         const int64_t c0 = c * V::kLanes;
-        const int64_t last_valid = dv - (c0 + (cvecs - 1) * V::kLanes);
-        const int64_t count = last_valid < 0 ? 0 : last_valid;
-        const LastVec<V> last{V::mask_first(count), count};
         pv_few_columns<V, V::kPvFewVecs>(cvecs, rows, s, nk, ss, v + c0, vs, o + c0, dv_pad,
-                                         alpha, last, pf);
+                                         alpha, last_vec<V>(dv, c0, cvecs), pf);
         c += cvecs;
       }
       return;
@@ -321,10 +327,8 @@ void pv(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int
   for (int64_t c0 = 0; c0 < dv_pad; c0 += block) {
     const int64_t width = dv_pad - c0 < block ? dv_pad - c0 : block;
     const int64_t cvecs = width / V::kLanes;
-    const int64_t last_valid = dv - (c0 + (cvecs - 1) * V::kLanes);
-    const int64_t count = last_valid < 0 ? 0 : last_valid;
-    const LastVec<V> last{V::mask_first(count), count};
-    pv_columns<V, V::kPvVecs>(cvecs, rows, s, nk, ss, v + c0, vs, o + c0, dv_pad, alpha, last, pf);
+    pv_columns<V, V::kPvVecs>(cvecs, rows, s, nk, ss, v + c0, vs, o + c0, dv_pad, alpha,
+                              last_vec<V>(dv, c0, cvecs), pf);
   }
 }
 
