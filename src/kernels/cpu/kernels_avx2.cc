@@ -234,6 +234,49 @@ void softmax_rows4(float* s, int64_t nk, float* row_max, float* row_sum, float* 
   _mm_storeu_ps(alpha, a);
 }
 
+// ---- q into the qt layout -------------------------------------------------
+// The portable loop reads one column of 16 rows at a time; a prefill's q
+// rows of one column block lie a token's row apart (16 KiB under 32 heads of
+// 128), all in the same few L1 sets, so most of its loads missed L1 and it
+// took ~4 % of an MHA prefill's samples (perf, Zen 3). Here each row is read
+// 8 columns at a time and 8 x 8 blocks are transposed in registers: 1.6 %,
+// and whole calls (s1024 causal, 2 threads, medians of 30 alternated pairs)
+// took 0.96-0.99 of the time for MHA, 0.98 for GQA 32/8, 0.99 for MQA.
+
+// r[j] <- column j of the 8 rows r[0..8).
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+void pack_q_f32(const float* const* rows, int64_t count, int64_t d, float scale, float* dst,
+                int64_t w) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  __m256 r[8];
+  for (int64_t x0 = 0; x0 < w; x0 += 8)
+    for (int64_t c0 = 0; c0 < d; c0 += 8) {
+      const __m256i mask = V256::mask_first(d - c0);
+      for (int i = 0; i < 8; ++i)
+        r[i] = x0 + i < count ? _mm256_mul_ps(_mm256_maskload_ps(rows[x0 + i] + c0, mask), sc)
+                              : _mm256_setzero_ps();
+      transpose8(r);
+      for (int j = 0; j < 8 && c0 + j < d; ++j) _mm256_storeu_ps(dst + (c0 + j) * w + x0, r[j]);
+    }
+}
+
 constexpr KernelTable kAvx2Table = {
     V256::kLanes,
     V256::kQkVecs* V256::kLanes,
@@ -242,7 +285,7 @@ constexpr KernelTable kAvx2Table = {
     simd::softmax<V256>,
     simd::pv_f32<V256>,
     simd::widen_bf16<V256>,
-    nullptr,
+    pack_q_f32,
     4,
     qk_rows<float>,
     softmax_rows4,
