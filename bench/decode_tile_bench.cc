@@ -161,14 +161,14 @@ struct Tile {
                   kHeadDim, alpha.data(), pack.data(), 0);
     } else if (bf16 && kt->pv_widen != nullptr) {
       kt->pv_widen(s.data(), keys, s_stride, rows, vb.data(), stride, kHeadDim, o.data(),
-                   kHeadDim, alpha.data(), 0);
+                   kHeadDim, alpha.data(), 0, nullptr);
     } else if (bf16) {
       kt->widen_bf16(vb.data(), stride, keys, kHeadDim, vw.data(), kHeadDim, 0);
       kt->pv_f32(s.data(), keys, s_stride, rows, vw.data(), kHeadDim, kHeadDim, o.data(),
-                 kHeadDim, alpha.data(), 0);
+                 kHeadDim, alpha.data(), 0, nullptr);
     } else {
       kt->pv_f32(s.data(), keys, s_stride, rows, vf.data(), stride, kHeadDim, o.data(), kHeadDim,
-                 alpha.data(), 0);
+                 alpha.data(), 0, nullptr);
     }
   }
 };

@@ -57,8 +57,8 @@ struct Geometry {
   // (head h at offset + h * head_floats) ...
   int64_t qt = 0, o = 0, row_max = 0, row_sum = 0, head_floats = 0;
   // ... and shared by the heads.
-  int64_t qrows = 0, s = 0, alpha = 0, ones = 0, kw = 0, vw = 0, pack = 0, bitmap = 0, row_lo = 0,
-          row_hi = 0, worker_floats = 0;
+  int64_t qrows = 0, s = 0, alpha = 0, ones = 0, kw = 0, vw = 0, seen = 0, pack = 0, bitmap = 0,
+          row_lo = 0, row_hi = 0, worker_floats = 0;
   // Byte offsets of the shared regions.
   size_t tasks_at = 0, bases_at = 0, parts_at = 0, workers_at = 0, total = 0;
   int workers = 1;
@@ -120,6 +120,7 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.ones = take(g.m_pad);
   g.kw = take(g.k_copies ? g.bk * g.d_pad : 0);
   g.vw = take(g.pv_copies ? g.bk * g.vw_stride : 0);
+  g.seen = take(4 * g.m_max);  // int64 pairs
   g.pack = take(g.dot_bf16 ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2) : 0);
   g.bitmap = take(p.sparse.kind != SparsePattern::Kind::kNone ? ceil_div(g.bq * g.bk, 4) : 0);
   g.row_lo = take(2 * g.bq);  // int64
@@ -347,6 +348,17 @@ class TaskRunner {
     const int64_t w = g_.kt->qk_block_cols;
     m_lo_ = g_.rows_qk ? 0 : il_first * g_.group / w * w;
     const bool more_tiles = j1 < task_end_;
+    // On a masked tile, the keys of the tile that each packed row's query
+    // row sees: the products skip keys that no row of a block sees.
+    int64_t* seen = nullptr;
+    if (masked) {
+      seen = reinterpret_cast<int64_t*>(ws_ + g_.seen);
+      for (int64_t m = m_lo_; m < m_; ++m) {
+        const int64_t lo = std::clamp(row_lo[m / g_.group] - j0, int64_t{0}, nk);
+        seen[2 * m] = lo;
+        seen[2 * m + 1] = std::clamp(row_hi[m / g_.group] - j0, lo, nk);
+      }
+    }
     for (int64_t h = 0; h < heads_; ++h) {
       select_head(h);
       // Prefetch one phase ahead (elements from the rows being read): QK
@@ -375,7 +387,7 @@ class TaskRunner {
       const int64_t pv_prefetch = one_phase ? (k_next != 0 ? k_next - k_to_v : 0) : v_next;
       // Columns [m_lo_, m_pad) of s, alpha and the row state are live.
       float* s = ws_ + g_.s;
-      scores(j0, nk, s, qk_prefetch);
+      scores(j0, nk, s, qk_prefetch, seen);
       const int64_t cols = g_.m_pad - m_lo_;
       if (p_.softcap > 0.0f) {
         if (g_.rows_qk)  // elementwise: the packed tile as rows of 16 (whole vectors)
@@ -395,11 +407,13 @@ class TaskRunner {
       if (masked && !values_finite(j0, nk))
         accumulate_skipping_zeros(j0, nk, s, alpha);
       else
-        accumulate(j0, nk, s, alpha, pv_prefetch);
+        accumulate(j0, nk, s, alpha, pv_prefetch, seen);
     }
   }
 
-  void scores(int64_t j0, int64_t nk, float* s, int64_t prefetch) {
+  // `seen` (a masked tile): see tile(); apply_masks sets every score
+  // outside a row's range, so the fp32 product skips keys (qk_seen).
+  void scores(int64_t j0, int64_t nk, float* s, int64_t prefetch, const int64_t* seen) {
     const KernelTable& kt = *g_.kt;
     if (g_.rows_qk && g_.dot_bf16) {
       const uint16_t* q = reinterpret_cast<const uint16_t*>(qt_);
@@ -432,25 +446,56 @@ class TaskRunner {
       if (g_.rows_qk)
         kt.qk_rows_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.qt_row, s, 0);
       else
-        kt.qk_f32(kw, g_.d_pad, nk, g_.d, qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_, s + m_lo_,
-                  g_.s_stride, 0);
+        qk_seen(kw, g_.d_pad, 0, nk, s, 0, seen);
     } else {
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-        kt.qk_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d,
-                  qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_, s + at * g_.s_stride + m_lo_, g_.s_stride,
-                  prefetch);
+        qk_seen(static_cast<const float*>(k_row(row)), p_.k_stride.row, at, n, s, prefetch, seen);
       });
     }
   }
 
+  // qk_f32 over keys [at, at + n) of the tile (rows from k). With `seen`,
+  // each column block of qt is multiplied only by the keys that some row of
+  // it sees: on a causal diagonal a 64-key tile's scores form a triangle, and
+  // computing all of them cost 6 % of a causal s1024 prefill's work in each
+  // product (docs/PERFORMANCE.md, tenth session). Scores left unwritten are
+  // masked (valid rows) or belong to pad rows, whose results nothing reads.
+  void qk_seen(const float* k, int64_t ks, int64_t at, int64_t n, float* s, int64_t prefetch,
+               const int64_t* seen) {
+    const KernelTable& kt = *g_.kt;
+    if (seen == nullptr) {
+      kt.qk_f32(k, ks, n, g_.d, qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_,
+                s + at * g_.s_stride + m_lo_, g_.s_stride, prefetch);
+      return;
+    }
+    const int64_t w = kt.qk_block_cols;
+    for (int64_t m0 = m_lo_; m0 < g_.m_pad; m0 += w) {
+      int64_t lo = at + n, hi = at;
+      for (int64_t m = m0; m < std::min(m0 + w, m_); ++m) {
+        lo = std::min(lo, std::max(seen[2 * m], at));
+        hi = std::max(hi, std::min(seen[2 * m + 1], at + n));
+      }
+      if (hi <= lo) continue;
+      // The hint goes with the last block, whose rows see the most keys.
+      const bool last = m0 + w >= g_.m_pad;
+      kt.qk_f32(k + (lo - at) * ks, ks, hi - lo, g_.d, qt_ + m0 * g_.d,
+                std::min(w, g_.m_pad - m0), s + lo * g_.s_stride + m0, g_.s_stride,
+                last ? prefetch : 0);
+    }
+  }
+
   // Rows [m_lo_, m_) of o += P V (s and alpha indexed by packed row).
-  void accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha, int64_t prefetch) {
+  void accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha, int64_t prefetch,
+                  const int64_t* seen) {
     const KernelTable& kt = *g_.kt;
     float* o = o_ + m_lo_ * g_.dv_pad;
     const float* ones = ws_ + g_.ones;
     s += m_lo_;
     alpha += m_lo_;
     const int64_t rows = m_ - m_lo_;
+    if (seen != nullptr) seen += 2 * m_lo_;
+    // The kernels take `seen` for a whole tile, not for a ring's run of it.
+    auto whole = [&](int64_t n) { return n == nk ? seen : nullptr; };
     if (g_.dot_bf16) {
       uint16_t* pack = reinterpret_cast<uint16_t*>(ws_ + g_.pack);
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
@@ -475,20 +520,20 @@ class TaskRunner {
         for (int64_t r = 0; r < n; ++r)
           std::memcpy(vw + (at + r) * g_.vw_stride, v + r * p_.v_stride.row, sizeof(float) * g_.dv);
       });
-      kt.pv_f32(s, nk, g_.s_stride, rows, vw, g_.vw_stride, g_.dv, o, g_.dv_pad, alpha, 0);
+      kt.pv_f32(s, nk, g_.s_stride, rows, vw, g_.vw_stride, g_.dv, o, g_.dv_pad, alpha, 0, seen);
       return;
     }
     if (g_.bf16) {
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.pv_widen(s + at * g_.s_stride, n, g_.s_stride, rows,
                     static_cast<const uint16_t*>(v_row(row)), p_.v_stride.row, g_.dv, o, g_.dv_pad,
-                    at == 0 ? alpha : ones, prefetch);
+                    at == 0 ? alpha : ones, prefetch, whole(n));
       });
       return;
     }
     for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
       kt.pv_f32(s + at * g_.s_stride, n, g_.s_stride, rows, static_cast<const float*>(v_row(row)),
-                p_.v_stride.row, g_.dv, o, g_.dv_pad, at == 0 ? alpha : ones, prefetch);
+                p_.v_stride.row, g_.dv, o, g_.dv_pad, at == 0 ? alpha : ones, prefetch, whole(n));
     });
   }
 

@@ -46,10 +46,14 @@ struct KernelTable {
   void (*softmax)(float* s, int64_t nk, int64_t m_pad, int64_t s_stride, float* row_max,
                   float* row_sum, float* alpha);
   // o[m][c] = alpha[m] * o[m][c] + sum_n s[n][m] * v[n][c] for m < rows, c < dv_pad
-  // (v is read for c < head_dim_v only; o's pad columns stay 0).
+  // (v is read for c < head_dim_v only; o's pad columns stay 0). `seen`:
+  // nullptr, or for each row m < rows the keys [seen[2m], seen[2m + 1])
+  // (0 <= first <= last <= nk) outside which its weights are 0, so that a
+  // block of rows may skip the keys none of its rows sees (a causal
+  // diagonal); V must then be finite there, as 0 * NaN would not be 0.
   void (*pv_f32)(const float* s, int64_t nk, int64_t s_stride, int64_t rows, const float* v,
                  int64_t v_row_stride, int64_t head_dim_v, float* o, int64_t dv_pad,
-                 const float* alpha, int64_t prefetch);
+                 const float* alpha, int64_t prefetch, const int64_t* seen);
   // dst[n][c] = float(src[n][c]) for n < rows, c < cols (bf16 widening is
   // exact), prefetching as the kernels above.
   void (*widen_bf16)(const uint16_t* src, int64_t src_row_stride, int64_t rows, int64_t cols,
@@ -100,7 +104,7 @@ struct KernelTable {
   // As pv_f32 with bf16 values (the weights stay fp32).
   void (*pv_widen)(const float* s, int64_t nk, int64_t s_stride, int64_t rows, const uint16_t* v,
                    int64_t v_row_stride, int64_t head_dim_v, float* o, int64_t dv_pad,
-                   const float* alpha, int64_t prefetch);
+                   const float* alpha, int64_t prefetch, const int64_t* seen);
 };
 
 // A row stride of at least `floats` (a multiple of the lanes) that is not

@@ -260,26 +260,50 @@ inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const 
   }
 }
 
+// The keys [first, end) that rows [m, m + count) see (see KernelTable::
+// pv_f32): all nk without `seen`; empty, and o still scaled, if none.
+template <class V>
+struct KeyRange {
+  int64_t first, end;
+};
+template <class V>
+inline KeyRange<V> keys_seen(const int64_t* seen, int64_t m, int64_t count, int64_t nk) {
+  if (seen == nullptr) return {0, nk};
+  int64_t first = nk, end = 0;
+  for (int64_t r = m; r < m + count; ++r) {
+    first = seen[2 * r] < first ? seen[2 * r] : first;
+    end = seen[2 * r + 1] > end ? seen[2 * r + 1] : end;
+  }
+  return {first, end > first ? end : first};
+}
+
 // Each row block reads the whole V tile, so the prefetch of the rows pf
 // further on is shared out, block b of B taking keys [b nk / B, (b + 1) nk /
 // B): issued by the first block alone, a tile's lines were asked for in a
 // third of the product (16 rows) and 4-token decode ran 5 % slower
-// (docs/PERFORMANCE.md, sixth session).
+// (docs/PERFORMANCE.md, sixth session). With `seen` a block runs over the
+// keys its rows see only, and its share of the hints outside them is lost.
 template <class V, int CV, class Elem>
 inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, int64_t ss,
                        const Elem* v, int64_t vs, float* o, int64_t dv_pad, const float* alpha,
-                       LastVec<V> last, int64_t pf) {
+                       LastVec<V> last, int64_t pf, const int64_t* seen) {
   if constexpr (CV >= 1) {
     if (cvecs == CV) {
       const int64_t blocks = (rows + V::kPvRows - 1) / V::kPvRows;
       int64_t m = 0, b = 0;
-      for (; m + V::kPvRows <= rows; m += V::kPvRows, ++b)
-        pv_block<V, V::kPvRows, CV>(s + m, nk, ss, v, vs, o + m * dv_pad, dv_pad, alpha + m, last,
-                                    pf, b * nk / blocks, (b + 1) * nk / blocks);
-      return pv_rows<V, V::kPvRows - 1, CV>(rows - m, s + m, nk, ss, v, vs, o + m * dv_pad, dv_pad,
-                                            alpha + m, last, pf, b * nk / blocks, nk);
+      for (; m + V::kPvRows <= rows; m += V::kPvRows, ++b) {
+        const KeyRange<V> k = keys_seen<V>(seen, m, V::kPvRows, nk);
+        pv_block<V, V::kPvRows, CV>(s + m + k.first * ss, k.end - k.first, ss, v + k.first * vs,
+                                    vs, o + m * dv_pad, dv_pad, alpha + m, last, pf,
+                                    b * nk / blocks - k.first, (b + 1) * nk / blocks - k.first);
+      }
+      const KeyRange<V> k = keys_seen<V>(seen, m, rows - m, nk);
+      return pv_rows<V, V::kPvRows - 1, CV>(rows - m, s + m + k.first * ss, k.end - k.first, ss,
+                                            v + k.first * vs, vs, o + m * dv_pad, dv_pad,
+                                            alpha + m, last, pf, b * nk / blocks - k.first,
+                                            nk - k.first);
     }
-    pv_columns<V, CV - 1>(cvecs, rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf);
+    pv_columns<V, CV - 1>(cvecs, rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf, seen);
   }
 }
 
@@ -296,10 +320,12 @@ inline void pv_few_columns(int64_t cvecs, int64_t rows, const float* s, int64_t 
   }
 }
 
-// `pf` != 0: prefetch the value rows pf elements further on, once.
+// `pf` != 0: prefetch the value rows pf elements further on, once. The
+// few-rows path (decode) ignores `seen`.
 template <class V, class Elem>
 void pv(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int64_t vs,
-       int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf) {
+       int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf,
+       const int64_t* seen) {
   if constexpr (sizeof(Elem) == 2 && requires { V::kPvFewVecs; }) {
     // Few rows leave most registers of the kPvRows block idle: a wider
     // block widens each loaded bf16 vector once for more multiply-adds and
@@ -328,20 +354,22 @@ void pv(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int
     const int64_t width = dv_pad - c0 < block ? dv_pad - c0 : block;
     const int64_t cvecs = width / V::kLanes;
     pv_columns<V, V::kPvVecs>(cvecs, rows, s, nk, ss, v + c0, vs, o + c0, dv_pad, alpha,
-                              last_vec<V>(dv, c0, cvecs), pf);
+                              last_vec<V>(dv, c0, cvecs), pf, seen);
   }
 }
 
 template <class V>
 void pv_f32(const float* s, int64_t nk, int64_t ss, int64_t rows, const float* v, int64_t vs,
-            int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf) {
-  pv<V>(s, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf);
+            int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf,
+            const int64_t* seen) {
+  pv<V>(s, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf, seen);
 }
 
 template <class V>
 void pv_widen(const float* s, int64_t nk, int64_t ss, int64_t rows, const uint16_t* v, int64_t vs,
-              int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf) {
-  pv<V>(s, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf);
+              int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf,
+              const int64_t* seen) {
+  pv<V>(s, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf, seen);
 }
 
 // ---- bf16 rows to fp32 ---------------------------------------------------
