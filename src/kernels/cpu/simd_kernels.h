@@ -43,17 +43,24 @@ inline void qk_block(const float* k, int64_t ks, int64_t d, const float* qt, int
   for (int a = 0; a < KB; ++a)
 #pragma GCC unroll 4
     for (int b = 0; b < MV; ++b) acc[a][b] = V::zero();
+  // One pointer per key row, so that each broadcast is base + 4 c: written
+  // as k + a * ks + c, GCC rebuilt some row addresses with lea chains inside
+  // the loop, and the block ran at 0.71-0.83 of the FMA peak in L1 instead
+  // of 0.79-0.92 (decode_tile_bench rows16 qk, tenth session).
+  const float* rows[KB];
+#pragma GCC unroll 16
+  for (int a = 0; a < KB; ++a) rows[a] = k + a * ks;
   for (int64_t c = 0; c < d; ++c) {
     if (pf != 0 && c % 16 == 0)
 #pragma GCC unroll 16
-      for (int a = 0; a < KB; ++a) V::prefetch(k + a * ks + pf + c);
+      for (int a = 0; a < KB; ++a) V::prefetch(rows[a] + pf + c);
     const float* qrow = qt + c * w;
     F q[MV];
 #pragma GCC unroll 4
     for (int b = 0; b < MV; ++b) q[b] = V::load(qrow + b * V::kLanes);
 #pragma GCC unroll 16
     for (int a = 0; a < KB; ++a) {
-      const F kk = V::bcast(k + a * ks + c);
+      const F kk = V::bcast(rows[a] + c);
 #pragma GCC unroll 4
       for (int b = 0; b < MV; ++b) acc[a][b] = V::fma(kk, q[b], acc[a][b]);
     }
