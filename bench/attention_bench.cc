@@ -16,7 +16,8 @@
 // Ratios between benchmarks (4-token vs 1-token decode, per-key decode time
 // from 4K to 64K keys, GQA/MQA vs MHA per query head, 1 thread vs the
 // default, fast vs reference) are printed in the summary at the end, from
-// each benchmark's best repetition.
+// each benchmark's best repetition; the 4-token and per-query-head ratios
+// also from calls of the two shapes alternated ("paired").
 //
 //   build/bench/attnkit_bench --benchmark_repetitions=5      # everything
 //   build/bench/attnkit_bench --benchmark_filter=decode
@@ -339,9 +340,12 @@ void run_benchmark(benchmark::State& state, const std::string& name, Shape shape
   set_simd_target(best_simd_target(cpu_features()));
 }
 
-// Paired decode ratios: the 4-token target is a ratio of two call times, and
-// this VM's memory speed moves by up to 2x between the moments two separate
+// Paired ratios: the 4-token target is a ratio of two call times, and this
+// VM's memory speed moves by up to 2x between the moments two separate
 // benchmarks run, so a ratio of their best times mixes two machine states.
+// Prefill per query head (GQA/MQA against MHA) is paired for the same
+// reason: separate best times put causal MHA s1024 fp32 10-15 % behind GQA
+// in some runs, while alternated calls put it 2-7 % behind.
 // Here calls of the two shapes alternate (each over its own rotation, the
 // order flipped every pair so neither always runs on the other's heels) and
 // the summary prints the median of the per-pair ratios.
@@ -465,6 +469,10 @@ void register_all() {
             gqa_decode(1, DType::kF32));
   add_ratio("paired/decode/gqa32-8/k16384/q4_over_q1/bf16", gqa_decode(4, DType::kBF16),
             gqa_decode(1, DType::kBF16));
+  add_ratio("paired/prefill/causal/s1024/gqa32-8_over_mha32/f32", gqa_prefill(8, DType::kF32, 1024),
+            gqa_prefill(32, DType::kF32, 1024));
+  add_ratio("paired/prefill/causal/s1024/mqa32-1_over_mha32/f32", gqa_prefill(1, DType::kF32, 1024),
+            gqa_prefill(32, DType::kF32, 1024));
   add("mla/h128/k4096/q1/f32", mla_decode(DType::kF32));
   add("mla/h128/k4096/q1/bf16", mla_decode(DType::kBF16));
   // Thread scaling: the same shapes on one thread.
