@@ -144,7 +144,7 @@ struct Tile {
       if (rows_qk)
         kt->qk_rows_f32(k, ks, keys, kHeadDim, q.data(), qs, s.data(), 0);
       else
-        kt->qk_f32(k, ks, keys, kHeadDim, q.data(), m_pad, s.data(), s_stride, 0);
+        kt->qk_f32(k, ks, keys, kHeadDim, q.data(), m_pad, s.data(), s_stride, 0, nullptr);
     }
   }
 

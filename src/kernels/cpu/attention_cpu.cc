@@ -120,7 +120,7 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.ones = take(g.m_pad);
   g.kw = take(g.k_copies ? g.bk * g.d_pad : 0);
   g.vw = take(g.pv_copies ? g.bk * g.vw_stride : 0);
-  g.seen = take(4 * g.m_max);  // int64 pairs
+  g.seen = take(4 * g.m_pad);  // int64 pairs
   g.pack = take(g.dot_bf16 ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2) : 0);
   g.bitmap = take(p.sparse.kind != SparsePattern::Kind::kNone ? ceil_div(g.bq * g.bk, 4) : 0);
   g.row_lo = take(2 * g.bq);  // int64
@@ -349,14 +349,19 @@ class TaskRunner {
     m_lo_ = g_.rows_qk ? 0 : il_first * g_.group / w * w;
     const bool more_tiles = j1 < task_end_;
     // On a masked tile, the keys of the tile that each packed row's query
-    // row sees: the products skip keys that no row of a block sees.
+    // row sees (pad rows: none), from m_lo_ on: the products skip keys that
+    // no row of a register block sees. Scores QK leaves unwritten are set by
+    // apply_masks (valid rows) or belong to pad rows, whose results nothing
+    // reads.
     int64_t* seen = nullptr;
     if (masked) {
       seen = reinterpret_cast<int64_t*>(ws_ + g_.seen);
-      for (int64_t m = m_lo_; m < m_; ++m) {
-        const int64_t lo = std::clamp(row_lo[m / g_.group] - j0, int64_t{0}, nk);
-        seen[2 * m] = lo;
-        seen[2 * m + 1] = std::clamp(row_hi[m / g_.group] - j0, lo, nk);
+      for (int64_t m = m_lo_; m < g_.m_pad; ++m) {
+        int64_t* range = seen + 2 * (m - m_lo_);
+        range[0] = range[1] = 0;
+        if (m >= m_) continue;
+        range[0] = std::clamp(row_lo[m / g_.group] - j0, int64_t{0}, nk);
+        range[1] = std::clamp(row_hi[m / g_.group] - j0, range[0], nk);
       }
     }
     for (int64_t h = 0; h < heads_; ++h) {
@@ -411,10 +416,11 @@ class TaskRunner {
     }
   }
 
-  // `seen` (a masked tile): see tile(); apply_masks sets every score
-  // outside a row's range, so the fp32 product skips keys (qk_seen).
+  // `seen`: see tile(); the kernels take it for a whole tile, not for a
+  // ring's run of one.
   void scores(int64_t j0, int64_t nk, float* s, int64_t prefetch, const int64_t* seen) {
     const KernelTable& kt = *g_.kt;
+    auto whole = [&](int64_t n) { return n == nk ? seen : nullptr; };
     if (g_.rows_qk && g_.dot_bf16) {
       const uint16_t* q = reinterpret_cast<const uint16_t*>(qt_);
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
@@ -446,41 +452,14 @@ class TaskRunner {
       if (g_.rows_qk)
         kt.qk_rows_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.qt_row, s, 0);
       else
-        qk_seen(kw, g_.d_pad, 0, nk, s, 0, seen);
+        kt.qk_f32(kw, g_.d_pad, nk, g_.d, qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_, s + m_lo_,
+                  g_.s_stride, 0, seen);
     } else {
       for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-        qk_seen(static_cast<const float*>(k_row(row)), p_.k_stride.row, at, n, s, prefetch, seen);
+        kt.qk_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d,
+                  qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_, s + at * g_.s_stride + m_lo_, g_.s_stride,
+                  prefetch, whole(n));
       });
-    }
-  }
-
-  // qk_f32 over keys [at, at + n) of the tile (rows from k). With `seen`,
-  // each column block of qt is multiplied only by the keys that some row of
-  // it sees: on a causal diagonal a 64-key tile's scores form a triangle, and
-  // computing all of them cost 6 % of a causal s1024 prefill's work in each
-  // product (docs/PERFORMANCE.md, tenth session). Scores left unwritten are
-  // masked (valid rows) or belong to pad rows, whose results nothing reads.
-  void qk_seen(const float* k, int64_t ks, int64_t at, int64_t n, float* s, int64_t prefetch,
-               const int64_t* seen) {
-    const KernelTable& kt = *g_.kt;
-    if (seen == nullptr) {
-      kt.qk_f32(k, ks, n, g_.d, qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_,
-                s + at * g_.s_stride + m_lo_, g_.s_stride, prefetch);
-      return;
-    }
-    const int64_t w = kt.qk_block_cols;
-    for (int64_t m0 = m_lo_; m0 < g_.m_pad; m0 += w) {
-      int64_t lo = at + n, hi = at;
-      for (int64_t m = m0; m < std::min(m0 + w, m_); ++m) {
-        lo = std::min(lo, std::max(seen[2 * m], at));
-        hi = std::max(hi, std::min(seen[2 * m + 1], at + n));
-      }
-      if (hi <= lo) continue;
-      // The hint goes with the last block, whose rows see the most keys.
-      const bool last = m0 + w >= g_.m_pad;
-      kt.qk_f32(k + (lo - at) * ks, ks, hi - lo, g_.d, qt_ + m0 * g_.d,
-                std::min(w, g_.m_pad - m0), s + lo * g_.s_stride + m0, g_.s_stride,
-                last ? prefetch : 0);
     }
   }
 
@@ -493,8 +472,6 @@ class TaskRunner {
     s += m_lo_;
     alpha += m_lo_;
     const int64_t rows = m_ - m_lo_;
-    if (seen != nullptr) seen += 2 * m_lo_;
-    // The kernels take `seen` for a whole tile, not for a ring's run of it.
     auto whole = [&](int64_t n) { return n == nk ? seen : nullptr; };
     if (g_.dot_bf16) {
       uint16_t* pack = reinterpret_cast<uint16_t*>(ws_ + g_.pack);

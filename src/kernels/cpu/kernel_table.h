@@ -34,8 +34,13 @@ struct KernelTable {
   // tile loop reads next, which may lie in another tensor: QK fetches V, PV
   // the next K), so that decode, which reads every row once from DRAM, has
   // the next rows in flight; 0 = none.
+  // `seen`: nullptr, or for each packed row m < m_pad the keys [seen[2m],
+  // seen[2m + 1]) (0 <= first <= last <= nk; first == last: none) that it
+  // sees; a column block may then leave the scores of keys none of its rows
+  // sees unwritten (the caller masks them).
   void (*qk_f32)(const float* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
-                 const float* qt, int64_t m_pad, float* s, int64_t s_stride, int64_t prefetch);
+                 const float* qt, int64_t m_pad, float* s, int64_t s_stride, int64_t prefetch,
+                 const int64_t* seen);
   // s = cap * tanh(s / cap) for n < nk, m < m_pad.
   void (*softcap)(float* s, int64_t nk, int64_t m_pad, int64_t s_stride, float cap);
   // Online-softmax step over one tile, per column m < m_pad:
@@ -47,10 +52,9 @@ struct KernelTable {
                   float* row_sum, float* alpha);
   // o[m][c] = alpha[m] * o[m][c] + sum_n s[n][m] * v[n][c] for m < rows, c < dv_pad
   // (v is read for c < head_dim_v only; o's pad columns stay 0). `seen`:
-  // nullptr, or for each row m < rows the keys [seen[2m], seen[2m + 1])
-  // (0 <= first <= last <= nk) outside which its weights are 0, so that a
-  // block of rows may skip the keys none of its rows sees (a causal
-  // diagonal); V must then be finite there, as 0 * NaN would not be 0.
+  // as qk_f32's, for rows m < rows, whose weights are 0 outside their
+  // ranges; a block of rows may skip the keys none of its rows sees, so V
+  // must be finite there (0 * NaN would not be 0).
   void (*pv_f32)(const float* s, int64_t nk, int64_t s_stride, int64_t rows, const float* v,
                  int64_t v_row_stride, int64_t head_dim_v, float* o, int64_t dv_pad,
                  const float* alpha, int64_t prefetch, const int64_t* seen);

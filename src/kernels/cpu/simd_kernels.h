@@ -28,6 +28,28 @@
 
 namespace attnkit::kernels::cpu::simd {
 
+// ---- the keys a block of rows sees -------------------------------------
+
+// The keys [first, end) that packed rows [m, m + count) see, from `seen`
+// (KernelTable::qk_f32): the union of the rows' ranges, rows with an empty
+// range adding nothing; all nk without `seen`, and an empty range if no row
+// sees a key (P V then still scales o by alpha).
+template <class V>
+struct KeyRange {
+  int64_t first, end;
+};
+template <class V>
+inline KeyRange<V> keys_seen(const int64_t* seen, int64_t m, int64_t count, int64_t nk) {
+  if (seen == nullptr) return {0, nk};
+  int64_t first = nk, end = 0;
+  for (int64_t r = m; r < m + count; ++r) {
+    if (seen[2 * r] >= seen[2 * r + 1]) continue;
+    first = seen[2 * r] < first ? seen[2 * r] : first;
+    end = seen[2 * r + 1] > end ? seen[2 * r + 1] : end;
+  }
+  return {first, end > first ? end : first};
+}
+
 // ---- S = K Q^T: scores for one tile, key-major ------------------------
 
 // One register block: KB keys by MV vectors of packed query rows, reduced
@@ -103,18 +125,25 @@ inline void qk_columns_tail(int64_t vecs, const float* k, int64_t ks, int64_t nk
 // qt holds column blocks of kQkBlockCols = kQkVecs * kLanes columns, each
 // [head_dim][kQkBlockCols] (see KernelTable::qk_block_cols).
 // `pf` != 0: while reading a key row, prefetch the row pf elements further
-// on (the next head's or the next tile's), once, from the first column block.
+// on (the next head's or the next tile's), once, from one column block: the
+// first, or with `seen` the last, whose rows see the most keys of a causal
+// diagonal. With `seen` each column block runs over the keys its rows see:
+// a causal diagonal tile of 64 keys is a triangle, and computing all of it
+// cost 6 % of a causal s1024 prefill's work in each product
+// (docs/PERFORMANCE.md, tenth session).
 template <class V>
 void qk_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt, int64_t m_pad,
-            float* s, int64_t ss, int64_t pf) {
+            float* s, int64_t ss, int64_t pf, const int64_t* seen) {
   constexpr int64_t w = V::kQkVecs * V::kLanes;
   const int64_t vecs = m_pad / V::kLanes;
-  int64_t v = 0;
-  for (; v + V::kQkVecs <= vecs; v += V::kQkVecs)
-    qk_columns<V, V::kQkVecs>(k, ks, nk, d, qt + v / V::kQkVecs * d * w, w, ss, s + v * V::kLanes,
-                              v == 0 ? pf : 0);
-  qk_columns_tail<V, V::kQkVecs - 1>(vecs - v, k, ks, nk, d, qt + v / V::kQkVecs * d * w, w, ss,
-                                     s + v * V::kLanes, v == 0 ? pf : 0);
+  const int64_t hinted = seen == nullptr ? 0 : (vecs - 1) / V::kQkVecs * V::kQkVecs;
+  for (int64_t v = 0; v < vecs; v += V::kQkVecs) {
+    const int64_t cvecs = vecs - v < V::kQkVecs ? vecs - v : V::kQkVecs;
+    const KeyRange<V> keys = keys_seen<V>(seen, v * V::kLanes, cvecs * V::kLanes, nk);
+    qk_columns_tail<V, V::kQkVecs>(cvecs, k + keys.first * ks, ks, keys.end - keys.first, d,
+                                   qt + v / V::kQkVecs * d * w, w, ss,
+                                   s + keys.first * ss + v * V::kLanes, v == hinted ? pf : 0);
+  }
 }
 
 // ---- soft-capping and the online-softmax step --------------------------
@@ -278,23 +307,6 @@ inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const 
       return pv_block<V, MR, CV>(s, nk, ss, v, vs, o, dv_pad, alpha, last, pf, pf_lo, pf_hi);
     pv_rows<V, MR - 1, CV>(rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf, pf_lo, pf_hi);
   }
-}
-
-// The keys [first, end) that rows [m, m + count) see (see KernelTable::
-// pv_f32): all nk without `seen`; empty, and o still scaled, if none.
-template <class V>
-struct KeyRange {
-  int64_t first, end;
-};
-template <class V>
-inline KeyRange<V> keys_seen(const int64_t* seen, int64_t m, int64_t count, int64_t nk) {
-  if (seen == nullptr) return {0, nk};
-  int64_t first = nk, end = 0;
-  for (int64_t r = m; r < m + count; ++r) {
-    first = seen[2 * r] < first ? seen[2 * r] : first;
-    end = seen[2 * r + 1] > end ? seen[2 * r + 1] : end;
-  }
-  return {first, end > first ? end : first};
 }
 
 // Each row block reads the whole V tile, so the prefetch of the rows pf
