@@ -56,9 +56,11 @@ struct Geometry {
   // Offsets in floats inside one worker's region: per kv head of a task
   // (head h at offset + h * head_floats) ...
   int64_t qt = 0, o = 0, row_max = 0, row_sum = 0, head_floats = 0;
-  // ... and shared by the heads.
-  int64_t qrows = 0, s = 0, alpha = 0, ones = 0, kw = 0, vw = 0, seen = 0, pack = 0, bitmap = 0,
-          row_lo = 0, row_hi = 0, worker_floats = 0;
+  // ... and shared by the heads (but for s, which holds each head's scores
+  // of a tile, s_head floats apart, as tasks of several heads run all QK
+  // first).
+  int64_t qrows = 0, s = 0, s_head = 0, alpha = 0, ones = 0, kw = 0, vw = 0, seen = 0, pack = 0,
+          bitmap = 0, row_lo = 0, row_hi = 0, worker_floats = 0;
   // Byte offsets of the shared regions.
   size_t tasks_at = 0, bases_at = 0, parts_at = 0, workers_at = 0, total = 0;
   int workers = 1;
@@ -115,7 +117,8 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.head_floats = at;
   at = g.heads * g.head_floats;
   g.qrows = take(2 * g.m_max);  // const float* per packed row
-  g.s = take(g.bk * g.s_stride);
+  g.s_head = round_up(g.bk * g.s_stride, 16);
+  g.s = take(g.heads * g.s_head);
   g.alpha = take(g.m_pad);
   g.ones = take(g.m_pad);
   g.kw = take(g.k_copies ? g.bk * g.d_pad : 0);
@@ -204,7 +207,7 @@ class TaskRunner {
       key_range(p_, b_, i0_ + il + offset_, &row_lo[il], &row_hi[il]);
     std::fill_n(ws_ + g_.ones, g_.m_pad, 1.0f);
     // softcap reads a packed tile in whole vectors, past the last key.
-    if (g_.rows_qk) std::fill_n(ws_ + g_.s, round_up(g_.bk * 4, 16), 0.0f);
+    if (g_.rows_qk) std::fill_n(ws_ + g_.s, g_.heads * g_.s_head, 0.0f);
     for (int64_t h = 0; h < heads_; ++h) {
       select_head(h);
       pack_q();
@@ -364,56 +367,91 @@ class TaskRunner {
         range[1] = std::clamp(row_hi[m / g_.group] - j0, range[0], nk);
       }
     }
-    for (int64_t h = 0; h < heads_; ++h) {
-      select_head(h);
-      // Prefetch one phase ahead (elements from the rows being read): QK
-      // fetches this head's V rows, PV the K rows read next, the next head's
-      // in this tile, else the first head's in the next tile (unless a ring
-      // wraps in between, where the hint is merely wasted). Fetching K and V
-      // a whole head step ahead, each during its own phase, left more of the
-      // lines to be evicted before use and ran slower: 1-token decode 3-15 %,
-      // 4-token 5-17 % (docs/PERFORMANCE.md, sixth session). Where V lies in
-      // K's rows (absorbed MLA), the strides differ, or PV reads a copy
-      // (made before the product, so a fetch from PV would come late), each
-      // phase fetches its own rows of the next step instead; a bf16 copy's
-      // widening issues them, an fp32 copy issues none.
-      int64_t k_next = 0, v_next = 0;
-      if (h + 1 < heads_) {
-        k_next = p_.k_stride.head;
-        v_next = p_.v_stride.head;
-      } else if (more_tiles) {
-        k_next = nk * p_.k_stride.row - (heads_ - 1) * p_.k_stride.head;
-        v_next = nk * p_.v_stride.row - (heads_ - 1) * p_.v_stride.head;
-      }
+    // Columns [m_lo_, m_pad) of the scores, alpha and the row state are
+    // live. Prefetches run one phase ahead (offsets in elements from the
+    // rows being read). Fetching K and V a whole head step ahead, each
+    // during its own phase, left more of the lines to be evicted before use
+    // and ran slower: 1-token decode 3-15 %, 4-token 5-17 %
+    // (docs/PERFORMANCE.md, sixth session).
+    if (heads_ == 1) {
+      select_head(0);
+      // QK fetches this tile's V rows, P V the next tile's K rows (unless a
+      // ring wraps in between, where the hint is merely wasted). Where V
+      // lies in K's rows (absorbed MLA), the strides differ, or P V reads a
+      // copy (made before the product, so a fetch from P V would come late),
+      // each phase fetches its own rows of the next tile instead; a bf16
+      // copy's widening issues them, an fp32 copy issues none.
+      const int64_t k_next = more_tiles ? nk * p_.k_stride.row : 0;
+      const int64_t v_next = more_tiles ? nk * p_.v_stride.row : 0;
       const int64_t k_to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
                              static_cast<int64_t>(elem_size());
       const bool one_phase = !g_.pv_copies && p_.k_stride.row == p_.v_stride.row && k_to_v != 0;
-      const int64_t qk_prefetch = one_phase ? k_to_v : k_next;
-      const int64_t pv_prefetch = one_phase ? (k_next != 0 ? k_next - k_to_v : 0) : v_next;
-      // Columns [m_lo_, m_pad) of s, alpha and the row state are live.
       float* s = ws_ + g_.s;
-      scores(j0, nk, s, qk_prefetch, seen);
-      const int64_t cols = g_.m_pad - m_lo_;
-      if (p_.softcap > 0.0f) {
-        if (g_.rows_qk)  // elementwise: the packed tile as rows of 16 (whole vectors)
-          g_.kt->softcap(s, ceil_div(nk * 4, 16), 16, 16, p_.softcap);
-        else
-          g_.kt->softcap(s + m_lo_, nk, cols, g_.s_stride, p_.softcap);
-      }
-      if (masked) apply_masks(j0, nk, s, row_lo, row_hi, sparse_partial);
-      float* alpha = ws_ + g_.alpha;
-      if (g_.rows_qk)
-        g_.kt->softmax_rows4(s, nk, row_max_, row_sum_, alpha);
-      else
-        g_.kt->softmax(s + m_lo_, nk, cols, g_.s_stride, row_max_ + m_lo_, row_sum_ + m_lo_,
-                       alpha + m_lo_);
-      // A weight of 0 times a NaN or Inf value is NaN: where masked keys
-      // hold non-finite values, add only the nonzero weights (rare, slow).
-      if (masked && !values_finite(j0, nk))
-        accumulate_skipping_zeros(j0, nk, s, alpha);
-      else
-        accumulate(j0, nk, s, alpha, pv_prefetch, seen);
+      scores(j0, nk, s, one_phase ? k_to_v : k_next, seen);
+      finish_head(j0, nk, s, one_phase ? (k_next != 0 ? k_next - k_to_v : 0) : v_next, seen,
+                  masked, sparse_partial, row_lo, row_hi);
+      return;
     }
+    // Several kv heads (decode, kInterleaveHeadsMaxRows): every head's QK
+    // first, then each head's softmax and P V, so the tile's K rows are read
+    // in one sweep over their token rows and its V rows in another. Head by
+    // head (QK then P V for each) the reads went back and forth between the
+    // tile's K and V token rows at every head: read without arithmetic
+    // (decode_read_bench), at 0.81-0.88 of a sequential read against
+    // 0.85-0.96 in this order, and decode calls (GQA 32/8, 16K keys, the two
+    // orders alternated call by call) take 0.94-0.96 of the time for 1-token
+    // fp32, 0.87-0.96 for bf16, 0.95-0.99 for 4 tokens (docs/PERFORMANCE.md,
+    // eleventh session). QK prefetches the next head's K rows, the last head
+    // the first head's V rows; P V the next head's V rows, the last head the
+    // next tile's first K rows. Those two cross from K to V and need K and V
+    // rows equally strided; where not, they are not issued.
+    select_head(0);
+    const int64_t k_to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
+                           static_cast<int64_t>(elem_size());
+    const bool cross = p_.k_stride.row == p_.v_stride.row;
+    const int64_t last = heads_ - 1;
+    for (int64_t h = 0; h < heads_; ++h) {
+      select_head(h);
+      const int64_t prefetch =
+          h < last ? p_.k_stride.head : (cross ? k_to_v - last * p_.k_stride.head : 0);
+      scores(j0, nk, ws_ + g_.s + h * g_.s_head, prefetch, seen);
+    }
+    for (int64_t h = 0; h < heads_; ++h) {
+      select_head(h);
+      const int64_t prefetch =
+          h < last ? p_.v_stride.head
+                   : (cross && more_tiles ? nk * p_.k_stride.row - last * p_.v_stride.head - k_to_v
+                                          : 0);
+      finish_head(j0, nk, ws_ + g_.s + h * g_.s_head, prefetch, seen, masked, sparse_partial,
+                  row_lo, row_hi);
+    }
+  }
+
+  // The selected head's tile after its scores s: softcap, masks, the online
+  // softmax step and O = alpha O + P V (prefetch: as accumulate()).
+  void finish_head(int64_t j0, int64_t nk, float* s, int64_t prefetch, const int64_t* seen,
+                   bool masked, bool sparse_partial, const int64_t* row_lo,
+                   const int64_t* row_hi) {
+    const int64_t cols = g_.m_pad - m_lo_;
+    if (p_.softcap > 0.0f) {
+      if (g_.rows_qk)  // elementwise: the packed tile as rows of 16 (whole vectors)
+        g_.kt->softcap(s, ceil_div(nk * 4, 16), 16, 16, p_.softcap);
+      else
+        g_.kt->softcap(s + m_lo_, nk, cols, g_.s_stride, p_.softcap);
+    }
+    if (masked) apply_masks(j0, nk, s, row_lo, row_hi, sparse_partial);
+    float* alpha = ws_ + g_.alpha;
+    if (g_.rows_qk)
+      g_.kt->softmax_rows4(s, nk, row_max_, row_sum_, alpha);
+    else
+      g_.kt->softmax(s + m_lo_, nk, cols, g_.s_stride, row_max_ + m_lo_, row_sum_ + m_lo_,
+                     alpha + m_lo_);
+    // A weight of 0 times a NaN or Inf value is NaN: where masked keys
+    // hold non-finite values, add only the nonzero weights (rare, slow).
+    if (masked && !values_finite(j0, nk))
+      accumulate_skipping_zeros(j0, nk, s, alpha);
+    else
+      accumulate(j0, nk, s, alpha, prefetch, seen);
   }
 
   // `seen`: see tile(); the kernels take it for a whole tile, not for a
