@@ -1,20 +1,26 @@
-// The reads of a 1-token decode without its arithmetic: whether the order
-// in which the fast kernel walks a KV cache, not the multiply-adds between
-// the reads, is what holds decode below a sequential read of the same
-// bytes (docs/PERFORMANCE.md, "What limits decode").
+// The reads of a 1-token decode without its arithmetic: how much of the gap
+// between decode and a sequential read of the same bytes the order of the
+// fast kernel's reads accounts for (docs/PERFORMANCE.md, "What limits
+// decode").
 //
 // The cache is attnkit's own KVCache layout for GQA 32/8, head_dim 128,
 // fp32: K and V apart, one token's row holding all 8 kv heads plus one
 // 64-byte line of padding (tile_policy.h, kPadTokenRowMultipleBytes). As
 // the kernel's plan does (tile_policy.h), the keys are split into 512-token
 // tasks shared by the threads, and each task walks its keys in tiles of 12
-// tokens (or as many as asked), head by head: a head's 12 K rows (512 B each, one token row
-// apart), then its 12 V rows. With prefetch, each 64-byte line read from K
-// prefetches the same line of V, and each V line the line of the next
-// head's K (or the next tile's first head): the kernel's one phase ahead.
-// Every call is timed against a sequential read of the same bytes (each
-// task's K rows, then its V rows, in address order), the two alternated
-// call by call; the report gives each walk's median time over the read's.
+// tokens (or as many as asked). Two orders within a tile:
+//   K, then V   the kernel's (attention_cpu.cc, tile()): every head's 12 K
+//               rows (512 B each, a token row apart), then every head's V
+//               rows; each 64-byte line read prefetches the line of the next
+//               head's rows, the last head's K the first head's V, the last
+//               head's V the next tile's first K;
+//   by head     the order before it: a head's K rows then its V rows, head
+//               after head; each K line prefetches the same line of V, each
+//               V line the next head's K (or the next tile's first head).
+// Each walk is also run without prefetches. Every call is timed against a
+// sequential read of the same bytes (each task's K rows, then its V rows,
+// in address order), the two alternated call by call; the report gives
+// each walk's median time over the read's.
 //
 //   build/bench/decode_read_bench [threads, default 2] [pairs, default 30]
 //       [keys per tile, default the kernel's 12]
@@ -36,8 +42,10 @@ constexpr int64_t kTaskTokens = 512;
 constexpr int64_t kKernelTile = 12;
 constexpr int64_t kLineFloats = 64 / sizeof(float);
 
-enum class Walk { kSequential, kTilesPrefetch, kTilesPlain };
-constexpr const char* kWalkNames[] = {"sequential", "tiles, prefetch", "tiles, no prefetch"};
+enum class Walk { kSequential, kPhases, kPhasesPlain, kByHead, kByHeadPlain };
+constexpr int kWalks = 5;
+constexpr const char* kWalkNames[kWalks] = {"sequential", "K, then V", "K, then V, no prefetch",
+                                            "by head", "by head, no prefetch"};
 
 // XOR of the words of n floats from p, 64 bytes at a time, optionally
 // prefetching the line `pf` floats on from each line read. Integer XOR,
@@ -57,14 +65,36 @@ inline uint64_t read_row(const float* p, int64_t n, int64_t pf) {
 }
 
 template <bool kPrefetch>
-uint64_t walk_task(const float* k, const float* v, int64_t t0, int64_t t1, int64_t tile) {
+uint64_t phases_task(const float* k, const float* v, int64_t t0, int64_t t1, int64_t tile) {
   const int64_t k_to_v = v - k;
   uint64_t x = 0;
   for (int64_t j0 = t0; j0 < t1; j0 += tile) {
     const int64_t nk = std::min(tile, t1 - j0);
     for (int64_t h = 0; h < kHeads; ++h) {
-      // The rows PV prefetches from: the next head's K, else the next tile's
-      // first head (nothing after the task's last tile).
+      const int64_t pf = h + 1 < kHeads ? kDim : k_to_v - (kHeads - 1) * kDim;
+      const float* kh = k + j0 * kRow + h * kDim;
+      for (int64_t r = 0; r < nk; ++r) x ^= read_row<kPrefetch>(kh + r * kRow, kDim, pf);
+    }
+    for (int64_t h = 0; h < kHeads; ++h) {
+      int64_t pf = 0;  // nothing after the task's last tile
+      if (h + 1 < kHeads)
+        pf = kDim;
+      else if (j0 + nk < t1)
+        pf = nk * kRow - (kHeads - 1) * kDim - k_to_v;
+      const float* vh = v + j0 * kRow + h * kDim;
+      for (int64_t r = 0; r < nk; ++r) x ^= read_row<kPrefetch>(vh + r * kRow, kDim, pf);
+    }
+  }
+  return x;
+}
+
+template <bool kPrefetch>
+uint64_t by_head_task(const float* k, const float* v, int64_t t0, int64_t t1, int64_t tile) {
+  const int64_t k_to_v = v - k;
+  uint64_t x = 0;
+  for (int64_t j0 = t0; j0 < t1; j0 += tile) {
+    const int64_t nk = std::min(tile, t1 - j0);
+    for (int64_t h = 0; h < kHeads; ++h) {
       int64_t v_to_next_k = 0;
       if (h + 1 < kHeads)
         v_to_next_k = kDim - k_to_v;
@@ -96,9 +126,13 @@ double call(Walk walk, const float* k, const float* v, int64_t tile, int threads
     uint64_t x = 0;
     for (int64_t task; (task = next.fetch_add(1)) * kTaskTokens < kTokens;) {
       const int64_t t0 = task * kTaskTokens, t1 = std::min(t0 + kTaskTokens, kTokens);
-      x ^= walk == Walk::kSequential      ? sequential_task(k, v, t0, t1)
-           : walk == Walk::kTilesPrefetch ? walk_task<true>(k, v, t0, t1, tile)
-                                          : walk_task<false>(k, v, t0, t1, tile);
+      switch (walk) {
+        case Walk::kSequential: x ^= sequential_task(k, v, t0, t1); break;
+        case Walk::kPhases: x ^= phases_task<true>(k, v, t0, t1, tile); break;
+        case Walk::kPhasesPlain: x ^= phases_task<false>(k, v, t0, t1, tile); break;
+        case Walk::kByHead: x ^= by_head_task<true>(k, v, t0, t1, tile); break;
+        case Walk::kByHeadPlain: x ^= by_head_task<false>(k, v, t0, t1, tile); break;
+      }
     }
     sums[static_cast<size_t>(t)] = x;
   };
@@ -145,10 +179,10 @@ int main(int argc, char** argv) {
               bytes / (1 << 20), static_cast<long long>(tile), threads, pairs);
 
   uint64_t sink = 0;
-  for (int w = 0; w < 3; ++w) call(static_cast<Walk>(w), k, v, tile, threads, &sink);
-  std::vector<double> secs[3], ratio[3];
+  for (int w = 0; w < kWalks; ++w) call(static_cast<Walk>(w), k, v, tile, threads, &sink);
+  std::vector<double> secs[kWalks], ratio[kWalks];
   for (int i = 0; i < pairs; ++i)
-    for (int w = 1; w < 3; ++w) {
+    for (int w = 1; w < kWalks; ++w) {
       // Alternate which of the pair runs first.
       const bool walk_first = (i + w) % 2 == 0;
       const Walk walk = static_cast<Walk>(w);
@@ -160,9 +194,9 @@ int main(int argc, char** argv) {
       secs[w].push_back(a);
       ratio[w].push_back(s / a);
     }
-  for (int w = 0; w < 3; ++w) {
+  for (int w = 0; w < kWalks; ++w) {
     const double m = median(secs[w]);
-    std::printf("%-20s median %6.2f ms, %5.1f GB/s (%5.1f per thread)", kWalkNames[w], m * 1e3,
+    std::printf("%-24s median %6.2f ms, %5.1f GB/s (%5.1f per thread)", kWalkNames[w], m * 1e3,
                 bytes / m / 1e9, bytes / m / 1e9 / threads);
     if (w > 0) std::printf(", %.2f of the sequential read (median of pairs)", median(ratio[w]));
     std::printf("\n");
