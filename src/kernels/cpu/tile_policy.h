@@ -67,8 +67,9 @@ inline constexpr int64_t kSplitKeys = 512;
 
 // Calls whose tasks have at most this many packed rows per kv head
 // (decode: 1-16 tokens times the group) walk up to kInterleaveMaxHeads kv
-// heads of a batch item together, tile by tile, whether or not their keys
-// are split. A cache is laid out [token, kv head, dim], so one kv head's
+// heads of a batch item together, tile by tile (each tile: every head's QK,
+// then every head's P V; attention_cpu.cc), whether or not their keys are
+// split. A cache is laid out [token, kv head, dim], so one kv head's
 // rows are 512 B pieces 4 KiB apart, one page each: walked alone they cost
 // a TLB miss per row and defeat the hardware prefetchers (a single-threaded
 // read of such rows ran at 7-16 GB/s where a sequential read ran at 35);
