@@ -1,7 +1,8 @@
-// How many cache-line misses one core keeps in flight: the limit that
-// docs/PERFORMANCE.md ("What limits decode") puts on 1-token decode, which
-// streams its K/V rows through software prefetches into L1 rather than
-// through the L2 streamer that a plain sequential read rides.
+// How many cache-line misses one core keeps in flight: the bound on any
+// read that the hardware prefetchers do not run ahead of. On the Zen 3 it
+// is below what 1-token decode reads per thread, so the decode is carried
+// by the L2 streamer as a sequential read is, not by its own prefetches
+// alone (docs/PERFORMANCE.md, eleventh session).
 //
 // Each thread follows k independent chains of dependent loads through a
 // random cyclic order of the 64-byte lines of its own buffer (>> LLC), so
