@@ -64,46 +64,42 @@ inline uint64_t read_row(const float* p, int64_t n, int64_t pf) {
   return a ^ b ^ c ^ d;
 }
 
+// nk rows of kv head h from token j0 on, in K or V, each line read
+// prefetching the line pf floats on.
 template <bool kPrefetch>
-uint64_t phases_task(const float* k, const float* v, int64_t t0, int64_t t1, int64_t tile) {
-  const int64_t k_to_v = v - k;
+uint64_t read_head(const float* kv, int64_t j0, int64_t nk, int64_t h, int64_t pf) {
   uint64_t x = 0;
-  for (int64_t j0 = t0; j0 < t1; j0 += tile) {
-    const int64_t nk = std::min(tile, t1 - j0);
-    for (int64_t h = 0; h < kHeads; ++h) {
-      const int64_t pf = h + 1 < kHeads ? kDim : k_to_v - (kHeads - 1) * kDim;
-      const float* kh = k + j0 * kRow + h * kDim;
-      for (int64_t r = 0; r < nk; ++r) x ^= read_row<kPrefetch>(kh + r * kRow, kDim, pf);
-    }
-    for (int64_t h = 0; h < kHeads; ++h) {
-      int64_t pf = 0;  // nothing after the task's last tile
-      if (h + 1 < kHeads)
-        pf = kDim;
-      else if (j0 + nk < t1)
-        pf = nk * kRow - (kHeads - 1) * kDim - k_to_v;
-      const float* vh = v + j0 * kRow + h * kDim;
-      for (int64_t r = 0; r < nk; ++r) x ^= read_row<kPrefetch>(vh + r * kRow, kDim, pf);
-    }
-  }
+  for (int64_t r = 0; r < nk; ++r)
+    x ^= read_row<kPrefetch>(kv + (j0 + r) * kRow + h * kDim, kDim, pf);
   return x;
 }
 
-template <bool kPrefetch>
-uint64_t by_head_task(const float* k, const float* v, int64_t t0, int64_t t1, int64_t tile) {
+// From the last head's V rows of a tile to the next tile's first K rows;
+// 0 (no prefetch) after the task's last tile.
+int64_t v_to_next_tile(int64_t j0, int64_t nk, int64_t t1, int64_t k_to_v) {
+  return j0 + nk < t1 ? nk * kRow - (kHeads - 1) * kDim - k_to_v : 0;
+}
+
+// One task's keys [t0, t1) in tiles: every head's K rows, then every
+// head's V rows (the kernel's order), or head by head.
+template <bool kPrefetch, bool kByHead>
+uint64_t walk_task(const float* k, const float* v, int64_t t0, int64_t t1, int64_t tile) {
   const int64_t k_to_v = v - k;
   uint64_t x = 0;
   for (int64_t j0 = t0; j0 < t1; j0 += tile) {
     const int64_t nk = std::min(tile, t1 - j0);
-    for (int64_t h = 0; h < kHeads; ++h) {
-      int64_t v_to_next_k = 0;
-      if (h + 1 < kHeads)
-        v_to_next_k = kDim - k_to_v;
-      else if (j0 + nk < t1)
-        v_to_next_k = nk * kRow - (kHeads - 1) * kDim - k_to_v;
-      const float* kh = k + j0 * kRow + h * kDim;
-      for (int64_t r = 0; r < nk; ++r) x ^= read_row<kPrefetch>(kh + r * kRow, kDim, k_to_v);
-      const float* vh = v + j0 * kRow + h * kDim;
-      for (int64_t r = 0; r < nk; ++r) x ^= read_row<kPrefetch>(vh + r * kRow, kDim, v_to_next_k);
+    const int64_t v_last = v_to_next_tile(j0, nk, t1, k_to_v);
+    if constexpr (kByHead) {
+      for (int64_t h = 0; h < kHeads; ++h) {
+        x ^= read_head<kPrefetch>(k, j0, nk, h, k_to_v);
+        x ^= read_head<kPrefetch>(v, j0, nk, h, h + 1 < kHeads ? kDim - k_to_v : v_last);
+      }
+    } else {
+      for (int64_t h = 0; h < kHeads; ++h)
+        x ^= read_head<kPrefetch>(k, j0, nk, h,
+                                  h + 1 < kHeads ? kDim : k_to_v - (kHeads - 1) * kDim);
+      for (int64_t h = 0; h < kHeads; ++h)
+        x ^= read_head<kPrefetch>(v, j0, nk, h, h + 1 < kHeads ? kDim : v_last);
     }
   }
   return x;
@@ -128,10 +124,10 @@ double call(Walk walk, const float* k, const float* v, int64_t tile, int threads
       const int64_t t0 = task * kTaskTokens, t1 = std::min(t0 + kTaskTokens, kTokens);
       switch (walk) {
         case Walk::kSequential: x ^= sequential_task(k, v, t0, t1); break;
-        case Walk::kPhases: x ^= phases_task<true>(k, v, t0, t1, tile); break;
-        case Walk::kPhasesPlain: x ^= phases_task<false>(k, v, t0, t1, tile); break;
-        case Walk::kByHead: x ^= by_head_task<true>(k, v, t0, t1, tile); break;
-        case Walk::kByHeadPlain: x ^= by_head_task<false>(k, v, t0, t1, tile); break;
+        case Walk::kPhases: x ^= walk_task<true, false>(k, v, t0, t1, tile); break;
+        case Walk::kPhasesPlain: x ^= walk_task<false, false>(k, v, t0, t1, tile); break;
+        case Walk::kByHead: x ^= walk_task<true, true>(k, v, t0, t1, tile); break;
+        case Walk::kByHeadPlain: x ^= walk_task<false, true>(k, v, t0, t1, tile); break;
       }
     }
     sums[static_cast<size_t>(t)] = x;
