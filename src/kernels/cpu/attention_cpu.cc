@@ -373,8 +373,11 @@ class TaskRunner {
     // during its own phase, left more of the lines to be evicted before use
     // and ran slower: 1-token decode 3-15 %, 4-token 5-17 %
     // (docs/PERFORMANCE.md, sixth session).
+    select_head(0);
+    // Elements from head 0's K rows to its V rows.
+    const int64_t k_to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
+                           static_cast<int64_t>(elem_size());
     if (heads_ == 1) {
-      select_head(0);
       // QK fetches this tile's V rows, P V the next tile's K rows (unless a
       // ring wraps in between, where the hint is merely wasted). Where V
       // lies in K's rows (absorbed MLA), the strides differ, or P V reads a
@@ -383,8 +386,6 @@ class TaskRunner {
       // copy's widening issues them, an fp32 copy issues none.
       const int64_t k_next = more_tiles ? nk * p_.k_stride.row : 0;
       const int64_t v_next = more_tiles ? nk * p_.v_stride.row : 0;
-      const int64_t k_to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
-                             static_cast<int64_t>(elem_size());
       const bool one_phase = !g_.pv_copies && p_.k_stride.row == p_.v_stride.row && k_to_v != 0;
       float* s = ws_ + g_.s;
       scores(j0, nk, s, one_phase ? k_to_v : k_next, seen);
@@ -405,9 +406,6 @@ class TaskRunner {
     // the first head's V rows; P V the next head's V rows, the last head the
     // next tile's first K rows. Those two cross from K to V and need K and V
     // rows equally strided; where not, they are not issued.
-    select_head(0);
-    const int64_t k_to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
-                           static_cast<int64_t>(elem_size());
     const bool cross = p_.k_stride.row == p_.v_stride.row;
     const int64_t last = heads_ - 1;
     for (int64_t h = 0; h < heads_; ++h) {
