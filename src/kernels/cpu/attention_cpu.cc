@@ -71,7 +71,7 @@ size_t align_bytes(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   Geometry g;
-  g.kt = kernel_table(plan.target);
+  g.kt = plan.kernels != nullptr ? plan.kernels : kernel_table(plan.target);
   const int64_t lanes = g.kt->lanes;
   g.bf16 = p.kv_dtype == DType::kBF16;
   g.dot_bf16 = g.bf16 && g.kt->qk_bf16 != nullptr;

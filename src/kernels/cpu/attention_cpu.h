@@ -42,6 +42,9 @@ struct Plan {
   // kv heads one task walks together, tile by tile; 1 = a task per kv head.
   int64_t kv_heads_per_task = 1;
   int num_threads = 1;  // resolved, >= 1
+  // Tests only: kernels to run instead of kernel_table(target), which still
+  // names the target (the emulated AVX-512 tables, tests/CMakeLists.txt).
+  const KernelTable* kernels = nullptr;
 };
 
 // False for the cases the fast kernel leaves to the reference (see

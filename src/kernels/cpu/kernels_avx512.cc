@@ -8,8 +8,12 @@
 
 #include "kernels/cpu/kernel_table.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__FMA__)
+// ATTNKIT_AVX512_EMULATED: the tests' second build of this file, on
+// emulated intrinsics (tests/common/avx512_emulation.h, force-included).
+#if defined(ATTNKIT_AVX512_EMULATED) ||                                      \
+    (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+     defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__FMA__))
+#if !defined(ATTNKIT_AVX512_EMULATED)
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12's own AVX-512 headers trip -W(maybe-)uninitialized (GCC bug
 // 105593: the `__m512 __Y = __Y;` idiom behind _mm512_undefined_ps).
@@ -17,6 +21,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #include <immintrin.h>
+#endif
 
 #include "kernels/cpu/simd_kernels.h"
 
@@ -694,7 +699,7 @@ void softmax_rows4(float* s, int64_t nk, float* row_max, float* row_sum, float* 
     else
       sum0 = _mm512_add_ps(sum0, p);
   }
-  const __m512 sum = across_quarters(_mm512_add_ps(sum0, sum1), _mm512_add_ps);
+  const __m512 sum = across_quarters(V512::add(sum0, sum1), V512::add);
   const __m128 a = _mm512_castps512_ps128(V512::exp(_mm512_sub_ps(old_max, shift)));
   _mm_storeu_ps(row_sum, _mm_fmadd_ps(_mm_loadu_ps(row_sum), a, _mm512_castps512_ps128(sum)));
   _mm_storeu_ps(row_max, _mm512_castps512_ps128(new_max));
@@ -743,8 +748,13 @@ constexpr KernelTable kAvx512Bf16Table = {
 
 }  // namespace
 
+#if defined(ATTNKIT_AVX512_EMULATED)
+const KernelTable* emulated_avx512_kernel_table() { return &kAvx512Table; }
+const KernelTable* emulated_avx512bf16_kernel_table() { return &kAvx512Bf16Table; }
+#else
 const KernelTable* avx512_kernel_table() { return &kAvx512Table; }
 const KernelTable* avx512bf16_kernel_table() { return &kAvx512Bf16Table; }
+#endif
 
 }  // namespace attnkit::kernels::cpu
 
