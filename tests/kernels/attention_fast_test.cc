@@ -26,6 +26,14 @@
 #include "kernels/dispatch.h"
 #include "kernels/ref/attention_ref.h"
 
+#if defined(ATTNKIT_TEST_AVX512_EMULATION)
+namespace attnkit::kernels::cpu {
+// kernels_avx512.cc built on emulated intrinsics (tests/CMakeLists.txt).
+const KernelTable* emulated_avx512_kernel_table();
+const KernelTable* emulated_avx512bf16_kernel_table();
+}  // namespace attnkit::kernels::cpu
+#endif
+
 namespace attnkit::kernels {
 namespace {
 
@@ -363,8 +371,38 @@ std::vector<SimdTarget> available_targets() {
   return out;
 }
 
+// The targets the kernel-level tests run: those this CPU has, plus the
+// AVX-512 ones on emulated intrinsics where it has not (when the build found
+// SIMDe; tests/CMakeLists.txt), so that their kernels are checked on every
+// machine.
+struct TestedTarget {
+  SimdTarget target;
+  const cpu::KernelTable* kernels;  // nullptr: the target's own
+
+  void apply(cpu::Plan& plan) const {
+    plan.target = target;
+    plan.kernels = kernels;
+  }
+};
+
+std::vector<TestedTarget> tested_targets() {
+  std::vector<TestedTarget> out;
+  for (SimdTarget t : available_targets()) out.push_back({t, nullptr});
+#if defined(ATTNKIT_TEST_AVX512_EMULATION)
+  if (!simd_target_available(SimdTarget::kAvx512))
+    out.push_back({SimdTarget::kAvx512, cpu::emulated_avx512_kernel_table()});
+  if (!simd_target_available(SimdTarget::kAvx512Bf16))
+    out.push_back({SimdTarget::kAvx512Bf16, cpu::emulated_avx512bf16_kernel_table()});
+#endif
+  return out;
+}
+
+std::string target_str(const cpu::Plan& plan) {
+  return std::string(simd_target_name(plan.target)) + (plan.kernels ? " (emulated)" : "");
+}
+
 std::string plan_str(const cpu::Plan& plan) {
-  return std::string(simd_target_name(plan.target)) + " block_q=" + std::to_string(plan.block_q) +
+  return target_str(plan) + " block_q=" + std::to_string(plan.block_q) +
          " block_k=" + std::to_string(plan.block_k) + " split_k=" + std::to_string(plan.split_k) +
          " kv_heads_per_task=" + std::to_string(plan.kv_heads_per_task) +
          " threads=" + std::to_string(plan.num_threads);
@@ -443,13 +481,13 @@ template <class PlanFor>
 void check_case(const Case& c, PlanFor plan_for) {
   const Problem pr(c);
   const Outputs ref = run_reference(pr);
-  for (SimdTarget t : available_targets()) {
+  for (const TestedTarget& t : tested_targets()) {
     cpu::Plan plan;
     if constexpr (std::is_invocable_v<PlanFor, const Problem&, SimdTarget>)
-      plan = plan_for(pr, t);
+      plan = plan_for(pr, t.target);
     else
       plan = plan_for(pr);
-    plan.target = t;
+    t.apply(plan);
     expect_close(pr, ref, run_fast(pr, plan), plan);
   }
 }
@@ -623,14 +661,14 @@ TEST(AttentionFast, NonFiniteMaskedKeysDoNotLeak) {
   c.causal = true;
   Problem pr(c);
   pr.poison_row(0, 3, 0);
-  for (SimdTarget t : available_targets()) {
+  for (const TestedTarget& t : tested_targets()) {
     cpu::Plan plan = tiled(4, 4, 0, 1);
-    plan.target = t;
+    t.apply(plan);
     const Outputs f = run_fast(pr, plan);
     for (int64_t i = 0; i < 3; ++i)
       for (int64_t x = 0; x < c.dv; ++x)
-        EXPECT_TRUE(std::isfinite(f.out[pr.out_index(0, i, 0, x)])) << simd_target_name(t) << i;
-    EXPECT_TRUE(std::isnan(f.out[pr.out_index(0, 3, 0, 0)])) << simd_target_name(t);
+        EXPECT_TRUE(std::isfinite(f.out[pr.out_index(0, i, 0, x)])) << target_str(plan) << i;
+    EXPECT_TRUE(std::isnan(f.out[pr.out_index(0, 3, 0, 0)])) << target_str(plan);
   }
 }
 
@@ -646,10 +684,10 @@ TEST(AttentionFast, RowsWithoutVisibleKeysAreZero) {
   c.seed = 7;
   const Problem pr(c);
   const Outputs ref = run_reference(pr);
-  for (SimdTarget t : available_targets())
+  for (const TestedTarget& t : tested_targets())
     for (int64_t split : {0, 2}) {
       cpu::Plan plan = tiled(3, 2, split, 2);
-      plan.target = t;
+      t.apply(plan);
       const Outputs f = run_fast(pr, plan);
       expect_close(pr, ref, f, plan);
       for (int64_t b = 0; b < c.batch; ++b)
@@ -849,8 +887,9 @@ TEST(AttentionFast, DecodeIsBitIdenticalAcrossThreadCounts) {
       c.seed = ++seed;
       const Problem pr(c);
       const Outputs ref = run_reference(pr);
-      for (SimdTarget t : available_targets()) {
-        cpu::Plan plan = default_plan(pr, 1, t);
+      for (const TestedTarget& t : tested_targets()) {
+        cpu::Plan plan = default_plan(pr, 1, t.target);
+        t.apply(plan);
         ASSERT_GT(plan.split_k, 0) << "decode shapes are expected to split";
         const Outputs first = run_fast(pr, plan);
         expect_close(pr, ref, first, plan);
