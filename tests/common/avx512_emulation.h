@@ -34,7 +34,8 @@ inline Vec masked_load(Vec src, uint64_t mask, const void* p) {
   Lane lanes[kLanes];
   std::memcpy(lanes, &src, sizeof lanes);
   for (int i = 0; i < kLanes; ++i)
-    if ((mask >> i) & 1) std::memcpy(&lanes[i], static_cast<const char*>(p) + i * sizeof(Lane), sizeof(Lane));
+    if ((mask >> i) & 1)
+      std::memcpy(&lanes[i], static_cast<const char*>(p) + i * sizeof(Lane), sizeof(Lane));
   Vec out;
   std::memcpy(&out, lanes, sizeof lanes);
   return out;
@@ -57,7 +58,8 @@ inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
   float lanes[16];
   std::memcpy(lanes, &a, sizeof lanes);
   for (int i = 0; i < 16; ++i)
-    if ((k >> i) & 1) std::memcpy(static_cast<char*>(p) + i * sizeof(float), &lanes[i], sizeof(float));
+    if ((k >> i) & 1)
+      std::memcpy(static_cast<char*>(p) + i * sizeof(float), &lanes[i], sizeof(float));
 }
 
 inline simde__m512i cvtepu16_epi32(simde__m256i a) {
