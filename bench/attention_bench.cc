@@ -42,6 +42,7 @@
 #include "attnkit/machine.h"
 #include "core/cpu_features.h"
 #include "core/threads.h"
+#include "bench_stats.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -276,12 +277,7 @@ struct Record {
   bool decode = false;
   int threads = 0;
   std::vector<double> paired;  // decode: read time / call time, alternated pairs
-  double paired_median() const {
-    if (paired.empty()) return 0;
-    std::vector<double> v = paired;
-    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-    return v[v.size() / 2];
-  }
+  double paired_median() const { return bench::median(paired); }
 };
 std::map<std::string, Record>& records() {
   static std::map<std::string, Record> m;
@@ -384,8 +380,7 @@ void run_ratio_benchmark(benchmark::State& state, const std::string& name, const
   }
   std::vector<double>& all = paired_ratios()[name];
   all.insert(all.end(), ratios.begin(), ratios.end());
-  std::sort(ratios.begin(), ratios.end());
-  state.counters["ratio_median"] = ratios[ratios.size() / 2];
+  state.counters["ratio_median"] = bench::median(ratios);
 }
 
 void add_ratio(const std::string& name, const Shape& num, const Shape& den) {

@@ -33,7 +33,11 @@
 #include <thread>
 #include <vector>
 
+#include "bench_stats.h"
+
 namespace {
+
+using attnkit::bench::median;
 
 constexpr int64_t kTokens = 16384, kHeads = 8, kDim = 128;
 constexpr int64_t kRow = kHeads * kDim + 64 / sizeof(float);  // padded token row, floats
@@ -140,11 +144,6 @@ double call(Walk walk, const float* k, const float* v, int64_t tile, int threads
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   for (uint64_t x : sums) *sink ^= x;
   return s;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace

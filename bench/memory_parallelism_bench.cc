@@ -32,7 +32,11 @@
 #include <thread>
 #include <vector>
 
+#include "bench_stats.h"
+
 namespace {
+
+using attnkit::bench::median;
 
 constexpr int64_t kLine = 64;
 constexpr int64_t kHuge = int64_t{2} << 20;
@@ -103,11 +107,6 @@ constexpr Width kWidths[] = {{1, &chase<1>},   {2, &chase<2>},   {4, &chase<4>},
                              {8, &chase<8>},   {12, &chase<12>}, {16, &chase<16>},
                              {20, &chase<20>}, {24, &chase<24>}, {32, &chase<32>},
                              {48, &chase<48>}, {64, &chase<64>}};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Seconds for each of `threads` threads to run `fn` on its own buffer at
 // once; the slowest thread's time.

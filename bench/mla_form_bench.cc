@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "attnkit/latent_attention.h"
+#include "bench_stats.h"
 
 namespace {
 
@@ -32,6 +33,7 @@ using attnkit::DType;
 using attnkit::LatentAttention;
 using attnkit::MlaConfig;
 using attnkit::MlaForm;
+using attnkit::bench::median;
 
 struct Preset {
   const char* name;
@@ -90,11 +92,6 @@ double now_s() {
 // Process CPU time (all threads): far less sensitive than wall time to
 // other jobs on a shared machine.
 double cpu_s() { return static_cast<double>(std::clock()) / CLOCKS_PER_SEC; }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 void die(const attnkit::Status& st) {
   if (st.ok()) return;
