@@ -1,5 +1,6 @@
 #include "kernels/dispatch.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -28,7 +29,16 @@ Status run_reference(const AttentionParams& params) {
   return Status::Ok();
 }
 
+// set_kernels_for_testing(): the table, and the target it stands for.
+std::atomic<const cpu::KernelTable*> g_testing_kernels{nullptr};
+std::atomic<SimdTarget> g_testing_target{SimdTarget::kScalar};
+
 }  // namespace
+
+void set_kernels_for_testing(SimdTarget target, const cpu::KernelTable* kernels) {
+  g_testing_target.store(target);
+  g_testing_kernels.store(kernels);
+}
 
 Backend resolve_backend(Backend requested) {
   static const Backend from_env = [] {
@@ -50,8 +60,10 @@ Backend resolve_backend(Backend requested) {
 Status run_attention(const AttentionParams& params, Backend backend) {
   if (resolve_backend(backend) == Backend::kReference || !cpu::supports(params))
     return run_reference(params);
-  const cpu::Plan plan =
-      cpu::make_plan(params, simd_target(), resolve_num_threads(params.num_threads));
+  const cpu::KernelTable* testing = g_testing_kernels.load();
+  cpu::Plan plan = cpu::make_plan(params, testing ? g_testing_target.load() : simd_target(),
+                                  resolve_num_threads(params.num_threads));
+  plan.kernels = testing;
   // Scratch is kept per calling thread and only grows: a decode step's
   // ~1 MiB would otherwise be mapped and faulted in anew on every call.
   struct Scratch {

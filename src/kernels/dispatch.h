@@ -5,9 +5,14 @@
 
 #include "attnkit/attention.h"
 #include "attnkit/status.h"
+#include "core/cpu_features.h"
 #include "kernels/attention_params.h"
 
 namespace attnkit::kernels {
+
+namespace cpu {
+struct KernelTable;
+}  // namespace cpu
 
 // Resolves kAuto against ATTNKIT_BACKEND (read once per process).
 Backend resolve_backend(Backend requested);
@@ -15,5 +20,13 @@ Backend resolve_backend(Backend requested);
 // Runs attention for validated params. Fails only when scratch memory
 // cannot be allocated (before anything is written).
 Status run_attention(const AttentionParams& params, Backend backend);
+
+// Tests and fuzzers only. While `kernels` is set, fast calls run it under
+// `target`'s name and tiling (cpu::Plan::kernels) instead of the active
+// target's table: this is how a whole-API harness runs the AVX-512 kernels
+// built on emulated intrinsics (cmake/attnkit_avx512_emulation.cmake) on a
+// CPU without AVX-512, which set_simd_target() rightly refuses. nullptr
+// returns to the active target. Set it between calls, not while one runs.
+void set_kernels_for_testing(SimdTarget target, const cpu::KernelTable* kernels);
 
 }  // namespace attnkit::kernels

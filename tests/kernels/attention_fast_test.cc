@@ -20,19 +20,13 @@
 #include <vector>
 
 #include "attnkit/attention.h"
+#include "common/emulated_kernels.h"
 #include "core/cpu_features.h"
 #include "kernels/cpu/attention_cpu.h"
 #include "kernels/cpu/tile_policy.h"
 #include "kernels/dispatch.h"
 #include "kernels/ref/attention_ref.h"
 
-#if defined(ATTNKIT_TEST_AVX512_EMULATION)
-namespace attnkit::kernels::cpu {
-// kernels_avx512.cc built on emulated intrinsics (tests/CMakeLists.txt).
-const KernelTable* emulated_avx512_kernel_table();
-const KernelTable* emulated_avx512bf16_kernel_table();
-}  // namespace attnkit::kernels::cpu
-#endif
 
 namespace attnkit::kernels {
 namespace {
@@ -963,6 +957,73 @@ TEST(AttentionFast, DispatchRoutesBackendsAndFallsBack) {
   float probs;
   p.probs = &probs;
   EXPECT_FALSE(cpu::supports(p));
+}
+
+// set_kernels_for_testing: how the fuzzer runs tables the CPU cannot select.
+int g_softmax_calls = 0;
+
+void counting_softmax(float* s, int64_t nk, int64_t m_pad, int64_t s_stride, float* row_max,
+                      float* row_sum, float* alpha) {
+  ++g_softmax_calls;
+  cpu::scalar_kernel_table()->softmax(s, nk, m_pad, s_stride, row_max, row_sum, alpha);
+}
+
+TEST(AttentionFast, DispatchRunsKernelsSetForTesting) {
+  const int64_t B = 1, S = 40, H = 4, HKV = 2, D = 24;
+  std::mt19937_64 rng(12);
+  std::uniform_real_distribution<float> u(-2, 2);
+  std::vector<float> q(B * S * H * D), k(B * S * HKV * D), v(B * S * HKV * D);
+  for (auto* t : {&q, &k, &v})
+    for (float& x : *t) x = u(rng);
+  auto run = [&](Backend backend) {
+    std::vector<float> out(B * S * H * D);
+    AttentionOptions o;
+    o.causal = true;
+    o.backend = backend;
+    o.num_threads = 2;
+    const Status st = sdpa(view_of(q.data(), DType::kF32, {B, S, H, D}),
+                           view_of(k.data(), DType::kF32, {B, S, HKV, D}),
+                           view_of(v.data(), DType::kF32, {B, S, HKV, D}),
+                           view_of(out.data(), DType::kF32, {B, S, H, D}), o);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    return out;
+  };
+  const SimdTarget before = simd_target();
+  ASSERT_TRUE(set_simd_target(SimdTarget::kScalar));
+  const std::vector<float> scalar = run(Backend::kFast);
+
+  // The scalar table with a counting softmax, set while the active target
+  // is another one where there is one: the call runs it, whatever is active.
+  cpu::KernelTable counting = *cpu::scalar_kernel_table();
+  counting.softmax = counting_softmax;
+  ASSERT_TRUE(set_simd_target(available_targets().back()));
+  set_kernels_for_testing(SimdTarget::kScalar, &counting);
+  g_softmax_calls = 0;
+  EXPECT_EQ(run(Backend::kFast), scalar);  // the scalar plan and kernels: the same bits
+  EXPECT_GT(g_softmax_calls, 0);
+  // The reference backend is not affected.
+  g_softmax_calls = 0;
+  const std::vector<float> ref = run(Backend::kReference);
+  EXPECT_EQ(g_softmax_calls, 0);
+  set_kernels_for_testing(SimdTarget::kScalar, nullptr);
+  run(Backend::kFast);
+  EXPECT_EQ(g_softmax_calls, 0);
+
+#if defined(ATTNKIT_TEST_AVX512_EMULATION)
+  // Through the public API on the emulated AVX-512 tables (against the
+  // reference; fp32 K/V, so vdpbf16ps plays no part).
+  for (const cpu::KernelTable* table :
+       {cpu::emulated_avx512_kernel_table(), cpu::emulated_avx512bf16_kernel_table()}) {
+    set_kernels_for_testing(SimdTarget::kAvx512, table);
+    const std::vector<float> emulated = run(Backend::kFast);
+    set_kernels_for_testing(SimdTarget::kScalar, nullptr);
+    double worst = 0;
+    for (size_t x = 0; x < ref.size(); ++x)
+      worst = std::max(worst, double(std::fabs(ref[x] - emulated[x])));
+    EXPECT_LT(worst, 1e-5);
+  }
+#endif
+  ASSERT_TRUE(set_simd_target(before));
 }
 
 }  // namespace

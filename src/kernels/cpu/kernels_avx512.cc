@@ -8,8 +8,9 @@
 
 #include "kernels/cpu/kernel_table.h"
 
-// ATTNKIT_AVX512_EMULATED: the tests' second build of this file, on
-// emulated intrinsics (tests/common/avx512_emulation.h, force-included).
+// ATTNKIT_AVX512_EMULATED: the second build of this file that tests and the
+// attention fuzzer link, on emulated intrinsics (tests/common/
+// avx512_emulation.h, force-included; cmake/attnkit_avx512_emulation.cmake).
 #if defined(ATTNKIT_AVX512_EMULATED) ||                                      \
     (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
      defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__FMA__))
