@@ -1,7 +1,8 @@
 // libFuzzer target: the attention entry points (sdpa, KVCache::attend,
 // merge_attention_states) on fuzzer-chosen shapes, strides, dtypes, masks,
-// options, thread counts and SIMD targets. The input's first byte picks a
-// mode:
+// options, thread counts and SIMD targets (the AVX-512 ones on emulated
+// intrinsics where the CPU lacks them; fuzz/CMakeLists.txt). The input's
+// first byte picks a mode:
 //
 //   sdpa     a valid call, run with Backend::kFast and Backend::kReference;
 //            every output row that sees no non-finite input must agree
@@ -60,8 +61,10 @@
 #include "attnkit/attention.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/tensor.h"
+#include "common/emulated_kernels.h"
 #include "common/views.h"
 #include "core/cpu_features.h"
+#include "kernels/dispatch.h"
 
 namespace {
 
@@ -197,12 +200,39 @@ Backend pick_backend(FuzzedDataProvider& fdp) {
   return fdp.ConsumeBool() ? Backend::kFast : Backend::kAuto;
 }
 
-void pick_simd_target(FuzzedDataProvider& fdp) {
-  std::vector<attnkit::SimdTarget> targets;
+// The targets the CPU has, and the AVX-512 ones it lacks on emulated
+// intrinsics where this build links them (fuzz/CMakeLists.txt); the fast
+// calls that follow run the pick. nullptr: the target's own kernels.
+struct Target {
+  attnkit::SimdTarget target;
+  const attnkit::kernels::cpu::KernelTable* emulated;
+};
+
+std::vector<Target> fuzzed_targets() {
+  std::vector<Target> out;
   for (attnkit::SimdTarget t : attnkit::kAllSimdTargets)
-    if (attnkit::simd_target_available(t)) targets.push_back(t);
-  if (targets.empty()) return;
-  attnkit::set_simd_target(targets[fdp.ConsumeIntegralInRange<size_t>(0, targets.size() - 1)]);
+    if (attnkit::simd_target_available(t)) out.push_back({t, nullptr});
+#if defined(ATTNKIT_TEST_AVX512_EMULATION)
+  using attnkit::SimdTarget;
+  namespace cpu = attnkit::kernels::cpu;
+  if (!attnkit::simd_target_available(SimdTarget::kAvx512))
+    out.push_back({SimdTarget::kAvx512, cpu::emulated_avx512_kernel_table()});
+  if (!attnkit::simd_target_available(SimdTarget::kAvx512Bf16))
+    out.push_back({SimdTarget::kAvx512Bf16, cpu::emulated_avx512bf16_kernel_table()});
+#endif
+  return out;
+}
+
+// The target the fast calls run now (compare() derives its bound from it).
+Target g_target{attnkit::SimdTarget::kScalar, nullptr};
+
+void pick_simd_target(FuzzedDataProvider& fdp) {
+  static const std::vector<Target> targets = fuzzed_targets();
+  g_target = targets[fdp.ConsumeIntegralInRange<size_t>(0, targets.size() - 1)];
+  if (g_target.emulated == nullptr) attnkit::set_simd_target(g_target.target);
+  attnkit::kernels::set_kernels_for_testing(g_target.target, g_target.emulated);
+  g_case += std::string(" target=") + attnkit::simd_target_name(g_target.target) +
+            (g_target.emulated ? "(emulated)" : "");
 }
 
 // ---- one sdpa problem ----------------------------------------------------
@@ -467,7 +497,7 @@ bool bits_equal(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
 // Checks fast against reference row by row (see the header for the bound).
 void compare(const Problem& p, const Outputs& fast, const Outputs& ref, const char* what) {
-  const attnkit::SimdTarget target = attnkit::simd_target();
+  const attnkit::SimdTarget target = g_target.target;
   const bool dot_bf16 = p.kv == DType::kBF16 && target == attnkit::SimdTarget::kAvx512Bf16;
   const double scale = p.scale();
   const int64_t group = p.heads / p.kv_heads;
@@ -1051,6 +1081,7 @@ void fuzz_merge(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider fdp(data, size);
+  g_case.clear();
   const int mode = fdp.ConsumeIntegralInRange<int>(0, 7);
   std::mt19937_64 rng(fdp.ConsumeIntegral<uint64_t>());
   if (mode <= 3)
