@@ -905,13 +905,23 @@ TensorView view_of(void* data, DType dtype, std::initializer_list<int64_t> shape
   return make_view(data, dtype, shape);
 }
 
+// q, k, v of one call, uniform in [-2, 2).
+struct Qkv {
+  std::vector<float> q, k, v;
+};
+
+Qkv random_qkv(int64_t q_elems, int64_t kv_elems, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-2, 2);
+  Qkv x{std::vector<float>(q_elems), std::vector<float>(kv_elems), std::vector<float>(kv_elems)};
+  for (auto* t : {&x.q, &x.k, &x.v})
+    for (float& e : *t) e = u(rng);
+  return x;
+}
+
 TEST(AttentionFast, DispatchRoutesBackendsAndFallsBack) {
   const int64_t B = 2, S = 20, H = 4, HKV = 2, D = 16;
-  std::mt19937_64 rng(9);
-  std::uniform_real_distribution<float> u(-2, 2);
-  std::vector<float> q(B * S * H * D), k(B * S * HKV * D), v(B * S * HKV * D);
-  for (auto* t : {&q, &k, &v})
-    for (float& x : *t) x = u(rng);
+  Qkv in = random_qkv(B * S * H * D, B * S * HKV * D, 9);
   auto run = [&](Backend backend, bool with_probs) {
     Outputs r{std::vector<float>(B * S * H * D), std::vector<float>(B * H * S)};
     std::vector<float> probs(with_probs ? B * H * S * S : 0);
@@ -920,9 +930,9 @@ TEST(AttentionFast, DispatchRoutesBackendsAndFallsBack) {
     o.backend = backend;
     o.num_threads = 3;
     const Status st =
-        sdpa(view_of(q.data(), DType::kF32, {B, S, H, D}),
-             view_of(k.data(), DType::kF32, {B, S, HKV, D}),
-             view_of(v.data(), DType::kF32, {B, S, HKV, D}),
+        sdpa(view_of(in.q.data(), DType::kF32, {B, S, H, D}),
+             view_of(in.k.data(), DType::kF32, {B, S, HKV, D}),
+             view_of(in.v.data(), DType::kF32, {B, S, HKV, D}),
              view_of(r.out.data(), DType::kF32, {B, S, H, D}), o,
              view_of(r.lse.data(), DType::kF32, {B, H, S}),
              with_probs ? view_of(probs.data(), DType::kF32, {B, H, S, S}) : TensorView{});
@@ -970,20 +980,16 @@ void counting_softmax(float* s, int64_t nk, int64_t m_pad, int64_t s_stride, flo
 
 TEST(AttentionFast, DispatchRunsKernelsSetForTesting) {
   const int64_t B = 1, S = 40, H = 4, HKV = 2, D = 24;
-  std::mt19937_64 rng(12);
-  std::uniform_real_distribution<float> u(-2, 2);
-  std::vector<float> q(B * S * H * D), k(B * S * HKV * D), v(B * S * HKV * D);
-  for (auto* t : {&q, &k, &v})
-    for (float& x : *t) x = u(rng);
+  Qkv in = random_qkv(B * S * H * D, B * S * HKV * D, 12);
   auto run = [&](Backend backend) {
     std::vector<float> out(B * S * H * D);
     AttentionOptions o;
     o.causal = true;
     o.backend = backend;
     o.num_threads = 2;
-    const Status st = sdpa(view_of(q.data(), DType::kF32, {B, S, H, D}),
-                           view_of(k.data(), DType::kF32, {B, S, HKV, D}),
-                           view_of(v.data(), DType::kF32, {B, S, HKV, D}),
+    const Status st = sdpa(view_of(in.q.data(), DType::kF32, {B, S, H, D}),
+                           view_of(in.k.data(), DType::kF32, {B, S, HKV, D}),
+                           view_of(in.v.data(), DType::kF32, {B, S, HKV, D}),
                            view_of(out.data(), DType::kF32, {B, S, H, D}), o);
     EXPECT_TRUE(st.ok()) << st.to_string();
     return out;
