@@ -367,8 +367,8 @@ std::vector<SimdTarget> available_targets() {
 
 // The targets the kernel-level tests run: those this CPU has, plus the
 // AVX-512 ones on emulated intrinsics where it has not (when the build found
-// SIMDe; tests/CMakeLists.txt), so that their kernels are checked on every
-// machine.
+// SIMDe; cmake/attnkit_avx512_emulation.cmake), so that their kernels are
+// checked on every machine.
 struct TestedTarget {
   SimdTarget target;
   const cpu::KernelTable* kernels;  // nullptr: the target's own

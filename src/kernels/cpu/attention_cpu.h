@@ -43,7 +43,8 @@ struct Plan {
   int64_t kv_heads_per_task = 1;
   int num_threads = 1;  // resolved, >= 1
   // Tests only: kernels to run instead of kernel_table(target), which still
-  // names the target (the emulated AVX-512 tables, tests/CMakeLists.txt).
+  // names the target (the emulated AVX-512 tables,
+  // cmake/attnkit_avx512_emulation.cmake).
   const KernelTable* kernels = nullptr;
 };
 
