@@ -200,39 +200,19 @@ Backend pick_backend(FuzzedDataProvider& fdp) {
   return fdp.ConsumeBool() ? Backend::kFast : Backend::kAuto;
 }
 
-// The targets the CPU has, and the AVX-512 ones it lacks on emulated
-// intrinsics where this build links them (fuzz/CMakeLists.txt); the fast
-// calls that follow run the pick. nullptr: the target's own kernels.
-struct Target {
-  attnkit::SimdTarget target;
-  const attnkit::kernels::cpu::KernelTable* emulated;
-};
-
-std::vector<Target> fuzzed_targets() {
-  std::vector<Target> out;
-  for (attnkit::SimdTarget t : attnkit::kAllSimdTargets)
-    if (attnkit::simd_target_available(t)) out.push_back({t, nullptr});
-#if defined(ATTNKIT_TEST_AVX512_EMULATION)
-  using attnkit::SimdTarget;
-  namespace cpu = attnkit::kernels::cpu;
-  if (!attnkit::simd_target_available(SimdTarget::kAvx512))
-    out.push_back({SimdTarget::kAvx512, cpu::emulated_avx512_kernel_table()});
-  if (!attnkit::simd_target_available(SimdTarget::kAvx512Bf16))
-    out.push_back({SimdTarget::kAvx512Bf16, cpu::emulated_avx512bf16_kernel_table()});
-#endif
-  return out;
-}
-
-// The target the fast calls run now (compare() derives its bound from it).
-Target g_target{attnkit::SimdTarget::kScalar, nullptr};
+// The target the fast calls run now (compare() derives its bound from it):
+// one the CPU has, or an AVX-512 one it lacks on emulated intrinsics where
+// this build links them (fuzz/CMakeLists.txt).
+attnkit::kernels::TestedTarget g_target{attnkit::SimdTarget::kScalar, nullptr};
 
 void pick_simd_target(FuzzedDataProvider& fdp) {
-  static const std::vector<Target> targets = fuzzed_targets();
+  static const std::vector<attnkit::kernels::TestedTarget> targets =
+      attnkit::kernels::tested_targets();
   g_target = targets[fdp.ConsumeIntegralInRange<size_t>(0, targets.size() - 1)];
-  if (g_target.emulated == nullptr) attnkit::set_simd_target(g_target.target);
-  attnkit::kernels::set_kernels_for_testing(g_target.target, g_target.emulated);
+  if (g_target.kernels == nullptr) attnkit::set_simd_target(g_target.target);
+  attnkit::kernels::set_kernels_for_testing(g_target.target, g_target.kernels);
   g_case += std::string(" target=") + attnkit::simd_target_name(g_target.target) +
-            (g_target.emulated ? "(emulated)" : "");
+            (g_target.kernels ? "(emulated)" : "");
 }
 
 // ---- one sdpa problem ----------------------------------------------------

@@ -1,10 +1,10 @@
 // Tests and fuzzers only: force-included (-include) into a second
 // compilation of src/kernels/cpu/kernels_avx512.cc, without any AVX-512
 // flag, so that the AVX-512 kernels run, lane by lane in portable code, on
-// a CPU without AVX-512 (cmake/attnkit_avx512_emulation.cmake). Their logic (tails, masks, layouts, the
-// bf16 pair packing, the tile loop's use of them) is then tested on every
-// machine, not only where the CI happens to land on an AVX-512 CPU; their
-// speed is not.
+// a CPU without AVX-512 (cmake/attnkit_avx512_emulation.cmake). Their logic
+// (tails, masks, layouts, the bf16 pair packing, the tile loop's use of
+// them) is then tested on every machine, not only where the CI happens to
+// land on an AVX-512 CPU; their speed is not.
 //
 // The intrinsics come from SIMDe (Debian's libsimde-dev), which implements
 // them from their specifications. The few that SIMDe 0.7.4 lacks are below,

@@ -27,7 +27,6 @@
 #include "kernels/dispatch.h"
 #include "kernels/ref/attention_ref.h"
 
-
 namespace attnkit::kernels {
 namespace {
 
@@ -362,32 +361,6 @@ std::vector<SimdTarget> available_targets() {
   std::vector<SimdTarget> out;
   for (SimdTarget t : kAllSimdTargets)
     if (simd_target_available(t)) out.push_back(t);
-  return out;
-}
-
-// The targets the kernel-level tests run: those this CPU has, plus the
-// AVX-512 ones on emulated intrinsics where it has not (when the build found
-// SIMDe; cmake/attnkit_avx512_emulation.cmake), so that their kernels are
-// checked on every machine.
-struct TestedTarget {
-  SimdTarget target;
-  const cpu::KernelTable* kernels;  // nullptr: the target's own
-
-  void apply(cpu::Plan& plan) const {
-    plan.target = target;
-    plan.kernels = kernels;
-  }
-};
-
-std::vector<TestedTarget> tested_targets() {
-  std::vector<TestedTarget> out;
-  for (SimdTarget t : available_targets()) out.push_back({t, nullptr});
-#if defined(ATTNKIT_TEST_AVX512_EMULATION)
-  if (!simd_target_available(SimdTarget::kAvx512))
-    out.push_back({SimdTarget::kAvx512, cpu::emulated_avx512_kernel_table()});
-  if (!simd_target_available(SimdTarget::kAvx512Bf16))
-    out.push_back({SimdTarget::kAvx512Bf16, cpu::emulated_avx512bf16_kernel_table()});
-#endif
   return out;
 }
 
