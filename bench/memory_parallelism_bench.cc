@@ -2,7 +2,7 @@
 // read that the hardware prefetchers do not run ahead of. On the Zen 3 it
 // is below what 1-token decode reads per thread, so the decode is carried
 // by the L2 streamer as a sequential read is, not by its own prefetches
-// alone (docs/PERFORMANCE.md, eleventh session).
+// alone (docs/PERFORMANCE-LOG.md, eleventh session).
 //
 // Each thread follows k independent chains of dependent loads through a
 // random cyclic order of the 64-byte lines of its own buffer (>> LLC), so

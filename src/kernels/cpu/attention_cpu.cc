@@ -372,7 +372,7 @@ class TaskRunner {
     // rows being read). Fetching K and V a whole head step ahead, each
     // during its own phase, left more of the lines to be evicted before use
     // and ran slower: 1-token decode 3-15 %, 4-token 5-17 %
-    // (docs/PERFORMANCE.md, sixth session).
+    // (docs/PERFORMANCE-LOG.md, sixth session).
     select_head(0);
     // Elements from head 0's K rows to its V rows.
     const int64_t k_to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
@@ -401,7 +401,7 @@ class TaskRunner {
     // (decode_read_bench), at 0.81-0.88 of a sequential read against
     // 0.85-0.96 in this order, and decode calls (GQA 32/8, 16K keys, the two
     // orders alternated call by call) take 0.94-0.96 of the time for 1-token
-    // fp32, 0.87-0.96 for bf16, 0.95-0.99 for 4 tokens (docs/PERFORMANCE.md,
+    // fp32, 0.87-0.96 for bf16, 0.95-0.99 for 4 tokens (docs/PERFORMANCE-LOG.md,
     // eleventh session). QK prefetches the next head's K rows, the last head
     // the first head's V rows; P V the next head's V rows, the last head the
     // next tile's first K rows. Those two cross from K to V and need K and V

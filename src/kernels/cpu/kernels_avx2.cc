@@ -98,7 +98,7 @@ struct V256 {
 // columns (7 loads per 12 FMAs, all 16 registers), then transposing
 // reductions. With 2 keys (8 accumulators, exactly the FMA latency times
 // its throughput, so any late load stalled a chain) the 64-key fp32 tile's
-// QK took 1.07-1.27 us; with 3, 1.01-1.02 (docs/PERFORMANCE.md, seventh
+// QK took 1.07-1.27 us; with 3, 1.01-1.02 (docs/PERFORMANCE-LOG.md, seventh
 // and eighth sessions).
 
 // Lane i of the result = the sum of v[i]'s lanes.

@@ -273,7 +273,7 @@ inline void pv2_columns(int64_t cvecs, int64_t rows, const uint16_t* pp, int64_t
 // Tiles of up to this many rows pair V in registers; bigger ones (prefill)
 // pack V pairs once per tile and reuse them across all their row blocks.
 // At 16 rows (4-token GQA decode) the packing pass cost more than the
-// unpacks it saves: see docs/PERFORMANCE.md.
+// unpacks it saves: see docs/PERFORMANCE-LOG.md, "later" on 2026-11-24.
 constexpr int64_t kPvPairInRegistersMaxRows = 16;
 
 // (x0 = columns 0-15, x1 = 16-31) <-> (lo, hi) as above.
@@ -404,7 +404,7 @@ inline void pv_rows_bf16_any(int64_t rows, const uint32_t* pp, int64_t pp_stride
 // tile, so the prefetch is shared out: block b of B fetches the whole rows
 // of pairs [b pairs / B, (b + 1) pairs / B). Issued by the first block alone,
 // a tile's lines were asked for in a sixth of the product (16 rows), and
-// decode ran 2-8 % slower (docs/PERFORMANCE.md, sixth session).
+// decode ran 2-8 % slower (docs/PERFORMANCE-LOG.md, sixth session).
 void pv_rows_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows,
                   const uint16_t* v, int64_t vs, int64_t dv, float* o, int64_t dv_pad,
                   const float* alpha, uint16_t* pack, int64_t pf) {

@@ -130,7 +130,7 @@ inline void qk_columns_tail(int64_t vecs, const float* k, int64_t ks, int64_t nk
 // diagonal. With `seen` each column block runs over the keys its rows see:
 // a causal diagonal tile of 64 keys is a triangle, and computing all of it
 // cost 6 % of a causal s1024 prefill's work in each product
-// (docs/PERFORMANCE.md, tenth session).
+// (docs/PERFORMANCE-LOG.md, tenth session).
 template <class V>
 void qk_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt, int64_t m_pad,
             float* s, int64_t ss, int64_t pf, const int64_t* seen) {
@@ -313,7 +313,7 @@ inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const 
 // further on is shared out, block b of B taking keys [b nk / B, (b + 1) nk /
 // B): issued by the first block alone, a tile's lines were asked for in a
 // third of the product (16 rows) and 4-token decode ran 5 % slower
-// (docs/PERFORMANCE.md, sixth session). With `seen` a block runs over the
+// (docs/PERFORMANCE-LOG.md, sixth session). With `seen` a block runs over the
 // keys its rows see only, and its share of the hints outside them is lost.
 template <class V, int CV, class Elem>
 inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, int64_t ss,
@@ -362,7 +362,7 @@ void pv(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int
     // Few rows leave most registers of the kPvRows block idle: a wider
     // block widens each loaded bf16 vector once for more multiply-adds and
     // keeps more accumulator chains in flight. (fp32 rows, which need no
-    // widening, ran 5-10 % slower so; docs/PERFORMANCE.md, eighth session.)
+    // widening, ran 5-10 % slower so; docs/PERFORMANCE-LOG.md, eighth session.)
     // The columns are cut so that no block is narrower than it must be (16
     // vectors at 3: 3 3 3 3 2 2, not 3 3 3 3 3 1, whose last block would
     // run one short chain per row).

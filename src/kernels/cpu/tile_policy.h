@@ -38,7 +38,7 @@ inline constexpr int64_t kKeysPerTile = 64;
 // key, a short tile's arithmetic on data in the L1 costs the same
 // (decode_tile_bench). 16 rows (4 tokens) lost 2-10 % with short tiles:
 // their phases are long enough already. Measured on AVX2 only
-// (docs/PERFORMANCE.md, ninth session); the AVX-512 targets keep the tile
+// (docs/PERFORMANCE-LOG.md, ninth session); the AVX-512 targets keep the tile
 // they were tuned with on a Zen 5, whose L1 is 48 KiB.
 inline constexpr int64_t kShortTileKeysF32 = 12;   // four 3-key QK blocks
 inline constexpr int64_t kShortTileKeysBf16 = 24;
@@ -76,7 +76,7 @@ inline constexpr int64_t kSplitKeys = 512;
 // walked with the other heads, every page is used whole. (Walking a tile
 // in address order, a few keys of every head at a time, read 1.5x faster
 // in a read-only sweep but not in the kernel, whose arithmetic per byte
-// hides the difference; measured 2026-11-22, docs/PERFORMANCE.md.)
+// hides the difference; measured 2026-11-22, docs/PERFORMANCE-LOG.md.)
 // Bigger tasks are bound by arithmetic, not by memory, and keep one head
 // each so that their q tiles and accumulators stay in L2.
 inline constexpr int64_t kInterleaveHeadsMaxRows = 16;
