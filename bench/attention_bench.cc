@@ -40,9 +40,9 @@
 #include "attnkit/attention.h"
 #include "attnkit/kv_cache.h"
 #include "attnkit/machine.h"
+#include "bench_stats.h"
 #include "core/cpu_features.h"
 #include "core/threads.h"
-#include "bench_stats.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -160,8 +160,7 @@ class Problem {
     // Decode reads a KV cache, laid out as attnkit's KVCache lays it out
     // (token rows of whole 2 KiB padded by a line, kv_token_stride).
     cache_layout_ = is_decode(s) && !s.mla_view;
-    const int64_t k_row =
-        cache_layout_ ? kv_token_stride(s.kv_heads, s.d, s.kv) : s.kv_heads * s.d;
+    const int64_t k_row = cache_layout_ ? kv_token_stride(s.kv_heads, s.d, s.kv) : s.kv_heads * s.d;
     const int64_t v_row =
         cache_layout_ ? kv_token_stride(s.kv_heads, s.dv, s.kv) : s.kv_heads * s.dv;
     const size_t kn = static_cast<size_t>(s.batch * s.seqlen_k * k_row);
@@ -502,8 +501,9 @@ void summary() {
   std::map<int, std::pair<Limits, Limits>> lim;  // threads -> (before, after)
   for (const auto& [name, r] : records())
     if (!lim.count(r.threads)) lim[r.threads] = {limits(r.threads), measure_limits(r.threads)};
-  std::printf("\nsummary: best time per call; fractions of the higher of the limits measured\n"
-              "before and after the run, on the benchmark's thread count:\n");
+  std::printf(
+      "\nsummary: best time per call; fractions of the higher of the limits measured\n"
+      "before and after the run, on the benchmark's thread count:\n");
   for (const auto& [threads, ba] : lim)
     std::printf("  %d thread(s): before %.1f GFLOP/s, %.1f GB/s; after %.1f GFLOP/s, %.1f GB/s\n",
                 threads, ba.first.fma_gflops, ba.first.dram_gbs, ba.second.fma_gflops,

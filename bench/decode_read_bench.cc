@@ -127,11 +127,21 @@ double call(Walk walk, const float* k, const float* v, int64_t tile, int threads
     for (int64_t task; (task = next.fetch_add(1)) * kTaskTokens < kTokens;) {
       const int64_t t0 = task * kTaskTokens, t1 = std::min(t0 + kTaskTokens, kTokens);
       switch (walk) {
-        case Walk::kSequential: x ^= sequential_task(k, v, t0, t1); break;
-        case Walk::kPhases: x ^= walk_task<true, false>(k, v, t0, t1, tile); break;
-        case Walk::kPhasesPlain: x ^= walk_task<false, false>(k, v, t0, t1, tile); break;
-        case Walk::kByHead: x ^= walk_task<true, true>(k, v, t0, t1, tile); break;
-        case Walk::kByHeadPlain: x ^= walk_task<false, true>(k, v, t0, t1, tile); break;
+        case Walk::kSequential:
+          x ^= sequential_task(k, v, t0, t1);
+          break;
+        case Walk::kPhases:
+          x ^= walk_task<true, false>(k, v, t0, t1, tile);
+          break;
+        case Walk::kPhasesPlain:
+          x ^= walk_task<false, false>(k, v, t0, t1, tile);
+          break;
+        case Walk::kByHead:
+          x ^= walk_task<true, true>(k, v, t0, t1, tile);
+          break;
+        case Walk::kByHeadPlain:
+          x ^= walk_task<false, true>(k, v, t0, t1, tile);
+          break;
       }
     }
     sums[static_cast<size_t>(t)] = x;
@@ -156,8 +166,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "threads must be in [1, 256], pairs >= 1 and tile keys in [1, %lld] "
                  "(got %d, %d, %lld)\n",
-                 static_cast<long long>(kTaskTokens), threads, pairs,
-                 static_cast<long long>(tile));
+                 static_cast<long long>(kTaskTokens), threads, pairs, static_cast<long long>(tile));
     return 2;
   }
   // K then V in one allocation, so that the walk's K-to-V prefetch offset is
@@ -168,10 +177,11 @@ int main(int argc, char** argv) {
   const float* k = cache.data();
   const float* v = k + floats;
   const double bytes = 2.0 * kTokens * kHeads * kDim * sizeof(float);  // K and V read once
-  std::printf("GQA 32/8 fp32 cache, %lld keys, padded %lld-byte token rows, %.0f MiB of K and V "
-              "read per call; tiles of %lld keys; %d thread(s), %d pairs\n",
-              static_cast<long long>(kTokens), static_cast<long long>(kRow * sizeof(float)),
-              bytes / (1 << 20), static_cast<long long>(tile), threads, pairs);
+  std::printf(
+      "GQA 32/8 fp32 cache, %lld keys, padded %lld-byte token rows, %.0f MiB of K and V "
+      "read per call; tiles of %lld keys; %d thread(s), %d pairs\n",
+      static_cast<long long>(kTokens), static_cast<long long>(kRow * sizeof(float)),
+      bytes / (1 << 20), static_cast<long long>(tile), threads, pairs);
 
   uint64_t sink = 0;
   for (int w = 0; w < kWalks; ++w) call(static_cast<Walk>(w), k, v, tile, threads, &sink);

@@ -62,9 +62,12 @@ const char* layout_name(Layout layout) {
 // Elements between a kv head's consecutive rows.
 int64_t row_stride(Layout layout, bool bf16) {
   switch (layout) {
-    case Layout::kCompact: return kHeadDim;
-    case Layout::kCache: return kCacheKvHeads * kHeadDim;
-    case Layout::kPadded: break;
+    case Layout::kCompact:
+      return kHeadDim;
+    case Layout::kCache:
+      return kCacheKvHeads * kHeadDim;
+    case Layout::kPadded:
+      break;
   }
   return kv_token_stride(kCacheKvHeads, kHeadDim, bf16 ? DType::kBF16 : DType::kF32);
 }
@@ -160,12 +163,12 @@ struct Tile {
       kt->pv_bf16(s.data(), keys, m_pad, s_stride, rows, vb.data(), stride, kHeadDim, o.data(),
                   kHeadDim, alpha.data(), pack.data(), 0);
     } else if (bf16 && kt->pv_widen != nullptr) {
-      kt->pv_widen(s.data(), keys, s_stride, rows, vb.data(), stride, kHeadDim, o.data(),
-                   kHeadDim, alpha.data(), 0, nullptr);
+      kt->pv_widen(s.data(), keys, s_stride, rows, vb.data(), stride, kHeadDim, o.data(), kHeadDim,
+                   alpha.data(), 0, nullptr);
     } else if (bf16) {
       kt->widen_bf16(vb.data(), stride, keys, kHeadDim, vw.data(), kHeadDim, 0);
-      kt->pv_f32(s.data(), keys, s_stride, rows, vw.data(), kHeadDim, kHeadDim, o.data(),
-                 kHeadDim, alpha.data(), 0, nullptr);
+      kt->pv_f32(s.data(), keys, s_stride, rows, vw.data(), kHeadDim, kHeadDim, o.data(), kHeadDim,
+                 alpha.data(), 0, nullptr);
     } else {
       kt->pv_f32(s.data(), keys, s_stride, rows, vf.data(), stride, kHeadDim, o.data(), kHeadDim,
                  alpha.data(), 0, nullptr);
@@ -176,10 +179,14 @@ struct Tile {
 enum class Stage { kQk, kSoftmax, kPv, kTile };
 const char* stage_name(Stage s) {
   switch (s) {
-    case Stage::kQk: return "qk";
-    case Stage::kSoftmax: return "softmax";
-    case Stage::kPv: return "pv";
-    case Stage::kTile: return "tile";
+    case Stage::kQk:
+      return "qk";
+    case Stage::kSoftmax:
+      return "softmax";
+    case Stage::kPv:
+      return "pv";
+    case Stage::kTile:
+      return "tile";
   }
   return "";
 }
@@ -211,9 +218,15 @@ void run(benchmark::State& state, const std::string& name, bool bf16, int64_t ke
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
     switch (stage) {
-      case Stage::kQk: t.qk(); break;
-      case Stage::kSoftmax: t.softmax(); break;
-      case Stage::kPv: t.pv(); break;
+      case Stage::kQk:
+        t.qk();
+        break;
+      case Stage::kSoftmax:
+        t.softmax();
+        break;
+      case Stage::kPv:
+        t.pv();
+        break;
       case Stage::kTile:
         t.qk();
         t.softmax();
@@ -255,11 +268,9 @@ void register_all() {
       for (Layout layout : kLayouts)
         for (Stage stage : {Stage::kQk, Stage::kSoftmax, Stage::kPv, Stage::kTile}) {
           const std::string name = bench_name(bf16, keys, rows, layout, stage);
-          benchmark::RegisterBenchmark(name.c_str(),
-                                       [=](benchmark::State& st) {
-                                         run(st, name, bf16, keys, rows, layout, stage);
-                                       })
-              ->Unit(benchmark::kNanosecond);
+          benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& st) {
+            run(st, name, bf16, keys, rows, layout, stage);
+          })->Unit(benchmark::kNanosecond);
         }
 }
 
@@ -267,10 +278,11 @@ void register_all() {
 // the time one thread takes to read the tile's K and V from DRAM.
 void summary() {
   const MachineProfile& m = one_thread();
-  std::printf("\nsummary: ns per tile of one kv head, 1 thread, best repetition;\n"
-              "read = the tile's K and V at the measured 1-thread DRAM read rate (%.1f GB/s);\n"
-              "fp32 FMA peak %.1f GFLOP/s\n",
-              m.dram_read_gbps, m.fp32_peak_gflops);
+  std::printf(
+      "\nsummary: ns per tile of one kv head, 1 thread, best repetition;\n"
+      "read = the tile's K and V at the measured 1-thread DRAM read rate (%.1f GB/s);\n"
+      "fp32 FMA peak %.1f GFLOP/s\n",
+      m.dram_read_gbps, m.fp32_peak_gflops);
   std::printf("  %-28s %8s %8s %8s %8s %8s %8s %13s\n", "tile", "qk", "softmax", "pv", "sum",
               "tile", "read", "of fp32 peak");
   for (bool bf16 : {false, true})

@@ -103,15 +103,13 @@ struct Width {
   int k;
   ChaseFn fn;
 };
-constexpr Width kWidths[] = {{1, &chase<1>},   {2, &chase<2>},   {4, &chase<4>},
-                             {8, &chase<8>},   {12, &chase<12>}, {16, &chase<16>},
-                             {20, &chase<20>}, {24, &chase<24>}, {32, &chase<32>},
-                             {48, &chase<48>}, {64, &chase<64>}};
+constexpr Width kWidths[] = {{1, &chase<1>},   {2, &chase<2>},   {4, &chase<4>},   {8, &chase<8>},
+                             {12, &chase<12>}, {16, &chase<16>}, {20, &chase<20>}, {24, &chase<24>},
+                             {32, &chase<32>}, {48, &chase<48>}, {64, &chase<64>}};
 
 // Seconds for each of `threads` threads to run `fn` on its own buffer at
 // once; the slowest thread's time.
-double run(std::vector<Buffer*>& buffers, ChaseFn fn, int64_t steps, int threads,
-           uint64_t* sink) {
+double run(std::vector<Buffer*>& buffers, ChaseFn fn, int64_t steps, int threads, uint64_t* sink) {
   std::vector<double> secs(static_cast<size_t>(threads));
   std::vector<uint64_t> sums(static_cast<size_t>(threads));
   std::vector<std::thread> pool;

@@ -53,7 +53,8 @@ struct Fill {
     s ^= s >> 12;
     s ^= s << 25;
     s ^= s >> 27;
-    return static_cast<float>(static_cast<double>((s * 2685821657736338717ull) >> 11) * 0x1p-53 * 2.0 - 1.0);
+    return static_cast<float>(
+        static_cast<double>((s * 2685821657736338717ull) >> 11) * 0x1p-53 * 2.0 - 1.0);
   }
   std::vector<float> vec(int64_t n, float scale) {
     std::vector<float> v(static_cast<size_t>(n));
@@ -108,10 +109,14 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const char* v = i + 1 < argc ? argv[i + 1] : nullptr;
-    if (a == "--model" && v) model = v, ++i;
-    else if (a == "--cases" && v) cases = parse_cases(v), ++i;
-    else if (a == "--reps" && v) reps = std::max(1, std::atoi(v)), ++i;
-    else if (a == "--threads" && v) threads = std::atoi(v), ++i;
+    if (a == "--model" && v)
+      model = v, ++i;
+    else if (a == "--cases" && v)
+      cases = parse_cases(v), ++i;
+    else if (a == "--reps" && v)
+      reps = std::max(1, std::atoi(v)), ++i;
+    else if (a == "--threads" && v)
+      threads = std::atoi(v), ++i;
     else {
       std::fprintf(stderr,
                    "usage: mla_form_bench [--model v3|v2|v2-lite|kimi-k2] [--cases T@L,..] "
@@ -171,10 +176,11 @@ int main(int argc, char** argv) {
   run.num_threads = threads;
   Fill fill;
   const int64_t d = c.hidden_size, row = c.cache_values_per_token();
-  std::printf("model %s: hidden %lld, heads %lld, q_lora %lld, kv_lora 512, d_qk 192, d_v 128\n"
-              "median of %d paired runs (forms alternate first); wall and process-CPU seconds\n",
-              p->name, static_cast<long long>(d), static_cast<long long>(c.num_attention_heads),
-              static_cast<long long>(c.q_lora_rank), reps);
+  std::printf(
+      "model %s: hidden %lld, heads %lld, q_lora %lld, kv_lora 512, d_qk 192, d_v 128\n"
+      "median of %d paired runs (forms alternate first); wall and process-CPU seconds\n",
+      p->name, static_cast<long long>(d), static_cast<long long>(c.num_attention_heads),
+      static_cast<long long>(c.q_lora_rank), reps);
   std::printf("\n%6s %6s | %10s %10s %7s | %10s %10s %7s | %8s\n", "T", "L", "naive_wall",
               "abs_wall", "n/a", "naive_cpu", "abs_cpu", "n/a", "auto");
 

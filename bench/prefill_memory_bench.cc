@@ -77,11 +77,12 @@ int main(int argc, char** argv) {
   o.causal = true;
   o.num_threads = threads;
   const auto t0 = std::chrono::steady_clock::now();
-  const Status st = sdpa(make_view(q.data(), DType::kF32, {1, S, H, D}),
-                         make_view(kvp, kv, {1, S, Hkv, D}),
-                         make_view(kvp + kvn * elem, kv, {1, S, Hkv, D}),
-                         make_view(out.data(), DType::kF32, {1, S, H, D}), o);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const Status st =
+      sdpa(make_view(q.data(), DType::kF32, {1, S, H, D}), make_view(kvp, kv, {1, S, Hkv, D}),
+           make_view(kvp + kvn * elem, kv, {1, S, Hkv, D}),
+           make_view(out.data(), DType::kF32, {1, S, H, D}), o);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!st.ok()) {
     std::fprintf(stderr, "%s\n", st.to_string().c_str());
     return 1;
@@ -92,7 +93,7 @@ int main(int argc, char** argv) {
       "prefill GQA 32/8, head_dim 128, causal, %lld tokens, %s K/V, %d threads: %.2f s\n"
       "  resident before inputs %.1f MiB; inputs + output %.1f MiB; peak %.1f MiB\n"
       "  peak - before - inputs - output = %.1f MiB (target <= 64 MiB)\n",
-      static_cast<long long>(S), kv == DType::kBF16 ? "bf16" : "f32", threads, seconds,
-      mib(before), mib(io_bytes), mib(peak), mib(extra));
+      static_cast<long long>(S), kv == DType::kBF16 ? "bf16" : "f32", threads, seconds, mib(before),
+      mib(io_bytes), mib(peak), mib(extra));
   return 0;
 }

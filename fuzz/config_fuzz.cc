@@ -35,7 +35,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     check_error("attention_config_from_json", c);
     if (c.ok()) {
       const attnkit::Status v = attnkit::validate(*c);
-      if (!v.ok()) fail("attention_config_from_json", "accepted a config validate() rejects", v.message());
+      if (!v.ok())
+        fail("attention_config_from_json", "accepted a config validate() rejects", v.message());
     }
   }
 

@@ -22,9 +22,12 @@ attnkit::Status load_as_f32(const attnkit::WeightMap& weights, const std::string
   // expected_shape is an initializer_list, so spell out each rank.
   const auto& s = v.shape;
   switch (v.rank) {
-    case 0: return attnkit::io::copy_weight_f32(weights, "", name, {}, "", "fuzz", out);
-    case 1: return attnkit::io::copy_weight_f32(weights, "", name, {s[0]}, "", "fuzz", out);
-    case 2: return attnkit::io::copy_weight_f32(weights, "", name, {s[0], s[1]}, "", "fuzz", out);
+    case 0:
+      return attnkit::io::copy_weight_f32(weights, "", name, {}, "", "fuzz", out);
+    case 1:
+      return attnkit::io::copy_weight_f32(weights, "", name, {s[0]}, "", "fuzz", out);
+    case 2:
+      return attnkit::io::copy_weight_f32(weights, "", name, {s[0], s[1]}, "", "fuzz", out);
     case 3:
       return attnkit::io::copy_weight_f32(weights, "", name, {s[0], s[1], s[2]}, "", "fuzz", out);
     default:

@@ -83,8 +83,8 @@ double decode_flops_per_layer(const ModelShape& m, int64_t context, int64_t laye
                               bool mla_absorbed = true);
 // Bytes a decode step must read per layer for `batch` sequences: the
 // projection weights once (weight_dtype) plus every sequence's K/V.
-double decode_bytes_per_layer(const ModelShape& m, int64_t context, int64_t batch,
-                              DType kv_dtype, DType weight_dtype, int64_t layer = 0);
+double decode_bytes_per_layer(const ModelShape& m, int64_t context, int64_t batch, DType kv_dtype,
+                              DType weight_dtype, int64_t layer = 0);
 
 // "What if" variants of a model, as in the seeds' sweeps.
 // The same model with n kv heads (n must divide num_heads; not for MLA).

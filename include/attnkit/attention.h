@@ -95,9 +95,9 @@ struct AttentionOptions {
   int num_threads = 0;
 };
 
-Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v,
-            const TensorView& out, const AttentionOptions& options = {},
-            const TensorView& lse = {}, const TensorView& probs = {});
+Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+            const AttentionOptions& options = {}, const TensorView& lse = {},
+            const TensorView& probs = {});
 
 // Merges two partial attentions over disjoint key sets into the attention
 // over their union (FlashInfer's merge_state):

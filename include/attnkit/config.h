@@ -26,7 +26,7 @@ struct AttentionConfig {
   bool qk_norm = false;      // Qwen3: RMSNorm per head on q and k, before RoPE
   double rms_norm_eps = 1e-6;
   bool use_rope = true;
-  RopeConfig rope;           // rope.head_dim == head_dim
+  RopeConfig rope;             // rope.head_dim == head_dim
   int64_t sliding_window = 0;  // 0 = none; W = each token sees itself and W-1 before it
   float softcap = 0.0f;        // attn_logit_softcapping (Gemma-2); 0 = off
   float softmax_scale = 0.0f;  // 0 = 1/sqrt(head_dim)

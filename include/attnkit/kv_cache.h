@@ -32,8 +32,8 @@ struct KVCacheSpec {
   int64_t max_seq_len = 0;
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
-  int64_t head_dim_v = 0;  // 0 = head_dim
-  DType dtype = DType::kF32;  // kF32 or kBF16
+  int64_t head_dim_v = 0;      // 0 = head_dim
+  DType dtype = DType::kF32;   // kF32 or kBF16
   int64_t sliding_window = 0;  // 0 = none, else W >= 1
 };
 
@@ -94,9 +94,9 @@ class KVCache {
   KVCacheSpec spec_;
   int64_t slots_ = 0;
   int64_t length_ = 0;
-  Tensor key_storage_;    // [batch, slots, kv_token_stride]
+  Tensor key_storage_;  // [batch, slots, kv_token_stride]
   Tensor value_storage_;
-  TensorView keys_;       // views into the storage
+  TensorView keys_;  // views into the storage
   TensorView values_;
 };
 

@@ -58,14 +58,14 @@ namespace attnkit {
 
 // One MLA layer, field names as in Hugging Face's DeepseekV2/V3 configs.
 struct MlaConfig {
-  std::string model_type;               // "deepseek_v2", "deepseek_v3", "kimi_k2" (informational)
-  int64_t hidden_size = 0;              // d
-  int64_t num_attention_heads = 0;      // H
-  int64_t q_lora_rank = 0;              // d_q; 0 (JSON null or 0) = direct q_proj
-  int64_t kv_lora_rank = 0;             // d_c, >= 1
-  int64_t qk_nope_head_dim = 0;         // d_n, >= 1
-  int64_t qk_rope_head_dim = 0;         // d_r, even, >= 2
-  int64_t v_head_dim = 0;               // d_v, >= 1
+  std::string model_type;           // "deepseek_v2", "deepseek_v3", "kimi_k2" (informational)
+  int64_t hidden_size = 0;          // d
+  int64_t num_attention_heads = 0;  // H
+  int64_t q_lora_rank = 0;          // d_q; 0 (JSON null or 0) = direct q_proj
+  int64_t kv_lora_rank = 0;         // d_c, >= 1
+  int64_t qk_nope_head_dim = 0;     // d_n, >= 1
+  int64_t qk_rope_head_dim = 0;     // d_r, even, >= 2
+  int64_t v_head_dim = 0;           // d_v, >= 1
   double rope_theta = 10000.0;
   // kNone or kYarn. For kYarn: factor, original_max_position_embeddings,
   // beta_fast, beta_slow, mscale, mscale_all_dim (0 = absent).

@@ -10,13 +10,13 @@
 namespace attnkit {
 
 struct MachineProfile {
-  std::string simd;               // widest SIMD target in use: "avx512", "avx2" or "scalar"
-  bool has_avx512_bf16 = false;   // vdpbf16ps available
-  int threads = 1;                // threads the figures were measured with
-  double fp32_peak_gflops = 0;    // FMA throughput, all threads (1 FMA = 2 FLOPs)
+  std::string simd;                 // widest SIMD target in use: "avx512", "avx2" or "scalar"
+  bool has_avx512_bf16 = false;     // vdpbf16ps available
+  int threads = 1;                  // threads the figures were measured with
+  double fp32_peak_gflops = 0;      // FMA throughput, all threads (1 FMA = 2 FLOPs)
   double bf16_dot_peak_gflops = 0;  // vdpbf16ps throughput, all threads; 0 if absent
-  double dram_read_gbps = 0;      // streaming read bandwidth, all threads, buffer >> LLC
-  double seconds_spent = 0;       // how long the measurement took
+  double dram_read_gbps = 0;        // streaming read bandwidth, all threads, buffer >> LLC
+  double seconds_spent = 0;         // how long the measurement took
 };
 
 // Measures with `threads` threads (0 = all cores). `quick` shortens each

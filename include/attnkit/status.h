@@ -28,8 +28,7 @@ const char* status_code_name(StatusCode code);
 class [[nodiscard]] Status {
  public:
   Status() = default;
-  Status(StatusCode code, std::string message)
-      : code_(code), message_(std::move(message)) {}
+  Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
 
   static Status Ok() { return Status(); }
 
@@ -55,7 +54,7 @@ Status internal_error(std::string message);
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : value_(std::move(value)) {}         // NOLINT: implicit by design
   Result(Status status) : status_(std::move(status)) {  // NOLINT
     if (status_.ok()) status_ = internal_error("Result constructed from OK status without a value");
   }
@@ -79,10 +78,10 @@ class [[nodiscard]] Result {
 
 // Propagate a failed Status from an expression (internal convenience, also
 // usable by callers).
-#define ATTNKIT_RETURN_IF_ERROR(expr)            \
-  do {                                           \
-    ::attnkit::Status _attnkit_st = (expr);      \
-    if (!_attnkit_st.ok()) return _attnkit_st;   \
+#define ATTNKIT_RETURN_IF_ERROR(expr)          \
+  do {                                         \
+    ::attnkit::Status _attnkit_st = (expr);    \
+    if (!_attnkit_st.ok()) return _attnkit_st; \
   } while (0)
 
 #define ATTNKIT_CONCAT_INNER_(a, b) a##b

@@ -72,7 +72,9 @@ struct TensorView {
   std::string describe() const;
 
   template <typename T>
-  T* ptr() const { return static_cast<T*>(data); }
+  T* ptr() const {
+    return static_cast<T*>(data);
+  }
 };
 
 // A row-major contiguous view over `data` with the given shape.
@@ -91,7 +93,9 @@ class Tensor {
   const TensorView& view() const { return view_; }
   void* data() const { return view_.data; }
   template <typename T>
-  T* ptr() const { return static_cast<T*>(view_.data); }
+  T* ptr() const {
+    return static_cast<T*>(view_.data);
+  }
   DType dtype() const { return view_.dtype; }
   int rank() const { return view_.rank; }
   int64_t dim(int i) const { return view_.shape[i]; }

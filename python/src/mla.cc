@@ -82,8 +82,8 @@ void load_py(PyLatentAttention& self, py::handle state_dict, const std::string& 
 }
 
 py::array forward_py(PyLatentAttention& self, py::handle x, py::handle positions,
-                     PyLatentCache* cache, const std::string& form,
-                     int num_threads, const std::string& backend) {
+                     PyLatentCache* cache, const std::string& form, int num_threads,
+                     const std::string& backend) {
   constexpr const char* kFn = "LatentAttention.forward";
   const InputArray xi = f32_input(x, {kFn, "x", 3, 3, "[batch, seq, hidden_size]"});
   const std::vector<int64_t> pos = parse_positions(positions, kFn);
@@ -150,12 +150,14 @@ values), nothing else. Made by LatentAttention.new_cache.
             return c.cache.length();
           },
           "tokens appended so far (the next token's position)")
-      .def_property_readonly("nbytes", [](PyLatentCache& c) { return c.cache.nbytes(); },
-                             "bytes of storage: batch * max_seq_len * values_per_token * itemsize")
-      .def_property_readonly("values_per_token",
-                             [](PyLatentCache& c) { return c.cache.values_per_token(); },
-                             "kv_lora_rank + qk_rope_head_dim")
-      .def_property_readonly("kv_lora_rank", [](PyLatentCache& c) { return c.cache.kv_lora_rank(); })
+      .def_property_readonly(
+          "nbytes", [](PyLatentCache& c) { return c.cache.nbytes(); },
+          "bytes of storage: batch * max_seq_len * values_per_token * itemsize")
+      .def_property_readonly(
+          "values_per_token", [](PyLatentCache& c) { return c.cache.values_per_token(); },
+          "kv_lora_rank + qk_rope_head_dim")
+      .def_property_readonly("kv_lora_rank",
+                             [](PyLatentCache& c) { return c.cache.kv_lora_rank(); })
       .def_property_readonly("qk_rope_head_dim",
                              [](PyLatentCache& c) { return c.cache.qk_rope_head_dim(); })
       .def_property_readonly("batch_size", [](PyLatentCache& c) { return c.cache.batch_size(); })
@@ -172,9 +174,8 @@ values), nothing else. Made by LatentAttention.new_cache.
       .def(
           "append",
           [](PyLatentCache& c, py::handle rows) {
-            const InputArray r = f32_input(
-                rows, {"LatentCache.append", "rows", 3, 3,
-                       "[batch, T, kv_lora_rank + qk_rope_head_dim]"});
+            const InputArray r = f32_input(rows, {"LatentCache.append", "rows", 3, 3,
+                                                  "[batch, T, kv_lora_rank + qk_rope_head_dim]"});
             Status st;
             {
               py::gil_scoped_release release;
@@ -219,12 +220,11 @@ values), nothing else. Made by LatentAttention.new_cache.
       .def_property_readonly(
           "softmax_scale", [](PyLatentAttention& s) { return s.layer.softmax_scale(); },
           "(qk_nope_head_dim + qk_rope_head_dim)^-1/2, times YaRN's mscale(mscale_all_dim)^2")
-      .def_property_readonly(
-          "loaded",
-          [](PyLatentAttention& s) {
-            std::shared_lock lock(s.mu);
-            return s.layer.has_weights();
-          })
+      .def_property_readonly("loaded",
+                             [](PyLatentAttention& s) {
+                               std::shared_lock lock(s.mu);
+                               return s.layer.has_weights();
+                             })
       .def(
           "weight_names", [](PyLatentAttention& s) { return s.layer.weight_names(); },
           "Names load_state_dict reads, relative to its prefix.")
@@ -269,9 +269,9 @@ values), nothing else. Made by LatentAttention.new_cache.
         return "LatentAttention(hidden_size=" + std::to_string(c.hidden_size) +
                ", num_attention_heads=" + std::to_string(c.num_attention_heads) +
                ", q_lora_rank=" + std::to_string(c.q_lora_rank) +
-               ", kv_lora_rank=" + std::to_string(c.kv_lora_rank) + ", qk_head_dim=" +
-               std::to_string(c.qk_head_dim()) + ", v_head_dim=" + std::to_string(c.v_head_dim) +
-               ")";
+               ", kv_lora_rank=" + std::to_string(c.kv_lora_rank) +
+               ", qk_head_dim=" + std::to_string(c.qk_head_dim()) +
+               ", v_head_dim=" + std::to_string(c.v_head_dim) + ")";
       });
 }
 

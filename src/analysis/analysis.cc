@@ -39,11 +39,11 @@ int64_t attention_params_per_layer(const ModelShape& m) {
     if (m.q_lora_rank > 0)
       p += m.q_lora_rank * d + m.q_lora_rank + h * qk * m.q_lora_rank;  // q_a, q_a_layernorm, q_b
     else
-      p += h * qk * d;                                                   // q_proj
-    p += (m.kv_lora_rank + m.qk_rope_head_dim) * d;                      // kv_a_proj_with_mqa
-    p += m.kv_lora_rank;                                                 // kv_a_layernorm
-    p += h * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank;       // kv_b_proj
-    p += d * h * m.v_head_dim;                                           // o_proj
+      p += h * qk * d;                                              // q_proj
+    p += (m.kv_lora_rank + m.qk_rope_head_dim) * d;                 // kv_a_proj_with_mqa
+    p += m.kv_lora_rank;                                            // kv_a_layernorm
+    p += h * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank;  // kv_b_proj
+    p += d * h * m.v_head_dim;                                      // o_proj
     return p;
   }
   const int64_t q_out = h * m.head_dim, k_out = m.num_kv_heads * m.head_dim,
@@ -97,14 +97,15 @@ double decode_flops_per_layer(const ModelShape& m, int64_t context, int64_t laye
   const double proj = 2.0 * static_cast<double>(attention_params_per_layer(m));
   const double h = static_cast<double>(m.num_heads);
   if (m.mla && mla_absorbed) {
-    const double dc = static_cast<double>(m.kv_lora_rank), dr = static_cast<double>(m.qk_rope_head_dim);
+    const double dc = static_cast<double>(m.kv_lora_rank),
+                 dr = static_cast<double>(m.qk_rope_head_dim);
     return proj + 2.0 * h * (dc + dr) * L + 2.0 * h * dc * L;
   }
   return proj + 2.0 * h * static_cast<double>(m.head_dim + m.head_dim_v) * L;
 }
 
-double decode_bytes_per_layer(const ModelShape& m, int64_t context, int64_t batch,
-                              DType kv_dtype, DType weight_dtype, int64_t layer) {
+double decode_bytes_per_layer(const ModelShape& m, int64_t context, int64_t batch, DType kv_dtype,
+                              DType weight_dtype, int64_t layer) {
   const double weights = static_cast<double>(attention_params_per_layer(m)) *
                          static_cast<double>(dtype_size(weight_dtype));
   const double kv = static_cast<double>(kv_values_per_token_per_layer(m, true)) *

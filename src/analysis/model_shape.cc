@@ -25,10 +25,12 @@ Status field_error(const std::string& field, const std::string& rule, const json
 // cannot ask for a per-layer table of 10^18 entries.
 constexpr int64_t kMaxSize = int64_t{1} << 20;
 
-Status get_int(const json& j, const char* field, bool required, int64_t* out, int64_t min_value = 1) {
+Status get_int(const json& j, const char* field, bool required, int64_t* out,
+               int64_t min_value = 1) {
   auto it = j.find(field);
   if (it == j.end() || it->is_null()) {
-    if (required) return invalid_argument(std::string(kFn) + ": required field '" + field + "' is missing");
+    if (required)
+      return invalid_argument(std::string(kFn) + ": required field '" + field + "' is missing");
     return Status::Ok();
   }
   // Integers only; a float is accepted when it is integral and in range
@@ -75,11 +77,13 @@ Status parse_windows(const json& j, ModelShape* m) {
   auto types = j.find("layer_types");
   if (types != j.end() && !types->is_null()) {
     if (!types->is_array() || static_cast<int64_t>(types->size()) != m->num_layers)
-      return invalid_argument(std::string(kFn) + ": layer_types must be a list of num_hidden_layers = " +
+      return invalid_argument(std::string(kFn) +
+                              ": layer_types must be a list of num_hidden_layers = " +
                               std::to_string(m->num_layers) + " strings");
     for (size_t l = 0; l < types->size(); ++l) {
       const json& t = (*types)[l];
-      if (!t.is_string()) return field_error("layer_types[" + std::to_string(l) + "]", "must be a string", t);
+      if (!t.is_string())
+        return field_error("layer_types[" + std::to_string(l) + "]", "must be a string", t);
       if (t.get<std::string>() == "sliding_attention") m->window_per_layer[l] = window;
     }
     return Status::Ok();
@@ -88,14 +92,16 @@ Status parse_windows(const json& j, ModelShape* m) {
   const std::string& type = m->model_type;
   if (type == "gemma2" || type == "gemma3") {
     // Gemma-2 alternates local (even layer index) and global layers.
-    for (int64_t l = 0; l < m->num_layers; l += 2) m->window_per_layer[static_cast<size_t>(l)] = window;
+    for (int64_t l = 0; l < m->num_layers; l += 2)
+      m->window_per_layer[static_cast<size_t>(l)] = window;
   } else if (type == "qwen2" || type == "qwen3" || type == "qwen2_moe" || type == "qwen3_moe") {
     bool use = false;
     ATTNKIT_RETURN_IF_ERROR(get_bool(j, "use_sliding_window", &use));
     if (!use) return Status::Ok();
     int64_t first = 0;
     ATTNKIT_RETURN_IF_ERROR(get_int(j, "max_window_layers", false, &first, 0));
-    for (int64_t l = first; l < m->num_layers; ++l) m->window_per_layer[static_cast<size_t>(l)] = window;
+    for (int64_t l = first; l < m->num_layers; ++l)
+      m->window_per_layer[static_cast<size_t>(l)] = window;
   } else {
     for (auto& w : m->window_per_layer) w = window;  // mistral and llama-shaped configs
   }
@@ -110,7 +116,8 @@ Status parse_mla(const json& j, ModelShape* m) {
   ATTNKIT_RETURN_IF_ERROR(get_int(j, "qk_rope_head_dim", true, &m->qk_rope_head_dim));
   ATTNKIT_RETURN_IF_ERROR(get_int(j, "v_head_dim", true, &m->v_head_dim));
   if (m->qk_rope_head_dim % 2 != 0)
-    return field_error("qk_rope_head_dim", "must be even (RoPE rotates pairs)", j.at("qk_rope_head_dim"));
+    return field_error("qk_rope_head_dim", "must be even (RoPE rotates pairs)",
+                       j.at("qk_rope_head_dim"));
   // num_key_value_heads and head_dim in these configs do not describe the
   // cache (mla.md, analyzer traps): each head gets its own K/V after
   // decompression, q/k are nope + rope wide and v is v_head_dim wide.
@@ -121,9 +128,12 @@ Status parse_mla(const json& j, ModelShape* m) {
 }
 
 Status parse(const json& j, ModelShape* m) {
-  if (!j.is_object()) return invalid_argument(std::string(kFn) + ": the config must be a JSON object");
-  if (auto it = j.find("model_type"); it != j.end() && it->is_string()) m->model_type = it->get<std::string>();
-  if (auto it = j.find("_name_or_path"); it != j.end() && it->is_string()) m->name = it->get<std::string>();
+  if (!j.is_object())
+    return invalid_argument(std::string(kFn) + ": the config must be a JSON object");
+  if (auto it = j.find("model_type"); it != j.end() && it->is_string())
+    m->model_type = it->get<std::string>();
+  if (auto it = j.find("_name_or_path"); it != j.end() && it->is_string())
+    m->name = it->get<std::string>();
   const std::string& type = m->model_type;
 
   if (type == "gpt2") {
@@ -137,14 +147,15 @@ Status parse(const json& j, ModelShape* m) {
     ATTNKIT_RETURN_IF_ERROR(get_int(j, "hidden_size", true, &m->hidden_size));
     ATTNKIT_RETURN_IF_ERROR(get_int(j, "num_attention_heads", true, &m->num_heads));
     ATTNKIT_RETURN_IF_ERROR(get_int(j, "num_hidden_layers", true, &m->num_layers));
-    ATTNKIT_RETURN_IF_ERROR(get_int(j, "max_position_embeddings", false, &m->max_position_embeddings));
+    ATTNKIT_RETURN_IF_ERROR(
+        get_int(j, "max_position_embeddings", false, &m->max_position_embeddings));
     m->num_kv_heads = m->num_heads;
     ATTNKIT_RETURN_IF_ERROR(get_int(j, "num_key_value_heads", false, &m->num_kv_heads));
   }
   if (m->hidden_size % m->num_heads != 0 && !j.contains("head_dim") && !j.contains("kv_lora_rank"))
     return invalid_argument(std::string(kFn) + ": hidden_size = " + std::to_string(m->hidden_size) +
-                            " is not a multiple of num_attention_heads = " + std::to_string(m->num_heads) +
-                            " and the config has no head_dim");
+                            " is not a multiple of num_attention_heads = " +
+                            std::to_string(m->num_heads) + " and the config has no head_dim");
   m->head_dim = m->hidden_size / m->num_heads;
 
   if (j.contains("kv_lora_rank") && !j["kv_lora_rank"].is_null()) {
@@ -177,7 +188,8 @@ Status parse(const json& j, ModelShape* m) {
       if (type == "qwen3" || type == "qwen3_moe") m->qk_norm = true;
     }
     if (m->num_heads % m->num_kv_heads != 0)
-      return invalid_argument(std::string(kFn) + ": num_key_value_heads = " + std::to_string(m->num_kv_heads) +
+      return invalid_argument(std::string(kFn) +
+                              ": num_key_value_heads = " + std::to_string(m->num_kv_heads) +
                               " must divide num_attention_heads = " + std::to_string(m->num_heads));
   }
   return parse_windows(j, m);

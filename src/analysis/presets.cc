@@ -96,7 +96,8 @@ constexpr Preset kPresets[] = {
 std::string fold(std::string_view s) {
   std::string out;
   for (char c : s)
-    if (std::isalnum(static_cast<unsigned char>(c))) out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (std::isalnum(static_cast<unsigned char>(c)))
+      out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return out;
 }
 

@@ -13,8 +13,8 @@ Status view(const char* fn, const char* name, const TensorView& v, int rank,
   const std::string prefix = std::string(fn) + ": " + name;
   if (v.data == nullptr) return invalid_argument(prefix + " is missing (data == nullptr)");
   if (v.rank != rank)
-    return invalid_argument(prefix + " has rank " + std::to_string(v.rank) + " (" +
-                            v.describe() + "), must have rank " + std::to_string(rank));
+    return invalid_argument(prefix + " has rank " + std::to_string(v.rank) + " (" + v.describe() +
+                            "), must have rank " + std::to_string(rank));
   if (std::find(dtypes.begin(), dtypes.end(), v.dtype) == dtypes.end()) {
     std::string allowed;
     for (DType d : dtypes) allowed += std::string(allowed.empty() ? "" : " or ") + dtype_name(d);

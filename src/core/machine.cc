@@ -66,8 +66,7 @@ constexpr int kFmaChains256 = 12;
 
 __attribute__((target("avx512f"))) float fma_avx512(int64_t iters) {
   __m512 acc[kFmaChains512];
-  for (int i = 0; i < kFmaChains512; ++i)
-    acc[i] = _mm512_set1_ps(static_cast<float>(i) * 1e-3f);
+  for (int i = 0; i < kFmaChains512; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i) * 1e-3f);
   const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
   for (int64_t n = 0; n < iters; ++n)
     for (int i = 0; i < kFmaChains512; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
@@ -78,8 +77,7 @@ __attribute__((target("avx512f"))) float fma_avx512(int64_t iters) {
 
 __attribute__((target("avx2,fma"))) float fma_avx2(int64_t iters) {
   __m256 acc[kFmaChains256];
-  for (int i = 0; i < kFmaChains256; ++i)
-    acc[i] = _mm256_set1_ps(static_cast<float>(i) * 1e-3f);
+  for (int i = 0; i < kFmaChains256; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i) * 1e-3f);
   const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
   for (int64_t n = 0; n < iters; ++n)
     for (int i = 0; i < kFmaChains256; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
@@ -165,9 +163,10 @@ MachineProfile measure_machine(int threads, bool quick) {
   const int64_t iters = quick ? 2'000'000 : 6'000'000;
   double best = 1e30;
   for (int r = 0; r < repeats; ++r) {
-    best = std::min(best, timed_parallel(threads, [&](int) {
-      g_sink = avx512 ? fma_avx512(iters) : avx2 ? fma_avx2(iters) : fma_scalar(iters / 4);
-    }));
+    best = std::min(
+        best, timed_parallel(threads, [&](int) {
+          g_sink = avx512 ? fma_avx512(iters) : avx2 ? fma_avx2(iters) : fma_scalar(iters / 4);
+        }));
   }
   const double fma_iters = avx512 || avx2 ? static_cast<double>(iters) : iters / 4.0;
   p.fp32_peak_gflops = 2.0 * chains * lanes * fma_iters * threads / best / 1e9;
@@ -175,7 +174,8 @@ MachineProfile measure_machine(int threads, bool quick) {
   if (p.has_avx512_bf16) {
     double best_bf = 1e30;
     for (int r = 0; r < repeats; ++r)
-      best_bf = std::min(best_bf, timed_parallel(threads, [&](int) { g_sink = dpbf16_avx512(iters); }));
+      best_bf =
+          std::min(best_bf, timed_parallel(threads, [&](int) { g_sink = dpbf16_avx512(iters); }));
     p.bf16_dot_peak_gflops = 64.0 * 16.0 * static_cast<double>(iters) * threads / best_bf / 1e9;
   }
 
@@ -202,10 +202,12 @@ MachineProfile measure_machine(int threads, bool quick) {
     double best_read = 1e30;
     for (int r = 0; r < repeats; ++r)
       best_read = std::min(best_read, timed_parallel(threads, [&](int t) {
-        const int64_t lo = (n * t / threads) / 64 * 64, hi = (n * (t + 1) / threads) / 64 * 64;
-        g_sink = avx512 ? read_avx512(buf + lo, hi - lo)
-                        : avx2 ? read_avx2(buf + lo, hi - lo) : read_scalar(buf + lo, hi - lo);
-      }));
+                             const int64_t lo = (n * t / threads) / 64 * 64,
+                                           hi = (n * (t + 1) / threads) / 64 * 64;
+                             g_sink = avx512 ? read_avx512(buf + lo, hi - lo)
+                                      : avx2 ? read_avx2(buf + lo, hi - lo)
+                                             : read_scalar(buf + lo, hi - lo);
+                           }));
     p.dram_read_gbps = static_cast<double>(bytes) / best_read / 1e9;
     std::free(buf);
   }

@@ -118,9 +118,12 @@ Status positive(const char* name, int64_t value, const char* why) {
 
 const char* mla_form_name(MlaForm form) {
   switch (form) {
-    case MlaForm::kAuto: return "auto";
-    case MlaForm::kNaive: return "naive";
-    case MlaForm::kAbsorbed: return "absorbed";
+    case MlaForm::kAuto:
+      return "auto";
+    case MlaForm::kNaive:
+      return "naive";
+    case MlaForm::kAbsorbed:
+      return "absorbed";
   }
   return "unknown";
 }
@@ -141,15 +144,17 @@ Status validate(const MlaConfig& c) {
                             " must be even and >= 2 (RoPE rotates pairs of features)");
   // Every size product the layer forms must stay far from overflow.
   const int64_t kMaxDim = int64_t{1} << 20;
-  const std::pair<const char*, int64_t> dims[] = {
-      {"hidden_size", c.hidden_size},        {"num_attention_heads", c.num_attention_heads},
-      {"q_lora_rank", c.q_lora_rank},        {"kv_lora_rank", c.kv_lora_rank},
-      {"qk_nope_head_dim", c.qk_nope_head_dim}, {"qk_rope_head_dim", c.qk_rope_head_dim},
-      {"v_head_dim", c.v_head_dim}};
+  const std::pair<const char*, int64_t> dims[] = {{"hidden_size", c.hidden_size},
+                                                  {"num_attention_heads", c.num_attention_heads},
+                                                  {"q_lora_rank", c.q_lora_rank},
+                                                  {"kv_lora_rank", c.kv_lora_rank},
+                                                  {"qk_nope_head_dim", c.qk_nope_head_dim},
+                                                  {"qk_rope_head_dim", c.qk_rope_head_dim},
+                                                  {"v_head_dim", c.v_head_dim}};
   for (const auto& [name, value] : dims)
     if (value > kMaxDim)
-      return invalid_argument(f + ": " + name + " = " + std::to_string(value) + " must be <= " +
-                              std::to_string(kMaxDim));
+      return invalid_argument(f + ": " + name + " = " + std::to_string(value) +
+                              " must be <= " + std::to_string(kMaxDim));
   if (!std::isfinite(c.rope_theta) || c.rope_theta <= 1.0)
     return invalid_argument(f + ": rope_theta = " + std::to_string(c.rope_theta) +
                             " must be finite and > 1");
@@ -179,8 +184,9 @@ Status validate(const MlaConfig& c) {
     return invalid_argument(f + ": rope_scaling.mscale = " + std::to_string(y.mscale) +
                             " must be finite and >= 0 (0 = absent)");
   if (!std::isfinite(y.mscale_all_dim) || y.mscale_all_dim < 0.0)
-    return invalid_argument(f + ": rope_scaling.mscale_all_dim = " +
-                            std::to_string(y.mscale_all_dim) + " must be finite and >= 0 (0 = absent)");
+    return invalid_argument(f +
+                            ": rope_scaling.mscale_all_dim = " + std::to_string(y.mscale_all_dim) +
+                            " must be finite and >= 0 (0 = absent)");
   return Status::Ok();
 }
 
@@ -236,7 +242,8 @@ Result<MlaConfig> mla_config_from_json(std::string_view json_text) {
   if (!st.ok()) {
     // Same rule, reported under the parser's name.
     std::string msg = st.message();
-    if (msg.rfind(kValidate, 0) == 0) msg = std::string(kParse) + msg.substr(std::string(kValidate).size());
+    if (msg.rfind(kValidate, 0) == 0)
+      msg = std::string(kParse) + msg.substr(std::string(kValidate).size());
     return Status(st.code(), msg);
   }
   return c;

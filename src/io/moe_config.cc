@@ -38,15 +38,39 @@ struct Family {
   int64_t topk_group;
 };
 
-constexpr Family kMixtral = {"mixtral", MoeWeightNaming::kMixtral, "num_local_experts",
-                             "intermediate_size", MoeScoringFunc::kSoftmax,
-                             MoeTopkMethod::kGreedy, true, 1.0, 0, 1, 1};
-constexpr Family kDeepseekV2 = {"deepseek_v2", MoeWeightNaming::kDeepseek, "n_routed_experts",
-                                "moe_intermediate_size", MoeScoringFunc::kSoftmax,
-                                MoeTopkMethod::kGreedy, false, 1.0, 2, 1, 1};
-constexpr Family kDeepseekV3 = {"deepseek_v3", MoeWeightNaming::kDeepseek, "n_routed_experts",
-                                "moe_intermediate_size", MoeScoringFunc::kSigmoid,
-                                MoeTopkMethod::kNoauxTc, true, 2.5, 1, 8, 4};
+constexpr Family kMixtral = {"mixtral",
+                             MoeWeightNaming::kMixtral,
+                             "num_local_experts",
+                             "intermediate_size",
+                             MoeScoringFunc::kSoftmax,
+                             MoeTopkMethod::kGreedy,
+                             true,
+                             1.0,
+                             0,
+                             1,
+                             1};
+constexpr Family kDeepseekV2 = {"deepseek_v2",
+                                MoeWeightNaming::kDeepseek,
+                                "n_routed_experts",
+                                "moe_intermediate_size",
+                                MoeScoringFunc::kSoftmax,
+                                MoeTopkMethod::kGreedy,
+                                false,
+                                1.0,
+                                2,
+                                1,
+                                1};
+constexpr Family kDeepseekV3 = {"deepseek_v3",
+                                MoeWeightNaming::kDeepseek,
+                                "n_routed_experts",
+                                "moe_intermediate_size",
+                                MoeScoringFunc::kSigmoid,
+                                MoeTopkMethod::kNoauxTc,
+                                true,
+                                2.5,
+                                1,
+                                8,
+                                4};
 
 // nullopt-like: a missing field leaves *out as is.
 Status read_int(const json& obj, const char* name, bool required, int64_t* out) {
@@ -96,17 +120,22 @@ Status read_string(const json& obj, const char* name, std::string* out, bool* pr
 
 const char* moe_scoring_func_name(MoeScoringFunc f) {
   switch (f) {
-    case MoeScoringFunc::kSoftmax: return "softmax";
-    case MoeScoringFunc::kSigmoid: return "sigmoid";
+    case MoeScoringFunc::kSoftmax:
+      return "softmax";
+    case MoeScoringFunc::kSigmoid:
+      return "sigmoid";
   }
   return "unknown";
 }
 
 const char* moe_topk_method_name(MoeTopkMethod m) {
   switch (m) {
-    case MoeTopkMethod::kGreedy: return "greedy";
-    case MoeTopkMethod::kGroupLimitedGreedy: return "group_limited_greedy";
-    case MoeTopkMethod::kNoauxTc: return "noaux_tc";
+    case MoeTopkMethod::kGreedy:
+      return "greedy";
+    case MoeTopkMethod::kGroupLimitedGreedy:
+      return "group_limited_greedy";
+    case MoeTopkMethod::kNoauxTc:
+      return "noaux_tc";
   }
   return "unknown";
 }
@@ -151,7 +180,8 @@ Status validate(const MoeConfig& c) {
     return invalid_argument(f + "n_shared_experts = " + std::to_string(c.n_shared_experts) +
                             " must be 0 with Mixtral weight names (they have no shared experts)");
   switch (c.topk_method) {
-    case MoeTopkMethod::kGreedy: break;
+    case MoeTopkMethod::kGreedy:
+      break;
     case MoeTopkMethod::kGroupLimitedGreedy:
     case MoeTopkMethod::kNoauxTc: {
       const int64_t per_group = c.n_routed_experts / c.n_group;
@@ -165,8 +195,10 @@ Status validate(const MoeConfig& c) {
       // A group's score is the sum of its two best experts; it is only
       // needed when some groups are dropped.
       if (c.topk_method == MoeTopkMethod::kNoauxTc && c.topk_group < c.n_group && per_group < 2)
-        return invalid_argument(f + "topk_method noaux_tc scores a group by its two best experts: "
-                                "n_routed_experts / n_group = " + std::to_string(per_group) +
+        return invalid_argument(f +
+                                "topk_method noaux_tc scores a group by its two best experts: "
+                                "n_routed_experts / n_group = " +
+                                std::to_string(per_group) +
                                 " must be >= 2 when topk_group = " + std::to_string(c.topk_group) +
                                 " < n_group = " + std::to_string(c.n_group));
       break;
@@ -188,9 +220,12 @@ Result<MoeConfig> moe_config_from_json(std::string_view json_text) {
   ATTNKIT_RETURN_IF_ERROR(read_string(j, "model_type", &model_type, &has_model_type));
   const Family* fam = nullptr;
   if (has_model_type) {
-    if (model_type == "mixtral") fam = &kMixtral;
-    else if (model_type == "deepseek_v2") fam = &kDeepseekV2;
-    else if (model_type == "deepseek_v3" || model_type == "kimi_k2") fam = &kDeepseekV3;
+    if (model_type == "mixtral")
+      fam = &kMixtral;
+    else if (model_type == "deepseek_v2")
+      fam = &kDeepseekV2;
+    else if (model_type == "deepseek_v3" || model_type == "kimi_k2")
+      fam = &kDeepseekV3;
     else
       return invalid_argument(fail("model_type = \"" + model_type +
                                    "\" is not an MoE family attnkit reads (mixtral, deepseek_v2, "
@@ -199,16 +234,24 @@ Result<MoeConfig> moe_config_from_json(std::string_view json_text) {
     const bool mixtral = j.contains("num_local_experts");
     const bool deepseek = j.contains("n_routed_experts");
     if (mixtral == deepseek)
-      return invalid_argument(fail(
-          mixtral ? "without model_type, num_local_experts and n_routed_experts are both set; "
-                    "give model_type"
-                  : "no expert count: need num_local_experts (Mixtral) or n_routed_experts "
-                    "(DeepSeek), or a model_type"));
+      return invalid_argument(
+          fail(mixtral ? "without model_type, num_local_experts and n_routed_experts are both set; "
+                         "give model_type"
+                       : "no expert count: need num_local_experts (Mixtral) or n_routed_experts "
+                         "(DeepSeek), or a model_type"));
     // Without a model_type a DeepSeek-named config gets the neutral
     // defaults (softmax, greedy, no renormalisation, scale 1, no shared).
-    static constexpr Family kGeneric = {"", MoeWeightNaming::kDeepseek, "n_routed_experts",
-                                        "moe_intermediate_size", MoeScoringFunc::kSoftmax,
-                                        MoeTopkMethod::kGreedy, false, 1.0, 0, 1, 1};
+    static constexpr Family kGeneric = {"",
+                                        MoeWeightNaming::kDeepseek,
+                                        "n_routed_experts",
+                                        "moe_intermediate_size",
+                                        MoeScoringFunc::kSoftmax,
+                                        MoeTopkMethod::kGreedy,
+                                        false,
+                                        1.0,
+                                        0,
+                                        1,
+                                        1};
     fam = mixtral ? &kMixtral : &kGeneric;
   }
 
@@ -241,8 +284,9 @@ Result<MoeConfig> moe_config_from_json(std::string_view json_text) {
     bool norm = true;
     ATTNKIT_RETURN_IF_ERROR(read_bool(j, "norm_topk_prob", &norm));
     if (!norm)
-      return invalid_argument(fail("norm_topk_prob = false: mixtral always renormalises the "
-                                   "top-k weights"));
+      return invalid_argument(
+          fail("norm_topk_prob = false: mixtral always renormalises the "
+               "top-k weights"));
   } else {
     // HF: n_shared_experts = null means none.
     const auto it = j.find("n_shared_experts");
@@ -256,16 +300,22 @@ Result<MoeConfig> moe_config_from_json(std::string_view json_text) {
     bool present = false;
     ATTNKIT_RETURN_IF_ERROR(read_string(j, "scoring_func", &s, &present));
     if (present) {
-      if (s == "softmax") c.scoring_func = MoeScoringFunc::kSoftmax;
-      else if (s == "sigmoid") c.scoring_func = MoeScoringFunc::kSigmoid;
+      if (s == "softmax")
+        c.scoring_func = MoeScoringFunc::kSoftmax;
+      else if (s == "sigmoid")
+        c.scoring_func = MoeScoringFunc::kSigmoid;
       else
-        return invalid_argument(fail("scoring_func = \"" + s + "\" must be \"softmax\" or \"sigmoid\""));
+        return invalid_argument(
+            fail("scoring_func = \"" + s + "\" must be \"softmax\" or \"sigmoid\""));
     }
     ATTNKIT_RETURN_IF_ERROR(read_string(j, "topk_method", &s, &present));
     if (present) {
-      if (s == "greedy") c.topk_method = MoeTopkMethod::kGreedy;
-      else if (s == "group_limited_greedy") c.topk_method = MoeTopkMethod::kGroupLimitedGreedy;
-      else if (s == "noaux_tc") c.topk_method = MoeTopkMethod::kNoauxTc;
+      if (s == "greedy")
+        c.topk_method = MoeTopkMethod::kGreedy;
+      else if (s == "group_limited_greedy")
+        c.topk_method = MoeTopkMethod::kGroupLimitedGreedy;
+      else if (s == "noaux_tc")
+        c.topk_method = MoeTopkMethod::kNoauxTc;
       else
         return invalid_argument(fail("topk_method = \"" + s +
                                      "\" must be \"greedy\", \"group_limited_greedy\" or "
@@ -277,12 +327,13 @@ Result<MoeConfig> moe_config_from_json(std::string_view json_text) {
     bool present = false;
     ATTNKIT_RETURN_IF_ERROR(read_string(j, "hidden_act", &act, &present));
     if (present && act != "silu")
-      return invalid_argument(fail("hidden_act = \"" + act +
-                                   "\" is not supported; the experts are SwiGLU (\"silu\")"));
+      return invalid_argument(
+          fail("hidden_act = \"" + act + "\" is not supported; the experts are SwiGLU (\"silu\")"));
   }
   const Status st = validate(c);
   if (!st.ok())  // Same rule, reported under the parser's name.
-    return Status(st.code(), std::string(kParse) + st.message().substr(std::string(kValidate).size()));
+    return Status(st.code(),
+                  std::string(kParse) + st.message().substr(std::string(kValidate).size()));
   return c;
 }
 

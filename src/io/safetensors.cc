@@ -51,14 +51,14 @@ struct DTypeEntry {
   DType dtype;
 };
 constexpr DTypeEntry kSupported[] = {
-    {"F64", DType::kF64}, {"F32", DType::kF32}, {"F16", DType::kF16}, {"BF16", DType::kBF16},
+    {"F64", DType::kF64}, {"F32", DType::kF32}, {"F16", DType::kF16},   {"BF16", DType::kBF16},
     {"I64", DType::kI64}, {"I32", DType::kI32}, {"BOOL", DType::kBool},
 };
 // Dtypes the format defines that attnkit has no DType for; named so the
 // message can say "unsupported" rather than "unknown".
 constexpr const char* kKnownUnsupported[] = {
-    "U8", "I8", "U16", "I16", "U32", "U64", "F8_E5M2", "F8_E4M3", "F8_E8M0",
-    "F6_E2M3", "F6_E3M2", "F4", "C64",
+    "U8",      "I8",      "U16",     "I16",     "U32", "U64", "F8_E5M2",
+    "F8_E4M3", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4",  "C64",
 };
 
 const char* safetensors_dtype_name(DType d) {
@@ -123,8 +123,8 @@ class HeaderReader {
     return fail("tensor '" + clip(name) + "': " + what);
   }
   Status parse_json(const char* text, size_t n, json* header) const;
-  Status read_entry(const std::string& name, const json& entry, uint64_t data_size,
-                    DType* dtype, int* rank, int64_t* shape, uint64_t* begin) const;
+  Status read_entry(const std::string& name, const json& entry, uint64_t data_size, DType* dtype,
+                    int* rank, int64_t* shape, uint64_t* begin) const;
 
   std::string prefix_;
 };
@@ -171,11 +171,12 @@ Status HeaderReader::read_entry(const std::string& name, const json& entry, uint
                                  " " + show(entry));
   for (const auto& [key, value] : entry.items()) {
     if (key != "dtype" && key != "shape" && key != "data_offsets")
-      return tensor_fail(name, "unknown field '" + clip(key) +
-                                   "' (fields are dtype, shape, data_offsets)");
+      return tensor_fail(
+          name, "unknown field '" + clip(key) + "' (fields are dtype, shape, data_offsets)");
   }
   for (const char* field : {"dtype", "shape", "data_offsets"})
-    if (!entry.contains(field)) return tensor_fail(name, std::string("missing field '") + field + "'");
+    if (!entry.contains(field))
+      return tensor_fail(name, std::string("missing field '") + field + "'");
 
   const json& jd = entry["dtype"];
   if (!jd.is_string()) return tensor_fail(name, "dtype = " + show(jd) + " must be a string");
@@ -217,14 +218,14 @@ Status HeaderReader::read_entry(const std::string& name, const json& entry, uint
   }
   int64_t nbytes;
   if (!checked_mul(numel, static_cast<int64_t>(dtype_size(*dtype)), &nbytes))
-    return tensor_fail(name, "shape = " + show(js) + " of " + dname +
-                                 ": byte count overflows 64 bits");
+    return tensor_fail(name,
+                       "shape = " + show(js) + " of " + dname + ": byte count overflows 64 bits");
 
   const json& jo = entry["data_offsets"];
   if (!jo.is_array() || jo.size() != 2 || !jo[0].is_number_unsigned() ||
       !jo[1].is_number_unsigned())
-    return tensor_fail(name, "data_offsets = " + show(jo) +
-                                 " must be [begin, end] with non-negative integers");
+    return tensor_fail(
+        name, "data_offsets = " + show(jo) + " must be [begin, end] with non-negative integers");
   const uint64_t b = jo[0].get<uint64_t>(), e = jo[1].get<uint64_t>();
   if (b > e) return tensor_fail(name, "data_offsets = " + show(jo) + ": begin > end");
   if (e > data_size)
@@ -378,8 +379,8 @@ Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
 Result<SafetensorsFile> SafetensorsFile::parse(const void* data, size_t size) {
   constexpr const char* kFn = "SafetensorsFile::parse";
   if (data == nullptr && size != 0)
-    return invalid_argument(std::string(kFn) + ": <buffer>: data is nullptr but size = " +
-                            std::to_string(size));
+    return invalid_argument(std::string(kFn) +
+                            ": <buffer>: data is nullptr but size = " + std::to_string(size));
   try {
     SafetensorsFile file;
     HeaderReader reader(kFn, "<buffer>");
@@ -387,7 +388,8 @@ Result<SafetensorsFile> SafetensorsFile::parse(const void* data, size_t size) {
                                         &file.tensors_, &file.metadata_));
     return file;
   } catch (const std::bad_alloc&) {
-    return resource_exhausted(std::string(kFn) + ": <buffer>: out of memory while reading the header");
+    return resource_exhausted(std::string(kFn) +
+                              ": <buffer>: out of memory while reading the header");
   } catch (const std::exception& e) {
     return internal_error(std::string(kFn) + ": <buffer>: unexpected exception: " + e.what());
   }
@@ -445,8 +447,8 @@ Status save_safetensors(const std::string& path, const WeightMap& tensors,
         return invalid_argument(std::string(kFn) + ": " + arg +
                                 ": the name is reserved for the metadata");
       if (v.rank < 0 || v.rank > kMaxRank)
-        return invalid_argument(std::string(kFn) + ": " + arg + ".rank = " +
-                                std::to_string(v.rank) + " must be in [0, 4]");
+        return invalid_argument(std::string(kFn) + ": " + arg +
+                                ".rank = " + std::to_string(v.rank) + " must be in [0, 4]");
       if (safetensors_dtype_name(v.dtype) == nullptr)
         return invalid_argument(std::string(kFn) + ": " + arg + ".dtype = " +
                                 std::to_string(static_cast<int>(v.dtype)) + " is not a DType");
@@ -477,8 +479,8 @@ Status save_safetensors(const std::string& path, const WeightMap& tensors,
     if (!metadata.empty()) h["__metadata__"] = metadata;
     header = h.dump();  // throws type_error on names that are not UTF-8
   } catch (const json::exception& e) {
-    return invalid_argument(std::string(kFn) +
-                            ": tensor names and metadata must be valid UTF-8 (" + e.what() + ")");
+    return invalid_argument(std::string(kFn) + ": tensor names and metadata must be valid UTF-8 (" +
+                            e.what() + ")");
   } catch (const std::bad_alloc&) {
     return resource_exhausted(where + ": out of memory building the header");
   }

@@ -66,7 +66,8 @@ Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::s
   const int64_t* want = expected_shape.begin();
   const int want_rank = static_cast<int>(expected_shape.size());
   const std::string want_str =
-      dims_str(want, want_rank) + (shape_meaning.empty() ? "" : " (" + std::string(shape_meaning) + ")");
+      dims_str(want, want_rank) +
+      (shape_meaning.empty() ? "" : " (" + std::string(shape_meaning) + ")");
 
   auto it = weights.find(full);
   if (it == weights.end()) return not_found(where + " is missing; expected shape " + want_str);
@@ -75,8 +76,7 @@ Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::s
   if (src.rank < 0 || src.rank > kMaxRank)
     return invalid_argument(where + " has rank " + std::to_string(src.rank) +
                             ", must be in [0, 4]");
-  if (src.rank != want_rank ||
-      !std::equal(want, want + want_rank, src.shape.begin()))
+  if (src.rank != want_rank || !std::equal(want, want + want_rank, src.shape.begin()))
     return invalid_argument(where + " has shape " + dims_str(src.shape.data(), src.rank) +
                             ", expected " + want_str);
   if (src.dtype != DType::kF32 && src.dtype != DType::kBF16 && src.dtype != DType::kF16 &&
@@ -89,11 +89,11 @@ Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::s
     // A negative size cannot match a non-negative expected size; checked
     // anyway because callers may pass computed expected shapes.
     if (src.shape[i] < 0)
-      return invalid_argument(where + ": shape[" + std::to_string(i) + "] = " +
-                              std::to_string(src.shape[i]) + " must be >= 0");
+      return invalid_argument(where + ": shape[" + std::to_string(i) +
+                              "] = " + std::to_string(src.shape[i]) + " must be >= 0");
     if (src.strides[i] < 0)
-      return invalid_argument(where + ": strides[" + std::to_string(i) + "] = " +
-                              std::to_string(src.strides[i]) + " must be >= 0");
+      return invalid_argument(where + ": strides[" + std::to_string(i) +
+                              "] = " + std::to_string(src.strides[i]) + " must be >= 0");
     if (!checked_mul(numel, src.shape[i], &numel))
       return invalid_argument(where + ": element count of " + src.describe() +
                               " overflows 64 bits");
@@ -145,8 +145,7 @@ Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::s
               std::memcpy(&dv, base + off * static_cast<int64_t>(esize), sizeof dv);
               if (std::isfinite(dv))
                 return invalid_argument(where + ": element " + std::to_string(n) + " = " +
-                                        std::to_string(dv) +
-                                        " (f64) is beyond the f32 range");
+                                        std::to_string(dv) + " (f64) is beyond the f32 range");
             }
             o[n++] = v;
           }
@@ -173,8 +172,7 @@ Status check_no_unexpected(const WeightMap& weights, std::string_view prefix,
       std::string list;
       for (const std::string& e : expected_names) list += (list.empty() ? "" : ", ") + e;
       return invalid_argument(std::string(fn) + ": unexpected weight '" + name + "' under '" +
-                              under + "' (expected only: " + (list.empty() ? "none" : list) +
-                              ")");
+                              under + "' (expected only: " + (list.empty() ? "none" : list) + ")");
     }
   }
   return Status::Ok();

@@ -67,9 +67,7 @@ struct AttentionParams {
   int num_threads = 1;
 
   int64_t keys_of(int64_t b) const { return k_len ? k_len[b] : seqlen_k; }
-  int64_t offset_of(int64_t b) const {
-    return q_offset ? q_offset[b] : keys_of(b) - seqlen_q;
-  }
+  int64_t offset_of(int64_t b) const { return q_offset ? q_offset[b] : keys_of(b) - seqlen_q; }
   int64_t physical_row(int64_t j) const {
     if (ring_capacity == 0) return j;
     int64_t r = ring_start + j;

@@ -42,11 +42,9 @@ inline void key_range(const AttentionParams& prm, int64_t b, int64_t p, int64_t*
   // Windows may be anything up to INT64_MAX (the API only requires >= -1),
   // so the bounds saturate: a bound that overflows lies beyond every key.
   int64_t bound;
-  if (prm.window_right >= 0 && !__builtin_add_overflow(p, prm.window_right, &bound) &&
-      bound < end)
+  if (prm.window_right >= 0 && !__builtin_add_overflow(p, prm.window_right, &bound) && bound < end)
     end = bound + 1;
-  if (prm.window_left >= 0 && !__builtin_sub_overflow(p, prm.window_left, &bound) &&
-      bound > begin)
+  if (prm.window_left >= 0 && !__builtin_sub_overflow(p, prm.window_left, &bound) && bound > begin)
     begin = bound;
   *lo = begin;
   *hi = std::max(begin, end);

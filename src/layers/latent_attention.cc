@@ -57,8 +57,8 @@ class Scratch {
     try {
       buf_ = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(n));
     } catch (const std::bad_alloc&) {
-      return resource_exhausted(std::string(kForward) + ": cannot allocate " +
-                                std::to_string(n) + " floats of scratch for " + what);
+      return resource_exhausted(std::string(kForward) + ": cannot allocate " + std::to_string(n) +
+                                " floats of scratch for " + what);
     }
     return Status::Ok();
   }
@@ -68,7 +68,9 @@ class Scratch {
   std::unique_ptr<float[]> buf_;
 };
 
-kernels::Strides4 strides4(int64_t batch, int64_t row, int64_t head) { return {batch, row, head, 1}; }
+kernels::Strides4 strides4(int64_t batch, int64_t row, int64_t head) {
+  return {batch, row, head, 1};
+}
 
 }  // namespace
 
@@ -89,9 +91,9 @@ Result<LatentAttention> LatentAttention::create(const MlaConfig& config) {
     // correction already sits in the softmax scale (mla_softmax_scale).
     const RopeScaling& y = rc.scaling;
     const auto m = [&](double s) { return 0.1 * s * std::log(y.factor) + 1.0; };
-    rc.scaling.attention_factor =
-        (y.mscale > 0.0 && y.mscale_all_dim > 0.0 && y.factor > 1.0) ? m(y.mscale) / m(y.mscale_all_dim)
-                                                                      : 1.0;
+    rc.scaling.attention_factor = (y.mscale > 0.0 && y.mscale_all_dim > 0.0 && y.factor > 1.0)
+                                      ? m(y.mscale) / m(y.mscale_all_dim)
+                                      : 1.0;
   }
   Result<Rope> rope = Rope::create(rc);
   if (!rope.ok())
@@ -109,8 +111,8 @@ std::vector<std::string> LatentAttention::weight_names() const {
     names = {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"};
   else
     names = {"q_proj.weight"};
-  for (const char* n : {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
-                        "o_proj.weight"})
+  for (const char* n :
+       {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"})
     names.emplace_back(n);
   return names;
 }
@@ -136,13 +138,12 @@ Status LatentAttention::load_weights(const WeightMap& weights, std::string_view 
         "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim), hidden_size", &staged.q));
   }
   ATTNKIT_RETURN_IF_ERROR(loader.load("kv_a_proj_with_mqa.weight", {dc + dr, d},
-                                      "kv_lora_rank+qk_rope_head_dim, hidden_size",
-                                      &staged.kv_a));
+                                      "kv_lora_rank+qk_rope_head_dim, hidden_size", &staged.kv_a));
   ATTNKIT_RETURN_IF_ERROR(
       loader.load("kv_a_layernorm.weight", {dc}, "kv_lora_rank", &staged.kv_a_norm));
-  ATTNKIT_RETURN_IF_ERROR(loader.load(
-      "kv_b_proj.weight", {H * (dn + dv), dc},
-      "num_attention_heads*(qk_nope_head_dim+v_head_dim), kv_lora_rank", &staged.kv_b));
+  ATTNKIT_RETURN_IF_ERROR(
+      loader.load("kv_b_proj.weight", {H * (dn + dv), dc},
+                  "num_attention_heads*(qk_nope_head_dim+v_head_dim), kv_lora_rank", &staged.kv_b));
   ATTNKIT_RETURN_IF_ERROR(loader.load("o_proj.weight", {d, H * dv},
                                       "hidden_size, num_attention_heads*v_head_dim", &staged.o));
   ATTNKIT_RETURN_IF_ERROR(loader.finish());
@@ -152,15 +153,14 @@ Status LatentAttention::load_weights(const WeightMap& weights, std::string_view 
 }
 
 Result<TensorView> LatentAttention::weight(std::string_view name) const {
-  const std::pair<const char*, const Tensor*> table[] = {
-      {"q_a_proj.weight", &w_.q_a},
-      {"q_a_layernorm.weight", &w_.q_a_norm},
-      {"q_b_proj.weight", &w_.q_b},
-      {"q_proj.weight", &w_.q},
-      {"kv_a_proj_with_mqa.weight", &w_.kv_a},
-      {"kv_a_layernorm.weight", &w_.kv_a_norm},
-      {"kv_b_proj.weight", &w_.kv_b},
-      {"o_proj.weight", &w_.o}};
+  const std::pair<const char*, const Tensor*> table[] = {{"q_a_proj.weight", &w_.q_a},
+                                                         {"q_a_layernorm.weight", &w_.q_a_norm},
+                                                         {"q_b_proj.weight", &w_.q_b},
+                                                         {"q_proj.weight", &w_.q},
+                                                         {"kv_a_proj_with_mqa.weight", &w_.kv_a},
+                                                         {"kv_a_layernorm.weight", &w_.kv_a_norm},
+                                                         {"kv_b_proj.weight", &w_.kv_b},
+                                                         {"o_proj.weight", &w_.o}};
   for (const auto& [n, t] : table)
     if (name == n) {
       if (!loaded_ || !t->data())
@@ -178,14 +178,12 @@ Result<LatentCache> LatentAttention::new_cache(int64_t batch_size, int64_t max_s
   if (batch_size < 1)
     return invalid_argument(f + ": batch_size = " + std::to_string(batch_size) + " must be >= 1");
   if (max_seq_len < 1)
-    return invalid_argument(f + ": max_seq_len = " + std::to_string(max_seq_len) +
-                            " must be >= 1");
+    return invalid_argument(f + ": max_seq_len = " + std::to_string(max_seq_len) + " must be >= 1");
   if (dtype != DType::kF32 && dtype != DType::kBF16)
     return invalid_argument(f + ": dtype = " + dtype_name(dtype) + " must be f32 or bf16");
   Result<Tensor> storage =
       Tensor::zeros(dtype, {batch_size, max_seq_len, config_.cache_values_per_token()});
-  if (!storage.ok())
-    return Status(storage.status().code(), f + ": " + storage.status().message());
+  if (!storage.ok()) return Status(storage.status().code(), f + ": " + storage.status().message());
   LatentCache cache;
   cache.kv_lora_rank_ = config_.kv_lora_rank;
   cache.qk_rope_head_dim_ = config_.qk_rope_head_dim;
@@ -202,8 +200,8 @@ Status LatentCache::append(const TensorView& rows) {
   const int64_t T = rows.shape[1], L = length_;
   if (T > max_seq_len() - L)
     return out_of_range(std::string(fn) + ": cache overflow: length " + std::to_string(L) + " + " +
-                        std::to_string(T) + " new tokens > max_seq_len = " +
-                        std::to_string(max_seq_len()));
+                        std::to_string(T) +
+                        " new tokens > max_seq_len = " + std::to_string(max_seq_len()));
   if (check::overlaps(rows, storage_.view()))
     return invalid_argument(std::string(fn) + ": rows overlap the cache storage");
   const int64_t n = values_per_token();
@@ -242,8 +240,8 @@ MlaForm LatentAttention::choose_form(int64_t new_tokens, int64_t cached_tokens) 
       L * H * static_cast<double>((c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank);
   const double naive = decompress + kAttentionMacCost * pairs * H *
                                         static_cast<double>(c.qk_head_dim() + c.v_head_dim);
-  const double absorbed = kAttentionMacCost * pairs * H *
-                          static_cast<double>(2 * c.kv_lora_rank + c.qk_rope_head_dim);
+  const double absorbed =
+      kAttentionMacCost * pairs * H * static_cast<double>(2 * c.kv_lora_rank + c.qk_rope_head_dim);
   return naive <= absorbed ? MlaForm::kNaive : MlaForm::kAbsorbed;
 }
 
@@ -304,8 +302,8 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
                               " must equal x.shape[0] (batch) = " + std::to_string(B));
     if (T > cache->max_seq_len() - L)
       return out_of_range(f + ": cache overflow: length " + std::to_string(L) + " + " +
-                          std::to_string(T) + " new tokens > max_seq_len = " +
-                          std::to_string(cache->max_seq_len()));
+                          std::to_string(T) +
+                          " new tokens > max_seq_len = " + std::to_string(cache->max_seq_len()));
     if (check::overlaps(out, cache->storage()))
       return invalid_argument(f + ": out overlaps the cache storage");
   }
@@ -465,8 +463,8 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
     // against kv_b_proj's rows as stored, the heads spread over the threads.
     parallel_for(H, resolve_num_threads(run.num_threads), [&](int64_t h, int) {
       const float* w_uk = kv_b + h * (dn + dv) * dc;  // [d_n, d_c]
-      kernels::linear_nn(q.data() + h * dqk, H * dqk, w_uk, dc, qa.data() + h * dkv, H * dkv,
-                         rows, dc, dn, run.backend);
+      kernels::linear_nn(q.data() + h * dqk, H * dqk, w_uk, dc, qa.data() + h * dkv, H * dkv, rows,
+                         dc, dn, run.backend);
     });
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t h = 0; h < H; ++h)

@@ -140,10 +140,12 @@ bool route_token(const MoeConfig& c, const float* logits, const float* bias, Rou
     }
     for (int64_t e = 0; e < E; ++e) score[e] /= sum;
   } else {
-    for (int64_t e = 0; e < E; ++e) score[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(logits[e])));
+    for (int64_t e = 0; e < E; ++e)
+      score[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(logits[e])));
   }
   double* choice = s.choice.data();
-  for (int64_t e = 0; e < E; ++e) choice[e] = score[e] + (bias ? static_cast<double>(bias[e]) : 0.0);
+  for (int64_t e = 0; e < E; ++e)
+    choice[e] = score[e] + (bias ? static_cast<double>(bias[e]) : 0.0);
 
   s.candidates.clear();
   const bool grouped = c.topk_method != MoeTopkMethod::kGreedy && c.topk_group < c.n_group;
@@ -281,8 +283,8 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
                             std::to_string(run.num_threads) + " must be >= 0 (0 = default)");
   if (run.backend != Backend::kAuto && run.backend != Backend::kReference &&
       run.backend != Backend::kFast)
-    return invalid_argument(std::string(kFwd) + ": backend = " +
-                            std::to_string(static_cast<int>(run.backend)) +
+    return invalid_argument(std::string(kFwd) +
+                            ": backend = " + std::to_string(static_cast<int>(run.backend)) +
                             " is not a Backend value");
   if (!loaded())
     return invalid_argument(std::string(kFwd) +
@@ -298,9 +300,12 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
   int64_t ldx = H;
   bool pack = x.strides[2] != 1 && H > 1;
   if (!pack && T > 1) {
-    if (seq == 1) ldx = x.strides[0];
-    else if (batch == 1 || x.strides[0] == seq * x.strides[1]) ldx = x.strides[1];
-    else pack = true;
+    if (seq == 1)
+      ldx = x.strides[0];
+    else if (batch == 1 || x.strides[0] == seq * x.strides[1])
+      ldx = x.strides[1];
+    else
+      pack = true;
   }
 
   const int threads = resolve_threads(run.num_threads);

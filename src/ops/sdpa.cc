@@ -34,8 +34,8 @@ Status check_no_self_overlap(const char* fn, const char* name, const TensorView&
   const std::string n = name;
   for (int b = 0; b < v.rank; ++b) {
     if (v.shape[b] < 2) continue;
-    const std::string sb = n + ".strides[" + std::to_string(b) + "] = " +
-                           std::to_string(v.strides[b]);
+    const std::string sb =
+        n + ".strides[" + std::to_string(b) + "] = " + std::to_string(v.strides[b]);
     if (v.strides[b] == 0)
       return invalid_argument(std::string(fn) + ": " + sb + " with " + n + ".shape[" +
                               std::to_string(b) + "] = " + std::to_string(v.shape[b]) +
@@ -46,9 +46,9 @@ Status check_no_self_overlap(const char* fn, const char* name, const TensorView&
       const int64_t m = v.strides[a] / v.strides[b];
       if (m >= 1 && m < v.shape[b])
         return invalid_argument(std::string(fn) + ": " + n + ".strides[" + std::to_string(a) +
-                                "] = " + std::to_string(v.strides[a]) + " is " +
-                                std::to_string(m) + " * " + sb + " with " + n + ".shape[" +
-                                std::to_string(b) + "] = " + std::to_string(v.shape[b]) +
+                                "] = " + std::to_string(v.strides[a]) + " is " + std::to_string(m) +
+                                " * " + sb + " with " + n + ".shape[" + std::to_string(b) +
+                                "] = " + std::to_string(v.shape[b]) +
                                 ", so distinct elements share memory; an output must not "
                                 "overlap itself");
     }
@@ -113,8 +113,8 @@ Status fill_mask(const char* fn, const TensorView& mask, int64_t batch, int64_t 
   int64_t st[4];
   for (int i = 0; i < 4; ++i) {
     if (mask.shape[i] != full[i] && mask.shape[i] != 1)
-      return invalid_argument(std::string(fn) + ": mask.shape[" + std::to_string(i) + "] = " +
-                              std::to_string(mask.shape[i]) + " must be 1 or " + names[i] +
+      return invalid_argument(std::string(fn) + ": mask.shape[" + std::to_string(i) +
+                              "] = " + std::to_string(mask.shape[i]) + " must be 1 or " + names[i] +
                               " = " + std::to_string(full[i]));
     st[i] = mask.shape[i] == 1 ? 0 : mask.strides[i];
   }
@@ -138,8 +138,7 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
   const int64_t batch = q.shape[0], seqlen_q = q.shape[1], num_heads = q.shape[2],
                 head_dim = q.shape[3];
   const int64_t seqlen_k = k.shape[1], num_kv_heads = k.shape[2], head_dim_v = v.shape[3];
-  ATTNKIT_RETURN_IF_ERROR(
-      check_head_layout(kFn, num_heads, num_kv_heads, head_dim, head_dim_v));
+  ATTNKIT_RETURN_IF_ERROR(check_head_layout(kFn, num_heads, num_kv_heads, head_dim, head_dim_v));
   ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "k", k, 0, "batch", batch, "q.shape[0]"));
   ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "k", k, 3, "head_dim", head_dim, "q.shape[3]"));
   ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "v", v, 0, "batch", batch, "q.shape[0]"));
@@ -192,14 +191,13 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
       const int32_t n = options.seqlens_k[b];
       if (n < 0 || n > seqlen_k)
         return invalid_argument(std::string(kFn) + ": seqlens_k[" + std::to_string(b) +
-                                "] = " + std::to_string(n) + " must be in [0, seqlen_k = " +
-                                std::to_string(seqlen_k) + "]");
+                                "] = " + std::to_string(n) +
+                                " must be in [0, seqlen_k = " + std::to_string(seqlen_k) + "]");
     }
   }
 
   kernels::AttentionParams prm;
-  ATTNKIT_RETURN_IF_ERROR(
-      fill_mask(kFn, options.mask, batch, num_heads, seqlen_q, seqlen_k, &prm));
+  ATTNKIT_RETURN_IF_ERROR(fill_mask(kFn, options.mask, batch, num_heads, seqlen_q, seqlen_k, &prm));
   prm.batch = batch;
   prm.seqlen_q = seqlen_q;
   prm.seqlen_k = seqlen_k;
@@ -261,8 +259,10 @@ Status merge_attention_states(const TensorView& out_a, const TensorView& lse_a,
   const char* lse_names[3] = {"batch", "num_heads", "seqlen_q"};
   const char* lse_src[3] = {"out_a.shape[0]", "out_a.shape[2]", "out_a.shape[1]"};
   for (int i = 0; i < 3; ++i) {
-    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse_a", lse_a, i, lse_names[i], lse_shape[i], lse_src[i]));
-    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse_b", lse_b, i, lse_names[i], lse_shape[i], lse_src[i]));
+    ATTNKIT_RETURN_IF_ERROR(
+        check::dim(fn, "lse_a", lse_a, i, lse_names[i], lse_shape[i], lse_src[i]));
+    ATTNKIT_RETURN_IF_ERROR(
+        check::dim(fn, "lse_b", lse_b, i, lse_names[i], lse_shape[i], lse_src[i]));
     ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse", lse, i, lse_names[i], lse_shape[i], lse_src[i]));
   }
   // out may be out_a itself and lse may be lse_a itself (each element is
@@ -314,8 +314,8 @@ Status merge_attention_states(const TensorView& out_a, const TensorView& lse_a,
                              d * out_a.strides[3];
           const int64_t ib = b * out_b.strides[0] + i * out_b.strides[1] + h * out_b.strides[2] +
                              d * out_b.strides[3];
-          const int64_t io = b * out.strides[0] + i * out.strides[1] + h * out.strides[2] +
-                             d * out.strides[3];
+          const int64_t io =
+              b * out.strides[0] + i * out.strides[1] + h * out.strides[2] + d * out.strides[3];
           // Skip a side with zero weight so that its (unread) rows cannot
           // inject NaN through 0 * NaN.
           double acc = 0.0;

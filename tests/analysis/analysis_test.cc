@@ -13,7 +13,7 @@ namespace {
 struct Expect {
   const char* preset;
   int64_t layers, heads, kv_heads, head_dim;
-  int64_t kv_bytes_per_token_bf16;  // all layers, latent for MLA
+  int64_t kv_bytes_per_token_bf16;     // all layers, latent for MLA
   int64_t naive_bytes_per_token_bf16;  // MLA only (0 otherwise)
   int64_t params_per_layer;
   int64_t decode_flops_4096;  // one layer, L = 4096, no window cap
@@ -60,7 +60,11 @@ TEST(Analysis, PresetsMatchHandComputedTable) {
 
 // mla.md Table 2: one sequence's bf16 KV cache in MiB (window-capped).
 TEST(Analysis, CacheSizesWithWindows) {
-  struct Row { const char* preset; int64_t context; double mib; };
+  struct Row {
+    const char* preset;
+    int64_t context;
+    double mib;
+  };
   const Row rows[] = {
       {"Llama-2-7B", 4096, 2048.0},   {"Llama-3-8B", 8192, 1024.0},
       {"Mistral-7B", 4096, 512.0},    {"Mistral-7B", 32768, 512.0},
@@ -74,12 +78,14 @@ TEST(Analysis, CacheSizesWithWindows) {
     SCOPED_TRACE(std::string(r.preset) + " @ " + std::to_string(r.context));
     auto m = model_preset(r.preset);
     ASSERT_TRUE(m.ok());
-    EXPECT_DOUBLE_EQ(static_cast<double>(kv_cache_bytes(*m, DType::kBF16, r.context, 1)) / (1 << 20), r.mib);
+    EXPECT_DOUBLE_EQ(
+        static_cast<double>(kv_cache_bytes(*m, DType::kBF16, r.context, 1)) / (1 << 20), r.mib);
   }
   auto m = model_preset("Llama-3-8B");
   ASSERT_TRUE(m.ok());
   // Batch and dtype scale linearly: f32 is twice bf16, batch 16 is 16x.
-  EXPECT_EQ(kv_cache_bytes(*m, DType::kF32, 1000, 16), 32 * kv_cache_bytes(*m, DType::kBF16, 1000, 1));
+  EXPECT_EQ(kv_cache_bytes(*m, DType::kF32, 1000, 16),
+            32 * kv_cache_bytes(*m, DType::kBF16, 1000, 1));
 }
 
 TEST(Analysis, MlaConfigIgnoresMisleadingFields) {
@@ -123,7 +129,8 @@ TEST(Analysis, WhatIfSweeps) {
     ASSERT_TRUE(g.ok());
     EXPECT_EQ(kv_bytes_per_token(*g, DType::kBF16), 2 * n * 128 * 32 * 2);
     // Only k_proj and v_proj shrink.
-    EXPECT_EQ(attention_params_per_layer(*m) - attention_params_per_layer(*g), 2 * (32 - n) * 128 * 4096);
+    EXPECT_EQ(attention_params_per_layer(*m) - attention_params_per_layer(*g),
+              2 * (32 - n) * 128 * 4096);
   }
   EXPECT_FALSE(with_kv_heads(*m, 3).ok());
   auto mla = with_mla(*m, 512, 64);
@@ -137,18 +144,21 @@ TEST(Analysis, WhatIfSweeps) {
 }
 
 TEST(Analysis, BadConfigsNameTheField) {
-  auto missing = model_shape_from_json(R"({"model_type":"llama","hidden_size":64,"num_hidden_layers":2})");
+  auto missing =
+      model_shape_from_json(R"({"model_type":"llama","hidden_size":64,"num_hidden_layers":2})");
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("num_attention_heads"), std::string::npos);
   auto bad_div = model_shape_from_json(
       R"({"model_type":"llama","hidden_size":64,"num_attention_heads":8,"num_key_value_heads":3,"num_hidden_layers":2})");
   ASSERT_FALSE(bad_div.ok());
   EXPECT_NE(bad_div.status().message().find("num_key_value_heads = 3"), std::string::npos);
-  auto odd_rope = model_shape_from_json(R"({"model_type":"deepseek_v2","hidden_size":64,"num_attention_heads":4,
+  auto odd_rope =
+      model_shape_from_json(R"({"model_type":"deepseek_v2","hidden_size":64,"num_attention_heads":4,
       "num_hidden_layers":2,"kv_lora_rank":16,"qk_nope_head_dim":8,"qk_rope_head_dim":7,"v_head_dim":8})");
   ASSERT_FALSE(odd_rope.ok());
   EXPECT_NE(odd_rope.status().message().find("qk_rope_head_dim"), std::string::npos);
-  auto wrong_type = model_shape_from_json(R"({"hidden_size":"64","num_attention_heads":8,"num_hidden_layers":2})");
+  auto wrong_type = model_shape_from_json(
+      R"({"hidden_size":"64","num_attention_heads":8,"num_hidden_layers":2})");
   ASSERT_FALSE(wrong_type.ok());
   EXPECT_NE(wrong_type.status().message().find("hidden_size = \"64\""), std::string::npos);
   EXPECT_FALSE(model_shape_from_json("{not json").ok());
@@ -176,13 +186,19 @@ namespace {
 // cast (undefined behaviour), and sizes are capped so products cannot
 // overflow.
 TEST(Analysis, HostileNumbersAreRejected) {
-  for (const char* v : {"1844674407370955161524", "18446744073709551615", "1e300", "4096.5", "-3"}) {
-    const std::string cfg = std::string(R"({"model_type":"llama","hidden_size":64,"num_attention_heads":8,"num_hidden_layers":)") + v + "}";
+  for (const char* v :
+       {"1844674407370955161524", "18446744073709551615", "1e300", "4096.5", "-3"}) {
+    const std::string cfg =
+        std::string(
+            R"({"model_type":"llama","hidden_size":64,"num_attention_heads":8,"num_hidden_layers":)") +
+        v + "}";
     auto m = model_shape_from_json(cfg);
     ASSERT_FALSE(m.ok()) << v;
-    EXPECT_NE(m.status().message().find("num_hidden_layers"), std::string::npos) << m.status().message();
+    EXPECT_NE(m.status().message().find("num_hidden_layers"), std::string::npos)
+        << m.status().message();
   }
-  auto ok = model_shape_from_json(R"({"model_type":"llama","hidden_size":64.0,"num_attention_heads":8,"num_hidden_layers":2})");
+  auto ok = model_shape_from_json(
+      R"({"model_type":"llama","hidden_size":64.0,"num_attention_heads":8,"num_hidden_layers":2})");
   EXPECT_TRUE(ok.ok()) << ok.status().to_string();
 }
 

@@ -10,8 +10,7 @@
 namespace attnkit_test {
 
 // Element (i0, i1, i2, i3) of a rank-4 f32 or bf16 view, as float.
-inline float view_at(const attnkit::TensorView& v, int64_t i0, int64_t i1, int64_t i2,
-                     int64_t i3) {
+inline float view_at(const attnkit::TensorView& v, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
   const int64_t i = i0 * v.strides[0] + i1 * v.strides[1] + i2 * v.strides[2] + i3 * v.strides[3];
   return v.dtype == attnkit::DType::kBF16 ? attnkit::bf16_to_float(v.ptr<const attnkit::bf16>()[i])
                                           : v.ptr<const float>()[i];

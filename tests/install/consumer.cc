@@ -27,9 +27,8 @@ int check_layer() {
   if (attnkit::Status st = layer->load_weights(weights); !st.ok())
     return std::printf("load_weights: %s\n", st.to_string().c_str()), 1;
   float x[4] = {0.5f, -1.0f, 2.0f, 0.25f}, y[4] = {};
-  const attnkit::Status st =
-      layer->forward(attnkit::make_view(x, attnkit::DType::kF32, {1, 1, 4}),
-                     attnkit::make_view(y, attnkit::DType::kF32, {1, 1, 4}));
+  const attnkit::Status st = layer->forward(attnkit::make_view(x, attnkit::DType::kF32, {1, 1, 4}),
+                                            attnkit::make_view(y, attnkit::DType::kF32, {1, 1, 4}));
   if (!st.ok()) return std::printf("forward: %s\n", st.to_string().c_str()), 1;
   for (int i = 0; i < 4; ++i)
     if (std::fabs(y[i] - x[i]) > 1e-6f)
@@ -40,16 +39,17 @@ int check_layer() {
 }  // namespace
 
 int main() {
-  float q[2] = {1.0f, 0.0f};                  // [1, 1, 1, 2]
-  float k[4] = {1.0f, 0.0f, 0.0f, 0.0f};      // [1, 2, 1, 2]
-  float v[4] = {1.0f, 2.0f, 3.0f, 4.0f};      // [1, 2, 1, 2]
+  float q[2] = {1.0f, 0.0f};              // [1, 1, 1, 2]
+  float k[4] = {1.0f, 0.0f, 0.0f, 0.0f};  // [1, 2, 1, 2]
+  float v[4] = {1.0f, 2.0f, 3.0f, 4.0f};  // [1, 2, 1, 2]
   float out[2] = {0.0f, 0.0f};
   attnkit::AttentionOptions opt;
   opt.softmax_scale = 1.0f;
-  attnkit::Status st = attnkit::sdpa(attnkit::make_view(q, attnkit::DType::kF32, {1, 1, 1, 2}),
-                                     attnkit::make_view(k, attnkit::DType::kF32, {1, 2, 1, 2}),
-                                     attnkit::make_view(v, attnkit::DType::kF32, {1, 2, 1, 2}),
-                                     attnkit::make_view(out, attnkit::DType::kF32, {1, 1, 1, 2}), opt);
+  attnkit::Status st =
+      attnkit::sdpa(attnkit::make_view(q, attnkit::DType::kF32, {1, 1, 1, 2}),
+                    attnkit::make_view(k, attnkit::DType::kF32, {1, 2, 1, 2}),
+                    attnkit::make_view(v, attnkit::DType::kF32, {1, 2, 1, 2}),
+                    attnkit::make_view(out, attnkit::DType::kF32, {1, 1, 1, 2}), opt);
   if (!st.ok()) {
     std::printf("sdpa failed: %s\n", st.to_string().c_str());
     return 1;

@@ -58,7 +58,8 @@ void expect_rejected(const std::string& bytes, std::initializer_list<const char*
   ASSERT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
   EXPECT_EQ(s.message().rfind("SafetensorsFile::parse: <buffer>: ", 0), 0u) << s.message();
   for (const char* f : fragments)
-    EXPECT_NE(s.message().find(f), std::string::npos) << "missing '" << f << "' in: " << s.message();
+    EXPECT_NE(s.message().find(f), std::string::npos)
+        << "missing '" << f << "' in: " << s.message();
 }
 
 // One well-formed F32 [2] tensor at data offsets [0, 8] plus `extra` header
@@ -70,9 +71,8 @@ std::string one_tensor(const std::string& entry, const std::string& data = std::
 TEST(Safetensors, ParsesHandBuiltFileWithUnalignedData) {
   // Header of 77 bytes: the data section starts at file offset 85, so the
   // f32 tensor at data offset 2 sits at an odd address.
-  std::string header =
-      R"({"b":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]},)"
-      R"("x":{"dtype":"F32","shape":[2],"data_offsets":[2,10]}})";
+  std::string header = R"({"b":{"dtype":"BF16","shape":[1],"data_offsets":[0,2]},)"
+                       R"("x":{"dtype":"F32","shape":[2],"data_offsets":[2,10]}})";
   std::string data(10, '\0');
   const uint16_t b = 0x3f80;  // 1.0
   const float x[2] = {-1.5f, 3.25f};
@@ -100,10 +100,9 @@ TEST(Safetensors, ParsesHandBuiltFileWithUnalignedData) {
 }
 
 TEST(Safetensors, ScalarsEmptyTensorsGapsAndTrailingSpaces) {
-  std::string header =
-      R"({"s":{"dtype":"I64","shape":[],"data_offsets":[8,16]},)"
-      R"("e":{"dtype":"F16","shape":[0,3],"data_offsets":[16,16]},)"
-      R"("__metadata__":{"format":"pt"}}    )";
+  std::string header = R"({"s":{"dtype":"I64","shape":[],"data_offsets":[8,16]},)"
+                       R"("e":{"dtype":"F16","shape":[0,3],"data_offsets":[16,16]},)"
+                       R"("__metadata__":{"format":"pt"}}    )";
   std::string data(16, '\0');
   const int64_t v = -42;
   std::memcpy(&data[8], &v, 8);
@@ -170,8 +169,10 @@ TEST(Safetensors, RejectsInvalidJson) {
 }
 
 TEST(Safetensors, RejectsWrongEntryTypesAndFields) {
-  expect_rejected(file_bytes(R"({"w":5})"), {"tensor 'w': entry must be a JSON object, got number 5"});
-  expect_rejected(one_tensor(R"({"dtype":"F32","shape":[2]})"), {"tensor 'w': missing field 'data_offsets'"});
+  expect_rejected(file_bytes(R"({"w":5})"),
+                  {"tensor 'w': entry must be a JSON object, got number 5"});
+  expect_rejected(one_tensor(R"({"dtype":"F32","shape":[2]})"),
+                  {"tensor 'w': missing field 'data_offsets'"});
   expect_rejected(one_tensor(R"({"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1})"),
                   {"tensor 'w': unknown field 'x'"});
   expect_rejected(one_tensor(R"({"dtype":7,"shape":[2],"data_offsets":[0,8]})"),
@@ -182,9 +183,9 @@ TEST(Safetensors, RejectsWrongEntryTypesAndFields) {
 
 TEST(Safetensors, RejectsUnsupportedAndUnknownDtypes) {
   for (const char* d : {"U8", "I8", "F8_E4M3", "F8_E5M2", "U64"}) {
-    expect_rejected(one_tensor(std::string(R"({"dtype":")") + d +
-                               R"(","shape":[8],"data_offsets":[0,8]})"),
-                    {"tensor 'w': dtype = \"", d, "\" is not supported"});
+    expect_rejected(
+        one_tensor(std::string(R"({"dtype":")") + d + R"(","shape":[8],"data_offsets":[0,8]})"),
+        {"tensor 'w': dtype = \"", d, "\" is not supported"});
   }
   expect_rejected(one_tensor(R"({"dtype":"f32","shape":[2],"data_offsets":[0,8]})"),
                   {"tensor 'w': dtype = \"f32\" is not a safetensors dtype"});
@@ -195,7 +196,8 @@ TEST(Safetensors, RejectsBadShapes) {
     return one_tensor(R"({"dtype":"F32","shape":)" + shape + R"(,"data_offsets":[0,8]})");
   };
   expect_rejected(with_shape("[2,-1]"), {"tensor 'w': shape[1] = -1 must be >= 0"});
-  expect_rejected(with_shape("[2.0]"), {"tensor 'w': shape[0] = 2.0 must be a non-negative integer"});
+  expect_rejected(with_shape("[2.0]"),
+                  {"tensor 'w': shape[0] = 2.0 must be a non-negative integer"});
   expect_rejected(with_shape("[\"2\"]"), {"shape[0] = \"2\" must be a non-negative integer"});
   expect_rejected(with_shape("[null]"), {"shape[0] = null must be"});
   expect_rejected(with_shape("[1,1,1,1,2]"), {"shape = [1,1,1,1,2] has rank 5; at most 4"});
@@ -205,7 +207,8 @@ TEST(Safetensors, RejectsBadShapes) {
   expect_rejected(with_shape("[4294967296,4294967296]"), {"element count overflows 64 bits"});
   expect_rejected(with_shape("[4611686018427387904]"), {"of F32: byte count overflows 64 bits"});
   // A wrong but representable count is a size mismatch.
-  expect_rejected(with_shape("[3]"), {"data_offsets = [0,8] span 8 bytes, but shape [3] of F32 needs 12"});
+  expect_rejected(with_shape("[3]"),
+                  {"data_offsets = [0,8] span 8 bytes, but shape [3] of F32 needs 12"});
 }
 
 TEST(Safetensors, RejectsBadDataOffsets) {
@@ -224,22 +227,19 @@ TEST(Safetensors, RejectsBadDataOffsets) {
 }
 
 TEST(Safetensors, RejectsOverlappingRanges) {
-  std::string header =
-      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-      R"("b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]},)"
-      R"("c":{"dtype":"I32","shape":[2],"data_offsets":[4,12]}})";
+  std::string header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                       R"("b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]},)"
+                       R"("c":{"dtype":"I32","shape":[2],"data_offsets":[4,12]}})";
   expect_rejected(file_bytes(header, std::string(20, '\0')),
                   {"tensors 'a' (bytes [0, 8)) and 'c' (bytes [4, 12)) overlap"});
   // Touching ranges and empty tensors inside another's range are fine.
-  header =
-      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-      R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]},)"
-      R"("z":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})";
+  header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+           R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]},)"
+           R"("z":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})";
   EXPECT_TRUE(parse_status(file_bytes(header, std::string(16, '\0'))).ok());
   // The same range twice.
-  header =
-      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-      R"("b":{"dtype":"BF16","shape":[4],"data_offsets":[0,8]}})";
+  header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+           R"("b":{"dtype":"BF16","shape":[4],"data_offsets":[0,8]}})";
   expect_rejected(file_bytes(header, std::string(8, '\0')), {"'a'", "'b'", "overlap"});
 }
 
@@ -252,8 +252,8 @@ TEST(Safetensors, RejectsDuplicateKeys) {
                   {"header has the key 'w' twice"});
   expect_rejected(one_tensor(R"({"dtype":"F32","dtype":"F16","shape":[2],"data_offsets":[0,8]})"),
                   {"header has the key 'dtype' twice"});
-  expect_rejected(
-      file_bytes(R"({"__metadata__":{"k":"a","k":"b"}})"), {"header has the key 'k' twice"});
+  expect_rejected(file_bytes(R"({"__metadata__":{"k":"a","k":"b"}})"),
+                  {"header has the key 'k' twice"});
 }
 
 TEST(Safetensors, RejectsBadMetadata) {
@@ -274,10 +274,9 @@ TEST(Safetensors, LongUntrustedStringsAreClippedInMessages) {
 // Random byte flips, truncations and insertions of a valid file: every
 // outcome is a clean error or a file whose views lie inside the buffer.
 TEST(Safetensors, MutatedFilesFailCleanly) {
-  const std::string header =
-      R"({"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},)"
-      R"("b":{"dtype":"BF16","shape":[3],"data_offsets":[16,22]},)"
-      R"("__metadata__":{"k":"v"}})";
+  const std::string header = R"({"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},)"
+                             R"("b":{"dtype":"BF16","shape":[3],"data_offsets":[16,22]},)"
+                             R"("__metadata__":{"k":"v"}})";
   const std::string valid = file_bytes(header, std::string(22, '\x5a'));
   std::mt19937 rng(1234);
   int accepted = 0;
@@ -287,9 +286,15 @@ TEST(Safetensors, MutatedFilesFailCleanly) {
     for (int e = 0; e < edits; ++e) {
       const size_t pos = rng() % m.size();
       switch (rng() % 3) {
-        case 0: m[pos] = static_cast<char>(rng()); break;
-        case 1: m.resize(pos); break;
-        default: m.insert(pos, 1, "{}[]\",:0-9e"[rng() % 11]); break;
+        case 0:
+          m[pos] = static_cast<char>(rng());
+          break;
+        case 1:
+          m.resize(pos);
+          break;
+        default:
+          m.insert(pos, 1, "{}[]\",:0-9e"[rng() % 11]);
+          break;
       }
       if (m.empty()) break;
     }
@@ -451,11 +456,11 @@ TEST(Safetensors, ManyTensorsRoundTrip) {
   for (int layer = 0; layer < 32; ++layer) {
     for (int k = 0; k < 5; ++k) {
       const DType d = dtypes[(layer + k) % 4];
-      const int64_t rows = 1 + static_cast<int64_t>(rng() % 9), cols = 1 + static_cast<int64_t>(rng() % 7);
+      const int64_t rows = 1 + static_cast<int64_t>(rng() % 9),
+                    cols = 1 + static_cast<int64_t>(rng() % 7);
       storage.emplace_back(static_cast<size_t>(rows * cols) * dtype_size(d));
       for (uint8_t& byte : storage.back()) byte = static_cast<uint8_t>(rng());
-      const std::string name =
-          "model.layers." + std::to_string(layer) + ".self_attn." + kinds[k];
+      const std::string name = "model.layers." + std::to_string(layer) + ".self_attn." + kinds[k];
       in[name] = k == 4 ? make_view(storage.back().data(), d, {rows * cols})
                         : make_view(storage.back().data(), d, {rows, cols});
     }
@@ -477,7 +482,8 @@ TEST(Safetensors, ManyTensorsRoundTrip) {
     const TensorView& v = r->tensors().at(name);
     EXPECT_EQ(v.dtype, src.dtype) << name;
     EXPECT_EQ(v.describe(), src.describe()) << name;
-    EXPECT_EQ(std::memcmp(v.data, src.data, static_cast<size_t>(src.numel()) * dtype_size(src.dtype)), 0)
+    EXPECT_EQ(
+        std::memcmp(v.data, src.data, static_cast<size_t>(src.numel()) * dtype_size(src.dtype)), 0)
         << name;
   }
 }

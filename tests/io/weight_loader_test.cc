@@ -174,7 +174,8 @@ TEST(WeightLoader, RankZeroAndEmpty) {
 
 TEST(WeightLoader, ShapeMismatchMessage) {
   std::vector<float> buf(32);
-  WeightMap w{{"model.layers.0.self_attn.q_proj.weight", make_view(buf.data(), DType::kF32, {8, 4})}};
+  WeightMap w{
+      {"model.layers.0.self_attn.q_proj.weight", make_view(buf.data(), DType::kF32, {8, 4})}};
   Tensor t;
   Status s = copy_weight_f32(w, "model.layers.0.self_attn", "q_proj.weight", {8, 16},
                              "num_heads*head_dim, hidden_size", kFn, &t);
@@ -235,9 +236,9 @@ TEST(WeightLoader, UnexpectedNamesUnderPrefix) {
               {"model.layers.0.self_attn.q_proj.bias", v},
               {"model.layers.0.self_attn_extra.weight", v},  // shares characters, not the prefix
               {"model.layers.1.self_attn.q_proj.weight", v}};
-  EXPECT_TRUE(check_no_unexpected(w, "model.layers.0.self_attn",
-                                  {"q_proj.weight", "q_proj.bias"}, kFn)
-                  .ok());
+  EXPECT_TRUE(
+      check_no_unexpected(w, "model.layers.0.self_attn", {"q_proj.weight", "q_proj.bias"}, kFn)
+          .ok());
   Status s = check_no_unexpected(w, "model.layers.0.self_attn.", {"q_proj.weight"}, kFn);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message(),

@@ -49,9 +49,9 @@ struct Case {
   bool mask_broadcast = false;
   SparsePattern sparse;
   bool ring = false;
-  bool strided = false;   // padded strides everywhere, non-unit q/out dim strides
-  bool mla_view = false;  // V is the first dv columns of K's rows (dv <= d)
-  double poison = 0.0;    // fraction of (batch, kv row, kv head) K/V rows set to NaN
+  bool strided = false;    // padded strides everywhere, non-unit q/out dim strides
+  bool mla_view = false;   // V is the first dv columns of K's rows (dv <= d)
+  double poison = 0.0;     // fraction of (batch, kv row, kv head) K/V rows set to NaN
   bool inexact_q = false;  // bf16 K/V: leave q and the scale arbitrary (see Problem)
   uint64_t seed = 1;
 
@@ -751,7 +751,7 @@ TEST(AttentionFast, DecodeDefaultPlansOverManyKvHeadsAndBatches) {
 // second 64-column block twice; every smaller dim missed it.)
 TEST(AttentionFast, HeadDimsAcrossColumnBlocks) {
   uint64_t seed = 700;
-  const int64_t dims[][2] = {{64, 63}, {64, 64}, {64, 65}, {96, 96}, {128, 128},
+  const int64_t dims[][2] = {{64, 63},   {64, 64},   {64, 65},   {96, 96},  {128, 128},
                              {128, 129}, {192, 128}, {256, 200}, {576, 512}};
   for (const auto& dd : dims)
     for (int64_t tokens : {1, 2, 9})

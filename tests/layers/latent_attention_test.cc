@@ -117,8 +117,7 @@ std::vector<double> matvec(const std::vector<float>& w, const std::vector<double
   return y;
 }
 
-std::vector<double> rmsnorm(const std::vector<double>& x, const std::vector<float>& g,
-                            double eps) {
+std::vector<double> rmsnorm(const std::vector<double>& x, const std::vector<float>& g, double eps) {
   double ms = 0.0;
   for (double v : x) ms += v * v;
   ms /= double(x.size());
@@ -192,10 +191,10 @@ RefOut reference(const MlaConfig& c, const RefWeights& w, const std::vector<floa
         v(static_cast<size_t>(S));
     for (int64_t s = 0; s < S; ++s) {
       std::vector<double> xs(x.begin() + (b * S + s) * d, x.begin() + (b * S + s + 1) * d);
-      std::vector<double> qs = dq > 0 ? matvec(w.q_b, rmsnorm(matvec(w.q_a, xs, dq, d), w.q_a_norm,
-                                                              c.rms_norm_eps),
-                                               H * dqk, dq)
-                                      : matvec(w.q, xs, H * dqk, d);
+      std::vector<double> qs =
+          dq > 0 ? matvec(w.q_b, rmsnorm(matvec(w.q_a, xs, dq, d), w.q_a_norm, c.rms_norm_eps),
+                          H * dqk, dq)
+                 : matvec(w.q, xs, H * dqk, d);
       for (int64_t h = 0; h < H; ++h) ref_rope(&qs[size_t(h * dqk + dn)], dr, pos[size_t(s)], f);
       const std::vector<double> kva = matvec(w.kv_a, xs, dc + dr, d);
       const std::vector<double> cl =
@@ -210,7 +209,8 @@ RefOut reference(const MlaConfig& c, const RefWeights& w, const std::vector<floa
       for (int64_t h = 0; h < H; ++h) {
         for (int64_t i = 0; i < dn; ++i) ks[size_t(h * dqk + i)] = kvb[size_t(h * (dn + dv) + i)];
         for (int64_t i = 0; i < dr; ++i) ks[size_t(h * dqk + dn + i)] = kr[size_t(i)];
-        for (int64_t i = 0; i < dv; ++i) vs[size_t(h * dv + i)] = kvb[size_t(h * (dn + dv) + dn + i)];
+        for (int64_t i = 0; i < dv; ++i)
+          vs[size_t(h * dv + i)] = kvb[size_t(h * (dn + dv) + dn + i)];
       }
       q[size_t(s)] = std::move(qs);
       k[size_t(s)] = std::move(ks);
@@ -256,8 +256,8 @@ RefOut reference(const MlaConfig& c, const RefWeights& w, const std::vector<floa
   }
   const double rel = worst / scale;
   auto res = rel <= tol ? ::testing::AssertionSuccess() : ::testing::AssertionFailure();
-  return res << what << ": max|diff|/max|ref| = " << rel << " (bound " << tol << "), worst ["
-             << wi << "] actual " << a[wi] << " expected " << e[wi];
+  return res << what << ": max|diff|/max|ref| = " << rel << " (bound " << tol << "), worst [" << wi
+             << "] actual " << a[wi] << " expected " << e[wi];
 }
 
 struct Fixture {
@@ -305,9 +305,9 @@ TEST_P(LatentAttentionExact, BothFormsMatchFloat64Reference) {
       std::vector<float> out(x.size(), 0.0f);
       RunOptions run;
       run.backend = backend;
-      const Status st = fx.layer.forward(make_view(x.data(), DType::kF32, {B, S, d}),
-                                         make_view(out.data(), DType::kF32, {B, S, d}), pos,
-                                         nullptr, run, form);
+      const Status st =
+          fx.layer.forward(make_view(x.data(), DType::kF32, {B, S, d}),
+                           make_view(out.data(), DType::kF32, {B, S, d}), pos, nullptr, run, form);
       ASSERT_TRUE(st.ok()) << st.to_string();
       EXPECT_TRUE(rel_close(std::string("form ") + mla_form_name(form) +
                                 (backend == Backend::kReference ? ", reference" : ", auto"),
@@ -334,10 +334,14 @@ TEST(LatentAttention, NaiveEqualsAbsorbedAtRandomShapesAndBatch) {
     for (auto& p : pos) p = rng.integer(0, 500);
     std::vector<float> naive(x.size()), absorbed(x.size());
     const auto xv = make_view(x.data(), DType::kF32, {B, T, d});
-    ASSERT_TRUE(fx.layer.forward(xv, make_view(naive.data(), DType::kF32, {B, T, d}), pos, nullptr,
-                                 {}, MlaForm::kNaive).ok());
-    ASSERT_TRUE(fx.layer.forward(xv, make_view(absorbed.data(), DType::kF32, {B, T, d}), pos,
-                                 nullptr, {}, MlaForm::kAbsorbed).ok());
+    ASSERT_TRUE(fx.layer
+                    .forward(xv, make_view(naive.data(), DType::kF32, {B, T, d}), pos, nullptr, {},
+                             MlaForm::kNaive)
+                    .ok());
+    ASSERT_TRUE(fx.layer
+                    .forward(xv, make_view(absorbed.data(), DType::kF32, {B, T, d}), pos, nullptr,
+                             {}, MlaForm::kAbsorbed)
+                    .ok());
     std::vector<double> wide(naive.begin(), naive.end());
     EXPECT_TRUE(rel_close("absorbed vs naive, trial " + std::to_string(trial), absorbed.data(),
                           wide.data(), wide.size()));
@@ -403,8 +407,9 @@ TEST(LatentAttention, AppendedRowsRestoreACache) {
   auto b = fx.layer.new_cache(B, 8);
   ASSERT_TRUE(a.ok() && b.ok());
   std::vector<float> out(x.size());
-  ASSERT_TRUE(fx.layer.forward(make_view(x.data(), DType::kF32, {B, 5, d}),
-                               make_view(out.data(), DType::kF32, {B, 5, d}), {}, &a.value())
+  ASSERT_TRUE(fx.layer
+                  .forward(make_view(x.data(), DType::kF32, {B, 5, d}),
+                           make_view(out.data(), DType::kF32, {B, 5, d}), {}, &a.value())
                   .ok());
   // Rows [0, 5) of each batch entry, a strided view into a's storage copy.
   const std::vector<float> saved(a->storage().ptr<float>(),
@@ -416,11 +421,13 @@ TEST(LatentAttention, AppendedRowsRestoreACache) {
   // One more token per sequence (any input; the same for both caches).
   const std::vector<float> xa(x.begin(), x.begin() + B * d);
   std::vector<float> next_a(static_cast<size_t>(B * d)), next_b(static_cast<size_t>(B * d));
-  ASSERT_TRUE(fx.layer.forward(make_view(xa.data(), DType::kF32, {B, 1, d}),
-                               make_view(next_a.data(), DType::kF32, {B, 1, d}), {}, &a.value())
+  ASSERT_TRUE(fx.layer
+                  .forward(make_view(xa.data(), DType::kF32, {B, 1, d}),
+                           make_view(next_a.data(), DType::kF32, {B, 1, d}), {}, &a.value())
                   .ok());
-  ASSERT_TRUE(fx.layer.forward(make_view(xa.data(), DType::kF32, {B, 1, d}),
-                               make_view(next_b.data(), DType::kF32, {B, 1, d}), {}, &b.value())
+  ASSERT_TRUE(fx.layer
+                  .forward(make_view(xa.data(), DType::kF32, {B, 1, d}),
+                           make_view(next_b.data(), DType::kF32, {B, 1, d}), {}, &b.value())
                   .ok());
   EXPECT_EQ(next_a, next_b);
   // Overflow and a wrong row width change nothing.
@@ -450,9 +457,11 @@ TEST(LatentAttention, Bf16CacheFormsAgreeAndTrackReference) {
       outs[i][j].assign(x.size(), 0.0f);
       RunOptions run;
       run.backend = backends[j];
-      ASSERT_TRUE(fx.layer.forward(make_view(x.data(), DType::kF32, {B, S, d}),
-                                   make_view(outs[i][j].data(), DType::kF32, {B, S, d}), {},
-                                   &cache.value(), run, forms[i]).ok());
+      ASSERT_TRUE(fx.layer
+                      .forward(make_view(x.data(), DType::kF32, {B, S, d}),
+                               make_view(outs[i][j].data(), DType::kF32, {B, S, d}), {},
+                               &cache.value(), run, forms[i])
+                      .ok());
     }
   // The reference kernel widens bf16 K/V exactly, so both forms read the
   // same rounded latents and agree to fp32 rounding.
@@ -468,11 +477,11 @@ TEST(LatentAttention, Bf16CacheFormsAgreeAndTrackReference) {
   // Against exact latents: bf16 keeps 8 significant bits (relative rounding
   // <= 2^-9 ~ 2e-3 per latent value); through two linear maps and a softmax
   // the output error stays within a few times that.
-  EXPECT_TRUE(rel_close("bf16 cache vs float64", outs[0][0].data(), ref.out.data(), naive.size(),
-                        1e-2));
+  EXPECT_TRUE(
+      rel_close("bf16 cache vs float64", outs[0][0].data(), ref.out.data(), naive.size(), 1e-2));
   // And that bound is not vacuous: bf16 rounding is visible at fp32 scale.
-  EXPECT_FALSE(rel_close("bf16 differs from exact", outs[0][0].data(), ref.out.data(),
-                         naive.size(), 1e-5));
+  EXPECT_FALSE(
+      rel_close("bf16 differs from exact", outs[0][0].data(), ref.out.data(), naive.size(), 1e-5));
 }
 
 // ---- configuration -----------------------------------------------------
@@ -642,8 +651,9 @@ TEST(LatentAttention, BadCallsWriteNothing) {
   auto cache = fx.layer.new_cache(2, 6);
   ASSERT_TRUE(cache.ok());
   std::vector<float> out(x.size(), 0.0f);
-  ASSERT_TRUE(fx.layer.forward(make_view(x.data(), DType::kF32, {2, 4, d}),
-                               make_view(out.data(), DType::kF32, {2, 4, d}), {}, &cache.value())
+  ASSERT_TRUE(fx.layer
+                  .forward(make_view(x.data(), DType::kF32, {2, 4, d}),
+                           make_view(out.data(), DType::kF32, {2, 4, d}), {}, &cache.value())
                   .ok());
   ASSERT_EQ(cache->length(), 4);
   const std::vector<float> snapshot(cache->storage().ptr<float>(),
@@ -658,31 +668,31 @@ TEST(LatentAttention, BadCallsWriteNothing) {
     EXPECT_TRUE(std::all_of(sentinel.begin(), sentinel.end(), [](float e) { return e == 7.0f; }));
   };
   // Overflow: 4 cached + 3 new > 6.
-  expect_untouched(fx.layer.forward(make_view(x.data(), DType::kF32, {2, 3, d}),
-                                    make_view(sentinel.data(), DType::kF32, {2, 3, d}), {},
-                                    &cache.value()),
-                   StatusCode::kOutOfRange, "max_seq_len = 6");
+  expect_untouched(
+      fx.layer.forward(make_view(x.data(), DType::kF32, {2, 3, d}),
+                       make_view(sentinel.data(), DType::kF32, {2, 3, d}), {}, &cache.value()),
+      StatusCode::kOutOfRange, "max_seq_len = 6");
   // Batch mismatch with the cache.
-  expect_untouched(fx.layer.forward(make_view(x.data(), DType::kF32, {1, 2, d}),
-                                    make_view(sentinel.data(), DType::kF32, {1, 2, d}), {},
-                                    &cache.value()),
-                   StatusCode::kInvalidArgument, "batch_size");
+  expect_untouched(
+      fx.layer.forward(make_view(x.data(), DType::kF32, {1, 2, d}),
+                       make_view(sentinel.data(), DType::kF32, {1, 2, d}), {}, &cache.value()),
+      StatusCode::kInvalidArgument, "batch_size");
   // Wrong hidden size.
-  expect_untouched(fx.layer.forward(make_view(x.data(), DType::kF32, {2, 1, d - 1}),
-                                    make_view(sentinel.data(), DType::kF32, {2, 1, d - 1}), {},
-                                    &cache.value()),
-                   StatusCode::kInvalidArgument, "hidden_size");
+  expect_untouched(
+      fx.layer.forward(make_view(x.data(), DType::kF32, {2, 1, d - 1}),
+                       make_view(sentinel.data(), DType::kF32, {2, 1, d - 1}), {}, &cache.value()),
+      StatusCode::kInvalidArgument, "hidden_size");
   // Negative position, wrong positions count.
   const std::vector<int64_t> neg = {-1};
-  expect_untouched(fx.layer.forward(make_view(x.data(), DType::kF32, {2, 1, d}),
-                                    make_view(sentinel.data(), DType::kF32, {2, 1, d}), neg,
-                                    &cache.value()),
-                   StatusCode::kInvalidArgument, "positions[0] = -1");
+  expect_untouched(
+      fx.layer.forward(make_view(x.data(), DType::kF32, {2, 1, d}),
+                       make_view(sentinel.data(), DType::kF32, {2, 1, d}), neg, &cache.value()),
+      StatusCode::kInvalidArgument, "positions[0] = -1");
   const std::vector<int64_t> three = {4, 5, 6};
-  expect_untouched(fx.layer.forward(make_view(x.data(), DType::kF32, {2, 2, d}),
-                                    make_view(sentinel.data(), DType::kF32, {2, 2, d}), three,
-                                    &cache.value()),
-                   StatusCode::kInvalidArgument, "positions has 3 entries");
+  expect_untouched(
+      fx.layer.forward(make_view(x.data(), DType::kF32, {2, 2, d}),
+                       make_view(sentinel.data(), DType::kF32, {2, 2, d}), three, &cache.value()),
+      StatusCode::kInvalidArgument, "positions has 3 entries");
   // A cache of another layer shape.
   MlaConfig other = fx.cfg;
   other.kv_lora_rank = 16;
@@ -690,9 +700,9 @@ TEST(LatentAttention, BadCallsWriteNothing) {
   ASSERT_TRUE(other_layer.ok());
   auto foreign = other_layer->new_cache(2, 6);
   ASSERT_TRUE(foreign.ok());
-  Status st = fx.layer.forward(make_view(x.data(), DType::kF32, {2, 1, d}),
-                               make_view(sentinel.data(), DType::kF32, {2, 1, d}), {},
-                               &foreign.value());
+  Status st =
+      fx.layer.forward(make_view(x.data(), DType::kF32, {2, 1, d}),
+                       make_view(sentinel.data(), DType::kF32, {2, 1, d}), {}, &foreign.value());
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("kv_lora_rank"), std::string::npos) << st.message();
   EXPECT_EQ(foreign->length(), 0);
@@ -713,8 +723,9 @@ TEST(LatentAttention, BadCallsWriteNothing) {
   EXPECT_FALSE(fx.layer.new_cache(1, 0).ok());
   EXPECT_FALSE(fx.layer.new_cache(1, 4, DType::kF16).ok());
   // The good call after all of that still continues the sequence.
-  ASSERT_TRUE(fx.layer.forward(make_view(x.data(), DType::kF32, {2, 2, d}),
-                               make_view(out.data(), DType::kF32, {2, 2, d}), {}, &cache.value())
+  ASSERT_TRUE(fx.layer
+                  .forward(make_view(x.data(), DType::kF32, {2, 2, d}),
+                           make_view(out.data(), DType::kF32, {2, 2, d}), {}, &cache.value())
                   .ok());
   EXPECT_EQ(cache->length(), 6);
 }
@@ -736,10 +747,10 @@ TEST(LatentAttention, AutoPicksNaiveForPrefillAndAbsorbedForDecode) {
   EXPECT_EQ(layer->weight_names().size(), 7u);
   auto lite = LatentAttention::create(*mla_config_from_json(kV2LiteJson));
   ASSERT_TRUE(lite.ok());
-  EXPECT_EQ(lite->weight_names(),
-            (std::vector<std::string>{"q_proj.weight", "kv_a_proj_with_mqa.weight",
-                                      "kv_a_layernorm.weight", "kv_b_proj.weight",
-                                      "o_proj.weight"}));
+  EXPECT_EQ(
+      lite->weight_names(),
+      (std::vector<std::string>{"q_proj.weight", "kv_a_proj_with_mqa.weight",
+                                "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"}));
 }
 
 }  // namespace

@@ -115,11 +115,11 @@ Weights random_weights(const MoeConfig& c, const std::string& prefix, Rng& rng,
 }
 
 struct Oracle {
-  std::vector<double> out;             // [T, H]
-  std::vector<int32_t> ids;            // [T, K] best first
-  std::vector<double> weights;         // [T, K]
-  std::vector<int64_t> counts;         // [E]
-  double min_margin = kInf;            // smallest top-k / group decision gap
+  std::vector<double> out;      // [T, H]
+  std::vector<int32_t> ids;     // [T, K] best first
+  std::vector<double> weights;  // [T, K]
+  std::vector<int64_t> counts;  // [E]
+  double min_margin = kInf;     // smallest top-k / group decision gap
 };
 
 // down(silu(gate x) * up x) in double; w_gate/w_up [I, H], w_down [H, I].
@@ -167,13 +167,15 @@ Oracle oracle(const MoeConfig& c, const Weights& w, const std::string& prefix,
       for (int64_t e = 0; e < E; ++e) score[sz(e)] = 1.0 / (1.0 + std::exp(-logit[sz(e)]));
     }
     for (int64_t e = 0; e < E; ++e)
-      choice[sz(e)] = score[sz(e)] +
-                          (c.topk_method == MoeTopkMethod::kNoauxTc ? double(w.at(n.bias)[sz(e)]) : 0.0);
+      choice[sz(e)] =
+          score[sz(e)] +
+          (c.topk_method == MoeTopkMethod::kNoauxTc ? double(w.at(n.bias)[sz(e)]) : 0.0);
     // Stable sort by decreasing value: equal values keep increasing index.
     auto ranked = [](const std::vector<double>& v) {
       std::vector<int32_t> idx(v.size());
       std::iota(idx.begin(), idx.end(), 0);
-      std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return v[sz(a)] > v[sz(b)]; });
+      std::stable_sort(idx.begin(), idx.end(),
+                       [&](int32_t a, int32_t b) { return v[sz(a)] > v[sz(b)]; });
       return idx;
     };
     if (c.topk_method != MoeTopkMethod::kGreedy) {
@@ -186,8 +188,8 @@ Oracle oracle(const MoeConfig& c, const Weights& w, const std::string& prefix,
       }
       const auto gr = ranked(gs);
       if (c.topk_group < G)
-        o.min_margin = std::min(o.min_margin, gs[sz(gr[sz(c.topk_group - 1)])] -
-                                                  gs[sz(gr[sz(c.topk_group)])]);
+        o.min_margin =
+            std::min(o.min_margin, gs[sz(gr[sz(c.topk_group - 1)])] - gs[sz(gr[sz(c.topk_group)])]);
       for (int64_t r = c.topk_group; r < G; ++r)
         for (int64_t i = 0; i < per; ++i) choice[sz(gr[sz(r)] * per + i)] = -kInf;
     }
@@ -209,8 +211,9 @@ Oracle oracle(const MoeConfig& c, const Weights& w, const std::string& prefix,
     }
     double* ot = o.out.data() + t * H;
     for (int64_t e = 0; e < E; ++e) {  // every expert, every token
-      const auto y = mlp_f64(xt.data(), w.at(n.expert(int(e), 0)).data(),
-                             w.at(n.expert(int(e), 1)).data(), w.at(n.expert(int(e), 2)).data(), H, I);
+      const auto y =
+          mlp_f64(xt.data(), w.at(n.expert(int(e), 0)).data(), w.at(n.expert(int(e), 1)).data(),
+                  w.at(n.expert(int(e), 2)).data(), H, I);
       for (int64_t d = 0; d < H; ++d) ot[d] += dense_w[sz(e)] * y[sz(d)];
     }
     if (c.n_shared_experts > 0) {
@@ -248,8 +251,9 @@ double check_against_oracle(const MoeConfig& c, const Weights& w, const std::str
   attnkit::RunOptions run;
   run.num_threads = num_threads;
   run.backend = backend;
-  const auto st = layer.forward(attnkit::make_view(x.data(), DType::kF32, {batch, seq, H}),
-                                attnkit::make_view(out.data(), DType::kF32, {batch, seq, H}), &r, run);
+  const auto st =
+      layer.forward(attnkit::make_view(x.data(), DType::kF32, {batch, seq, H}),
+                    attnkit::make_view(out.data(), DType::kF32, {batch, seq, H}), &r, run);
   EXPECT_TRUE(st.ok()) << st.to_string();
   EXPECT_EQ(r.num_tokens, T);
   EXPECT_EQ(r.top_k, K);
@@ -352,8 +356,10 @@ TEST(MoeLayer, DeepseekV3GroupLimitAndBiasMatter) {
   const MoeLayer layer = make_layer(c, w, "model.layers.5");
   std::vector<float> out(x.size());
   MoeRouting r;
-  ASSERT_TRUE(layer.forward(attnkit::make_view(x.data(), DType::kF32, {3, 9, 40}),
-                            attnkit::make_view(out.data(), DType::kF32, {3, 9, 40}), &r).ok());
+  ASSERT_TRUE(layer
+                  .forward(attnkit::make_view(x.data(), DType::kF32, {3, 9, 40}),
+                           attnkit::make_view(out.data(), DType::kF32, {3, 9, 40}), &r)
+                  .ok());
   for (int64_t t = 0; t < 27; ++t) {
     std::vector<int> groups;
     double sum = 0;
@@ -394,8 +400,10 @@ TEST(MoeLayer, RenormalisationOnAndOff) {
     const MoeLayer layer = make_layer(c, w, "");
     std::vector<float> out(x.size());
     MoeRouting r;
-    ASSERT_TRUE(layer.forward(attnkit::make_view(x.data(), DType::kF32, {1, 10, 16}),
-                              attnkit::make_view(out.data(), DType::kF32, {1, 10, 16}), &r).ok());
+    ASSERT_TRUE(layer
+                    .forward(attnkit::make_view(x.data(), DType::kF32, {1, 10, 16}),
+                             attnkit::make_view(out.data(), DType::kF32, {1, 10, 16}), &r)
+                    .ok());
     const Oracle o = oracle(c, w, "", x, 10);
     EXPECT_TRUE(attnkit_test::all_close("weights", r.weights, o.weights, {0.0, 1e-6}));
     for (int64_t t = 0; t < 10; ++t) {
@@ -431,8 +439,10 @@ TEST(MoeRouting, ExactTiesPickTheLowestExpertId) {
   const MoeLayer layer = make_layer(c, w, "");
   std::vector<float> out(x.size());
   MoeRouting r;
-  ASSERT_TRUE(layer.forward(attnkit::make_view(x.data(), DType::kF32, {1, 5, 8}),
-                            attnkit::make_view(out.data(), DType::kF32, {1, 5, 8}), &r).ok());
+  ASSERT_TRUE(layer
+                  .forward(attnkit::make_view(x.data(), DType::kF32, {1, 5, 8}),
+                           attnkit::make_view(out.data(), DType::kF32, {1, 5, 8}), &r)
+                  .ok());
   for (int t = 0; t < 5; ++t) {
     EXPECT_EQ(r.expert_ids[sz(2 * t)], 1) << "token " << t;
     EXPECT_EQ(r.expert_ids[sz(2 * t + 1)], 2) << "token " << t;
@@ -467,8 +477,10 @@ TEST(MoeRouting, ExactGroupTiesPickTheLowestGroup) {
   const MoeLayer layer = make_layer(c, w, "");
   std::vector<float> out(x.size());
   MoeRouting r;
-  ASSERT_TRUE(layer.forward(attnkit::make_view(x.data(), DType::kF32, {4, 1, 8}),
-                            attnkit::make_view(out.data(), DType::kF32, {4, 1, 8}), &r).ok());
+  ASSERT_TRUE(layer
+                  .forward(attnkit::make_view(x.data(), DType::kF32, {4, 1, 8}),
+                           attnkit::make_view(out.data(), DType::kF32, {4, 1, 8}), &r)
+                  .ok());
   EXPECT_EQ(r.expert_ids, (std::vector<int32_t>{2, 2, 2, 2}));
   check_against_oracle(c, w, "", x, 4, 1, /*guard_margin=*/false);
 }
@@ -486,7 +498,7 @@ TEST(MoeLayer, ExpertWithOneTokenAndExpertsWithNone) {
   Weights w = random_weights(c, "m.", rng);
   auto& g = w.at("m.block_sparse_moe.gate.weight");
   std::fill(g.begin(), g.end(), 0.0f);
-  for (int e = 0; e < 5; ++e) g[sz(e * 12 + e)] = 4.0f;  // expert e reads feature e
+  for (int e = 0; e < 5; ++e) g[sz(e * 12 + e)] = 4.0f;    // expert e reads feature e
   for (int d = 0; d < 12; ++d) g[sz(5 * 12 + d)] = -4.0f;  // expert 5: never
   std::vector<float> x(8 * 12, 0.05f);
   for (int t = 0; t < 8; ++t) x[sz(t * 12 + (t == 5 ? 3 : t % 2))] = 1.0f;
@@ -497,7 +509,8 @@ TEST(MoeLayer, ExpertWithOneTokenAndExpertsWithNone) {
   std::vector<float> clean(x.size()), poisoned(x.size());
   MoeRouting r;
   const auto xv = attnkit::make_view(x.data(), DType::kF32, {2, 4, 12});
-  ASSERT_TRUE(layer.forward(xv, attnkit::make_view(clean.data(), DType::kF32, {2, 4, 12}), &r).ok());
+  ASSERT_TRUE(
+      layer.forward(xv, attnkit::make_view(clean.data(), DType::kF32, {2, 4, 12}), &r).ok());
   EXPECT_EQ(r.tokens_per_expert, (std::vector<int64_t>{4, 3, 0, 1, 0, 0}));
   for (int which = 0; which < 3; ++which)
     for (float& v : w.at(names_for(c, "m.").expert(5, which))) v = std::nanf("");
@@ -521,13 +534,15 @@ TEST(MoeLayer, ThreadsAndStridesDoNotChangeTheResult) {
   MoeRouting r1;
   attnkit::RunOptions one;
   one.num_threads = 1;
-  ASSERT_TRUE(layer.forward(xv, attnkit::make_view(ref.data(), DType::kF32, {B, L, H}), &r1, one).ok());
+  ASSERT_TRUE(
+      layer.forward(xv, attnkit::make_view(ref.data(), DType::kF32, {B, L, H}), &r1, one).ok());
   for (int threads : {2, 3, 7}) {
     attnkit::RunOptions run;
     run.num_threads = threads;
     std::vector<float> out(x.size());
     MoeRouting r;
-    ASSERT_TRUE(layer.forward(xv, attnkit::make_view(out.data(), DType::kF32, {B, L, H}), &r, run).ok());
+    ASSERT_TRUE(
+        layer.forward(xv, attnkit::make_view(out.data(), DType::kF32, {B, L, H}), &r, run).ok());
     EXPECT_EQ(0, std::memcmp(ref.data(), out.data(), ref.size() * sizeof(float))) << threads;
     EXPECT_EQ(r.expert_ids, r1.expert_ids);
   }
@@ -770,28 +785,45 @@ TEST(MoeConfig, BadConfigsNameTheField) {
     std::string needle;
   };
   const Case cases[] = {
-      {"{" + v3 + R"(, "num_experts_per_tok": 17})", "num_experts_per_tok = 17 must be in [1, n_routed_experts = 16]"},
+      {"{" + v3 + R"(, "num_experts_per_tok": 17})",
+       "num_experts_per_tok = 17 must be in [1, n_routed_experts = 16]"},
       {"{" + v3 + R"(, "num_experts_per_tok": 0})", "num_experts_per_tok = 0"},
       {"{" + v3 + "}", "num_experts_per_tok is missing"},
       {"{" + v3 + R"(, "num_experts_per_tok": null})", "num_experts_per_tok is null"},
-      {"{" + v3 + R"(, "num_experts_per_tok": "8"})", "num_experts_per_tok = \"8\" must be an integer"},
-      {"{" + v3 + R"(, "num_experts_per_tok": 4, "n_group": 3})", "n_group = 3 must divide n_routed_experts = 16"},
-      {"{" + v3 + R"(, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 5})", "topk_group = 5 must be in [1, n_group = 4]"},
-      {"{" + v3 + R"(, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 0})", "topk_group = 0"},
-      {"{" + v3 + R"(, "num_experts_per_tok": 9, "n_group": 4, "topk_group": 2})", "fewer than num_experts_per_tok = 9"},
-      {"{" + v3 + R"(, "num_experts_per_tok": 4, "scoring_func": "relu"})", "scoring_func = \"relu\""},
-      {"{" + v3 + R"(, "num_experts_per_tok": 4, "topk_method": "random"})", "topk_method = \"random\""},
-      {"{" + v3 + R"(, "num_experts_per_tok": 4, "norm_topk_prob": 1})", "norm_topk_prob = 1 must be true or false"},
-      {"{" + v3 + R"(, "num_experts_per_tok": 4, "routed_scaling_factor": 0})", "routed_scaling_factor = 0"},
-      {"{" + v3 + R"(, "num_experts_per_tok": 4, "n_shared_experts": -1})", "n_shared_experts = -1"},
+      {"{" + v3 + R"(, "num_experts_per_tok": "8"})",
+       "num_experts_per_tok = \"8\" must be an integer"},
+      {"{" + v3 + R"(, "num_experts_per_tok": 4, "n_group": 3})",
+       "n_group = 3 must divide n_routed_experts = 16"},
+      {"{" + v3 + R"(, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 5})",
+       "topk_group = 5 must be in [1, n_group = 4]"},
+      {"{" + v3 + R"(, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 0})",
+       "topk_group = 0"},
+      {"{" + v3 + R"(, "num_experts_per_tok": 9, "n_group": 4, "topk_group": 2})",
+       "fewer than num_experts_per_tok = 9"},
+      {"{" + v3 + R"(, "num_experts_per_tok": 4, "scoring_func": "relu"})",
+       "scoring_func = \"relu\""},
+      {"{" + v3 + R"(, "num_experts_per_tok": 4, "topk_method": "random"})",
+       "topk_method = \"random\""},
+      {"{" + v3 + R"(, "num_experts_per_tok": 4, "norm_topk_prob": 1})",
+       "norm_topk_prob = 1 must be true or false"},
+      {"{" + v3 + R"(, "num_experts_per_tok": 4, "routed_scaling_factor": 0})",
+       "routed_scaling_factor = 0"},
+      {"{" + v3 + R"(, "num_experts_per_tok": 4, "n_shared_experts": -1})",
+       "n_shared_experts = -1"},
       {"{" + v3 + R"(, "num_experts_per_tok": 4, "hidden_act": "gelu"})", "hidden_act = \"gelu\""},
-      {"{" + v3 + R"(, "num_experts_per_tok": 2, "n_group": 16, "topk_group": 4})", "two best experts"},
-      {R"({"model_type": "deepseek_v3", "hidden_size": 64, "n_routed_experts": 16, "num_experts_per_tok": 2})", "moe_intermediate_size is missing"},
-      {R"({"model_type": "deepseek_v3", "hidden_size": 0, "moe_intermediate_size": 8, "n_routed_experts": 16, "num_experts_per_tok": 2})", "hidden_size = 0 must be > 0"},
+      {"{" + v3 + R"(, "num_experts_per_tok": 2, "n_group": 16, "topk_group": 4})",
+       "two best experts"},
+      {R"({"model_type": "deepseek_v3", "hidden_size": 64, "n_routed_experts": 16, "num_experts_per_tok": 2})",
+       "moe_intermediate_size is missing"},
+      {R"({"model_type": "deepseek_v3", "hidden_size": 0, "moe_intermediate_size": 8, "n_routed_experts": 16, "num_experts_per_tok": 2})",
+       "hidden_size = 0 must be > 0"},
       {R"({"model_type": "llama", "hidden_size": 64})", "model_type = \"llama\""},
-      {R"({"hidden_size": 64, "intermediate_size": 8, "num_experts_per_tok": 2})", "no expert count"},
-      {R"({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": false})", "norm_topk_prob = false"},
-      {R"({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2})", "num_local_experts is missing"},
+      {R"({"hidden_size": 64, "intermediate_size": 8, "num_experts_per_tok": 2})",
+       "no expert count"},
+      {R"({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": false})",
+       "norm_topk_prob = false"},
+      {R"({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2})",
+       "num_local_experts is missing"},
       {"{not json", "not valid JSON"},
       {"[1, 2]", "must be an object"},
   };

@@ -32,13 +32,6 @@
 
 namespace {
 
-using attnkit_reliability::OwnedWeights;
-using attnkit_reliability::gqa_config;
-using attnkit_reliability::make_attention_layer;
-using attnkit_reliability::mla_config;
-using attnkit_reliability::make_mla_layer;
-using attnkit_reliability::moe_config;
-using attnkit_reliability::make_moe_layer;
 using attnkit::AttentionConfig;
 using attnkit::AttentionLayer;
 using attnkit::AttentionOptions;
@@ -53,6 +46,13 @@ using attnkit::RunOptions;
 using attnkit::Status;
 using attnkit::TensorView;
 using attnkit::WeightMap;
+using attnkit_reliability::gqa_config;
+using attnkit_reliability::make_attention_layer;
+using attnkit_reliability::make_mla_layer;
+using attnkit_reliability::make_moe_layer;
+using attnkit_reliability::mla_config;
+using attnkit_reliability::moe_config;
+using attnkit_reliability::OwnedWeights;
 using attnkit_test::Rng;
 
 constexpr int kThreadCounts[] = {1, 2, 3, 7};

@@ -62,7 +62,8 @@ inline AttentionConfig gqa_config(int64_t sliding_window) {
   return c;
 }
 
-inline AttentionLayer make_attention_layer(const AttentionConfig& c, OwnedWeights& w, uint64_t seed) {
+inline AttentionLayer make_attention_layer(const AttentionConfig& c, OwnedWeights& w,
+                                           uint64_t seed) {
   Rng rng(seed);
   const int64_t d = c.hidden_size, qo = c.num_heads * c.head_dim, kvo = c.num_kv_heads * c.head_dim;
   w.add("q_proj.weight", {qo, d}, rng);

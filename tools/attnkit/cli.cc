@@ -45,11 +45,13 @@ void Flags::add_string(const std::string& name, std::string* dst, const std::str
   flags_.push_back({name, help, "TEXT", true, [dst](const std::string& v) { *dst = v; }});
 }
 
-void Flags::add_int(const std::string& name, int64_t* dst, const std::string& help, int64_t min_value) {
+void Flags::add_int(const std::string& name, int64_t* dst, const std::string& help,
+                    int64_t min_value) {
   flags_.push_back({name, help, "N", true, [=](const std::string& v) {
                       const int64_t x = to_int(name, v);
                       if (x < min_value)
-                        throw UsageError{name + " must be >= " + std::to_string(min_value) + ", got " + v};
+                        throw UsageError{name + " must be >= " + std::to_string(min_value) +
+                                         ", got " + v};
                       *dst = x;
                     }});
 }
@@ -76,7 +78,8 @@ void Flags::add_bytes(const std::string& name, int64_t* dst, const std::string& 
                     }});
 }
 
-void Flags::add_int_list(const std::string& name, std::vector<int64_t>* dst, const std::string& help) {
+void Flags::add_int_list(const std::string& name, std::vector<int64_t>* dst,
+                         const std::string& help) {
   flags_.push_back({name, help, "N,N,..", true, [=](const std::string& v) {
                       dst->clear();
                       for (const std::string& p : split(v)) {
@@ -92,7 +95,8 @@ void Flags::add_string_list(const std::string& name, std::vector<std::string>* d
   flags_.push_back({name, help, "A,B,..", true, [=](const std::string& v) {
                       *dst = split(v);
                       for (const std::string& p : *dst)
-                        if (p.empty()) throw UsageError{name + " has an empty entry in '" + v + "'"};
+                        if (p.empty())
+                          throw UsageError{name + " has an empty entry in '" + v + "'"};
                     }});
 }
 
@@ -154,7 +158,8 @@ std::string Flags::help() const {
 
 int64_t parse_bytes(const std::string& text) {
   size_t i = 0;
-  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.'))
+    ++i;
   if (i == 0) throw UsageError{"'" + text + "' is not a size (try 24GiB, 512MiB, 4096)"};
   double v;
   try {
@@ -165,16 +170,26 @@ int64_t parse_bytes(const std::string& text) {
   std::string unit = text.substr(i);
   for (char& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   double mult = 1;
-  if (unit.empty() || unit == "b") mult = 1;
-  else if (unit == "k" || unit == "kib") mult = 1024.0;
-  else if (unit == "m" || unit == "mib") mult = 1024.0 * 1024;
-  else if (unit == "g" || unit == "gib") mult = 1024.0 * 1024 * 1024;
-  else if (unit == "t" || unit == "tib") mult = 1024.0 * 1024 * 1024 * 1024;
-  else if (unit == "kb") mult = 1e3;
-  else if (unit == "mb") mult = 1e6;
-  else if (unit == "gb") mult = 1e9;
-  else if (unit == "tb") mult = 1e12;
-  else throw UsageError{"unknown size unit '" + text.substr(i) + "' in '" + text + "'"};
+  if (unit.empty() || unit == "b")
+    mult = 1;
+  else if (unit == "k" || unit == "kib")
+    mult = 1024.0;
+  else if (unit == "m" || unit == "mib")
+    mult = 1024.0 * 1024;
+  else if (unit == "g" || unit == "gib")
+    mult = 1024.0 * 1024 * 1024;
+  else if (unit == "t" || unit == "tib")
+    mult = 1024.0 * 1024 * 1024 * 1024;
+  else if (unit == "kb")
+    mult = 1e3;
+  else if (unit == "mb")
+    mult = 1e6;
+  else if (unit == "gb")
+    mult = 1e9;
+  else if (unit == "tb")
+    mult = 1e12;
+  else
+    throw UsageError{"unknown size unit '" + text.substr(i) + "' in '" + text + "'"};
   const double bytes = v * mult;
   if (!(bytes >= 0) || bytes > 9.0e18) throw UsageError{"size '" + text + "' is out of range"};
   return static_cast<int64_t>(bytes);
@@ -183,9 +198,12 @@ int64_t parse_bytes(const std::string& text) {
 namespace {
 std::string fmt(double v, const char* unit) {
   char buf[64];
-  if (v >= 100) std::snprintf(buf, sizeof buf, "%.0f %s", v, unit);
-  else if (v >= 10) std::snprintf(buf, sizeof buf, "%.1f %s", v, unit);
-  else std::snprintf(buf, sizeof buf, "%.2f %s", v, unit);
+  if (v >= 100)
+    std::snprintf(buf, sizeof buf, "%.0f %s", v, unit);
+  else if (v >= 10)
+    std::snprintf(buf, sizeof buf, "%.1f %s", v, unit);
+  else
+    std::snprintf(buf, sizeof buf, "%.2f %s", v, unit);
   return buf;
 }
 }  // namespace
@@ -228,12 +246,14 @@ void Table::add(std::vector<std::string> row) { rows_.push_back(std::move(row));
 std::string Table::str() const {
   std::vector<size_t> width(header_.size(), 0);
   auto measure = [&](const std::vector<std::string>& r) {
-    for (size_t c = 0; c < r.size() && c < width.size(); ++c) width[c] = std::max(width[c], r[c].size());
+    for (size_t c = 0; c < r.size() && c < width.size(); ++c)
+      width[c] = std::max(width[c], r[c].size());
   };
   measure(header_);
   for (const auto& r : rows_) measure(r);
   auto numeric = [](const std::string& s) {
-    return !s.empty() && (std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '-' || s[0] == '+');
+    return !s.empty() &&
+           (std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '-' || s[0] == '+');
   };
   std::ostringstream o;
   auto line = [&](const std::vector<std::string>& r) {

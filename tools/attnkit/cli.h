@@ -21,13 +21,15 @@ class Flags {
   Flags(std::string command, std::string summary, std::vector<std::string> examples);
 
   void add_string(const std::string& name, std::string* dst, const std::string& help);
-  void add_int(const std::string& name, int64_t* dst, const std::string& help, int64_t min_value = 0);
+  void add_int(const std::string& name, int64_t* dst, const std::string& help,
+               int64_t min_value = 0);
   void add_double(const std::string& name, double* dst, const std::string& help);
   // Byte sizes: "24GiB", "512MiB", "1.5GB", "4096".
   void add_bytes(const std::string& name, int64_t* dst, const std::string& help);
   // Comma-separated lists: "1,2,4".
   void add_int_list(const std::string& name, std::vector<int64_t>* dst, const std::string& help);
-  void add_string_list(const std::string& name, std::vector<std::string>* dst, const std::string& help);
+  void add_string_list(const std::string& name, std::vector<std::string>* dst,
+                       const std::string& help);
   void add_bool(const std::string& name, bool* dst, const std::string& help);
 
   // Parses argv[first..argc). Returns false when --help was given (help has
@@ -49,11 +51,11 @@ class Flags {
 
 int64_t parse_bytes(const std::string& text);  // throws UsageError
 
-std::string format_bytes(double bytes);        // "1.00 GiB", "576 B"
-std::string format_count(double n);            // "41.9 M", "2.36 k"
-std::string format_flops(double flops);        // "3.52 TFLOP"
-std::string format_rate(double flops_per_s);   // "212.4 GFLOP/s"
-std::string format_seconds(double s);          // "12.3 ms", "450 us"
+std::string format_bytes(double bytes);       // "1.00 GiB", "576 B"
+std::string format_count(double n);           // "41.9 M", "2.36 k"
+std::string format_flops(double flops);       // "3.52 TFLOP"
+std::string format_rate(double flops_per_s);  // "212.4 GFLOP/s"
+std::string format_seconds(double s);         // "12.3 ms", "450 us"
 
 // A table printed with aligned columns; numbers are right-aligned.
 class Table {

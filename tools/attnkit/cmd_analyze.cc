@@ -39,7 +39,8 @@ std::string windows_summary(const ModelShape& m) {
       w = x;
     }
   if (n == 0) return "none";
-  return std::to_string(n) + " of " + std::to_string(m.num_layers) + " layers, window " + std::to_string(w);
+  return std::to_string(n) + " of " + std::to_string(m.num_layers) + " layers, window " +
+         std::to_string(w);
 }
 
 }  // namespace
@@ -64,7 +65,8 @@ int run_analyze(int argc, char** argv) {
   f.add_int("--context", &context, "tokens per sequence (default 4096)", 1);
   f.add_int("--batch", &batch, "sequences (default 1)", 1);
   f.add_string("--kv-dtype", &kv_name, "bf16 or f32 for the decode figures (default bf16)");
-  f.add_string("--weight-dtype", &weight_name, "bf16 or f32 weights for decode bytes (default bf16)");
+  f.add_string("--weight-dtype", &weight_name,
+               "bf16 or f32 weights for decode bytes (default bf16)");
   f.add_int_list("--mla-ranks", &mla_ranks, "kv_lora_rank values for the MLA sweep");
   f.add_double("--peak-gflops", &peak, "use this fp32 peak instead of measuring");
   f.add_double("--bandwidth-gbps", &bw, "use this read bandwidth instead of measuring");
@@ -86,15 +88,23 @@ int run_analyze(int argc, char** argv) {
   const int64_t params = attention_params_per_layer(m);
 
   nlohmann::json j;
-  j["model"] = {{"name", m.name}, {"model_type", m.model_type}, {"source", m.source},
-                {"variant", variant_label(m)}, {"num_layers", m.num_layers},
-                {"hidden_size", m.hidden_size}, {"num_heads", m.num_heads},
-                {"num_kv_heads", m.num_kv_heads}, {"head_dim", m.head_dim},
-                {"head_dim_v", m.head_dim_v}, {"window_per_layer", m.window_per_layer}};
+  j["model"] = {{"name", m.name},
+                {"model_type", m.model_type},
+                {"source", m.source},
+                {"variant", variant_label(m)},
+                {"num_layers", m.num_layers},
+                {"hidden_size", m.hidden_size},
+                {"num_heads", m.num_heads},
+                {"num_kv_heads", m.num_kv_heads},
+                {"head_dim", m.head_dim},
+                {"head_dim_v", m.head_dim_v},
+                {"window_per_layer", m.window_per_layer}};
   if (m.mla)
-    j["model"]["mla"] = {{"q_lora_rank", m.q_lora_rank}, {"kv_lora_rank", m.kv_lora_rank},
+    j["model"]["mla"] = {{"q_lora_rank", m.q_lora_rank},
+                         {"kv_lora_rank", m.kv_lora_rank},
                          {"qk_nope_head_dim", m.qk_nope_head_dim},
-                         {"qk_rope_head_dim", m.qk_rope_head_dim}, {"v_head_dim", m.v_head_dim}};
+                         {"qk_rope_head_dim", m.qk_rope_head_dim},
+                         {"v_head_dim", m.v_head_dim}};
   j["context"] = context;
   j["batch"] = batch;
   j["kv_dtype"] = kv_name;
@@ -108,15 +118,18 @@ int run_analyze(int argc, char** argv) {
   if (m.mla) {
     j["mla_naive_kv_bytes_per_token"] = {{"bf16", kv_bytes_per_token(m, DType::kBF16, false)},
                                          {"f32", kv_bytes_per_token(m, DType::kF32, false)}};
-    j["mla_naive_kv_cache_bytes"] = {{"bf16", kv_cache_bytes(m, DType::kBF16, context, batch, false)},
-                                     {"f32", kv_cache_bytes(m, DType::kF32, context, batch, false)}};
+    j["mla_naive_kv_cache_bytes"] = {
+        {"bf16", kv_cache_bytes(m, DType::kBF16, context, batch, false)},
+        {"f32", kv_cache_bytes(m, DType::kF32, context, batch, false)}};
   }
   j["prefill_flops"] = t.prefill_flops;
   j["decode_flops_per_step"] = t.decode_flops;
   j["decode_bytes_per_step"] = t.decode_bytes;
   j["decode_arithmetic_intensity"] = intensity;
-  j["machine"] = {{"simd", mp.simd}, {"fp32_peak_gflops", mp.fp32_peak_gflops},
-                  {"dram_read_gbps", mp.dram_read_gbps}, {"balance_flops_per_byte", balance},
+  j["machine"] = {{"simd", mp.simd},
+                  {"fp32_peak_gflops", mp.fp32_peak_gflops},
+                  {"dram_read_gbps", mp.dram_read_gbps},
+                  {"balance_flops_per_byte", balance},
                   {"threads", mp.threads}};
   j["decode_bound"] = memory_bound ? "memory" : "compute";
 
@@ -128,10 +141,12 @@ int run_analyze(int argc, char** argv) {
     const double bytes = static_cast<double>(kv_cache_bytes(v, kv, context, batch));
     sweep.add({variant_label(v) + (v.mla ? " r=" + std::to_string(v.kv_lora_rank) : ""),
                v.mla ? "latent" : std::to_string(v.num_kv_heads),
-               format_bytes(static_cast<double>(kv_bytes_per_token(v, DType::kBF16))), format_bytes(bytes),
+               format_bytes(static_cast<double>(kv_bytes_per_token(v, DType::kBF16))),
+               format_bytes(bytes),
                format_count(static_cast<double>(attention_params_per_layer(v))),
                intensity_str(tv.decode_flops / tv.decode_bytes)});
-    jsweep.push_back({{"variant", variant_label(v)}, {"num_kv_heads", v.num_kv_heads},
+    jsweep.push_back({{"variant", variant_label(v)},
+                      {"num_kv_heads", v.num_kv_heads},
                       {"kv_lora_rank", v.kv_lora_rank},
                       {"kv_bytes_per_token_bf16", kv_bytes_per_token(v, DType::kBF16)},
                       {"kv_cache_bytes", bytes},
@@ -140,7 +155,8 @@ int run_analyze(int argc, char** argv) {
   };
   if (!m.mla)
     for (int64_t n : valid_kv_head_counts(m.num_heads)) sweep_row(*with_kv_heads(m, n));
-  const int64_t rope_dim = m.mla ? m.qk_rope_head_dim : std::min<int64_t>(64, m.head_dim / 2) / 2 * 2;
+  const int64_t rope_dim =
+      m.mla ? m.qk_rope_head_dim : std::min<int64_t>(64, m.head_dim / 2) / 2 * 2;
   for (int64_t r : mla_ranks) {
     ModelShape base = m;
     if (m.mla) {
@@ -159,38 +175,47 @@ int run_analyze(int argc, char** argv) {
   }
   std::printf("%s (%s, %s) — %s\n", m.name.c_str(), m.model_type.c_str(), variant_label(m).c_str(),
               m.source.c_str());
-  std::printf("layers %lld, hidden %lld, heads %lld, kv heads %lld, head_dim %lld/%lld (q·k / v), windows: %s\n",
-              (long long)m.num_layers, (long long)m.hidden_size, (long long)m.num_heads,
-              (long long)m.num_kv_heads, (long long)m.head_dim, (long long)m.head_dim_v,
-              windows_summary(m).c_str());
+  std::printf(
+      "layers %lld, hidden %lld, heads %lld, kv heads %lld, head_dim %lld/%lld (q·k / v), windows: "
+      "%s\n",
+      (long long)m.num_layers, (long long)m.hidden_size, (long long)m.num_heads,
+      (long long)m.num_kv_heads, (long long)m.head_dim, (long long)m.head_dim_v,
+      windows_summary(m).c_str());
   if (m.mla)
-    std::printf("MLA: q_lora_rank %lld, kv_lora_rank %lld, qk_nope %lld, qk_rope %lld, v %lld "
-                "(latent cache = kv_lora_rank + qk_rope per token per layer)\n",
-                (long long)m.q_lora_rank, (long long)m.kv_lora_rank, (long long)m.qk_nope_head_dim,
-                (long long)m.qk_rope_head_dim, (long long)m.v_head_dim);
+    std::printf(
+        "MLA: q_lora_rank %lld, kv_lora_rank %lld, qk_nope %lld, qk_rope %lld, v %lld "
+        "(latent cache = kv_lora_rank + qk_rope per token per layer)\n",
+        (long long)m.q_lora_rank, (long long)m.kv_lora_rank, (long long)m.qk_nope_head_dim,
+        (long long)m.qk_rope_head_dim, (long long)m.v_head_dim);
   std::printf("\n");
   Table main({"quantity", "value"}, /*numbers_right=*/false);
   main.add({"attention params / layer", format_count(static_cast<double>(params))});
-  main.add({"attention params, all layers", format_count(static_cast<double>(params * m.num_layers))});
+  main.add(
+      {"attention params, all layers", format_count(static_cast<double>(params * m.num_layers))});
   main.add({"KV values / token / layer", std::to_string(kv_values_per_token_per_layer(m))});
   main.add({"KV / token, all layers (bf16 | f32)",
             format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kBF16))) + " | " +
                 format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kF32)))});
   if (m.mla)
     main.add({"naive MLA KV / token (bf16)",
-              format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kBF16, false))) + "  (" +
-                  std::to_string(kv_values_per_token_per_layer(m, false) / kv_values_per_token_per_layer(m)) +
+              format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kBF16, false))) +
+                  "  (" +
+                  std::to_string(kv_values_per_token_per_layer(m, false) /
+                                 kv_values_per_token_per_layer(m)) +
                   "x the latent)"});
   const std::string at = " @ " + std::to_string(context) + " tok x " + std::to_string(batch);
   main.add({"KV cache" + at + " (bf16 | f32)",
-            format_bytes(static_cast<double>(kv_cache_bytes(m, DType::kBF16, context, batch))) + " | " +
+            format_bytes(static_cast<double>(kv_cache_bytes(m, DType::kBF16, context, batch))) +
+                " | " +
                 format_bytes(static_cast<double>(kv_cache_bytes(m, DType::kF32, context, batch)))});
   main.add({"prefill FLOPs" + at, format_flops(t.prefill_flops)});
   main.add({"decode FLOPs / step" + at, format_flops(t.decode_flops)});
-  main.add({"decode bytes / step (" + kv_name + " KV, " + weight_name + " weights)", format_bytes(t.decode_bytes)});
+  main.add({"decode bytes / step (" + kv_name + " KV, " + weight_name + " weights)",
+            format_bytes(t.decode_bytes)});
   char buf[160];
-  std::snprintf(buf, sizeof buf, "%.2f FLOP/B vs machine balance %.2f (%.0f GFLOP/s / %.1f GB/s, %s)",
-                intensity, balance, mp.fp32_peak_gflops, mp.dram_read_gbps, mp.simd.c_str());
+  std::snprintf(buf, sizeof buf,
+                "%.2f FLOP/B vs machine balance %.2f (%.0f GFLOP/s / %.1f GB/s, %s)", intensity,
+                balance, mp.fp32_peak_gflops, mp.dram_read_gbps, mp.simd.c_str());
   main.add({"decode arithmetic intensity", buf});
   main.add({"decode on this machine", memory_bound ? "memory-bound" : "compute-bound"});
   std::fputs(main.str().c_str(), stdout);

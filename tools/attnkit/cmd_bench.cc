@@ -60,7 +60,8 @@ struct Options {
 // One kernel shape to time.
 struct Shape {
   std::string mode, variant, kv_name;
-  int64_t batch = 1, seqlen_q = 1, seqlen_k = 1, heads = 1, kv_heads = 1, head_dim = 1, head_dim_v = 1;
+  int64_t batch = 1, seqlen_q = 1, seqlen_k = 1, heads = 1, kv_heads = 1, head_dim = 1,
+          head_dim_v = 1;
   bool v_is_k_prefix = false;  // MLA absorbed: V = K[..., :head_dim_v]
   float scale = 0;
   int64_t rotate_bytes = 0;  // decode: K/V sets rotate until they total this
@@ -76,21 +77,26 @@ struct Shape {
   int64_t kv_elems() const {
     return batch * seqlen_k * kv_heads * (head_dim + (v_is_k_prefix ? 0 : head_dim_v));
   }
-  double kv_bytes() const { return static_cast<double>(kv_elems() * static_cast<int64_t>(dtype_size(kv))); }
+  double kv_bytes() const {
+    return static_cast<double>(kv_elems() * static_cast<int64_t>(dtype_size(kv)));
+  }
   double bytes() const {  // read K/V once, read q and write out
-    return kv_bytes() + 4.0 * static_cast<double>(batch * seqlen_q * heads * (head_dim + head_dim_v));
+    return kv_bytes() +
+           4.0 * static_cast<double>(batch * seqlen_q * heads * (head_dim + head_dim_v));
   }
   int buffers() const {
     if (mode == "prefill") return 1;
-    return static_cast<int>(std::max(1.0, std::ceil(static_cast<double>(rotate_bytes) / kv_bytes())));
+    return static_cast<int>(
+        std::max(1.0, std::ceil(static_cast<double>(rotate_bytes) / kv_bytes())));
   }
   // torch runs f32 whatever the row's KV dtype: the seeds' dtype, and
   // rows differing only in KV dtype share one torch measurement.
   std::string torch_key() const {
     char b[160];
-    std::snprintf(b, sizeof b, "%s/%lld/%lld/%lld/%lld/%lld/%lld/%lld/%d", mode.c_str(), (long long)batch,
-                  (long long)seqlen_q, (long long)seqlen_k, (long long)heads, (long long)kv_heads,
-                  (long long)head_dim, (long long)head_dim_v, v_is_k_prefix ? 1 : 0);
+    std::snprintf(b, sizeof b, "%s/%lld/%lld/%lld/%lld/%lld/%lld/%lld/%d", mode.c_str(),
+                  (long long)batch, (long long)seqlen_q, (long long)seqlen_k, (long long)heads,
+                  (long long)kv_heads, (long long)head_dim, (long long)head_dim_v,
+                  v_is_k_prefix ? 1 : 0);
     return b;
   }
 };
@@ -145,8 +151,8 @@ Buffers make_buffers(const Shape& s, int n) {
   return b;
 }
 
-Timing time_sdpa(const Shape& s, const Buffers& buf, int n, Backend backend, int threads, double budget,
-                 int min_samples) {
+Timing time_sdpa(const Shape& s, const Buffers& buf, int n, Backend backend, int threads,
+                 double budget, int min_samples) {
   Tensor q = alloc(DType::kF32, {s.batch, s.seqlen_q, s.heads, s.head_dim});
   Tensor out = alloc(DType::kF32, {s.batch, s.seqlen_q, s.heads, s.head_dim_v});
   fill_uniform(q.view(), 13, 1.0);
@@ -166,7 +172,8 @@ Timing time_sdpa(const Shape& s, const Buffers& buf, int n, Backend backend, int
 std::vector<Shape> plan_shapes(const Options& o) {
   const int64_t D = o.d_model / o.heads;
   const int64_t rank = o.mla_rank ? o.mla_rank : 4 * D;
-  const int64_t rope = o.mla_rope_dim ? o.mla_rope_dim : std::max<int64_t>(2, std::min<int64_t>(64, D / 2) / 2 * 2);
+  const int64_t rope =
+      o.mla_rope_dim ? o.mla_rope_dim : std::max<int64_t>(2, std::min<int64_t>(64, D / 2) / 2 * 2);
   if (rope >= D) throw UsageError{"--mla-rope-dim must be < head_dim = " + std::to_string(D)};
   const int64_t nope = D - rope;  // q.k width per head = MHA's head_dim, as analyze's MLA
   std::vector<Shape> out;
@@ -218,8 +225,8 @@ void check_variant(const std::string& v, int64_t heads) {
       v.find_first_not_of("0123456789", 4) == std::string::npos && v.size() < 12) {
     const int64_t g = std::stoll(v.substr(4));
     if (g >= 1 && heads % g == 0) return;
-    throw UsageError{"--variants: " + v + ": " + std::to_string(g) + " kv heads must divide --heads " +
-                     std::to_string(heads)};
+    throw UsageError{"--variants: " + v + ": " + std::to_string(g) +
+                     " kv heads must divide --heads " + std::to_string(heads)};
   }
   throw UsageError{"--variants: unknown variant '" + v + "' (mha, mqa, gqa-N, mla)"};
 }
@@ -239,7 +246,8 @@ std::string find_torch_script() {
   candidates.push_back(fs::path(__FILE__).parent_path() / "torch_baseline.py");
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) candidates.push_back(exe.parent_path() / ".." / "share" / "attnkit" / "torch_baseline.py");
+  if (!ec)
+    candidates.push_back(exe.parent_path() / ".." / "share" / "attnkit" / "torch_baseline.py");
   for (const fs::path& p : candidates)
     if (fs::is_regular_file(p, ec)) return p.string();
   return "";
@@ -255,7 +263,8 @@ std::string python_path() {
 std::string run_torch(std::vector<Row>& rows, const Options& o, int threads) {
   const std::string py = python_path(), script = find_torch_script();
   if (access(py.c_str(), X_OK) != 0) return "torch baseline skipped: " + py + " not found";
-  if (script.empty()) return "torch baseline skipped: torch_baseline.py not found (set ATTNKIT_TORCH_BASELINE)";
+  if (script.empty())
+    return "torch baseline skipped: torch_baseline.py not found (set ATTNKIT_TORCH_BASELINE)";
   std::vector<std::string> keys;
   nlohmann::json shapes = nlohmann::json::array();
   for (const Row& r : rows) {
@@ -263,11 +272,18 @@ std::string run_torch(std::vector<Row>& rows, const Options& o, int threads) {
     const std::string key = r.s.torch_key();
     if (std::find(keys.begin(), keys.end(), key) != keys.end()) continue;
     keys.push_back(key);
-    shapes.push_back({{"id", keys.size() - 1}, {"batch", r.s.batch}, {"seqlen_q", r.s.seqlen_q},
-                      {"seqlen_k", r.s.seqlen_k}, {"num_heads", r.s.heads}, {"num_kv_heads", r.s.kv_heads},
-                      {"head_dim", r.s.head_dim}, {"head_dim_v", r.s.head_dim_v},
-                      {"v_is_k_prefix", r.s.v_is_k_prefix},
-                      {"softmax_scale", r.s.scale > 0 ? r.s.scale : 1.0 / std::sqrt(static_cast<double>(r.s.head_dim))}});
+    shapes.push_back(
+        {{"id", keys.size() - 1},
+         {"batch", r.s.batch},
+         {"seqlen_q", r.s.seqlen_q},
+         {"seqlen_k", r.s.seqlen_k},
+         {"num_heads", r.s.heads},
+         {"num_kv_heads", r.s.kv_heads},
+         {"head_dim", r.s.head_dim},
+         {"head_dim_v", r.s.head_dim_v},
+         {"v_is_k_prefix", r.s.v_is_k_prefix},
+         {"softmax_scale",
+          r.s.scale > 0 ? r.s.scale : 1.0 / std::sqrt(static_cast<double>(r.s.head_dim))}});
   }
   if (keys.empty()) return "";
   char tmpl[] = "/tmp/attnkit-bench-XXXXXX";
@@ -276,8 +292,11 @@ std::string run_torch(std::vector<Row>& rows, const Options& o, int threads) {
   close(fd);
   {
     std::ofstream in(tmpl);
-    in << nlohmann::json{{"threads", threads}, {"budget_s", o.budget}, {"max_bytes", o.max_memory},
-                         {"rotate_bytes", o.rotate}, {"shapes", shapes}}
+    in << nlohmann::json{{"threads", threads},
+                         {"budget_s", o.budget},
+                         {"max_bytes", o.max_memory},
+                         {"rotate_bytes", o.rotate},
+                         {"shapes", shapes}}
               .dump();
   }
   const std::string cmd = shell_quote(py) + " " + shell_quote(script) + " " + shell_quote(tmpl);
@@ -297,8 +316,10 @@ std::string run_torch(std::vector<Row>& rows, const Options& o, int threads) {
   for (const auto& r : j["results"]) {
     const size_t id = r["id"].get<size_t>();
     if (id >= keys.size()) continue;
-    if (r.contains("seconds")) secs[id] = r["seconds"].get<double>();
-    else why[id] = "torch: " + r.value("skipped", std::string("skipped"));
+    if (r.contains("seconds"))
+      secs[id] = r["seconds"].get<double>();
+    else
+      why[id] = "torch: " + r.value("skipped", std::string("skipped"));
   }
   for (Row& r : rows) {
     const auto it = std::find(keys.begin(), keys.end(), r.s.torch_key());
@@ -325,20 +346,21 @@ std::string csv_cell(const nlohmann::ordered_json& v) {
 
 int run_bench(int argc, char** argv) {
   Options o;
-  Flags f("bench",
-          "Times the attention kernel (sdpa) over variants x contexts x batches x KV dtypes: decode\n"
-          "(--q-tokens queries against a cache of `context` tokens) and causal prefill (--prompts\n"
-          "tokens, batch 1). Every figure is a median, printed with GFLOP/s and GB/s, as a fraction\n"
-          "of this machine's fp32 FMA peak and DRAM read bandwidth (measured first, in this\n"
-          "process), as a ratio to the reference kernel, and as a ratio to the seeds' naive PyTorch\n"
-          "attention (repeat_interleave + matmul + masked softmax + matmul, f32, /usr/bin/python3)\n"
-          "on the same shapes. Decode rows rotate >= 128 MiB of K/V buffers, so they measure DRAM,\n"
-          "not the last-level cache (--rotate). A progress bar goes to stderr when it is a terminal.",
-          {"attnkit bench",
-           "attnkit bench --variants mha,gqa-8 --contexts 2048,8192 --batches 1 --kv-dtypes bf16",
-           "attnkit bench --modes decode --q-tokens 4 --csv > decode.csv",
-           "attnkit bench --json > bench.json && attnkit plot --input bench.json --out plots",
-           "attnkit bench --d-model 64 --heads 4 --contexts 64 --prompts 64 --no-torch   # seconds"});
+  Flags f(
+      "bench",
+      "Times the attention kernel (sdpa) over variants x contexts x batches x KV dtypes: decode\n"
+      "(--q-tokens queries against a cache of `context` tokens) and causal prefill (--prompts\n"
+      "tokens, batch 1). Every figure is a median, printed with GFLOP/s and GB/s, as a fraction\n"
+      "of this machine's fp32 FMA peak and DRAM read bandwidth (measured first, in this\n"
+      "process), as a ratio to the reference kernel, and as a ratio to the seeds' naive PyTorch\n"
+      "attention (repeat_interleave + matmul + masked softmax + matmul, f32, /usr/bin/python3)\n"
+      "on the same shapes. Decode rows rotate >= 128 MiB of K/V buffers, so they measure DRAM,\n"
+      "not the last-level cache (--rotate). A progress bar goes to stderr when it is a terminal.",
+      {"attnkit bench",
+       "attnkit bench --variants mha,gqa-8 --contexts 2048,8192 --batches 1 --kv-dtypes bf16",
+       "attnkit bench --modes decode --q-tokens 4 --csv > decode.csv",
+       "attnkit bench --json > bench.json && attnkit plot --input bench.json --out plots",
+       "attnkit bench --d-model 64 --heads 4 --contexts 64 --prompts 64 --no-torch   # seconds"});
   f.add_int("--d-model", &o.d_model, "hidden size (default 2048)", 1);
   f.add_int("--heads", &o.heads, "query heads (default 32); head_dim = d_model / heads", 1);
   f.add_string_list("--variants", &o.variants, "mha, mqa, gqa-N, mla (default mha,gqa-8,mqa,mla)");
@@ -353,7 +375,8 @@ int run_bench(int argc, char** argv) {
   f.add_int("--threads", &o.threads, "threads (default 0 = all cores)", 0);
   f.add_double("--budget", &o.budget, "seconds of samples per measurement (default 0.3)");
   f.add_bytes("--max-memory", &o.max_memory, "skip rows needing more (default 2GiB)");
-  f.add_bytes("--rotate", &o.rotate, "decode K/V buffers rotate until they total this (default 128MiB; 0 = one)");
+  f.add_bytes("--rotate", &o.rotate,
+              "decode K/V buffers rotate until they total this (default 128MiB; 0 = one)");
   f.add_bool("--reference", &o.reference,
              "time the reference kernel on every row (default: rows of <= 0.25 GFLOP)");
   f.add_bool("--no-torch", &o.no_torch, "skip the PyTorch baseline");
@@ -370,11 +393,13 @@ int run_bench(int argc, char** argv) {
   // The default list drops the GQA sizes a smaller --heads cannot have.
   if (o.variants == Options{}.variants)
     std::erase_if(o.variants, [&](const std::string& v) {
-      return v.rfind("gqa-", 0) == 0 && (o.heads <= std::stoll(v.substr(4)) || o.heads % std::stoll(v.substr(4)));
+      return v.rfind("gqa-", 0) == 0 &&
+             (o.heads <= std::stoll(v.substr(4)) || o.heads % std::stoll(v.substr(4)));
     });
   for (const std::string& v : o.variants) check_variant(v, o.heads);
   for (const std::string& d : o.kv_dtypes)
-    if (d != "f32" && d != "bf16") throw UsageError{"--kv-dtypes entries must be f32 or bf16, got '" + d + "'"};
+    if (d != "f32" && d != "bf16")
+      throw UsageError{"--kv-dtypes entries must be f32 or bf16, got '" + d + "'"};
   for (const std::string& m : o.modes)
     if (m != "decode" && m != "prefill")
       throw UsageError{"--modes entries must be decode or prefill, got '" + m + "'"};
@@ -424,11 +449,13 @@ int run_bench(int argc, char** argv) {
     ojson jrows = ojson::array();
     for (const Row& r : rows) {
       const Shape& s = r.s;
-      ojson j = {{"mode", s.mode}, {"variant", s.variant}, {"batch", s.batch},
-                          {"context", s.seqlen_k}, {"q_tokens", s.seqlen_q}, {"kv_dtype", s.kv_name},
-                          {"num_heads", s.heads}, {"num_kv_heads", s.kv_heads}, {"head_dim", s.head_dim},
-                          {"head_dim_v", s.head_dim_v}, {"flops", s.flops()}, {"bytes", s.bytes()},
-                          {"kv_buffers", s.buffers()}};
+      ojson j = {{"mode", s.mode},           {"variant", s.variant},
+                 {"batch", s.batch},         {"context", s.seqlen_k},
+                 {"q_tokens", s.seqlen_q},   {"kv_dtype", s.kv_name},
+                 {"num_heads", s.heads},     {"num_kv_heads", s.kv_heads},
+                 {"head_dim", s.head_dim},   {"head_dim_v", s.head_dim_v},
+                 {"flops", s.flops()},       {"bytes", s.bytes()},
+                 {"kv_buffers", s.buffers()}};
       const auto opt = [](bool has, double v) { return has ? ojson(v) : ojson(nullptr); };
       const bool fast = r.fast.has_value();
       const double t = fast ? r.fast->median : 0;
@@ -439,9 +466,11 @@ int run_bench(int argc, char** argv) {
       j["bandwidth_fraction"] = opt(fast, fast ? s.bytes() / t / bw : 0);
       j["arithmetic_intensity"] = s.flops() / s.bytes();
       j["reference_seconds"] = opt(r.ref.has_value(), r.ref ? r.ref->median : 0);
-      j["speedup_vs_reference"] = opt(fast && r.ref.has_value(), r.ref && fast ? r.ref->median / t : 0);
+      j["speedup_vs_reference"] =
+          opt(fast && r.ref.has_value(), r.ref && fast ? r.ref->median / t : 0);
       j["torch_seconds"] = opt(r.torch_seconds.has_value(), r.torch_seconds.value_or(0));
-      j["speedup_vs_torch"] = opt(fast && r.torch_seconds.has_value(), fast ? r.torch_seconds.value_or(0) / t : 0);
+      j["speedup_vs_torch"] =
+          opt(fast && r.torch_seconds.has_value(), fast ? r.torch_seconds.value_or(0) / t : 0);
       j["samples"] = fast ? r.fast->samples : 0;
       j["note"] = r.note;
       jrows.push_back(j);
@@ -469,21 +498,29 @@ int run_bench(int argc, char** argv) {
       one.kv_dtypes = {"f32", "bf16"};
       ojson per_token = ojson::object();
       for (const Shape& s : plan_shapes(one)) per_token[s.variant][s.kv_name] = s.kv_bytes();
-      ojson j = {
-          {"config", {{"d_model", o.d_model}, {"num_heads", o.heads}, {"head_dim", o.d_model / o.heads},
-                      {"q_tokens", o.q_tokens}, {"threads", threads}, {"budget_s", o.budget},
-                      {"rotate_bytes", o.rotate}}},
-          {"machine", {{"simd", mp.simd}, {"threads", mp.threads}, {"fp32_peak_gflops", mp.fp32_peak_gflops},
-                       {"dram_read_gbps", mp.dram_read_gbps}, {"bf16_dot_peak_gflops", mp.bf16_dot_peak_gflops}}},
-          {"torch", torch_note},
-          {"kv_bytes_per_token", per_token},
-          {"rows", jrows},
-          {"seconds", elapsed}};
+      ojson j = {{"config",
+                  {{"d_model", o.d_model},
+                   {"num_heads", o.heads},
+                   {"head_dim", o.d_model / o.heads},
+                   {"q_tokens", o.q_tokens},
+                   {"threads", threads},
+                   {"budget_s", o.budget},
+                   {"rotate_bytes", o.rotate}}},
+                 {"machine",
+                  {{"simd", mp.simd},
+                   {"threads", mp.threads},
+                   {"fp32_peak_gflops", mp.fp32_peak_gflops},
+                   {"dram_read_gbps", mp.dram_read_gbps},
+                   {"bf16_dot_peak_gflops", mp.bf16_dot_peak_gflops}}},
+                 {"torch", torch_note},
+                 {"kv_bytes_per_token", per_token},
+                 {"rows", jrows},
+                 {"seconds", elapsed}};
       std::printf("%s\n", j.dump(2).c_str());
       return 0;
     }
-    Table table({"mode", "variant", "batch", "context", "KV", "time", "GFLOP/s", "GB/s", "% peak", "% BW",
-                 "vs ref", "vs torch", "note"});
+    Table table({"mode", "variant", "batch", "context", "KV", "time", "GFLOP/s", "GB/s", "% peak",
+                 "% BW", "vs ref", "vs torch", "note"});
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       const ojson& j = jrows[i];
@@ -493,22 +530,27 @@ int run_bench(int argc, char** argv) {
       };
       table.add({r.s.mode, r.s.variant, std::to_string(r.s.batch),
                  std::to_string(r.s.seqlen_k) + (r.s.mode == "decode" && r.s.seqlen_q > 1
-                                                      ? " (q " + std::to_string(r.s.seqlen_q) + ")"
-                                                      : ""),
+                                                     ? " (q " + std::to_string(r.s.seqlen_q) + ")"
+                                                     : ""),
                  r.s.kv_name, fast ? format_seconds(r.fast->median) : "-",
                  cell("gflops", [](double v) { return format_rate(v * 1e9); }),
                  cell("gbps", [](double v) { return format_bandwidth(v * 1e9); }),
                  cell("peak_fraction", format_percent), cell("bandwidth_fraction", format_percent),
-                 cell("speedup_vs_reference", format_ratio), cell("speedup_vs_torch", format_ratio), r.note});
+                 cell("speedup_vs_reference", format_ratio), cell("speedup_vs_torch", format_ratio),
+                 r.note});
     }
-    std::printf("sdpa kernels: d_model %lld, %lld query heads of %lld; MLA decode = absorbed (1 latent kv head), "
-                "prefill = naive\n\n",
-                (long long)o.d_model, (long long)o.heads, (long long)(o.d_model / o.heads));
+    std::printf(
+        "sdpa kernels: d_model %lld, %lld query heads of %lld; MLA decode = absorbed (1 latent kv "
+        "head), "
+        "prefill = naive\n\n",
+        (long long)o.d_model, (long long)o.heads, (long long)(o.d_model / o.heads));
     std::fputs(table.str().c_str(), stdout);
-    std::printf("\nmachine (measured now): %s, %d threads, fp32 peak %.0f GFLOP/s, read bandwidth %.1f GB/s\n",
-                mp.simd.c_str(), mp.threads, mp.fp32_peak_gflops, mp.dram_read_gbps);
-    std::printf("time = median; vs ref / vs torch = their time / ours; %s. Took %.0f s.\n", torch_note.c_str(),
-                elapsed);
+    std::printf(
+        "\nmachine (measured now): %s, %d threads, fp32 peak %.0f GFLOP/s, read bandwidth %.1f "
+        "GB/s\n",
+        mp.simd.c_str(), mp.threads, mp.fp32_peak_gflops, mp.dram_read_gbps);
+    std::printf("time = median; vs ref / vs torch = their time / ours; %s. Took %.0f s.\n",
+                torch_note.c_str(), elapsed);
     return 0;
   } catch (const RunError& e) {
     std::fprintf(stderr, "attnkit bench: %s\n", e.message.c_str());

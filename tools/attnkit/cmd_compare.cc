@@ -168,8 +168,8 @@ void fill_kv_cache(KVCache* cache, int64_t context, const RunOptions& run, uint6
   const KVCacheSpec& s = cache->spec();
   const int64_t B = s.batch_size, Hkv = s.num_kv_heads, D = s.head_dim;
   const int64_t chunk = std::min<int64_t>(context, 1024);
-  Tensor q = zeros({B, chunk, Hkv, D}), k = zeros({B, chunk, Hkv, D}), v = zeros({B, chunk, Hkv, D}),
-         out = zeros({B, chunk, Hkv, D});
+  Tensor q = zeros({B, chunk, Hkv, D}), k = zeros({B, chunk, Hkv, D}),
+         v = zeros({B, chunk, Hkv, D}), out = zeros({B, chunk, Hkv, D});
   fill_uniform(q.view(), seed, 1.0);
   AttentionOptions opt;
   opt.sparse = {SparsePattern::Kind::kFixed, /*block_size=*/128, /*stride=*/8, /*summary=*/1};
@@ -191,7 +191,8 @@ void fill_latent_cache(LatentCache* cache, int64_t context, uint64_t seed) {
   for (int64_t t = 0; t < context; t += chunk) {
     const int64_t n = std::min(chunk, context - t);
     fill_uniform(rows.view(), seed + static_cast<uint64_t>(t), 1.0);
-    ok_or_throw(cache->append(make_view(rows.data(), DType::kF32, {B, n, W})), "filling the latent cache");
+    ok_or_throw(cache->append(make_view(rows.data(), DType::kF32, {B, n, W})),
+                "filling the latent cache");
   }
 }
 
@@ -206,13 +207,16 @@ int instances_for(double bytes_per_instance) {
 // make() builds a layer with the variant's weights; new_cache() and fill()
 // prepare a cache for it.
 template <typename Layer, typename Cache, typename Forward>
-void measure(const Options& o, const ModelShape& shape, DType kv, const std::function<Layer()>& make, const std::function<Cache(Layer&, int64_t)>& new_cache,
+void measure(const Options& o, const ModelShape& shape, DType kv,
+             const std::function<Layer()>& make,
+             const std::function<Cache(Layer&, int64_t)>& new_cache,
              const std::function<void(Cache*, uint64_t)>& fill, const Forward& forward,
              const TensorView& x, const TensorView& y, Measured* m) {
   std::vector<Layer> layers;
   layers.push_back(make());
-  m->prefill = time_median([&](int64_t) { ok_or_throw(forward(layers[0], x, y, nullptr), "prefill"); },
-                           0.0, static_cast<int>(o.repeats), static_cast<int>(o.repeats));
+  m->prefill =
+      time_median([&](int64_t) { ok_or_throw(forward(layers[0], x, y, nullptr), "prefill"); }, 0.0,
+                  static_cast<int>(o.repeats), static_cast<int>(o.repeats));
 
   const int64_t max_len = o.context + o.steps + 2;
   const double per_instance = static_cast<double>(attention_params_per_layer(shape)) * 4.0 +
@@ -259,7 +263,9 @@ Backend parse_backend(const std::string& s) {
   throw UsageError{"--backend must be auto, fast or reference, got '" + s + "'"};
 }
 
-std::string percent_cell(double rate, double of) { return of > 0 ? format_percent(rate / of) : "-"; }
+std::string percent_cell(double rate, double of) {
+  return of > 0 ? format_percent(rate / of) : "-";
+}
 
 }  // namespace
 
@@ -279,13 +285,16 @@ int run_compare(int argc, char** argv) {
            "attnkit compare --d-model 64 --heads 4 --prompt 16 --context 64   # seconds"});
   f.add_int("--d-model", &o.d_model, "hidden size (default 2048)", 1);
   f.add_int("--heads", &o.heads, "query heads (default 32); head_dim = d_model / heads", 1);
-  f.add_string_list("--variants", &o.variants, "mha, mqa, gqa-N, mla (default mha,gqa-8,gqa-4,mqa,mla)");
+  f.add_string_list("--variants", &o.variants,
+                    "mha, mqa, gqa-N, mla (default mha,gqa-8,gqa-4,mqa,mla)");
   f.add_int("--prompt", &o.prompt, "prefill tokens (default 256)", 1);
   f.add_int("--context", &o.context, "cached tokens a decode step attends to (default 4096)", 1);
   f.add_int("--batch", &o.batch, "sequences (default 1)", 1);
   f.add_string("--kv-dtype", &o.kv, "f32 or bf16 cache storage (default f32)");
-  f.add_int("--mla-rank", &o.mla_rank, "MLA kv_lora_rank (default 4 x head_dim, DeepSeek's ratio)", 0);
-  f.add_int("--mla-rope-dim", &o.mla_rope_dim, "MLA qk_rope_head_dim (default head_dim / 2, even)", 0);
+  f.add_int("--mla-rank", &o.mla_rank, "MLA kv_lora_rank (default 4 x head_dim, DeepSeek's ratio)",
+            0);
+  f.add_int("--mla-rope-dim", &o.mla_rope_dim, "MLA qk_rope_head_dim (default head_dim / 2, even)",
+            0);
   f.add_bool("--bias", &o.bias, "q/k/v/o biases, as nn.Linear's default in the seeds' modules");
   f.add_bool("--no-rope", &o.no_rope, "no RoPE in MHA/GQA/MQA (the seeds' modules)");
   f.add_int("--steps", &o.steps, "timed decode steps (default 8)", 1);
@@ -301,7 +310,8 @@ int run_compare(int argc, char** argv) {
   // The default list drops the GQA sizes a smaller --heads cannot have.
   if (o.variants == Options{}.variants)
     std::erase_if(o.variants, [&](const std::string& v) {
-      return v.rfind("gqa-", 0) == 0 && (o.heads <= std::stoll(v.substr(4)) || o.heads % std::stoll(v.substr(4)));
+      return v.rfind("gqa-", 0) == 0 &&
+             (o.heads <= std::stoll(v.substr(4)) || o.heads % std::stoll(v.substr(4)));
     });
   const DType kv = parse_kv(o.kv);
   const RunOptions run{parse_backend(o.backend), static_cast<int>(o.threads)};
@@ -313,7 +323,8 @@ int run_compare(int argc, char** argv) {
     throw UsageError{"head_dim = d_model / heads = " + std::to_string(head_dim) +
                      " must be even for RoPE (or give --no-rope)"};
   if (o.mla_rank == 0) o.mla_rank = 4 * head_dim;
-  if (o.mla_rope_dim == 0) o.mla_rope_dim = std::max<int64_t>(2, std::min<int64_t>(64, head_dim / 2) / 2 * 2);
+  if (o.mla_rope_dim == 0)
+    o.mla_rope_dim = std::max<int64_t>(2, std::min<int64_t>(64, head_dim / 2) / 2 * 2);
 
   ModelShape base;
   base.name = "d_model " + std::to_string(o.d_model);
@@ -388,9 +399,8 @@ int run_compare(int argc, char** argv) {
               return value_or_throw(l.new_cache(o.batch, len, kv), "mla cache");
             },
             [&](LatentCache* cache, uint64_t seed) { fill_latent_cache(cache, o.context, seed); },
-            [&](LatentAttention& l, const TensorView& in, const TensorView& out, LatentCache* cache) {
-              return l.forward(in, out, {}, cache, run);
-            },
+            [&](LatentAttention& l, const TensorView& in, const TensorView& out,
+                LatentCache* cache) { return l.forward(in, out, {}, cache, run); },
             x.view(), y, &m);
       } else {
         const bool is_mha = p.config.num_kv_heads == o.heads;
@@ -427,8 +437,9 @@ int run_compare(int argc, char** argv) {
     const double peak = mp.fp32_peak_gflops * 1e9, bw = mp.dram_read_gbps * 1e9;
     const std::string ctx = std::to_string(o.context);
     nlohmann::json jrows = nlohmann::json::array();
-    Table table({"variant", "KV heads", "params", "KV/token", "KV @ " + ctx, "prefill FLOPs", "prefill",
-                 "GFLOP/s", "% peak", "decode FLOPs", "decode/token", "GB/s", "% BW", "diff vs MHA"});
+    Table table({"variant", "KV heads", "params", "KV/token", "KV @ " + ctx, "prefill FLOPs",
+                 "prefill", "GFLOP/s", "% peak", "decode FLOPs", "decode/token", "GB/s", "% BW",
+                 "diff vs MHA"});
     for (const Measured& m : rows) {
       const ModelShape& s = m.shape;
       const double params = static_cast<double>(attention_params_per_layer(s));
@@ -448,49 +459,76 @@ int run_compare(int argc, char** argv) {
                  format_flops(df), format_seconds(m.decode.median), format_bandwidth(dbw),
                  percent_cell(dbw, bw), diff});
       nlohmann::json r = {
-          {"variant", m.variant}, {"num_kv_heads", s.mla ? 0 : s.num_kv_heads},
-          {"params", params}, {"kv_bytes_per_token", per_token}, {"kv_cache_bytes", cache},
-          {"prefill_flops", pf}, {"prefill_seconds", m.prefill.median},
-          {"prefill_gflops", prate / 1e9}, {"prefill_peak_fraction", prate / peak},
-          {"decode_flops", df}, {"decode_bytes", db}, {"decode_seconds", m.decode.median},
-          {"decode_gflops", drate / 1e9}, {"decode_gbps", dbw / 1e9},
-          {"decode_bandwidth_fraction", dbw / bw}, {"decode_instances", m.instances},
+          {"variant", m.variant},
+          {"num_kv_heads", s.mla ? 0 : s.num_kv_heads},
+          {"params", params},
+          {"kv_bytes_per_token", per_token},
+          {"kv_cache_bytes", cache},
+          {"prefill_flops", pf},
+          {"prefill_seconds", m.prefill.median},
+          {"prefill_gflops", prate / 1e9},
+          {"prefill_peak_fraction", prate / peak},
+          {"decode_flops", df},
+          {"decode_bytes", db},
+          {"decode_seconds", m.decode.median},
+          {"decode_gflops", drate / 1e9},
+          {"decode_gbps", dbw / 1e9},
+          {"decode_bandwidth_fraction", dbw / bw},
+          {"decode_instances", m.instances},
           {"weights_derived_from_mha", m.derived},
           {"diff_vs_mha", m.diff >= 0 ? nlohmann::json(m.diff) : nlohmann::json(nullptr)}};
       if (s.mla)
-        r["mla"] = {{"kv_lora_rank", s.kv_lora_rank}, {"qk_rope_head_dim", s.qk_rope_head_dim},
-                    {"qk_nope_head_dim", s.qk_nope_head_dim}, {"v_head_dim", s.v_head_dim}};
+        r["mla"] = {{"kv_lora_rank", s.kv_lora_rank},
+                    {"qk_rope_head_dim", s.qk_rope_head_dim},
+                    {"qk_nope_head_dim", s.qk_nope_head_dim},
+                    {"v_head_dim", s.v_head_dim}};
       jrows.push_back(r);
     }
     const double elapsed = now_seconds() - t_start;
     if (o.json) {
-      nlohmann::json j = {
-          {"config", {{"d_model", o.d_model}, {"num_heads", o.heads}, {"head_dim", head_dim},
-                      {"prompt", o.prompt}, {"context", o.context}, {"batch", o.batch},
-                      {"kv_dtype", o.kv}, {"rope", !o.no_rope}, {"bias", o.bias},
-                      {"backend", o.backend}, {"threads", o.threads}, {"steps", o.steps},
-                      {"repeats", o.repeats}, {"seed", o.seed}}},
-          {"machine", {{"simd", mp.simd}, {"threads", mp.threads},
-                       {"fp32_peak_gflops", mp.fp32_peak_gflops},
-                       {"dram_read_gbps", mp.dram_read_gbps}}},
-          {"variants", jrows},
-          {"seconds", elapsed}};
+      nlohmann::json j = {{"config",
+                           {{"d_model", o.d_model},
+                            {"num_heads", o.heads},
+                            {"head_dim", head_dim},
+                            {"prompt", o.prompt},
+                            {"context", o.context},
+                            {"batch", o.batch},
+                            {"kv_dtype", o.kv},
+                            {"rope", !o.no_rope},
+                            {"bias", o.bias},
+                            {"backend", o.backend},
+                            {"threads", o.threads},
+                            {"steps", o.steps},
+                            {"repeats", o.repeats},
+                            {"seed", o.seed}}},
+                          {"machine",
+                           {{"simd", mp.simd},
+                            {"threads", mp.threads},
+                            {"fp32_peak_gflops", mp.fp32_peak_gflops},
+                            {"dram_read_gbps", mp.dram_read_gbps}}},
+                          {"variants", jrows},
+                          {"seconds", elapsed}};
       std::printf("%s\n", j.dump(2).c_str());
       return 0;
     }
-    std::printf("attention layers: d_model %lld, %lld query heads of %lld, %s; batch %lld, %s KV cache\n",
-                (long long)o.d_model, (long long)o.heads, (long long)head_dim,
-                o.no_rope ? "causal, no RoPE" : "causal, RoPE", (long long)o.batch, o.kv.c_str());
-    std::printf("prefill: %lld tokens, one forward (median of %lld); decode: 1 token over %lld cached "
-                "(median of %lld steps)\n\n",
-                (long long)o.prompt, (long long)o.repeats, (long long)o.context, (long long)o.steps);
+    std::printf(
+        "attention layers: d_model %lld, %lld query heads of %lld, %s; batch %lld, %s KV cache\n",
+        (long long)o.d_model, (long long)o.heads, (long long)head_dim,
+        o.no_rope ? "causal, no RoPE" : "causal, RoPE", (long long)o.batch, o.kv.c_str());
+    std::printf(
+        "prefill: %lld tokens, one forward (median of %lld); decode: 1 token over %lld cached "
+        "(median of %lld steps)\n\n",
+        (long long)o.prompt, (long long)o.repeats, (long long)o.context, (long long)o.steps);
     std::fputs(table.str().c_str(), stdout);
-    std::printf("\nmachine (measured now): %s, %d threads, fp32 peak %.0f GFLOP/s, read bandwidth %.1f GB/s\n",
-                mp.simd.c_str(), mp.threads, mp.fp32_peak_gflops, mp.dram_read_gbps);
-    std::printf("GB/s = weights (f32) + KV read per decode step / its time. diff vs MHA = relative L2 of\n"
-                "the prefill output; GQA/MQA K/V weights are MHA's mean-pooled per group, MLA has its own\n"
-                "weights (n/a). Took %.1f s.\n",
-                elapsed);
+    std::printf(
+        "\nmachine (measured now): %s, %d threads, fp32 peak %.0f GFLOP/s, read bandwidth %.1f "
+        "GB/s\n",
+        mp.simd.c_str(), mp.threads, mp.fp32_peak_gflops, mp.dram_read_gbps);
+    std::printf(
+        "GB/s = weights (f32) + KV read per decode step / its time. diff vs MHA = relative L2 of\n"
+        "the prefill output; GQA/MQA K/V weights are MHA's mean-pooled per group, MLA has its own\n"
+        "weights (n/a). Took %.1f s.\n",
+        elapsed);
     return 0;
   } catch (const RunError& e) {
     std::fprintf(stderr, "attnkit compare: %s\n", e.message.c_str());

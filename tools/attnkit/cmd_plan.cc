@@ -19,7 +19,8 @@ struct Step {
 // One decode step for `batch` sequences at `context`: the slower of reading
 // its bytes at the measured bandwidth and doing its FLOPs at the measured
 // peak (a roofline estimate; `attnkit bench` measures the real thing).
-Step decode_step(const ModelShape& m, int64_t context, int64_t batch, DType kv, const MachineProfile& mp) {
+Step decode_step(const ModelShape& m, int64_t context, int64_t batch, DType kv,
+                 const MachineProfile& mp) {
   Step s{0, 0, 0};
   for (int64_t l = 0; l < m.num_layers; ++l) {
     s.flops += decode_flops_per_layer(m, context, l) * static_cast<double>(batch);
@@ -50,15 +51,16 @@ int run_plan(int argc, char** argv) {
   std::vector<std::string> dtypes = {"bf16", "f32"};
   double peak = 0, bw = 0;
   bool json_out = false;
-  Flags f("plan",
-          "How far a memory budget goes for the KV cache of a model and of its variants (the model\n"
-          "as configured, every GQA group size, MQA, and MLA): the largest batch at a context, or the\n"
-          "longest context at a batch, per KV dtype, and the decode speed that implies on this\n"
-          "machine (a roofline estimate from the measured peak and bandwidth). The budget is for\n"
-          "the KV cache; use --reserve for what else must fit (weights, activations).",
-          {"attnkit plan --model llama-3-8b --memory 24GiB --context 32768",
-           "attnkit plan --model qwen2.5-7b --memory 80GiB --reserve 15GiB --batch 16",
-           "attnkit plan --config config.json --memory 24GiB --context 8192 --json"});
+  Flags f(
+      "plan",
+      "How far a memory budget goes for the KV cache of a model and of its variants (the model\n"
+      "as configured, every GQA group size, MQA, and MLA): the largest batch at a context, or the\n"
+      "longest context at a batch, per KV dtype, and the decode speed that implies on this\n"
+      "machine (a roofline estimate from the measured peak and bandwidth). The budget is for\n"
+      "the KV cache; use --reserve for what else must fit (weights, activations).",
+      {"attnkit plan --model llama-3-8b --memory 24GiB --context 32768",
+       "attnkit plan --model qwen2.5-7b --memory 80GiB --reserve 15GiB --batch 16",
+       "attnkit plan --config config.json --memory 24GiB --context 8192 --json"});
   f.add_string("--model", &model, "a built-in preset");
   f.add_string("--config", &config, "a Hugging Face config.json");
   f.add_bytes("--memory", &memory, "memory budget, e.g. 24GiB (required)");
@@ -71,13 +73,17 @@ int run_plan(int argc, char** argv) {
   f.add_bool("--json", &json_out, "print JSON instead of a table");
   if (!f.parse(argc, argv, 2)) return 0;
   if (memory <= 0) throw UsageError{"--memory is required (e.g. --memory 24GiB)"};
-  if ((context > 0) == (batch > 0)) throw UsageError{"give exactly one of --context N or --batch N"};
+  if ((context > 0) == (batch > 0))
+    throw UsageError{"give exactly one of --context N or --batch N"};
   if (reserve >= memory) throw UsageError{"--reserve must be smaller than --memory"};
   std::vector<DType> kv_types;
   for (const std::string& d : dtypes) {
-    if (d == "bf16") kv_types.push_back(DType::kBF16);
-    else if (d == "f32") kv_types.push_back(DType::kF32);
-    else throw UsageError{"--kv-dtypes entries must be bf16 or f32, got '" + d + "'"};
+    if (d == "bf16")
+      kv_types.push_back(DType::kBF16);
+    else if (d == "f32")
+      kv_types.push_back(DType::kF32);
+    else
+      throw UsageError{"--kv-dtypes entries must be bf16 or f32, got '" + d + "'"};
   }
   const ModelShape m = load_model(model, config);
   const MachineProfile mp = machine_profile(peak, bw);
@@ -108,8 +114,10 @@ int run_plan(int argc, char** argv) {
         fit = c < 0 ? "any (window-capped)" : std::to_string(c);
         if (c < 0) c = v.max_position_embeddings > 0 ? v.max_position_embeddings : 4096;
       }
-      nlohmann::json row = {{"variant", variant_label(v)}, {"as_configured", &v == &variants[0]},
-                            {"kv_dtype", kv_label}, {"num_kv_heads", v.num_kv_heads},
+      nlohmann::json row = {{"variant", variant_label(v)},
+                            {"as_configured", &v == &variants[0]},
+                            {"kv_dtype", kv_label},
+                            {"num_kv_heads", v.num_kv_heads},
                             {"kv_lora_rank", v.kv_lora_rank}};
       if (b < 1 || c < 1) {
         table.add({label, kv_label, "0", "-", "-", "-", "does not fit"});
@@ -136,12 +144,19 @@ int run_plan(int argc, char** argv) {
     }
   }
   if (json_out) {
-    nlohmann::json j = {{"model", m.name}, {"memory_bytes", memory}, {"reserve_bytes", reserve},
-                        {"budget_bytes", budget}, {"rows", rows},
-                        {"machine", {{"simd", mp.simd}, {"fp32_peak_gflops", mp.fp32_peak_gflops},
-                                     {"dram_read_gbps", mp.dram_read_gbps}}}};
-    if (context > 0) j["context"] = context;
-    else j["batch"] = batch;
+    nlohmann::json j = {{"model", m.name},
+                        {"memory_bytes", memory},
+                        {"reserve_bytes", reserve},
+                        {"budget_bytes", budget},
+                        {"rows", rows},
+                        {"machine",
+                         {{"simd", mp.simd},
+                          {"fp32_peak_gflops", mp.fp32_peak_gflops},
+                          {"dram_read_gbps", mp.dram_read_gbps}}}};
+    if (context > 0)
+      j["context"] = context;
+    else
+      j["batch"] = batch;
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
@@ -151,9 +166,11 @@ int run_plan(int argc, char** argv) {
               format_bytes(static_cast<double>(reserve)).c_str(),
               context > 0 ? ("context " + std::to_string(context)).c_str()
                           : ("batch " + std::to_string(batch)).c_str());
-  std::printf("decode estimate (attention layers only) from this machine: %.0f GFLOP/s fp32 peak, %.1f GB/s read (%s); "
-              "attention weights in bf16\n\n",
-              mp.fp32_peak_gflops, mp.dram_read_gbps, mp.simd.c_str());
+  std::printf(
+      "decode estimate (attention layers only) from this machine: %.0f GFLOP/s fp32 peak, %.1f "
+      "GB/s read (%s); "
+      "attention weights in bf16\n\n",
+      mp.fp32_peak_gflops, mp.dram_read_gbps, mp.simd.c_str());
   std::fputs(table.str().c_str(), stdout);
   return 0;
 }

@@ -42,8 +42,10 @@ std::string find_plot_script() {
   if (const char* env = std::getenv("ATTNKIT_PLOT_SCRIPT")) candidates.emplace_back(env);
   const fs::path exe = self_exe();
   if (!exe.empty()) candidates.push_back(exe.parent_path() / "python" / "attnkit" / "plot.py");
-  candidates.push_back(fs::path(__FILE__).parent_path() / ".." / ".." / "python" / "attnkit" / "plot.py");
-  if (!exe.empty()) candidates.push_back(exe.parent_path() / ".." / "share" / "attnkit" / "plot.py");
+  candidates.push_back(fs::path(__FILE__).parent_path() / ".." / ".." / "python" / "attnkit" /
+                       "plot.py");
+  if (!exe.empty())
+    candidates.push_back(exe.parent_path() / ".." / "share" / "attnkit" / "plot.py");
   std::error_code ec;
   for (const fs::path& p : candidates)
     if (fs::is_regular_file(p, ec)) return p.lexically_normal().string();
@@ -69,17 +71,18 @@ int run_plot(int argc, char** argv) {
   std::vector<std::string> formats = {"png"};
   int64_t layers = 1;
   bool json_out = false;
-  Flags f("plot",
-          "Draws three plots from an `attnkit bench --json` result: KV-cache memory against context\n"
-          "per variant (from the bench's shapes), measured decode latency against context (batch 1,\n"
-          "with the PyTorch baseline dashed where it was measured), and a roofline of this machine\n"
-          "(measured fp32 peak and read bandwidth) with every measured point. Without --input it\n"
-          "runs `attnkit bench --json --batches 1` first (about a minute) and keeps its result as\n"
-          "bench.json in --out. Drawing is done by the Python module attnkit.plot (matplotlib,\n"
-          "/usr/bin/python3); `python3 -m attnkit.plot --help` is the same thing without this tool.",
-          {"attnkit plot --out plots",
-           "attnkit bench --json > bench.json && attnkit plot --input bench.json --format png,svg",
-           "attnkit plot --input bench.json --layers 32 --out docs/img   # a 32-layer model's cache"});
+  Flags f(
+      "plot",
+      "Draws three plots from an `attnkit bench --json` result: KV-cache memory against context\n"
+      "per variant (from the bench's shapes), measured decode latency against context (batch 1,\n"
+      "with the PyTorch baseline dashed where it was measured), and a roofline of this machine\n"
+      "(measured fp32 peak and read bandwidth) with every measured point. Without --input it\n"
+      "runs `attnkit bench --json --batches 1` first (about a minute) and keeps its result as\n"
+      "bench.json in --out. Drawing is done by the Python module attnkit.plot (matplotlib,\n"
+      "/usr/bin/python3); `python3 -m attnkit.plot --help` is the same thing without this tool.",
+      {"attnkit plot --out plots",
+       "attnkit bench --json > bench.json && attnkit plot --input bench.json --format png,svg",
+       "attnkit plot --input bench.json --layers 32 --out docs/img   # a 32-layer model's cache"});
   f.add_string("--input", &input, "a saved `attnkit bench --json` result");
   f.add_string("--out", &out_dir, "directory for the files (default .; created)");
   f.add_string_list("--format", &formats, "png, svg or both (default png)");
@@ -87,9 +90,11 @@ int run_plot(int argc, char** argv) {
   f.add_bool("--json", &json_out, "print the files written as JSON");
   if (!f.parse(argc, argv, 2)) return 0;
   for (const std::string& fmt : formats)
-    if (fmt != "png" && fmt != "svg") throw UsageError{"--format entries must be png or svg, got '" + fmt + "'"};
+    if (fmt != "png" && fmt != "svg")
+      throw UsageError{"--format entries must be png or svg, got '" + fmt + "'"};
   std::error_code ec;
-  if (!input.empty() && !fs::is_regular_file(input, ec)) throw UsageError{"cannot read --input '" + input + "'"};
+  if (!input.empty() && !fs::is_regular_file(input, ec))
+    throw UsageError{"cannot read --input '" + input + "'"};
   if (!input.empty()) {
     std::ifstream in(input);
     const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
@@ -100,26 +105,30 @@ int run_plot(int argc, char** argv) {
   const char* py_env = std::getenv("ATTNKIT_PYTHON");
   const std::string py = py_env ? py_env : "/usr/bin/python3";
   try {
-    if (access(py.c_str(), X_OK) != 0) throw RunError{py + " not found (plots need Debian's python3-matplotlib)"};
+    if (access(py.c_str(), X_OK) != 0)
+      throw RunError{py + " not found (plots need Debian's python3-matplotlib)"};
     const std::string script = find_plot_script();
-    if (script.empty()) throw RunError{"python/attnkit/plot.py not found (set ATTNKIT_PLOT_SCRIPT)"};
+    if (script.empty())
+      throw RunError{"python/attnkit/plot.py not found (set ATTNKIT_PLOT_SCRIPT)"};
     fs::create_directories(out_dir, ec);
     if (ec) throw RunError{"cannot create --out '" + out_dir + "': " + ec.message()};
     if (input.empty()) {
       input = (fs::path(out_dir) / "bench.json").string();
       const fs::path exe = self_exe();
       if (exe.empty()) throw RunError{"cannot find this program to run `attnkit bench`"};
-      std::fprintf(stderr, "attnkit plot: running `attnkit bench --json --batches 1` (save it and use --input "
-                           "to skip this)\n");
+      std::fprintf(
+          stderr,
+          "attnkit plot: running `attnkit bench --json --batches 1` (save it and use --input "
+          "to skip this)\n");
       auto [text, rc] = capture(quote(exe.string()) + " bench --json --batches 1");
       if (rc != 0) throw RunError{"`attnkit bench` failed (exit " + std::to_string(rc) + ")"};
       std::ofstream(input) << text;
     }
     std::string fmt_list;
     for (const std::string& fm : formats) fmt_list += (fmt_list.empty() ? "" : ",") + fm;
-    auto [text, rc] = capture(quote(py) + " " + quote(script) + " --input " + quote(input) + " --out " +
-                              quote(out_dir) + " --format " + fmt_list + " --layers " + std::to_string(layers) +
-                              " --json");
+    auto [text, rc] = capture(quote(py) + " " + quote(script) + " --input " + quote(input) +
+                              " --out " + quote(out_dir) + " --format " + fmt_list + " --layers " +
+                              std::to_string(layers) + " --json");
     const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (rc != 0 || j.is_discarded() || !j.contains("files"))
       throw RunError{"plot.py failed (exit " + std::to_string(rc) + "); run " + py + " " + script +

@@ -19,17 +19,22 @@ int run_presets(int argc, char** argv) {
   if (!f.parse(argc, argv, 2)) return 0;
   for (const std::string& n : attnkit::preset_names()) {
     auto m = attnkit::model_preset(n);
-    std::printf("%-18s %-12s %s\n", n.c_str(), attnkit::cli::variant_label(*m).c_str(), m->source.c_str());
+    std::printf("%-18s %-12s %s\n", n.c_str(), attnkit::cli::variant_label(*m).c_str(),
+                m->source.c_str());
   }
   return 0;
 }
 
 const Command kCommands[] = {
-    {"compare", attnkit::cli::run_compare, "build MHA/GQA/MQA/MLA layers, measure them here, print one table"},
-    {"analyze", attnkit::cli::run_analyze, "exact parameters, KV bytes, FLOPs and what-if sweeps for a model"},
+    {"compare", attnkit::cli::run_compare,
+     "build MHA/GQA/MQA/MLA layers, measure them here, print one table"},
+    {"analyze", attnkit::cli::run_analyze,
+     "exact parameters, KV bytes, FLOPs and what-if sweeps for a model"},
     {"plan", attnkit::cli::run_plan, "largest batch or context per variant for a memory budget"},
-    {"bench", attnkit::cli::run_bench, "sdpa kernel sweeps: variants x context x batch x KV dtype, vs reference and torch"},
-    {"plot", attnkit::cli::run_plot, "PNG/SVG plots: KV memory, decode latency vs context, roofline"},
+    {"bench", attnkit::cli::run_bench,
+     "sdpa kernel sweeps: variants x context x batch x KV dtype, vs reference and torch"},
+    {"plot", attnkit::cli::run_plot,
+     "PNG/SVG plots: KV memory, decode latency vs context, roofline"},
     {"presets", run_presets, "list the built-in model presets"},
 };
 

@@ -25,7 +25,8 @@ Timing time_median(const std::function<void(int64_t)>& fn, double budget_s, int 
   fn(call++);
   const double first = std::max(now_seconds() - t0, 1e-9);
   Timing t;
-  t.calls_per_sample = static_cast<int>(std::clamp(std::ceil(1e-3 / first), 1.0, static_cast<double>(max_calls_per_sample)));
+  t.calls_per_sample = static_cast<int>(
+      std::clamp(std::ceil(1e-3 / first), 1.0, static_cast<double>(max_calls_per_sample)));
   std::vector<double> per_call;
   const double start = now_seconds();
   while (static_cast<int>(per_call.size()) < max_samples &&
@@ -66,9 +67,12 @@ void fill_uniform(const TensorView& t, uint64_t seed, double stddev) {
 namespace {
 std::string fmt3(double v, const char* unit) {
   char buf[64];
-  if (v >= 100) std::snprintf(buf, sizeof buf, "%.0f%s", v, unit);
-  else if (v >= 10) std::snprintf(buf, sizeof buf, "%.1f%s", v, unit);
-  else std::snprintf(buf, sizeof buf, "%.2f%s", v, unit);
+  if (v >= 100)
+    std::snprintf(buf, sizeof buf, "%.0f%s", v, unit);
+  else if (v >= 10)
+    std::snprintf(buf, sizeof buf, "%.1f%s", v, unit);
+  else
+    std::snprintf(buf, sizeof buf, "%.2f%s", v, unit);
   return buf;
 }
 }  // namespace
@@ -87,9 +91,9 @@ void Progress::step(const std::string& what) {
   }
   constexpr int kWidth = 30;
   const int filled = total_ > 0 ? static_cast<int>(kWidth * done_ / total_) : kWidth;
-  std::fprintf(stderr, "\r\033[K%s [%s%s] %lld/%lld %s", label_.c_str(), std::string(filled, '#').c_str(),
-               std::string(kWidth - filled, '.').c_str(), static_cast<long long>(done_ + 1),
-               static_cast<long long>(total_), what.c_str());
+  std::fprintf(stderr, "\r\033[K%s [%s%s] %lld/%lld %s", label_.c_str(),
+               std::string(filled, '#').c_str(), std::string(kWidth - filled, '.').c_str(),
+               static_cast<long long>(done_ + 1), static_cast<long long>(total_), what.c_str());
   std::fflush(stderr);
   ++done_;
 }

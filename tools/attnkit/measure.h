@@ -32,8 +32,8 @@ T value_or_throw(Result<T> r, const std::string& what) {
 double now_seconds();  // steady clock
 
 struct Timing {
-  double median = 0;   // seconds per call, median over samples
-  double min = 0;      // fastest sample, seconds per call
+  double median = 0;  // seconds per call, median over samples
+  double min = 0;     // fastest sample, seconds per call
   int samples = 0;
   int calls_per_sample = 0;
 };

@@ -42,12 +42,12 @@ struct Task {
 // Sizes shared by every task of one call, and the scratch layout.
 struct Geometry {
   const KernelTable* kt = nullptr;
-  bool bf16 = false;      // K/V are bf16
-  bool dot_bf16 = false;  // ... and go through the vdpbf16ps kernels
-  bool copy_v = false;    // V tiles are copied (bf16: widened) to a compact buffer
+  bool bf16 = false;       // K/V are bf16
+  bool dot_bf16 = false;   // ... and go through the vdpbf16ps kernels
+  bool copy_v = false;     // V tiles are copied (bf16: widened) to a compact buffer
   bool pv_copies = false;  // PV reads V from the vw buffer (copy_v, or bf16 with no pv_widen)
-  bool rows_qk = false;   // S = K Q^T by qk_rows_* (q row-major, qt_row apart)
-  bool k_copies = false;  // QK reads K from the kw buffer (bf16, widened)
+  bool rows_qk = false;    // S = K Q^T by qk_rows_* (q row-major, qt_row apart)
+  bool k_copies = false;   // QK reads K from the kw buffer (bf16, widened)
   int64_t qt_row = 0;
   int64_t group = 1, bq = 1, bk = 1, q_blocks = 0, bases = 0, max_parts = 1;
   int64_t heads = 1, head_blocks = 1;  // kv heads per task, blocks of them
@@ -275,8 +275,7 @@ class TaskRunner {
         const int64_t valid = r < m_ ? g_.d : 0;
         if (g_.dot_bf16) {
           uint16_t* out = reinterpret_cast<uint16_t*>(qt_) + r * g_.qt_row;
-          for (int64_t c = 0; c < valid; ++c)
-            out[c] = float_to_bf16(rows[r][c * dim] * scale).bits;
+          for (int64_t c = 0; c < valid; ++c) out[c] = float_to_bf16(rows[r][c * dim] * scale).bits;
           std::fill(out + valid, out + g_.qt_row, uint16_t{0});
         } else {
           float* out = qt_ + r * g_.qt_row;
@@ -389,8 +388,8 @@ class TaskRunner {
       const bool one_phase = !g_.pv_copies && p_.k_stride.row == p_.v_stride.row && k_to_v != 0;
       float* s = ws_ + g_.s;
       scores(j0, nk, s, one_phase ? k_to_v : k_next, seen);
-      finish_head(j0, nk, s, one_phase ? (k_next != 0 ? k_next - k_to_v : 0) : v_next, seen,
-                  masked, sparse_partial, row_lo, row_hi);
+      finish_head(j0, nk, s, one_phase ? (k_next != 0 ? k_next - k_to_v : 0) : v_next, seen, masked,
+                  sparse_partial, row_lo, row_hi);
       return;
     }
     // Several kv heads (decode, kInterleaveHeadsMaxRows): every head's QK
@@ -417,9 +416,9 @@ class TaskRunner {
     for (int64_t h = 0; h < heads_; ++h) {
       select_head(h);
       const int64_t prefetch =
-          h < last ? p_.v_stride.head
-                   : (cross && more_tiles ? nk * p_.k_stride.row - last * p_.v_stride.head - k_to_v
-                                          : 0);
+          h < last
+              ? p_.v_stride.head
+              : (cross && more_tiles ? nk * p_.k_stride.row - last * p_.v_stride.head - k_to_v : 0);
       finish_head(j0, nk, ws_ + g_.s + h * g_.s_head, prefetch, seen, masked, sparse_partial,
                   row_lo, row_hi);
     }
@@ -428,8 +427,7 @@ class TaskRunner {
   // The selected head's tile after its scores s: softcap, masks, the online
   // softmax step and O = alpha O + P V (prefetch: as accumulate()).
   void finish_head(int64_t j0, int64_t nk, float* s, int64_t prefetch, const int64_t* seen,
-                   bool masked, bool sparse_partial, const int64_t* row_lo,
-                   const int64_t* row_hi) {
+                   bool masked, bool sparse_partial, const int64_t* row_lo, const int64_t* row_hi) {
     const int64_t cols = g_.m_pad - m_lo_;
     if (p_.softcap > 0.0f) {
       if (g_.rows_qk)  // elementwise: the packed tile as rows of 16 (whole vectors)
@@ -711,8 +709,7 @@ void merge(const Call& call, const Base& base, int64_t hh, int64_t m0, int64_t m
       for (int64_t c = 0; c < g.dv; ++c) acc[c] += w * part[m * g.dv + c];
     }
     const int64_t h = (base.g + hh) * g.group + m % g.group, i = i0 + m / g.group;
-    float* out =
-        p.out + base.b * p.out_stride.batch + i * p.out_stride.row + h * p.out_stride.head;
+    float* out = p.out + base.b * p.out_stride.batch + i * p.out_stride.row + h * p.out_stride.head;
     const bool empty = total == 0.0f;
     const float inv = 1.0f / total;
     for (int64_t c = 0; c < g.dv; ++c) out[c * p.out_stride.dim] = empty ? 0.0f : acc[c] * inv;
@@ -802,19 +799,17 @@ void attention(const AttentionParams& p, const Plan& plan, void* scratch) {
   // threads; merging there took 5 % of a 2-thread call on one thread.
   const int64_t row_blocks = ceil_div(g.m_max, kMergeRows);
   const int64_t items = g.bases * g.heads * row_blocks;
-  parallel_for(items, static_cast<int>(std::min<int64_t>(g.workers, items)),
-               [&](int64_t item, int worker) {
-                 const Base& base = bases[item / (g.heads * row_blocks)];
-                 const int64_t hh = item / row_blocks % g.heads;
-                 const int64_t m0 = item % row_blocks * kMergeRows;
-                 const int64_t m_count =
-                     std::min(g.bq, p.seqlen_q - base.qb * g.bq) * g.group;
-                 if (base.parts < 2 || hh >= std::min(g.heads, p.num_kv_heads - base.g) ||
-                     m0 >= m_count)
-                   return;
-                 merge(call, base, hh, m0, std::min(m0 + kMergeRows, m_count),
-                       workers + worker * g.worker_floats);
-               });
+  parallel_for(
+      items, static_cast<int>(std::min<int64_t>(g.workers, items)), [&](int64_t item, int worker) {
+        const Base& base = bases[item / (g.heads * row_blocks)];
+        const int64_t hh = item / row_blocks % g.heads;
+        const int64_t m0 = item % row_blocks * kMergeRows;
+        const int64_t m_count = std::min(g.bq, p.seqlen_q - base.qb * g.bq) * g.group;
+        if (base.parts < 2 || hh >= std::min(g.heads, p.num_kv_heads - base.g) || m0 >= m_count)
+          return;
+        merge(call, base, hh, m0, std::min(m0 + kMergeRows, m_count),
+              workers + worker * g.worker_floats);
+      });
 }
 
 }  // namespace attnkit::kernels::cpu

@@ -129,8 +129,8 @@ inline __m128 hsum4(const __m256 v[4]) {
 // One prefetch per 64-byte line of K. No calls or lambdas in the loop, so
 // that acc stays in registers.
 template <int kKeys, bool kPrefetch, class Elem>
-inline void rows4_block(const Elem* k, int64_t ks, int64_t d, const float* q, int64_t qs,
-                        float* s, int64_t pf) {
+inline void rows4_block(const Elem* k, int64_t ks, int64_t d, const float* q, int64_t qs, float* s,
+                        int64_t pf) {
   constexpr int64_t kLine = 64 / sizeof(Elem);
   __m256 acc[12];
 #pragma GCC unroll 12
@@ -179,8 +179,8 @@ void rows4_keys(const Elem* k, int64_t ks, int64_t nk, int64_t d, const float* q
 }
 
 template <class Elem>
-void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs,
-             float* s, int64_t pf) {
+void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs, float* s,
+             int64_t pf) {
   if (pf != 0)
     rows4_keys<true>(k, ks, nk, d, q, qs, s, pf);
   else

@@ -11,7 +11,7 @@
 // ATTNKIT_AVX512_EMULATED: the second build of this file that tests and the
 // attention fuzzer link, on emulated intrinsics (tests/common/
 // avx512_emulation.h, force-included; cmake/attnkit_avx512_emulation.cmake).
-#if defined(ATTNKIT_AVX512_EMULATED) ||                                      \
+#if defined(ATTNKIT_AVX512_EMULATED) ||                                        \
     (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
      defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__FMA__))
 #if !defined(ATTNKIT_AVX512_EMULATED)
@@ -279,8 +279,7 @@ constexpr int64_t kPvPairInRegistersMaxRows = 16;
 // (x0 = columns 0-15, x1 = 16-31) <-> (lo, hi) as above.
 inline void to_pair_order(__m512 x0, __m512 x1, __m512* lo, __m512* hi) {
   const __m512i ilo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i ihi =
-      _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i ihi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   *lo = _mm512_permutex2var_ps(x0, ilo, x1);
   *hi = _mm512_permutex2var_ps(x0, ihi, x1);
 }
@@ -342,8 +341,8 @@ inline void pv_rows_bf16_block(const uint32_t* pp, int64_t pp_stride, int64_t pa
 #pragma GCC unroll 2
     for (int q = 0; q < 2; ++q) {
       const __m512i a = _mm512_maskz_loadu_epi16(mask[q], v0 + 32 * q);
-      const __m512i b = second ? _mm512_maskz_loadu_epi16(mask[q], v0 + vs + 32 * q)
-                               : _mm512_setzero_si512();
+      const __m512i b =
+          second ? _mm512_maskz_loadu_epi16(mask[q], v0 + vs + 32 * q) : _mm512_setzero_si512();
       w[2 * q] = _mm512_unpacklo_epi16(a, b);
       w[2 * q + 1] = _mm512_unpackhi_epi16(a, b);
     }
@@ -369,8 +368,7 @@ inline void pv_rows_bf16_block(const uint32_t* pp, int64_t pp_stride, int64_t pa
 
 // pp[pair][ss] (32-bit words) = the bf16 weight pairs (s[2 pair][m],
 // s[2 pair + 1][m]) of columns m < m_pad; an odd last key pairs with 0.
-inline void pack_weight_pairs(const float* s, int64_t nk, int64_t m_pad, int64_t ss,
-                              uint32_t* pp) {
+inline void pack_weight_pairs(const float* s, int64_t nk, int64_t m_pad, int64_t ss, uint32_t* pp) {
   for (int64_t i = 0; i < (nk + 1) / 2; ++i) {
     const float* s0 = s + 2 * i * ss;
     for (int64_t m = 0; m < m_pad; m += 16) {
@@ -391,11 +389,11 @@ inline void pv_rows_bf16_any(int64_t rows, const uint32_t* pp, int64_t pp_stride
       return pv_rows_bf16_any<kRows - 1>(rows, pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad,
                                          alpha, pf, pf_lo, pf_hi);
     if (pf != 0)
-      pv_rows_bf16_block<kRows, true>(pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha,
-                                      pf, pf_lo, pf_hi);
+      pv_rows_bf16_block<kRows, true>(pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha, pf,
+                                      pf_lo, pf_hi);
     else
-      pv_rows_bf16_block<kRows, false>(pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha,
-                                       0, 0, 0);
+      pv_rows_bf16_block<kRows, false>(pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha, 0,
+                                       0, 0);
   }
 }
 
@@ -428,8 +426,8 @@ void pv_rows_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t
   int64_t b = 0;
   for (int64_t c0 = 0; c0 < dv_pad; c0 += 64)  // the block offsets o and v by c0 itself
     for (int64_t m = 0; m < rows; m += 6, ++b)
-      pv_rows_bf16_any<6>(rows - m < 6 ? rows - m : 6, pp + m, pp_stride, pairs, nk, v, vs, dv,
-                          c0, o + m * dv_pad, dv_pad, alpha + m, pf, b * pairs / blocks,
+      pv_rows_bf16_any<6>(rows - m < 6 ? rows - m : 6, pp + m, pp_stride, pairs, nk, v, vs, dv, c0,
+                          o + m * dv_pad, dv_pad, alpha + m, pf, b * pairs / blocks,
                           (b + 1) * pairs / blocks);
 }
 
@@ -583,8 +581,8 @@ inline void store_rows4(const __m512 acc[16], int keys, float* s) {
 // lambda kept them on the stack, one store per FMA, and ran QK at half
 // speed). The last chunk is loaded under `tail`, the others whole.
 template <int kKeys, bool kPrefetch, class Elem>
-inline void rows4_block(const Elem* k, int64_t ks, int64_t chunks, __mmask32 tail,
-                        const Elem* q, int64_t qs, float* s, int64_t pf) {
+inline void rows4_block(const Elem* k, int64_t ks, int64_t chunks, __mmask32 tail, const Elem* q,
+                        int64_t qs, float* s, int64_t pf) {
   constexpr int kPer = 64 / sizeof(Elem);  // elements per vector
   __m512 acc[16];
 #pragma GCC unroll 16
@@ -643,8 +641,8 @@ inline void rows4_keys(const Elem* k, int64_t ks, int64_t nk, int64_t chunks, __
 }
 
 template <class Elem>
-void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const Elem* q, int64_t qs,
-             float* s, int64_t pf) {
+void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const Elem* q, int64_t qs, float* s,
+             int64_t pf) {
   constexpr int64_t kPer = 64 / sizeof(Elem);
   const int64_t chunks = (d + kPer - 1) / kPer;
   const int64_t last = d - (chunks - 1) * kPer;

@@ -251,8 +251,8 @@ inline typename V::F load_last(const uint16_t* p, LastVec<V> last) {
 // of the block's columns (a vector of 8 fp32 is half a line).
 template <class V, int MR, int CV, class Elem>
 inline void pv_block(const float* s, int64_t nk, int64_t ss, const Elem* v, int64_t vs, float* o,
-                     int64_t dv_pad, const float* alpha, LastVec<V> last, int64_t pf,
-                     int64_t pf_lo, int64_t pf_hi) {
+                     int64_t dv_pad, const float* alpha, LastVec<V> last, int64_t pf, int64_t pf_lo,
+                     int64_t pf_hi) {
   using F = typename V::F;
   F acc[MR][CV];
 #pragma GCC unroll 8
@@ -299,9 +299,9 @@ inline void pv_block(const float* s, int64_t nk, int64_t ss, const Elem* v, int6
 }
 
 template <class V, int MR, int CV, class Elem>
-inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const Elem* v,
-                    int64_t vs, float* o, int64_t dv_pad, const float* alpha, LastVec<V> last,
-                    int64_t pf, int64_t pf_lo, int64_t pf_hi) {
+inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const Elem* v, int64_t vs,
+                    float* o, int64_t dv_pad, const float* alpha, LastVec<V> last, int64_t pf,
+                    int64_t pf_lo, int64_t pf_hi) {
   if constexpr (MR >= 1) {
     if (rows == MR)
       return pv_block<V, MR, CV>(s, nk, ss, v, vs, o, dv_pad, alpha, last, pf, pf_lo, pf_hi);
@@ -325,15 +325,14 @@ inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, 
       int64_t m = 0, b = 0;
       for (; m + V::kPvRows <= rows; m += V::kPvRows, ++b) {
         const KeyRange<V> k = keys_seen<V>(seen, m, V::kPvRows, nk);
-        pv_block<V, V::kPvRows, CV>(s + m + k.first * ss, k.end - k.first, ss, v + k.first * vs,
-                                    vs, o + m * dv_pad, dv_pad, alpha + m, last, pf,
+        pv_block<V, V::kPvRows, CV>(s + m + k.first * ss, k.end - k.first, ss, v + k.first * vs, vs,
+                                    o + m * dv_pad, dv_pad, alpha + m, last, pf,
                                     b * nk / blocks - k.first, (b + 1) * nk / blocks - k.first);
       }
       const KeyRange<V> k = keys_seen<V>(seen, m, rows - m, nk);
       return pv_rows<V, V::kPvRows - 1, CV>(rows - m, s + m + k.first * ss, k.end - k.first, ss,
-                                            v + k.first * vs, vs, o + m * dv_pad, dv_pad,
-                                            alpha + m, last, pf, b * nk / blocks - k.first,
-                                            nk - k.first);
+                                            v + k.first * vs, vs, o + m * dv_pad, dv_pad, alpha + m,
+                                            last, pf, b * nk / blocks - k.first, nk - k.first);
     }
     pv_columns<V, CV - 1>(cvecs, rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf, seen);
   }
@@ -342,12 +341,12 @@ inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, 
 // The few-rows path: column blocks of up to CV vectors, one row block.
 template <class V, int CV, class Elem>
 inline void pv_few_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, int64_t ss,
-                           const Elem* v, int64_t vs, float* o, int64_t dv_pad,
-                           const float* alpha, LastVec<V> last, int64_t pf) {
+                           const Elem* v, int64_t vs, float* o, int64_t dv_pad, const float* alpha,
+                           LastVec<V> last, int64_t pf) {
   if constexpr (CV >= 1) {
     if (cvecs == CV)
       return pv_rows<V, V::kPvFewRows, CV>(rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf, 0,
-                                            nk);
+                                           nk);
     pv_few_columns<V, CV - 1>(cvecs, rows, s, nk, ss, v, vs, o, dv_pad, alpha, last, pf);
   }
 }
@@ -355,9 +354,8 @@ inline void pv_few_columns(int64_t cvecs, int64_t rows, const float* s, int64_t 
 // `pf` != 0: prefetch the value rows pf elements further on, once. The
 // few-rows path (decode) ignores `seen`.
 template <class V, class Elem>
-void pv(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int64_t vs,
-       int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf,
-       const int64_t* seen) {
+void pv(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int64_t vs, int64_t dv,
+        float* o, int64_t dv_pad, const float* alpha, int64_t pf, const int64_t* seen) {
   if constexpr (sizeof(Elem) == 2 && requires { V::kPvFewVecs; }) {
     // Few rows leave most registers of the kPvRows block idle: a wider
     // block widens each loaded bf16 vector once for more multiply-adds and
@@ -374,8 +372,8 @@ void pv(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int
                               : left < V::kPvFewVecs    ? left
                                                         : V::kPvFewVecs;
         const int64_t c0 = c * V::kLanes;
-        pv_few_columns<V, V::kPvFewVecs>(cvecs, rows, s, nk, ss, v + c0, vs, o + c0, dv_pad,
-                                         alpha, last_vec<V>(dv, c0, cvecs), pf);
+        pv_few_columns<V, V::kPvFewVecs>(cvecs, rows, s, nk, ss, v + c0, vs, o + c0, dv_pad, alpha,
+                                         last_vec<V>(dv, c0, cvecs), pf);
         c += cvecs;
       }
       return;

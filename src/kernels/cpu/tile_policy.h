@@ -40,7 +40,7 @@ inline constexpr int64_t kKeysPerTile = 64;
 // their phases are long enough already. Measured on AVX2 only
 // (docs/PERFORMANCE-LOG.md, ninth session); the AVX-512 targets keep the tile
 // they were tuned with on a Zen 5, whose L1 is 48 KiB.
-inline constexpr int64_t kShortTileKeysF32 = 12;   // four 3-key QK blocks
+inline constexpr int64_t kShortTileKeysF32 = 12;  // four 3-key QK blocks
 inline constexpr int64_t kShortTileKeysBf16 = 24;
 inline constexpr int64_t kShortTileMaxRows = 8;
 
@@ -131,15 +131,14 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
     plan.block_k = p.kv_dtype == DType::kBF16 ? kShortTileKeysBf16 : kShortTileKeysF32;
   const int64_t q_blocks = (p.seqlen_q + plan.block_q - 1) / plan.block_q;
   if (plan.block_q * group <= kInterleaveHeadsMaxRows && p.num_kv_heads > 1)
-    plan.kv_heads_per_task = p.num_kv_heads < kInterleaveMaxHeads ? p.num_kv_heads
-                                                                    : kInterleaveMaxHeads;
+    plan.kv_heads_per_task =
+        p.num_kv_heads < kInterleaveMaxHeads ? p.num_kv_heads : kInterleaveMaxHeads;
   const int64_t head_blocks =
       (p.num_kv_heads + plan.kv_heads_per_task - 1) / plan.kv_heads_per_task;
   const int64_t tasks = p.batch * head_blocks * q_blocks;
   if (tasks < kMinTasksWithoutSplit && p.seqlen_k > kSplitKeys) {
     int64_t split = kSplitKeys;
-    const int64_t task_floats =
-        plan.block_q * group * plan.kv_heads_per_task * (p.head_dim_v + 2);
+    const int64_t task_floats = plan.block_q * group * plan.kv_heads_per_task * (p.head_dim_v + 2);
     const int64_t splits_allowed =
         kMaxPartialFloats / (tasks * task_floats > 0 ? tasks * task_floats : 1);
     if (splits_allowed < 2) return plan;

@@ -30,8 +30,8 @@ double score(const AttentionParams& prm, int64_t b, int64_t h, int64_t kvh, int6
   // in a masked K row cannot leak (NaN + -inf is NaN).
   if (prm.add_mask && prm.add_mask[mask_off] == kNegInf) return kNegInf;
   const float* qrow = prm.q + b * prm.q_stride.batch + i * prm.q_stride.row + h * prm.q_stride.head;
-  const int64_t krow = b * prm.k_stride.batch + prm.physical_row(j) * prm.k_stride.row +
-                       kvh * prm.k_stride.head;
+  const int64_t krow =
+      b * prm.k_stride.batch + prm.physical_row(j) * prm.k_stride.row + kvh * prm.k_stride.head;
   double dot = 0.0;
   for (int64_t d = 0; d < prm.head_dim; ++d)
     dot += static_cast<double>(qrow[d * prm.q_stride.dim]) *
@@ -50,8 +50,8 @@ size_t attention_ref_scratch(const AttentionParams& prm) {
 
 void attention_ref(const AttentionParams& prm, double* scratch) {
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-  double* scores = scratch;                // [seqlen_k]
-  double* acc = scratch + prm.seqlen_k;    // [head_dim_v]
+  double* scores = scratch;              // [seqlen_k]
+  double* acc = scratch + prm.seqlen_k;  // [head_dim_v]
   const int64_t group = prm.num_heads / prm.num_kv_heads;
 
   for (int64_t b = 0; b < prm.batch; ++b) {
