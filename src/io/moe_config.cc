@@ -38,39 +38,45 @@ struct Family {
   int64_t topk_group;
 };
 
-constexpr Family kMixtral = {"mixtral",
-                             MoeWeightNaming::kMixtral,
-                             "num_local_experts",
-                             "intermediate_size",
-                             MoeScoringFunc::kSoftmax,
-                             MoeTopkMethod::kGreedy,
-                             true,
-                             1.0,
-                             0,
-                             1,
-                             1};
-constexpr Family kDeepseekV2 = {"deepseek_v2",
-                                MoeWeightNaming::kDeepseek,
-                                "n_routed_experts",
-                                "moe_intermediate_size",
-                                MoeScoringFunc::kSoftmax,
-                                MoeTopkMethod::kGreedy,
-                                false,
-                                1.0,
-                                2,
-                                1,
-                                1};
-constexpr Family kDeepseekV3 = {"deepseek_v3",
-                                MoeWeightNaming::kDeepseek,
-                                "n_routed_experts",
-                                "moe_intermediate_size",
-                                MoeScoringFunc::kSigmoid,
-                                MoeTopkMethod::kNoauxTc,
-                                true,
-                                2.5,
-                                1,
-                                8,
-                                4};
+constexpr Family kMixtral = {
+    .model_type = "mixtral",
+    .naming = MoeWeightNaming::kMixtral,
+    .expert_count_field = "num_local_experts",
+    .inter_field = "intermediate_size",
+    .scoring_func = MoeScoringFunc::kSoftmax,
+    .topk_method = MoeTopkMethod::kGreedy,
+    .norm_topk_prob = true,
+    .routed_scaling_factor = 1.0,
+    .n_shared_experts = 0,
+    .n_group = 1,
+    .topk_group = 1,
+};
+constexpr Family kDeepseekV2 = {
+    .model_type = "deepseek_v2",
+    .naming = MoeWeightNaming::kDeepseek,
+    .expert_count_field = "n_routed_experts",
+    .inter_field = "moe_intermediate_size",
+    .scoring_func = MoeScoringFunc::kSoftmax,
+    .topk_method = MoeTopkMethod::kGreedy,
+    .norm_topk_prob = false,
+    .routed_scaling_factor = 1.0,
+    .n_shared_experts = 2,
+    .n_group = 1,
+    .topk_group = 1,
+};
+constexpr Family kDeepseekV3 = {
+    .model_type = "deepseek_v3",
+    .naming = MoeWeightNaming::kDeepseek,
+    .expert_count_field = "n_routed_experts",
+    .inter_field = "moe_intermediate_size",
+    .scoring_func = MoeScoringFunc::kSigmoid,
+    .topk_method = MoeTopkMethod::kNoauxTc,
+    .norm_topk_prob = true,
+    .routed_scaling_factor = 2.5,
+    .n_shared_experts = 1,
+    .n_group = 8,
+    .topk_group = 4,
+};
 
 // nullopt-like: a missing field leaves *out as is.
 Status read_int(const json& obj, const char* name, bool required, int64_t* out) {
@@ -241,17 +247,19 @@ Result<MoeConfig> moe_config_from_json(std::string_view json_text) {
                          "(DeepSeek), or a model_type"));
     // Without a model_type a DeepSeek-named config gets the neutral
     // defaults (softmax, greedy, no renormalisation, scale 1, no shared).
-    static constexpr Family kGeneric = {"",
-                                        MoeWeightNaming::kDeepseek,
-                                        "n_routed_experts",
-                                        "moe_intermediate_size",
-                                        MoeScoringFunc::kSoftmax,
-                                        MoeTopkMethod::kGreedy,
-                                        false,
-                                        1.0,
-                                        0,
-                                        1,
-                                        1};
+    static constexpr Family kGeneric = {
+        .model_type = "",
+        .naming = MoeWeightNaming::kDeepseek,
+        .expert_count_field = "n_routed_experts",
+        .inter_field = "moe_intermediate_size",
+        .scoring_func = MoeScoringFunc::kSoftmax,
+        .topk_method = MoeTopkMethod::kGreedy,
+        .norm_topk_prob = false,
+        .routed_scaling_factor = 1.0,
+        .n_shared_experts = 0,
+        .n_group = 1,
+        .topk_group = 1,
+    };
     fam = mixtral ? &kMixtral : &kGeneric;
   }
 
