@@ -195,16 +195,15 @@ int64_t parse_bytes(const std::string& text) {
   return static_cast<int64_t>(bytes);
 }
 
+std::string format_sig3(double v, const char* suffix) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f%s", v >= 100 ? 0 : v >= 10 ? 1 : 2, v, suffix);
+  return buf;
+}
+
 namespace {
 std::string fmt(double v, const char* unit) {
-  char buf[64];
-  if (v >= 100)
-    std::snprintf(buf, sizeof buf, "%.0f %s", v, unit);
-  else if (v >= 10)
-    std::snprintf(buf, sizeof buf, "%.1f %s", v, unit);
-  else
-    std::snprintf(buf, sizeof buf, "%.2f %s", v, unit);
-  return buf;
+  return format_sig3(v, (std::string(" ") + unit).c_str());
 }
 }  // namespace
 

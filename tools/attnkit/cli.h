@@ -51,6 +51,10 @@ class Flags {
 
 int64_t parse_bytes(const std::string& text);  // throws UsageError
 
+// v to three significant digits (two decimals below 10, one below 100,
+// none from there), then `suffix` as given: format_sig3(41.94, " M") is
+// "41.9 M". The format_* functions here and in measure.h build on it.
+std::string format_sig3(double v, const char* suffix);
 std::string format_bytes(double bytes);       // "1.00 GiB", "576 B"
 std::string format_count(double n);           // "41.9 M", "2.36 k"
 std::string format_flops(double flops);       // "3.52 TFLOP"

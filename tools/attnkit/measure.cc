@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <vector>
 
+#include "cli.h"
+
 namespace attnkit::cli {
 
 void ok_or_throw(const Status& st, const std::string& what) {
@@ -64,22 +66,9 @@ void fill_uniform(const TensorView& t, uint64_t seed, double stddev) {
   }
 }
 
-namespace {
-std::string fmt3(double v, const char* unit) {
-  char buf[64];
-  if (v >= 100)
-    std::snprintf(buf, sizeof buf, "%.0f%s", v, unit);
-  else if (v >= 10)
-    std::snprintf(buf, sizeof buf, "%.1f%s", v, unit);
-  else
-    std::snprintf(buf, sizeof buf, "%.2f%s", v, unit);
-  return buf;
-}
-}  // namespace
-
-std::string format_bandwidth(double bytes_per_s) { return fmt3(bytes_per_s / 1e9, " GB/s"); }
-std::string format_percent(double fraction) { return fmt3(fraction * 100, "%"); }
-std::string format_ratio(double x) { return fmt3(x, "x"); }
+std::string format_bandwidth(double bytes_per_s) { return format_sig3(bytes_per_s / 1e9, " GB/s"); }
+std::string format_percent(double fraction) { return format_sig3(fraction * 100, "%"); }
+std::string format_ratio(double x) { return format_sig3(x, "x"); }
 
 Progress::Progress(std::string label, int64_t total)
     : label_(std::move(label)), total_(total), enabled_(isatty(STDERR_FILENO) == 1) {}
