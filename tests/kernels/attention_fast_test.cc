@@ -372,6 +372,7 @@ std::string plan_str(const cpu::Plan& plan) {
   return target_str(plan) + " block_q=" + std::to_string(plan.block_q) +
          " block_k=" + std::to_string(plan.block_k) + " split_k=" + std::to_string(plan.split_k) +
          " kv_heads_per_task=" + std::to_string(plan.kv_heads_per_task) +
+         " k_then_v=" + std::to_string(plan.k_then_v) +
          " threads=" + std::to_string(plan.num_threads);
 }
 
@@ -741,6 +742,12 @@ TEST(AttentionFast, DecodeDefaultPlansOverManyKvHeadsAndBatches) {
           EXPECT_EQ(plan.kv_heads_per_task, cpu::kInterleaveMaxHeads) << c.describe();
           EXPECT_EQ(plan.split_k > 0, seqlen_k > cpu::kSplitKeys) << c.describe();
           check_case(c, [&](const Problem& p, SimdTarget t) { return default_plan(p, 2, t); });
+          // The other tile walk than the target's default (tile_policy.h).
+          check_case(c, [&](const Problem& p, SimdTarget t) {
+            cpu::Plan other = default_plan(p, 2, t);
+            other.k_then_v = !other.k_then_v;
+            return other;
+          });
         }
 }
 
@@ -823,9 +830,10 @@ TEST(AttentionFast, RandomCasesEveryTargetTilingAndThreadCount) {
       std::uniform_int_distribution<size_t> u(0, xs.size() - 1);
       return *(xs.begin() + u(rng));
     };
-    const cpu::Plan random_tiling =
+    cpu::Plan random_tiling =
         tiled(pick({1, 2, 3, 5, 8, 64}), pick({1, 2, 7, 16, 64}), pick({0, 0, 1, 5, 16, 64}),
               static_cast<int>(pick({1, 2, 3, 7})), pick({1, 1, 2, 3}));
+    random_tiling.k_then_v = pick({0, 1}) == 1;
     const int threads = static_cast<int>(pick({1, 2, 3, 7}));
     check_case(c, [&](const Problem&) { return random_tiling; });
     check_case(c, [&](const Problem& pr) { return default_plan(pr, threads); });

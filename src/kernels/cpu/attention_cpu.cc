@@ -48,6 +48,7 @@ struct Geometry {
   bool pv_copies = false;  // PV reads V from the vw buffer (copy_v, or bf16 with no pv_widen)
   bool rows_qk = false;    // S = K Q^T by qk_rows_* (q row-major, qt_row apart)
   bool k_copies = false;   // QK reads K from the kw buffer (bf16, widened)
+  bool k_then_v = true;    // Plan::k_then_v
   int64_t qt_row = 0;
   int64_t group = 1, bq = 1, bk = 1, q_blocks = 0, bases = 0, max_parts = 1;
   int64_t heads = 1, head_blocks = 1;  // kv heads per task, blocks of them
@@ -77,6 +78,7 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.dot_bf16 = g.bf16 && g.kt->qk_bf16 != nullptr;
   g.group = p.num_heads / p.num_kv_heads;
   g.heads = std::clamp<int64_t>(plan.kv_heads_per_task, 1, p.num_kv_heads);
+  g.k_then_v = plan.k_then_v;
   g.head_blocks = ceil_div(p.num_kv_heads, g.heads);
   g.bq = plan.block_q;
   g.bk = plan.block_k;
@@ -372,27 +374,37 @@ class TaskRunner {
     // during its own phase, left more of the lines to be evicted before use
     // and ran slower: 1-token decode 3-15 %, 4-token 5-17 %
     // (docs/PERFORMANCE-LOG.md, sixth session).
-    select_head(0);
-    // Elements from head 0's K rows to its V rows.
-    const int64_t k_to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
-                           static_cast<int64_t>(elem_size());
-    if (heads_ == 1) {
-      // QK fetches this tile's V rows, P V the next tile's K rows (unless a
-      // ring wraps in between, where the hint is merely wasted). Where V
-      // lies in K's rows (absorbed MLA), the strides differ, or P V reads a
-      // copy (made before the product, so a fetch from P V would come late),
-      // each phase fetches its own rows of the next tile instead; a bf16
-      // copy's widening issues them, an fp32 copy issues none.
-      const int64_t k_next = more_tiles ? nk * p_.k_stride.row : 0;
-      const int64_t v_next = more_tiles ? nk * p_.v_stride.row : 0;
-      const bool one_phase = !g_.pv_copies && p_.k_stride.row == p_.v_stride.row && k_to_v != 0;
-      float* s = ws_ + g_.s;
-      scores(j0, nk, s, one_phase ? k_to_v : k_next, seen);
-      finish_head(j0, nk, s, one_phase ? (k_next != 0 ? k_next - k_to_v : 0) : v_next, seen, masked,
-                  sparse_partial, row_lo, row_hi);
+    if (heads_ == 1 || !g_.k_then_v) {
+      // Head by head. QK fetches this head's V rows, P V the K rows read
+      // next: the next head's, or after the last head the first head's in
+      // the next tile (unless a ring wraps in between, where the hint is
+      // merely wasted). Where V lies in K's rows (absorbed MLA), the strides
+      // differ, or P V reads a copy (made before the product, so a fetch
+      // from P V would come late), each phase fetches its own rows of the
+      // next step instead; a bf16 copy's widening issues them, an fp32 copy
+      // issues none.
+      for (int64_t h = 0; h < heads_; ++h) {
+        select_head(h);
+        const int64_t to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
+                             static_cast<int64_t>(elem_size());
+        const bool one_phase = !g_.pv_copies && p_.k_stride.row == p_.v_stride.row && to_v != 0;
+        int64_t k_next = 0, v_next = 0;
+        if (h + 1 < heads_) {
+          k_next = p_.k_stride.head;
+          v_next = p_.v_stride.head;
+        } else if (more_tiles) {
+          k_next = nk * p_.k_stride.row - h * p_.k_stride.head;
+          v_next = nk * p_.v_stride.row - h * p_.v_stride.head;
+        }
+        float* s = ws_ + g_.s + h * g_.s_head;
+        scores(j0, nk, s, one_phase ? to_v : k_next, seen);
+        finish_head(j0, nk, s, one_phase ? (k_next != 0 ? k_next - to_v : 0) : v_next, seen, masked,
+                    sparse_partial, row_lo, row_hi);
+      }
       return;
     }
-    // Several kv heads (decode, kInterleaveHeadsMaxRows): every head's QK
+    // Several kv heads (decode, kInterleaveHeadsMaxRows) with k_then_v
+    // (tile_policy.h says where): every head's QK
     // first, then each head's softmax and P V, so the tile's K rows are read
     // in one sweep over their token rows and its V rows in another. Head by
     // head (QK then P V for each) the reads went back and forth between the
@@ -405,6 +417,10 @@ class TaskRunner {
     // the first head's V rows; P V the next head's V rows, the last head the
     // next tile's first K rows. Those two cross from K to V and need K and V
     // rows equally strided; where not, they are not issued.
+    select_head(0);
+    // Elements from head 0's K rows to its V rows.
+    const int64_t k_to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
+                           static_cast<int64_t>(elem_size());
     const bool cross = p_.k_stride.row == p_.v_stride.row;
     const int64_t last = heads_ - 1;
     for (int64_t h = 0; h < heads_; ++h) {

@@ -41,6 +41,9 @@ struct Plan {
   int64_t split_k = 0;  // keys per split; 0 = no split
   // kv heads one task walks together, tile by tile; 1 = a task per kv head.
   int64_t kv_heads_per_task = 1;
+  // With several kv heads per task, how a tile is walked: every head's QK,
+  // then every head's P V (true), or QK then P V head by head (false).
+  bool k_then_v = true;
   int num_threads = 1;  // resolved, >= 1
   // Tests only: kernels to run instead of kernel_table(target), which still
   // names the target (the emulated AVX-512 tables,

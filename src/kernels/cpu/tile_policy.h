@@ -67,24 +67,36 @@ inline constexpr int64_t kSplitKeys = 512;
 
 // Calls whose tasks have at most this many packed rows per kv head
 // (decode: 1-16 tokens times the group) walk up to kInterleaveMaxHeads kv
-// heads of a batch item together, tile by tile (each tile: every head's QK,
-// then every head's P V; attention_cpu.cc), whether or not their keys are
-// split. A cache is laid out [token, kv head, dim], so one kv head's
-// rows are 512 B pieces 4 KiB apart, one page each: walked alone they cost
-// a TLB miss per row and defeat the hardware prefetchers (a single-threaded
-// read of such rows ran at 7-16 GB/s where a sequential read ran at 35);
-// walked with the other heads, every page is used whole. (Walking a tile
-// in address order, a few keys of every head at a time, read 1.5x faster
-// in a read-only sweep but not in the kernel, whose arithmetic per byte
-// hides the difference; measured 2026-11-22, docs/PERFORMANCE-LOG.md.)
-// Bigger tasks are bound by arithmetic, not by memory, and keep one head
-// each so that their q tiles and accumulators stay in L2.
+// heads of a batch item together, tile by tile (in the order
+// walks_k_then_v() below picks), whether or not their keys are split. A cache is laid out [token,
+// kv head, dim], so one kv head's rows are 512 B pieces 4 KiB apart, one page each: walked alone
+// they cost a TLB miss per row and defeat the hardware prefetchers (a single-threaded read of such
+// rows ran at 7-16 GB/s where a sequential read ran at 35); walked with the other heads, every page
+// is used whole. (Walking a tile in address order, a few keys of every head at a time, read 1.5x
+// faster in a read-only sweep but not in the kernel, whose arithmetic per byte hides the
+// difference; measured 2026-11-22, docs/PERFORMANCE-LOG.md.) Bigger tasks are bound by arithmetic,
+// not by memory, and keep one head each so that their q tiles and accumulators stay in L2.
 inline constexpr int64_t kInterleaveHeadsMaxRows = 16;
 
 // Each walked head keeps its q tile, scores and accumulators (~13 KiB at
 // head_dim 128); 16 heads keep them in L2 and still read 8 KiB (fp32) or
 // 4 KiB (bf16) of each token's row at a time, whole pages.
 inline constexpr int64_t kInterleaveMaxHeads = 16;
+
+// How a task of several kv heads walks each tile (Plan::k_then_v): every
+// head's QK, then every head's P V, which reads the tile's K rows in one
+// sweep and its V rows in another; or head by head, QK then P V. On a Zen 3
+// (AVX2) the sweeps took 0.87-0.96 of the head-by-head time for 1-token
+// decode (eleventh session). On a Zen 5 (GQA 32/8, 16K keys, 2 threads, the
+// walks alternated call by call, medians of 30-40 pairs, head by head over
+// the sweeps), bf16 K/V through vdpbf16ps ran faster head by head: 1 token
+// 0.91 and 0.92, batch 8 0.92 and 0.95, 4 tokens 1.00. fp32 was even (1
+// token 0.99 and 1.01, 2 and 4 tokens 0.99, batch 8 1.05), and so was the
+// avx512 target's widened bf16 (1.03), so they keep the sweeps
+// (docs/PERFORMANCE-LOG.md, fifteenth session).
+inline bool walks_k_then_v(SimdTarget target, DType kv_dtype) {
+  return !(target == SimdTarget::kAvx512Bf16 && kv_dtype == DType::kBF16);
+}
 
 // attnkit's own KV caches (KVCache) pad a token's row by one 64-byte line
 // when its bytes are a multiple of this. Rows 4 KiB apart (GQA 8 kv heads x
@@ -133,6 +145,7 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
   if (plan.block_q * group <= kInterleaveHeadsMaxRows && p.num_kv_heads > 1)
     plan.kv_heads_per_task =
         p.num_kv_heads < kInterleaveMaxHeads ? p.num_kv_heads : kInterleaveMaxHeads;
+  plan.k_then_v = walks_k_then_v(target, p.kv_dtype);
   const int64_t head_blocks =
       (p.num_kv_heads + plan.kv_heads_per_task - 1) / plan.kv_heads_per_task;
   const int64_t tasks = p.batch * head_blocks * q_blocks;
