@@ -574,21 +574,25 @@ inline void store_rows4(const __m512 acc[16], int keys, float* s) {
 }
 
 // One block of kKeys (1-4) keys against the 4 query rows q[r * qs ...]:
-// acc[a * 4 + r]. Elements are fp32 (Elem = float, 16 per vector) or bf16
-// pairs (Elem = uint16_t, 32 per vector, vdpbf16ps). The key count and the
-// prefetch are template parameters and the chunk loop has no calls, so the
-// 16 accumulators stay in registers (a version that took them through a
-// lambda kept them on the stack, one store per FMA, and ran QK at half
-// speed). The last chunk is loaded under `tail`, the others whole.
-template <int kKeys, bool kPrefetch, class Elem>
-inline void rows4_block(const Elem* k, int64_t ks, int64_t chunks, __mmask32 tail, const Elem* q,
+// acc[a * 4 + r]. Keys and queries are fp32 (Elem = QElem = float, 16 per
+// vector), bf16 pairs (both uint16_t, 32 per vector, vdpbf16ps), or bf16
+// keys widened exactly to fp32 in registers against fp32 queries (Elem =
+// uint16_t, QElem = float, 16 per vector: the avx512 target, which has no
+// vdpbf16ps). The key count and the prefetch are template parameters and
+// the chunk loop has no calls, so the 16 accumulators stay in registers (a
+// version that took them through a lambda kept them on the stack, one
+// store per FMA, and ran QK at half speed). The last chunk is loaded under
+// `tail`, the others whole.
+template <int kKeys, bool kPrefetch, class Elem, class QElem>
+inline void rows4_block(const Elem* k, int64_t ks, int64_t chunks, __mmask32 tail, const QElem* q,
                         int64_t qs, float* s, int64_t pf) {
-  constexpr int kPer = 64 / sizeof(Elem);  // elements per vector
+  constexpr int kPer = 64 / sizeof(QElem);  // elements per vector
+  constexpr bool kWiden = sizeof(Elem) == 2 && sizeof(QElem) == 4;
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   auto fma = [](__m512 a, __m512i kv, __m512i qv) {
-    if constexpr (sizeof(Elem) == 2)
+    if constexpr (sizeof(QElem) == 2)
       return _mm512_dpbf16_ps(a, (__m512bh)kv, (__m512bh)qv);
     else
       return _mm512_fmadd_ps(_mm512_castsi512_ps(kv), _mm512_castsi512_ps(qv), a);
@@ -601,12 +605,20 @@ inline void rows4_block(const Elem* k, int64_t ks, int64_t chunks, __mmask32 tai
 #pragma GCC unroll 4
     for (int a = 0; a < kKeys; ++a) {
       const Elem* row = k + a * ks + c * kPer;
-      if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(row + pf), _MM_HINT_T0);
-      if constexpr (sizeof(Elem) == 2)
+      // A widened chunk is half a line: one prefetch per line.
+      if constexpr (kPrefetch)
+        if (!kWiden || c % 2 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(row + pf), _MM_HINT_T0);
+      if constexpr (kWiden) {
+        const __m256i h = last ? _mm256_maskz_loadu_epi16(__mmask16(tail), row)
+                               : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+        kv[a] = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+      } else if constexpr (sizeof(Elem) == 2) {
         kv[a] = last ? _mm512_maskz_loadu_epi16(tail, row) : _mm512_loadu_si512(row);
-      else
+      } else {
         kv[a] = last ? _mm512_castps_si512(_mm512_maskz_loadu_ps(__mmask16(tail), row))
                      : _mm512_loadu_si512(row);
+      }
     }
 #pragma GCC unroll 4
     for (int a = 0; a < kKeys; ++a)
@@ -622,9 +634,9 @@ inline void rows4_block(const Elem* k, int64_t ks, int64_t chunks, __mmask32 tai
 }
 
 // S = K Q^T for nk keys in blocks of 4 (a last block of 1-3 keys alone).
-template <bool kPrefetch, class Elem>
+template <bool kPrefetch, class Elem, class QElem>
 inline void rows4_keys(const Elem* k, int64_t ks, int64_t nk, int64_t chunks, __mmask32 tail,
-                       const Elem* q, int64_t qs, float* s, int64_t pf) {
+                       const QElem* q, int64_t qs, float* s, int64_t pf) {
   int64_t n = 0;
   for (; n + 4 <= nk; n += 4)
     rows4_block<4, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, s + n * 4, pf);
@@ -640,10 +652,12 @@ inline void rows4_keys(const Elem* k, int64_t ks, int64_t nk, int64_t chunks, __
   }
 }
 
-template <class Elem>
-void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const Elem* q, int64_t qs, float* s,
+// KernelTable::qk_rows_f32 (float keys and queries), qk_rows_bf16 (bf16
+// pairs) and qk_rows_widen (bf16 keys, fp32 queries).
+template <class Elem, class QElem>
+void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const QElem* q, int64_t qs, float* s,
              int64_t pf) {
-  constexpr int64_t kPer = 64 / sizeof(Elem);
+  constexpr int64_t kPer = 64 / sizeof(QElem);
   const int64_t chunks = (d + kPer - 1) / kPer;
   const int64_t last = d - (chunks - 1) * kPer;
   const __mmask32 tail = last >= 32 ? ~__mmask32{0} : (__mmask32{1} << last) - 1;
@@ -715,14 +729,14 @@ constexpr KernelTable kAvx512Table = {
     simd::widen_bf16<V512>,
     pack_q_f32,
     4,
-    qk_rows<float>,
+    qk_rows<float, float>,
     softmax_rows4,
     nullptr,
     nullptr,
     nullptr,
     nullptr,
-    nullptr,
-    nullptr,
+    qk_rows<uint16_t, float>,
+    simd::pv_widen<V512>,
 };
 
 constexpr KernelTable kAvx512Bf16Table = {
@@ -735,12 +749,12 @@ constexpr KernelTable kAvx512Bf16Table = {
     simd::widen_bf16<V512>,
     pack_q_f32,
     4,
-    qk_rows<float>,
+    qk_rows<float, float>,
     softmax_rows4,
     qk_bf16,
     pv_bf16,
     pack_q_bf16,
-    qk_rows<uint16_t>,
+    qk_rows<uint16_t, uint16_t>,
     nullptr,
     nullptr,
 };
