@@ -404,19 +404,18 @@ class TaskRunner {
       return;
     }
     // Several kv heads (decode, kInterleaveHeadsMaxRows) with k_then_v
-    // (tile_policy.h says where): every head's QK
-    // first, then each head's softmax and P V, so the tile's K rows are read
-    // in one sweep over their token rows and its V rows in another. Head by
-    // head (QK then P V for each) the reads went back and forth between the
-    // tile's K and V token rows at every head: read without arithmetic
-    // (decode_read_bench), at 0.81-0.88 of a sequential read against
-    // 0.85-0.96 in this order, and decode calls (GQA 32/8, 16K keys, the two
-    // orders alternated call by call) take 0.94-0.96 of the time for 1-token
-    // fp32, 0.87-0.96 for bf16, 0.95-0.99 for 4 tokens (docs/PERFORMANCE-LOG.md,
-    // eleventh session). QK prefetches the next head's K rows, the last head
-    // the first head's V rows; P V the next head's V rows, the last head the
-    // next tile's first K rows. Those two cross from K to V and need K and V
-    // rows equally strided; where not, they are not issued.
+    // (tile_policy.h says where): every head's QK first, then each head's
+    // softmax and P V, so the tile's K rows are read in one sweep over their
+    // token rows and its V rows in another. Head by head (QK then P V for each)
+    // the reads went back and forth between the tile's K and V token rows at
+    // every head: read without arithmetic (decode_read_bench), at 0.81-0.88 of a
+    // sequential read against 0.85-0.96 in this order, and decode calls (GQA
+    // 32/8, 16K keys, the two orders alternated call by call) take 0.94-0.96 of
+    // the time for 1-token fp32, 0.87-0.96 for bf16, 0.95-0.99 for 4 tokens
+    // (docs/PERFORMANCE-LOG.md, eleventh session). QK prefetches the next head's
+    // K rows, the last head the first head's V rows; P V the next head's V rows,
+    // the last head the next tile's first K rows. Those two cross from K to V
+    // and need K and V rows equally strided; where not, they are not issued.
     select_head(0);
     // Elements from head 0's K rows to its V rows.
     const int64_t k_to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /

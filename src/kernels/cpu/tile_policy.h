@@ -65,17 +65,20 @@ inline constexpr int64_t kMinTasksWithoutSplit = 64;
 // item, and absorbed MLA over 4096 keys (one kv head) gives 8.
 inline constexpr int64_t kSplitKeys = 512;
 
-// Calls whose tasks have at most this many packed rows per kv head
-// (decode: 1-16 tokens times the group) walk up to kInterleaveMaxHeads kv
-// heads of a batch item together, tile by tile (in the order
-// walks_k_then_v() below picks), whether or not their keys are split. A cache is laid out [token,
-// kv head, dim], so one kv head's rows are 512 B pieces 4 KiB apart, one page each: walked alone
-// they cost a TLB miss per row and defeat the hardware prefetchers (a single-threaded read of such
-// rows ran at 7-16 GB/s where a sequential read ran at 35); walked with the other heads, every page
-// is used whole. (Walking a tile in address order, a few keys of every head at a time, read 1.5x
-// faster in a read-only sweep but not in the kernel, whose arithmetic per byte hides the
-// difference; measured 2026-11-22, docs/PERFORMANCE-LOG.md.) Bigger tasks are bound by arithmetic,
-// not by memory, and keep one head each so that their q tiles and accumulators stay in L2.
+// Calls whose tasks have at most this many packed rows per kv head (decode:
+// 1-16 tokens times the group) walk up to kInterleaveMaxHeads kv heads of a
+// batch item together, tile by tile (in the order walks_k_then_v() below
+// picks), whether or not their keys are split. A cache is laid out [token, kv
+// head, dim], so one kv head's rows are 512 B pieces 4 KiB apart, one page
+// each: walked alone they cost a TLB miss per row and defeat the hardware
+// prefetchers (a single-threaded read of such rows ran at 7-16 GB/s where a
+// sequential read ran at 35); walked with the other heads, every page is used
+// whole. (Walking a tile in address order, a few keys of every head at a
+// time, read 1.5x faster in a read-only sweep but not in the kernel, whose
+// arithmetic per byte hides the difference; measured 2026-11-22,
+// docs/PERFORMANCE-LOG.md.) Bigger tasks are bound by arithmetic, not by
+// memory, and keep one head each so that their q tiles and accumulators stay
+// in L2.
 inline constexpr int64_t kInterleaveHeadsMaxRows = 16;
 
 // Each walked head keeps its q tile, scores and accumulators (~13 KiB at
