@@ -157,18 +157,27 @@ struct Call {
 };
 
 // Calls f(offset in tile, physical row, count) for the runs of physically
-// contiguous rows that hold logical keys [j0, j0 + n): one run, or more when
-// a ring buffer wraps.
+// contiguous rows that hold logical keys [j0, j0 + n) of batch item b: one
+// run for dense and packed keys, more where a ring buffer wraps or a page
+// ends (AttentionParams::key_row).
 template <class F>
-void for_runs(const AttentionParams& p, int64_t j0, int64_t n, F&& f) {
-  if (p.ring_capacity == 0) return f(0, j0, n);
+void for_runs(const AttentionParams& p, int64_t b, int64_t j0, int64_t n, F&& f) {
   for (int64_t done = 0; done < n;) {
-    const int64_t r = p.physical_row(j0 + done);
-    const int64_t count = std::min(n - done, p.ring_capacity - r);
+    int64_t count;
+    const int64_t r = p.key_row(b, j0 + done, n - done, &count);
     f(done, r, count);
     done += count;
   }
 }
+
+// A prefetch hint for the kernels that read one tile's rows: `elems` from
+// each row read, plus, when `next_tile`, the distance from that row to the
+// row holding the same key offset in the task's next tile (a run's own
+// distance: pages and rings do not keep tiles nk rows apart).
+struct Prefetch {
+  int64_t elems = 0;
+  bool next_tile = false;
+};
 
 bool rows_finite(const void* base, DType dtype, int64_t stride, int64_t rows, int64_t cols) {
   uint32_t bad = 0;
@@ -197,7 +206,7 @@ class TaskRunner {
     const Base& base = c_.bases[task.base];
     b_ = base.b;
     i0_ = base.qb * g_.bq;
-    rows_ = std::min(g_.bq, p_.seqlen_q - i0_);
+    rows_ = std::min(g_.bq, p_.rows_of(b_) - i0_);
     m_ = rows_ * g_.group;
     offset_ = p_.offset_of(b_);
     g0_ = base.g;
@@ -264,7 +273,7 @@ class TaskRunner {
   void pack_q() {
     const float** rows = reinterpret_cast<const float**>(ws_ + g_.qrows);
     for (int64_t m = 0; m < m_; ++m)
-      rows[m] = p_.q + b_ * p_.q_stride.batch + row_of(m) * p_.q_stride.row +
+      rows[m] = p_.q + b_ * p_.q_stride.batch + p_.q_row(b_, row_of(m)) * p_.q_stride.row +
                 head_of(m) * p_.q_stride.head;
     const float scale = p_.scale;
     const int64_t w = g_.kt->qk_block_cols, dim = p_.q_stride.dim;
@@ -377,8 +386,7 @@ class TaskRunner {
     if (heads_ == 1 || !g_.k_then_v) {
       // Head by head. QK fetches this head's V rows, P V the K rows read
       // next: the next head's, or after the last head the first head's in
-      // the next tile (unless a ring wraps in between, where the hint is
-      // merely wasted). Where V lies in K's rows (absorbed MLA), the strides
+      // the next tile (wherever a ring or a page table puts it). Where V lies in K's rows (absorbed MLA), the strides
       // differ, or P V reads a copy (made before the product, so a fetch
       // from P V would come late), each phase fetches its own rows of the
       // next step instead; a bf16 copy's widening issues them, an fp32 copy
@@ -388,18 +396,22 @@ class TaskRunner {
         const int64_t to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
                              static_cast<int64_t>(elem_size());
         const bool one_phase = !g_.pv_copies && p_.k_stride.row == p_.v_stride.row && to_v != 0;
-        int64_t k_next = 0, v_next = 0;
+        Prefetch k_next, v_next;  // none after the task's last tile
         if (h + 1 < heads_) {
-          k_next = p_.k_stride.head;
-          v_next = p_.v_stride.head;
+          k_next = {p_.k_stride.head, false};
+          v_next = {p_.v_stride.head, false};
         } else if (more_tiles) {
-          k_next = nk * p_.k_stride.row - h * p_.k_stride.head;
-          v_next = nk * p_.v_stride.row - h * p_.v_stride.head;
+          k_next = {-h * p_.k_stride.head, true};
+          v_next = {-h * p_.v_stride.head, true};
         }
+        const bool fetch_k = h + 1 < heads_ || more_tiles;
         float* s = ws_ + g_.s + h * g_.s_head;
-        scores(j0, nk, s, one_phase ? to_v : k_next, seen);
-        finish_head(j0, nk, s, one_phase ? (k_next != 0 ? k_next - to_v : 0) : v_next, seen, masked,
-                    sparse_partial, row_lo, row_hi);
+        scores(j0, nk, s, one_phase ? Prefetch{to_v, false} : k_next, seen);
+        finish_head(j0, nk, s,
+                    one_phase ? (fetch_k ? Prefetch{k_next.elems - to_v, k_next.next_tile}
+                                         : Prefetch{})
+                              : v_next,
+                    seen, masked, sparse_partial, row_lo, row_hi);
       }
       return;
     }
@@ -424,16 +436,17 @@ class TaskRunner {
     const int64_t last = heads_ - 1;
     for (int64_t h = 0; h < heads_; ++h) {
       select_head(h);
-      const int64_t prefetch =
-          h < last ? p_.k_stride.head : (cross ? k_to_v - last * p_.k_stride.head : 0);
+      const Prefetch prefetch = h < last ? Prefetch{p_.k_stride.head, false}
+                                : cross    ? Prefetch{k_to_v - last * p_.k_stride.head, false}
+                                           : Prefetch{};
       scores(j0, nk, ws_ + g_.s + h * g_.s_head, prefetch, seen);
     }
     for (int64_t h = 0; h < heads_; ++h) {
       select_head(h);
-      const int64_t prefetch =
-          h < last
-              ? p_.v_stride.head
-              : (cross && more_tiles ? nk * p_.k_stride.row - last * p_.v_stride.head - k_to_v : 0);
+      const Prefetch prefetch = h < last ? Prefetch{p_.v_stride.head, false}
+                                : cross && more_tiles
+                                    ? Prefetch{-last * p_.v_stride.head - k_to_v, true}
+                                    : Prefetch{};
       finish_head(j0, nk, ws_ + g_.s + h * g_.s_head, prefetch, seen, masked, sparse_partial,
                   row_lo, row_hi);
     }
@@ -441,7 +454,7 @@ class TaskRunner {
 
   // The selected head's tile after its scores s: softcap, masks, the online
   // softmax step and O = alpha O + P V (prefetch: as accumulate()).
-  void finish_head(int64_t j0, int64_t nk, float* s, int64_t prefetch, const int64_t* seen,
+  void finish_head(int64_t j0, int64_t nk, float* s, Prefetch prefetch, const int64_t* seen,
                    bool masked, bool sparse_partial, const int64_t* row_lo, const int64_t* row_hi) {
     const int64_t cols = g_.m_pad - m_lo_;
     if (p_.softcap > 0.0f) {
@@ -465,38 +478,51 @@ class TaskRunner {
       accumulate(j0, nk, s, alpha, prefetch, seen);
   }
 
+  // Elements from the rows of a run (keys from j0 + at, physical `row`,
+  // `stride` apart) to what `pf` asks to prefetch, or 0 for nothing.
+  int64_t prefetch_at(const Prefetch& pf, int64_t j0, int64_t nk, int64_t at, int64_t row,
+                      int64_t stride) const {
+    if (!pf.next_tile) return pf.elems;
+    const int64_t next = j0 + nk + at;
+    if (next >= task_end_) return 0;
+    return pf.elems + (p_.key_row(b_, next) - row) * stride;
+  }
+
   // `seen`: see tile(); the kernels take it for a whole tile, not for a
-  // ring's run of one.
-  void scores(int64_t j0, int64_t nk, float* s, int64_t prefetch, const int64_t* seen) {
+  // run of keys that a ring or a page cuts short.
+  void scores(int64_t j0, int64_t nk, float* s, Prefetch pf, const int64_t* seen) {
     const KernelTable& kt = *g_.kt;
     auto whole = [&](int64_t n) { return n == nk ? seen : nullptr; };
+    auto fetch = [&](int64_t at, int64_t row) {
+      return prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
+    };
     if (g_.rows_qk && g_.dot_bf16) {
       const uint16_t* q = reinterpret_cast<const uint16_t*>(qt_);
-      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.qk_rows_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, q,
-                        g_.qt_row, s + at * 4, prefetch);
+                        g_.qt_row, s + at * 4, fetch(at, row));
       });
     } else if (g_.rows_qk && !g_.bf16) {
-      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.qk_rows_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_,
-                       g_.qt_row, s + at * 4, prefetch);
+                       g_.qt_row, s + at * 4, fetch(at, row));
       });
     } else if (g_.dot_bf16) {
       const uint16_t* qt2 = reinterpret_cast<const uint16_t*>(qt_) + m_lo_ * ceil_div(g_.d, 2) * 2;
-      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.qk_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, qt2,
-                   g_.m_pad - m_lo_, s + at * g_.s_stride + m_lo_, g_.s_stride, prefetch);
+                   g_.m_pad - m_lo_, s + at * g_.s_stride + m_lo_, g_.s_stride, fetch(at, row));
       });
     } else if (g_.rows_qk && g_.bf16 && !g_.k_copies) {
-      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.qk_rows_widen(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_,
-                         g_.qt_row, s + at * 4, prefetch);
+                         g_.qt_row, s + at * 4, fetch(at, row));
       });
     } else if (g_.bf16) {
       float* kw = ws_ + g_.kw;
-      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.widen_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d,
-                      kw + at * g_.d_pad, g_.d_pad, prefetch);
+                      kw + at * g_.d_pad, g_.d_pad, fetch(at, row));
       });
       if (g_.rows_qk)
         kt.qk_rows_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.qt_row, s, 0);
@@ -504,18 +530,21 @@ class TaskRunner {
         kt.qk_f32(kw, g_.d_pad, nk, g_.d, qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_, s + m_lo_,
                   g_.s_stride, 0, seen);
     } else {
-      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.qk_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d,
                   qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_, s + at * g_.s_stride + m_lo_, g_.s_stride,
-                  prefetch, whole(n));
+                  fetch(at, row), whole(n));
       });
     }
   }
 
   // Rows [m_lo_, m_) of o += P V (s and alpha indexed by packed row).
-  void accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha, int64_t prefetch,
+  void accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha, Prefetch pf,
                   const int64_t* seen) {
     const KernelTable& kt = *g_.kt;
+    auto fetch = [&](int64_t at, int64_t row) {
+      return prefetch_at(pf, j0, nk, at, row, p_.v_stride.row);
+    };
     float* o = o_ + m_lo_ * g_.dv_pad;
     const float* ones = ws_ + g_.ones;
     s += m_lo_;
@@ -524,10 +553,10 @@ class TaskRunner {
     auto whole = [&](int64_t n) { return n == nk ? seen : nullptr; };
     if (g_.dot_bf16) {
       uint16_t* pack = reinterpret_cast<uint16_t*>(ws_ + g_.pack);
-      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.pv_bf16(s + at * g_.s_stride, n, g_.m_pad - m_lo_, g_.s_stride, rows,
                    static_cast<const uint16_t*>(v_row(row)), p_.v_stride.row, g_.dv, o, g_.dv_pad,
-                   at == 0 ? alpha : ones, pack, prefetch);
+                   at == 0 ? alpha : ones, pack, fetch(at, row));
       });
       return;
     }
@@ -536,10 +565,10 @@ class TaskRunner {
       // heads of a token are adjacent), which folds a tile's columns onto
       // a few L1 sets; PV reads the tile once per block of rows.
       float* vw = ws_ + g_.vw;
-      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         if (g_.bf16) {
           kt.widen_bf16(static_cast<const uint16_t*>(v_row(row)), p_.v_stride.row, n, g_.dv,
-                        vw + at * g_.vw_stride, g_.vw_stride, prefetch);
+                        vw + at * g_.vw_stride, g_.vw_stride, fetch(at, row));
           return;
         }
         const float* v = static_cast<const float*>(v_row(row));
@@ -550,22 +579,22 @@ class TaskRunner {
       return;
     }
     if (g_.bf16) {
-      for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
         kt.pv_widen(s + at * g_.s_stride, n, g_.s_stride, rows,
                     static_cast<const uint16_t*>(v_row(row)), p_.v_stride.row, g_.dv, o, g_.dv_pad,
-                    at == 0 ? alpha : ones, prefetch, whole(n));
+                    at == 0 ? alpha : ones, fetch(at, row), whole(n));
       });
       return;
     }
-    for_runs(p_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+    for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
       kt.pv_f32(s + at * g_.s_stride, n, g_.s_stride, rows, static_cast<const float*>(v_row(row)),
-                p_.v_stride.row, g_.dv, o, g_.dv_pad, at == 0 ? alpha : ones, prefetch, whole(n));
+                p_.v_stride.row, g_.dv, o, g_.dv_pad, at == 0 ? alpha : ones, fetch(at, row), whole(n));
     });
   }
 
   bool values_finite(int64_t j0, int64_t nk) const {
     bool finite = true;
-    for_runs(p_, j0, nk, [&](int64_t, int64_t row, int64_t n) {
+    for_runs(p_, b_, j0, nk, [&](int64_t, int64_t row, int64_t n) {
       finite = finite && rows_finite(v_row(row), p_.kv_dtype, p_.v_stride.row, n, g_.dv);
     });
     return finite;
@@ -576,7 +605,7 @@ class TaskRunner {
     for (int64_t m = m_lo_; m < m_; ++m)
       for (int64_t c = 0; c < g_.dv; ++c) o[m * g_.dv_pad + c] *= alpha[m];
     for (int64_t n = 0; n < nk; ++n) {
-      const void* v = v_row(p_.physical_row(j0 + n));
+      const void* v = v_row(p_.key_row(b_, j0 + n));
       for (int64_t m = m_lo_; m < m_; ++m) {
         const float w = s[n * g_.s_stride + m];
         if (w == 0.0f) continue;
@@ -655,7 +684,7 @@ class TaskRunner {
     const float* o = o_;
     for (int64_t m = 0; m < m_; ++m) {
       const float sum = row_sum_[m], max = row_max_[m];
-      const int64_t h = head_of(m), i = row_of(m);
+      const int64_t h = head_of(m), i = p_.q_row(b_, row_of(m));
       float* out =
           p_.out + b_ * p_.out_stride.batch + i * p_.out_stride.row + h * p_.out_stride.head;
       const bool empty = sum == 0.0f;  // no visible key: 0, never NaN
@@ -723,7 +752,7 @@ void merge(const Call& call, const Base& base, int64_t hh, int64_t m0, int64_t m
       total += w * sum;
       for (int64_t c = 0; c < g.dv; ++c) acc[c] += w * part[m * g.dv + c];
     }
-    const int64_t h = (base.g + hh) * g.group + m % g.group, i = i0 + m / g.group;
+    const int64_t h = (base.g + hh) * g.group + m % g.group, i = p.q_row(base.b, i0 + m / g.group);
     float* out = p.out + base.b * p.out_stride.batch + i * p.out_stride.row + h * p.out_stride.head;
     const bool empty = total == 0.0f;
     const float inv = 1.0f / total;
@@ -775,13 +804,14 @@ void attention(const AttentionParams& p, const Plan& plan, void* scratch) {
     const int64_t offset = p.offset_of(b);
     for (int64_t kvh = 0; kvh < p.num_kv_heads; kvh += g.heads)
       for (int64_t qb = 0; qb < g.q_blocks; ++qb, ++base_index) {
-        const int64_t i0 = qb * g.bq, i1 = std::min(i0 + g.bq, p.seqlen_q);
+        const int64_t i0 = qb * g.bq, i1 = std::min(i0 + g.bq, p.rows_of(b));
+        Base& base = bases[base_index];
+        base = {b, kvh, qb, 0, 1};
+        if (i0 >= i1) continue;  // a ragged batch's shorter item: no rows here
         int64_t lo, hi_first, lo_last, hi;
         key_range(p, b, i0 + offset, &lo, &hi_first);
         key_range(p, b, i1 - 1 + offset, &lo_last, &hi);
         const int64_t m_count = (i1 - i0) * g.group * std::min(g.heads, p.num_kv_heads - kvh);
-        Base& base = bases[base_index];
-        base = {b, kvh, qb, 0, 1};
         const int64_t split = plan.split_k;
         if (split > 0 && hi > lo && ceil_div(hi, split) - lo / split >= 2) {
           base.first_part = num_parts;
@@ -819,7 +849,7 @@ void attention(const AttentionParams& p, const Plan& plan, void* scratch) {
         const Base& base = bases[item / (g.heads * row_blocks)];
         const int64_t hh = item / row_blocks % g.heads;
         const int64_t m0 = item % row_blocks * kMergeRows;
-        const int64_t m_count = std::min(g.bq, p.seqlen_q - base.qb * g.bq) * g.group;
+        const int64_t m_count = std::min(g.bq, p.rows_of(base.b) - base.qb * g.bq) * g.group;
         if (base.parts < 2 || hh >= std::min(g.heads, p.num_kv_heads - base.g) || m0 >= m_count)
           return;
         merge(call, base, hh, m0, std::min(m0 + kMergeRows, m_count),
