@@ -386,11 +386,10 @@ class TaskRunner {
     if (heads_ == 1 || !g_.k_then_v) {
       // Head by head. QK fetches this head's V rows, P V the K rows read
       // next: the next head's, or after the last head the first head's in
-      // the next tile (wherever a ring or a page table puts it). Where V lies in K's rows (absorbed MLA), the strides
-      // differ, or P V reads a copy (made before the product, so a fetch
-      // from P V would come late), each phase fetches its own rows of the
-      // next step instead; a bf16 copy's widening issues them, an fp32 copy
-      // issues none.
+      // the next tile (wherever a ring or a page table puts it). Where V lies in K's rows (absorbed
+      // MLA), the strides differ, or P V reads a copy (made before the product, so a fetch from P V
+      // would come late), each phase fetches its own rows of the next step instead; a bf16 copy's
+      // widening issues them, an fp32 copy issues none.
       for (int64_t h = 0; h < heads_; ++h) {
         select_head(h);
         const int64_t to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
@@ -408,9 +407,9 @@ class TaskRunner {
         float* s = ws_ + g_.s + h * g_.s_head;
         scores(j0, nk, s, one_phase ? Prefetch{to_v, false} : k_next, seen);
         finish_head(j0, nk, s,
-                    one_phase ? (fetch_k ? Prefetch{k_next.elems - to_v, k_next.next_tile}
-                                         : Prefetch{})
-                              : v_next,
+                    one_phase
+                        ? (fetch_k ? Prefetch{k_next.elems - to_v, k_next.next_tile} : Prefetch{})
+                        : v_next,
                     seen, masked, sparse_partial, row_lo, row_hi);
       }
       return;
@@ -437,8 +436,8 @@ class TaskRunner {
     for (int64_t h = 0; h < heads_; ++h) {
       select_head(h);
       const Prefetch prefetch = h < last ? Prefetch{p_.k_stride.head, false}
-                                : cross    ? Prefetch{k_to_v - last * p_.k_stride.head, false}
-                                           : Prefetch{};
+                                : cross  ? Prefetch{k_to_v - last * p_.k_stride.head, false}
+                                         : Prefetch{};
       scores(j0, nk, ws_ + g_.s + h * g_.s_head, prefetch, seen);
     }
     for (int64_t h = 0; h < heads_; ++h) {
@@ -588,7 +587,8 @@ class TaskRunner {
     }
     for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
       kt.pv_f32(s + at * g_.s_stride, n, g_.s_stride, rows, static_cast<const float*>(v_row(row)),
-                p_.v_stride.row, g_.dv, o, g_.dv_pad, at == 0 ? alpha : ones, fetch(at, row), whole(n));
+                p_.v_stride.row, g_.dv, o, g_.dv_pad, at == 0 ? alpha : ones, fetch(at, row),
+                whole(n));
     });
   }
 

@@ -59,6 +59,11 @@ void attention_ref(const AttentionParams& prm, double* scratch) {
     const int64_t offset = prm.offset_of(b);
     for (int64_t h = 0; h < prm.num_heads; ++h) {
       const int64_t kvh = h / group;
+      // Ragged queries: probs rows past this item's own rows are 0.
+      for (int64_t i = prm.rows_of(b); prm.probs && i < prm.seqlen_q; ++i)
+        for (int64_t j = 0; j < prm.seqlen_k; ++j)
+          prm.probs[b * prm.probs_stride.batch + h * prm.probs_stride.head +
+                    i * prm.probs_stride.row + j * prm.probs_stride.dim] = 0.0f;
       for (int64_t i = 0; i < prm.rows_of(b); ++i) {
         const int64_t p = i + offset;
         int64_t lo, hi;
