@@ -82,6 +82,12 @@ struct AttentionParams {
   int64_t block_table_stride = 0;
   int64_t page_size = 0;
 
+  // Plan every batch item from its own shape only (its keys' split, in
+  // particular), so that an item's output is the same bits whatever else
+  // shares the call. The caller must give every item the same rows_of(b)
+  // (PagedKVCache::attend groups its sequences that way).
+  bool batch_invariant = false;
+
   int num_threads = 1;
 
   int64_t keys_of(int64_t b) const { return k_len ? k_len[b] : seqlen_k; }

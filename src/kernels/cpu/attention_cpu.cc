@@ -85,6 +85,7 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.q_blocks = ceil_div(p.seqlen_q, g.bq);
   g.bases = p.batch * g.head_blocks * g.q_blocks;
   g.max_parts = plan.split_k > 0 ? std::max<int64_t>(1, ceil_div(p.seqlen_k, plan.split_k)) : 1;
+  if (plan.split_per_item) g.max_parts = std::min(g.max_parts, kMaxSplitsPerItem);
   g.m_max = g.bq * g.group;
   g.m_pad = round_up(g.m_max, lanes);
   g.d = p.head_dim;
@@ -812,7 +813,13 @@ void attention(const AttentionParams& p, const Plan& plan, void* scratch) {
         key_range(p, b, i0 + offset, &lo, &hi_first);
         key_range(p, b, i1 - 1 + offset, &lo_last, &hi);
         const int64_t m_count = (i1 - i0) * g.group * std::min(g.heads, p.num_kv_heads - kvh);
-        const int64_t split = plan.split_k;
+        int64_t split = plan.split_k;
+        if (plan.split_per_item && split > 0) {
+          if (g.head_blocks * ceil_div(p.rows_of(b), g.bq) >= kMinTasksWithoutSplit)
+            split = 0;  // the item alone has tasks enough
+          else
+            while (ceil_div(hi, split) - lo / split > kMaxSplitsPerItem) split *= 2;
+        }
         if (split > 0 && hi > lo && ceil_div(hi, split) - lo / split >= 2) {
           base.first_part = num_parts;
           for (int64_t sidx = lo / split; sidx * split < hi; ++sidx) {

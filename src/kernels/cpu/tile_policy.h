@@ -125,6 +125,13 @@ inline int64_t padded_token_row(int64_t row_elems, int64_t elem_bytes) {
              : row_elems;
 }
 
+// Batch-invariant plans split a batch item's keys when the item alone has
+// fewer than kMinTasksWithoutSplit tasks, into at most this many splits: a
+// long item doubles its split size (from kSplitKeys) rather than its
+// partials, which every item of a large batch would otherwise multiply.
+// 32 splits of 512 keys are a 16K-key decode step's, as in the shared plan.
+inline constexpr int64_t kMaxSplitsPerItem = 32;
+
 // Packed rows per merge item when split partials are combined: items are
 // spread over the threads, and 16 rows of 512 values from 8 splits (256
 // KiB) are work enough to amortise claiming an item.
@@ -149,6 +156,11 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
     plan.kv_heads_per_task =
         p.num_kv_heads < kInterleaveMaxHeads ? p.num_kv_heads : kInterleaveMaxHeads;
   plan.k_then_v = walks_k_then_v(target, p.kv_dtype);
+  if (p.batch_invariant) {  // splits decided per item, in attention()
+    plan.split_k = kSplitKeys;
+    plan.split_per_item = true;
+    return plan;
+  }
   const int64_t head_blocks =
       (p.num_kv_heads + plan.kv_heads_per_task - 1) / plan.kv_heads_per_task;
   const int64_t tasks = p.batch * head_blocks * q_blocks;
