@@ -32,6 +32,7 @@
 //                         it first (copy-on-write), so beams and parallel
 //                         samples share their prefix without copying it
 //   remove(id)            returns the pages whose count drops to zero
+//   truncate(id, n)       forgets tokens n ... (rejected speculative tokens)
 // With a sliding window of W (each token sees itself and the W - 1 before
 // it), pages whose tokens no later query can see are released as soon as
 // every layer has written past them. Freed pages are reused; a page is
@@ -97,6 +98,13 @@ class PagedKVCache {
   Result<int64_t> fork(int64_t seq_id);
 
   Status remove(int64_t seq_id);
+
+  // Forgets the tokens of seq_id from new_length on (rejected speculative
+  // tokens, a rolled-back step): pages past it return to the pool, and
+  // every layer's written count is clamped to it. new_length <= length,
+  // and after a window has released pages, the next query (at position
+  // new_length) must not need them: new_length >= first held token + W - 1.
+  Status truncate(int64_t seq_id, int64_t new_length);
 
   Result<int64_t> length(int64_t seq_id) const;
   // Tokens of seq_id that layer has written so far (<= length).

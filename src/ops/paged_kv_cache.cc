@@ -309,6 +309,28 @@ Status PagedKVCache::remove(int64_t seq_id) {
   return Status::Ok();
 }
 
+Status PagedKVCache::truncate(int64_t seq_id, int64_t new_length) {
+  constexpr const char* fn = "PagedKVCache::truncate";
+  ATTNKIT_ASSIGN_OR_RETURN(Sequence * seq, find(fn, seq_id));
+  // The next query, at position new_length, must still find every token
+  // its window sees.
+  const int64_t lowest =
+      seq->released > 0 ? seq->released * spec_.page_size + spec_.sliding_window - 1 : 0;
+  if (new_length < lowest || new_length > seq->length)
+    return invalid_argument(std::string(fn) + ": new_length = " + str(new_length) +
+                            " must be in [" + str(lowest) + ", length = " + str(seq->length) +
+                            "] for sequence " + str(seq_id) +
+                            (lowest > 0 ? " (its window has released the tokens before " +
+                                              str(seq->released * spec_.page_size) + ")"
+                                        : ""));
+  const size_t keep = static_cast<size_t>((new_length + spec_.page_size - 1) / spec_.page_size);
+  for (size_t p = keep; p < seq->pages.size(); ++p) drop_page(seq->pages[p]);
+  seq->pages.resize(keep);
+  seq->length = new_length;
+  for (int64_t& w : seq->written) w = std::min(w, new_length);
+  return Status::Ok();
+}
+
 // Pages whose tokens no later query of any layer can see: a query sits at a
 // position >= the fewest tokens a layer has written, and sees W - 1 tokens
 // back.

@@ -69,6 +69,9 @@ class DenseModel {
 
   int64_t key_width() const { return spec_.num_kv_heads * spec_.head_dim; }
   int64_t value_width() const { return spec_.num_kv_heads * spec_.head_dim_v; }
+  // Values kept per token in the model (the latent layout keeps the row's
+  // first kv_lora_rank columns).
+  int64_t value_width_stored() const { return spec_.latent() ? spec_.head_dim_v : value_width(); }
 
   void add(int64_t id) {
     seqs_[id].k.resize(size_t(spec_.num_layers));
@@ -76,6 +79,11 @@ class DenseModel {
   }
   void fork(int64_t parent, int64_t child) { seqs_[child] = seqs_.at(parent); }
   void remove(int64_t id) { seqs_.erase(id); }
+  void truncate(int64_t id, int64_t tokens) {
+    Seq& s = seqs_.at(id);
+    for (auto& k : s.k) k.resize(size_t(tokens * key_width()));
+    for (auto& v : s.v) v.resize(size_t(tokens * value_width_stored()));
+  }
   bool has(int64_t id) const { return seqs_.count(id) != 0; }
 
   // Records n new tokens of sequence `id` in `layer` (k_new, v_new rows in
@@ -213,6 +221,17 @@ std::vector<float> run_trace(const TraceOptions& t) {
       if (child.ok()) model.fork(parent, *child);
     }
     ids = pool.sequence_ids();
+    if (!ids.empty() && pick(0, 6) == 0) {  // roll back a few tokens
+      const int64_t id = ids[size_t(pick(0, int64_t(ids.size()) - 1))];
+      const std::vector<int32_t> table = pool.page_table(id).value();
+      const int64_t released = std::count(table.begin(), table.end(), -1);
+      const int64_t len = pool.length(id).value();
+      const int64_t lowest = released > 0 ? released * t.page_size + t.window - 1 : 0;
+      const int64_t to = std::min(len, std::max(lowest, len - pick(0, 5)));
+      EXPECT_TRUE(pool.truncate(id, to).ok());
+      model.truncate(id, to);
+      EXPECT_EQ(pool.length(id).value(), to);
+    }
     if (ids.size() > 2 && pick(0, 6) == 0) {
       const int64_t victim = ids[size_t(pick(0, int64_t(ids.size()) - 1))];
       EXPECT_TRUE(pool.remove(victim).ok());
@@ -476,6 +495,8 @@ TEST(PagedKVCache, RejectsBadArgumentsAndChangesNothing) {
   expect(pool.fork(a).status(), StatusCode::kInvalidArgument,
          "sequence 0 has 3 reserved tokens that layer 0 has not written");
   expect(pool.remove(9), StatusCode::kNotFound, "PagedKVCache::remove: sequence 9 does not exist");
+  expect(pool.truncate(a, 4), StatusCode::kInvalidArgument,
+         "new_length = 4 must be in [0, length = 3] for sequence 0");
 
   std::vector<float> q(size_t(5 * H * D)), k(size_t(5 * Hkv * D)), v(size_t(5 * Hkv * Dv)),
       out(size_t(5 * H * Dv), -3.0f);
