@@ -157,6 +157,12 @@ class PagedKVCache {
                 std::span<const int64_t> seq_ids, const TensorView& out,
                 const AttentionOptions& options = {}, const TensorView& lse = {});
 
+  // attend() without the attention: writes the K/V of exactly the reserved
+  // tokens `layer` has not written (same k_new, v_new and cu_seqlens
+  // layout), to restore a saved cache or a prefix computed elsewhere.
+  Status store(int64_t layer, const TensorView& k_new, const TensorView& v_new,
+               std::span<const int32_t> cu_seqlens, std::span<const int64_t> seq_ids);
+
  private:
   struct Sequence {
     int64_t length = 0;
@@ -168,6 +174,11 @@ class PagedKVCache {
   struct AttendScratch;  // attend()'s per-call tables, kept so steps do not allocate
 
   PagedKVCache();
+  Status check_step(const char* fn, int64_t layer, const TensorView& k_new, const TensorView& v_new,
+                    std::span<const int32_t> cu_seqlens, std::span<const int64_t> seq_ids) const;
+  void write_step(int64_t layer, const TensorView& k_new, const TensorView& v_new,
+                  std::span<const int32_t> cu_seqlens, std::span<const int64_t> seq_ids);
+  void finish_step(int64_t layer, std::span<const int64_t> seq_ids);
   void release_unseen(Sequence* seq);
   void drop_page(int32_t page);
   void copy_page(int32_t from, int32_t to, int64_t tokens);

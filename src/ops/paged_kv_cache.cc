@@ -347,16 +347,15 @@ void PagedKVCache::release_unseen(Sequence* seq) {
   seq->released = std::max(seq->released, release);
 }
 
-Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView& k_new,
-                            const TensorView& v_new, std::span<const int32_t> cu_seqlens_q,
-                            std::span<const int64_t> seq_ids, const TensorView& out,
-                            const AttentionOptions& options, const TensorView& lse) {
-  constexpr const char* fn = "PagedKVCache::attend";
+// The parts of a step attend() and store() share: the new K/V rows and
+// the packed layout checked against the pool, ...
+Status PagedKVCache::check_step(const char* fn, int64_t layer, const TensorView& k_new,
+                                const TensorView& v_new, std::span<const int32_t> cu_seqlens,
+                                std::span<const int64_t> seq_ids) const {
   const std::string f = fn;
   if (layer < 0 || layer >= spec_.num_layers)
     return invalid_argument(f + ": layer = " + str(layer) +
                             " must be in [0, num_layers = " + str(spec_.num_layers) + ")");
-  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "q", q, 3, {DType::kF32}));
   ATTNKIT_RETURN_IF_ERROR(check::view(fn, "k_new", k_new, 3, {DType::kF32}));
   const bool latent = spec_.latent();
   if (latent && v_new.present())
@@ -364,25 +363,114 @@ Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView
                             ": v_new must be absent with the latent layout; the values are "
                             "the first kv_lora_rank = " +
                             str(spec_.kv_lora_rank) + " columns of k_new's rows");
-  if (!latent) ATTNKIT_RETURN_IF_ERROR(check::view(fn, "v_new", v_new, 3, {DType::kF32}));
+  const int64_t total = k_new.shape[0];
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(fn, "k_new", k_new, 1, "num_kv_heads", spec_.num_kv_heads, "spec().num_kv_heads"));
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(fn, "k_new", k_new, 2, "head_dim", spec_.head_dim, "spec().head_dim"));
+  if (!latent) {
+    ATTNKIT_RETURN_IF_ERROR(check::view(fn, "v_new", v_new, 3, {DType::kF32}));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "v_new", v_new, 0, "total", total, "k_new.shape[0]"));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "v_new", v_new, 1, "num_kv_heads", spec_.num_kv_heads,
+                                       "spec().num_kv_heads"));
+    ATTNKIT_RETURN_IF_ERROR(
+        check::dim(fn, "v_new", v_new, 2, "head_dim_v", spec_.head_dim_v, "spec().head_dim_v"));
+  }
+  if (total > kMaxInt32)
+    return invalid_argument(f + ": k_new.shape[0] = " + str(total) +
+                            " must be <= " + str(kMaxInt32));
+  const int64_t n = static_cast<int64_t>(seq_ids.size());
+  int32_t longest = 0;
+  ATTNKIT_RETURN_IF_ERROR(
+      check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens, n, total, "k_new.shape[0]", &longest));
+  const size_t li = static_cast<size_t>(layer);
+  for (int64_t s = 0; s < n; ++s) {
+    ATTNKIT_ASSIGN_OR_RETURN(const Sequence* seq, find(fn, seq_ids[s]));
+    for (int64_t t = 0; t < s; ++t)
+      if (seq_ids[t] == seq_ids[s])
+        return invalid_argument(f + ": seq_ids[" + str(s) + "] = " + str(seq_ids[s]) +
+                                " repeats seq_ids[" + str(t) + "]; each sequence appears once");
+    const int64_t rows = cu_seqlens[s + 1] - cu_seqlens[s];
+    const int64_t pending = seq->length - seq->written[li];
+    if (rows != pending)
+      return invalid_argument(f + ": cu_seqlens_q gives sequence " + str(seq_ids[s]) + " " +
+                              str(rows) + " new tokens, but it has " + str(pending) +
+                              " reserved tokens that layer " + str(layer) +
+                              " has not written; they must be equal (append() reserves, "
+                              "attend() or store() writes them)");
+  }
+  const TensorView storage[] = {keys(layer).value(), values(layer).value()};
+  for (const NamedView& x : {NamedView{"k_new", &k_new}, NamedView{"v_new", &v_new}})
+    for (const TensorView& st : storage)
+      if (check::overlaps(*x.view, st))
+        return invalid_argument(f + ": " + x.name + " overlaps the pool's own storage");
+  return Status::Ok();
+}
+
+// ... the new tokens' K/V copied into their slots (unwritten slots of this
+// layer, which nothing reads until written() says so) ...
+void PagedKVCache::write_step(int64_t layer, const TensorView& k_new, const TensorView& v_new,
+                              std::span<const int32_t> cu_seqlens,
+                              std::span<const int64_t> seq_ids) {
+  const size_t li = static_cast<size_t>(layer);
+  const int64_t ps = spec_.page_size, Hkv = spec_.num_kv_heads, D = spec_.head_dim,
+                Dv = spec_.head_dim_v;
+  const size_t elem = dtype_size(spec_.dtype);
+  for (size_t s = 0; s < seq_ids.size(); ++s) {
+    const Sequence& seq = sequences_.find(seq_ids[s])->second;
+    for (int64_t t = seq.written[li]; t < seq.length; ++t) {
+      const int64_t row = seq.pages[static_cast<size_t>(t / ps)] * ps + t % ps;
+      const int64_t src = cu_seqlens[s] + (t - seq.written[li]);
+      char* k_row =
+          static_cast<char*>(k_[li].data()) + static_cast<size_t>(row * k_token_stride_) * elem;
+      for (int64_t h = 0; h < Hkv; ++h)
+        store_row(k_new.ptr<const float>() + src * k_new.strides[0] + h * k_new.strides[1],
+                  k_new.strides[2], spec_.dtype, k_row + static_cast<size_t>(h * D) * elem, D);
+      if (spec_.latent()) continue;
+      char* v_row =
+          static_cast<char*>(v_[li].data()) + static_cast<size_t>(row * v_token_stride_) * elem;
+      for (int64_t h = 0; h < Hkv; ++h)
+        store_row(v_new.ptr<const float>() + src * v_new.strides[0] + h * v_new.strides[1],
+                  v_new.strides[2], spec_.dtype, v_row + static_cast<size_t>(h * Dv) * elem, Dv);
+    }
+  }
+}
+
+// ... and, once nothing can fail, the tokens counted as written and the
+// pages a window no longer needs released.
+void PagedKVCache::finish_step(int64_t layer, std::span<const int64_t> seq_ids) {
+  for (int64_t id : seq_ids) {
+    Sequence& seq = sequences_.find(id)->second;
+    seq.written[static_cast<size_t>(layer)] = seq.length;
+    release_unseen(&seq);
+  }
+}
+
+Status PagedKVCache::store(int64_t layer, const TensorView& k_new, const TensorView& v_new,
+                           std::span<const int32_t> cu_seqlens, std::span<const int64_t> seq_ids) {
+  ATTNKIT_RETURN_IF_ERROR(
+      check_step("PagedKVCache::store", layer, k_new, v_new, cu_seqlens, seq_ids));
+  write_step(layer, k_new, v_new, cu_seqlens, seq_ids);
+  finish_step(layer, seq_ids);
+  return Status::Ok();
+}
+
+Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView& k_new,
+                            const TensorView& v_new, std::span<const int32_t> cu_seqlens_q,
+                            std::span<const int64_t> seq_ids, const TensorView& out,
+                            const AttentionOptions& options, const TensorView& lse) {
+  constexpr const char* fn = "PagedKVCache::attend";
+  const std::string f = fn;
+  ATTNKIT_RETURN_IF_ERROR(check_step(fn, layer, k_new, v_new, cu_seqlens_q, seq_ids));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "q", q, 3, {DType::kF32}));
   ATTNKIT_RETURN_IF_ERROR(check::view(fn, "out", out, 3, {DType::kF32}));
+  const bool latent = spec_.latent();
   const int64_t total_q = q.shape[0], num_heads = q.shape[1];
   const int64_t num_kv_heads = spec_.num_kv_heads, head_dim = spec_.head_dim,
                 head_dim_v = spec_.head_dim_v;
   ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "q", q, 2, "head_dim", head_dim, "spec().head_dim"));
   ATTNKIT_RETURN_IF_ERROR(check_head_layout(fn, num_heads, num_kv_heads, head_dim, head_dim_v));
-  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "k_new", k_new, 0, "total_q", total_q, "q.shape[0]"));
-  ATTNKIT_RETURN_IF_ERROR(
-      check::dim(fn, "k_new", k_new, 1, "num_kv_heads", num_kv_heads, "spec().num_kv_heads"));
-  ATTNKIT_RETURN_IF_ERROR(
-      check::dim(fn, "k_new", k_new, 2, "head_dim", head_dim, "spec().head_dim"));
-  if (!latent) {
-    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "v_new", v_new, 0, "total_q", total_q, "q.shape[0]"));
-    ATTNKIT_RETURN_IF_ERROR(
-        check::dim(fn, "v_new", v_new, 1, "num_kv_heads", num_kv_heads, "spec().num_kv_heads"));
-    ATTNKIT_RETURN_IF_ERROR(
-        check::dim(fn, "v_new", v_new, 2, "head_dim_v", head_dim_v, "spec().head_dim_v"));
-  }
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "q", q, 0, "total_q", k_new.shape[0], "k_new.shape[0]"));
   ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "out", out, 0, "total_q", total_q, "q.shape[0]"));
   ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "out", out, 1, "num_heads", num_heads, "q.shape[1]"));
   ATTNKIT_RETURN_IF_ERROR(
@@ -401,36 +489,13 @@ Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView
     return invalid_argument(f +
                             ": options.seqlens_k must be empty; every sequence's length() "
                             "gives its keys");
-  if (total_q > kMaxInt32)
-    return invalid_argument(f + ": q.shape[0] (total_q) = " + str(total_q) +
-                            " must be <= " + str(kMaxInt32));
-  const int64_t n = static_cast<int64_t>(seq_ids.size());
-  int32_t max_q = 0;
-  ATTNKIT_RETURN_IF_ERROR(
-      check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, n, total_q, "q.shape[0]", &max_q));
-  const size_t li = static_cast<size_t>(layer);
-  for (int64_t s = 0; s < n; ++s) {
-    ATTNKIT_ASSIGN_OR_RETURN(const Sequence* seq, find(fn, seq_ids[s]));
-    for (int64_t t = 0; t < s; ++t)
-      if (seq_ids[t] == seq_ids[s])
-        return invalid_argument(f + ": seq_ids[" + str(s) + "] = " + str(seq_ids[s]) +
-                                " repeats seq_ids[" + str(t) + "]; each sequence appears once");
-    const int64_t rows = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
-    const int64_t pending = seq->length - seq->written[li];
-    if (rows != pending)
-      return invalid_argument(f + ": cu_seqlens_q gives sequence " + str(seq_ids[s]) + " " +
-                              str(rows) + " queries, but it has " + str(pending) +
-                              " reserved tokens that layer " + str(layer) +
-                              " has not written; they must be equal (append() reserves, "
-                              "attend() writes them)");
-  }
   ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "out", out));
   if (lse.present()) ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "lse", lse));
   const NamedView outputs[] = {{"out", &out}, {"lse", &lse}};
   const NamedView inputs[] = {{"q", &q}, {"k_new", &k_new}, {"v_new", &v_new}};
   ATTNKIT_RETURN_IF_ERROR(check_outputs_apart(fn, outputs, inputs));
   const TensorView storage[] = {keys(layer).value(), values(layer).value()};
-  for (const NamedView& x : {outputs[0], outputs[1], inputs[0], inputs[1], inputs[2]})
+  for (const NamedView& x : {outputs[0], outputs[1], inputs[0]})
     for (const TensorView& st : storage)
       if (check::overlaps(*x.view, st))
         return invalid_argument(f + ": " + x.name + " overlaps the pool's own storage");
@@ -438,7 +503,8 @@ Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView
   // Kernel calls: one per distinct query count, sequences without queries
   // left out (see the top of the file). Their tables live in members that
   // only grow.
-  const int64_t ps = spec_.page_size;
+  const int64_t ps = spec_.page_size, n = static_cast<int64_t>(seq_ids.size());
+  const size_t li = static_cast<size_t>(layer);
   AttendScratch& x = *scratch_;
   x.q_start.clear();
   x.q_len.clear();
@@ -525,36 +591,9 @@ Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView
     x.calls.push_back(p);
   }
 
-  // The new tokens' K/V into their slots. They are unwritten slots of this
-  // layer, which nothing reads until written() says so: a failure below
-  // leaves nothing observable.
-  for (int64_t s = 0; s < n; ++s) {
-    const Sequence& seq = sequences_.find(seq_ids[s])->second;
-    for (int64_t t = seq.written[li]; t < seq.length; ++t) {
-      const int64_t row = seq.pages[static_cast<size_t>(t / ps)] * ps + t % ps;
-      const int64_t src = cu_seqlens_q[s] + (t - seq.written[li]);
-      char* k_row = static_cast<char*>(k_[li].data()) +
-                    static_cast<size_t>(row * k_token_stride_) * dtype_size(spec_.dtype);
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        store_row(k_new.ptr<const float>() + src * k_new.strides[0] + h * k_new.strides[1],
-                  k_new.strides[2], spec_.dtype,
-                  k_row + static_cast<size_t>(h * head_dim) * dtype_size(spec_.dtype), head_dim);
-      if (latent) continue;
-      char* v_row = static_cast<char*>(v_[li].data()) +
-                    static_cast<size_t>(row * v_token_stride_) * dtype_size(spec_.dtype);
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        store_row(v_new.ptr<const float>() + src * v_new.strides[0] + h * v_new.strides[1],
-                  v_new.strides[2], spec_.dtype,
-                  v_row + static_cast<size_t>(h * head_dim_v) * dtype_size(spec_.dtype),
-                  head_dim_v);
-    }
-  }
+  write_step(layer, k_new, v_new, cu_seqlens_q, seq_ids);
   ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(x.calls, options.backend));
-  for (int64_t s = 0; s < n; ++s) {
-    Sequence& seq = sequences_.find(seq_ids[s])->second;
-    seq.written[li] = seq.length;
-    release_unseen(&seq);
-  }
+  finish_step(layer, seq_ids);
   return Status::Ok();
 }
 

@@ -577,7 +577,7 @@ TEST(AttentionLayerPaged, MismatchedPoolsAndStepsAreRejected) {
   const int64_t b = pool.add_sequence();
   ASSERT_TRUE(pool.append(std::vector<int64_t>{b}, std::vector<int64_t>{3}).ok());
   st = layer.forward_batch(xv, cu, std::vector<int64_t>{b}, pool, 0, ov);
-  EXPECT_NE(st.message().find("gives sequence 0 4 queries, but it has 3 reserved tokens"),
+  EXPECT_NE(st.message().find("gives sequence 0 4 new tokens, but it has 3 reserved tokens"),
             std::string::npos)
       << st.message();
   st = layer.forward_batch(xv, cu, std::vector<int64_t>{7}, pool, 0, ov);

@@ -441,6 +441,50 @@ TEST(PagedKVCache, ForkSharesPagesAndCopiesThePartlyFilledLastPageOnWrite) {
   EXPECT_EQ(pool.free_pages(), 10);
 }
 
+// store() writes a prefix's K/V without attending: a sequence restored
+// that way attends exactly like the one that computed them.
+TEST(PagedKVCache, StoredPrefixAttendsLikeAComputedOne) {
+  const Shape& sh = kShapes[1];
+  const int64_t H = sh.num_heads, Hkv = sh.num_kv_heads, D = sh.head_dim, Dv = sh.head_dim_v;
+  auto pool = PagedKVCache::create(spec_for(sh, 1, 20, 4, DType::kF32, 0)).value();
+  const int64_t a = pool.add_sequence(), b = pool.add_sequence();
+  attnkit_test::Rng rng(3);
+  const int64_t n = 9;
+  std::vector<float> q = attnkit_test::uniform_vector(size_t(n * H * D), rng);
+  std::vector<float> k = attnkit_test::uniform_vector(size_t(n * Hkv * D), rng);
+  std::vector<float> v = attnkit_test::uniform_vector(size_t(n * Hkv * Dv), rng);
+  std::vector<float> out_a(size_t(n * H * Dv)), out_b(out_a.size());
+  const std::vector<int32_t> cu{0, int32_t(n - 1)}, cu1{0, 1};
+  // a: attends all 9 tokens in two steps. b: stores the first 8, attends the 9th.
+  ASSERT_TRUE(pool.append(std::vector<int64_t>{a, b}, std::vector<int64_t>{n - 1, n - 1}).ok());
+  auto view = [](std::vector<float>& x, int64_t t0, int64_t t, int64_t heads, int64_t dim) {
+    return attnkit::make_view(x.data() + t0 * heads * dim, DType::kF32, {t, heads, dim});
+  };
+  ASSERT_TRUE(pool.attend(0, view(q, 0, n - 1, H, D), view(k, 0, n - 1, Hkv, D),
+                          view(v, 0, n - 1, Hkv, Dv), cu, std::vector<int64_t>{a},
+                          view(out_a, 0, n - 1, H, Dv))
+                  .ok());
+  ASSERT_TRUE(pool.store(0, view(k, 0, n - 1, Hkv, D), view(v, 0, n - 1, Hkv, Dv), cu,
+                         std::vector<int64_t>{b})
+                  .ok());
+  EXPECT_EQ(pool.written(b, 0).value(), n - 1);
+  ASSERT_TRUE(pool.append(std::vector<int64_t>{a, b}, std::vector<int64_t>{1, 1}).ok());
+  for (int64_t id : {a, b})
+    ASSERT_TRUE(pool.attend(0, view(q, n - 1, 1, H, D), view(k, n - 1, 1, Hkv, D),
+                            view(v, n - 1, 1, Hkv, Dv), cu1, std::vector<int64_t>{id},
+                            view(id == a ? out_a : out_b, n - 1, 1, H, Dv))
+                    .ok());
+  EXPECT_EQ(0, std::memcmp(out_a.data() + (n - 1) * H * Dv, out_b.data() + (n - 1) * H * Dv,
+                           size_t(H * Dv) * sizeof(float)));
+  // store() checks what attend() checks: the pending count.
+  const attnkit::Status st =
+      pool.store(0, view(k, 0, 1, Hkv, D), view(v, 0, 1, Hkv, Dv), cu1, std::vector<int64_t>{a});
+  EXPECT_NE(st.message().find("PagedKVCache::store: cu_seqlens_q gives sequence 0 1 new tokens, "
+                              "but it has 0 reserved"),
+            std::string::npos)
+      << st.message();
+}
+
 TEST(PagedKVCache, SlidingWindowReleasesPagesNoQueryCanSee) {
   const Shape& sh = kShapes[2];
   const int64_t W = 9, ps = 4;
@@ -510,10 +554,10 @@ TEST(PagedKVCache, RejectsBadArgumentsAndChangesNothing) {
   expect(attend(2, {0, 3, 5}, ab), StatusCode::kInvalidArgument,
          "layer = 2 must be in [0, num_layers = 2)");
   expect(attend(0, {0, 2, 5}, ab), StatusCode::kInvalidArgument,
-         "cu_seqlens_q gives sequence 0 2 queries, but it has 3 reserved tokens that layer 0 "
+         "cu_seqlens_q gives sequence 0 2 new tokens, but it has 3 reserved tokens that layer 0 "
          "has not written");
   expect(attend(0, {0, 3, 4}, ab), StatusCode::kInvalidArgument,
-         "cu_seqlens_q[2] = 4 must equal q.shape[0] = 5");
+         "cu_seqlens_q[2] = 4 must equal k_new.shape[0] = 5");
   expect(attend(0, {0, 3, 5}, {a, 12}), StatusCode::kNotFound, "sequence 12 does not exist");
   expect(attend(0, {0, 3, 5}, {a, a}), StatusCode::kInvalidArgument,
          "seq_ids[1] = 0 repeats seq_ids[0]");
