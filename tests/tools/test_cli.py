@@ -58,6 +58,62 @@ def test_bad_flags_exit_2_with_one_line(args):
     assert len(lines) == 1 and lines[0].startswith("attnkit")
 
 
+# The exact line for each kind of bad flag: the parser (CLI11) is wrapped so
+# that every message names the flag, the value and the rule in the tool's
+# own words, whatever CLI11 would have said.
+@pytest.mark.parametrize("args, message", [
+    (["analyze", "--bogus"], "attnkit analyze: unknown argument '--bogus' (see attnkit analyze --help)"),
+    (["analyze", "--model", "llama-3-8b", "--context", "abc"],
+     "attnkit analyze: --context expects an integer, got 'abc'"),
+    (["analyze", "--model", "llama-3-8b", "--context=abc"],
+     "attnkit analyze: --context expects an integer, got 'abc'"),
+    (["analyze", "--model", "llama-3-8b", "--context", "0"],
+     "attnkit analyze: --context must be >= 1, got 0"),
+    (["analyze", "--model", "llama-3-8b", "--context"], "attnkit analyze: --context needs a value"),
+    (["analyze", "--model", "llama-3-8b", "--context", "5", "6"],
+     "attnkit analyze: unknown argument '6' (see attnkit analyze --help)"),
+    (["analyze", "--model", "llama-3-8b", "--json=1"], "attnkit analyze: --json takes no value"),
+    (["analyze", "--model", "llama-3-8b", "--json=true"], "attnkit analyze: --json takes no value"),
+    (["analyze", "--model", "llama-3-8b", "--mla-ranks", "1,0"],
+     "attnkit analyze: --mla-ranks values must be >= 1, got 0"),
+    (["analyze", "--model", "llama-3-8b", "--peak-gflops", "inf"],
+     "attnkit analyze: --peak-gflops expects a number, got 'inf'"),
+    (["plan", "--model", "llama-3-8b", "--memory", "GiB", "--context", "5"],
+     "attnkit plan: --memory: 'GiB' is not a size (try 24GiB, 512MiB, 4096)"),
+    (["compare", "--variants", "mha,,mqa"], "attnkit compare: --variants has an empty entry in 'mha,,mqa'"),
+    (["compare", "--threads", "-1"], "attnkit compare: --threads must be >= 0, got -1"),
+    (["presets", "--x"], "attnkit presets: unknown argument '--x' (see attnkit presets --help)"),
+])
+def test_bad_flag_messages(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    assert r.stderr.strip() == message
+
+
+def test_integer_out_of_range_says_so():
+    r = run("analyze", "--model", "llama-3-8b", "--context", "99999999999999999999")
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("attnkit analyze: --context 99999999999999999999 is out of range "
+                                "(at most 9223372036854775807)")
+
+
+def test_sizes_accept_pib():
+    r = run("plan", "--model", "llama-3-8b", "--memory", "2PiB", "--context", "4096", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["memory_bytes"] == 2 << 50
+
+
+def test_version():
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.startswith("attnkit ") and r.stdout.strip()[-1].isdigit()
+
+
+def test_a_flag_given_twice_keeps_the_last_value():
+    r = run("analyze", "--model", "llama-3-8b", "--context", "5", "--context", "9", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["context"] == 9
+
+
 def test_unreadable_config(tmp_path):
     p = tmp_path / "config.json"
     p.write_text("{not json")
