@@ -47,6 +47,7 @@ struct ModelShape {
   int64_t qk_nope_head_dim = 0;
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
+  bool rope_interleave = true;  // RoPE pairing of the rope features (MlaConfig's)
   // Per layer: 0 = full attention, W = sliding window of W tokens.
   std::vector<int64_t> window_per_layer;
   int64_t max_position_embeddings = 0;
@@ -55,7 +56,9 @@ struct ModelShape {
 
 // Reads a Hugging Face config.json: llama, mistral, qwen2, qwen3, gemma,
 // gemma2, falcon, gpt2, bert, deepseek_v2, deepseek_v3, kimi_k2 and configs of
-// the llama shape. MLA configs are recognised by kv_lora_rank; their
+// the llama shape. MLA configs (model_type deepseek_v2 / deepseek_v3 /
+// kimi_k2, or any config with kv_lora_rank) are read by
+// mla_config_from_json, whose errors are returned unchanged; their
 // misleading num_key_value_heads / head_dim fields are ignored.
 Result<ModelShape> model_shape_from_json(std::string_view json_text);
 

@@ -51,6 +51,7 @@ py::dict config_dict(const MlaConfig& c) {
   d["rope_theta"] = c.rope_theta;
   d["rms_norm_eps"] = c.rms_norm_eps;
   d["max_position_embeddings"] = c.max_position_embeddings;
+  d["rope_interleave"] = c.rope_interleave;
   if (c.rope_scaling.type == RopeScaling::Type::kYarn) {
     const RopeScaling& y = c.rope_scaling;
     py::dict rs;

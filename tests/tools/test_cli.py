@@ -129,6 +129,20 @@ def test_every_command_has_help():
             assert "examples:" in r.stdout and "--json" in r.stdout
 
 
+def test_analyze_mla_family_without_mla_fields_is_rejected_as_from_config_rejects_it(tmp_path):
+    attnkit = pytest.importorskip("attnkit")
+    cfg = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128,
+           "num_key_value_heads": 128, "num_hidden_layers": 61}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    r = run("analyze", "--config", str(p), *FIXED)
+    assert r.returncode == 2
+    with pytest.raises(ValueError) as e:
+        attnkit.from_config(cfg)
+    assert "q_lora_rank is missing" in str(e.value)
+    assert r.stderr.strip() == f"attnkit analyze: {p}: {e.value}"
+
+
 def test_analyze_json_matches_hand_computed(tmp_path):
     r = run("analyze", "--model", "deepseek-v3", "--context", "4096", "--json", *FIXED)
     assert r.returncode == 0, r.stderr

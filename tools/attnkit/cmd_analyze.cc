@@ -104,7 +104,8 @@ int run_analyze(int argc, char** argv) {
                          {"kv_lora_rank", m.kv_lora_rank},
                          {"qk_nope_head_dim", m.qk_nope_head_dim},
                          {"qk_rope_head_dim", m.qk_rope_head_dim},
-                         {"v_head_dim", m.v_head_dim}};
+                         {"v_head_dim", m.v_head_dim},
+                         {"rope_interleave", m.rope_interleave}};
   j["context"] = context;
   j["batch"] = batch;
   j["kv_dtype"] = kv_name;
@@ -183,10 +184,11 @@ int run_analyze(int argc, char** argv) {
       windows_summary(m).c_str());
   if (m.mla)
     std::printf(
-        "MLA: q_lora_rank %lld, kv_lora_rank %lld, qk_nope %lld, qk_rope %lld, v %lld "
+        "MLA: q_lora_rank %lld, kv_lora_rank %lld, qk_nope %lld, qk_rope %lld (%s RoPE), v %lld "
         "(latent cache = kv_lora_rank + qk_rope per token per layer)\n",
         (long long)m.q_lora_rank, (long long)m.kv_lora_rank, (long long)m.qk_nope_head_dim,
-        (long long)m.qk_rope_head_dim, (long long)m.v_head_dim);
+        (long long)m.qk_rope_head_dim, m.rope_interleave ? "interleaved" : "half-split",
+        (long long)m.v_head_dim);
   std::printf("\n");
   Table main({"quantity", "value"}, /*numbers_right=*/false);
   main.add({"attention params / layer", format_count(static_cast<double>(params))});
