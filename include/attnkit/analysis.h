@@ -75,9 +75,11 @@ int64_t kv_values_per_token_per_layer(const ModelShape& m, bool mla_latent = tru
 // Bytes of K/V for one token across all layers (no window cap).
 int64_t kv_bytes_per_token(const ModelShape& m, DType kv_dtype, bool mla_latent = true);
 // Bytes of the whole cache for `batch` sequences of `context` tokens, with
-// each layer's sliding window applied.
-int64_t kv_cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int64_t batch,
-                       bool mla_latent = true);
+// each layer's sliding window applied. A double, because user-given
+// contexts and batches multiply past 2^63 (2e9 tokens x 2e9 sequences):
+// exact up to 2^53 bytes (8 PiB), within two roundings above, never capped.
+double kv_cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int64_t batch,
+                      bool mla_latent = true);
 
 // Per layer, causal prefill of `seq` tokens (windows applied).
 double prefill_flops_per_layer(const ModelShape& m, int64_t seq, int64_t layer = 0);

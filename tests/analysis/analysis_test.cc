@@ -230,10 +230,18 @@ TEST(Analysis, HostileNumbersAreRejected) {
   EXPECT_TRUE(ok.ok()) << ok.status().to_string();
 }
 
-TEST(Analysis, CacheBytesSaturateInsteadOfOverflowing) {
+TEST(Analysis, CacheBytesPastInt64AreTheTrueValueNotCapped) {
   auto m = model_preset("Llama-2-70B");
   ASSERT_TRUE(m.ok());
-  EXPECT_EQ(kv_cache_bytes(*m, DType::kF32, int64_t{1} << 40, int64_t{1} << 20), INT64_MAX);
+  // 80 layers x 8 kv heads x (128 + 128) values x 4 B = 655360 B per token,
+  // x 2^40 tokens x 2^20 sequences: about 7.2e23 B, far past 2^63.
+  const double want = 655360.0 * 0x1p40 * 0x1p20;
+  EXPECT_EQ(kv_cache_bytes(*m, DType::kF32, int64_t{1} << 40, int64_t{1} << 20), want);
+  // The analyze example of the overflow: 2e9 tokens x 2e9 sequences in bf16.
+  EXPECT_DOUBLE_EQ(kv_cache_bytes(*m, DType::kBF16, 2'000'000'000, 2'000'000'000),
+                   327680.0 * 2e9 * 2e9);
+  // Below 2^53 the double is exact.
+  EXPECT_EQ(kv_cache_bytes(*m, DType::kBF16, 4096, 3), 327680.0 * 4096 * 3);
 }
 
 }  // namespace

@@ -143,6 +143,46 @@ def test_analyze_mla_family_without_mla_fields_is_rejected_as_from_config_reject
     assert r.stderr.strip() == f"attnkit analyze: {p}: {e.value}"
 
 
+def test_analyze_huge_context_and_batch_print_the_true_size():
+    # 2e9 tokens x 2e9 sequences x 128 KiB/token: 5.2e23 B, past 2^63 B
+    # (8 EiB), which an int64 would have capped at 8388608 TiB.
+    r = run("analyze", "--model", "llama-3-8b", "--context", "2000000000", "--batch", "2000000000",
+            "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["kv_cache_bytes"]["bf16"] == pytest.approx(131072 * 2e9 * 2e9, rel=1e-15)
+    assert j["kv_cache_bytes"]["f32"] == pytest.approx(2 * 131072 * 2e9 * 2e9, rel=1e-15)
+    t = run("analyze", "--model", "llama-3-8b", "--context", "2000000000", "--batch", "2000000000",
+            *FIXED)
+    row = next(l for l in t.stdout.splitlines() if l.startswith("KV cache @"))
+    assert row.endswith("444 ZiB | 888 ZiB")
+
+
+def test_analyze_what_if_bytes_follow_kv_dtype():
+    r = run("analyze", "--model", "llama-3-8b", "--context", "1000", "--kv-dtype", "f32", *FIXED)
+    assert r.returncode == 0, r.stderr
+    header = next(l for l in r.stdout.splitlines() if l.startswith("variant"))
+    assert "KV/token (f32)" in header and "bf16" not in header
+    # gqa-8: 8 kv heads x (128 + 128) x 32 layers x 4 B = 256 KiB per token
+    row = next(l for l in r.stdout.splitlines() if l.startswith("gqa-8 "))
+    assert "256 KiB" in row
+    j = json.loads(run("analyze", "--model", "llama-3-8b", "--context", "1000", "--kv-dtype", "f32",
+                       "--json", *FIXED).stdout)
+    gqa8 = next(s for s in j["sweep"] if s["variant"] == "gqa-8")
+    assert gqa8["kv_bytes_per_token"] == 262144 and gqa8["kv_bytes_per_token_bf16"] == 131072
+
+
+@pytest.mark.parametrize("args", [
+    ["analyze", "--model", "deepseek-v3"],
+    ["plan", "--model", "llama-3-8b", "--memory", "24GiB", "--context", "32768"],
+    ["presets"],
+])
+def test_tables_have_no_trailing_spaces(args):
+    r = run(*args, *([] if args[0] == "presets" else FIXED))
+    assert r.returncode == 0, r.stderr
+    assert [l for l in r.stdout.splitlines() if l != l.rstrip()] == []
+
+
 def test_analyze_json_matches_hand_computed(tmp_path):
     r = run("analyze", "--model", "deepseek-v3", "--context", "4096", "--json", *FIXED)
     assert r.returncode == 0, r.stderr

@@ -241,31 +241,37 @@ std::string format_sig3(double v, const char* suffix) {
 }
 
 namespace {
+
 std::string fmt(double v, const char* unit) {
   return format_sig3(v, (std::string(" ") + unit).c_str());
 }
+
+// v in the largest of `units` (each `base` times the one before) that keeps
+// it below `base`; past the last unit, scientific notation (1.23e+04 YiB)
+// rather than a long run of digits.
+std::string scaled(double v, double base, std::initializer_list<const char*> units) {
+  const char* const* u = units.begin();
+  while (v >= base && u + 1 != units.end()) {
+    v /= base;
+    ++u;
+  }
+  if (v < base) return fmt(v, *u);
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2e %s", v, *u);
+  return buf;
+}
+
 }  // namespace
 
 std::string format_bytes(double b) {
-  if (b < 1024) return fmt(b, "B");
-  if (b < 1024.0 * 1024) return fmt(b / 1024, "KiB");
-  if (b < 1024.0 * 1024 * 1024) return fmt(b / (1024.0 * 1024), "MiB");
-  if (b < 1024.0 * 1024 * 1024 * 1024) return fmt(b / (1024.0 * 1024 * 1024), "GiB");
-  return fmt(b / (1024.0 * 1024 * 1024 * 1024), "TiB");
+  return scaled(b, 1024, {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"});
 }
 
-std::string format_count(double n) {
-  if (n < 1e3) return fmt(n, "");
-  if (n < 1e6) return fmt(n / 1e3, "k");
-  if (n < 1e9) return fmt(n / 1e6, "M");
-  return fmt(n / 1e9, "G");
-}
+std::string format_count(double n) { return scaled(n, 1e3, {"", "k", "M", "G", "T"}); }
 
 std::string format_flops(double f) {
   if (f < 1e6) return fmt(f / 1e3, "kFLOP");
-  if (f < 1e9) return fmt(f / 1e6, "MFLOP");
-  if (f < 1e12) return fmt(f / 1e9, "GFLOP");
-  return fmt(f / 1e12, "TFLOP");
+  return scaled(f / 1e6, 1e3, {"MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP", "ZFLOP", "YFLOP"});
 }
 
 std::string format_rate(double r) { return fmt(r / 1e9, "GFLOP/s"); }
@@ -295,12 +301,16 @@ std::string Table::str() const {
   };
   std::ostringstream o;
   auto line = [&](const std::vector<std::string>& r) {
+    std::string text;
     for (size_t c = 0; c < width.size(); ++c) {
       const std::string cell = c < r.size() ? r[c] : "";
       const std::string pad(width[c] - cell.size(), ' ');
-      o << (c ? "  " : "") << (c > 0 && numbers_right_ && numeric(cell) ? pad + cell : cell + pad);
+      text +=
+          (c ? "  " : "") + (c > 0 && numbers_right_ && numeric(cell) ? pad + cell : cell + pad);
     }
-    o << "\n";
+    // Padding is for the columns to the right; a line ends at its last character.
+    text.erase(text.find_last_not_of(' ') + 1);
+    o << text << "\n";
   };
   line(header_);
   size_t total = 0;

@@ -220,7 +220,7 @@ void measure(const Options& o, const ModelShape& shape, DType kv,
 
   const int64_t max_len = o.context + o.steps + 2;
   const double per_instance = static_cast<double>(attention_params_per_layer(shape)) * 4.0 +
-                              static_cast<double>(kv_cache_bytes(shape, kv, max_len, o.batch));
+                              kv_cache_bytes(shape, kv, max_len, o.batch);
   m->instances = instances_for(per_instance);
   while (static_cast<int>(layers.size()) < m->instances) layers.push_back(make());
   std::vector<Cache> caches;
@@ -444,7 +444,7 @@ int run_compare(int argc, char** argv) {
       const ModelShape& s = m.shape;
       const double params = static_cast<double>(attention_params_per_layer(s));
       const double per_token = static_cast<double>(kv_bytes_per_token(s, kv));
-      const double cache = static_cast<double>(kv_cache_bytes(s, kv, o.context, o.batch));
+      const double cache = kv_cache_bytes(s, kv, o.context, o.batch);
       const double pf = prefill_flops_per_layer(s, o.prompt) * static_cast<double>(o.batch);
       const double df = decode_flops_per_layer(s, o.context) * static_cast<double>(o.batch);
       const double db = decode_bytes_per_layer(s, o.context, o.batch, kv, DType::kF32);
