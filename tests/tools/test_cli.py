@@ -183,6 +183,32 @@ def test_tables_have_no_trailing_spaces(args):
     assert [l for l in r.stdout.splitlines() if l != l.rstrip()] == []
 
 
+def test_plan_caps_max_context_at_the_model_position_limit(tmp_path):
+    # Mixtral: 32768 positions; 128 GiB would hold over a million tokens.
+    cfg = {"model_type": "mixtral", "hidden_size": 4096, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "num_hidden_layers": 32, "max_position_embeddings": 32768,
+           "sliding_window": None}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    r = run("plan", "--config", str(p), "--memory", "128GiB", "--batch", "1", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["max_position_embeddings"] == 32768
+    for row in j["rows"]:
+        assert row["context"] <= 32768
+    row = next(r for r in j["rows"] if r["as_configured"] and r["kv_dtype"] == "bf16")
+    assert row["context"] == 32768 and row["context_limited_by_model"]
+    assert row["memory_max_context"] == (128 << 30) // 131072       # 128 KiB/token in bf16
+    t = run("plan", "--config", str(p), "--memory", "128GiB", "--batch", "1", *FIXED)
+    assert "32768 (model limit; memory allows 1048576)" in t.stdout
+    # A --context past the limit is flagged.
+    c = run("plan", "--config", str(p), "--memory", "128GiB", "--context", "100000", *FIXED)
+    assert c.returncode == 0 and "past the model's max_position_embeddings (32768)" in c.stdout
+    cj = json.loads(run("plan", "--config", str(p), "--memory", "128GiB", "--context", "100000",
+                        "--json", *FIXED).stdout)
+    assert cj["context_beyond_model_limit"]
+
+
 def test_analyze_json_matches_hand_computed(tmp_path):
     r = run("analyze", "--model", "deepseek-v3", "--context", "4096", "--json", *FIXED)
     assert r.returncode == 0, r.stderr
