@@ -129,6 +129,29 @@ def test_every_command_has_help():
             assert "examples:" in r.stdout and "--json" in r.stdout
 
 
+def test_memory_zero_says_it_must_be_positive():
+    r = run("plan", "--model", "llama-3-8b", "--memory", "0", "--context", "4096", *FIXED)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "attnkit plan: --memory must be > 0, got 0 bytes"
+
+
+def test_a_directory_as_config_says_it_is_a_directory(tmp_path):
+    r = run("analyze", "--config", str(tmp_path), *FIXED)
+    assert r.returncode == 2
+    assert r.stderr.strip() == (f"attnkit analyze: --config '{tmp_path}' is a directory; "
+                                "give the config.json file")
+
+
+@pytest.mark.parametrize("out", ["/proc/attnkit-plots", "/dev/null/plots"])
+def test_plot_out_that_cannot_be_written_is_a_usage_error(tmp_path, out):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"rows": [], "machine": {}}))
+    r = run("plot", "--input", str(bench), "--out", out)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"attnkit plot: cannot create --out '{out}'")
+
+
 def test_analyze_mla_family_without_mla_fields_is_rejected_as_from_config_rejects_it(tmp_path):
     attnkit = pytest.importorskip("attnkit")
     cfg = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128,

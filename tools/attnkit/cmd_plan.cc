@@ -72,7 +72,9 @@ int run_plan(int argc, char** argv) {
   f.add_double("--bandwidth-gbps", &bw, "use this read bandwidth instead of measuring");
   f.add_bool("--json", &json_out, "print JSON instead of a table");
   if (!f.parse(argc, argv, 2)) return 0;
-  if (memory <= 0) throw UsageError{"--memory is required (e.g. --memory 24GiB)"};
+  if (!f.given("--memory")) throw UsageError{"--memory is required (e.g. --memory 24GiB)"};
+  if (memory <= 0)
+    throw UsageError{"--memory must be > 0, got " + std::to_string(memory) + " bytes"};
   if ((context > 0) == (batch > 0))
     throw UsageError{"give exactly one of --context N or --batch N"};
   if (reserve >= memory) throw UsageError{"--reserve must be smaller than --memory"};

@@ -1,3 +1,4 @@
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -14,6 +15,9 @@ ModelShape load_model(const std::string& model, const std::string& config_path) 
     if (!m.ok()) throw UsageError{m.status().message()};
     return *m;
   }
+  std::error_code ec;
+  if (std::filesystem::is_directory(config_path, ec))
+    throw UsageError{"--config '" + config_path + "' is a directory; give the config.json file"};
   std::ifstream in(config_path, std::ios::binary);
   if (!in) throw UsageError{"cannot read config file '" + config_path + "'"};
   std::ostringstream text;
