@@ -48,9 +48,10 @@ def from_config(config, layer_index=0):
     layer_index: which layer's settings to use where they differ per layer
         (Mistral/Gemma-2/Qwen2 sliding-window layers, layer_types).
 
-    Returns an AttentionLayer (llama, mistral, qwen2, qwen3, gemma2 and
-    configs of their shape) or, for model_type deepseek_v2 / deepseek_v3 /
-    kimi_k2, a LatentAttention (MLA). The layer expects Hugging Face weight
+    Returns an AttentionLayer for model_type llama, mistral, mixtral, qwen2,
+    qwen2_moe, qwen3, qwen3_moe, gemma2 (or no model_type: llama's shape)
+    or, for deepseek_v2 / deepseek_v3 / kimi_k2, a LatentAttention (MLA).
+    Any other model_type raises ValueError naming it. The layer expects Hugging Face weight
     names (q_proj.weight, ...); load them with
     layer.load_state_dict(state_dict, prefix="model.layers.N.self_attn.").
     forward(x [batch, seq, hidden]) -> [batch, seq, hidden].

@@ -405,6 +405,13 @@ def test_from_config_dispatches_mla(model_type):
     assert type(attnkit.from_config(FAMILIES["llama"])) is attnkit.AttentionLayer
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "bert", "falcon", "gemma3"])
+def test_from_config_rejects_families_it_does_not_implement(model_type):
+    with pytest.raises(ValueError, match=rf'model_type = "{model_type}" is not supported; '
+                                         r'accepted: "llama", "mistral"'):
+        attnkit.from_config(dict(FAMILIES["llama"], model_type=model_type))
+
+
 def test_package_surface():
     import os
     import re
