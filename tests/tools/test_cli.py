@@ -405,7 +405,8 @@ def test_compare_table_has_units_and_no_progress_bar_when_piped():
 BENCH_FIELDS = {"mode", "variant", "batch", "context", "q_tokens", "kv_dtype", "num_heads", "num_kv_heads",
                 "head_dim", "head_dim_v", "flops", "bytes", "kv_buffers", "seconds", "gflops", "gbps",
                 "peak_fraction", "bandwidth_fraction", "arithmetic_intensity", "reference_seconds",
-                "speedup_vs_reference", "torch_seconds", "speedup_vs_torch", "samples", "note"}
+                "speedup_vs_reference", "torch_seconds", "speedup_vs_torch", "samples", "note",
+                "above_roof"}
 
 
 def bench_tiny(*extra, env=None):
@@ -468,3 +469,60 @@ def test_python_plot_module_rejects_a_non_bench_file(tmp_path):
     r = subprocess.run([sys.executable, "-m", "attnkit.plot", "--input", str(p), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not an `attnkit bench --json` result" in r.stderr
+
+
+# A peak and bandwidth far below anything the kernels reach stand for a
+# machine measured while busy: every fraction is then above 1, and no such
+# fraction may be printed without a flag.
+LOW_ROOF = ["--peak-gflops", "0.001", "--bandwidth-gbps", "0.001"]
+
+
+def test_bench_flags_every_fraction_above_the_roof():
+    args = ["bench", *TINY, "--variants", "mha,mqa", "--contexts", "64", "--batches", "1",
+            "--kv-dtypes", "f32,bf16", "--modes", "decode", "--budget", "0.01", "--rotate", "1MiB",
+            "--no-torch", *LOW_ROOF]
+    j = json.loads(run(*args, "--json").stdout)
+    assert all(r["above_roof"] for r in j["rows"])
+    assert any("above this machine's measured roof" in w for w in j["warnings"])
+    t = run(*args)
+    assert t.returncode == 0, t.stderr
+    rows = [l for l in t.stdout.splitlines() if l.startswith("decode")]
+    assert rows and all(l.count("%*") == 2 for l in rows)      # % peak and % BW both flagged
+    assert "warning: 4 row(s) above this machine's measured roof (marked *)" in t.stdout
+    # With a roof no kernel reaches, nothing is flagged.
+    high = json.loads(run(*args[:-4], "--peak-gflops", "1e9", "--bandwidth-gbps", "1e9",
+                          "--json").stdout)
+    assert not any(r["above_roof"] for r in high["rows"]) and high["warnings"] == []
+
+
+def test_compare_flags_fractions_above_the_roof():
+    args = ["compare", *TINY, "--context", "32", "--prompt", "8", "--steps", "1", "--repeats", "1",
+            "--variants", "mha,mqa"]
+    j = json.loads(run(*args, "--json", *LOW_ROOF).stdout)
+    assert all(v["above_roof"] for v in j["variants"])
+    assert any("above this machine's measured roof" in w for w in j["warnings"])
+    t = run(*args, *LOW_ROOF)
+    assert t.returncode == 0 and "%*" in t.stdout and "warning: 2 variant(s) above" in t.stdout
+
+
+def test_machine_json_says_how_the_figures_were_measured():
+    j = json.loads(run("compare", *TINY, "--context", "32", "--prompt", "8", "--steps", "1",
+                       "--repeats", "1", "--variants", "mha", "--json", *FIXED).stdout)
+    m = j["machine"]
+    assert m["agree"] and m["fp32_peak_gflops"] == 300 and m["dram_read_gbps"] == 35
+    assert m["before"]["fp32_peak_gflops"] == m["after"]["fp32_peak_gflops"] == 300
+
+
+def test_plot_marks_points_above_the_roof(tmp_path):
+    bench = tmp_path / "bench.json"
+    r = run("bench", *TINY, "--variants", "mha", "--contexts", "32", "--batches", "1",
+            "--kv-dtypes", "f32", "--modes", "decode", "--budget", "0.01", "--rotate", "1MiB",
+            "--no-torch", "--json", *LOW_ROOF)
+    assert r.returncode == 0, r.stderr
+    bench.write_text(r.stdout)
+    p = run("plot", "--input", str(bench), "--out", str(tmp_path / "plots"), "--json")
+    assert p.returncode == 0, p.stderr
+    notes = json.loads(p.stdout)["warnings"]
+    assert len(notes) == 1 and notes[0].startswith("1 of 1 points lie above the measured roof")
+    t = run("plot", "--input", str(bench), "--out", str(tmp_path / "plots"))
+    assert "warning: 1 of 1 points lie above the measured roof" in t.stdout

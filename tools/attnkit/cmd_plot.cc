@@ -150,6 +150,8 @@ int run_plot(int argc, char** argv) {
              format_bytes(static_cast<double>(fs::file_size(fl["path"].get<std::string>(), ec)))});
     std::fputs(t.str().c_str(), stdout);
     std::printf("\nfrom %s\n", input.c_str());
+    for (const auto& w : j.value("warnings", nlohmann::json::array()))
+      std::printf("warning: %s\n", w.get<std::string>().c_str());
     return 0;
   } catch (const RunError& e) {
     std::fprintf(stderr, "attnkit plot: %s\n", e.message.c_str());
