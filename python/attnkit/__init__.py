@@ -12,8 +12,10 @@ names it (I/O failures: OSError).
                           prefix="model.layers.0.self_attn.")
     y = layer.forward(x)
 """
-import json
-import os
+# Imported under private names so that dir(attnkit) lists the package's
+# own API only.
+import json as _json
+import os as _os
 
 from . import _attnkit
 from ._attnkit import (AttentionLayer, KVCache, Rope, apply_rope, load_safetensors,
@@ -33,9 +35,9 @@ def _config_dict(config, fn):
         return config
     if hasattr(config, "to_dict"):
         return config.to_dict()
-    if isinstance(config, (str, os.PathLike)):
+    if isinstance(config, (str, _os.PathLike)):
         with open(config, encoding="utf-8") as f:
-            return json.load(f)
+            return _json.load(f)
     raise ValueError(f"{fn}: config must be a dict, a transformers config or the path of a "
                      f"config.json, got {type(config).__name__}")
 
@@ -58,7 +60,7 @@ def from_config(config, layer_index=0):
     Raises ValueError naming the offending field.
     """
     config = _config_dict(config, "from_config")
-    text = json.dumps(config)
+    text = _json.dumps(config)
     if config.get("model_type") in MLA_MODEL_TYPES:
         latent = getattr(_attnkit, "LatentAttention", None)
         if latent is None:

@@ -583,7 +583,9 @@ void bind_kv_cache(py::module_& m) {
            kAttendDoc)
       .def("__repr__", [](PyKVCache& c) {
         const KVCacheSpec& s = c.cache.spec();
-        return "KVCache(batch_size=" + std::to_string(s.batch_size) +
+        const int64_t length = locked(c.mu, [&] { return c.cache.length(); });
+        return "KVCache(length=" + std::to_string(length) +
+               ", batch_size=" + std::to_string(s.batch_size) +
                ", max_seq_len=" + std::to_string(s.max_seq_len) +
                ", num_kv_heads=" + std::to_string(s.num_kv_heads) +
                ", head_dim=" + std::to_string(s.head_dim) + ", dtype='" +
@@ -948,8 +950,9 @@ void bind_attention_layer(py::module_& m) {
       .def("load_state_dict", &layer_load, py::arg("state_dict"), py::arg("prefix") = "",
            "Copies every expected weight prefix + name from a {name: array} dict (float16/32/64 "
            "numpy arrays or CPU torch tensors; bf16 tensors: pass .float()). Strict: a missing, "
-           "misshaped or unexpected name under prefix raises ValueError and changes nothing. "
-           "Names outside prefix are ignored.")
+           "misshaped or unexpected name under prefix raises ValueError and changes nothing; "
+           "the RoPE buffers older exports carry (rotary_emb.inv_freq, .cos_cached, "
+           ".sin_cached) are not weights and are skipped. Names outside prefix are ignored.")
       .def("state_dict", &layer_state_dict, py::arg("prefix") = "",
            "Copies of the layer's float32 weights as {prefix + name: array}.")
       .def("forward", &layer_forward, py::arg("x"), py::arg("positions") = py::none(),

@@ -33,10 +33,16 @@ namespace attnkit::python {
 
 namespace py = pybind11;
 
-// Raises the Python exception for a failed Status, with the Status message
-// unchanged: InvalidArgument, OutOfRange, NotFound -> ValueError; IoError ->
-// OSError; ResourceExhausted -> MemoryError; Internal -> RuntimeError.
-// Returns normally on OK. Needs the GIL.
+// A C++ Status message in the words of a Python caller: C++ names become
+// the bound ones ("AttentionLayer::load_weights" ->
+// "AttentionLayer.load_state_dict", "KVCache::attend" -> "KVCache.attend",
+// "MoeLayer::" -> "MoE."), so no message shows a '::'.
+std::string python_message(std::string msg);
+
+// Raises the Python exception for a failed Status, with its message as
+// python_message gives it: InvalidArgument, OutOfRange, NotFound ->
+// ValueError; IoError -> OSError; ResourceExhausted -> MemoryError;
+// Internal -> RuntimeError. Returns normally on OK. Needs the GIL.
 void throw_if_error(const Status& status);
 
 template <typename T>

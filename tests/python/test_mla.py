@@ -439,7 +439,7 @@ def test_bad_weights_change_nothing():
     w = random_weights(cfg, 40)
     layer = make_layer(cfg)
     x = rng(1).uniform(-1, 1, (1, 3, 44)).astype(np.float32)
-    with pytest.raises(ValueError, match="load_weights"):
+    with pytest.raises(ValueError, match=r"call load_state_dict first"):
         layer.forward(x)  # no weights yet
     layer.load_state_dict(w)
     before = layer.forward(x)
