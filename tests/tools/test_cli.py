@@ -397,8 +397,34 @@ def test_compare_table_has_units_and_no_progress_bar_when_piped():
     r = run("compare", *TINY, "--context", "32", "--prompt", "8", "--steps", "1", "--repeats", "1",
             "--kv-dtype", "bf16", *FIXED)
     assert r.returncode == 0 and r.stderr == ""
-    for unit in ("KiB", "GFLOP/s", "GB/s", "n/a", "diff vs MHA"):
+    for unit in ("KiB", "GFLOP/s", "GB/s", "n/a", "pooling drift"):
         assert unit in r.stdout
+
+
+def test_compare_concludes_from_its_own_figures():
+    r = run("compare", *TINY, "--variants", "mha,gqa-2,mqa,mla", "--context", "64", "--prompt", "8",
+            "--steps", "2", "--repeats", "1", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    rows = {v["variant"]: v for v in j["variants"]}
+    fastest = min(rows.values(), key=lambda v: v["decode_seconds"])["variant"]
+    assert j["summary"]["fastest_decode"] == fastest
+    assert j["summary"]["smallest_kv_cache"] == "mqa"            # 2 x 16 values, MLA 64 + 8
+    mla, mha = rows["mla"], rows["mha"]
+    assert j["summary"]["mla_kv_bytes_vs_mha"] == pytest.approx(
+        mla["kv_bytes_per_token"] / mha["kv_bytes_per_token"])
+    assert j["summary"]["mla_decode_flops_vs_mha"] > 1              # it trades FLOPs for bytes
+    assert j["conclusions"][0].startswith("Fastest decode: " + fastest)
+    t = run("compare", *TINY, "--variants", "mha,mqa,mla", "--context", "64", "--prompt", "8",
+            "--steps", "2", "--repeats", "1", *FIXED)
+    lines = t.stdout.splitlines()
+    at = lines.index("What this means here:")
+    said = lines[at + 1:]
+    assert said[0].startswith("- Fastest decode: ")
+    assert said[1] == "- Smallest cache: mqa, 128 B per token per layer; mha caches 4.00x as much (512 B)."
+    assert said[2].startswith("- MLA trades arithmetic for bytes: its cache is 0.56x of mha's")
+    # The drift column is explained as what pooling does, not read as an error.
+    assert "not an\nerror of attnkit" in t.stdout or "not an error of attnkit" in " ".join(lines)
 
 
 # Fields every bench row carries (docs/TOOL.md lists them).
