@@ -1,6 +1,7 @@
 #include "numpy_util.h"
 
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
@@ -386,6 +387,15 @@ std::vector<int64_t> parse_positions(py::handle obj, const char* fn) {
     for (int64_t c = 0; c < cols; ++c)
       out.push_back(v.ptr<const int64_t>()[r * row_stride + c * col_stride]);
   return out;
+}
+
+float parse_softmax_scale(const std::optional<double>& scale, const char* fn) {
+  if (!scale) return 0.0f;  // the C++ API's "1/sqrt(head_dim)"
+  const auto s = static_cast<float>(*scale);
+  if (!(std::isfinite(s) && s > 0.0f))
+    raise_value_error(fn, "softmax_scale = " + py::repr(py::float_(*scale)).cast<std::string>() +
+                              " must be finite and > 0 (None = 1/sqrt(head_dim))");
+  return s;
 }
 
 DType parse_cache_dtype(const std::string& text, const char* fn, const char* name) {

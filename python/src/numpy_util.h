@@ -1,4 +1,4 @@
-// Helpers shared by every binding file (core.cc, mla.cc, moe.cc): numpy
+// Helpers shared by every binding file (python/src/*.cc): numpy
 // arrays as TensorViews without copies where possible, new numpy outputs,
 // attnkit Status -> Python exceptions, and the option values every binding
 // parses the same way (backend, window_size, sparse, seqlens_k, positions,
@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -115,6 +116,10 @@ std::vector<int32_t> parse_seqlens_k(py::handle obj, const char* fn);
 // None -> empty; else integer positions of shape [seq] or [batch, seq],
 // flattened row-major (what Rope::apply and the layers take).
 std::vector<int64_t> parse_positions(py::handle obj, const char* fn);
+
+// softmax_scale as the bindings take it: None -> 0 (the C++ API's
+// "1/sqrt(head_dim)"), else a finite value > 0.
+float parse_softmax_scale(const std::optional<double>& scale, const char* fn);
 
 // "float32" | "f32" -> kF32, "bfloat16" | "bf16" -> kBF16; `name` is the
 // argument's name in messages.
