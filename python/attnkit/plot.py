@@ -202,7 +202,12 @@ def plot_warnings(bench):
         out.append("%d of %d points lie above the measured roof: the peak or bandwidth was "
                    "measured low (a busy machine) or the data came from cache; the roof is "
                    "not a bound for them" % (len(above), len(bench["rows"])))
-    out += [w for w in bench.get("warnings", []) if "above this machine's measured roof" not in w]
+    # The bench's own lines, without its "warning: " (the callers add theirs)
+    # and without its count of rows above the roof, which the line above
+    # replaces.
+    for w in bench.get("warnings", []):
+        if "above this machine's measured roof" not in w:
+            out.append(w[len("warning: "):] if w.startswith("warning: ") else w)
     return out
 
 

@@ -552,3 +552,10 @@ def test_plot_marks_points_above_the_roof(tmp_path):
     assert len(notes) == 1 and notes[0].startswith("1 of 1 points lie above the measured roof")
     t = run("plot", "--input", str(bench), "--out", str(tmp_path / "plots"))
     assert "warning: 1 of 1 points lie above the measured roof" in t.stdout
+    # The bench's own warnings pass through once, with one "warning: ".
+    j = json.loads(bench.read_text())
+    j["warnings"] = ["warning: the machine measured differently before and after the run (x)"]
+    bench.write_text(json.dumps(j))
+    t = run("plot", "--input", str(bench), "--out", str(tmp_path / "plots"))
+    assert "\nwarning: the machine measured differently" in t.stdout
+    assert "warning: warning:" not in t.stdout
