@@ -346,13 +346,19 @@ def test_bench_smoke_json_and_csv():
     assert len(lines) == 1 + len(rows) and "," in lines[0]
 
 
-def test_plot_writes_png_and_svg(tmp_path):
+def tiny_bench_file(tmp_path, *args):
+    """A small `attnkit bench --json` result saved as bench.json, for plot."""
     bench = tmp_path / "bench.json"
-    r = run("bench", *TINY, "--variants", "mha,mqa", "--contexts", "32,64", "--batches", "1",
-            "--kv-dtypes", "f32", "--prompts", "16", "--budget", "0.01", "--rotate", "1MiB",
-            "--no-torch", "--json", *FIXED)
+    r = run("bench", *TINY, "--batches", "1", "--kv-dtypes", "f32", "--budget", "0.01",
+            "--rotate", "1MiB", "--no-torch", "--json", *args)
     assert r.returncode == 0, r.stderr
     bench.write_text(r.stdout)
+    return bench
+
+
+def test_plot_writes_png_and_svg(tmp_path):
+    bench = tiny_bench_file(tmp_path, "--variants", "mha,mqa", "--contexts", "32,64",
+                            "--prompts", "16", *FIXED)
     out = tmp_path / "plots"
     p = run("plot", "--input", str(bench), "--out", str(out), "--format", "png,svg", "--json")
     assert p.returncode == 0, p.stderr
@@ -540,12 +546,8 @@ def test_machine_json_says_how_the_figures_were_measured():
 
 
 def test_plot_marks_points_above_the_roof(tmp_path):
-    bench = tmp_path / "bench.json"
-    r = run("bench", *TINY, "--variants", "mha", "--contexts", "32", "--batches", "1",
-            "--kv-dtypes", "f32", "--modes", "decode", "--budget", "0.01", "--rotate", "1MiB",
-            "--no-torch", "--json", *LOW_ROOF)
-    assert r.returncode == 0, r.stderr
-    bench.write_text(r.stdout)
+    bench = tiny_bench_file(tmp_path, "--variants", "mha", "--contexts", "32", "--modes", "decode",
+                            *LOW_ROOF)
     p = run("plot", "--input", str(bench), "--out", str(tmp_path / "plots"), "--json")
     assert p.returncode == 0, p.stderr
     notes = json.loads(p.stdout)["warnings"]

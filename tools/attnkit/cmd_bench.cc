@@ -490,12 +490,7 @@ int run_bench(int argc, char** argv) {
       j["note"] = r.note;
       jrows.push_back(j);
     }
-    if (above > 0)
-      warnings.push_back(
-          "warning: " + std::to_string(above) +
-          " row(s) above this machine's measured roof (marked *): % peak over the fp32 peak "
-          "(for bf16 rows the bf16 dot peak) or % BW over the read bandwidth means the machine "
-          "figure was measured low (busy machine) or, for % BW, that the data came from cache");
+    if (above > 0) warnings.push_back(above_roof_warning(above, "row(s)"));
     const double elapsed = now_seconds() - t_start;
     if (o.csv) {
       for (const ojson& j : jrows) {

@@ -565,12 +565,7 @@ int run_compare(int argc, char** argv) {
                     {"v_head_dim", s.v_head_dim}};
       jrows.push_back(r);
     }
-    if (above > 0)
-      warnings.push_back(
-          "warning: " + std::to_string(above) +
-          " variant(s) above this machine's measured roof (marked *): % peak over the fp32 "
-          "peak or % BW over the read bandwidth means the machine figure was measured low "
-          "(busy machine) or, for % BW, that the data came from cache");
+    if (above > 0) warnings.push_back(above_roof_warning(above, "variant(s)"));
     const Conclusions conclusions = conclude(rows, kv, o.context);
     const double elapsed = now_seconds() - t_start;
     if (o.json) {

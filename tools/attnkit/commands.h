@@ -46,6 +46,10 @@ nlohmann::json machine_json(const MachineCheck& check);
 // roof was measured low or, for bandwidth, that the data came from cache).
 std::string roof_percent(double fraction, double roof = 1.0);
 
+// The warning line under a table with `count` `what` ("row(s)") marked by
+// roof_percent, saying what such a fraction means.
+std::string above_roof_warning(int count, const std::string& what);
+
 // "mha" / "gqa-4" / "mqa" / "mla" for a shape.
 std::string variant_label(const ModelShape& m);
 

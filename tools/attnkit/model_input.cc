@@ -91,6 +91,13 @@ std::string roof_percent(double fraction, double roof) {
   return format_percent(fraction) + (fraction > roof ? "*" : "");
 }
 
+std::string above_roof_warning(int count, const std::string& what) {
+  return "warning: " + std::to_string(count) + " " + what +
+         " above this machine's measured roof (marked *): % peak over the fp32 peak (for bf16 "
+         "K/V the bf16 dot peak where higher) or % BW over the read bandwidth means the machine "
+         "figure was measured low (busy machine) or, for % BW, that the data came from cache";
+}
+
 std::string variant_label(const ModelShape& m) {
   if (m.mla) return "mla";
   if (m.num_kv_heads == m.num_heads) return "mha";
