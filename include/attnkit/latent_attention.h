@@ -23,8 +23,10 @@
 //   k_t,h      = [W_UK_h c_t ; k_rope_t],  v_t,h = W_UV_h c_t       (W_UK_h, W_UV_h from kv_b_proj)
 //   o_t,h      = sum_s softmax_s(sigma * q_t,h . k_s,h) v_s,h        causal
 //   out_t      = o_proj [o_t,1 ; ... ; o_t,H]
-// RoPE is the interleaved pairing (features 2i, 2i+1) that DeepSeek
-// checkpoints use, with YaRN's frequency correction when configured.
+// RoPE pairs features (2i, 2i+1) as DeepSeek's checkpoints do
+// (rope_interleave = true, the default), or (i, i + d_r/2) when a config sets
+// rope_interleave = false, as Hugging Face's DeepSeek-V3 then does; YaRN's
+// frequency correction applies in both when configured.
 // sigma = d_qk^-1/2 * m^2 with m = 0.1 * mscale_all_dim * ln(factor) + 1
 // under YaRN (m = 1 otherwise, or when mscale_all_dim is absent); the cos/sin
 // amplitude is mscale(factor, mscale) / mscale(factor, mscale_all_dim) when
@@ -73,6 +75,9 @@ struct MlaConfig {
   RopeScaling rope_scaling;
   double rms_norm_eps = 1e-6;
   int64_t max_position_embeddings = 0;  // informational; 0 = unknown
+  // The RoPE pairing of the rope features: true = interleaved (2i, 2i+1),
+  // false = half-split (i, i + d_r/2). Hugging Face's rope_interleave.
+  bool rope_interleave = true;
 
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   // Values one token occupies in the latent cache: d_c + d_r.
@@ -91,8 +96,9 @@ double mla_softmax_scale(const MlaConfig& config);
 // q_lora_rank (may be null), kv_lora_rank, qk_nope_head_dim,
 // qk_rope_head_dim, v_head_dim. Optional: rope_theta (10000), rms_norm_eps
 // (1e-6), max_position_embeddings, rope_scaling (null or YaRN; Hugging
-// Face's newer "rope_parameters" is read the same way), attention_bias
-// (must be false). Errors name the field and its value.
+// Face's newer "rope_parameters" is read the same way), rope_interleave
+// (true), attention_bias (must be false). Errors name the field and its
+// value.
 Result<MlaConfig> mla_config_from_json(std::string_view json_text);
 
 enum class MlaForm : uint8_t { kAuto, kNaive, kAbsorbed };

@@ -86,7 +86,10 @@ Result<LatentAttention> LatentAttention::create(const MlaConfig& config) {
   rc.head_dim = config.qk_rope_head_dim;
   rc.rotary_dim = config.qk_rope_head_dim;
   rc.theta = config.rope_theta;
-  rc.pairing = RopePairing::kInterleaved;  // DeepSeek checkpoints' q/k rope rows
+  // DeepSeek's checkpoints hold their q/k rope rows interleaved; a config
+  // with rope_interleave = false rotates them half-split (Hugging Face's
+  // DeepSeek-V3 applies rotate_half without its interleaving permutation).
+  rc.pairing = config.rope_interleave ? RopePairing::kInterleaved : RopePairing::kHalfSplit;
   rc.scaling = config.rope_scaling;
   if (rc.scaling.type == RopeScaling::Type::kYarn) {
     // cos/sin amplitude: HF's mscale ratio when the config gives both (1 in

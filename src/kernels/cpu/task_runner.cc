@@ -107,8 +107,10 @@ void TaskRunner::tile(int64_t j0, int64_t nk, const int64_t* row_lo, const int64
   // live. Prefetches run one phase ahead (offsets in elements from the
   // rows being read). Fetching K and V a whole head step ahead, each
   // during its own phase, left more of the lines to be evicted before use
-  // and ran slower: 1-token decode 3-15 %, 4-token 5-17 %
-  // (docs/PERFORMANCE-LOG.md, sixth session).
+  // and ran slower: 1-token decode 3-15 %, 4-token 5-17 % (GQA 32/8, 16K
+  // keys, 2 threads, the two alternated call by call in one process;
+  // 2026-11-24 at d3bb6e7 on a Zen 5: docs/PERFORMANCE-LOG.md,
+  // 2026-11-24 · d3bb6e7).
   if (heads_ == 1 || !g_.k_then_v) {
     // Head by head. QK fetches this head's V rows, P V the K rows read
     // next: the next head's, or after the last head the first head's in
@@ -149,10 +151,12 @@ void TaskRunner::tile(int64_t j0, int64_t nk, const int64_t* row_lo, const int64
   // sequential read against 0.85-0.96 in this order, and decode calls (GQA
   // 32/8, 16K keys, the two orders alternated call by call) take 0.94-0.96 of
   // the time for 1-token fp32, 0.87-0.96 for bf16, 0.95-0.99 for 4 tokens
-  // (docs/PERFORMANCE-LOG.md, eleventh session). QK prefetches the next head's
-  // K rows, the last head the first head's V rows; P V the next head's V rows,
-  // the last head the next tile's first K rows. Those two cross from K to V
-  // and need K and V rows equally strided; where not, they are not issued.
+  // (decode_read_bench 2 40 and the in-process A/B, 2026-11-24 at 38d9ab8 on
+  // a Zen 3: docs/PERFORMANCE-LOG.md, 2026-11-24 · 38d9ab8). QK prefetches
+  // the next head's K rows, the last head the first head's V rows; P V the
+  // next head's V rows, the last head the next tile's first K rows. Those
+  // two cross from K to V and need K and V rows equally strided; where not,
+  // they are not issued.
   select_head(0);
   // Elements from head 0's K rows to its V rows.
   const int64_t k_to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
