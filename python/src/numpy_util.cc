@@ -398,6 +398,21 @@ float parse_softmax_scale(const std::optional<double>& scale, const char* fn) {
   return s;
 }
 
+void round_to_bf16(const TensorView& src, bf16* dst) {
+  int64_t shape[4] = {1, 1, 1, 1}, strides[4] = {0, 0, 0, 0};
+  for (int i = 0; i < src.rank; ++i) {
+    shape[4 - src.rank + i] = src.shape[i];
+    strides[4 - src.rank + i] = src.strides[i];
+  }
+  const float* p = src.ptr<const float>();
+  for (int64_t a = 0; a < shape[0]; ++a)
+    for (int64_t b = 0; b < shape[1]; ++b)
+      for (int64_t c = 0; c < shape[2]; ++c)
+        for (int64_t d = 0; d < shape[3]; ++d)
+          *dst++ =
+              float_to_bf16(p[a * strides[0] + b * strides[1] + c * strides[2] + d * strides[3]]);
+}
+
 DType parse_cache_dtype(const std::string& text, const char* fn, const char* name) {
   if (text == "float32" || text == "f32") return DType::kF32;
   if (text == "bfloat16" || text == "bf16") return DType::kBF16;

@@ -100,6 +100,10 @@ py::array new_array(DType dtype, std::initializer_list<int64_t> shape, TensorVie
 // bf16 -> float32 (exact), f16 -> float16, f64, i32, i64, bool as themselves.
 py::array copy_to_numpy(const TensorView& v);
 
+// Rounds f32 `src` (rank 1..4, any strides) into contiguous bf16 `dst`:
+// K/V for kv_dtype="bfloat16", since numpy has no bfloat16 to pass directly.
+void round_to_bf16(const TensorView& src, bf16* dst);
+
 // "auto" | "reference" | "fast".
 Backend parse_backend(const std::string& text, const char* fn);
 

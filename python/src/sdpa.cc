@@ -16,18 +16,6 @@
 namespace attnkit::python {
 namespace {
 
-// Rounds f32 `src` (rank 4, any strides) into contiguous bf16 `dst`: K/V for
-// sdpa's kv_dtype="bfloat16", since numpy has no bfloat16 to pass directly.
-void round_to_bf16(const TensorView& src, bf16* dst) {
-  const float* p = src.ptr<const float>();
-  for (int64_t a = 0; a < src.shape[0]; ++a)
-    for (int64_t b = 0; b < src.shape[1]; ++b)
-      for (int64_t c = 0; c < src.shape[2]; ++c)
-        for (int64_t d = 0; d < src.shape[3]; ++d)
-          *dst++ = float_to_bf16(
-              p[a * src.strides[0] + b * src.strides[1] + c * src.strides[2] + d * src.strides[3]]);
-}
-
 py::object sdpa_py(py::object q, py::object k, py::object v, std::optional<double> softmax_scale,
                    bool causal, py::object window_size, double softcap, py::object seqlens_k,
                    bool return_lse, py::object mask, py::object sparse, bool return_probs,
