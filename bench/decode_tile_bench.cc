@@ -3,7 +3,7 @@
 // (kKeysPerTile), and for 4 rows also of the short tile AVX2 decode uses
 // (kShortTileKeysF32 / kShortTileKeysBf16, names with /k12 or /k24), is
 // run through the active SIMD target's
-// microkernels, as the tile loop (src/kernels/cpu/attention_cpu.cc) runs
+// microkernels, as the tile loop (src/kernels/cpu/task_runner.h) runs
 // them, on one thread with K and V resident in cache:
 //   qk       S = K Q^T (qk_rows_* for 1-4 packed rows, else qk_f32/qk_bf16;
 //            bf16 keys without vdpbf16ps: qk_rows_widen, or a widened copy)
@@ -80,7 +80,7 @@ const MachineProfile& one_thread() {
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // One kv head's tile and the scratch the tile loop gives the kernels, laid
-// out as attention_cpu.cc lays them out (see kernel_table.h for each).
+// out as the tile loop (task_runner.h) lays them out (see kernel_table.h for each).
 struct Tile {
   const KernelTable* kt;
   bool bf16, dot, rows_qk;

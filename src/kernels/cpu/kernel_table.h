@@ -1,5 +1,5 @@
 // The microkernels of one SIMD target, as plain function pointers, so that
-// the tile loop (attention_cpu.cc) exists once and every target runs the
+// the tile loop (task_runner.h and its stage_*.cc files) exists once and every target runs the
 // same algorithm. Each target's table is built in its own translation unit,
 // compiled with that target's flags (see cmake/attnkit_simd.cmake).
 //
