@@ -1,0 +1,167 @@
+// attnkit/dist.h — attention split across processes with MPI (the library
+// attnkit::dist, built when CMake finds MPI; the core attnkit library has no
+// MPI dependency). docs/DISTRIBUTED.md explains the strategies, their
+// communication volumes and what they cost on this machine.
+//
+//   HeadParallelAttention        MHA/MQA/GQA layer split by heads (Megatron-style)
+//   HeadParallelLatentAttention  MLA layer split by query heads
+//
+// Every function here is collective over its communicator: every rank calls
+// it, in the same order, with the arguments the contract says must match.
+// Errors are collective too. Each rank checks its own arguments, then the
+// ranks agree on the outcome (one small collective) before any rank enters
+// a data collective, so an invalid argument on one rank makes the call fail
+// on every rank with that rank's message, "... (on rank r of N)", and no
+// rank is left waiting. A call that fails changes no rank's outputs, caches
+// or weights. Nothing throws. One gap remains: a resource failure (memory)
+// on one rank after the agreement, inside a layer's forward, is still
+// reported on every rank, but the other ranks' caches have by then taken the
+// new tokens; the next call on the caches fails with a message that their
+// lengths differ, and the caches must be reset.
+//
+// The communicator must be a valid intracommunicator on every rank and MPI
+// initialised (MPI_THREAD_FUNNELED or higher: attnkit's worker threads never
+// call MPI, the calling thread does). The layers duplicate it, so their
+// messages never meet the caller's.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "attnkit/attention_layer.h"
+#include "attnkit/config.h"
+#include "attnkit/kv_cache.h"
+#include "attnkit/latent_attention.h"
+#include "attnkit/parallel_cost.h"
+#include "attnkit/status.h"
+#include "attnkit/tensor.h"
+#include "attnkit/weights.h"
+
+namespace attnkit::dist {
+
+// A communicator the object owns (an MPI_Comm_dup), freed when it goes, unless MPI
+// has been finalised by then.
+class OwnedComm {
+ public:
+  OwnedComm() = default;
+  explicit OwnedComm(MPI_Comm comm) : comm_(comm) {}
+  OwnedComm(OwnedComm&& other) noexcept;
+  OwnedComm& operator=(OwnedComm&& other) noexcept;
+  OwnedComm(const OwnedComm&) = delete;
+  OwnedComm& operator=(const OwnedComm&) = delete;
+  ~OwnedComm();
+  MPI_Comm get() const { return comm_; }
+
+ private:
+  MPI_Comm comm_ = MPI_COMM_NULL;
+};
+
+// ---------------------------------------------------------------- head parallel
+
+// An MHA/MQA/GQA layer split by heads over the ranks of a communicator.
+// Rank r owns the heads head_share(num_heads, num_kv_heads, N, r) gives
+// (contiguous kv heads with their query heads; kv heads replicated when
+// there are fewer kv heads than ranks), and runs an AttentionLayer on that
+// shard: the rows of q/k/v_proj (and their biases) of its heads, the
+// columns of o_proj that read them, qk-norm gains whole, RoPE, window and
+// softcap as configured. Its KVCache holds only its kv heads. forward()
+// sums the ranks' o_proj outputs with one MPI_Allreduce; o_proj's bias is
+// loaded on rank 0 only, so it is added once. Every rank passes the same x
+// and gets the whole output. num_heads must be >= the number of ranks.
+class HeadParallelAttention {
+ public:
+  // Collective. Fails (on every rank) when the config is invalid or differs
+  // between ranks, or num_heads < ranks.
+  static Result<HeadParallelAttention> create(MPI_Comm comm, const AttentionConfig& config);
+  // attention_config_from_json, then create().
+  static Result<HeadParallelAttention> from_config_json(MPI_Comm comm, std::string_view json_text,
+                                                        int64_t layer_index = 0);
+
+  const AttentionConfig& config() const { return config_; }                // the whole layer
+  const AttentionConfig& local_config() const { return local_.config(); }  // this rank's shard
+  const HeadShare& share() const { return share_; }
+  int rank() const { return rank_; }
+  int ranks() const { return ranks_; }
+
+  // Collective. Takes the whole layer's weights (Hugging Face names under
+  // `prefix`, the shapes AttentionLayer::weight_names() lists for config())
+  // and keeps this rank's shard. Strict as AttentionLayer::load_weights; on
+  // failure no rank's weights change.
+  Status load_weights(const WeightMap& weights, std::string_view prefix = "");
+
+  // Collective. This rank's cache: its kv heads only.
+  Result<KVCache> new_cache(int64_t batch_size, int64_t max_seq_len,
+                            DType dtype = DType::kF32) const;
+
+  // Collective. AttentionLayer::forward's contract, over all heads:
+  //   x   [batch, seq, hidden] f32, hidden contiguous; the same on every rank
+  //   out [batch, seq, hidden] f32, contiguous, not overlapping x; written on every rank
+  // positions and the cache's presence and length must match across ranks;
+  // batch * seq * hidden must fit an int (one MPI message).
+  Status forward(const TensorView& x, const TensorView& out,
+                 std::span<const int64_t> positions = {}, KVCache* cache = nullptr,
+                 const RunOptions& run = {});
+
+ private:
+  HeadParallelAttention() = default;
+  // create() and from_config_json(): a parse failure is agreed on like any other.
+  static Result<HeadParallelAttention> build(MPI_Comm comm, const Result<AttentionConfig>& config);
+
+  OwnedComm comm_;
+  int rank_ = 0, ranks_ = 1;
+  AttentionConfig config_;
+  HeadShare share_;
+  AttentionLayer local_;  // this rank's shard
+  bool loaded_ = false;
+};
+
+// An MLA layer split by query heads: rank r owns heads head_share(H, H, N, r),
+// i.e. [H r / N, H (r+1) / N): its rows of q_b_proj (or q_proj) and of
+// kv_b_proj, its columns of o_proj; q_a_proj, kv_a_proj_with_mqa and their
+// norms are replicated. The latent cache is replicated too: every rank
+// computes the same latent rows (kv_a is replicated), stores all of them
+// ([batch, max_seq_len, d_c + d_r], as LatentAttention's cache), and reads all
+// of them for its own heads, in the naive form (decompressing only its
+// heads' K/V) or the absorbed one (attending the latent rows with its heads'
+// absorbed queries). One all-reduce of the o_proj partial sums per call.
+class HeadParallelLatentAttention {
+ public:
+  static Result<HeadParallelLatentAttention> create(MPI_Comm comm, const MlaConfig& config);
+  static Result<HeadParallelLatentAttention> from_config_json(MPI_Comm comm,
+                                                              std::string_view json_text);
+
+  const MlaConfig& config() const { return config_; }
+  const MlaConfig& local_config() const { return local_.config(); }
+  const HeadShare& share() const { return share_; }
+  int rank() const { return rank_; }
+  int ranks() const { return ranks_; }
+
+  // As HeadParallelAttention::load_weights, with LatentAttention's names.
+  Status load_weights(const WeightMap& weights, std::string_view prefix = "");
+  Result<LatentCache> new_cache(int64_t batch_size, int64_t max_seq_len,
+                                DType dtype = DType::kF32) const;
+  // LatentAttention::forward's contract; x and out contiguous, the form
+  // the same on every rank (kAuto chooses the same on every rank).
+  Status forward(const TensorView& x, const TensorView& out,
+                 std::span<const int64_t> positions = {}, LatentCache* cache = nullptr,
+                 const RunOptions& run = {}, MlaForm form = MlaForm::kAuto);
+
+ private:
+  HeadParallelLatentAttention() = default;
+  static Result<HeadParallelLatentAttention> build(MPI_Comm comm, const Result<MlaConfig>& config);
+
+  OwnedComm comm_;
+  int rank_ = 0, ranks_ = 1;
+  MlaConfig config_;
+  HeadShare share_;
+  LatentAttention local_;
+  bool loaded_ = false;
+};
+
+}  // namespace attnkit::dist
