@@ -5,6 +5,8 @@
 //
 //   HeadParallelAttention        MHA/MQA/GQA layer split by heads (Megatron-style)
 //   HeadParallelLatentAttention  MLA layer split by query heads
+//   context_parallel_decode      decode over keys split by tokens, merged by LSE
+//   merge_partial_attention      that merge alone, for any local partial attention
 //
 // Every function here is collective over its communicator: every rank calls
 // it, in the same order, with the arguments the contract says must match.
@@ -22,7 +24,7 @@
 // The communicator must be a valid intracommunicator on every rank and MPI
 // initialised (MPI_THREAD_FUNNELED or higher: attnkit's worker threads never
 // call MPI, the calling thread does). The layers duplicate it, so their
-// messages never meet the caller's.
+// messages never meet the caller's; the free functions use it directly.
 #pragma once
 
 #include <mpi.h>
@@ -163,5 +165,60 @@ class HeadParallelLatentAttention {
   LatentAttention local_;
   bool loaded_ = false;
 };
+
+// ---------------------------------------------------------------- context parallel
+
+// How the ranks' partial (out, lse) pairs are combined.
+//   kAllreduce  one MPI_Allreduce with a custom operation that applies
+//               merge_attention_states to one element holding every row of
+//               the partial: recursive doubling, ceil(log2 N) rounds of the
+//               whole partial. The default: it sends the least data for
+//               N > 2.
+//   kAllgather  MPI_Allgather of every partial, then each rank merges them
+//               in rank order: N - 1 partials received per rank.
+// Both give bit-identical results on every rank.
+enum class MergeMethod : uint8_t { kAllreduce, kAllgather };
+
+// Collective. Combines the ranks' partial attentions over disjoint key sets
+// into the attention over all keys, on every rank:
+//   out_local [batch, seqlen_q, num_heads, head_dim_v] f32  this rank's partial
+//   lse_local [batch, num_heads, seqlen_q]             f32  its log-sum-exp
+//   out       [batch, seqlen_q, num_heads, head_dim_v] f32, contiguous, written
+//   lse       [batch, num_heads, seqlen_q]             f32, contiguous, optional
+// Shapes must match across ranks; a rank without keys passes lse = -inf
+// (and any out). This is the hook for caches that compute their partial
+// attention some other way (a paged KV pool): any kernel that returns
+// (out, lse) over its rank's keys can be merged here.
+Status merge_partial_attention(MPI_Comm comm, const TensorView& out_local,
+                               const TensorView& lse_local, const TensorView& out,
+                               const TensorView& lse = {},
+                               MergeMethod method = MergeMethod::kAllreduce);
+
+struct ContextParallelOptions {
+  float softmax_scale = 0.0f;  // 0 = 1/sqrt(head_dim)
+  float softcap = 0.0f;        // 0 = off
+  // [batch] valid keys of this rank's share per sequence (a ragged batch);
+  // empty = all k_local.shape[1].
+  std::span<const int32_t> seqlens_k;
+  MergeMethod merge = MergeMethod::kAllreduce;
+  Backend backend = Backend::kAuto;
+  int num_threads = 0;
+};
+
+// Collective. Decode attention over keys split across ranks by tokens (any
+// split: contiguous, round-robin, or none on some ranks): every query sees
+// every key of every rank (no mask; the new tokens are the newest, so
+// causality holds), and every rank gets the result.
+//   q       [batch, seqlen_q, num_heads, head_dim]         f32, the same on every rank
+//   k_local [batch, seqlen_k_r, num_kv_heads, head_dim]   f32 or bf16, this rank's keys
+//   v_local [batch, seqlen_k_r, num_kv_heads, head_dim_v] same dtype as k_local
+//   out     [batch, seqlen_q, num_heads, head_dim_v]      f32, contiguous, written
+//   lse     [batch, num_heads, seqlen_q]                  f32, contiguous, optional
+// Each rank runs sdpa() over its keys with lse, then merge_partial_attention.
+// seqlen_k_r may differ between ranks and be 0; everything else must match.
+Status context_parallel_decode(MPI_Comm comm, const TensorView& q, const TensorView& k_local,
+                               const TensorView& v_local, const TensorView& out,
+                               const ContextParallelOptions& options = {},
+                               const TensorView& lse = {});
 
 }  // namespace attnkit::dist

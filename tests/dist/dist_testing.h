@@ -103,6 +103,52 @@ inline bool same_on_every_rank(std::span<const float> v) {
   return all == 1;
 }
 
+// ---- slicing whole-sequence data into a rank's share ---------------------
+
+// Rows `tokens` (dim 1) of a [B, S, row] tensor, as [B, tokens.size(), row].
+inline std::vector<float> take(const std::vector<float>& x, int64_t B, int64_t S, int64_t row,
+                               const std::vector<int64_t>& tokens) {
+  std::vector<float> out;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t : tokens)
+      out.insert(out.end(), x.begin() + (b * S + t) * row, x.begin() + (b * S + t + 1) * row);
+  return out;
+}
+inline std::vector<double> take(const std::vector<double>& x, int64_t B, int64_t S, int64_t row,
+                                const std::vector<int64_t>& tokens) {
+  std::vector<double> out;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t : tokens)
+      out.insert(out.end(), x.begin() + (b * S + t) * row, x.begin() + (b * S + t + 1) * row);
+  return out;
+}
+// Entries `tokens` of the last dim of an lse [B, H, S].
+inline std::vector<float> take_lse(const std::vector<float>& x, int64_t BH, int64_t S,
+                                   const std::vector<int64_t>& tokens) {
+  std::vector<float> out;
+  for (int64_t i = 0; i < BH; ++i)
+    for (int64_t t : tokens) out.push_back(x[size_t(i * S + t)]);
+  return out;
+}
+inline std::vector<double> take_lse(const std::vector<double>& x, int64_t BH, int64_t S,
+                                    const std::vector<int64_t>& tokens) {
+  std::vector<double> out;
+  for (int64_t i = 0; i < BH; ++i)
+    for (int64_t t : tokens) out.push_back(x[size_t(i * S + t)]);
+  return out;
+}
+
+inline std::vector<float> round_bf16(const std::vector<float>& x) {
+  std::vector<float> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = attnkit_test::round_bf16(x[i]);
+  return out;
+}
+inline std::vector<attnkit::bf16> to_bf16(const std::vector<float>& x) {
+  std::vector<attnkit::bf16> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = attnkit::float_to_bf16(x[i]);
+  return out;
+}
+
 // ---- float64 layer references -------------------------------------------
 
 // y [rows, out] = x [rows, in] W^T (+ b), W [out, in].
