@@ -7,6 +7,7 @@
 //   HeadParallelLatentAttention  MLA layer split by query heads
 //   context_parallel_decode      decode over keys split by tokens, merged by LSE
 //   merge_partial_attention      that merge alone, for any local partial attention
+//   ring_attention               causal prefill over load-balanced token chunks
 //
 // Every function here is collective over its communicator: every rank calls
 // it, in the same order, with the arguments the contract says must match.
@@ -24,7 +25,8 @@
 // The communicator must be a valid intracommunicator on every rank and MPI
 // initialised (MPI_THREAD_FUNNELED or higher: attnkit's worker threads never
 // call MPI, the calling thread does). The layers duplicate it, so their
-// messages never meet the caller's; the free functions use it directly.
+// messages never meet the caller's; the free functions use it directly, with
+// tag kRingTag for ring_attention's point-to-point messages.
 #pragma once
 
 #include <mpi.h>
@@ -46,6 +48,9 @@
 #include "attnkit/weights.h"
 
 namespace attnkit::dist {
+
+// The tag of ring_attention's sends and receives on the caller's communicator.
+inline constexpr int kRingTag = 0x7a11;
 
 // A communicator the object owns (an MPI_Comm_dup), freed when it goes, unless MPI
 // has been finalised by then.
@@ -220,5 +225,34 @@ Status context_parallel_decode(MPI_Comm comm, const TensorView& q, const TensorV
                                const TensorView& v_local, const TensorView& out,
                                const ContextParallelOptions& options = {},
                                const TensorView& lse = {});
+
+// ---------------------------------------------------------------- ring attention
+
+struct RingOptions {
+  bool causal = true;
+  float softmax_scale = 0.0f;  // 0 = 1/sqrt(head_dim)
+  float softcap = 0.0f;        // 0 = off
+  Backend backend = Backend::kAuto;
+  int num_threads = 0;
+};
+
+// Collective. Self-attention over a sequence of S tokens whose queries,
+// keys and values are split across the N ranks as ring_chunks(S, N, r)
+// says: rank r holds chunk r followed by chunk 2N-1-r of 2N near-equal
+// chunks, so that under the causal mask every rank has the same work.
+//   q_local   [batch, n_r, num_heads, head_dim]       f32
+//   k_local   [batch, n_r, num_kv_heads, head_dim]    f32 or bf16
+//   v_local   [batch, n_r, num_kv_heads, head_dim_v]  same dtype as k_local
+//   out_local [batch, n_r, num_heads, head_dim_v]     f32, contiguous, written
+//   lse_local [batch, num_heads, n_r]                 f32, contiguous, optional
+// n_r = ring_chunks(S, N, r).size(); S is the sum of the ranks' n_r, and a
+// rank whose n_r does not fit the layout makes the call fail. The K/V
+// blocks travel around the ring (rank r sends to r+1): N steps, and during
+// each step but the last the next block is received (MPI_Isend/MPI_Irecv)
+// while the current one is attended. batch, heads, dims, dtype and options
+// must match across ranks; a block's K (or V) elements must fit an int.
+Status ring_attention(MPI_Comm comm, const TensorView& q_local, const TensorView& k_local,
+                      const TensorView& v_local, const TensorView& out_local,
+                      const RingOptions& options = {}, const TensorView& lse_local = {});
 
 }  // namespace attnkit::dist
