@@ -69,6 +69,13 @@ class OwnedComm {
   MPI_Comm comm_ = MPI_COMM_NULL;
 };
 
+// Collective. Every rank passes the outcome of some step of its own; every
+// rank gets OK when all passed OK, else the lowest failing rank's status
+// with " (on rank r of N)" appended. For callers that do local work of
+// their own before calling the functions below (a binding converting its
+// arguments), so that their failure on one rank also fails every rank.
+Status agree(MPI_Comm comm, const Status& local);
+
 // ---------------------------------------------------------------- head parallel
 
 // An MHA/MQA/GQA layer split by heads over the ranks of a communicator.

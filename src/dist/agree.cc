@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "attnkit/dist.h"
+
 namespace attnkit::dist::internal {
 
 Status mpi_status(const char* fn, const char* call, int rc) {
@@ -110,3 +112,13 @@ uint64_t hash_values(std::span<const int64_t> values) {
 }
 
 }  // namespace attnkit::dist::internal
+
+namespace attnkit::dist {
+
+Status agree(MPI_Comm comm, const Status& local) {
+  int rank = 0, ranks = 0;
+  ATTNKIT_RETURN_IF_ERROR(internal::check_comm("agree", comm, &rank, &ranks));
+  return internal::agree(comm, "agree", local);
+}
+
+}  // namespace attnkit::dist
