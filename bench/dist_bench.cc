@@ -1,0 +1,469 @@
+// dist_bench: what splitting attention across processes costs on one
+// machine (docs/DISTRIBUTED.md). Processes on one machine share its cores
+// and memory, so speed-up is not the figure: each case times the
+// distributed call at N ranks against the single-process kernel doing the
+// same total work with the same total threads, and prints the bytes the
+// cost model (attnkit/parallel_cost.h) says each rank sends.
+//
+//   mpirun -np 2 build/bench/dist_bench [--case all|hp-prefill|hp-decode|cp|ring|
+//                                               cp-allreduce|cp-allgather]
+//                                       [--reps 15] [--threads 1] [--calls-only]
+//
+// Every rank runs --threads worker threads; the single-process baseline
+// runs on rank 0 with ranks * threads threads while the other ranks wait
+// asleep (MPI_Ibarrier polled every 0.2 ms, so they take no core). A
+// distributed time is, per repetition, the slowest rank's, after a
+// barrier; cells are medians over --reps. Alongside: the same work's local
+// compute alone on every rank at once (no communication), and the
+// collective alone, to split the overhead. --calls-only runs only the
+// distributed calls of the chosen case, for bench/dist_bytes.sh, which
+// counts the bytes each rank really sends with Open MPI's monitoring.
+#include <mpi.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "attnkit/attention_layer.h"
+#include "attnkit/dist.h"
+#include "attnkit/parallel_cost.h"
+#include "bench_stats.h"
+
+namespace {
+
+using attnkit::DType;
+using attnkit::Status;
+using attnkit::TensorView;
+using attnkit::bench::median;
+
+int g_rank = 0, g_ranks = 1, g_threads = 1, g_reps = 15;
+bool g_calls_only = false;
+
+void check(const Status& st, const char* what) {
+  if (st.ok()) return;
+  std::fprintf(stderr, "dist_bench: %s: %s\n", what, st.to_string().c_str());
+  MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+// xorshift64*: a fast deterministic fill, the same on every rank.
+std::vector<float> random_vector(int64_t n, uint64_t seed, float scale) {
+  std::vector<float> v(static_cast<size_t>(n));
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (float& e : v) {
+    s ^= s >> 12;
+    s ^= s << 25;
+    s ^= s >> 27;
+    e = scale * static_cast<float>(
+                    static_cast<double>((s * 2685821657736338717ull) >> 11) * 0x1p-53 * 2.0 - 1.0);
+  }
+  return v;
+}
+
+// A barrier whose waiters sleep instead of spinning.
+void quiet_barrier() {
+  MPI_Request req;
+  MPI_Ibarrier(MPI_COMM_WORLD, &req);
+  int done = 0;
+  while (!done) {
+    MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+    if (!done) usleep(200);
+  }
+}
+
+// Median over --reps of the slowest rank's time for fn() (run on every rank).
+// With --calls-only, fn() and barriers only (zero-byte messages), so that the
+// bytes Open MPI counts are fn()'s.
+double time_all(const std::function<void()>& fn) {
+  fn();  // warm-up
+  if (g_calls_only) {
+    for (int r = 0; r < g_reps; ++r) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      fn();
+    }
+    return 0;
+  }
+  std::vector<double> t;
+  for (int r = 0; r < g_reps; ++r) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double t0 = MPI_Wtime();
+    fn();
+    double dt = MPI_Wtime() - t0, slowest = 0;
+    MPI_Allreduce(&dt, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    t.push_back(slowest);
+  }
+  return median(t);
+}
+
+// Median over --reps of fn() on rank 0 alone, the others asleep.
+double time_rank0(const std::function<void()>& fn) {
+  double m = 0;
+  if (g_rank == 0) {
+    fn();
+    std::vector<double> t;
+    for (int r = 0; r < g_reps; ++r) {
+      const double t0 = MPI_Wtime();
+      fn();
+      t.push_back(MPI_Wtime() - t0);
+    }
+    m = median(t);
+  }
+  quiet_barrier();
+  MPI_Bcast(&m, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  return m;
+}
+
+void row(const char* what, double seconds, double baseline) {
+  if (g_rank != 0) return;
+  if (baseline > 0)
+    std::printf("  %-44s %10.3f ms  %6.2fx single\n", what, seconds * 1e3, seconds / baseline);
+  else
+    std::printf("  %-44s %10.3f ms\n", what, seconds * 1e3);
+}
+
+// The busiest rank's bytes per call, from the cost model, for a one-layer
+// model of these shapes with f32 weights, K/V and exchanges.
+attnkit::StrategyCost model(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t batch, int64_t context, attnkit::ParallelStrategy s) {
+  attnkit::ModelShape m;
+  m.name = "bench";
+  m.num_layers = 1;
+  m.hidden_size = hidden;
+  m.num_heads = heads;
+  m.num_kv_heads = kv_heads;
+  m.head_dim = m.head_dim_v = head_dim;
+  attnkit::ParallelWorkload w;
+  w.batch = batch;
+  w.context = context;
+  w.kv_dtype = w.weight_dtype = DType::kF32;
+  auto costs = attnkit::parallel_costs(m, g_ranks, w, {1.0, 1.0}, {1.0, 0.0});
+  check(costs.ok() ? Status::Ok() : costs.status(), "parallel_costs");
+  for (const attnkit::StrategyCost& c : *costs)
+    if (c.strategy == s) return c;
+  return {};
+}
+
+void model_bytes(const char* what, double bytes) {
+  if (g_rank == 0) std::printf("  %-44s %10.0f bytes per rank per call\n", what, bytes);
+}
+
+// ---- head-parallel: a Llama-3.2-1B-shaped layer ---------------------------
+
+constexpr int64_t kHidden = 2048, kHeads = 32, kKvHeads = 8, kHeadDim = 64;
+
+struct HeadCase {
+  attnkit::AttentionConfig config;
+  std::vector<std::vector<float>> storage;
+  attnkit::WeightMap weights;
+};
+
+HeadCase head_case() {
+  HeadCase h;
+  attnkit::AttentionConfig& c = h.config;
+  c.model_type = "llama";
+  c.hidden_size = kHidden;
+  c.num_heads = kHeads;
+  c.num_kv_heads = kKvHeads;
+  c.head_dim = kHeadDim;
+  c.rope.head_dim = kHeadDim;
+  c.rope.theta = 500000.0;
+  const int64_t q = kHeads * kHeadDim, kv = kKvHeads * kHeadDim;
+  const struct {
+    const char* name;
+    int64_t rows, cols;
+  } shapes[] = {{"q_proj.weight", q, kHidden},
+                {"k_proj.weight", kv, kHidden},
+                {"v_proj.weight", kv, kHidden},
+                {"o_proj.weight", kHidden, q}};
+  h.storage.reserve(4);
+  uint64_t seed = 1;
+  for (const auto& s : shapes) {
+    h.storage.push_back(
+        random_vector(s.rows * s.cols, seed++, std::sqrt(3.0f / static_cast<float>(s.cols))));
+    h.weights[s.name] = attnkit::make_view(h.storage.back().data(), DType::kF32, {s.rows, s.cols});
+  }
+  return h;
+}
+
+void bench_head_parallel(bool prefill, bool decode) {
+  HeadCase h = head_case();
+  auto dist = attnkit::dist::HeadParallelAttention::create(MPI_COMM_WORLD, h.config);
+  check(dist.ok() ? Status::Ok() : dist.status(), "HeadParallelAttention::create");
+  check(dist->load_weights(h.weights), "load_weights");
+  attnkit::AttentionLayer single;
+  if (g_rank == 0 && !g_calls_only) {
+    auto s = attnkit::AttentionLayer::create(h.config);
+    check(s.ok() ? Status::Ok() : s.status(), "AttentionLayer::create");
+    single = std::move(s).value();
+    check(single.load_weights(h.weights), "load_weights");
+  }
+  const attnkit::RunOptions run{attnkit::Backend::kAuto, g_threads};
+  const attnkit::RunOptions run_single{attnkit::Backend::kAuto, g_threads * g_ranks};
+  const auto allreduce_alone = [](int64_t floats) {
+    std::vector<float> a(static_cast<size_t>(floats), 1.0f), b(a.size());
+    return time_all([&] {
+      MPI_Allreduce(a.data(), b.data(), static_cast<int>(floats), MPI_FLOAT, MPI_SUM,
+                    MPI_COMM_WORLD);
+    });
+  };
+
+  if (prefill) {
+    const int64_t T = 256;
+    const std::vector<float> x = random_vector(T * kHidden, 7, 1.0f);
+    std::vector<float> out(x.size());
+    const TensorView xv = attnkit::make_view(x.data(), DType::kF32, {1, T, kHidden});
+    const TensorView ov = attnkit::make_view(out.data(), DType::kF32, {1, T, kHidden});
+    if (g_rank == 0)
+      std::printf("head-parallel prefill: hidden %ld, %ld/%ld heads x %ld, %ld tokens\n",
+                  long(kHidden), long(kHeads), long(kKvHeads), long(kHeadDim), long(T));
+    const double t = time_all([&] { check(dist->forward(xv, ov, {}, nullptr, run), "forward"); });
+    if (!g_calls_only) {
+      const double base =
+          time_rank0([&] { check(single.forward(xv, ov, {}, nullptr, run_single), "forward"); });
+      row("single process", base, base);
+      row("head-parallel forward", t, base);
+      row("  of which an all-reduce of the output alone", allreduce_alone(T * kHidden), base);
+      model_bytes("model: sent", model(kHidden, kHeads, kKvHeads, kHeadDim, 1, T,
+                                       attnkit::ParallelStrategy::kHeadParallel)
+                                     .prefill.bytes_sent);
+    }
+  }
+  if (decode) {
+    const int64_t L = 2048, steps = 2 * (g_reps + 1) + 1;
+    const std::vector<float> prompt = random_vector(L * kHidden, 8, 1.0f);
+    std::vector<float> scratch(prompt.size());
+    auto cache = dist->new_cache(1, L + steps);
+    check(cache.ok() ? Status::Ok() : cache.status(), "new_cache");
+    const TensorView pv = attnkit::make_view(prompt.data(), DType::kF32, {1, L, kHidden});
+    const TensorView sv = attnkit::make_view(scratch.data(), DType::kF32, {1, L, kHidden});
+    check(dist->forward(pv, sv, {}, &*cache, run), "prefill");
+    const std::vector<float> x = random_vector(kHidden, 9, 1.0f);
+    std::vector<float> out(x.size());
+    const TensorView xv = attnkit::make_view(x.data(), DType::kF32, {1, 1, kHidden});
+    const TensorView ov = attnkit::make_view(out.data(), DType::kF32, {1, 1, kHidden});
+    if (g_rank == 0)
+      std::printf("head-parallel decode: 1 token over %ld cached (f32 cache)\n", long(L));
+    const double t =
+        time_all([&] { check(dist->forward(xv, ov, {}, &*cache, run), "forward decode"); });
+    if (!g_calls_only) {
+      double base = 0;
+      {
+        attnkit::KVCache single_cache;
+        if (g_rank == 0) {
+          auto c = single.new_cache(1, L + steps);
+          check(c.ok() ? Status::Ok() : c.status(), "new_cache");
+          single_cache = std::move(c).value();
+          check(single.forward(pv, sv, {}, &single_cache, run_single), "prefill");
+        }
+        base = time_rank0([&] {
+          check(single.forward(xv, ov, {}, &single_cache, run_single), "forward decode");
+        });
+      }
+      row("single process", base, base);
+      row("head-parallel forward", t, base);
+      row("  of which an all-reduce of the output alone", allreduce_alone(kHidden), base);
+      model_bytes("model: sent", model(kHidden, kHeads, kKvHeads, kHeadDim, 1, L,
+                                       attnkit::ParallelStrategy::kHeadParallel)
+                                     .decode.bytes_sent);
+    }
+  }
+}
+
+// ---- context-parallel decode and ring attention: GQA 32/8 x 128 -----------
+
+constexpr int64_t kAttnHeads = 32, kAttnKv = 8, kAttnDim = 128;
+
+// This rank's contiguous share [begin, end) of S tokens.
+std::pair<int64_t, int64_t> contiguous_share(int64_t S) {
+  return {S * g_rank / g_ranks, S * (g_rank + 1) / g_ranks};
+}
+
+// `methods`: which merges to time (both, or one for bench/dist_bytes.sh).
+void bench_context_parallel(const std::vector<attnkit::dist::MergeMethod>& methods) {
+  for (int64_t S : {int64_t{32768}, int64_t{2048}}) {
+    const int64_t B = 1, H = kAttnHeads, K = kAttnKv, D = kAttnDim;
+    const auto [b0, b1] = contiguous_share(S);
+    const int64_t n = b1 - b0;
+    const std::vector<float> q = random_vector(B * H * D, 11, 1.0f);
+    // Only rank 0 holds the whole cache (for the baseline); every rank its share.
+    const std::vector<float> k_all = g_rank == 0 && !g_calls_only
+                                         ? random_vector(B * S * K * D, 12, 1.0f)
+                                         : std::vector<float>();
+    const std::vector<float> v_all = g_rank == 0 && !g_calls_only
+                                         ? random_vector(B * S * K * D, 13, 1.0f)
+                                         : std::vector<float>();
+    const std::vector<float> k = random_vector(B * n * K * D, 14 + uint64_t(g_rank), 1.0f);
+    const std::vector<float> v = random_vector(B * n * K * D, 20 + uint64_t(g_rank), 1.0f);
+    std::vector<float> out(static_cast<size_t>(B * H * D)), lse(static_cast<size_t>(B * H));
+    const TensorView qv = attnkit::make_view(q.data(), DType::kF32, {B, 1, H, D});
+    const TensorView kv = attnkit::make_view(k.data(), DType::kF32, {B, n, K, D});
+    const TensorView vv = attnkit::make_view(v.data(), DType::kF32, {B, n, K, D});
+    const TensorView ov = attnkit::make_view(out.data(), DType::kF32, {B, 1, H, D});
+    const TensorView lv = attnkit::make_view(lse.data(), DType::kF32, {B, H, 1});
+    if (g_rank == 0)
+      std::printf("context-parallel decode: 1 query, %ld keys (f32), %ld/%ld heads x %ld\n",
+                  long(S), long(H), long(K), long(D));
+    attnkit::dist::ContextParallelOptions cp;
+    cp.num_threads = g_threads;
+    double t[2] = {0, 0};
+    for (auto method : methods) {
+      cp.merge = method;
+      t[int(method)] = time_all([&] {
+        check(attnkit::dist::context_parallel_decode(MPI_COMM_WORLD, qv, kv, vv, ov, cp, lv),
+              "context_parallel_decode");
+      });
+    }
+    if (g_calls_only) continue;
+    attnkit::AttentionOptions opt;
+    opt.num_threads = g_threads * g_ranks;
+    const double base = time_rank0([&] {
+      check(attnkit::sdpa(qv, attnkit::make_view(k_all.data(), DType::kF32, {B, S, K, D}),
+                          attnkit::make_view(v_all.data(), DType::kF32, {B, S, K, D}), ov, opt, lv),
+            "sdpa");
+    });
+    attnkit::AttentionOptions local;
+    local.num_threads = g_threads;
+    const double compute =
+        time_all([&] { check(attnkit::sdpa(qv, kv, vv, ov, local, lv), "sdpa"); });
+    std::vector<float> merged(out.size());
+    const TensorView mv = attnkit::make_view(merged.data(), DType::kF32, {B, 1, H, D});
+    double merge[2];
+    for (auto method :
+         {attnkit::dist::MergeMethod::kAllreduce, attnkit::dist::MergeMethod::kAllgather})
+      merge[int(method)] = time_all([&] {
+        check(attnkit::dist::merge_partial_attention(MPI_COMM_WORLD, ov, lv, mv, {}, method),
+              "merge_partial_attention");
+      });
+    row("single process", base, base);
+    using attnkit::dist::MergeMethod;
+    row("context-parallel, merge by all-gather", t[int(MergeMethod::kAllgather)], base);
+    row("context-parallel, merge by all-reduce", t[int(MergeMethod::kAllreduce)], base);
+    row("  local sdpa alone, every rank at once", compute, base);
+    row("  merge alone, all-gather", merge[int(MergeMethod::kAllgather)], base);
+    row("  merge alone, all-reduce", merge[int(MergeMethod::kAllreduce)], base);
+    model_bytes("model: sent", model(kAttnHeads * kAttnDim, H, K, D, B, S,
+                                     attnkit::ParallelStrategy::kContextParallel)
+                                   .decode.bytes_sent);
+  }
+}
+
+void bench_ring() {
+  const int64_t B = 1, H = kAttnHeads, K = kAttnKv, D = kAttnDim, S = 4096;
+  const attnkit::RingChunks ch = *attnkit::ring_chunks(S, g_ranks, g_rank);
+  const int64_t n = ch.size();
+  const std::vector<float> q_all = random_vector(B * S * H * D, 31, 1.0f);
+  const std::vector<float> k_all = random_vector(B * S * K * D, 32, 1.0f);
+  const std::vector<float> v_all = random_vector(B * S * K * D, 33, 1.0f);
+  std::vector<float> ql, kl, vl;
+  for (const attnkit::TokenRange& t : {ch.first, ch.second}) {
+    ql.insert(ql.end(), q_all.begin() + t.begin * H * D, q_all.begin() + t.end * H * D);
+    kl.insert(kl.end(), k_all.begin() + t.begin * K * D, k_all.begin() + t.end * K * D);
+    vl.insert(vl.end(), v_all.begin() + t.begin * K * D, v_all.begin() + t.end * K * D);
+  }
+  std::vector<float> out(static_cast<size_t>(n * H * D));
+  if (g_rank == 0)
+    std::printf("ring attention prefill: %ld tokens causal (f32), %ld/%ld heads x %ld\n", long(S),
+                long(H), long(K), long(D));
+  attnkit::dist::RingOptions ro;
+  ro.num_threads = g_threads;
+  const double t = time_all([&] {
+    check(attnkit::dist::ring_attention(
+              MPI_COMM_WORLD, attnkit::make_view(ql.data(), DType::kF32, {B, n, H, D}),
+              attnkit::make_view(kl.data(), DType::kF32, {B, n, K, D}),
+              attnkit::make_view(vl.data(), DType::kF32, {B, n, K, D}),
+              attnkit::make_view(out.data(), DType::kF32, {B, n, H, D}), ro),
+          "ring_attention");
+  });
+  if (g_calls_only) return;
+  attnkit::AttentionOptions opt;
+  opt.causal = true;
+  opt.num_threads = g_threads * g_ranks;
+  std::vector<float> out_all(static_cast<size_t>(S * H * D));
+  const double base = time_rank0([&] {
+    check(attnkit::sdpa(attnkit::make_view(q_all.data(), DType::kF32, {B, S, H, D}),
+                        attnkit::make_view(k_all.data(), DType::kF32, {B, S, K, D}),
+                        attnkit::make_view(v_all.data(), DType::kF32, {B, S, K, D}),
+                        attnkit::make_view(out_all.data(), DType::kF32, {B, S, H, D}), opt),
+          "sdpa");
+  });
+  // The ring's arithmetic without its communication: each of the rank's two
+  // query chunks against every key before it, in one causal call each
+  // (bottom-right alignment puts the chunk at the end of those keys).
+  attnkit::AttentionOptions local = opt;
+  local.num_threads = g_threads;
+  const double compute = time_all([&] {
+    int64_t row0 = 0;
+    for (const attnkit::TokenRange& tr : {ch.first, ch.second}) {
+      const int64_t rows = tr.size();
+      if (rows > 0)
+        check(
+            attnkit::sdpa(
+                attnkit::make_view(ql.data() + row0 * H * D, DType::kF32, {B, rows, H, D}),
+                attnkit::make_view(k_all.data(), DType::kF32, {B, tr.end, K, D}),
+                attnkit::make_view(v_all.data(), DType::kF32, {B, tr.end, K, D}),
+                attnkit::make_view(out.data() + row0 * H * D, DType::kF32, {B, rows, H, D}), local),
+            "sdpa");
+      row0 += rows;
+    }
+  });
+  row("single process", base, base);
+  row("ring attention", t, base);
+  row("  its arithmetic alone, every rank at once", compute, base);
+  model_bytes(
+      "model: sent",
+      model(H * D, H, K, D, B, S, attnkit::ParallelStrategy::kContextParallel).prefill.bytes_sent);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &g_ranks);
+  std::string which = "all";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool has_value = i + 1 < argc;
+    if (a == "--case" && has_value)
+      which = argv[++i];
+    else if (a == "--reps" && has_value)
+      g_reps = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--threads" && has_value)
+      g_threads = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--calls-only")
+      g_calls_only = true;
+    else {
+      if (g_rank == 0)
+        std::fprintf(stderr,
+                     "usage: dist_bench [--case all|hp-prefill|hp-decode|cp|cp-allreduce|"
+                     "cp-allgather|ring] [--reps N] "
+                     "[--threads N] [--calls-only]\n");
+      MPI_Finalize();
+      return 2;
+    }
+  }
+  if (g_rank == 0)
+    std::printf(
+        "dist_bench: %d ranks x %d threads; baseline: 1 process x %d threads; median of "
+        "%d\n",
+        g_ranks, g_threads, g_ranks * g_threads, g_reps);
+  const bool all = which == "all";
+  if (all || which == "hp-prefill" || which == "hp-decode")
+    bench_head_parallel(all || which == "hp-prefill", all || which == "hp-decode");
+  using attnkit::dist::MergeMethod;
+  if (all || which == "cp")
+    bench_context_parallel({MergeMethod::kAllreduce, MergeMethod::kAllgather});
+  if (which == "cp-allreduce") bench_context_parallel({MergeMethod::kAllreduce});
+  if (which == "cp-allgather") bench_context_parallel({MergeMethod::kAllgather});
+  if (all || which == "ring") bench_ring();
+  MPI_Finalize();
+  return 0;
+}
