@@ -180,16 +180,20 @@ class HeadParallelLatentAttention {
 
 // ---------------------------------------------------------------- context parallel
 
-// How the ranks' partial (out, lse) pairs are combined.
-//   kAllreduce  one MPI_Allreduce with a custom operation that applies
-//               merge_attention_states to one element holding every row of
-//               the partial: recursive doubling, ceil(log2 N) rounds of the
-//               whole partial. The default: it sends the least data for
-//               N > 2.
+// How the ranks' partial (out, lse) pairs are combined; both give
+// bit-identical results on every rank. With M the bytes of one partial:
 //   kAllgather  MPI_Allgather of every partial, then each rank merges them
-//               in rank order: N - 1 partials received per rank.
-// Both give bit-identical results on every rank.
-enum class MergeMethod : uint8_t { kAllreduce, kAllgather };
+//               in rank order: (N-1) M sent per rank. The default: Open MPI
+//               4.1 counted exactly that, and kAllreduce sent as much or more
+//               and took longer at 2 ranks (docs/DISTRIBUTED.md).
+//   kAllreduce  one MPI_Allreduce with a custom operation that applies
+//               merge_attention_states to a single element holding every
+//               row of the partial. Its cost is the MPI library's choice of
+//               algorithm for a user operation: recursive doubling sends
+//               ceil(log2 N) M per rank, but Open MPI 4.1's default choice
+//               (reduce to a root, then broadcast) sends (N-1) M from the
+//               root (measured at 4 ranks: 3 M).
+enum class MergeMethod : uint8_t { kAllgather, kAllreduce };
 
 // Collective. Combines the ranks' partial attentions over disjoint key sets
 // into the attention over all keys, on every rank:
@@ -204,7 +208,7 @@ enum class MergeMethod : uint8_t { kAllreduce, kAllgather };
 Status merge_partial_attention(MPI_Comm comm, const TensorView& out_local,
                                const TensorView& lse_local, const TensorView& out,
                                const TensorView& lse = {},
-                               MergeMethod method = MergeMethod::kAllreduce);
+                               MergeMethod method = MergeMethod::kAllgather);
 
 struct ContextParallelOptions {
   float softmax_scale = 0.0f;  // 0 = 1/sqrt(head_dim)
@@ -212,7 +216,7 @@ struct ContextParallelOptions {
   // [batch] valid keys of this rank's share per sequence (a ragged batch);
   // empty = all k_local.shape[1].
   std::span<const int32_t> seqlens_k;
-  MergeMethod merge = MergeMethod::kAllreduce;
+  MergeMethod merge = MergeMethod::kAllgather;
   Backend backend = Backend::kAuto;
   int num_threads = 0;
 };

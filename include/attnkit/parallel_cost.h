@@ -153,10 +153,11 @@ struct StrategyCost {
 //            projections + c + (N-1) max(c, m); bytes sent sum over the
 //            N-1 blocks the rank forwards
 //   decode   roofline of the projections (all weights, B tokens) and the
-//            attention over n_r cached tokens; then one all-reduce of the
-//            partial (out, lse): M = B H (Dv + 1) e_a (MLA: d_c + 1), with
-//            a custom operation over one datatype element, so recursive
-//            doubling: ceil(log2 N) rounds of M, time ceil(log2 N) (alpha + M / beta)
+//            attention over n_r cached tokens; then an all-gather of the
+//            partials (out, lse), M = B H (Dv + 1) e_a each (MLA: d_c + 1):
+//            bytes (N-1) M in ceil(log2 N) messages, time
+//            ceil(log2 N) alpha + (N-1) M / beta (attnkit::dist's default
+//            merge, MergeMethod::kAllgather)
 //
 // Sliding windows are not modelled: every layer counts as full attention
 // (an upper bound for windowed layers). Errors: ranks < 1, batch or

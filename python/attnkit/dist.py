@@ -125,7 +125,7 @@ class HeadParallelAttention:
 
 
 def context_parallel_decode(comm, q, k_local, v_local, softmax_scale=None, softcap=0.0,
-                            return_lse=False, *, seqlens_k=None, merge="allreduce",
+                            return_lse=False, *, seqlens_k=None, merge="allgather",
                             backend="auto", num_threads=0):
     """Attention of q over keys split across the ranks by tokens.
 
@@ -138,8 +138,10 @@ def context_parallel_decode(comm, q, k_local, v_local, softmax_scale=None, softc
     Any split works (contiguous, round-robin, none on some ranks:
     seqlen_k_r may be 0); every query sees every key (decode: the new
     tokens are the newest). Each rank attends its keys and the partial
-    results merge by log-sum-exp in one collective: merge="allreduce" (an
-    MPI_Allreduce with a merge operation) or "allgather". seqlens_k: this
+    results merge by log-sum-exp in one collective: merge="allgather" (every
+    partial to every rank, merged in rank order) or "allreduce" (an
+    MPI_Allreduce with a merge operation; see MergeMethod in
+    attnkit/dist.h for what each sends). seqlens_k: this
     rank's valid keys per sequence, for a ragged batch.
     """
     comm_f = _handle(comm, "context_parallel_decode")

@@ -244,12 +244,14 @@ StrategyCost context_parallel_cost(const ModelShape& m, int64_t ranks, const Par
     c.decode.compute_s = std::max(c.decode.compute_s, rt.roofline(dec_flops, dec_bytes));
   }
   c.prefill.messages = ranks - 1;
-  // The decode merge: recursive doubling over one (out, lse) element.
+  // The decode merge, an all-gather of every rank's (out, lse): recursive
+  // doubling (Bruck's algorithm when N is not a power of two) sends the
+  // other N - 1 partials in ceil(log2 N) messages.
   const double rounds = log2_rounds(ranks);
   const double merge_bytes = B * H * (out_width + 1.0) * e_a;
-  c.decode.bytes_sent = rounds * merge_bytes;
+  c.decode.bytes_sent = (N - 1.0) * merge_bytes;
   c.decode.messages = static_cast<int64_t>(rounds);
-  c.decode.exposed_comm_s = rounds * (rt.alpha_s + merge_bytes / rt.link_bytes_per_s);
+  c.decode.exposed_comm_s = rounds * rt.alpha_s + c.decode.bytes_sent / rt.link_bytes_per_s;
   finish(&c.prefill, B * S);
   finish(&c.decode, B);
   return c;

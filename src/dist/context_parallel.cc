@@ -41,10 +41,10 @@ struct Packed {
   int64_t floats() const { return rows * (dv + 1); }
 };
 
-// Allocates a packed partial, and for kAllgather the receive buffer too,
-// before the agreement, so that an allocation failure is agreed on.
-Status pack_alloc(const char* fn, int64_t rows, int64_t dv, int ranks, MergeMethod method,
-                  Packed* p) {
+// Allocates a packed partial, and with gather_ranks > 0 kAllgather's receive
+// buffer for that many ranks too, before the agreement, so that an
+// allocation failure is agreed on.
+Status pack_alloc(const char* fn, int64_t rows, int64_t dv, int gather_ranks, Packed* p) {
   const auto alloc = [&](int64_t n, Tensor* t) {
     Result<Tensor> r = Tensor::zeros(DType::kF32, {n});
     if (!r.ok()) return Status(r.status().code(), std::string(fn) + ": " + r.status().message());
@@ -54,8 +54,7 @@ Status pack_alloc(const char* fn, int64_t rows, int64_t dv, int ranks, MergeMeth
   p->rows = rows;
   p->dv = dv;
   ATTNKIT_RETURN_IF_ERROR(alloc(p->floats(), &p->buffer));
-  if (method == MergeMethod::kAllgather)
-    ATTNKIT_RETURN_IF_ERROR(alloc(p->floats() * ranks, &p->gathered));
+  if (gather_ranks > 0) ATTNKIT_RETURN_IF_ERROR(alloc(p->floats() * gather_ranks, &p->gathered));
   return Status::Ok();
 }
 
@@ -212,13 +211,14 @@ Status merge_partial_attention(MPI_Comm comm, const TensorView& out_local_arg,
   const int64_t rows = shape[0] * shape[1] * shape[2];
   if (local.ok()) local = check_rows(kMerge, rows, shape[3]);
   Packed p;
-  if (local.ok()) local = pack_alloc(kMerge, rows, shape[3], ranks, method, &p);
+  if (local.ok())
+    local = pack_alloc(kMerge, rows, shape[3], method == MergeMethod::kAllgather ? ranks : 0, &p);
   if (local.ok() && rows > 0) {
     // Copy into the packed layout through merge_attention_states itself,
     // merging with an empty state (lse -inf): it validates out_local and
     // lse_local (dtype, shape, strides) and copies the rows exactly.
     Packed empty;
-    local = pack_alloc(kMerge, rows, shape[3], 1, MergeMethod::kAllreduce, &empty);
+    local = pack_alloc(kMerge, rows, shape[3], 0, &empty);
     if (local.ok()) {
       std::fill(empty.lse(), empty.lse() + rows, -std::numeric_limits<float>::infinity());
       const int64_t B = shape[0], T = shape[1], H = shape[2], Dv = shape[3];
@@ -267,7 +267,9 @@ Status context_parallel_decode(MPI_Comm comm, const TensorView& q_arg,
     local = check_output(kDecode, "lse", lse, 3, lse_shape, "[batch, num_heads, seqlen_q]", true);
   if (local.ok()) local = check_rows(kDecode, B * T * H, Dv);
   Packed p;
-  if (local.ok()) local = pack_alloc(kDecode, B * T * H, Dv, ranks, options.merge, &p);
+  if (local.ok())
+    local = pack_alloc(kDecode, B * T * H, Dv, options.merge == MergeMethod::kAllgather ? ranks : 0,
+                       &p);
   if (local.ok() && B * T * H > 0) {
     // The local partial straight into the packed layout; sdpa validates
     // q, k_local, v_local and the options.

@@ -187,10 +187,10 @@ TEST(ParallelCosts, Llama3_8bOnFourRanksByHand) {
   EXPECT_DOUBLE_EQ(cp.prefill.bytes_sent, 3.0 * 1024 * 2048 * 2);
   EXPECT_DOUBLE_EQ(cp.prefill.bytes_per_token, 3072.0);
   EXPECT_EQ(cp.prefill.messages, 3);
-  // Merge: 32 heads * (128 + 1) f32 per round, log2(4) = 2 rounds.
-  EXPECT_DOUBLE_EQ(cp.decode.bytes_sent, 2.0 * 32 * 129 * 4);
+  // Merge: the other 3 ranks' 32 heads * (128 + 1) f32 in log2(4) = 2 messages.
+  EXPECT_DOUBLE_EQ(cp.decode.bytes_sent, 3.0 * 32 * 129 * 4);
   EXPECT_EQ(cp.decode.messages, 2);
-  EXPECT_DOUBLE_EQ(cp.decode.exposed_comm_s, 2.0 * (5e-6 + 16512.0 / 12.5e9));
+  EXPECT_DOUBLE_EQ(cp.decode.exposed_comm_s, 2.0 * 5e-6 + 3.0 * 16512.0 / 12.5e9);
   // Each step's 4 MiB block takes 0.34 ms at 100 Gb/s while a step computes
   // for 8.6 ms (2,097,664 causal pairs per rank * 16,384 FLOPs / 4 steps at
   // 1 TFLOP/s): the ring hides all of it. At 1 Gb/s a block takes 34 ms.
@@ -213,8 +213,8 @@ TEST(ParallelCosts, DeepSeekV3LatentCacheIsReplicatedUnderHeadParallelism) {
   // The whole latent cache on every rank: 576 values * 2 B * 1000 * 2 * 61.
   EXPECT_EQ(hp.kv_bytes_per_rank, int64_t{576} * 2 * 1000 * 2 * 61);
   const StrategyCost& cp = find(v, ParallelStrategy::kContextParallel);
-  // Merge of 2 * 128 latent outputs of 512 + 1 f32 values, 2 rounds.
-  EXPECT_DOUBLE_EQ(cp.decode.bytes_sent, 2.0 * 2 * 128 * 513 * 4);
+  // Merge: 3 partials of 2 * 128 latent outputs of 512 + 1 f32 values.
+  EXPECT_DOUBLE_EQ(cp.decode.bytes_sent, 3.0 * 2 * 128 * 513 * 4);
   // 250 tokens per rank (chunks of 125); a ring block sends key and value
   // rows (576 + 512 values) of two sequences: 3 blocks.
   EXPECT_DOUBLE_EQ(cp.prefill.bytes_sent, 3.0 * 2 * 250 * 1088 * 2);

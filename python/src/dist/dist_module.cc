@@ -256,10 +256,10 @@ py::object context_parallel_decode_py(int64_t comm_f, py::object q, py::object k
     opt.softcap = static_cast<float>(checked_float(softcap, kFn, "softcap"));
     lens = parse_seqlens_k(seqlens_k, kFn);
     const std::string m = str_of(merge, kFn, "merge");
-    if (m == "allgather")
-      opt.merge = dist::MergeMethod::kAllgather;
-    else if (m != "allreduce")
-      raise_value_error(kFn, "merge = '" + m + "' must be 'allreduce' or 'allgather'");
+    if (m == "allreduce")
+      opt.merge = dist::MergeMethod::kAllreduce;
+    else if (m != "allgather")
+      raise_value_error(kFn, "merge = '" + m + "' must be 'allgather' or 'allreduce'");
     opt.backend = parse_backend(str_of(backend, kFn, "backend"), kFn);
     opt.num_threads = threads_of(num_threads, kFn);
     want_lse = py::bool_(return_lse);
