@@ -136,8 +136,11 @@ struct StrategyCost {
 //            (MLA: q_a/kv_a and their norms replicated, per-head parts split)
 //   KV       B S (K_r (D + Dv)) e_kv; MLA: B S (d_c + d_r) e_kv, replicated
 //   prefill  FLOPs B prefill_flops_per_layer(shard, S); then an all-reduce
-//            of M = B S d e_a: ring algorithm, bytes 2 (N-1)/N M, time
-//            2 (N-1) alpha + 2 (N-1)/N M / beta, not overlapped
+//            of M = B S d e_a, not overlapped: reduce-scatter by recursive
+//            halving and all-gather by recursive doubling (Rabenseifner's
+//            algorithm; Open MPI sent exactly its bytes at 2 and 4 ranks),
+//            bytes 2 (N-1)/N M in 2 ceil(log2 N) messages, time
+//            2 ceil(log2 N) alpha + 2 (N-1)/N M / beta
 //   decode   roofline of decode_flops/decode_bytes_per_layer(shard, S) for
 //            B tokens; then the all-reduce of M = B d e_a
 // context-parallel (token shares from ring_chunks; weights replicated):

@@ -159,14 +159,16 @@ StrategyCost head_parallel_cost(const ModelShape& m, int64_t ranks, const Parall
         rt.roofline(B * decode_flops_per_layer(shard, w.context),
                     decode_bytes_per_layer(shard, w.context, w.batch, w.kv_dtype, w.weight_dtype)));
   }
-  // One ring all-reduce of the layer output per phase.
+  // One all-reduce of the layer output per phase: reduce-scatter by
+  // recursive halving, then all-gather by recursive doubling (Rabenseifner).
   const double e_a = static_cast<double>(dtype_size(w.comm_dtype)),
                d = static_cast<double>(m.hidden_size);
+  const double rounds = log2_rounds(ranks);
   const auto all_reduce = [&](double bytes, PhaseCost* p) {
     if (ranks == 1) return;
     p->bytes_sent = 2.0 * (N - 1.0) / N * bytes;
-    p->messages = 2 * (ranks - 1);
-    p->exposed_comm_s = 2.0 * (N - 1.0) * rt.alpha_s + p->bytes_sent / rt.link_bytes_per_s;
+    p->messages = 2 * static_cast<int64_t>(rounds);
+    p->exposed_comm_s = 2.0 * rounds * rt.alpha_s + p->bytes_sent / rt.link_bytes_per_s;
   };
   all_reduce(B * S * d * e_a, &c.prefill);
   all_reduce(B * d * e_a, &c.decode);

@@ -170,11 +170,11 @@ TEST(ParallelCosts, Llama3_8bOnFourRanksByHand) {
   // 2 kv heads and 8 query heads per rank: a quarter of every projection.
   EXPECT_EQ(hp.weight_bytes_per_rank, int64_t{671088640});
   EXPECT_EQ(hp.kv_bytes_per_rank, int64_t{134217728});
-  // All-reduce of 4096 f32: 2 * 3/4 * 16384 B in 6 messages.
+  // All-reduce of 4096 f32: 2 * 3/4 * 16384 B in 2 log2(4) = 4 messages.
   EXPECT_DOUBLE_EQ(hp.decode.bytes_sent, 24576.0);
   EXPECT_DOUBLE_EQ(hp.decode.bytes_per_token, 24576.0);
-  EXPECT_EQ(hp.decode.messages, 6);
-  EXPECT_DOUBLE_EQ(hp.decode.exposed_comm_s, 6 * 5e-6 + 24576.0 / 12.5e9);
+  EXPECT_EQ(hp.decode.messages, 4);
+  EXPECT_DOUBLE_EQ(hp.decode.exposed_comm_s, 4 * 5e-6 + 24576.0 / 12.5e9);
   EXPECT_DOUBLE_EQ(hp.prefill.bytes_sent, 1.5 * 4096.0 * 4096.0 * 4.0);
   EXPECT_DOUBLE_EQ(hp.prefill.bytes_per_token, 24576.0);
   EXPECT_DOUBLE_EQ(hp.decode.step_s, hp.decode.compute_s + hp.decode.exposed_comm_s);
