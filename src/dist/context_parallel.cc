@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "attnkit/dist.h"
-#include "dist/agree.h"
+#include "dist/common.h"
 
 namespace attnkit::dist {
 namespace {
@@ -119,28 +119,6 @@ Status merge_collective(MPI_Comm comm, const char* fn, MergeMethod method, Packe
   return mpi_status(fn, "MPI_Allreduce (merge)", rc);
 }
 
-Status check_output(const char* fn, const char* name, const TensorView& v, int rank,
-                    const int64_t* shape, const char* shape_text, bool optional) {
-  const std::string f = std::string(fn) + ": " + name;
-  if (!v.present()) {
-    if (optional) return Status::Ok();
-    return invalid_argument(f + " is absent (data is null)");
-  }
-  if (v.dtype != DType::kF32)
-    return invalid_argument(f + ".dtype = " + dtype_name(v.dtype) + " must be f32");
-  if (v.rank != rank)
-    return invalid_argument(f + ".rank = " + std::to_string(v.rank) + " must be " +
-                            std::to_string(rank) + " (" + shape_text + ")");
-  for (int i = 0; i < rank; ++i)
-    if (v.shape[i] != shape[i])
-      return invalid_argument(f + ".shape[" + std::to_string(i) +
-                              "] = " + std::to_string(v.shape[i]) + " must be " +
-                              std::to_string(shape[i]) + " (" + shape_text + ")");
-  if (!v.is_contiguous())
-    return invalid_argument(f + " " + v.describe() + " must be contiguous (row-major)");
-  return Status::Ok();
-}
-
 // Copies the merged packed rows into out [B, Tq, H, Dv] and lse [B, H, Tq].
 void unpack(const Packed& p, int64_t B, int64_t Tq, int64_t H, const TensorView& out,
             const TensorView& lse) {
@@ -204,10 +182,11 @@ Status merge_partial_attention(MPI_Comm comm, const TensorView& out_local_arg,
     local = invalid_argument(std::string(kMerge) + ": out_local " + out_local.describe() +
                              " must be f32 [batch, seqlen_q, num_heads, head_dim_v]");
   if (local.ok())
-    local = check_output(kMerge, "out", out, 4, shape, "[batch, seqlen_q, num_heads, head_dim_v]",
-                         false);
+    local = internal::check_output(kMerge, "out", out, shape,
+                                   "[batch, seqlen_q, num_heads, head_dim_v]", false);
   if (local.ok())
-    local = check_output(kMerge, "lse", lse, 3, lse_shape, "[batch, num_heads, seqlen_q]", true);
+    local =
+        internal::check_output(kMerge, "lse", lse, lse_shape, "[batch, num_heads, seqlen_q]", true);
   const int64_t rows = shape[0] * shape[1] * shape[2];
   if (local.ok()) local = check_rows(kMerge, rows, shape[3]);
   Packed p;
@@ -261,10 +240,11 @@ Status context_parallel_decode(MPI_Comm comm, const TensorView& q_arg,
   const int64_t lse_shape[3] = {shape[0], shape[2], shape[1]};
   const int64_t B = shape[0], T = shape[1], H = shape[2], Dv = shape[3];
   if (local.ok())
-    local = check_output(kDecode, "out", out, 4, shape, "[batch, seqlen_q, num_heads, head_dim_v]",
-                         false);
+    local = internal::check_output(kDecode, "out", out, shape,
+                                   "[batch, seqlen_q, num_heads, head_dim_v]", false);
   if (local.ok())
-    local = check_output(kDecode, "lse", lse, 3, lse_shape, "[batch, num_heads, seqlen_q]", true);
+    local = internal::check_output(kDecode, "lse", lse, lse_shape, "[batch, num_heads, seqlen_q]",
+                                   true);
   if (local.ok()) local = check_rows(kDecode, B * T * H, Dv);
   Packed p;
   if (local.ok())

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "attnkit/dist.h"
-#include "dist/agree.h"
+#include "dist/common.h"
 
 namespace attnkit::dist {
 

@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "attnkit/dist.h"
-#include "dist/agree.h"
+#include "dist/common.h"
 
 namespace attnkit::dist {
 namespace {
@@ -51,28 +51,6 @@ Status check_input(const char* name, const TensorView& v, const char* shape,
   for (int i = 0; i < 4; ++i)
     if (v.shape[i] < 0 || v.strides[i] < 0)
       return invalid_argument(f + " " + v.describe() + " has a negative size or stride");
-  return Status::Ok();
-}
-
-Status check_output(const char* name, const TensorView& v, std::initializer_list<int64_t> shape,
-                    const char* shape_text) {
-  const std::string f = std::string(kFn) + ": " + name;
-  if (!v.present()) return invalid_argument(f + " is absent (data is null)");
-  if (v.dtype != DType::kF32)
-    return invalid_argument(f + ".dtype = " + dtype_name(v.dtype) + " must be f32");
-  if (v.rank != static_cast<int>(shape.size()))
-    return invalid_argument(f + ".rank = " + std::to_string(v.rank) + " must be " +
-                            std::to_string(shape.size()) + " (" + shape_text + ")");
-  int i = 0;
-  for (int64_t want : shape) {
-    if (v.shape[i] != want)
-      return invalid_argument(f + ".shape[" + std::to_string(i) +
-                              "] = " + std::to_string(v.shape[i]) + " must be " +
-                              std::to_string(want) + " (" + shape_text + ")");
-    ++i;
-  }
-  if (!v.is_contiguous())
-    return invalid_argument(f + " " + v.describe() + " must be contiguous (row-major)");
   return Status::Ok();
 }
 
@@ -181,11 +159,13 @@ Status ring_attention(MPI_Comm comm, const TensorView& q_arg, const TensorView& 
   const int64_t B = shaped ? q_local.shape[0] : 0, n = shaped ? q_local.shape[1] : 0,
                 H = shaped ? q_local.shape[2] : 0, K = shaped ? k_local.shape[2] : 0,
                 D = shaped ? q_local.shape[3] : 0, Dv = shaped ? v_local.shape[3] : 0;
+  const int64_t out_shape[] = {B, n, H, Dv}, lse_shape[] = {B, H, n};
   if (local.ok())
-    local =
-        check_output("out_local", out_local, {B, n, H, Dv}, "[batch, n, num_heads, head_dim_v]");
-  if (local.ok() && lse_local.present())
-    local = check_output("lse_local", lse_local, {B, H, n}, "[batch, num_heads, n]");
+    local = internal::check_output(kFn, "out_local", out_local, out_shape,
+                                   "[batch, n, num_heads, head_dim_v]", false);
+  if (local.ok())
+    local = internal::check_output(kFn, "lse_local", lse_local, lse_shape, "[batch, num_heads, n]",
+                                   true);
 
   // ---- scratch: accumulators, one partial, two K/V blocks ---------------
   // A block holds K then V of a rank's tokens, contiguous; with ring_chunks'

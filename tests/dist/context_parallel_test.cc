@@ -65,18 +65,8 @@ TEST(ContextParallelDecode, EverySplitAndMergeMatchesTheWholeSequence) {
           k = round_bf16(k);
           v = round_bf16(v);
         }
-        attnkit_test::OracleOptions o;
-        o.batch = B;
-        o.seqlen_q = Tq;
-        o.seqlen_k = S;
-        o.num_heads = H;
-        o.num_kv_heads = K;
-        o.head_dim = D;
-        o.head_dim_v = Dv;
-        o.softcap = s.softcap;
-        const attnkit_test::OracleResult ref = attnkit_test::attention_f64(
-            o, std::vector<double>(q.begin(), q.end()), std::vector<double>(k.begin(), k.end()),
-            std::vector<double>(v.begin(), v.end()));
+        const attnkit_test::OracleResult ref =
+            oracle({B, Tq, S, H, K, D, Dv}, q, k, v, false, s.softcap);
 
         // Single process, whole sequence, same dtype.
         const std::vector<attnkit::bf16> kb = to_bf16(k), vb = to_bf16(v);
@@ -126,17 +116,8 @@ TEST(ContextParallelDecode, RaggedBatchThroughSeqlensK) {
   const std::vector<float> q = uniform(size_t(B * Tq * H * D), 5),
                            k = uniform(size_t(B * S * K * D), 6),
                            v = uniform(size_t(B * S * K * D), 7);
-  attnkit_test::OracleOptions o;
-  o.batch = B;
-  o.seqlen_q = Tq;
-  o.seqlen_k = S;
-  o.num_heads = H;
-  o.num_kv_heads = K;
-  o.head_dim = o.head_dim_v = D;
-  o.seqlens_k = {lengths[0], lengths[1]};
-  const attnkit_test::OracleResult ref = attnkit_test::attention_f64(
-      o, std::vector<double>(q.begin(), q.end()), std::vector<double>(k.begin(), k.end()),
-      std::vector<double>(v.begin(), v.end()));
+  const attnkit_test::OracleResult ref =
+      oracle({B, Tq, S, H, K, D, D}, q, k, v, false, 0.0, {lengths[0], lengths[1]});
   attnkit::AttentionOptions opt;
   opt.seqlens_k = lengths;
   std::vector<float> want(size_t(B * H * D));

@@ -106,36 +106,29 @@ inline bool same_on_every_rank(std::span<const float> v) {
 // ---- slicing whole-sequence data into a rank's share ---------------------
 
 // Rows `tokens` (dim 1) of a [B, S, row] tensor, as [B, tokens.size(), row].
-inline std::vector<float> take(const std::vector<float>& x, int64_t B, int64_t S, int64_t row,
-                               const std::vector<int64_t>& tokens) {
-  std::vector<float> out;
+template <typename E>
+std::vector<E> take(const std::vector<E>& x, int64_t B, int64_t S, int64_t row,
+                    const std::vector<int64_t>& tokens) {
+  std::vector<E> out;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t : tokens)
       out.insert(out.end(), x.begin() + (b * S + t) * row, x.begin() + (b * S + t + 1) * row);
   return out;
 }
-inline std::vector<double> take(const std::vector<double>& x, int64_t B, int64_t S, int64_t row,
-                                const std::vector<int64_t>& tokens) {
-  std::vector<double> out;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t : tokens)
-      out.insert(out.end(), x.begin() + (b * S + t) * row, x.begin() + (b * S + t + 1) * row);
-  return out;
-}
-// Entries `tokens` of the last dim of an lse [B, H, S].
-inline std::vector<float> take_lse(const std::vector<float>& x, int64_t BH, int64_t S,
-                                   const std::vector<int64_t>& tokens) {
-  std::vector<float> out;
+// Entries `tokens` of the last dim of an lse [B, H, S] (BH = B * H).
+template <typename E>
+std::vector<E> take_lse(const std::vector<E>& x, int64_t BH, int64_t S,
+                        const std::vector<int64_t>& tokens) {
+  std::vector<E> out;
   for (int64_t i = 0; i < BH; ++i)
     for (int64_t t : tokens) out.push_back(x[size_t(i * S + t)]);
   return out;
 }
-inline std::vector<double> take_lse(const std::vector<double>& x, int64_t BH, int64_t S,
-                                    const std::vector<int64_t>& tokens) {
-  std::vector<double> out;
-  for (int64_t i = 0; i < BH; ++i)
-    for (int64_t t : tokens) out.push_back(x[size_t(i * S + t)]);
-  return out;
+// The tokens [begin, end).
+inline std::vector<int64_t> token_range(int64_t begin, int64_t end) {
+  std::vector<int64_t> t;
+  for (int64_t i = begin; i < end; ++i) t.push_back(i);
+  return t;
 }
 
 inline std::vector<float> round_bf16(const std::vector<float>& x) {
@@ -147,6 +140,30 @@ inline std::vector<attnkit::bf16> to_bf16(const std::vector<float>& x) {
   std::vector<attnkit::bf16> out(x.size());
   for (size_t i = 0; i < x.size(); ++i) out[i] = attnkit::float_to_bf16(x[i]);
   return out;
+}
+
+// The float64 attention oracle over f32 data (widened exactly).
+struct OracleShape {
+  int64_t batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim, head_dim_v;
+};
+inline attnkit_test::OracleResult oracle(const OracleShape& s, const std::vector<float>& q,
+                                         const std::vector<float>& k, const std::vector<float>& v,
+                                         bool causal = false, double softcap = 0.0,
+                                         std::vector<int32_t> seqlens_k = {}) {
+  attnkit_test::OracleOptions o;
+  o.batch = s.batch;
+  o.seqlen_q = s.seqlen_q;
+  o.seqlen_k = s.seqlen_k;
+  o.num_heads = s.num_heads;
+  o.num_kv_heads = s.num_kv_heads;
+  o.head_dim = s.head_dim;
+  o.head_dim_v = s.head_dim_v;
+  o.causal = causal;
+  o.softcap = softcap;
+  o.seqlens_k = std::move(seqlens_k);
+  return attnkit_test::attention_f64(o, std::vector<double>(q.begin(), q.end()),
+                                     std::vector<double>(k.begin(), k.end()),
+                                     std::vector<double>(v.begin(), v.end()));
 }
 
 // ---- float64 layer references -------------------------------------------

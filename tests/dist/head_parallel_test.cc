@@ -159,14 +159,23 @@ std::vector<double> gqa_reference(const AttentionConfig& c, const Weights& w,
   return linear(att.out, B * T, H * D, w["o_proj.weight"], d, bias("o_proj.bias"));
 }
 
-// Rows [t0, t1) of every batch item of a [B, T, hidden] tensor.
-template <typename E>
-std::vector<E> rows(const std::vector<E>& x, int64_t B, int64_t T, int64_t hidden, int64_t t0,
-                    int64_t t1) {
-  std::vector<E> out;
-  for (int64_t b = 0; b < B; ++b)
-    out.insert(out.end(), x.begin() + (b * T + t0) * hidden, x.begin() + (b * T + t1) * hidden);
-  return out;
+// The layer's output over x [B, T, d] computed in steps through a cache: a
+// prefill of `prefill` tokens, then one token at a time. forward(x_step,
+// out_step) runs one step; the outputs come back reassembled as [B, T, d].
+template <typename Forward>
+std::vector<float> in_steps(const std::vector<float>& x, int64_t B, int64_t T, int64_t d,
+                            int64_t prefill, Forward forward) {
+  std::vector<float> all(x.size());
+  for (int64_t t0 = 0, t1 = prefill; t0 < T; t0 = t1, t1 = t0 + 1) {
+    const std::vector<float> xs = take(x, B, T, d, token_range(t0, t1));
+    std::vector<float> o(xs.size());
+    const Status st = forward(attnkit::make_view(xs.data(), DType::kF32, {B, t1 - t0, d}),
+                              attnkit::make_view(o.data(), DType::kF32, {B, t1 - t0, d}));
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    for (int64_t b = 0; b < B; ++b)
+      std::copy_n(o.begin() + b * (t1 - t0) * d, (t1 - t0) * d, all.begin() + (b * T + t0) * d);
+  }
+  return all;
 }
 
 TEST(HeadParallel, GqaShapesMatchTheReferenceWithAndWithoutCache) {
@@ -200,25 +209,11 @@ TEST(HeadParallel, GqaShapesMatchTheReferenceWithAndWithoutCache) {
     auto single_cache = single->new_cache(B, T);
     ASSERT_TRUE(cache.ok() && single_cache.ok());
     EXPECT_EQ(cache->spec().num_kv_heads, dist->share().num_kv_heads());
-    std::vector<float> got_c(x.size()), want_c(x.size());
-    for (auto [t0, t1] : {std::pair<int64_t, int64_t>{0, 4}, {4, 5}, {5, 6}, {6, 7}}) {
-      const std::vector<float> xs = rows(x, B, T, d, t0, t1);
-      std::vector<float> o(xs.size()), s(xs.size());
-      const TensorView xsv = attnkit::make_view(xs.data(), DType::kF32, {B, t1 - t0, d});
-      ASSERT_TRUE(dist->forward(xsv, attnkit::make_view(o.data(), DType::kF32, {B, t1 - t0, d}), {},
-                                &*cache)
-                      .ok());
-      ASSERT_TRUE(single
-                      ->forward(xsv, attnkit::make_view(s.data(), DType::kF32, {B, t1 - t0, d}), {},
-                                &*single_cache)
-                      .ok());
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t t = t0; t < t1; ++t)
-          for (int64_t i = 0; i < d; ++i) {
-            got_c[size_t((b * T + t) * d + i)] = o[size_t((b * (t1 - t0) + t - t0) * d + i)];
-            want_c[size_t((b * T + t) * d + i)] = s[size_t((b * (t1 - t0) + t - t0) * d + i)];
-          }
-    }
+    const std::vector<float> got_c = in_steps(
+        x, B, T, d, 4, [&](auto xs, auto os) { return dist->forward(xs, os, {}, &*cache); });
+    const std::vector<float> want_c = in_steps(x, B, T, d, 4, [&](auto xs, auto os) {
+      return single->forward(xs, os, {}, &*single_cache);
+    });
     EXPECT_EQ(cache->length(), T);
     EXPECT_TRUE(within_twice_single("prefill + decode", got_c, want_c, ref, n));
   }
@@ -340,25 +335,11 @@ TEST(HeadParallel, MlaMatchesTheReferenceInBothFormsAndThroughTheLatentCache) {
     auto cache = dist->new_cache(B, T);
     auto single_cache = single->new_cache(B, T);
     ASSERT_TRUE(cache.ok() && single_cache.ok());
-    std::vector<float> got_c(x.size()), want_c(x.size());
-    for (auto [t0, t1] : {std::pair<int64_t, int64_t>{0, 3}, {3, 4}, {4, 5}, {5, 6}}) {
-      const std::vector<float> xs = rows(x, B, T, d, t0, t1);
-      std::vector<float> o(xs.size()), s(xs.size());
-      const TensorView xsv = attnkit::make_view(xs.data(), DType::kF32, {B, t1 - t0, d});
-      ASSERT_TRUE(dist->forward(xsv, attnkit::make_view(o.data(), DType::kF32, {B, t1 - t0, d}), {},
-                                &*cache)
-                      .ok());
-      ASSERT_TRUE(single
-                      ->forward(xsv, attnkit::make_view(s.data(), DType::kF32, {B, t1 - t0, d}), {},
-                                &*single_cache)
-                      .ok());
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t t = t0; t < t1; ++t)
-          for (int64_t i = 0; i < d; ++i) {
-            got_c[size_t((b * T + t) * d + i)] = o[size_t((b * (t1 - t0) + t - t0) * d + i)];
-            want_c[size_t((b * T + t) * d + i)] = s[size_t((b * (t1 - t0) + t - t0) * d + i)];
-          }
-    }
+    const std::vector<float> got_c = in_steps(
+        x, B, T, d, 3, [&](auto xs, auto os) { return dist->forward(xs, os, {}, &*cache); });
+    const std::vector<float> want_c = in_steps(x, B, T, d, 3, [&](auto xs, auto os) {
+      return single->forward(xs, os, {}, &*single_cache);
+    });
     EXPECT_TRUE(within_twice_single("prefill + decode", got_c, want_c, ref, n));
     const TensorView st = cache->storage();
     std::vector<float> latent(st.ptr<float>(), st.ptr<float>() + st.numel());

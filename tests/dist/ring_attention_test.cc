@@ -56,18 +56,8 @@ TEST(RingAttention, EvenUnevenAndEmptyChunksMatchTheWholeSequence) {
         k = round_bf16(k);
         v = round_bf16(v);
       }
-      attnkit_test::OracleOptions o;
-      o.batch = B;
-      o.seqlen_q = o.seqlen_k = S;
-      o.num_heads = H;
-      o.num_kv_heads = K;
-      o.head_dim = D;
-      o.head_dim_v = Dv;
-      o.causal = c.causal;
-      o.softcap = c.softcap;
-      const attnkit_test::OracleResult ref = attnkit_test::attention_f64(
-          o, std::vector<double>(q.begin(), q.end()), std::vector<double>(k.begin(), k.end()),
-          std::vector<double>(v.begin(), v.end()));
+      const attnkit_test::OracleResult ref =
+          oracle({B, S, S, H, K, D, Dv}, q, k, v, c.causal, c.softcap);
       const std::vector<attnkit::bf16> kb = to_bf16(k), vb = to_bf16(v);
       const DType kvt = c.bf16 ? DType::kBF16 : DType::kF32;
       attnkit::AttentionOptions opt;
@@ -119,15 +109,7 @@ TEST(RingAttention, DecodeAfterRingPrefillThroughEachRanksKeys) {
   const std::vector<float> q = uniform(size_t(B * total * H * D), 41),
                            k = uniform(size_t(B * total * K * D), 42),
                            v = uniform(size_t(B * total * K * D), 43);
-  attnkit_test::OracleOptions o;
-  o.seqlen_q = o.seqlen_k = total;
-  o.num_heads = H;
-  o.num_kv_heads = K;
-  o.head_dim = o.head_dim_v = D;
-  o.causal = true;
-  const attnkit_test::OracleResult ref = attnkit_test::attention_f64(
-      o, std::vector<double>(q.begin(), q.end()), std::vector<double>(k.begin(), k.end()),
-      std::vector<double>(v.begin(), v.end()));
+  const attnkit_test::OracleResult ref = oracle({B, total, total, H, K, D, D}, q, k, v, true);
   attnkit::AttentionOptions opt;
   opt.causal = true;
   std::vector<float> single(size_t(total * H * D));

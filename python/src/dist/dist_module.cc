@@ -233,7 +233,68 @@ std::unique_ptr<Cache> new_cache(Layer& s, py::object batch_size, py::object max
   return out;
 }
 
+// A layer made by make(comm) (collective, without the GIL).
+template <typename Wrapper, typename Make>
+std::unique_ptr<Wrapper> make_layer(int64_t comm_f, Make make) {
+  const MPI_Comm comm = comm_of(comm_f);
+  auto made = [&] {
+    py::gil_scoped_release nogil;
+    return make(comm);
+  }();
+  throw_if_error(made.status());
+  return std::make_unique<Wrapper>(std::move(made).value(), comm);
+}
+
+// What both layer classes bind alike.
+template <typename Layer>
+void bind_layer_common(py::class_<Layer>& c) {
+  c.def("load_state_dict",
+        [](Layer& s, py::object sd, py::object prefix) {
+          load_state_dict(s, sd, prefix, "HeadParallelAttention.load_state_dict");
+        })
+      .def_property_readonly("share", [](Layer& s) { return share_dict(s.layer.share()); })
+      .def_property_readonly("rank", [](Layer& s) { return s.layer.rank(); })
+      .def_property_readonly("world_size", [](Layer& s) { return s.layer.ranks(); })
+      .def_property_readonly("hidden_size", [](Layer& s) { return s.layer.config().hidden_size; });
+}
+
 // ---------------------------------------------------------------- free functions
+
+// The arrays and options both attention functions take, converted.
+struct AttentionCall {
+  InputArray q, k, v;
+  TensorView out, lse;
+  py::array out_array, lse_array;
+  bool want_lse = false;
+  float softmax_scale = 0.0f, softcap = 0.0f;
+  Backend backend = Backend::kAuto;
+  int num_threads = 0;
+
+  py::object result() const {
+    if (want_lse) return py::make_tuple(out_array, lse_array);
+    return out_array;
+  }
+};
+
+// `names`: the three inputs' argument names and their shapes in messages.
+void convert_attention(const char* fn, py::object q, py::object k, py::object v,
+                       const char* const (&names)[3], const char* const (&shapes)[3],
+                       py::object softmax_scale, py::object softcap, py::object return_lse,
+                       py::object backend, py::object num_threads, AttentionCall* c) {
+  c->q = f32_input(q, {fn, names[0], 4, 4, shapes[0]});
+  c->k = f32_input(k, {fn, names[1], 4, 4, shapes[1]});
+  c->v = f32_input(v, {fn, names[2], 4, 4, shapes[2]});
+  c->softmax_scale = softmax_scale_of(softmax_scale, fn);
+  c->softcap = static_cast<float>(checked_float(softcap, fn, "softcap"));
+  c->backend = parse_backend(str_of(backend, fn, "backend"), fn);
+  c->num_threads = threads_of(num_threads, fn);
+  c->want_lse = py::bool_(return_lse);
+  const TensorView& qv = c->q.view;
+  c->out_array =
+      new_array(DType::kF32, {qv.shape[0], qv.shape[1], qv.shape[2], c->v.view.shape[3]}, &c->out);
+  if (c->want_lse)
+    c->lse_array = new_array(DType::kF32, {qv.shape[0], qv.shape[2], qv.shape[1]}, &c->lse);
+}
 
 py::object context_parallel_decode_py(int64_t comm_f, py::object q, py::object k_local,
                                       py::object v_local, py::object softmax_scale,
@@ -242,37 +303,31 @@ py::object context_parallel_decode_py(int64_t comm_f, py::object q, py::object k
                                       py::object num_threads) {
   constexpr const char* kFn = "context_parallel_decode";
   const MPI_Comm comm = comm_of(comm_f);
-  InputArray qi, ki, vi;
+  AttentionCall c;
   std::vector<int32_t> lens;
   dist::ContextParallelOptions opt;
-  TensorView out, lse;
-  py::array out_a, lse_a;
-  bool want_lse = false;
   on_every_rank(comm, [&] {
-    qi = f32_input(q, {kFn, "q", 4, 4, "[batch, seqlen_q, num_heads, head_dim]"});
-    ki = f32_input(k_local, {kFn, "k_local", 4, 4, "[batch, seqlen_k, num_kv_heads, head_dim]"});
-    vi = f32_input(v_local, {kFn, "v_local", 4, 4, "[batch, seqlen_k, num_kv_heads, head_dim_v]"});
-    opt.softmax_scale = softmax_scale_of(softmax_scale, kFn);
-    opt.softcap = static_cast<float>(checked_float(softcap, kFn, "softcap"));
+    convert_attention(
+        kFn, q, k_local, v_local, {"q", "k_local", "v_local"},
+        {"[batch, seqlen_q, num_heads, head_dim]", "[batch, seqlen_k, num_kv_heads, head_dim]",
+         "[batch, seqlen_k, num_kv_heads, head_dim_v]"},
+        softmax_scale, softcap, return_lse, backend, num_threads, &c);
     lens = parse_seqlens_k(seqlens_k, kFn);
     const std::string m = str_of(merge, kFn, "merge");
     if (m == "allreduce")
       opt.merge = dist::MergeMethod::kAllreduce;
     else if (m != "allgather")
       raise_value_error(kFn, "merge = '" + m + "' must be 'allgather' or 'allreduce'");
-    opt.backend = parse_backend(str_of(backend, kFn, "backend"), kFn);
-    opt.num_threads = threads_of(num_threads, kFn);
-    want_lse = py::bool_(return_lse);
-    const TensorView& qv = qi.view;
-    out_a = new_array(DType::kF32, {qv.shape[0], qv.shape[1], qv.shape[2], vi.view.shape[3]}, &out);
-    if (want_lse) lse_a = new_array(DType::kF32, {qv.shape[0], qv.shape[2], qv.shape[1]}, &lse);
   });
+  opt.softmax_scale = c.softmax_scale;
+  opt.softcap = c.softcap;
   opt.seqlens_k = lens;
+  opt.backend = c.backend;
+  opt.num_threads = c.num_threads;
   collective({}, [&] {
-    return dist::context_parallel_decode(comm, qi.view, ki.view, vi.view, out, opt, lse);
+    return dist::context_parallel_decode(comm, c.q.view, c.k.view, c.v.view, c.out, opt, c.lse);
   });
-  if (want_lse) return py::make_tuple(out_a, lse_a);
-  return out_a;
+  return c.result();
 }
 
 py::object ring_attention_py(int64_t comm_f, py::object q_local, py::object k_local,
@@ -281,29 +336,23 @@ py::object ring_attention_py(int64_t comm_f, py::object q_local, py::object k_lo
                              py::object num_threads) {
   constexpr const char* kFn = "ring_attention";
   const MPI_Comm comm = comm_of(comm_f);
-  InputArray qi, ki, vi;
+  AttentionCall c;
   dist::RingOptions opt;
-  TensorView out, lse;
-  py::array out_a, lse_a;
-  bool want_lse = false;
   on_every_rank(comm, [&] {
-    qi = f32_input(q_local, {kFn, "q_local", 4, 4, "[batch, n, num_heads, head_dim]"});
-    ki = f32_input(k_local, {kFn, "k_local", 4, 4, "[batch, n, num_kv_heads, head_dim]"});
-    vi = f32_input(v_local, {kFn, "v_local", 4, 4, "[batch, n, num_kv_heads, head_dim_v]"});
+    convert_attention(kFn, q_local, k_local, v_local, {"q_local", "k_local", "v_local"},
+                      {"[batch, n, num_heads, head_dim]", "[batch, n, num_kv_heads, head_dim]",
+                       "[batch, n, num_kv_heads, head_dim_v]"},
+                      softmax_scale, softcap, return_lse, backend, num_threads, &c);
     opt.causal = py::bool_(causal);
-    opt.softmax_scale = softmax_scale_of(softmax_scale, kFn);
-    opt.softcap = static_cast<float>(checked_float(softcap, kFn, "softcap"));
-    opt.backend = parse_backend(str_of(backend, kFn, "backend"), kFn);
-    opt.num_threads = threads_of(num_threads, kFn);
-    want_lse = py::bool_(return_lse);
-    const TensorView& qv = qi.view;
-    out_a = new_array(DType::kF32, {qv.shape[0], qv.shape[1], qv.shape[2], vi.view.shape[3]}, &out);
-    if (want_lse) lse_a = new_array(DType::kF32, {qv.shape[0], qv.shape[2], qv.shape[1]}, &lse);
   });
-  collective({},
-             [&] { return dist::ring_attention(comm, qi.view, ki.view, vi.view, out, opt, lse); });
-  if (want_lse) return py::make_tuple(out_a, lse_a);
-  return out_a;
+  opt.softmax_scale = c.softmax_scale;
+  opt.softcap = c.softcap;
+  opt.backend = c.backend;
+  opt.num_threads = c.num_threads;
+  collective({}, [&] {
+    return dist::ring_attention(comm, c.q.view, c.k.view, c.v.view, c.out, opt, c.lse);
+  });
+  return c.result();
 }
 
 void agree_py(int64_t comm_f, std::optional<std::string> error) {
@@ -361,53 +410,27 @@ PYBIND11_MODULE(_attnkit_dist, m) {
           },
           "Forgets every token; call it on every rank.");
 
-  py::class_<GqaLayer>(m, "HeadParallelAttention")
-      .def(py::init([](int64_t comm_f, const std::string& json, int64_t layer_index) {
-             const MPI_Comm comm = comm_of(comm_f);
-             Result<dist::HeadParallelAttention> r = Status(StatusCode::kInternal, "unset");
-             {
-               py::gil_scoped_release nogil;
-               r = dist::HeadParallelAttention::from_config_json(comm, json, layer_index);
-             }
-             throw_if_error(r.status());
-             return std::make_unique<GqaLayer>(std::move(r).value(), comm);
-           }),
-           py::arg("comm_f"), py::arg("config_json"), py::arg("layer_index"))
-      .def("load_state_dict",
-           [](GqaLayer& s, py::object sd, py::object prefix) {
-             load_state_dict(s, sd, prefix, "HeadParallelAttention.load_state_dict");
-           })
+  py::class_<GqaLayer> gqa(m, "HeadParallelAttention");
+  gqa.def(py::init([](int64_t comm_f, const std::string& json, int64_t layer_index) {
+            return make_layer<GqaLayer>(comm_f, [&](MPI_Comm comm) {
+              return dist::HeadParallelAttention::from_config_json(comm, json, layer_index);
+            });
+          }),
+          py::arg("comm_f"), py::arg("config_json"), py::arg("layer_index"))
       .def("forward", &gqa_forward)
-      .def("new_cache", &new_cache<GqaLayer, LocalKVCache>)
-      .def_property_readonly("share", [](GqaLayer& s) { return share_dict(s.layer.share()); })
-      .def_property_readonly("rank", [](GqaLayer& s) { return s.layer.rank(); })
-      .def_property_readonly("world_size", [](GqaLayer& s) { return s.layer.ranks(); })
-      .def_property_readonly("hidden_size",
-                             [](GqaLayer& s) { return s.layer.config().hidden_size; });
+      .def("new_cache", &new_cache<GqaLayer, LocalKVCache>);
+  bind_layer_common(gqa);
 
-  py::class_<MlaLayer>(m, "HeadParallelLatentAttention")
-      .def(py::init([](int64_t comm_f, const std::string& json) {
-             const MPI_Comm comm = comm_of(comm_f);
-             Result<dist::HeadParallelLatentAttention> r = Status(StatusCode::kInternal, "unset");
-             {
-               py::gil_scoped_release nogil;
-               r = dist::HeadParallelLatentAttention::from_config_json(comm, json);
-             }
-             throw_if_error(r.status());
-             return std::make_unique<MlaLayer>(std::move(r).value(), comm);
-           }),
-           py::arg("comm_f"), py::arg("config_json"))
-      .def("load_state_dict",
-           [](MlaLayer& s, py::object sd, py::object prefix) {
-             load_state_dict(s, sd, prefix, "HeadParallelAttention.load_state_dict");
-           })
+  py::class_<MlaLayer> mla(m, "HeadParallelLatentAttention");
+  mla.def(py::init([](int64_t comm_f, const std::string& json) {
+            return make_layer<MlaLayer>(comm_f, [&](MPI_Comm comm) {
+              return dist::HeadParallelLatentAttention::from_config_json(comm, json);
+            });
+          }),
+          py::arg("comm_f"), py::arg("config_json"))
       .def("forward", &mla_forward)
-      .def("new_cache", &new_cache<MlaLayer, LocalLatentCache>)
-      .def_property_readonly("share", [](MlaLayer& s) { return share_dict(s.layer.share()); })
-      .def_property_readonly("rank", [](MlaLayer& s) { return s.layer.rank(); })
-      .def_property_readonly("world_size", [](MlaLayer& s) { return s.layer.ranks(); })
-      .def_property_readonly("hidden_size",
-                             [](MlaLayer& s) { return s.layer.config().hidden_size; });
+      .def("new_cache", &new_cache<MlaLayer, LocalLatentCache>);
+  bind_layer_common(mla);
 
   m.def("context_parallel_decode", &context_parallel_decode_py);
   m.def("ring_attention", &ring_attention_py);

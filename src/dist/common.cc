@@ -1,5 +1,5 @@
 // The agreement protocol of src/dist/agree.h.
-#include "dist/agree.h"
+#include "dist/common.h"
 
 #include <string>
 #include <vector>
@@ -91,6 +91,29 @@ Status Agreement::same(size_t i, const char* what) const {
 Status agree(MPI_Comm comm, const char* fn, const Status& local) {
   Result<Agreement> a = Agreement::reach(comm, fn, local, {});
   return a.ok() ? Status::Ok() : a.status();
+}
+
+Status check_output(const char* fn, const char* name, const TensorView& v,
+                    std::span<const int64_t> shape, const char* shape_text, bool optional) {
+  const std::string f = std::string(fn) + ": " + name;
+  if (!v.present()) {
+    if (optional) return Status::Ok();
+    return invalid_argument(f + " is absent (data is null)");
+  }
+  if (v.dtype != DType::kF32)
+    return invalid_argument(f + ".dtype = " + dtype_name(v.dtype) + " must be f32");
+  const int rank = static_cast<int>(shape.size());
+  if (v.rank != rank)
+    return invalid_argument(f + ".rank = " + std::to_string(v.rank) + " must be " +
+                            std::to_string(rank) + " (" + shape_text + ")");
+  for (int i = 0; i < rank; ++i)
+    if (v.shape[i] != shape[size_t(i)])
+      return invalid_argument(f + ".shape[" + std::to_string(i) +
+                              "] = " + std::to_string(v.shape[i]) + " must be " +
+                              std::to_string(shape[size_t(i)]) + " (" + shape_text + ")");
+  if (!v.is_contiguous())
+    return invalid_argument(f + " " + v.describe() + " must be contiguous (row-major)");
+  return Status::Ok();
 }
 
 TensorView with_placeholder_if_empty(TensorView v) {

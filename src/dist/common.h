@@ -1,5 +1,5 @@
-// How the ranks of attnkit::dist agree on a call's outcome before any rank
-// enters a data collective (internal to src/dist/).
+// What src/dist/ shares (internal): how the ranks agree on a call's outcome
+// before any rank enters a data collective, and argument checks.
 //
 //   Status local = ...;                             // this rank's own checks
 //   const int64_t facts[] = {batch, seq};           // values that must match
@@ -59,6 +59,12 @@ class Agreement {
 // Collective: the agreement of a step that has no facts to compare, such as
 // the end of a computation whose every rank must succeed.
 Status agree(MPI_Comm comm, const char* fn, const Status& local);
+
+// A caller's f32 output of exactly `shape`, contiguous (it receives a
+// collective's or a copy's bytes); with `optional`, absent is fine too.
+// Messages: "<fn>: <name>.shape[1] = 3 must be 4 (<shape_text>)".
+Status check_output(const char* fn, const char* name, const TensorView& v,
+                    std::span<const int64_t> shape, const char* shape_text, bool optional);
 
 // An empty tensor (a dimension of 0) may arrive without storage (an empty
 // std::vector, a zero-size numpy array); such a view gets a placeholder
