@@ -5,13 +5,17 @@
 // same total work with the same total threads, and prints the bytes the
 // cost model (attnkit/parallel_cost.h) says each rank sends.
 //
-//   mpirun -np 2 build/bench/dist_bench [--case all|hp-prefill|hp-decode|cp|ring|
+//   mpirun --bind-to none -np 2 build/bench/dist_bench [--case all|hp-prefill|hp-decode|cp|ring|
 //                                               cp-allreduce|cp-allgather]
 //                                       [--reps 15] [--threads 1] [--calls-only]
 //
 // Every rank runs --threads worker threads; the single-process baseline
 // runs on rank 0 with ranks * threads threads while the other ranks wait
-// asleep (MPI_Ibarrier polled every 0.2 ms, so they take no core). A
+// asleep (MPI_Ibarrier polled every 0.2 ms, so they take no core).
+// --bind-to none matters: at 2 ranks or fewer Open MPI binds each rank to
+// one core, which would hold the baseline's threads to that core (the
+// program says so when rank 0 may use fewer cores than the baseline's
+// threads). A
 // distributed time is, per repetition, the slowest rank's, after a
 // barrier; cells are medians over --reps. Alongside: the same work's local
 // compute alone on every rank at once (no communication), and the
@@ -19,6 +23,7 @@
 // distributed calls of the chosen case, for bench/dist_bytes.sh, which
 // counts the bytes each rank really sends with Open MPI's monitoring.
 #include <mpi.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -450,6 +455,13 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  cpu_set_t allowed;
+  if (g_rank == 0 && sched_getaffinity(0, sizeof allowed, &allowed) == 0 &&
+      CPU_COUNT(&allowed) < g_ranks * g_threads)
+    std::printf(
+        "dist_bench: WARNING: rank 0 may run on %d cores, fewer than the baseline's %d "
+        "threads (mpirun --bind-to none)\n",
+        CPU_COUNT(&allowed), g_ranks * g_threads);
   if (g_rank == 0)
     std::printf(
         "dist_bench: %d ranks x %d threads; baseline: 1 process x %d threads; median of "

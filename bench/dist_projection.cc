@@ -80,8 +80,10 @@ int main(int argc, char** argv) {
       "%.0f GFLOP/s, %.0f GB/s read; link latency %.1f us\n",
       model.c_str(), long(m->num_layers), long(w.batch), long(w.context), kv.c_str(), rates.gflops,
       rates.read_gbps, latency_us);
+  // Bytes: sent per rank and layer, per prompt token (prefill) or per decode
+  // step; times: the whole model.
   std::printf("%-17s %5s %6s | %8s %8s | %12s %12s | %10s %6s | %10s %6s\n", "strategy", "ranks",
-              "Gb/s", "wts GiB", "KV GiB", "prefill B/tok", "decode B/stp", "prefill s", "comm",
+              "Gb/s", "wts GiB", "KV GiB", "B/token/lyr", "B/step/lyr", "prefill s", "comm",
               "decode ms", "comm");
   for (double link : links)
     for (double n : ranks) {
