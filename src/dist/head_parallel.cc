@@ -210,16 +210,7 @@ Status check_call(const char* fn, const TensorView& x, const TensorView& out, in
   return Status::Ok();
 }
 
-// The facts every rank's forward() must agree on.
-enum ForwardFact : size_t {
-  kBatch,
-  kSeq,
-  kHasCache,
-  kCacheLength,
-  kNumPositions,
-  kPositions,
-  kForm
-};
+// The facts every rank's forward() must agree on, in run_collective_forward's order.
 constexpr const char* kForwardFactNames[] = {"x.shape[0] (batch)",
                                              "x.shape[1] (seq)",
                                              "cache given (1) or not (0)",

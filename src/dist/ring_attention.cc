@@ -87,19 +87,8 @@ TensorView lse_rows_of(TensorView v, int64_t a, int64_t b) {
   return v;
 }
 
-// The shapes every rank must share, and the per-rank token count.
-enum Fact : size_t {
-  kBatch,
-  kHeads,
-  kKvHeads,
-  kHeadDim,
-  kHeadDimV,
-  kDtype,
-  kCausal,
-  kScale,
-  kCap,
-  kTokens
-};
+// The facts every rank must share, in ring_attention's order; after them
+// each rank's own token count, fact kTokens.
 constexpr const char* kFactNames[] = {"batch",
                                       "num_heads",
                                       "num_kv_heads",
@@ -109,6 +98,7 @@ constexpr const char* kFactNames[] = {"batch",
                                       "options.causal",
                                       "options.softmax_scale (bits)",
                                       "options.softcap (bits)"};
+constexpr size_t kTokens = std::size(kFactNames);
 
 int64_t float_bits(float f) {
   uint32_t u;
