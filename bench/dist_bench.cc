@@ -5,9 +5,9 @@
 // same total work with the same total threads, and prints the bytes the
 // cost model (attnkit/parallel_cost.h) says each rank sends.
 //
-//   mpirun --bind-to none -np 2 build/bench/dist_bench [--case all|hp-prefill|hp-decode|cp|ring|
-//                                               cp-allreduce|cp-allgather]
-//                                       [--reps 15] [--threads 1] [--calls-only]
+//   mpirun --bind-to none -np 2 build/bench/dist_bench
+//       [--case all|hp-prefill|hp-decode|cp|cp-allgather|cp-allreduce|ring]
+//       [--reps 15] [--threads 1] [--calls-only]
 //
 // Every rank runs --threads worker threads; the single-process baseline
 // runs on rank 0 with ranks * threads threads while the other ranks wait
@@ -15,13 +15,13 @@
 // --bind-to none matters: at 2 ranks or fewer Open MPI binds each rank to
 // one core, which would hold the baseline's threads to that core (the
 // program says so when rank 0 may use fewer cores than the baseline's
-// threads). A
-// distributed time is, per repetition, the slowest rank's, after a
-// barrier; cells are medians over --reps. Alongside: the same work's local
-// compute alone on every rank at once (no communication), and the
-// collective alone, to split the overhead. --calls-only runs only the
-// distributed calls of the chosen case, for bench/dist_bytes.sh, which
-// counts the bytes each rank really sends with Open MPI's monitoring.
+// threads). A distributed time is, per repetition, the slowest rank's,
+// after a barrier. A case times its baseline, its distributed call and the
+// call's parts (the local compute alone on every rank at once, the
+// collective alone) in turn, round after round, and prints medians and the
+// median of each entry's per-round ratio to the baseline. --calls-only runs
+// only the distributed calls of the chosen case, for bench/dist_bytes.sh,
+// which counts the bytes each rank really sends with Open MPI's monitoring.
 #include <mpi.h>
 #include <sched.h>
 #include <unistd.h>
@@ -83,54 +83,65 @@ void quiet_barrier() {
   }
 }
 
-// Median over --reps of the slowest rank's time for fn() (run on every rank).
-// With --calls-only, fn() and barriers only (zero-byte messages), so that the
-// bytes Open MPI counts are fn()'s.
-double time_all(const std::function<void()>& fn) {
-  fn();  // warm-up
-  if (g_calls_only) {
-    for (int r = 0; r < g_reps; ++r) {
-      MPI_Barrier(MPI_COMM_WORLD);
-      fn();
-    }
-    return 0;
-  }
-  std::vector<double> t;
-  for (int r = 0; r < g_reps; ++r) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    const double t0 = MPI_Wtime();
-    fn();
-    double dt = MPI_Wtime() - t0, slowest = 0;
-    MPI_Allreduce(&dt, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    t.push_back(slowest);
-  }
-  return median(t);
-}
+// One of the things a case times: the single-process baseline on rank 0
+// alone with the others asleep; the distributed call on every rank (the
+// slowest rank's time counts); or a part of it, on every rank likewise.
+struct Timed {
+  enum Kind { kSingle, kCall, kPart };
+  const char* label;
+  std::function<void()> fn;
+  Kind kind;
+};
 
-// Median over --reps of fn() on rank 0 alone, the others asleep.
-double time_rank0(const std::function<void()>& fn) {
-  double m = 0;
-  if (g_rank == 0) {
-    fn();
-    std::vector<double> t;
-    for (int r = 0; r < g_reps; ++r) {
+double once(const Timed& t) {
+  if (t.kind == Timed::kSingle) {
+    double dt = 0;
+    if (g_rank == 0) {
       const double t0 = MPI_Wtime();
-      fn();
-      t.push_back(MPI_Wtime() - t0);
+      t.fn();
+      dt = MPI_Wtime() - t0;
     }
-    m = median(t);
+    quiet_barrier();
+    MPI_Bcast(&dt, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+    return dt;
   }
-  quiet_barrier();
-  MPI_Bcast(&m, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
-  return m;
+  MPI_Barrier(MPI_COMM_WORLD);
+  const double t0 = MPI_Wtime();
+  t.fn();
+  double dt = MPI_Wtime() - t0, slowest = 0;
+  MPI_Allreduce(&dt, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return slowest;
 }
 
-void row(const char* what, double seconds, double baseline) {
+// Times every entry once per round, in turn, for --reps rounds after one
+// warm-up round, so that all of them meet the same machine (it is shared:
+// a slow stretch slows a whole round, not one entry). Prints each entry's
+// median and the median over rounds of its time over the first entry's
+// (the single-process baseline). With --calls-only it runs only the
+// distributed calls, between barriers (zero-byte messages), so that the
+// bytes Open MPI counts are theirs.
+void interleaved(const std::vector<Timed>& entries) {
+  if (g_calls_only) {
+    for (int r = 0; r <= g_reps; ++r)
+      for (const Timed& e : entries)
+        if (e.kind == Timed::kCall) {
+          MPI_Barrier(MPI_COMM_WORLD);
+          e.fn();
+        }
+    return;
+  }
+  std::vector<std::vector<double>> t(entries.size()), ratio(entries.size());
+  for (int r = 0; r <= g_reps; ++r)
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const double dt = once(entries[i]);
+      if (r == 0) continue;  // warm-up
+      t[i].push_back(dt);
+      ratio[i].push_back(dt / t[0].back());
+    }
   if (g_rank != 0) return;
-  if (baseline > 0)
-    std::printf("  %-44s %10.3f ms  %6.2fx single\n", what, seconds * 1e3, seconds / baseline);
-  else
-    std::printf("  %-44s %10.3f ms\n", what, seconds * 1e3);
+  for (size_t i = 0; i < entries.size(); ++i)
+    std::printf("  %-44s %10.3f ms  %6.2fx single\n", entries[i].label, median(t[i]) * 1e3,
+                median(ratio[i]));
 }
 
 // The busiest rank's bytes per call, from the cost model, for a one-layer
@@ -211,12 +222,11 @@ void bench_head_parallel(bool prefill, bool decode) {
   }
   const attnkit::RunOptions run{attnkit::Backend::kAuto, g_threads};
   const attnkit::RunOptions run_single{attnkit::Backend::kAuto, g_threads * g_ranks};
-  const auto allreduce_alone = [](int64_t floats) {
-    std::vector<float> a(static_cast<size_t>(floats), 1.0f), b(a.size());
-    return time_all([&] {
-      MPI_Allreduce(a.data(), b.data(), static_cast<int>(floats), MPI_FLOAT, MPI_SUM,
-                    MPI_COMM_WORLD);
-    });
+  // An all-reduce of the layer's output alone, for the overhead's split.
+  std::vector<float> red_in(static_cast<size_t>(256 * kHidden), 1.0f), red_out(red_in.size());
+  const auto all_reduce = [&](int64_t floats) {
+    MPI_Allreduce(red_in.data(), red_out.data(), static_cast<int>(floats), MPI_FLOAT, MPI_SUM,
+                  MPI_COMM_WORLD);
   };
 
   if (prefill) {
@@ -228,20 +238,21 @@ void bench_head_parallel(bool prefill, bool decode) {
     if (g_rank == 0)
       std::printf("head-parallel prefill: hidden %ld, %ld/%ld heads x %ld, %ld tokens\n",
                   long(kHidden), long(kHeads), long(kKvHeads), long(kHeadDim), long(T));
-    const double t = time_all([&] { check(dist->forward(xv, ov, {}, nullptr, run), "forward"); });
-    if (!g_calls_only) {
-      const double base =
-          time_rank0([&] { check(single.forward(xv, ov, {}, nullptr, run_single), "forward"); });
-      row("single process", base, base);
-      row("head-parallel forward", t, base);
-      row("  of which an all-reduce of the output alone", allreduce_alone(T * kHidden), base);
-      model_bytes("model: sent", model(kHidden, kHeads, kKvHeads, kHeadDim, 1, T,
-                                       attnkit::ParallelStrategy::kHeadParallel)
-                                     .prefill.bytes_sent);
-    }
+    interleaved({
+        {"single process",
+         [&] { check(single.forward(xv, ov, {}, nullptr, run_single), "forward"); },
+         Timed::kSingle},
+        {"head-parallel forward",
+         [&] { check(dist->forward(xv, ov, {}, nullptr, run), "forward"); }, Timed::kCall},
+        {"  of which an all-reduce of the output alone", [&] { all_reduce(T * kHidden); },
+         Timed::kPart},
+    });
+    model_bytes("model: sent", model(kHidden, kHeads, kKvHeads, kHeadDim, 1, T,
+                                     attnkit::ParallelStrategy::kHeadParallel)
+                                   .prefill.bytes_sent);
   }
   if (decode) {
-    const int64_t L = 2048, steps = 2 * (g_reps + 1) + 1;
+    const int64_t L = 2048, steps = g_reps + 2;
     const std::vector<float> prompt = random_vector(L * kHidden, 8, 1.0f);
     std::vector<float> scratch(prompt.size());
     auto cache = dist->new_cache(1, L + steps);
@@ -249,35 +260,31 @@ void bench_head_parallel(bool prefill, bool decode) {
     const TensorView pv = attnkit::make_view(prompt.data(), DType::kF32, {1, L, kHidden});
     const TensorView sv = attnkit::make_view(scratch.data(), DType::kF32, {1, L, kHidden});
     check(dist->forward(pv, sv, {}, &*cache, run), "prefill");
+    attnkit::KVCache single_cache;
+    if (g_rank == 0 && !g_calls_only) {
+      auto c = single.new_cache(1, L + steps);
+      check(c.ok() ? Status::Ok() : c.status(), "new_cache");
+      single_cache = std::move(c).value();
+      check(single.forward(pv, sv, {}, &single_cache, run_single), "prefill");
+    }
     const std::vector<float> x = random_vector(kHidden, 9, 1.0f);
     std::vector<float> out(x.size());
     const TensorView xv = attnkit::make_view(x.data(), DType::kF32, {1, 1, kHidden});
     const TensorView ov = attnkit::make_view(out.data(), DType::kF32, {1, 1, kHidden});
     if (g_rank == 0)
       std::printf("head-parallel decode: 1 token over %ld cached (f32 cache)\n", long(L));
-    const double t =
-        time_all([&] { check(dist->forward(xv, ov, {}, &*cache, run), "forward decode"); });
-    if (!g_calls_only) {
-      double base = 0;
-      {
-        attnkit::KVCache single_cache;
-        if (g_rank == 0) {
-          auto c = single.new_cache(1, L + steps);
-          check(c.ok() ? Status::Ok() : c.status(), "new_cache");
-          single_cache = std::move(c).value();
-          check(single.forward(pv, sv, {}, &single_cache, run_single), "prefill");
-        }
-        base = time_rank0([&] {
-          check(single.forward(xv, ov, {}, &single_cache, run_single), "forward decode");
-        });
-      }
-      row("single process", base, base);
-      row("head-parallel forward", t, base);
-      row("  of which an all-reduce of the output alone", allreduce_alone(kHidden), base);
-      model_bytes("model: sent", model(kHidden, kHeads, kKvHeads, kHeadDim, 1, L,
-                                       attnkit::ParallelStrategy::kHeadParallel)
-                                     .decode.bytes_sent);
-    }
+    interleaved({
+        {"single process",
+         [&] { check(single.forward(xv, ov, {}, &single_cache, run_single), "forward"); },
+         Timed::kSingle},
+        {"head-parallel forward",
+         [&] { check(dist->forward(xv, ov, {}, &*cache, run), "forward"); }, Timed::kCall},
+        {"  of which an all-reduce of the output alone", [&] { all_reduce(kHidden); },
+         Timed::kPart},
+    });
+    model_bytes("model: sent", model(kHidden, kHeads, kKvHeads, kHeadDim, 1, L,
+                                     attnkit::ParallelStrategy::kHeadParallel)
+                                   .decode.bytes_sent);
   }
 }
 
@@ -315,44 +322,43 @@ void bench_context_parallel(const std::vector<attnkit::dist::MergeMethod>& metho
     if (g_rank == 0)
       std::printf("context-parallel decode: 1 query, %ld keys (f32), %ld/%ld heads x %ld\n",
                   long(S), long(H), long(K), long(D));
-    attnkit::dist::ContextParallelOptions cp;
-    cp.num_threads = g_threads;
-    double t[2] = {0, 0};
-    for (auto method : methods) {
-      cp.merge = method;
-      t[int(method)] = time_all([&] {
-        check(attnkit::dist::context_parallel_decode(MPI_COMM_WORLD, qv, kv, vv, ov, cp, lv),
-              "context_parallel_decode");
-      });
+    using attnkit::dist::MergeMethod;
+    attnkit::dist::ContextParallelOptions cp[2];
+    for (MergeMethod m : {MergeMethod::kAllgather, MergeMethod::kAllreduce}) {
+      cp[int(m)].num_threads = g_threads;
+      cp[int(m)].merge = m;
     }
-    if (g_calls_only) continue;
-    attnkit::AttentionOptions opt;
-    opt.num_threads = g_threads * g_ranks;
-    const double base = time_rank0([&] {
-      check(attnkit::sdpa(qv, attnkit::make_view(k_all.data(), DType::kF32, {B, S, K, D}),
-                          attnkit::make_view(v_all.data(), DType::kF32, {B, S, K, D}), ov, opt, lv),
-            "sdpa");
-    });
-    attnkit::AttentionOptions local;
+    attnkit::AttentionOptions whole, local;
+    whole.num_threads = g_threads * g_ranks;
     local.num_threads = g_threads;
-    const double compute =
-        time_all([&] { check(attnkit::sdpa(qv, kv, vv, ov, local, lv), "sdpa"); });
+    const TensorView k_whole = attnkit::make_view(k_all.data(), DType::kF32, {B, S, K, D});
+    const TensorView v_whole = attnkit::make_view(v_all.data(), DType::kF32, {B, S, K, D});
     std::vector<float> merged(out.size());
     const TensorView mv = attnkit::make_view(merged.data(), DType::kF32, {B, 1, H, D});
-    double merge[2];
-    for (auto method :
-         {attnkit::dist::MergeMethod::kAllreduce, attnkit::dist::MergeMethod::kAllgather})
-      merge[int(method)] = time_all([&] {
-        check(attnkit::dist::merge_partial_attention(MPI_COMM_WORLD, ov, lv, mv, {}, method),
-              "merge_partial_attention");
-      });
-    row("single process", base, base);
-    using attnkit::dist::MergeMethod;
-    row("context-parallel, merge by all-gather", t[int(MergeMethod::kAllgather)], base);
-    row("context-parallel, merge by all-reduce", t[int(MergeMethod::kAllreduce)], base);
-    row("  local sdpa alone, every rank at once", compute, base);
-    row("  merge alone, all-gather", merge[int(MergeMethod::kAllgather)], base);
-    row("  merge alone, all-reduce", merge[int(MergeMethod::kAllreduce)], base);
+    const auto decode = [&](MergeMethod m) {
+      check(attnkit::dist::context_parallel_decode(MPI_COMM_WORLD, qv, kv, vv, ov, cp[int(m)], lv),
+            "context_parallel_decode");
+    };
+    const auto merge = [&](MergeMethod m) {
+      check(attnkit::dist::merge_partial_attention(MPI_COMM_WORLD, ov, lv, mv, {}, m),
+            "merge_partial_attention");
+    };
+    std::vector<Timed> entries = {
+        {"single process",
+         [&] { check(attnkit::sdpa(qv, k_whole, v_whole, ov, whole, lv), "sdpa"); },
+         Timed::kSingle}};
+    for (MergeMethod m : methods)
+      entries.push_back({m == MergeMethod::kAllgather ? "context-parallel, merge by all-gather"
+                                                      : "context-parallel, merge by all-reduce",
+                         [&, m] { decode(m); }, Timed::kCall});
+    entries.push_back({"  local sdpa alone, every rank at once",
+                       [&] { check(attnkit::sdpa(qv, kv, vv, ov, local, lv), "sdpa"); },
+                       Timed::kPart});
+    for (MergeMethod m : methods)
+      entries.push_back(
+          {m == MergeMethod::kAllgather ? "  merge alone, all-gather" : "  merge alone, all-reduce",
+           [&, m] { merge(m); }, Timed::kPart});
+    interleaved(entries);
     model_bytes("model: sent", model(kAttnHeads * kAttnDim, H, K, D, B, S,
                                      attnkit::ParallelStrategy::kContextParallel)
                                    .decode.bytes_sent);
@@ -378,49 +384,53 @@ void bench_ring() {
                 long(H), long(K), long(D));
   attnkit::dist::RingOptions ro;
   ro.num_threads = g_threads;
-  const double t = time_all([&] {
-    check(attnkit::dist::ring_attention(
-              MPI_COMM_WORLD, attnkit::make_view(ql.data(), DType::kF32, {B, n, H, D}),
-              attnkit::make_view(kl.data(), DType::kF32, {B, n, K, D}),
-              attnkit::make_view(vl.data(), DType::kF32, {B, n, K, D}),
-              attnkit::make_view(out.data(), DType::kF32, {B, n, H, D}), ro),
-          "ring_attention");
-  });
-  if (g_calls_only) return;
-  attnkit::AttentionOptions opt;
-  opt.causal = true;
-  opt.num_threads = g_threads * g_ranks;
-  std::vector<float> out_all(static_cast<size_t>(S * H * D));
-  const double base = time_rank0([&] {
-    check(attnkit::sdpa(attnkit::make_view(q_all.data(), DType::kF32, {B, S, H, D}),
-                        attnkit::make_view(k_all.data(), DType::kF32, {B, S, K, D}),
-                        attnkit::make_view(v_all.data(), DType::kF32, {B, S, K, D}),
-                        attnkit::make_view(out_all.data(), DType::kF32, {B, S, H, D}), opt),
-          "sdpa");
-  });
-  // The ring's arithmetic without its communication: each of the rank's two
-  // query chunks against every key before it, in one causal call each
-  // (bottom-right alignment puts the chunk at the end of those keys).
-  attnkit::AttentionOptions local = opt;
+  attnkit::AttentionOptions whole;
+  whole.causal = true;
+  whole.num_threads = g_threads * g_ranks;
+  attnkit::AttentionOptions local = whole;
   local.num_threads = g_threads;
-  const double compute = time_all([&] {
-    int64_t row0 = 0;
-    for (const attnkit::TokenRange& tr : {ch.first, ch.second}) {
-      const int64_t rows = tr.size();
-      if (rows > 0)
-        check(
-            attnkit::sdpa(
-                attnkit::make_view(ql.data() + row0 * H * D, DType::kF32, {B, rows, H, D}),
-                attnkit::make_view(k_all.data(), DType::kF32, {B, tr.end, K, D}),
-                attnkit::make_view(v_all.data(), DType::kF32, {B, tr.end, K, D}),
-                attnkit::make_view(out.data() + row0 * H * D, DType::kF32, {B, rows, H, D}), local),
-            "sdpa");
-      row0 += rows;
-    }
+  std::vector<float> out_all(static_cast<size_t>(S * H * D));
+  interleaved({
+      {"single process",
+       [&] {
+         check(attnkit::sdpa(attnkit::make_view(q_all.data(), DType::kF32, {B, S, H, D}),
+                             attnkit::make_view(k_all.data(), DType::kF32, {B, S, K, D}),
+                             attnkit::make_view(v_all.data(), DType::kF32, {B, S, K, D}),
+                             attnkit::make_view(out_all.data(), DType::kF32, {B, S, H, D}), whole),
+               "sdpa");
+       },
+       Timed::kSingle},
+      {"ring attention",
+       [&] {
+         check(attnkit::dist::ring_attention(
+                   MPI_COMM_WORLD, attnkit::make_view(ql.data(), DType::kF32, {B, n, H, D}),
+                   attnkit::make_view(kl.data(), DType::kF32, {B, n, K, D}),
+                   attnkit::make_view(vl.data(), DType::kF32, {B, n, K, D}),
+                   attnkit::make_view(out.data(), DType::kF32, {B, n, H, D}), ro),
+               "ring_attention");
+       },
+       Timed::kCall},
+      // The ring's arithmetic without its communication: each of the rank's
+      // two query chunks against every key before it, in one causal call
+      // each (bottom-right alignment puts the chunk after those keys).
+      {"  its arithmetic alone, every rank at once",
+       [&] {
+         int64_t row0 = 0;
+         for (const attnkit::TokenRange& tr : {ch.first, ch.second}) {
+           const int64_t rows = tr.size();
+           if (rows > 0)
+             check(attnkit::sdpa(
+                       attnkit::make_view(ql.data() + row0 * H * D, DType::kF32, {B, rows, H, D}),
+                       attnkit::make_view(k_all.data(), DType::kF32, {B, tr.end, K, D}),
+                       attnkit::make_view(v_all.data(), DType::kF32, {B, tr.end, K, D}),
+                       attnkit::make_view(out.data() + row0 * H * D, DType::kF32, {B, rows, H, D}),
+                       local),
+                   "sdpa");
+           row0 += rows;
+         }
+       },
+       Timed::kPart},
   });
-  row("single process", base, base);
-  row("ring attention", t, base);
-  row("  its arithmetic alone, every rank at once", compute, base);
   model_bytes(
       "model: sent",
       model(H * D, H, K, D, B, S, attnkit::ParallelStrategy::kContextParallel).prefill.bytes_sent);
@@ -472,7 +482,7 @@ int main(int argc, char** argv) {
     bench_head_parallel(all || which == "hp-prefill", all || which == "hp-decode");
   using attnkit::dist::MergeMethod;
   if (all || which == "cp")
-    bench_context_parallel({MergeMethod::kAllreduce, MergeMethod::kAllgather});
+    bench_context_parallel({MergeMethod::kAllgather, MergeMethod::kAllreduce});
   if (which == "cp-allreduce") bench_context_parallel({MergeMethod::kAllreduce});
   if (which == "cp-allgather") bench_context_parallel({MergeMethod::kAllgather});
   if (all || which == "ring") bench_ring();
