@@ -5,23 +5,26 @@
 // same total work with the same total threads, and prints the bytes the
 // cost model (attnkit/parallel_cost.h) says each rank sends.
 //
-//   mpirun --bind-to none -np 2 build/bench/dist_bench
+//   mpirun -np 2 build/bench/dist_bench
 //       [--case all|hp-prefill|hp-decode|cp|cp-allgather|cp-allreduce|ring]
 //       [--reps 15] [--threads 1] [--calls-only]
 //
 // Every rank runs --threads worker threads; the single-process baseline
 // runs on rank 0 with ranks * threads threads while the other ranks wait
 // asleep (MPI_Ibarrier polled every 0.2 ms, so they take no core).
-// --bind-to none matters: at 2 ranks or fewer Open MPI binds each rank to
-// one core, which would hold the baseline's threads to that core (the
-// program says so when rank 0 may use fewer cores than the baseline's
-// threads). A distributed time is, per repetition, the slowest rank's,
+// Ranks stay bound to their cores as mpirun binds them (at 2 ranks, one
+// core each: unbound, two ranks could share a core while a neighbour's
+// process holds the other, and a rank waiting in a collective would then
+// keep its peer off the core for whole scheduler ticks); for the baseline,
+// rank 0 moves every thread of its process onto all online cores and back.
+// A distributed time is, per repetition, the slowest rank's,
 // after a barrier. A case times its baseline, its distributed call and the
 // call's parts (the local compute alone on every rank at once, the
 // collective alone) in turn, round after round, and prints medians and the
 // median of each entry's per-round ratio to the baseline. --calls-only runs
 // only the distributed calls of the chosen case, for bench/dist_bytes.sh,
 // which counts the bytes each rank really sends with Open MPI's monitoring.
+#include <dirent.h>
 #include <mpi.h>
 #include <sched.h>
 #include <unistd.h>
@@ -83,6 +86,16 @@ void quiet_barrier() {
   }
 }
 
+// Every thread of this process (the caller, attnkit's pool, OpenMP's
+// workers) onto the CPUs of `mask`.
+void set_process_affinity(const cpu_set_t& mask) {
+  DIR* tasks = opendir("/proc/self/task");
+  if (!tasks) return;
+  while (const dirent* e = readdir(tasks))
+    if (e->d_name[0] != '.') sched_setaffinity(std::atoi(e->d_name), sizeof mask, &mask);
+  closedir(tasks);
+}
+
 // One of the things a case times: the single-process baseline on rank 0
 // alone with the others asleep; the distributed call on every rank (the
 // slowest rank's time counts); or a part of it, on every rank likewise.
@@ -97,9 +110,15 @@ double once(const Timed& t) {
   if (t.kind == Timed::kSingle) {
     double dt = 0;
     if (g_rank == 0) {
+      cpu_set_t bound, all;
+      sched_getaffinity(0, sizeof bound, &bound);
+      CPU_ZERO(&all);
+      for (long c = 0; c < sysconf(_SC_NPROCESSORS_ONLN); ++c) CPU_SET(c, &all);
+      set_process_affinity(all);
       const double t0 = MPI_Wtime();
       t.fn();
       dt = MPI_Wtime() - t0;
+      set_process_affinity(bound);
     }
     quiet_barrier();
     MPI_Bcast(&dt, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
@@ -465,13 +484,9 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  cpu_set_t allowed;
-  if (g_rank == 0 && sched_getaffinity(0, sizeof allowed, &allowed) == 0 &&
-      CPU_COUNT(&allowed) < g_ranks * g_threads)
-    std::printf(
-        "dist_bench: WARNING: rank 0 may run on %d cores, fewer than the baseline's %d "
-        "threads (mpirun --bind-to none)\n",
-        CPU_COUNT(&allowed), g_ranks * g_threads);
+  if (g_rank == 0 && sysconf(_SC_NPROCESSORS_ONLN) < g_ranks * g_threads)
+    std::printf("dist_bench: WARNING: %ld cores for the baseline's %d threads\n",
+                sysconf(_SC_NPROCESSORS_ONLN), g_ranks * g_threads);
   if (g_rank == 0)
     std::printf(
         "dist_bench: %d ranks x %d threads; baseline: 1 process x %d threads; median of "

@@ -14,7 +14,7 @@ build=${1:-build}
 np=${2:-2}
 
 sent() {  # case reps -> the most bytes any rank sent in the whole run
-  mpirun --oversubscribe --bind-to none -np "$np" --mca pml_monitoring_enable 2 \
+  mpirun --oversubscribe -np "$np" --mca pml_monitoring_enable 2 \
     --mca pml_monitoring_enable_output 1 \
     "$build/bench/dist_bench" --case "$1" --reps "$2" --calls-only 2>&1 |
     awk '$1 == "E" || $1 == "I" { sent[$2] += $4 }
