@@ -106,10 +106,10 @@ int main(int argc, char** argv) {
         const double pre = c.prefill.step_s * layers, dec = c.decode.step_s * layers;
         std::printf(
             "%-17s %5.0f %6.0f | %8s %8s | %12.0f %12.0f | %10.3f %5.0f%% | %10.3f %5.0f%%\n", name,
-            n, link, gib(double(c.weight_bytes_per_rank), a, sizeof a),
-            gib(double(c.kv_bytes_per_rank), b, sizeof b), c.prefill.bytes_per_token,
-            c.decode.bytes_sent, pre, 100.0 * c.prefill.exposed_comm_s / c.prefill.step_s,
-            dec * 1e3, 100.0 * c.decode.exposed_comm_s / c.decode.step_s);
+            n, link, gib(c.weight_bytes_per_rank, a, sizeof a),
+            gib(c.kv_bytes_per_rank, b, sizeof b), c.prefill.bytes_per_token, c.decode.bytes_sent,
+            pre, 100.0 * c.prefill.exposed_comm_s / c.prefill.step_s, dec * 1e3,
+            100.0 * c.decode.exposed_comm_s / c.decode.step_s);
       }
     }
   return 0;

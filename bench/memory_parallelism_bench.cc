@@ -2,7 +2,8 @@
 // read that the hardware prefetchers do not run ahead of. On the Zen 3 it
 // is below what 1-token decode reads per thread, so the decode is carried
 // by the L2 streamer as a sequential read is, not by its own prefetches
-// alone (docs/PERFORMANCE-LOG.md, eleventh session).
+// alone (memory_parallelism_bench 512, 2026-11-24 at ba80e07 on a Zen 3:
+// docs/PERFORMANCE-LOG.md, 2026-11-24 · 38d9ab8).
 //
 // Each thread follows k independent chains of dependent loads through a
 // random cyclic order of the 64-byte lines of its own buffer (>> LLC), so

@@ -20,7 +20,7 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_COMPILER=clang++ -DATTNKIT_BUILD_FUZZERS=ON \
   -DATTNKIT_BUILD_TESTS=OFF -DATTNKIT_BUILD_PYTHON=OFF -DATTNKIT_BUILD_TOOLS=OFF >/dev/null
 
-targets=(safetensors_fuzz attention_fuzz)
+targets=(safetensors_fuzz attention_fuzz paged_fuzz)
 # The config fuzzer needs attention_config_from_json (src/io/hf_config.cc).
 if [[ -f $root/src/io/hf_config.cc ]]; then targets+=(config_fuzz); fi
 cmake --build "$build" -j "${ATTNKIT_FUZZ_BUILD_JOBS:-2}" --target "${targets[@]}"

@@ -31,7 +31,7 @@ modes=("$@")
 # The threaded tests (gtest filter): the pool itself, the fast kernel's
 # thread-count sweeps and determinism checks, layers from several threads,
 # MoE shards, and the reliability suite's concurrency/determinism tests.
-tsan_filter=${ATTNKIT_TSAN_FILTER:-'Threads.*:ReliabilityConcurrency.*:ReliabilityDeterminism.*:AttentionFast.DecodeIsBitIdenticalAcrossThreadCounts:AttentionFast.RandomCasesEveryTargetTilingAndThreadCount:MoeLayer.ThreadsAndStridesDoNotChangeTheResult'}
+tsan_filter=${ATTNKIT_TSAN_FILTER:-'Threads.*:ReliabilityConcurrency.*:ReliabilityDeterminism.*:AttentionFast.DecodeIsBitIdenticalAcrossThreadCounts:AttentionFast.RandomCasesEveryTargetTilingAndThreadCount:MoeLayer.ThreadsAndStridesDoNotChangeTheResult:PagedKVCache.OutputsAreTheSameBitsForAnyThreadCount:SdpaVarlen.BitIdenticalForAnyThreadCount'}
 
 declare -a summary=()
 status=0

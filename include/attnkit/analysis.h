@@ -47,6 +47,7 @@ struct ModelShape {
   int64_t qk_nope_head_dim = 0;
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
+  bool rope_interleave = true;  // RoPE pairing of the rope features (MlaConfig's)
   // Per layer: 0 = full attention, W = sliding window of W tokens.
   std::vector<int64_t> window_per_layer;
   int64_t max_position_embeddings = 0;
@@ -55,7 +56,9 @@ struct ModelShape {
 
 // Reads a Hugging Face config.json: llama, mistral, qwen2, qwen3, gemma,
 // gemma2, falcon, gpt2, bert, deepseek_v2, deepseek_v3, kimi_k2 and configs of
-// the llama shape. MLA configs are recognised by kv_lora_rank; their
+// the llama shape. MLA configs (model_type deepseek_v2 / deepseek_v3 /
+// kimi_k2, or any config with kv_lora_rank) are read by
+// mla_config_from_json, whose errors are returned unchanged; their
 // misleading num_key_value_heads / head_dim fields are ignored.
 Result<ModelShape> model_shape_from_json(std::string_view json_text);
 
@@ -72,9 +75,11 @@ int64_t kv_values_per_token_per_layer(const ModelShape& m, bool mla_latent = tru
 // Bytes of K/V for one token across all layers (no window cap).
 int64_t kv_bytes_per_token(const ModelShape& m, DType kv_dtype, bool mla_latent = true);
 // Bytes of the whole cache for `batch` sequences of `context` tokens, with
-// each layer's sliding window applied.
-int64_t kv_cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int64_t batch,
-                       bool mla_latent = true);
+// each layer's sliding window applied. A double, because user-given
+// contexts and batches multiply past 2^63 (2e9 tokens x 2e9 sequences):
+// exact up to 2^53 bytes (8 PiB), within two roundings above, never capped.
+double kv_cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int64_t batch,
+                      bool mla_latent = true);
 
 // Per layer, causal prefill of `seq` tokens (windows applied).
 double prefill_flops_per_layer(const ModelShape& m, int64_t seq, int64_t layer = 0);

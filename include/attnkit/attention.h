@@ -99,6 +99,28 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
             const AttentionOptions& options = {}, const TensorView& lse = {},
             const TensorView& probs = {});
 
+// Attention over a batch of sequences of different lengths packed along
+// one token axis, as FlashAttention's flash_attn_varlen_func:
+//   q    [total_q, num_heads,    head_dim]    f32
+//   k    [total_k, num_kv_heads, head_dim]    f32 or bf16
+//   v    [total_k, num_kv_heads, head_dim_v]  same dtype as k
+//   out  [total_q, num_heads,    head_dim_v]  f32, written
+//   lse  [num_heads, total_q]                 f32, optional, written
+//   probs[n, num_heads, max_seqlen_q, max_seqlen_k]  f32, optional, written
+//        (entries past a sequence's own lengths are 0)
+// cu_seqlens_q and cu_seqlens_k hold n + 1 offsets: sequence s has query
+// rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]) and key rows [cu_seqlens_k[s],
+// cu_seqlens_k[s + 1]); each starts at 0, never decreases and ends at
+// total_q (total_k). Every sequence is an sdpa() batch item of its own
+// lengths: bottom-right causal alignment, windows, softcap, the sparse
+// pattern and masks apply per sequence; a mask broadcasts to [n, num_heads,
+// max_seqlen_q, max_seqlen_k] with the sequence's own row and key indices.
+// options.seqlens_k must be empty (cu_seqlens_k gives the key counts).
+Status sdpa_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                   std::span<const int32_t> cu_seqlens_q, std::span<const int32_t> cu_seqlens_k,
+                   const TensorView& out, const AttentionOptions& options = {},
+                   const TensorView& lse = {}, const TensorView& probs = {});
+
 // Merges two partial attentions over disjoint key sets into the attention
 // over their union (FlashInfer's merge_state):
 //   out = (e^(lse_a - m) out_a + e^(lse_b - m) out_b) / (e^(lse_a - m) + e^(lse_b - m))

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -24,6 +25,7 @@
 #include "attnkit/attention.h"
 #include "attnkit/config.h"
 #include "attnkit/kv_cache.h"
+#include "attnkit/paged_kv_cache.h"
 #include "attnkit/rope.h"
 #include "attnkit/status.h"
 #include "attnkit/tensor.h"
@@ -80,7 +82,41 @@ class AttentionLayer {
                      const TensorView& out, const AttentionOptions& options = {},
                      const TensorView& probs = {});
 
+  // A pool shaped for this layer (its kv heads, head dim and window) with
+  // num_layers layers, for forward_batch().
+  Result<PagedKVCache> new_paged_cache(int64_t num_pages, int64_t page_size = 16,
+                                       int64_t num_layers = 1, DType dtype = DType::kF32) const;
+
+  // One continuous-batching step over a paged pool: the new tokens of n
+  // sequences packed along one axis,
+  //   x   [total_tokens, hidden]  f32 (hidden contiguous)
+  //   out [total_tokens, hidden]  f32, written; must not alias x
+  // Sequence seq_ids[s] owns rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]):
+  // the tokens it reserved with cache.append() that layer `layer_index` of
+  // the pool has not written yet, at positions written(id, layer) + i
+  // (RoPE). Each projection is one GEMM over all rows (never the one-row
+  // GEMV, so that batching changes no bits where
+  // kernels::linear_rows_independent()); attention is cache.attend(). The
+  // layer must be causal and the pool's shape and window this layer's.
+  // A failed call changes neither out nor the pool.
+  Status forward_batch(const TensorView& x, std::span<const int32_t> cu_seqlens_q,
+                       std::span<const int64_t> seq_ids, PagedKVCache& cache, int64_t layer_index,
+                       const TensorView& out, const RunOptions& run = {});
+
  private:
+  // Runs attention on the projected q, k, v [batch, seq, heads, head_dim]
+  // into o; compute() calls it between the projections and o_proj.
+  using AttendFn =
+      std::function<Status(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o)>;
+  // Projections, qk-norm and RoPE of x [batch, seq, hidden] at `positions`
+  // ([seq] or [batch * seq]; empty = first_position + t), attend(), then
+  // o_proj into out.
+  Status compute(const char* fn, const TensorView& x, const TensorView& out,
+                 std::span<const int64_t> positions, int64_t first_position, const RunOptions& run,
+                 bool gemv_for_one_row, const AttendFn& attend) const;
+  // softmax_scale and softcap from the config, backend and threads from run.
+  AttentionOptions attention_options(const RunOptions& run) const;
+
   AttentionConfig config_;
   Rope rope_;
   // f32 weights, nn.Linear layout.

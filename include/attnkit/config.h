@@ -37,8 +37,10 @@ struct AttentionConfig {
 // num_kv_heads == 0, rope consistent with head_dim, ...).
 Status validate(const AttentionConfig& config);
 
-// Reads the attention fields of a Hugging Face config.json (llama, mistral,
-// qwen2, qwen3, gemma2 and configs of the same shape). `layer_index` picks
+// Reads the attention fields of a Hugging Face config.json: model_type
+// llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe or gemma2 (a
+// config without model_type is read as llama's shape; any other model_type
+// is an error naming it). `layer_index` picks
 // the per-layer settings where a model alternates them (Gemma-2's sliding
 // layers, Qwen2's max_window_layers, an explicit layer_types list).
 Result<AttentionConfig> attention_config_from_json(std::string_view json_text,

@@ -41,9 +41,11 @@ struct KVCacheSpec {
 // cache of `dtype` as KVCache lays it out: num_kv_heads * dim, plus one
 // 64-byte line when that row is a multiple of 2 KiB. A row that size puts
 // all of a kv head's rows into a few of the L1's sets, which cost 1-token
-// decode 3-11 % (docs/PERFORMANCE-LOG.md, fourth session); callers that
-// keep their own caches for sdpa() can use the same stride. Returns 0 when
-// an argument is < 1 or the row's element count overflows 64 bits.
+// decode 3-11 % (attnkit_bench --benchmark_filter='^decode/gqa32-8/k16384/',
+// 2026-11-24 at 61fcf54 on a Zen 5: docs/PERFORMANCE-LOG.md,
+// 2026-11-24 · 61fcf54); callers that keep their own caches for sdpa() can
+// use the same stride. Returns 0 when an argument is < 1 or the row's
+// element count overflows 64 bits.
 int64_t kv_token_stride(int64_t num_kv_heads, int64_t dim, DType dtype);
 
 // A [batch, tokens, num_kv_heads, dim] view of `data` in that layout:

@@ -23,8 +23,10 @@
 //   k_t,h      = [W_UK_h c_t ; k_rope_t],  v_t,h = W_UV_h c_t       (W_UK_h, W_UV_h from kv_b_proj)
 //   o_t,h      = sum_s softmax_s(sigma * q_t,h . k_s,h) v_s,h        causal
 //   out_t      = o_proj [o_t,1 ; ... ; o_t,H]
-// RoPE is the interleaved pairing (features 2i, 2i+1) that DeepSeek
-// checkpoints use, with YaRN's frequency correction when configured.
+// RoPE pairs features (2i, 2i+1) as DeepSeek's checkpoints do
+// (rope_interleave = true, the default), or (i, i + d_r/2) when a config sets
+// rope_interleave = false, as Hugging Face's DeepSeek-V3 then does; YaRN's
+// frequency correction applies in both when configured.
 // sigma = d_qk^-1/2 * m^2 with m = 0.1 * mscale_all_dim * ln(factor) + 1
 // under YaRN (m = 1 otherwise, or when mscale_all_dim is absent); the cos/sin
 // amplitude is mscale(factor, mscale) / mscale(factor, mscale_all_dim) when
@@ -49,6 +51,7 @@
 #include <vector>
 
 #include "attnkit/attention_layer.h"
+#include "attnkit/paged_kv_cache.h"
 #include "attnkit/rope.h"
 #include "attnkit/status.h"
 #include "attnkit/tensor.h"
@@ -72,6 +75,9 @@ struct MlaConfig {
   RopeScaling rope_scaling;
   double rms_norm_eps = 1e-6;
   int64_t max_position_embeddings = 0;  // informational; 0 = unknown
+  // The RoPE pairing of the rope features: true = interleaved (2i, 2i+1),
+  // false = half-split (i, i + d_r/2). Hugging Face's rope_interleave.
+  bool rope_interleave = true;
 
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   // Values one token occupies in the latent cache: d_c + d_r.
@@ -90,8 +96,9 @@ double mla_softmax_scale(const MlaConfig& config);
 // q_lora_rank (may be null), kv_lora_rank, qk_nope_head_dim,
 // qk_rope_head_dim, v_head_dim. Optional: rope_theta (10000), rms_norm_eps
 // (1e-6), max_position_embeddings, rope_scaling (null or YaRN; Hugging
-// Face's newer "rope_parameters" is read the same way), attention_bias
-// (must be false). Errors name the field and its value.
+// Face's newer "rope_parameters" is read the same way), rope_interleave
+// (true), attention_bias (must be false). Errors name the field and its
+// value.
 Result<MlaConfig> mla_config_from_json(std::string_view json_text);
 
 enum class MlaForm : uint8_t { kAuto, kNaive, kAbsorbed };
@@ -179,7 +186,36 @@ class LatentAttention {
   // earlier tokens (docs/MLA.md explains the cost model).
   MlaForm choose_form(int64_t new_tokens, int64_t cached_tokens) const;
 
+  // A pool in the latent layout (kv_lora_rank + qk_rope_head_dim values per
+  // token and layer) with num_layers layers, for forward_batch().
+  Result<PagedKVCache> new_paged_cache(int64_t num_pages, int64_t page_size = 16,
+                                       int64_t num_layers = 1, DType dtype = DType::kF32) const;
+
+  // One continuous-batching step over a latent pool, as
+  // AttentionLayer::forward_batch: x, out [total_tokens, hidden] f32
+  // (contiguous), sequence seq_ids[s] owning rows [cu_seqlens_q[s],
+  // cu_seqlens_q[s + 1]) = its reserved tokens that layer `layer_index`
+  // has not written, at positions written(id, layer) + i. Attention runs in
+  // the absorbed form over the latent pages (every step, decode or prompt);
+  // projections are GEMMs over all rows, never the one-row GEMV. A failed
+  // call changes neither out nor the pool.
+  Status forward_batch(const TensorView& x, std::span<const int32_t> cu_seqlens_q,
+                       std::span<const int64_t> seq_ids, PagedKVCache& cache, int64_t layer_index,
+                       const TensorView& out, const RunOptions& run = {});
+
  private:
+  // q [B*T, H, d_qk] and the new latent rows kv_new [B*T, d_c + d_r] of x
+  // [B, T, hidden] (contiguous), RoPE at positions ([T] or [B*T]); cq
+  // [B*T, q_lora_rank] is scratch (unused without query compression).
+  Status project(const float* x, int64_t B, int64_t T, std::span<const int64_t> positions,
+                 const RunOptions& run, bool gemv_for_one_row, float* cq, float* q,
+                 float* kv_new) const;
+  // qa [rows, H, d_c + d_r] = [W_UK_h^T q_nope ; q_rope] from q [rows, H, d_qk].
+  void absorb_queries(const float* q, int64_t rows, float* qa, const RunOptions& run) const;
+  // o [rows, H, d_v] = W_UV_h oa_h from the latent outputs oa [rows, H, d_c].
+  void expand_values(const float* oa, int64_t rows, float* o, const RunOptions& run,
+                     bool gemv_for_one_row) const;
+
   struct Weights {
     Tensor q_a, q_a_norm, q_b, q;  // q_a/q_a_norm/q_b when q_lora_rank > 0, else q
     Tensor kv_a, kv_a_norm, kv_b, o;

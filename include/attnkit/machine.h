@@ -17,11 +17,31 @@ struct MachineProfile {
   double bf16_dot_peak_gflops = 0;  // vdpbf16ps throughput, all threads; 0 if absent
   double dram_read_gbps = 0;        // streaming read bandwidth, all threads, buffer >> LLC
   double seconds_spent = 0;         // how long the measurement took
+  // Whether every probe settled: its fastest run was matched within 5 % by
+  // another before the probe's run limit. A probe that does not settle
+  // (the machine is busy) still reports its fastest run.
+  bool stable = false;
 };
 
-// Measures with `threads` threads (0 = all cores). `quick` shortens each
-// probe (about 0.3 s in all instead of about 1 s) for interactive tools.
+// Measures with `threads` threads (0 = all cores). Each probe (FMA peak,
+// bf16 dot peak, read bandwidth) is repeated until its fastest run is
+// matched within 5 % by another and keeps the fastest: at least 3 and at
+// most 20 runs (quick: 2 and 8, with shorter runs, for interactive tools).
 MachineProfile measure_machine(int threads = 0, bool quick = false);
+
+// Two measurements of the same machine, typically before and after the
+// work they are the yardstick for: a machine that was busy during one of
+// them shows as a disagreement, which a single measurement cannot see.
+struct MachineCheck {
+  MachineProfile before, after;
+  MachineProfile best;  // each figure the larger of the two; the others from `before`
+  bool agree = true;    // fp32 peak, bf16 dot peak and read bandwidth within `tolerance`
+  // Empty when they agree; else which figures moved, e.g. "fp32 peak 114
+  // then 231 GFLOP/s; read bandwidth 21.0 then 20.6 GB/s".
+  std::string disagreement;
+};
+MachineCheck compare_machine_profiles(const MachineProfile& before, const MachineProfile& after,
+                                      double tolerance = 0.15);
 
 // The GEMM behind the layers' projections and the instruction set it runs,
 // for reports next to the profile, e.g. "oneDNN 2.6.3 matmul

@@ -121,11 +121,12 @@ struct PhaseCost {
 struct StrategyCost {
   ParallelStrategy strategy = ParallelStrategy::kSingle;
   bool feasible = true;
-  std::string infeasible_reason;      // why not, when !feasible (then the numbers are 0)
-  int64_t weight_bytes_per_rank = 0;  // attention weights of all layers, busiest rank
-  int64_t kv_bytes_per_rank = 0;      // cache of all layers for B sequences of S tokens
-  PhaseCost prefill;                  // per layer
-  PhaseCost decode;                   // per layer
+  std::string infeasible_reason;  // why not, when !feasible (then the numbers are 0)
+  // Doubles, as kv_cache_bytes (exact to 2^53 bytes, never capped).
+  double weight_bytes_per_rank = 0.0;  // attention weights of all layers, busiest rank
+  double kv_bytes_per_rank = 0.0;      // cache of all layers for B sequences of S tokens
+  PhaseCost prefill;                   // per layer
+  PhaseCost decode;                    // per layer
 };
 
 // The three strategies (single, head-parallel, context-parallel, in that

@@ -12,8 +12,10 @@ names it (I/O failures: OSError).
                           prefix="model.layers.0.self_attn.")
     y = layer.forward(x)
 """
-import json
-import os
+# Imported under private names so that dir(attnkit) lists the package's
+# own API only.
+import json as _json
+import os as _os
 
 from . import _attnkit
 from ._attnkit import (AttentionLayer, KVCache, Rope, apply_rope, load_safetensors,
@@ -33,9 +35,9 @@ def _config_dict(config, fn):
         return config
     if hasattr(config, "to_dict"):
         return config.to_dict()
-    if isinstance(config, (str, os.PathLike)):
+    if isinstance(config, (str, _os.PathLike)):
         with open(config, encoding="utf-8") as f:
-            return json.load(f)
+            return _json.load(f)
     raise ValueError(f"{fn}: config must be a dict, a transformers config or the path of a "
                      f"config.json, got {type(config).__name__}")
 
@@ -48,16 +50,17 @@ def from_config(config, layer_index=0):
     layer_index: which layer's settings to use where they differ per layer
         (Mistral/Gemma-2/Qwen2 sliding-window layers, layer_types).
 
-    Returns an AttentionLayer (llama, mistral, qwen2, qwen3, gemma2 and
-    configs of their shape) or, for model_type deepseek_v2 / deepseek_v3 /
-    kimi_k2, a LatentAttention (MLA). The layer expects Hugging Face weight
+    Returns an AttentionLayer for model_type llama, mistral, mixtral, qwen2,
+    qwen2_moe, qwen3, qwen3_moe, gemma2 (or no model_type: llama's shape)
+    or, for deepseek_v2 / deepseek_v3 / kimi_k2, a LatentAttention (MLA).
+    Any other model_type raises ValueError naming it. The layer expects Hugging Face weight
     names (q_proj.weight, ...); load them with
     layer.load_state_dict(state_dict, prefix="model.layers.N.self_attn.").
     forward(x [batch, seq, hidden]) -> [batch, seq, hidden].
     Raises ValueError naming the offending field.
     """
     config = _config_dict(config, "from_config")
-    text = json.dumps(config)
+    text = _json.dumps(config)
     if config.get("model_type") in MLA_MODEL_TYPES:
         latent = getattr(_attnkit, "LatentAttention", None)
         if latent is None:

@@ -1,6 +1,6 @@
 """The MoE feed-forward from a Hugging Face config (see docs/MOE.md)."""
-import json
-import os
+import json as _json
+import os as _os
 
 from ._attnkit import MoE
 
@@ -20,12 +20,12 @@ def moe_from_config(config):
         routing["expert_ids"], routing["weights"]          # [batch, seq, k]
         routing["tokens_per_expert"]                       # [n_routed_experts]
     """
-    if isinstance(config, (str, os.PathLike)):
+    if isinstance(config, (str, _os.PathLike)):
         with open(config, encoding="utf-8") as f:
-            config = json.load(f)
+            config = _json.load(f)
     elif not isinstance(config, dict) and hasattr(config, "to_dict"):
         config = config.to_dict()
     if not isinstance(config, dict):
         raise ValueError("moe_from_config: config must be a dict, a transformers config or the "
                          f"path of a config.json, got {type(config).__name__}")
-    return MoE.from_config_json(json.dumps(config))
+    return MoE.from_config_json(_json.dumps(config))

@@ -24,7 +24,8 @@ import math
 import os
 import sys
 
-__all__ = ["load", "kv_memory_vs_context", "decode_latency_vs_context", "roofline", "plot_all", "main"]
+__all__ = ["load", "kv_memory_vs_context", "decode_latency_vs_context", "roofline", "above_roof",
+           "plot_warnings", "plot_all", "main"]
 
 _VARIANT_ORDER = ["mha", "gqa-16", "gqa-8", "gqa-4", "gqa-2", "mqa", "mla"]
 
@@ -173,15 +174,55 @@ def decode_latency_vs_context(bench, path, batch=1):
     return _save(fig, path)
 
 
+def _roof(bench, row):
+    """The roof a row can reach: the fp32 FMA peak (the bf16 dot-product
+    peak for bf16 K/V rows, where higher) or the read bandwidth times the
+    row's arithmetic intensity, whichever is lower."""
+    m = bench["machine"]
+    peak = float(m["fp32_peak_gflops"])
+    if row["kv_dtype"] == "bf16":
+        peak = max(peak, float(m.get("bf16_dot_peak_gflops") or 0))
+    return min(peak, float(m["dram_read_gbps"]) * row["arithmetic_intensity"])
+
+
+def above_roof(bench):
+    """The measured rows drawn above their roof. A kernel cannot beat the
+    machine, so each one says the roof was measured low (a busy machine
+    halves the measured peak) or that the row's data came from cache."""
+    return [r for r in bench["rows"]
+            if r.get("gflops") is not None and r["gflops"] > _roof(bench, r)]
+
+
+def plot_warnings(bench):
+    """What a reader of the plots must know: rows above the roof, and
+    machine figures that disagreed before and after the bench run."""
+    out = []
+    above = above_roof(bench)
+    if above:
+        out.append("%d of %d points lie above the measured roof: the peak or bandwidth was "
+                   "measured low (a busy machine) or the data came from cache; the roof is "
+                   "not a bound for them" % (len(above), len(bench["rows"])))
+    # The bench's own lines, without its "warning: " (the callers add theirs)
+    # and without its count of rows above the roof, which the line above
+    # replaces.
+    for w in bench.get("warnings", []):
+        if "above this machine's measured roof" not in w:
+            out.append(w[len("warning: "):] if w.startswith("warning: ") else w)
+    return out
+
+
 def roofline(bench, path):
     """Roofline of this machine (measured fp32 FMA peak and read bandwidth,
     and dashed the bf16 dot-product peak where it is higher) with every
     measured row at (FLOPs / bytes, achieved GFLOP/s): circles decode,
-    squares prefill; filled f32 KV, hollow bf16. Writes `path`."""
+    squares prefill; filled f32 KV, hollow bf16. Points above their roof
+    (see above_roof) are ringed in red and counted on the plot. Writes
+    `path`."""
     plt = _plt()
     m = bench["machine"]
     peak, bw = float(m["fp32_peak_gflops"]), float(m["dram_read_gbps"])
     rows = [r for r in bench["rows"] if r.get("gflops") is not None]
+    above = above_roof(bench)
     variants = _variants(bench)
     colors = _colors(variants)
     xs = [r["arithmetic_intensity"] for r in rows] or [1.0]
@@ -210,6 +251,13 @@ def roofline(bench, path):
         ax.plot(r["arithmetic_intensity"], r["gflops"], "o" if r["mode"] == "decode" else "s",
                 markersize=5, color=colors[v], markerfacecolor="none" if hollow else colors[v],
                 label=label, linestyle="none")
+    if above:
+        ax.plot([r["arithmetic_intensity"] for r in above], [r["gflops"] for r in above], "o",
+                markersize=11, markerfacecolor="none", markeredgecolor="red", linestyle="none",
+                label="above the measured roof")
+        ax.text(0.02, 0.98, "%d point(s) above the measured roof:\nthe machine was measured "
+                "low (busy?) or the data came from cache" % len(above),
+                transform=ax.transAxes, fontsize=7, color="red", va="top")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
@@ -254,11 +302,14 @@ def main(argv=None):
     except (OSError, ValueError, KeyError) as e:
         print("attnkit.plot: %s" % e, file=sys.stderr)
         return 2
+    notes = plot_warnings(bench)
     if a.json:
-        print(json.dumps({"files": files, "input": a.input}))
+        print(json.dumps({"files": files, "input": a.input, "warnings": notes}))
     else:
         for f in files:
             print("%-26s %s" % (f["plot"], f["path"]))
+        for w in notes:
+            print("warning: %s" % w, file=sys.stderr)
     return 0
 
 

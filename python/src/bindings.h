@@ -1,12 +1,17 @@
-// One function per binding file; module.cc calls them in order.
+// One function per binding file, each binding one area the way src/ splits
+// it; module.cc calls them in order.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
 namespace attnkit::python {
 
-void bind_core(pybind11::module_& m);  // core.cc: sdpa, RoPE, attention layer, caches, safetensors
-void bind_mla(pybind11::module_& m);   // mla.cc: LatentAttention and its cache
-void bind_moe(pybind11::module_& m);   // moe.cc: the MoE feed-forward
+void bind_sdpa(pybind11::module_& m);             // sdpa.cc: sdpa, merge_attention_states
+void bind_rope(pybind11::module_& m);             // rope.cc: Rope, apply_rope
+void bind_kv_cache(pybind11::module_& m);         // kv_cache.cc: KVCache
+void bind_attention_layer(pybind11::module_& m);  // attention_layer.cc: AttentionLayer
+void bind_safetensors(pybind11::module_& m);      // safetensors.cc: load/save_safetensors
+void bind_mla(pybind11::module_& m);              // mla.cc: LatentAttention and its cache
+void bind_moe(pybind11::module_& m);              // moe.cc: the MoE feed-forward
 
 }  // namespace attnkit::python

@@ -51,6 +51,7 @@ py::dict config_dict(const MlaConfig& c) {
   d["rope_theta"] = c.rope_theta;
   d["rms_norm_eps"] = c.rms_norm_eps;
   d["max_position_embeddings"] = c.max_position_embeddings;
+  d["rope_interleave"] = c.rope_interleave;
   if (c.rope_scaling.type == RopeScaling::Type::kYarn) {
     const RopeScaling& y = c.rope_scaling;
     py::dict rs;
@@ -198,7 +199,13 @@ values), nothing else. Made by LatentAttention.new_cache.
           "Copy of the cached rows, float32 [batch, length, kv_lora_rank + qk_rope_head_dim]: "
           "[normed latent ; rotated rope key] per token.")
       .def("__repr__", [](PyLatentCache& c) {
-        return "LatentCache(batch_size=" + std::to_string(c.cache.batch_size()) +
+        int64_t length = 0;
+        {
+          std::lock_guard lock(c.mu);
+          length = c.cache.length();
+        }
+        return "LatentCache(length=" + std::to_string(length) +
+               ", batch_size=" + std::to_string(c.cache.batch_size()) +
                ", max_seq_len=" + std::to_string(c.cache.max_seq_len()) +
                ", values_per_token=" + std::to_string(c.cache.values_per_token()) + ", dtype='" +
                cache_dtype_name(c.cache.dtype()) + "')";
@@ -231,7 +238,9 @@ values), nothing else. Made by LatentAttention.new_cache.
       .def("load_state_dict", &load_py, py::arg("state_dict"), py::arg("prefix") = "",
            "Copies prefix + name for every name in weight_names() from a dict of arrays "
            "(numpy or float torch tensors). Strict: a missing or misshapen weight, or an "
-           "unexpected name under the prefix, raises ValueError and changes nothing.")
+           "unexpected name under the prefix, raises ValueError and changes nothing; the RoPE "
+           "buffers older exports carry (rotary_emb.inv_freq, .cos_cached, .sin_cached) are "
+           "skipped.")
       .def("load_weights", &load_py, py::arg("weights"), py::arg("prefix") = "",
            "Same as load_state_dict.")
       .def(

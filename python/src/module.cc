@@ -6,7 +6,11 @@
 
 PYBIND11_MODULE(_attnkit, m) {
   m.doc() = "attnkit native module (use the attnkit package, not this module)";
-  attnkit::python::bind_core(m);
+  attnkit::python::bind_sdpa(m);
+  attnkit::python::bind_rope(m);
+  attnkit::python::bind_kv_cache(m);
+  attnkit::python::bind_attention_layer(m);
+  attnkit::python::bind_safetensors(m);
   attnkit::python::bind_mla(m);
   attnkit::python::bind_moe(m);
 }

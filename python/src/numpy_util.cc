@@ -1,9 +1,12 @@
 #include "numpy_util.h"
 
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <string_view>
+#include <utility>
 
 namespace attnkit::python {
 namespace {
@@ -103,11 +106,43 @@ void copy_strided(const TensorView& v, Dst* dst, Convert convert) {
       }
 }
 
+void replace_all(std::string* s, std::string_view from, std::string_view to) {
+  for (size_t at = s->find(from); at != std::string::npos; at = s->find(from, at + to.size()))
+    s->replace(at, from.size(), to);
+}
+
 }  // namespace
+
+std::string python_message(std::string msg) {
+  // The C++ entry points a Python call reaches, by the name the caller used.
+  static constexpr std::pair<std::string_view, std::string_view> kNames[] = {
+      {"AttentionLayer::load_weights", "AttentionLayer.load_state_dict"},
+      {"AttentionLayer::weight", "AttentionLayer.state_dict"},
+      {"AttentionLayer::create", "AttentionLayer"},
+      {"LatentAttention::load_weights", "LatentAttention.load_state_dict"},
+      {"LatentAttention::weight", "LatentAttention.state_dict"},
+      {"LatentAttention::create", "LatentAttention"},
+      {"KVCache::create", "KVCache"},
+      {"Rope::create", "Rope"},
+      {"MoeLayer::", "MoE."},
+      {"SafetensorsFile::open", "load_safetensors"},
+      {"SafetensorsFile::parse", "load_safetensors"},
+      {"Tensor::zeros", "allocating an array"},
+  };
+  for (const auto& [cpp, py] : kNames) replace_all(&msg, cpp, py);
+  // Every other C++ method (KVCache::attend, Rope::apply, ...) has the same
+  // name in Python, after a '.'.
+  replace_all(&msg, "::", ".");
+  // The attention layers load with load_state_dict in Python (MoE keeps
+  // load_weights, its Python name too).
+  if (msg.rfind("AttentionLayer.", 0) == 0 || msg.rfind("LatentAttention.", 0) == 0)
+    replace_all(&msg, "(call load_weights", "(call load_state_dict");
+  return msg;
+}
 
 void throw_if_error(const Status& status) {
   if (status.ok()) return;
-  const std::string& msg = status.message();
+  const std::string msg = python_message(status.message());
   switch (status.code()) {
     case StatusCode::kIoError:
       PyErr_SetString(PyExc_OSError, msg.c_str());
@@ -352,6 +387,15 @@ std::vector<int64_t> parse_positions(py::handle obj, const char* fn) {
     for (int64_t c = 0; c < cols; ++c)
       out.push_back(v.ptr<const int64_t>()[r * row_stride + c * col_stride]);
   return out;
+}
+
+float parse_softmax_scale(const std::optional<double>& scale, const char* fn) {
+  if (!scale) return 0.0f;  // the C++ API's "1/sqrt(head_dim)"
+  const auto s = static_cast<float>(*scale);
+  if (!(std::isfinite(s) && s > 0.0f))
+    raise_value_error(fn, "softmax_scale = " + py::repr(py::float_(*scale)).cast<std::string>() +
+                              " must be finite and > 0 (None = 1/sqrt(head_dim))");
+  return s;
 }
 
 DType parse_cache_dtype(const std::string& text, const char* fn, const char* name) {

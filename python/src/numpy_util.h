@@ -1,4 +1,4 @@
-// Helpers shared by every binding file (core.cc, mla.cc, moe.cc): numpy
+// Helpers shared by every binding file (python/src/*.cc): numpy
 // arrays as TensorViews without copies where possible, new numpy outputs,
 // attnkit Status -> Python exceptions, and the option values every binding
 // parses the same way (backend, window_size, sparse, seqlens_k, positions,
@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,10 +34,16 @@ namespace attnkit::python {
 
 namespace py = pybind11;
 
-// Raises the Python exception for a failed Status, with the Status message
-// unchanged: InvalidArgument, OutOfRange, NotFound -> ValueError; IoError ->
-// OSError; ResourceExhausted -> MemoryError; Internal -> RuntimeError.
-// Returns normally on OK. Needs the GIL.
+// A C++ Status message in the words of a Python caller: C++ names become
+// the bound ones ("AttentionLayer::load_weights" ->
+// "AttentionLayer.load_state_dict", "KVCache::attend" -> "KVCache.attend",
+// "MoeLayer::" -> "MoE."), so no message shows a '::'.
+std::string python_message(std::string msg);
+
+// Raises the Python exception for a failed Status, with its message as
+// python_message gives it: InvalidArgument, OutOfRange, NotFound ->
+// ValueError; IoError -> OSError; ResourceExhausted -> MemoryError;
+// Internal -> RuntimeError. Returns normally on OK. Needs the GIL.
 void throw_if_error(const Status& status);
 
 template <typename T>
@@ -109,6 +116,10 @@ std::vector<int32_t> parse_seqlens_k(py::handle obj, const char* fn);
 // None -> empty; else integer positions of shape [seq] or [batch, seq],
 // flattened row-major (what Rope::apply and the layers take).
 std::vector<int64_t> parse_positions(py::handle obj, const char* fn);
+
+// softmax_scale as the bindings take it: None -> 0 (the C++ API's
+// "1/sqrt(head_dim)"), else a finite value > 0.
+float parse_softmax_scale(const std::optional<double>& scale, const char* fn);
 
 // "float32" | "f32" -> kF32, "bfloat16" | "bf16" -> kBF16; `name` is the
 // argument's name in messages.

@@ -70,18 +70,19 @@ int64_t kv_bytes_per_token(const ModelShape& m, DType kv_dtype, bool mla_latent)
          static_cast<int64_t>(dtype_size(kv_dtype));
 }
 
-int64_t kv_cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int64_t batch,
-                       bool mla_latent) {
-  // 128-bit sum, saturated: contexts and batches come from users (and the
-  // planner's search probes up to 2^40 tokens).
+double kv_cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int64_t batch,
+                      bool mla_latent) {
+  // One sequence's bytes in 128 bits: at most 2^43 bytes per token and
+  // layer (sizes are capped at 2^20 by the parsers) x 2^63 tokens x 2^20
+  // layers = 2^126. Times the batch in double: a product below 2^53 is
+  // exact, a larger one is within two roundings of the truth.
   const __int128 per_token_layer =
       static_cast<__int128>(kv_values_per_token_per_layer(m, mla_latent)) *
       static_cast<__int128>(dtype_size(kv_dtype));
-  __int128 total = 0;
-  for (int64_t l = 0; l < m.num_layers; ++l) total += per_token_layer * tokens_held(m, context, l);
-  total *= batch;
-  constexpr __int128 kMax = INT64_MAX;
-  return static_cast<int64_t>(total > kMax ? kMax : total);
+  __int128 per_sequence = 0;
+  for (int64_t l = 0; l < m.num_layers; ++l)
+    per_sequence += per_token_layer * tokens_held(m, context, l);
+  return static_cast<double>(per_sequence) * static_cast<double>(batch);
 }
 
 double prefill_flops_per_layer(const ModelShape& m, int64_t seq, int64_t layer) {

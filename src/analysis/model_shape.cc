@@ -8,6 +8,7 @@
 #include <string>
 
 #include "attnkit/analysis.h"
+#include "attnkit/latent_attention.h"
 
 namespace attnkit {
 namespace {
@@ -108,26 +109,27 @@ Status parse_windows(const json& j, ModelShape* m) {
   return Status::Ok();
 }
 
-Status parse_mla(const json& j, ModelShape* m) {
+// MLA configs are read by the layer's own parser, so that analyze and
+// LatentAttention accept and reject the same files with the same message.
+Status parse_mla(std::string_view json_text, ModelShape* m) {
+  Result<MlaConfig> c = mla_config_from_json(json_text);
+  if (!c.ok()) return c.status();
   m->mla = true;
-  ATTNKIT_RETURN_IF_ERROR(get_int(j, "kv_lora_rank", true, &m->kv_lora_rank));
-  ATTNKIT_RETURN_IF_ERROR(get_int(j, "q_lora_rank", false, &m->q_lora_rank, 0));
-  ATTNKIT_RETURN_IF_ERROR(get_int(j, "qk_nope_head_dim", true, &m->qk_nope_head_dim));
-  ATTNKIT_RETURN_IF_ERROR(get_int(j, "qk_rope_head_dim", true, &m->qk_rope_head_dim));
-  ATTNKIT_RETURN_IF_ERROR(get_int(j, "v_head_dim", true, &m->v_head_dim));
-  if (m->qk_rope_head_dim % 2 != 0)
-    return field_error("qk_rope_head_dim", "must be even (RoPE rotates pairs)",
-                       j.at("qk_rope_head_dim"));
-  // num_key_value_heads and head_dim in these configs do not describe the
-  // cache (mla.md, analyzer traps): each head gets its own K/V after
-  // decompression, q/k are nope + rope wide and v is v_head_dim wide.
-  m->num_kv_heads = m->num_heads;
-  m->head_dim = m->qk_nope_head_dim + m->qk_rope_head_dim;
-  m->head_dim_v = m->v_head_dim;
+  m->kv_lora_rank = c->kv_lora_rank;
+  m->q_lora_rank = c->q_lora_rank;
+  m->qk_nope_head_dim = c->qk_nope_head_dim;
+  m->qk_rope_head_dim = c->qk_rope_head_dim;
+  m->v_head_dim = c->v_head_dim;
+  m->rope_interleave = c->rope_interleave;
   return Status::Ok();
 }
 
-Status parse(const json& j, ModelShape* m) {
+// The families whose attention is MLA, with or without their MLA fields.
+bool is_mla_family(const std::string& model_type) {
+  return model_type == "deepseek_v2" || model_type == "deepseek_v3" || model_type == "kimi_k2";
+}
+
+Status parse(std::string_view json_text, const json& j, ModelShape* m) {
   if (!j.is_object())
     return invalid_argument(std::string(kFn) + ": the config must be a JSON object");
   if (auto it = j.find("model_type"); it != j.end() && it->is_string())
@@ -135,6 +137,11 @@ Status parse(const json& j, ModelShape* m) {
   if (auto it = j.find("_name_or_path"); it != j.end() && it->is_string())
     m->name = it->get<std::string>();
   const std::string& type = m->model_type;
+  // A deepseek_v3 config without kv_lora_rank is a broken MLA config, not
+  // an MHA one: it goes to the MLA parser, which names the missing field.
+  const bool mla =
+      is_mla_family(type) || (j.contains("kv_lora_rank") && !j["kv_lora_rank"].is_null());
+  if (mla) ATTNKIT_RETURN_IF_ERROR(parse_mla(json_text, m));
 
   if (type == "gpt2") {
     ATTNKIT_RETURN_IF_ERROR(get_int(j, "n_embd", true, &m->hidden_size));
@@ -158,8 +165,13 @@ Status parse(const json& j, ModelShape* m) {
                             std::to_string(m->num_heads) + " and the config has no head_dim");
   m->head_dim = m->hidden_size / m->num_heads;
 
-  if (j.contains("kv_lora_rank") && !j["kv_lora_rank"].is_null()) {
-    ATTNKIT_RETURN_IF_ERROR(parse_mla(j, m));
+  if (mla) {
+    // num_key_value_heads and head_dim in these configs do not describe the
+    // cache (mla.md, analyzer traps): each head gets its own K/V after
+    // decompression, q/k are nope + rope wide and v is v_head_dim wide.
+    m->num_kv_heads = m->num_heads;
+    m->head_dim = m->qk_nope_head_dim + m->qk_rope_head_dim;
+    m->head_dim_v = m->v_head_dim;
   } else {
     ATTNKIT_RETURN_IF_ERROR(get_int(j, "head_dim", false, &m->head_dim));
     m->head_dim_v = m->head_dim;
@@ -201,7 +213,7 @@ Result<ModelShape> model_shape_from_json(std::string_view json_text) {
   ModelShape m;
   try {
     const json j = json::parse(json_text.begin(), json_text.end());
-    ATTNKIT_RETURN_IF_ERROR(parse(j, &m));
+    ATTNKIT_RETURN_IF_ERROR(parse(json_text, j, &m));
   } catch (const json::exception& e) {
     return invalid_argument(std::string(kFn) + ": not valid JSON: " + e.what());
   }

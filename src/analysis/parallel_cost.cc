@@ -116,9 +116,8 @@ StrategyCost single_cost(const ModelShape& m, const ParallelWorkload& w, const R
   const double B = static_cast<double>(w.batch), L = static_cast<double>(m.num_layers);
   StrategyCost c;
   c.strategy = ParallelStrategy::kSingle;
-  c.weight_bytes_per_rank =
-      static_cast<int64_t>(static_cast<double>(attention_params_per_layer(m)) *
-                           static_cast<double>(dtype_size(w.weight_dtype)) * L);
+  c.weight_bytes_per_rank = static_cast<double>(attention_params_per_layer(m)) *
+                            static_cast<double>(dtype_size(w.weight_dtype)) * L;
   c.kv_bytes_per_rank = kv_cache_bytes(m, w.kv_dtype, w.context, w.batch);
   c.prefill.compute_s = B * prefill_flops_per_layer(m, w.context) / rt.flops_per_s;
   c.decode.compute_s =
@@ -147,9 +146,8 @@ StrategyCost head_parallel_cost(const ModelShape& m, int64_t ranks, const Parall
     }
     const ModelShape shard = head_shard(m, *share, r);
     c.weight_bytes_per_rank =
-        std::max(c.weight_bytes_per_rank,
-                 static_cast<int64_t>(static_cast<double>(attention_params_per_layer(shard)) *
-                                      static_cast<double>(dtype_size(w.weight_dtype)) * L));
+        std::max(c.weight_bytes_per_rank, static_cast<double>(attention_params_per_layer(shard)) *
+                                              static_cast<double>(dtype_size(w.weight_dtype)) * L);
     c.kv_bytes_per_rank =
         std::max(c.kv_bytes_per_rank, kv_cache_bytes(shard, w.kv_dtype, w.context, w.batch));
     c.prefill.compute_s = std::max(c.prefill.compute_s,
@@ -208,7 +206,7 @@ StrategyCost context_parallel_cost(const ModelShape& m, int64_t ranks, const Par
     chunks[static_cast<size_t>(r)] = *ring_chunks(w.context, ranks, r);
     tokens[static_cast<size_t>(r)] = chunks[static_cast<size_t>(r)].size();
   }
-  c.weight_bytes_per_rank = static_cast<int64_t>(P * e_w * L);
+  c.weight_bytes_per_rank = P * e_w * L;
   for (int64_t r = 0; r < ranks; ++r) {
     const RingChunks& ch = chunks[static_cast<size_t>(r)];
     const double n_r = static_cast<double>(ch.size());

@@ -3,11 +3,14 @@
 // with AVX-512 still runs (and measures honestly) on one without.
 #include "attnkit/machine.h"
 
+#include "core/best_run.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <thread>
 #include <vector>
@@ -156,27 +159,31 @@ MachineProfile measure_machine(int threads, bool quick) {
   p.simd = avx512 ? "avx512" : avx2 ? "avx2" : "scalar";
   const int lanes = avx512 ? 16 : avx2 ? 8 : 1;
   const int chains = avx512 ? kFmaChains512 : avx2 ? kFmaChains256 : 16;
-  const int repeats = quick ? 2 : 5;
+  // Each probe keeps its fastest run (the one least disturbed by whatever
+  // else the machine runs) once another run matches it: a peak measured
+  // while other work held the cores came out at half, and a single run
+  // cannot tell (docs/PERFORMANCE.md, "Measuring the machine").
+  const int min_runs = quick ? 2 : 3, max_runs = quick ? 8 : 20;
+  constexpr double kStable = 0.05;
 
-  // FMA peak: best of a few short runs (the machine is shared; the best run
-  // is the one least disturbed).
   const int64_t iters = quick ? 2'000'000 : 6'000'000;
-  double best = 1e30;
-  for (int r = 0; r < repeats; ++r) {
-    best = std::min(
-        best, timed_parallel(threads, [&](int) {
+  const BestRun fma = best_until_stable(
+      [&] {
+        return timed_parallel(threads, [&](int) {
           g_sink = avx512 ? fma_avx512(iters) : avx2 ? fma_avx2(iters) : fma_scalar(iters / 4);
-        }));
-  }
+        });
+      },
+      min_runs, max_runs, kStable);
   const double fma_iters = avx512 || avx2 ? static_cast<double>(iters) : iters / 4.0;
-  p.fp32_peak_gflops = 2.0 * chains * lanes * fma_iters * threads / best / 1e9;
+  p.fp32_peak_gflops = 2.0 * chains * lanes * fma_iters * threads / fma.seconds / 1e9;
+  p.stable = fma.stable;
 
   if (p.has_avx512_bf16) {
-    double best_bf = 1e30;
-    for (int r = 0; r < repeats; ++r)
-      best_bf =
-          std::min(best_bf, timed_parallel(threads, [&](int) { g_sink = dpbf16_avx512(iters); }));
-    p.bf16_dot_peak_gflops = 64.0 * 16.0 * static_cast<double>(iters) * threads / best_bf / 1e9;
+    const BestRun bf = best_until_stable(
+        [&] { return timed_parallel(threads, [&](int) { g_sink = dpbf16_avx512(iters); }); },
+        min_runs, max_runs, kStable);
+    p.bf16_dot_peak_gflops = 64.0 * 16.0 * static_cast<double>(iters) * threads / bf.seconds / 1e9;
+    p.stable = p.stable && bf.stable;
   }
 
   // Read bandwidth over a buffer far larger than any last-level cache.
@@ -199,20 +206,58 @@ MachineProfile measure_machine(int threads, bool quick) {
         buf[i] = static_cast<float>(x >> 8) * (1.0f / 16777216.0f);
       }
     });
-    double best_read = 1e30;
-    for (int r = 0; r < repeats; ++r)
-      best_read = std::min(best_read, timed_parallel(threads, [&](int t) {
-                             const int64_t lo = (n * t / threads) / 64 * 64,
-                                           hi = (n * (t + 1) / threads) / 64 * 64;
-                             g_sink = avx512 ? read_avx512(buf + lo, hi - lo)
-                                      : avx2 ? read_avx2(buf + lo, hi - lo)
-                                             : read_scalar(buf + lo, hi - lo);
-                           }));
-    p.dram_read_gbps = static_cast<double>(bytes) / best_read / 1e9;
+    const BestRun read = best_until_stable(
+        [&] {
+          return timed_parallel(threads, [&](int t) {
+            const int64_t lo = (n * t / threads) / 64 * 64, hi = (n * (t + 1) / threads) / 64 * 64;
+            g_sink = avx512 ? read_avx512(buf + lo, hi - lo)
+                     : avx2 ? read_avx2(buf + lo, hi - lo)
+                            : read_scalar(buf + lo, hi - lo);
+          });
+        },
+        min_runs, max_runs, kStable);
+    p.dram_read_gbps = static_cast<double>(bytes) / read.seconds / 1e9;
+    p.stable = p.stable && read.stable;
     std::free(buf);
   }
   p.seconds_spent = seconds_since(t_start);
   return p;
+}
+
+MachineCheck compare_machine_profiles(const MachineProfile& before, const MachineProfile& after,
+                                      double tolerance) {
+  MachineCheck c;
+  c.before = before;
+  c.after = after;
+  c.best = before;
+  c.best.stable = before.stable && after.stable;
+  c.best.seconds_spent = before.seconds_spent + after.seconds_spent;
+  struct Figure {
+    const char* name;
+    const char* unit;
+    int decimals;
+    double a, b;
+    double* best;
+  };
+  const Figure figures[] = {
+      {"fp32 peak", "GFLOP/s", 0, before.fp32_peak_gflops, after.fp32_peak_gflops,
+       &c.best.fp32_peak_gflops},
+      {"bf16 dot peak", "GFLOP/s", 0, before.bf16_dot_peak_gflops, after.bf16_dot_peak_gflops,
+       &c.best.bf16_dot_peak_gflops},
+      {"read bandwidth", "GB/s", 1, before.dram_read_gbps, after.dram_read_gbps,
+       &c.best.dram_read_gbps},
+  };
+  for (const Figure& f : figures) {
+    const double hi = std::max(f.a, f.b), lo = std::min(f.a, f.b);
+    *f.best = hi;
+    if (hi <= 0 || lo >= hi * (1.0 - tolerance)) continue;
+    c.agree = false;
+    char text[128];
+    std::snprintf(text, sizeof text, "%s%s %.*f then %.*f %s", c.disagreement.empty() ? "" : "; ",
+                  f.name, f.decimals, f.a, f.decimals, f.b, f.unit);
+    c.disagreement += text;
+  }
+  return c;
 }
 
 }  // namespace attnkit

@@ -253,13 +253,15 @@ Status run_collective_forward(MPI_Comm comm, const char* fn, Status local, const
                                   MPI_FLOAT, MPI_SUM, comm));
 }
 
+// A double's bits, so that configs compare exactly.
+int64_t bits(double v) {
+  int64_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+}
+
 // Facts of a config that must match across ranks, for create().
 uint64_t hash_config(const AttentionConfig& c) {
-  const auto bits = [](double v) {
-    int64_t b;
-    std::memcpy(&b, &v, sizeof b);
-    return b;
-  };
   const RopeConfig& r = c.rope;
   const int64_t fields[] = {c.qkv_bias,
                             c.o_bias,
@@ -288,17 +290,13 @@ uint64_t hash_config(const AttentionConfig& c) {
 }
 
 uint64_t hash_config(const MlaConfig& c) {
-  const auto bits = [](double v) {
-    int64_t b;
-    std::memcpy(&b, &v, sizeof b);
-    return b;
-  };
   const RopeScaling& s = c.rope_scaling;
   const int64_t fields[] = {bits(c.rope_theta),       static_cast<int64_t>(s.type),
                             bits(s.factor),           s.original_max_position_embeddings,
                             bits(s.beta_fast),        bits(s.beta_slow),
                             bits(s.mscale),           bits(s.mscale_all_dim),
-                            bits(s.attention_factor), bits(c.rms_norm_eps)};
+                            bits(s.attention_factor), bits(c.rms_norm_eps),
+                            c.rope_interleave};
   return internal::hash_values(fields);
 }
 

@@ -1,9 +1,10 @@
 // AttentionConfig: validation, the seeds' variant constructor, and parsing
-// of a Hugging Face config.json (llama, mistral, qwen2, qwen3, gemma2 and
-// configs of the llama shape).
+// of a Hugging Face config.json (llama, mistral, mixtral, qwen2, qwen2_moe,
+// qwen3, qwen3_moe, gemma2, and configs without a model_type, read as
+// llama's shape; any other model_type is rejected by name).
 //
 // The per-family rules mirror transformers' attention modules:
-//   llama / unknown  q/k/v/o bias = attention_bias; no window
+//   llama / none     q/k/v/o bias = attention_bias; no window
 //   mistral/mixtral  window = sliding_window on every layer (null = none)
 //   qwen2            q/k/v bias always, o_proj never; window only when
 //                    use_sliding_window and layer_index >= max_window_layers
@@ -45,12 +46,36 @@ constexpr int64_t kQwenDefaultMaxWindowLayers = 28;
 
 enum class Family { kLlama, kMistral, kQwen2, kQwen3, kGemma2 };
 
-Family family_of(const std::string& model_type) {
-  if (model_type == "mistral" || model_type == "mixtral") return Family::kMistral;
-  if (model_type == "qwen2" || model_type == "qwen2_moe") return Family::kQwen2;
-  if (model_type == "qwen3" || model_type == "qwen3_moe") return Family::kQwen3;
-  if (model_type == "gemma2") return Family::kGemma2;
-  return Family::kLlama;
+// The model types whose attention this parser reads, with the family whose
+// rules apply. Anything else is rejected by name: a config of another
+// architecture (gpt2's n_embd, falcon's fused qkv, ...) would otherwise be
+// read through the llama rules into a layer that is not that model's.
+struct KnownType {
+  const char* model_type;
+  Family family;
+};
+constexpr KnownType kKnownTypes[] = {
+    {"llama", Family::kLlama},     {"mistral", Family::kMistral}, {"mixtral", Family::kMistral},
+    {"qwen2", Family::kQwen2},     {"qwen2_moe", Family::kQwen2}, {"qwen3", Family::kQwen3},
+    {"qwen3_moe", Family::kQwen3}, {"gemma2", Family::kGemma2},
+};
+
+// A config without model_type is read with llama's rules (the shape every
+// family here shares); an unknown one is an error naming it.
+Status family_of(const JsonFields& f, const std::string& model_type, Family* family) {
+  *family = Family::kLlama;
+  if (model_type.empty()) return Status::Ok();
+  std::string accepted;
+  for (const KnownType& t : kKnownTypes) {
+    if (model_type == t.model_type) {
+      *family = t.family;
+      return Status::Ok();
+    }
+    accepted += std::string(accepted.empty() ? "" : ", ") + "\"" + t.model_type + "\"";
+  }
+  return f.error("model_type = \"" + model_type + "\" is not supported; accepted: " + accepted +
+                 " (MLA models \"deepseek_v2\", \"deepseek_v3\", \"kimi_k2\" are read by "
+                 "mla_config_from_json)");
 }
 
 // Short form for messages ("1e-06", "0.5").
@@ -178,7 +203,8 @@ Status parse(std::string_view text, int64_t layer_index, AttentionConfig* c) {
   if (f.has("kv_lora_rank"))
     return f.error("kv_lora_rank is set: this is an MLA config (model_type \"" + c->model_type +
                    "\"); read it with mla_config_from_json");
-  const Family family = family_of(c->model_type);
+  Family family = Family::kLlama;
+  ATTNKIT_RETURN_IF_ERROR(family_of(f, c->model_type, &family));
 
   // Sizes.
   const char* why = "an attention config needs hidden_size and num_attention_heads";

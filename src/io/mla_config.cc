@@ -224,6 +224,12 @@ Result<MlaConfig> mla_config_from_json(std::string_view json_text) {
       read_int(j, "max_position_embeddings", false, true, "", &c.max_position_embeddings));
   ATTNKIT_RETURN_IF_ERROR(read_double(j, "rope_theta", "", &c.rope_theta));
   ATTNKIT_RETURN_IF_ERROR(read_double(j, "rms_norm_eps", "", &c.rms_norm_eps));
+  if (const auto it = j.find("rope_interleave"); it != j.end() && !it->is_null()) {
+    if (!it->is_boolean())
+      return invalid_argument(std::string(kParse) + ": rope_interleave = " + dump(*it) +
+                              " must be true or false");
+    c.rope_interleave = it->get<bool>();
+  }
   if (const auto it = j.find("attention_bias"); it != j.end() && !it->is_null()) {
     if (!it->is_boolean())
       return invalid_argument(std::string(kParse) + ": attention_bias = " + dump(*it) +

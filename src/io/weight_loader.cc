@@ -154,6 +154,15 @@ Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::s
   return Status::Ok();
 }
 
+const std::vector<std::string>& ignored_buffers() {
+  // Buffers transformers' attention modules registered in older versions
+  // (persistent RoPE tables), which many exported state dicts still carry:
+  // derived from the config, never weights.
+  static const std::vector<std::string> kIgnored = {"rotary_emb.inv_freq", "rotary_emb.cos_cached",
+                                                    "rotary_emb.sin_cached"};
+  return kIgnored;
+}
+
 Status check_no_unexpected(const WeightMap& weights, std::string_view prefix,
                            const std::vector<std::string>& expected_names, const char* fn) {
   std::string under(prefix);
@@ -161,6 +170,10 @@ Status check_no_unexpected(const WeightMap& weights, std::string_view prefix,
   for (auto it = weights.lower_bound(under); it != weights.end(); ++it) {
     const std::string& name = it->first;
     if (name.compare(0, under.size(), under) != 0) break;  // sorted: past the prefix
+    const std::string_view local = std::string_view(name).substr(under.size());
+    if (std::find(ignored_buffers().begin(), ignored_buffers().end(), local) !=
+        ignored_buffers().end())
+      continue;
     bool expected = false;
     for (const std::string& e : expected_names)
       if (name.size() == under.size() + e.size() &&
@@ -172,7 +185,9 @@ Status check_no_unexpected(const WeightMap& weights, std::string_view prefix,
       std::string list;
       for (const std::string& e : expected_names) list += (list.empty() ? "" : ", ") + e;
       return invalid_argument(std::string(fn) + ": unexpected weight '" + name + "' under '" +
-                              under + "' (expected only: " + (list.empty() ? "none" : list) + ")");
+                              under + "' (expected only: " + (list.empty() ? "none" : list) +
+                              "; the buffers rotary_emb.inv_freq, .cos_cached and .sin_cached "
+                              "are ignored)");
     }
   }
   return Status::Ok();

@@ -6,7 +6,10 @@
 //     to a fresh contiguous f32 Tensor;
 //   - every name under the layer's prefix must be expected, so a typo in a
 //     checkpoint or a config that disagrees with it (bias present but
-//     qkv_bias false) is an error rather than a silently ignored tensor;
+//     qkv_bias false) is an error rather than a silently ignored tensor; the
+//     one exception is the non-weight buffers older transformers versions
+//     saved with the attention module (ignored_buffers(): rotary_emb.inv_freq,
+//     rotary_emb.cos_cached, rotary_emb.sin_cached), which are skipped;
 //   - nothing the layer owns changes until all of it validated: load into
 //     local Tensors, call finish(), then move them into the layer.
 //
@@ -53,10 +56,14 @@ Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::s
                        std::initializer_list<int64_t> expected_shape,
                        std::string_view shape_meaning, const char* fn, Tensor* dst);
 
+// Names under a layer's prefix that are buffers, not weights, and are
+// skipped by the strict check ("rotary_emb.inv_freq", ...).
+const std::vector<std::string>& ignored_buffers();
+
 // Strict loading: every weight whose name starts with the prefix (joined as
 // above; an empty prefix means every weight) must be one of
-// weight_name(prefix, n) for n in `expected_names`. The error names the
-// first unexpected weight and lists what was expected.
+// weight_name(prefix, n) for n in `expected_names` or an ignored buffer.
+// The error names the first unexpected weight and lists what was expected.
 Status check_no_unexpected(const WeightMap& weights, std::string_view prefix,
                            const std::vector<std::string>& expected_names, const char* fn);
 

@@ -1,5 +1,5 @@
 // The one plain struct every attention kernel (reference or fast) consumes.
-// The API layer (src/kernels/attention_api.cc) validates user arguments and
+// The API layer (src/ops/) validates user arguments and
 // fills it; kernels only debug-assert. Nothing here allocates.
 #pragma once
 
@@ -44,9 +44,15 @@ struct AttentionParams {
 
   // Per batch item: valid keys, and the key position of query row 0 (key j
   // is visible to row i only if j <= i + q_offset when causal). nullptr =
-  // seqlen_k and seqlen_k - seqlen_q for every item.
+  // seqlen_k and keys_of(b) - rows_of(b) for every item.
   const int32_t* k_len = nullptr;
   const int64_t* q_offset = nullptr;
+
+  // Ragged queries (sdpa_varlen, PagedKVCache::attend): batch item b has
+  // q_len[b] <= seqlen_q query rows, rows q_start[b] ... of q, out and lse
+  // (whose batch strides are then 0). nullptr = seqlen_q rows from row 0.
+  const int32_t* q_start = nullptr;
+  const int32_t* q_len = nullptr;
 
   bool causal = false;
   int64_t window_left = -1;   // -1 = unlimited
@@ -59,19 +65,58 @@ struct AttentionParams {
   const float* add_mask = nullptr;
   Strides4 mask_stride;
 
-  // Ring buffer: logical key j of every batch item lives in physical row
-  // (ring_start + j) % ring_capacity. ring_capacity == 0 = no ring (row j).
+  // Where logical key j of batch item b lives: row key_row(b, j) counted from
+  // k + b * k_stride.batch (and likewise in v). At most one of these is set:
+  //   none           row j (a dense [batch, seqlen_k, ...] tensor)
+  //   k_start        row k_start[b] + j (packed sequences; batch strides 0)
+  //   ring_capacity  row (ring_start + j) % ring_capacity (KVCache's window)
+  //   block_table    row page * page_size + j % page_size, where page =
+  //                  block_table[b * block_table_stride + j / page_size]
+  //                  (PagedKVCache; batch strides 0)
+  // Kernels address keys through key_row() only, so every layout runs the
+  // same tile loop.
+  const int32_t* k_start = nullptr;
   int64_t ring_capacity = 0;
   int64_t ring_start = 0;
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int64_t page_size = 0;
+
+  // Plan every batch item from its own shape only (its keys' split, in
+  // particular), so that an item's output is the same bits whatever else
+  // shares the call. The caller must give every item the same rows_of(b)
+  // (PagedKVCache::attend groups its sequences that way).
+  bool batch_invariant = false;
 
   int num_threads = 1;
 
   int64_t keys_of(int64_t b) const { return k_len ? k_len[b] : seqlen_k; }
-  int64_t offset_of(int64_t b) const { return q_offset ? q_offset[b] : keys_of(b) - seqlen_q; }
-  int64_t physical_row(int64_t j) const {
-    if (ring_capacity == 0) return j;
-    int64_t r = ring_start + j;
-    return r >= ring_capacity ? r % ring_capacity : r;
+  int64_t rows_of(int64_t b) const { return q_len ? q_len[b] : seqlen_q; }
+  int64_t offset_of(int64_t b) const { return q_offset ? q_offset[b] : keys_of(b) - rows_of(b); }
+  // Row index of batch item b's query row i in q, out and lse.
+  int64_t q_row(int64_t b, int64_t i) const { return q_start ? q_start[b] + i : i; }
+
+  // The physical row of logical key j of batch item b; *run = how many of
+  // the keys j .. j + n - 1 (n >= 1) sit in consecutive rows from it.
+  int64_t key_row(int64_t b, int64_t j, int64_t n, int64_t* run) const {
+    if (block_table != nullptr) {
+      const int64_t page = block_table[b * block_table_stride + j / page_size];
+      const int64_t in_page = j % page_size;
+      *run = n < page_size - in_page ? n : page_size - in_page;
+      return page * page_size + in_page;
+    }
+    if (ring_capacity > 0) {
+      int64_t r = ring_start + j;
+      if (r >= ring_capacity) r %= ring_capacity;
+      *run = n < ring_capacity - r ? n : ring_capacity - r;
+      return r;
+    }
+    *run = n;
+    return k_start ? k_start[b] + j : j;
+  }
+  int64_t key_row(int64_t b, int64_t j) const {
+    int64_t run;
+    return key_row(b, j, 1, &run);
   }
 };
 

@@ -6,6 +6,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "core/cpu_features.h"
 #include "core/threads.h"
@@ -16,18 +17,27 @@
 namespace attnkit::kernels {
 namespace {
 
-Status run_reference(const AttentionParams& params) {
-  std::unique_ptr<double[]> scratch;
-  const size_t count = attention_ref_scratch(params);
-  try {
-    scratch = std::make_unique<double[]>(count);
-  } catch (const std::bad_alloc&) {
-    return resource_exhausted("sdpa: cannot allocate reference scratch of " +
-                              std::to_string(count) + " doubles");
+// Scratch is kept per calling thread and only grows: a decode step's ~1 MiB
+// would otherwise be mapped and faulted in anew on every call.
+template <class T>
+struct Scratch {
+  std::unique_ptr<T[]> data;
+  size_t count = 0;
+
+  Status reserve(size_t n, const char* what) {
+    if (n <= count) return Status::Ok();
+    data.reset();
+    count = 0;
+    try {
+      data.reset(new T[n]);
+    } catch (const std::bad_alloc&) {
+      return resource_exhausted(std::string("sdpa: cannot allocate ") + std::to_string(n) + " " +
+                                what);
+    }
+    count = n;
+    return Status::Ok();
   }
-  attention_ref(params, scratch.get());
-  return Status::Ok();
-}
+};
 
 // set_kernels_for_testing(): the table, and the target it stands for.
 std::atomic<const cpu::KernelTable*> g_testing_kernels{nullptr};
@@ -57,33 +67,41 @@ Backend resolve_backend(Backend requested) {
 //     the seqlen_q x seqlen_k matrix;
 //   - K or V rows not contiguous along the head dimension (dim stride != 1).
 // kReference always runs the reference.
-Status run_attention(const AttentionParams& params, Backend backend) {
-  if (resolve_backend(backend) == Backend::kReference || !cpu::supports(params))
-    return run_reference(params);
+Status run_attention(std::span<const AttentionParams> calls, Backend backend) {
+  const bool reference = resolve_backend(backend) == Backend::kReference;
   const cpu::KernelTable* testing = g_testing_kernels.load();
-  cpu::Plan plan = cpu::make_plan(params, testing ? g_testing_target.load() : simd_target(),
-                                  resolve_num_threads(params.num_threads));
-  plan.kernels = testing;
-  // Scratch is kept per calling thread and only grows: a decode step's
-  // ~1 MiB would otherwise be mapped and faulted in anew on every call.
-  struct Scratch {
-    std::unique_ptr<char[]> data;
-    size_t bytes = 0;
-  };
-  thread_local Scratch scratch;
-  const size_t bytes = cpu::scratch_bytes(params, plan);
-  if (bytes > scratch.bytes) {
-    scratch = {};
-    try {
-      scratch.data.reset(new char[bytes]);
-    } catch (const std::bad_alloc&) {
-      return resource_exhausted("sdpa: cannot allocate " + std::to_string(bytes) +
-                                " bytes of attention scratch");
+  const SimdTarget target = testing ? g_testing_target.load() : simd_target();
+  // Plans are a function of each call's params; make them once (a plan of
+  // 0 threads marks a call for the reference), size the scratch for the
+  // largest, then run.
+  thread_local std::vector<cpu::Plan> plans;
+  thread_local Scratch<char> scratch;
+  thread_local Scratch<double> ref_scratch;
+  plans.resize(calls.size());
+  size_t bytes = 0, doubles = 0;
+  for (size_t c = 0; c < calls.size(); ++c) {
+    if (reference || !cpu::supports(calls[c])) {
+      plans[c].num_threads = 0;
+      doubles = std::max(doubles, attention_ref_scratch(calls[c]));
+      continue;
     }
-    scratch.bytes = bytes;
+    plans[c] = cpu::make_plan(calls[c], target, resolve_num_threads(calls[c].num_threads));
+    plans[c].kernels = testing;
+    bytes = std::max(bytes, cpu::scratch_bytes(calls[c], plans[c]));
   }
-  cpu::attention(params, plan, scratch.data.get());
+  ATTNKIT_RETURN_IF_ERROR(scratch.reserve(bytes, "bytes of attention scratch"));
+  ATTNKIT_RETURN_IF_ERROR(ref_scratch.reserve(doubles, "doubles of reference scratch"));
+  for (size_t c = 0; c < calls.size(); ++c) {
+    if (plans[c].num_threads > 0)
+      cpu::attention(calls[c], plans[c], scratch.data.get());
+    else
+      attention_ref(calls[c], ref_scratch.data.get());
+  }
   return Status::Ok();
+}
+
+Status run_attention(const AttentionParams& params, Backend backend) {
+  return run_attention(std::span<const AttentionParams>(&params, 1), backend);
 }
 
 }  // namespace attnkit::kernels

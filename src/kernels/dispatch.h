@@ -3,6 +3,8 @@
 // kernel themselves, so a new fast path slots in here without touching them.
 #pragma once
 
+#include <span>
+
 #include "attnkit/attention.h"
 #include "attnkit/status.h"
 #include "core/cpu_features.h"
@@ -20,6 +22,10 @@ Backend resolve_backend(Backend requested);
 // Runs attention for validated params. Fails only when scratch memory
 // cannot be allocated (before anything is written).
 Status run_attention(const AttentionParams& params, Backend backend);
+
+// Runs several calls in order, with scratch for the largest allocated
+// before the first: it fails, if at all, before any call has written.
+Status run_attention(std::span<const AttentionParams> calls, Backend backend);
 
 // Tests and fuzzers only. While `kernels` is set, fast calls run it under
 // `target`'s name and tiling (cpu::Plan::kernels) instead of the active

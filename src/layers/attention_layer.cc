@@ -20,6 +20,7 @@
 #include "core/checked_math.h"
 #include "io/weight_loader.h"
 #include "kernels/linear.h"
+#include "layers/paged_positions.h"
 #include "ops/attention_checks.h"
 
 namespace attnkit {
@@ -31,6 +32,8 @@ constexpr const char* kWeight = "AttentionLayer::weight";
 constexpr const char* kNewCache = "AttentionLayer::new_cache";
 constexpr const char* kForward = "AttentionLayer::forward";
 constexpr const char* kForwardQkv = "AttentionLayer::forward_qkv";
+constexpr const char* kForwardBatch = "AttentionLayer::forward_batch";
+constexpr const char* kNewPagedCache = "AttentionLayer::new_paged_cache";
 
 // Rope::apply's bound: positions must be exact in double.
 constexpr int64_t kMaxPosition = int64_t{1} << 53;
@@ -81,7 +84,7 @@ Status scratch(const char* fn, const char* what, int64_t batch, int64_t seq, int
 // Batch items whose rows lie at one stride go in one call, so that
 // batched decode is one GEMM of `batch` rows rather than `batch` GEMVs.
 void project(const TensorView& x, const Tensor& w, const Tensor& bias, const TensorView& y,
-             const RunOptions& run) {
+             const RunOptions& run, bool gemv_for_one_row = true) {
   const int64_t batch = x.shape[0], seq = x.shape[1];
   const int64_t in = w.dim(1), outf = w.dim(0);
   // Row strides with batch and seq merged (a size-1 seq's stride is moot).
@@ -89,7 +92,7 @@ void project(const TensorView& x, const Tensor& w, const Tensor& bias, const Ten
   const int64_t ldy = seq == 1 ? y.strides[0] : y.strides[1];
   const bool one_call = batch == 1 || (x.strides[0] == seq * ldx && y.strides[0] == seq * ldy);
   const kernels::LinearOptions opt{
-      .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = true};
+      .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = gemv_for_one_row};
   if (one_call) {
     kernels::linear(x.ptr<const float>(), ldx, w.ptr<const float>(), bias.ptr<const float>(),
                     y.ptr<float>(), ldy, batch * seq, outf, in, opt);
@@ -253,24 +256,50 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& out,
       return invalid_argument(f + ": out overlaps the cache's storage");
   }
   if (rows == 0) return Status::Ok();
+  return compute(kForward, x, out, positions, L, run, /*gemv_for_one_row=*/true,
+                 [&](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o) {
+                   AttentionOptions opt = attention_options(run);
+                   // The cache supplies causality and the window; it changes
+                   // only if this succeeds, and nothing after it can fail.
+                   if (cache) return cache->attend(q.view(), k.view(), v.view(), o.view(), opt);
+                   opt.causal = c.causal;
+                   if (c.sliding_window > 0) opt.window_size.left = c.sliding_window - 1;
+                   return sdpa(q.view(), k.view(), v.view(), o.view(), opt);
+                 });
+}
 
+AttentionOptions AttentionLayer::attention_options(const RunOptions& run) const {
+  AttentionOptions opt;
+  opt.softmax_scale = config_.softmax_scale;
+  opt.softcap = config_.softcap;
+  opt.backend = run.backend;
+  opt.num_threads = run.num_threads;
+  return opt;
+}
+
+Status AttentionLayer::compute(const char* fn, const TensorView& x, const TensorView& out,
+                               std::span<const int64_t> positions, int64_t first_position,
+                               const RunOptions& run, bool gemv_for_one_row,
+                               const AttendFn& attend) const {
+  const AttentionConfig& c = config_;
+  const int64_t B = x.shape[0], T = x.shape[1], rows = B * T;
   const int64_t H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
   Tensor q, k, v, o;
-  ATTNKIT_RETURN_IF_ERROR(scratch(kForward, "q", B, T, H, D, &q));
-  ATTNKIT_RETURN_IF_ERROR(scratch(kForward, "k", B, T, Hkv, D, &k));
-  ATTNKIT_RETURN_IF_ERROR(scratch(kForward, "v", B, T, Hkv, D, &v));
-  ATTNKIT_RETURN_IF_ERROR(scratch(kForward, "the attention output", B, T, H, D, &o));
+  ATTNKIT_RETURN_IF_ERROR(scratch(fn, "q", B, T, H, D, &q));
+  ATTNKIT_RETURN_IF_ERROR(scratch(fn, "k", B, T, Hkv, D, &k));
+  ATTNKIT_RETURN_IF_ERROR(scratch(fn, "v", B, T, Hkv, D, &v));
+  ATTNKIT_RETURN_IF_ERROR(scratch(fn, "the attention output", B, T, H, D, &o));
   std::vector<int64_t> default_pos;
-  if (npos == 0) {
+  if (positions.empty()) {
     default_pos.resize(static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) default_pos[static_cast<size_t>(t)] = L + t;
+    for (int64_t t = 0; t < T; ++t) default_pos[static_cast<size_t>(t)] = first_position + t;
     positions = default_pos;
   }
 
   // ---- projections, qk-norm, RoPE (scratch only) ------------------------
-  project(x, wq_, bq_, flat(q), run);
-  project(x, wk_, bk_, flat(k), run);
-  project(x, wv_, bv_, flat(v), run);
+  project(x, wq_, bq_, flat(q), run, gemv_for_one_row);
+  project(x, wk_, bk_, flat(k), run, gemv_for_one_row);
+  project(x, wv_, bv_, flat(v), run, gemv_for_one_row);
   if (c.qk_norm) {
     kernels::rms_norm(q.ptr<float>(), D, q_norm_.ptr<float>(), q.ptr<float>(), D, rows * H, D,
                       c.rms_norm_eps);
@@ -278,30 +307,91 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& out,
                       c.rms_norm_eps);
   }
   if (c.use_rope) {
-    ATTNKIT_RETURN_IF_ERROR(prefixed(kForward, rope_.apply(q.view(), positions)));
-    ATTNKIT_RETURN_IF_ERROR(prefixed(kForward, rope_.apply(k.view(), positions)));
+    ATTNKIT_RETURN_IF_ERROR(prefixed(fn, rope_.apply(q.view(), positions)));
+    ATTNKIT_RETURN_IF_ERROR(prefixed(fn, rope_.apply(k.view(), positions)));
   }
 
-  // ---- attention ---------------------------------------------------------
-  AttentionOptions opt;
-  opt.softmax_scale = c.softmax_scale;
-  opt.softcap = c.softcap;
-  opt.backend = run.backend;
-  opt.num_threads = run.num_threads;
-  if (cache) {
-    // The cache supplies causality and the window; it changes only if this
-    // succeeds, and nothing after it can fail.
-    ATTNKIT_RETURN_IF_ERROR(
-        prefixed(kForward, cache->attend(q.view(), k.view(), v.view(), o.view(), opt)));
-  } else {
-    opt.causal = c.causal;
-    if (c.sliding_window > 0) opt.window_size.left = c.sliding_window - 1;
-    ATTNKIT_RETURN_IF_ERROR(prefixed(kForward, sdpa(q.view(), k.view(), v.view(), o.view(), opt)));
-  }
-
-  // ---- o_proj into the caller's out -------------------------------------
-  project(flat(o), wo_, bo_, out, run);
+  // ---- attention, then o_proj into the caller's out ---------------------
+  ATTNKIT_RETURN_IF_ERROR(prefixed(fn, attend(q, k, v, o)));
+  project(flat(o), wo_, bo_, out, run, gemv_for_one_row);
   return Status::Ok();
+}
+
+Result<PagedKVCache> AttentionLayer::new_paged_cache(int64_t num_pages, int64_t page_size,
+                                                     int64_t num_layers, DType dtype) const {
+  PagedKVCacheSpec spec;
+  spec.num_layers = num_layers;
+  spec.num_pages = num_pages;
+  spec.page_size = page_size;
+  spec.num_kv_heads = config_.num_kv_heads;
+  spec.head_dim = config_.head_dim;
+  spec.dtype = dtype;
+  spec.sliding_window = config_.sliding_window;
+  auto pool = PagedKVCache::create(spec);
+  if (!pool.ok()) return prefixed(kNewPagedCache, pool.status());
+  return pool;
+}
+
+Status AttentionLayer::forward_batch(const TensorView& x, std::span<const int32_t> cu_seqlens_q,
+                                     std::span<const int64_t> seq_ids, PagedKVCache& cache,
+                                     int64_t layer_index, const TensorView& out,
+                                     const RunOptions& run) {
+  // ---- validation: nothing is written before all of it passes ----------
+  const std::string f = kForwardBatch;
+  const AttentionConfig& c = config_;
+  if (wq_.data() == nullptr)
+    return invalid_argument(f + ": no weights loaded (call load_weights first)");
+  if (!c.causal)
+    return invalid_argument(f + ": a paged cache needs a causal layer; config().causal is false");
+  ATTNKIT_RETURN_IF_ERROR(check::view(kForwardBatch, "x", x, 2, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(kForwardBatch, "out", out, 2, {DType::kF32}));
+  const int64_t total = x.shape[0];
+  // As [1, total, hidden], the layout forward() and its checks take.
+  const auto as3 = [](const TensorView& v) {
+    TensorView r = v;
+    r.rank = 3;
+    r.shape = {1, v.shape[0], v.shape[1], 0};
+    r.strides = {v.shape[0] * v.strides[0], v.strides[0], v.strides[1], 0};
+    return r;
+  };
+  const TensorView x3 = as3(x), out3 = as3(out);
+  ATTNKIT_RETURN_IF_ERROR(check_activation(kForwardBatch, "x", x3, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(check_activation(kForwardBatch, "out", out3, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(kForwardBatch, "out", out, 0, "total_tokens", total, "x.shape[0]"));
+  if (check::overlaps(out, x)) return invalid_argument(f + ": out overlaps x; it must not alias");
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kForwardBatch, "out", out));
+  ATTNKIT_RETURN_IF_ERROR(check_run(kForwardBatch, run));
+  const PagedKVCacheSpec& s = cache.spec();
+  const struct {
+    const char* name;
+    int64_t have, want;
+    const char* source;
+  } match[] = {{"kv_lora_rank", s.kv_lora_rank, 0, "0 (not MLA's latent layout)"},
+               {"num_kv_heads", s.num_kv_heads, c.num_kv_heads, "config().num_kv_heads"},
+               {"head_dim", s.head_dim, c.head_dim, "config().head_dim"},
+               {"head_dim_v", s.head_dim_v, c.head_dim, "config().head_dim"},
+               {"sliding_window", s.sliding_window, c.sliding_window, "config().sliding_window"}};
+  for (const auto& m : match)
+    if (m.have != m.want)
+      return invalid_argument(f + ": cache spec." + m.name + " = " + std::to_string(m.have) +
+                              " must equal " + m.source + " = " + std::to_string(m.want) +
+                              " (a pool shaped for another layer?)");
+  ATTNKIT_ASSIGN_OR_RETURN(
+      std::vector<int64_t> positions,
+      paged_positions(kForwardBatch, cu_seqlens_q, seq_ids, cache, layer_index, total));
+  if (total == 0) return Status::Ok();
+  // One GEMM per projection over every sequence's rows, without the
+  // one-row GEMV: a row's result must not depend on the rows beside it
+  // (kernels::linear_rows_independent()), so that batching changes no bits.
+  return compute(kForwardBatch, x3, out3, positions, 0, run, /*gemv_for_one_row=*/false,
+                 [&](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o) {
+                   const auto rows = [&](const Tensor& t) {
+                     return make_view(t.data(), DType::kF32, {total, t.dim(2), t.dim(3)});
+                   };
+                   return cache.attend(layer_index, rows(q), rows(k), rows(v), cu_seqlens_q,
+                                       seq_ids, rows(o), attention_options(run));
+                 });
 }
 
 Status AttentionLayer::forward_qkv(const TensorView& query, const TensorView& key,

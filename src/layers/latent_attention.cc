@@ -29,6 +29,7 @@
 #include "io/weight_loader.h"
 #include "kernels/dispatch.h"
 #include "kernels/linear.h"
+#include "layers/paged_positions.h"
 
 namespace attnkit {
 namespace {
@@ -37,6 +38,8 @@ constexpr const char* kCreate = "LatentAttention::create";
 constexpr const char* kLoad = "LatentAttention::load_weights";
 constexpr const char* kNewCache = "LatentAttention::new_cache";
 constexpr const char* kForward = "LatentAttention::forward";
+constexpr const char* kForwardBatch = "LatentAttention::forward_batch";
+constexpr const char* kNewPagedCache = "LatentAttention::new_paged_cache";
 
 // Positions must be exact in double (RoPE computes pos * inv_freq there).
 constexpr int64_t kMaxPosition = int64_t{1} << 53;
@@ -83,7 +86,10 @@ Result<LatentAttention> LatentAttention::create(const MlaConfig& config) {
   rc.head_dim = config.qk_rope_head_dim;
   rc.rotary_dim = config.qk_rope_head_dim;
   rc.theta = config.rope_theta;
-  rc.pairing = RopePairing::kInterleaved;  // DeepSeek checkpoints' q/k rope rows
+  // DeepSeek's checkpoints hold their q/k rope rows interleaved; a config
+  // with rope_interleave = false rotates them half-split (Hugging Face's
+  // DeepSeek-V3 applies rotate_half without its interleaving permutation).
+  rc.pairing = config.rope_interleave ? RopePairing::kInterleaved : RopePairing::kHalfSplit;
   rc.scaling = config.rope_scaling;
   if (rc.scaling.type == RopeScaling::Type::kYarn) {
     // cos/sin amplitude: HF's mscale ratio when the config gives both (1 in
@@ -352,37 +358,11 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
     ATTNKIT_RETURN_IF_ERROR(need(oa, {rows, H, dc}, "latent outputs"));
   }
 
-  // ---- projections ------------------------------------------------------
+  // ---- projections and RoPE ----------------------------------------------
   const kernels::LinearOptions lin{
       .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = true};
-  const float* xp = x.ptr<const float>();
-  if (dq > 0) {
-    kernels::linear(xp, d, w_.q_a.ptr<float>(), nullptr, cq.data(), dq, rows, dq, d, lin);
-    kernels::rms_norm(cq.data(), dq, w_.q_a_norm.ptr<float>(), cq.data(), dq, rows, dq,
-                      c.rms_norm_eps);
-    kernels::linear(cq.data(), dq, w_.q_b.ptr<float>(), nullptr, q.data(), H * dqk, rows, H * dqk,
-                    dq, lin);
-  } else {
-    kernels::linear(xp, d, w_.q.ptr<float>(), nullptr, q.data(), H * dqk, rows, H * dqk, d, lin);
-  }
-  kernels::linear(xp, d, w_.kv_a.ptr<float>(), nullptr, kv_new.data(), dkv, rows, dkv, d, lin);
-  // RMSNorm on the latent only; the rope key is not normalised.
-  kernels::rms_norm(kv_new.data(), dkv, w_.kv_a_norm.ptr<float>(), kv_new.data(), dkv, rows, dc,
-                    c.rms_norm_eps);
-
-  // ---- RoPE on the rope part of each query head and on the shared key ----
-  TensorView q_rope;  // [B, T, H, d_r] inside q
-  q_rope.data = q.data() + dn;
-  q_rope.rank = 4;
-  q_rope.shape = {B, T, H, dr};
-  q_rope.strides = {T * H * dqk, H * dqk, dqk, 1};
-  TensorView k_rope;  // [B, T, 1, d_r] inside the new latent rows
-  k_rope.data = kv_new.data() + dc;
-  k_rope.rank = 4;
-  k_rope.shape = {B, T, 1, dr};
-  k_rope.strides = {T * dkv, dkv, dkv, 1};
-  ATTNKIT_RETURN_IF_ERROR(rope_.apply(q_rope, positions));
-  ATTNKIT_RETURN_IF_ERROR(rope_.apply(k_rope, positions));
+  ATTNKIT_RETURN_IF_ERROR(project(x.ptr<const float>(), B, T, positions, run,
+                                  /*gemv_for_one_row=*/true, cq.data(), q.data(), kv_new.data()));
 
   // ---- the latent rows the queries attend over --------------------------
   // Rows [L, S) of the cache are beyond its length, so writing them leaves
@@ -459,17 +439,7 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
     prm.out_stride = strides4(T * H * dv, H * dv, dv);
     ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, run.backend));
   } else {
-    // qa[r, h] = [W_UK_h^T q_nope[r, h] ; q_rope[r, h]]: one GEMM per head
-    // against kv_b_proj's rows as stored, the heads spread over the threads.
-    parallel_for(H, resolve_num_threads(run.num_threads), [&](int64_t h, int) {
-      const float* w_uk = kv_b + h * (dn + dv) * dc;  // [d_n, d_c]
-      kernels::linear_nn(q.data() + h * dqk, H * dqk, w_uk, dc, qa.data() + h * dkv, H * dkv, rows,
-                         dc, dn, run.backend);
-    });
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t h = 0; h < H; ++h)
-        std::memcpy(qa.data() + (r * H + h) * dkv + dc, q.data() + (r * H + h) * dqk + dn,
-                    static_cast<size_t>(dr) * sizeof(float));
+    absorb_queries(q.data(), rows, qa.data(), run);
     // One kv head: key = the whole latent row, value = its first d_c values.
     prm.num_kv_heads = 1;
     prm.head_dim = dkv;
@@ -484,17 +454,168 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
     prm.out = oa.data();
     prm.out_stride = strides4(T * H * dc, H * dc, dc);
     ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, run.backend));
-    // o[r, h] = W_UV_h oa[r, h].
-    for (int64_t h = 0; h < H; ++h) {
-      const float* w_uv = kv_b + (h * (dn + dv) + dn) * dc;  // [d_v, d_c]
-      kernels::linear(oa.data() + h * dc, H * dc, w_uv, nullptr, o.data() + h * dv, H * dv, rows,
-                      dv, dc, lin);
-    }
+    expand_values(oa.data(), rows, o.data(), run, /*gemv_for_one_row=*/true);
   }
 
   kernels::linear(o.data(), H * dv, w_.o.ptr<float>(), nullptr, out.ptr<float>(), d, rows, d,
                   H * dv, lin);
   if (cache) cache->length_ += T;
+  return Status::Ok();
+}
+
+Status LatentAttention::project(const float* x, int64_t B, int64_t T,
+                                std::span<const int64_t> positions, const RunOptions& run,
+                                bool gemv_for_one_row, float* cq, float* q, float* kv_new) const {
+  const MlaConfig& c = config_;
+  const int64_t rows = B * T, H = c.num_attention_heads, d = c.hidden_size, dq = c.q_lora_rank,
+                dc = c.kv_lora_rank, dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim,
+                dqk = c.qk_head_dim(), dkv = dc + dr;
+  const kernels::LinearOptions lin{
+      .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = gemv_for_one_row};
+  if (dq > 0) {
+    kernels::linear(x, d, w_.q_a.ptr<float>(), nullptr, cq, dq, rows, dq, d, lin);
+    kernels::rms_norm(cq, dq, w_.q_a_norm.ptr<float>(), cq, dq, rows, dq, c.rms_norm_eps);
+    kernels::linear(cq, dq, w_.q_b.ptr<float>(), nullptr, q, H * dqk, rows, H * dqk, dq, lin);
+  } else {
+    kernels::linear(x, d, w_.q.ptr<float>(), nullptr, q, H * dqk, rows, H * dqk, d, lin);
+  }
+  kernels::linear(x, d, w_.kv_a.ptr<float>(), nullptr, kv_new, dkv, rows, dkv, d, lin);
+  // RMSNorm on the latent only; the rope key is not normalised.
+  kernels::rms_norm(kv_new, dkv, w_.kv_a_norm.ptr<float>(), kv_new, dkv, rows, dc, c.rms_norm_eps);
+
+  // RoPE on the rope part of each query head and on the shared key.
+  TensorView q_rope;  // [B, T, H, d_r] inside q
+  q_rope.data = q + dn;
+  q_rope.rank = 4;
+  q_rope.shape = {B, T, H, dr};
+  q_rope.strides = {T * H * dqk, H * dqk, dqk, 1};
+  TensorView k_rope;  // [B, T, 1, d_r] inside the new latent rows
+  k_rope.data = kv_new + dc;
+  k_rope.rank = 4;
+  k_rope.shape = {B, T, 1, dr};
+  k_rope.strides = {T * dkv, dkv, dkv, 1};
+  ATTNKIT_RETURN_IF_ERROR(rope_.apply(q_rope, positions));
+  return rope_.apply(k_rope, positions);
+}
+
+// qa[r, h] = [W_UK_h^T q_nope[r, h] ; q_rope[r, h]]: one GEMM per head
+// against kv_b_proj's rows as stored, the heads spread over the threads.
+void LatentAttention::absorb_queries(const float* q, int64_t rows, float* qa,
+                                     const RunOptions& run) const {
+  const MlaConfig& c = config_;
+  const int64_t H = c.num_attention_heads, dc = c.kv_lora_rank, dn = c.qk_nope_head_dim,
+                dr = c.qk_rope_head_dim, dv = c.v_head_dim, dqk = c.qk_head_dim(), dkv = dc + dr;
+  const float* kv_b = w_.kv_b.ptr<float>();
+  parallel_for(H, resolve_num_threads(run.num_threads), [&](int64_t h, int) {
+    const float* w_uk = kv_b + h * (dn + dv) * dc;  // [d_n, d_c]
+    kernels::linear_nn(q + h * dqk, H * dqk, w_uk, dc, qa + h * dkv, H * dkv, rows, dc, dn,
+                       run.backend);
+  });
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < H; ++h)
+      std::memcpy(qa + (r * H + h) * dkv + dc, q + (r * H + h) * dqk + dn,
+                  static_cast<size_t>(dr) * sizeof(float));
+}
+
+// o[r, h] = W_UV_h oa[r, h].
+void LatentAttention::expand_values(const float* oa, int64_t rows, float* o, const RunOptions& run,
+                                    bool gemv_for_one_row) const {
+  const MlaConfig& c = config_;
+  const int64_t H = c.num_attention_heads, dc = c.kv_lora_rank, dn = c.qk_nope_head_dim,
+                dv = c.v_head_dim;
+  const kernels::LinearOptions lin{
+      .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = gemv_for_one_row};
+  const float* kv_b = w_.kv_b.ptr<float>();
+  for (int64_t h = 0; h < H; ++h) {
+    const float* w_uv = kv_b + (h * (dn + dv) + dn) * dc;  // [d_v, d_c]
+    kernels::linear(oa + h * dc, H * dc, w_uv, nullptr, o + h * dv, H * dv, rows, dv, dc, lin);
+  }
+}
+
+Result<PagedKVCache> LatentAttention::new_paged_cache(int64_t num_pages, int64_t page_size,
+                                                      int64_t num_layers, DType dtype) const {
+  PagedKVCacheSpec spec;
+  spec.num_layers = num_layers;
+  spec.num_pages = num_pages;
+  spec.page_size = page_size;
+  spec.kv_lora_rank = config_.kv_lora_rank;
+  spec.qk_rope_head_dim = config_.qk_rope_head_dim;
+  spec.dtype = dtype;
+  auto pool = PagedKVCache::create(spec);
+  if (!pool.ok())
+    return Status(pool.status().code(),
+                  std::string(kNewPagedCache) + ": " + pool.status().message());
+  return pool;
+}
+
+Status LatentAttention::forward_batch(const TensorView& x, std::span<const int32_t> cu_seqlens_q,
+                                      std::span<const int64_t> seq_ids, PagedKVCache& cache,
+                                      int64_t layer_index, const TensorView& out,
+                                      const RunOptions& run) {
+  // ---- validation: nothing is written before all of it passes ----------
+  const std::string f = kForwardBatch;
+  const MlaConfig& c = config_;
+  if (!loaded_) return invalid_argument(f + ": no weights loaded (call load_weights first)");
+  ATTNKIT_RETURN_IF_ERROR(check::view(kForwardBatch, "x", x, 2, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(kForwardBatch, "out", out, 2, {DType::kF32}));
+  const int64_t total = x.shape[0];
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(kForwardBatch, "x", x, 1, "hidden_size", c.hidden_size, "config().hidden_size"));
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(kForwardBatch, "out", out, 0, "total_tokens", total, "x.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(kForwardBatch, "out", out, 1, "hidden_size", c.hidden_size,
+                                     "config().hidden_size"));
+  if (!x.is_contiguous())
+    return invalid_argument(f + ": x " + x.describe() + " must be contiguous (row-major)");
+  if (!out.is_contiguous())
+    return invalid_argument(f + ": out " + out.describe() + " must be contiguous (row-major)");
+  if (check::overlaps(out, x)) return invalid_argument(f + ": out overlaps x");
+  if (run.num_threads < 0)
+    return invalid_argument(f + ": run.num_threads = " + std::to_string(run.num_threads) +
+                            " must be >= 0 (0 = default)");
+  const PagedKVCacheSpec& s = cache.spec();
+  if (s.kv_lora_rank != c.kv_lora_rank || s.qk_rope_head_dim != c.qk_rope_head_dim)
+    return invalid_argument(
+        f + ": cache spec kv_lora_rank + qk_rope_head_dim = " + std::to_string(s.kv_lora_rank) +
+        " + " + std::to_string(s.qk_rope_head_dim) + ", this layer needs " +
+        std::to_string(c.kv_lora_rank) + " + " + std::to_string(c.qk_rope_head_dim) +
+        " (the latent layout)");
+  if (s.sliding_window != 0)
+    return invalid_argument(f + ": cache spec.sliding_window = " +
+                            std::to_string(s.sliding_window) + " must be 0 (MLA has no window)");
+  ATTNKIT_ASSIGN_OR_RETURN(
+      std::vector<int64_t> positions,
+      paged_positions(kForwardBatch, cu_seqlens_q, seq_ids, cache, layer_index, total));
+  if (total == 0) return Status::Ok();
+
+  // ---- the absorbed form over the pool's latent pages ------------------
+  const int64_t H = c.num_attention_heads, d = c.hidden_size, dq = c.q_lora_rank,
+                dc = c.kv_lora_rank, dr = c.qk_rope_head_dim, dqk = c.qk_head_dim(),
+                dv = c.v_head_dim, dkv = dc + dr;
+  Scratch cq, q, kv_new, qa, oa, o;
+  if (dq > 0) ATTNKIT_RETURN_IF_ERROR(cq.alloc(total * dq, "c_q"));
+  ATTNKIT_RETURN_IF_ERROR(q.alloc(total * H * dqk, "q"));
+  ATTNKIT_RETURN_IF_ERROR(kv_new.alloc(total * dkv, "the new latent rows"));
+  ATTNKIT_RETURN_IF_ERROR(qa.alloc(total * H * dkv, "absorbed queries"));
+  ATTNKIT_RETURN_IF_ERROR(oa.alloc(total * H * dc, "latent outputs"));
+  ATTNKIT_RETURN_IF_ERROR(o.alloc(total * H * dv, "o"));
+  // No one-row GEMV: a row's result must not depend on the rows beside it.
+  ATTNKIT_RETURN_IF_ERROR(project(x.ptr<const float>(), 1, total, positions, run,
+                                  /*gemv_for_one_row=*/false, cq.data(), q.data(), kv_new.data()));
+  absorb_queries(q.data(), total, qa.data(), run);
+  AttentionOptions opt;
+  opt.softmax_scale = static_cast<float>(softmax_scale_);
+  opt.backend = run.backend;
+  opt.num_threads = run.num_threads;
+  Status st =
+      cache.attend(layer_index, make_view(qa.data(), DType::kF32, {total, H, dkv}),
+                   make_view(kv_new.data(), DType::kF32, {total, 1, dkv}), TensorView{},
+                   cu_seqlens_q, seq_ids, make_view(oa.data(), DType::kF32, {total, H, dc}), opt);
+  if (!st.ok()) return Status(st.code(), f + ": " + st.message());
+  expand_values(oa.data(), total, o.data(), run, /*gemv_for_one_row=*/false);
+  const kernels::LinearOptions lin{.num_threads = run.num_threads, .backend = run.backend};
+  kernels::linear(o.data(), H * dv, w_.o.ptr<float>(), nullptr, out.ptr<float>(), d, total, d,
+                  H * dv, lin);
   return Status::Ok();
 }
 

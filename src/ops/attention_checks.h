@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "attnkit/attention.h"
@@ -36,6 +37,21 @@ Status check_no_self_overlap(const char* fn, const char* name, const TensorView&
 
 // softmax_scale, softcap, window, sparse, num_threads, backend.
 Status check_attention_options(const char* fn, const AttentionOptions& options);
+
+// cu_seqlens-style offsets: `count` + 1 entries, 0 first, never decreasing,
+// `total` last (total_src names where total comes from). Sets *max_len to
+// the longest sequence.
+Status check_cu_seqlens(const char* fn, const char* name, std::span<const int32_t> cu,
+                        int64_t count, int64_t total, const char* total_src, int32_t* max_len);
+
+struct NamedView {
+  const char* name;
+  const TensorView* view;  // absent views are skipped
+};
+
+// No output overlaps an input or another output.
+Status check_outputs_apart(const char* fn, std::span<const NamedView> outputs,
+                           std::span<const NamedView> inputs);
 
 // Validates an explicit mask against the full score shape and stores its
 // pointer and broadcast strides in `params`.

@@ -1,9 +1,11 @@
 // Public sdpa() and merge_attention_states(): validate every argument, fill
 // the kernel params, dispatch. Nothing is written before validation passes.
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "attnkit/attention.h"
 #include "core/check.h"
@@ -17,6 +19,19 @@ constexpr const char* kFn = "sdpa";
 
 kernels::Strides4 strides_of(const TensorView& v) {
   return {v.strides[0], v.strides[1], v.strides[2], v.strides[3]};
+}
+
+// scale, softcap, causal, window, sparse pattern and threads from `o`.
+void fill_options(const AttentionOptions& o, int64_t head_dim, kernels::AttentionParams* prm) {
+  prm->scale = o.softmax_scale > 0.0f
+                   ? o.softmax_scale
+                   : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  prm->softcap = o.softcap;
+  prm->causal = o.causal;
+  prm->window_left = o.window_size.left;
+  prm->window_right = o.window_size.right;
+  prm->sparse = o.sparse;
+  prm->num_threads = o.num_threads;
 }
 
 }  // namespace
@@ -167,20 +182,9 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
   ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kFn, "out", out));
   if (lse.present()) ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kFn, "lse", lse));
   if (probs.present()) ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kFn, "probs", probs));
-  const TensorView* inputs[] = {&q, &k, &v, &options.mask};
-  const TensorView* outputs[] = {&out, &lse, &probs};
-  const char* out_names[] = {"out", "lse", "probs"};
-  const char* in_names[] = {"q", "k", "v", "mask"};
-  for (int o = 0; o < 3; ++o) {
-    for (int i = 0; i < 4; ++i)
-      if (check::overlaps(*outputs[o], *inputs[i]))
-        return invalid_argument(std::string(kFn) + ": " + out_names[o] + " overlaps input " +
-                                in_names[i] + "; outputs must not alias inputs");
-    for (int p = o + 1; p < 3; ++p)
-      if (check::overlaps(*outputs[o], *outputs[p]))
-        return invalid_argument(std::string(kFn) + ": outputs " + out_names[o] + " and " +
-                                out_names[p] + " overlap");
-  }
+  const NamedView outputs[] = {{"out", &out}, {"lse", &lse}, {"probs", &probs}};
+  const NamedView inputs[] = {{"q", &q}, {"k", &k}, {"v", &v}, {"mask", &options.mask}};
+  ATTNKIT_RETURN_IF_ERROR(check_outputs_apart(kFn, outputs, inputs));
 
   if (!options.seqlens_k.empty()) {
     if (static_cast<int64_t>(options.seqlens_k.size()) != batch)
@@ -224,16 +228,146 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
     prm.probs = probs.ptr<float>();
     prm.probs_stride = {probs.strides[0], probs.strides[2], probs.strides[1], probs.strides[3]};
   }
-  prm.scale = options.softmax_scale > 0.0f
-                  ? options.softmax_scale
-                  : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
-  prm.softcap = options.softcap;
+  fill_options(options, head_dim, &prm);
   prm.k_len = options.seqlens_k.empty() ? nullptr : options.seqlens_k.data();
-  prm.causal = options.causal;
-  prm.window_left = options.window_size.left;
-  prm.window_right = options.window_size.right;
-  prm.sparse = options.sparse;
-  prm.num_threads = options.num_threads;
+  return kernels::run_attention(prm, options.backend);
+}
+
+Status check_cu_seqlens(const char* fn, const char* name, std::span<const int32_t> cu,
+                        int64_t count, int64_t total, const char* total_src, int32_t* max_len) {
+  const std::string f = std::string(fn) + ": " + name;
+  if (static_cast<int64_t>(cu.size()) != count + 1)
+    return invalid_argument(f + " has " + std::to_string(cu.size()) + " entries, must have " +
+                            std::to_string(count + 1) + " (one more than the sequences)");
+  if (cu[0] != 0) return invalid_argument(f + "[0] = " + std::to_string(cu[0]) + " must be 0");
+  *max_len = 0;
+  for (int64_t s = 0; s < count; ++s) {
+    if (cu[s + 1] < cu[s])
+      return invalid_argument(f + "[" + std::to_string(s + 1) + "] = " + std::to_string(cu[s + 1]) +
+                              " must be >= " + name + "[" + std::to_string(s) +
+                              "] = " + std::to_string(cu[s]));
+    *max_len = std::max(*max_len, cu[s + 1] - cu[s]);
+  }
+  if (cu[count] != total)
+    return invalid_argument(f + "[" + std::to_string(count) + "] = " + std::to_string(cu[count]) +
+                            " must equal " + total_src + " = " + std::to_string(total));
+  return Status::Ok();
+}
+
+Status check_outputs_apart(const char* fn, std::span<const NamedView> outputs,
+                           std::span<const NamedView> inputs) {
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    for (const NamedView& in : inputs)
+      if (check::overlaps(*outputs[o].view, *in.view))
+        return invalid_argument(std::string(fn) + ": " + outputs[o].name + " overlaps input " +
+                                in.name + "; outputs must not alias inputs");
+    for (size_t p = o + 1; p < outputs.size(); ++p)
+      if (check::overlaps(*outputs[o].view, *outputs[p].view))
+        return invalid_argument(std::string(fn) + ": outputs " + outputs[o].name + " and " +
+                                outputs[p].name + " overlap");
+  }
+  return Status::Ok();
+}
+
+Status sdpa_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                   std::span<const int32_t> cu_seqlens_q, std::span<const int32_t> cu_seqlens_k,
+                   const TensorView& out, const AttentionOptions& options, const TensorView& lse,
+                   const TensorView& probs) {
+  constexpr const char* fn = "sdpa_varlen";
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "q", q, 3, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "k", k, 3, {DType::kF32, DType::kBF16}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "v", v, 3, {k.dtype}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "out", out, 3, {DType::kF32}));
+  const int64_t total_q = q.shape[0], num_heads = q.shape[1], head_dim = q.shape[2];
+  const int64_t total_k = k.shape[0], num_kv_heads = k.shape[1], head_dim_v = v.shape[2];
+  ATTNKIT_RETURN_IF_ERROR(check_head_layout(fn, num_heads, num_kv_heads, head_dim, head_dim_v));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "k", k, 2, "head_dim", head_dim, "q.shape[2]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "v", v, 0, "total_k", total_k, "k.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "v", v, 1, "num_kv_heads", num_kv_heads, "k.shape[1]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "out", out, 0, "total_q", total_q, "q.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "out", out, 1, "num_heads", num_heads, "q.shape[1]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "out", out, 2, "head_dim_v", head_dim_v, "v.shape[2]"));
+  ATTNKIT_RETURN_IF_ERROR(check_attention_options(fn, options));
+  if (!options.seqlens_k.empty())
+    return invalid_argument(std::string(fn) +
+                            ": options.seqlens_k must be empty; cu_seqlens_k gives every "
+                            "sequence's key count");
+  // The kernels index rows with int32 offsets, as FlashAttention does.
+  constexpr int64_t kMaxRows = std::numeric_limits<int32_t>::max();
+  if (total_q > kMaxRows || total_k > kMaxRows)
+    return invalid_argument(std::string(fn) + ": total_q = " + std::to_string(total_q) +
+                            " and total_k = " + std::to_string(total_k) +
+                            " must be <= " + std::to_string(kMaxRows));
+  const int64_t n = static_cast<int64_t>(cu_seqlens_q.size()) - 1;
+  if (n < 0)
+    return invalid_argument(std::string(fn) +
+                            ": cu_seqlens_q is empty, must have one entry more than the sequences");
+  int32_t max_q = 0, max_k = 0;
+  ATTNKIT_RETURN_IF_ERROR(
+      check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, n, total_q, "q.shape[0]", &max_q));
+  ATTNKIT_RETURN_IF_ERROR(
+      check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, n, total_k, "k.shape[0]", &max_k));
+  if (lse.present()) {
+    ATTNKIT_RETURN_IF_ERROR(check::view(fn, "lse", lse, 2, {DType::kF32}));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse", lse, 0, "num_heads", num_heads, "q.shape[1]"));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse", lse, 1, "total_q", total_q, "q.shape[0]"));
+  }
+  if (probs.present()) {
+    ATTNKIT_RETURN_IF_ERROR(check::view(fn, "probs", probs, 4, {DType::kF32}));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "probs", probs, 0, "n", n, "len(cu_seqlens_q) - 1"));
+    ATTNKIT_RETURN_IF_ERROR(
+        check::dim(fn, "probs", probs, 1, "num_heads", num_heads, "q.shape[1]"));
+    ATTNKIT_RETURN_IF_ERROR(
+        check::dim(fn, "probs", probs, 2, "max_seqlen_q", max_q, "the longest query sequence"));
+    ATTNKIT_RETURN_IF_ERROR(
+        check::dim(fn, "probs", probs, 3, "max_seqlen_k", max_k, "the longest key sequence"));
+  }
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "out", out));
+  if (lse.present()) ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "lse", lse));
+  if (probs.present()) ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "probs", probs));
+  const NamedView outputs[] = {{"out", &out}, {"lse", &lse}, {"probs", &probs}};
+  const NamedView inputs[] = {{"q", &q}, {"k", &k}, {"v", &v}, {"mask", &options.mask}};
+  ATTNKIT_RETURN_IF_ERROR(check_outputs_apart(fn, outputs, inputs));
+
+  kernels::AttentionParams prm;
+  ATTNKIT_RETURN_IF_ERROR(fill_mask(fn, options.mask, n, num_heads, max_q, max_k, &prm));
+  std::vector<int32_t> q_len(static_cast<size_t>(n)), k_len(static_cast<size_t>(n));
+  for (int64_t s = 0; s < n; ++s) {
+    q_len[s] = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
+    k_len[s] = cu_seqlens_k[s + 1] - cu_seqlens_k[s];
+  }
+  prm.batch = n;
+  prm.seqlen_q = max_q;
+  prm.seqlen_k = max_k;
+  prm.num_heads = num_heads;
+  prm.num_kv_heads = num_kv_heads;
+  prm.head_dim = head_dim;
+  prm.head_dim_v = head_dim_v;
+  // Rank-3 views as rank-4 ones whose batch stride is 0: the rows of item
+  // s start at q_start[s] (k_start[s]).
+  prm.q = q.ptr<const float>();
+  prm.q_stride = {0, q.strides[0], q.strides[1], q.strides[2]};
+  prm.q_start = cu_seqlens_q.data();
+  prm.q_len = q_len.data();
+  prm.k = k.data;
+  prm.k_stride = {0, k.strides[0], k.strides[1], k.strides[2]};
+  prm.v = v.data;
+  prm.v_stride = {0, v.strides[0], v.strides[1], v.strides[2]};
+  prm.kv_dtype = k.dtype;
+  prm.k_start = cu_seqlens_k.data();
+  prm.k_len = k_len.data();
+  prm.out = out.ptr<float>();
+  prm.out_stride = {0, out.strides[0], out.strides[1], out.strides[2]};
+  if (lse.present()) {
+    prm.lse = lse.ptr<float>();
+    prm.lse_stride_head = lse.strides[0];
+    prm.lse_stride_row = lse.strides[1];
+  }
+  if (probs.present()) {
+    prm.probs = probs.ptr<float>();
+    prm.probs_stride = {probs.strides[0], probs.strides[2], probs.strides[1], probs.strides[3]};
+  }
+  fill_options(options, head_dim, &prm);
   return kernels::run_attention(prm, options.backend);
 }
 

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "attnkit/analysis.h"
+#include "attnkit/latent_attention.h"
 
 namespace attnkit {
 namespace {
@@ -100,6 +101,33 @@ TEST(Analysis, MlaConfigIgnoresMisleadingFields) {
   EXPECT_EQ(m->head_dim_v, 128);
   EXPECT_EQ(kv_values_per_token_per_layer(*m), 576);
   EXPECT_EQ(kv_values_per_token_per_layer(*m, false), 128 * 320);
+}
+
+TEST(Analysis, MlaFamilyWithoutMlaFieldsIsRejectedAsTheLayerRejectsIt) {
+  // A deepseek_v3 config stripped of its MLA fields is not an MHA model of
+  // head_dim hidden / heads: analyze and LatentAttention give one answer.
+  const char* text = R"({"model_type":"deepseek_v3","hidden_size":7168,
+      "num_attention_heads":128,"num_key_value_heads":128,"num_hidden_layers":61})";
+  auto m = model_shape_from_json(text);
+  ASSERT_FALSE(m.ok());
+  auto layer_config = mla_config_from_json(text);
+  ASSERT_FALSE(layer_config.ok());
+  EXPECT_EQ(m.status().message(), layer_config.status().message());
+  EXPECT_NE(m.status().message().find("q_lora_rank is missing"), std::string::npos)
+      << m.status().message();
+  // rope_interleave is read by the same parser (and validated the same way).
+  const std::string v3 = R"({"model_type":"deepseek_v3","hidden_size":7168,
+      "num_attention_heads":128,"num_hidden_layers":61,"q_lora_rank":1536,"kv_lora_rank":512,
+      "qk_nope_head_dim":128,"qk_rope_head_dim":64,"v_head_dim":128)";
+  auto interleaved = model_shape_from_json(v3 + "}");
+  ASSERT_TRUE(interleaved.ok()) << interleaved.status().to_string();
+  EXPECT_TRUE(interleaved->rope_interleave);
+  auto half = model_shape_from_json(v3 + R"(,"rope_interleave":false})");
+  ASSERT_TRUE(half.ok()) << half.status().to_string();
+  EXPECT_FALSE(half->rope_interleave);
+  auto bad = model_shape_from_json(v3 + R"(,"rope_interleave":"no"})");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("rope_interleave"), std::string::npos);
 }
 
 TEST(Analysis, PrefillFlopsCountVisiblePairs) {
@@ -202,10 +230,18 @@ TEST(Analysis, HostileNumbersAreRejected) {
   EXPECT_TRUE(ok.ok()) << ok.status().to_string();
 }
 
-TEST(Analysis, CacheBytesSaturateInsteadOfOverflowing) {
+TEST(Analysis, CacheBytesPastInt64AreTheTrueValueNotCapped) {
   auto m = model_preset("Llama-2-70B");
   ASSERT_TRUE(m.ok());
-  EXPECT_EQ(kv_cache_bytes(*m, DType::kF32, int64_t{1} << 40, int64_t{1} << 20), INT64_MAX);
+  // 80 layers x 8 kv heads x (128 + 128) values x 4 B = 655360 B per token,
+  // x 2^40 tokens x 2^20 sequences: about 7.2e23 B, far past 2^63.
+  const double want = 655360.0 * 0x1p40 * 0x1p20;
+  EXPECT_EQ(kv_cache_bytes(*m, DType::kF32, int64_t{1} << 40, int64_t{1} << 20), want);
+  // The analyze example of the overflow: 2e9 tokens x 2e9 sequences in bf16.
+  EXPECT_DOUBLE_EQ(kv_cache_bytes(*m, DType::kBF16, 2'000'000'000, 2'000'000'000),
+                   327680.0 * 2e9 * 2e9);
+  // Below 2^53 the double is exact.
+  EXPECT_EQ(kv_cache_bytes(*m, DType::kBF16, 4096, 3), 327680.0 * 4096 * 3);
 }
 
 }  // namespace

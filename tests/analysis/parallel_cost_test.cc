@@ -158,8 +158,8 @@ TEST(ParallelCosts, Llama3_8bOnFourRanksByHand) {
 
   const StrategyCost& single = find(v, ParallelStrategy::kSingle);
   // Weights 41,943,040 params * 2 B * 32 layers; KV 2048 values * 2 B * 4096 * 32.
-  EXPECT_EQ(single.weight_bytes_per_rank, int64_t{2684354560});
-  EXPECT_EQ(single.kv_bytes_per_rank, int64_t{536870912});
+  EXPECT_DOUBLE_EQ(single.weight_bytes_per_rank, 2684354560.0);
+  EXPECT_DOUBLE_EQ(single.kv_bytes_per_rank, 536870912.0);
   // Decode reads 83,886,080 weight + 16,777,216 KV bytes at 100 GB/s (the
   // 150,994,944 FLOPs take 0.15 ms at 1 TFLOP/s, so memory bounds it).
   EXPECT_DOUBLE_EQ(single.decode.compute_s, 100663296.0 / 100e9);
@@ -168,8 +168,8 @@ TEST(ParallelCosts, Llama3_8bOnFourRanksByHand) {
   const StrategyCost& hp = find(v, ParallelStrategy::kHeadParallel);
   ASSERT_TRUE(hp.feasible);
   // 2 kv heads and 8 query heads per rank: a quarter of every projection.
-  EXPECT_EQ(hp.weight_bytes_per_rank, int64_t{671088640});
-  EXPECT_EQ(hp.kv_bytes_per_rank, int64_t{134217728});
+  EXPECT_DOUBLE_EQ(hp.weight_bytes_per_rank, 671088640.0);
+  EXPECT_DOUBLE_EQ(hp.kv_bytes_per_rank, 134217728.0);
   // All-reduce of 4096 f32: 2 * 3/4 * 16384 B in 2 log2(4) = 4 messages.
   EXPECT_DOUBLE_EQ(hp.decode.bytes_sent, 24576.0);
   EXPECT_DOUBLE_EQ(hp.decode.bytes_per_token, 24576.0);
@@ -181,8 +181,8 @@ TEST(ParallelCosts, Llama3_8bOnFourRanksByHand) {
 
   const StrategyCost& cp = find(v, ParallelStrategy::kContextParallel);
   ASSERT_TRUE(cp.feasible);
-  EXPECT_EQ(cp.weight_bytes_per_rank, single.weight_bytes_per_rank);
-  EXPECT_EQ(cp.kv_bytes_per_rank, single.kv_bytes_per_rank / 4);
+  EXPECT_DOUBLE_EQ(cp.weight_bytes_per_rank, single.weight_bytes_per_rank);
+  EXPECT_DOUBLE_EQ(cp.kv_bytes_per_rank, single.kv_bytes_per_rank / 4);
   // Three blocks of 1024 tokens * 2048 values * 2 B forwarded in the ring.
   EXPECT_DOUBLE_EQ(cp.prefill.bytes_sent, 3.0 * 1024 * 2048 * 2);
   EXPECT_DOUBLE_EQ(cp.prefill.bytes_per_token, 3072.0);
@@ -209,9 +209,9 @@ TEST(ParallelCosts, DeepSeekV3LatentCacheIsReplicatedUnderHeadParallelism) {
   ASSERT_TRUE(hp.feasible);
   // Per rank, 32 heads: q_a 11,010,048 + its norm 1,536 + q_b 9,437,184 +
   // kv_a 4,128,768 + its norm 512 + kv_b 4,194,304 + o 29,360,128 = 58,132,480.
-  EXPECT_EQ(hp.weight_bytes_per_rank, int64_t{58132480} * 2 * 61);
+  EXPECT_DOUBLE_EQ(hp.weight_bytes_per_rank, 58132480.0 * 2 * 61);
   // The whole latent cache on every rank: 576 values * 2 B * 1000 * 2 * 61.
-  EXPECT_EQ(hp.kv_bytes_per_rank, int64_t{576} * 2 * 1000 * 2 * 61);
+  EXPECT_DOUBLE_EQ(hp.kv_bytes_per_rank, 576.0 * 2 * 1000 * 2 * 61);
   const StrategyCost& cp = find(v, ParallelStrategy::kContextParallel);
   // Merge: 3 partials of 2 * 128 latent outputs of 512 + 1 f32 values.
   EXPECT_DOUBLE_EQ(cp.decode.bytes_sent, 3.0 * 2 * 128 * 513 * 4);
@@ -228,7 +228,7 @@ TEST(ParallelCosts, OneRankEqualsSingleAndInfeasibleSplitsSayWhy) {
   for (const StrategyCost& c : one) {
     EXPECT_EQ(c.prefill.bytes_sent, 0.0) << parallel_strategy_name(c.strategy);
     EXPECT_EQ(c.decode.exposed_comm_s, 0.0) << parallel_strategy_name(c.strategy);
-    EXPECT_EQ(c.kv_bytes_per_rank, one[0].kv_bytes_per_rank);
+    EXPECT_DOUBLE_EQ(c.kv_bytes_per_rank, one[0].kv_bytes_per_rank);
   }
   const std::vector<StrategyCost> many = *parallel_costs(m, 64, w, {100.0, 10.0}, {10.0, 5.0});
   const StrategyCost& hp = find(many, ParallelStrategy::kHeadParallel);

@@ -440,12 +440,27 @@ TEST(HfConfig, LayerTypesTakePrecedence) {
   EXPECT_EQ(parse_ok(llama, 6).sliding_window, 0);
 }
 
-TEST(HfConfig, UnknownModelTypeReadAsLlama) {
-  const AttentionConfig c = parse_ok(patched(kLlama3_8B, {{"model_type", "granite_like"},
-                                                          {"attention_bias", true},
-                                                          {"partial_rotary_factor", 0.5},
-                                                          {"rope_theta", 25000}}));
-  EXPECT_EQ(c.model_type, "granite_like");
+TEST(HfConfig, UnsupportedModelTypesAreRejectedByName) {
+  // Families the layer does not implement must not be read through the
+  // llama rules into a layer that is not theirs.
+  for (const char* type : {"gpt2", "bert", "falcon", "granite_like", "gemma3"}) {
+    auto r = attnkit::attention_config_from_json(patched(kLlama3_8B, {{"model_type", type}}));
+    ASSERT_FALSE(r.ok()) << type;
+    EXPECT_NE(r.status().message().find("model_type = \"" + std::string(type) +
+                                        "\" is not supported; accepted: \"llama\""),
+              std::string::npos)
+        << r.status().message();
+  }
+  for (const char* type :
+       {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma2"})
+    EXPECT_EQ(parse_ok(patched(kLlama3_8B, {{"model_type", type}})).model_type, type);
+}
+
+TEST(HfConfig, LlamaRulesForBiasRotaryFactorAndRopeBlocks) {
+  const AttentionConfig c = parse_ok(
+      patched(kLlama3_8B,
+              {{"attention_bias", true}, {"partial_rotary_factor", 0.5}, {"rope_theta", 25000}}));
+  EXPECT_EQ(c.model_type, "llama");
   EXPECT_TRUE(c.qkv_bias);
   EXPECT_TRUE(c.o_bias);
   EXPECT_EQ(c.rope.rotary_dim, 64);

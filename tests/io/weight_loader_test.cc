@@ -243,10 +243,31 @@ TEST(WeightLoader, UnexpectedNamesUnderPrefix) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message(),
             "TestLayer::load: unexpected weight 'model.layers.0.self_attn.q_proj.bias' under "
-            "'model.layers.0.self_attn.' (expected only: q_proj.weight)");
+            "'model.layers.0.self_attn.' (expected only: q_proj.weight; the buffers "
+            "rotary_emb.inv_freq, .cos_cached and .sin_cached are ignored)");
   // An empty prefix covers every name.
   s = check_no_unexpected(w, "", {"model.layers.0.self_attn.q_proj.weight"}, kFn);
   EXPECT_NE(s.message().find("'model.layers.0.self_attn.q_proj.bias'"), std::string::npos);
+}
+
+TEST(WeightLoader, KnownBuffersAreSkippedOtherNamesAreNot) {
+  // Exported state dicts of older transformers versions carry RoPE buffers
+  // next to the projections; they are not weights.
+  float x = 0;
+  const TensorView v = make_view(&x, DType::kF32, {1});
+  WeightMap w{{"l.q_proj.weight", v},
+              {"l.rotary_emb.inv_freq", v},
+              {"l.rotary_emb.cos_cached", v},
+              {"l.rotary_emb.sin_cached", v}};
+  EXPECT_TRUE(check_no_unexpected(w, "l", {"q_proj.weight"}, kFn).ok());
+  // Only those exact names: another name under rotary_emb, or the buffer
+  // name outside its module, is still an error.
+  w.emplace("l.rotary_emb.scale", v);
+  Status s = check_no_unexpected(w, "l", {"q_proj.weight"}, kFn);
+  EXPECT_NE(s.message().find("unexpected weight 'l.rotary_emb.scale'"), std::string::npos)
+      << s.message();
+  WeightMap bare{{"l.q_proj.weight", v}, {"l.inv_freq", v}};
+  EXPECT_FALSE(check_no_unexpected(bare, "l", {"q_proj.weight"}, kFn).ok());
 }
 
 TEST(WeightLoader, LoaderStagesAndChecksStrictly) {

@@ -49,6 +49,8 @@ struct Case {
   bool mask_broadcast = false;
   SparsePattern sparse;
   bool ring = false;
+  int64_t page_size = 0;   // > 0: K/V rows in shuffled pages behind a block table
+  bool ragged = false;     // each batch item has 0..seqlen_q query rows, packed
   bool strided = false;    // padded strides everywhere, non-unit q/out dim strides
   bool mla_view = false;   // V is the first dv columns of K's rows (dv <= d)
   double poison = 0.0;     // fraction of (batch, kv row, kv head) K/V rows set to NaN
@@ -63,8 +65,8 @@ struct Case {
       << " seqlens=" << seqlens << " q_offsets=" << q_offsets << " mask=" << static_cast<int>(mask)
       << (mask_broadcast ? "b" : "") << " sparse=" << static_cast<int>(sparse.kind) << "/"
       << sparse.block_size << "/" << sparse.stride << "/" << sparse.summary << " ring=" << ring
-      << " strided=" << strided << " mla_view=" << mla_view << " poison=" << poison
-      << " seed=" << seed;
+      << " page_size=" << page_size << " ragged=" << ragged << " strided=" << strided
+      << " mla_view=" << mla_view << " poison=" << poison << " seed=" << seed;
     return s.str();
   }
 };
@@ -74,11 +76,26 @@ class Problem {
  public:
   explicit Problem(const Case& c) : c_(c), rng_(c.seed) {
     const int64_t pad = c.strided ? 3 : 0;
+    // Layout choices draw from their own stream, so that the values of a
+    // case do not depend on them.
+    std::mt19937_64 layout_rng(c.seed ^ 0x9e3779b97f4a7c15ull);
+    // Ragged queries: item b's rows are rows q_start_[b] ... of one packed
+    // [rows, heads, d] tensor (batch strides 0).
+    int64_t q_rows = c.batch * c.seqlen_q;
+    if (c.ragged) {
+      std::uniform_int_distribution<int64_t> len(0, c.seqlen_q);
+      q_rows = 0;
+      for (int64_t b = 0; b < c.batch; ++b) {
+        q_start_.push_back(static_cast<int32_t>(q_rows));
+        q_len_.push_back(static_cast<int32_t>(len(layout_rng)));
+        q_rows += q_len_.back();
+      }
+    }
     // q [batch, seqlen_q, heads, d]; dim stride 2 when strided.
     qs_.dim = c.strided ? 2 : 1;
     qs_.head = c.d * qs_.dim + pad;
     qs_.row = c.heads * qs_.head + pad;
-    qs_.batch = c.seqlen_q * qs_.row + pad;
+    qs_.batch = c.ragged ? 0 : c.seqlen_q * qs_.row + pad;
     // k, v [batch, seqlen_k, kv_heads, d / dv]; rows contiguous (dim stride 1).
     ks_.head = c.d + pad;
     ks_.row = c.kv_heads * ks_.head + pad;
@@ -89,12 +106,27 @@ class Problem {
       vs_.row = c.kv_heads * vs_.head + pad;
       vs_.batch = c.seqlen_k * vs_.row + pad;
     }
+    // Paged K/V: every item's keys in pages of page_size rows, the pages of
+    // all items (and two spare ones, never referenced) in shuffled order.
+    int64_t kv_rows = c.batch * c.seqlen_k;
+    if (c.page_size > 0) {
+      pages_per_item_ = (c.seqlen_k + c.page_size - 1) / c.page_size;
+      const int64_t pages = c.batch * pages_per_item_ + 2;
+      for (int64_t x = 0; x < pages; ++x) block_table_.push_back(static_cast<int32_t>(x));
+      std::shuffle(block_table_.begin(), block_table_.end(), layout_rng);
+      block_table_.resize(static_cast<size_t>(c.batch * pages_per_item_));
+      kv_rows = pages * c.page_size;
+      ks_.batch = vs_.batch = 0;
+    }
     os_.dim = c.strided ? 3 : 1;
     os_.head = c.dv * os_.dim + pad;
     os_.row = c.heads * os_.head + pad;
-    os_.batch = c.seqlen_q * os_.row + pad;
-    lse_head_ = c.seqlen_q + pad;
-    lse_batch_ = c.heads * lse_head_ + pad;
+    os_.batch = c.ragged ? 0 : c.seqlen_q * os_.row + pad;
+    lse_head_ = (c.ragged ? q_rows : c.seqlen_q) + pad;
+    lse_batch_ = c.ragged ? 0 : c.heads * lse_head_ + pad;
+    q_elems_ = c.ragged ? q_rows * qs_.row + pad : c.batch * qs_.batch;
+    out_elems_ = c.ragged ? q_rows * os_.row + pad : c.batch * os_.batch;
+    lse_elems_ = c.ragged ? c.heads * lse_head_ : c.batch * lse_batch_;
 
     // bf16 K/V: q is made bf16-exact and the scale a power of two, so that
     // the vdpbf16ps path rounds nothing on the query side and the bound
@@ -103,21 +135,22 @@ class Problem {
     scale_ = bf16_q ? std::ldexp(1.0f, -static_cast<int>(std::round(
                                            std::log2(std::sqrt(static_cast<double>(c.d))))))
                     : static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
-    q_.resize(static_cast<size_t>(c.batch * qs_.batch), kNaN);
+    q_.resize(static_cast<size_t>(q_elems_), kNaN);
     for_each_q([&](int64_t at) { q_[at] = value(2.0f, bf16_q); });
 
-    const int64_t k_elems = c.batch * ks_.batch, v_elems = c.mla_view ? 0 : c.batch * vs_.batch;
+    const int64_t k_elems = c.page_size > 0 ? kv_rows * ks_.row + pad : c.batch * ks_.batch;
+    const int64_t v_elems =
+        c.mla_view ? 0 : (c.page_size > 0 ? kv_rows * vs_.row + pad : c.batch * vs_.batch);
     // Padding between rows and heads (strided layouts) holds NaN: a kernel
     // that reads past a row, even to multiply by 0, makes its output NaN.
     std::vector<float> k(static_cast<size_t>(k_elems), kNaN), v(static_cast<size_t>(v_elems), kNaN);
     for (int64_t b = 0; b < c.batch; ++b)
       for (int64_t r = 0; r < c.seqlen_k; ++r)
         for (int64_t g = 0; g < c.kv_heads; ++g) {
-          for (int64_t x = 0; x < c.d; ++x)
-            k[b * ks_.batch + r * ks_.row + g * ks_.head + x] = value(2.0f, false);
+          for (int64_t x = 0; x < c.d; ++x) k[krow(b, r) + g * ks_.head + x] = value(2.0f, false);
           if (!c.mla_view)
             for (int64_t x = 0; x < c.dv; ++x)
-              v[b * vs_.batch + r * vs_.row + g * vs_.head + x] = value(2.0f, false);
+              v[vrow(b, r) + g * vs_.head + x] = value(2.0f, false);
         }
     if (c.kv == DType::kBF16) {
       for (float x : k) kb_.push_back(float_to_bf16(x));
@@ -174,7 +207,7 @@ class Problem {
     poisoned_[(b * c_.seqlen_k + r) * c_.kv_heads + g] = 1;
     const bf16 nan16 = float_to_bf16(kNaN);
     for (int64_t x = 0; x < c_.d; ++x) {
-      const int64_t at = b * ks_.batch + r * ks_.row + g * ks_.head + x;
+      const int64_t at = krow(b, r) + g * ks_.head + x;
       if (c_.kv == DType::kBF16)
         kb_[at] = nan16;
       else
@@ -182,7 +215,7 @@ class Problem {
     }
     if (c_.mla_view) return;
     for (int64_t x = 0; x < c_.dv; ++x) {
-      const int64_t at = b * vs_.batch + r * vs_.row + g * vs_.head + x;
+      const int64_t at = vrow(b, r) + g * vs_.head + x;
       if (c_.kv == DType::kBF16)
         vb_[at] = nan16;
       else
@@ -231,16 +264,27 @@ class Problem {
     p.mask_stride = ms_;
     p.ring_capacity = c_.ring ? c_.seqlen_k : 0;
     p.ring_start = ring_start_;
+    if (c_.page_size > 0) {
+      p.block_table = block_table_.data();
+      p.block_table_stride = pages_per_item_;
+      p.page_size = c_.page_size;
+    }
+    if (c_.ragged) {
+      p.q_start = q_start_.data();
+      p.q_len = q_len_.data();
+    }
     return p;
   }
 
-  int64_t out_elems() const { return c_.batch * os_.batch; }
-  int64_t lse_elems() const { return c_.batch * lse_batch_; }
+  // Query rows of batch item b.
+  int64_t rows(int64_t b) const { return c_.ragged ? q_len_[b] : c_.seqlen_q; }
+  int64_t out_elems() const { return out_elems_; }
+  int64_t lse_elems() const { return lse_elems_; }
   int64_t out_index(int64_t b, int64_t i, int64_t h, int64_t c) const {
-    return b * os_.batch + i * os_.row + h * os_.head + c * os_.dim;
+    return b * os_.batch + q_row(b, i) * os_.row + h * os_.head + c * os_.dim;
   }
   int64_t lse_index(int64_t b, int64_t h, int64_t i) const {
-    return b * lse_batch_ + h * lse_head_ + i;
+    return b * lse_batch_ + h * lse_head_ + q_row(b, i);
   }
 
   // Error bounds for row (b, i, h) of the fast kernel against the exact
@@ -286,14 +330,13 @@ class Problem {
         for (int64_t r = 0; r < c_.seqlen_k; ++r) {
           if (poisoned_[(b * c_.seqlen_k + r) * c_.kv_heads + g]) continue;
           for (int64_t x = 0; x < c_.d; ++x)
-            kabs[x] = std::fabs(kv_at(true, b * ks_.batch + r * ks_.row + g * ks_.head + x));
+            kabs[x] = std::fabs(kv_at(true, krow(b, r) + g * ks_.head + x));
           double& vm = v_max_[b * c_.kv_heads + g];
           for (int64_t x = 0; x < c_.dv; ++x)
-            vm = std::max(vm,
-                          std::fabs(kv_at(false, b * vs_.batch + r * vs_.row + g * vs_.head + x)));
-          for (int64_t i = 0; i < c_.seqlen_q; ++i)
+            vm = std::max(vm, std::fabs(kv_at(false, vrow(b, r) + g * vs_.head + x)));
+          for (int64_t i = 0; i < rows(b); ++i)
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-              const float* q = q_.data() + b * qs_.batch + i * qs_.row + h * qs_.head;
+              const float* q = q_.data() + b * qs_.batch + q_row(b, i) * qs_.row + h * qs_.head;
               double dot = 0.0;
               for (int64_t x = 0; x < c_.d; ++x) dot += std::fabs(q[x * qs_.dim]) * kabs[x];
               double& sm = s_max_[(b * c_.seqlen_q + i) * c_.heads + h];
@@ -305,10 +348,18 @@ class Problem {
   template <class F>
   void for_each_q(F f) {
     for (int64_t b = 0; b < c_.batch; ++b)
-      for (int64_t i = 0; i < c_.seqlen_q; ++i)
+      for (int64_t i = 0; i < rows(b); ++i)
         for (int64_t h = 0; h < c_.heads; ++h)
           for (int64_t x = 0; x < c_.d; ++x)
-            f(b * qs_.batch + i * qs_.row + h * qs_.head + x * qs_.dim);
+            f(b * qs_.batch + q_row(b, i) * qs_.row + h * qs_.head + x * qs_.dim);
+  }
+  int64_t q_row(int64_t b, int64_t i) const { return c_.ragged ? q_start_[b] + i : i; }
+  // Offset of the first element of item b's key (value) row r.
+  int64_t krow(int64_t b, int64_t r) const { return kv_row(b, r) * ks_.row + b * ks_.batch; }
+  int64_t vrow(int64_t b, int64_t r) const { return kv_row(b, r) * vs_.row + b * vs_.batch; }
+  int64_t kv_row(int64_t b, int64_t r) const {
+    if (c_.page_size == 0) return r;
+    return block_table_[b * pages_per_item_ + r / c_.page_size] * c_.page_size + r % c_.page_size;
   }
   float value(float range, bool bf16_exact) {
     std::uniform_real_distribution<float> u(-range, range);
@@ -324,7 +375,9 @@ class Problem {
   Case c_;
   std::mt19937_64 rng_;
   Strides4 qs_, ks_, vs_, os_, ms_;
-  int64_t lse_head_ = 0, lse_batch_ = 0, ring_start_ = 0;
+  int64_t lse_head_ = 0, lse_batch_ = 0, ring_start_ = 0, pages_per_item_ = 0;
+  int64_t q_elems_ = 0, out_elems_ = 0, lse_elems_ = 0;
+  std::vector<int32_t> block_table_, q_start_, q_len_;
   float scale_ = 1.0f;
   std::vector<float> q_, kf_, vf_, add_mask_;
   std::vector<bf16> kb_, vb_;
@@ -387,7 +440,7 @@ void expect_close(const Problem& pr, const Outputs& ref, const Outputs& fast,
   std::string worst;
   int failures = 0;
   for (int64_t b = 0; b < c.batch; ++b)
-    for (int64_t i = 0; i < c.seqlen_q; ++i)
+    for (int64_t i = 0; i < pr.rows(b); ++i)
       for (int64_t h = 0; h < c.heads; ++h) {
         const Problem::Bounds bound = pr.bounds_for_row(b, i, h, plan.target);
         auto check = [&](const char* what, float r, float f, double tol) {
@@ -779,6 +832,38 @@ TEST(AttentionFast, HeadDimsAcrossColumnBlocks) {
         }
 }
 
+// Keys behind a block table (PagedKVCache's layout) in pages of 1, 3, 16
+// and 64 rows, and ragged query rows (sdpa_varlen, a batch that mixes
+// prefill chunks and decodes): the runs a page cuts a tile into, the
+// prefetch distances into the next tile's pages, and row blocks past a
+// short item's rows. Unreferenced pages and the rows between pages hold
+// NaN, so reading a wrong page shows as NaN.
+TEST(AttentionFast, PagedKeysAndRaggedQueries) {
+  uint64_t seed = 750;
+  for (int64_t page_size : {1, 3, 16, 64})
+    for (bool ragged : {false, true})
+      for (int64_t seqlen_q : {1, 4, 19})
+        for (DType kv : {DType::kF32, DType::kBF16}) {
+          Case c;
+          c.batch = 3;
+          c.seqlen_q = seqlen_q;
+          c.seqlen_k = seqlen_q == 4 ? 700 : 150;  // 700: split keys in decode plans
+          c.heads = 8;
+          c.kv_heads = 2;
+          c.d = 32;
+          c.dv = 24;
+          c.kv = kv;
+          c.causal = true;
+          c.seqlens = true;
+          c.page_size = page_size;
+          c.ragged = ragged;
+          c.window_left = seqlen_q == 19 ? 40 : -1;
+          c.seed = ++seed;
+          check_case(c, [&](const Problem& p, SimdTarget t) { return default_plan(p, 2, t); });
+          check_case(c, [&](const Problem&) { return tiled(5, 16, 48, 3, 2); });
+        }
+}
+
 Case random_case(uint64_t seed) {
   std::mt19937_64 rng(seed);
   auto pick = [&](std::initializer_list<int64_t> xs) {
@@ -817,6 +902,8 @@ Case random_case(uint64_t seed) {
     c.sparse.summary = 1;
   }
   c.ring = chance(0.15);
+  if (!c.ring && chance(0.25)) c.page_size = pick({1, 3, 16});
+  c.ragged = chance(0.25);
   c.strided = chance(0.3);
   c.poison = chance(0.15) ? 0.1 : 0.0;
   return c;
@@ -859,6 +946,7 @@ TEST(AttentionFast, DecodeIsBitIdenticalAcrossThreadCounts) {
       c.kv = kv;
       c.causal = true;
       c.seqlens = true;  // caches of different lengths
+      c.page_size = sq == 4 ? 16 : 0;
       c.seed = ++seed;
       const Problem pr(c);
       const Outputs ref = run_reference(pr);

@@ -26,8 +26,10 @@
 #include <vector>
 
 #include "common/attention_f64.h"
+#include "common/batch_steps.h"
 #include "common/random.h"
 #include "common/views.h"
+#include "kernels/linear.h"
 
 namespace {
 
@@ -486,6 +488,105 @@ TEST(AttentionLayerCache, ChunkedDecodeMatchesFullForward) {
       const Reference ref = reference_forward(c, w, x, B, N, iota_positions(B, N));
       EXPECT_TRUE(within("out", out, ref.out, ref.out_bound));
     }
+}
+
+// ---- forward_batch over a paged pool ---------------------------------------
+
+// Steps of tokens per sequence (three sequences): prompts in chunks, decodes
+// and multi-token steps mixed in one call, sequences idle at times.
+const std::vector<std::vector<int64_t>> kBatchSteps = {{6, 3, 0}, {1, 2, 4}, {1, 1, 1}, {3, 0, 1},
+                                                       {1, 1, 5}, {1, 1, 1}, {2, 1, 1}};
+
+TEST(AttentionLayerPaged, ForwardBatchMatchesEachSequenceAlone) {
+  uint64_t seed = 900;
+  for (const auto& [name, c] : all_configs())
+    for (int64_t page_size : {1, 4}) {
+      SCOPED_TRACE(std::string(name) + " page_size " + std::to_string(page_size));
+      auto [layer, w] = build(c, seed++);
+      Rng rng(seed++);
+      std::vector<std::vector<float>> x(3);
+      std::vector<int64_t> lengths(3, 0);
+      for (const auto& step : kBatchSteps)
+        for (size_t s = 0; s < 3; ++s) lengths[s] += step[s];
+      for (size_t s = 0; s < 3; ++s)
+        x[s] = attnkit_test::uniform_vector(size_t(lengths[s] * c.hidden_size), rng);
+      auto pool = layer.new_paged_cache(40, page_size, 2);
+      ASSERT_TRUE(pool.ok()) << pool.status().to_string();
+      EXPECT_EQ(pool->spec().sliding_window, c.sliding_window);
+      std::vector<std::vector<float>> out;
+      // Layer index 1 of the pool: the first layer's slots stay unwritten.
+      attnkit_test::run_batch_steps(
+          *pool, c.hidden_size, x, kBatchSteps, &out,
+          [&](const TensorView& xv, std::span<const int32_t> cu, std::span<const int64_t> ids,
+              const TensorView& ov) { return layer.forward_batch(xv, cu, ids, *pool, 1, ov); });
+      for (size_t s = 0; s < 3; ++s) {
+        const Reference ref =
+            reference_forward(c, w, x[s], 1, lengths[s], iota_positions(1, lengths[s]));
+        EXPECT_TRUE(within("out", out[s], ref.out, ref.out_bound)) << "sequence " << s;
+      }
+    }
+}
+
+// Where a projection's row does not depend on the rows beside it, a
+// sequence's outputs are the same bits batched or alone.
+TEST(AttentionLayerPaged, BatchingChangesNoBits) {
+  if (!attnkit::kernels::linear_rows_independent(attnkit::Backend::kAuto))
+    GTEST_SKIP() << "this GEMM's rows depend on their neighbours (docs/GEMM.md)";
+  auto [layer, w] = build(qwen3_like(), 77);
+  Rng rng(78);
+  std::vector<std::vector<float>> x(3);
+  for (auto& xs : x) xs = attnkit_test::uniform_vector(size_t(20 * 32), rng);
+  std::vector<int64_t> lengths(3, 0);
+  for (const auto& step : kBatchSteps)
+    for (size_t s = 0; s < 3; ++s) lengths[s] += step[s];
+  const int64_t d = layer.config().hidden_size;
+  for (size_t s = 0; s < 3; ++s) x[s].resize(size_t(lengths[s] * d));
+  auto batched = layer.new_paged_cache(40, 4).value();
+  std::vector<std::vector<float>> out, alone_out;
+  auto forward = [&](attnkit::PagedKVCache& pool) {
+    return [&](const TensorView& xv, std::span<const int32_t> cu, std::span<const int64_t> ids,
+               const TensorView& ov) { return layer.forward_batch(xv, cu, ids, pool, 0, ov); };
+  };
+  attnkit_test::run_batch_steps(batched, d, x, kBatchSteps, &out, forward(batched));
+  for (size_t s = 0; s < 3; ++s) {
+    auto alone = layer.new_paged_cache(40, 4).value();
+    std::vector<std::vector<int64_t>> steps;
+    for (const auto& step : kBatchSteps)
+      if (step[s] > 0) steps.push_back({step[s]});
+    attnkit_test::run_batch_steps(alone, d, {x[s]}, steps, &alone_out, forward(alone));
+    EXPECT_EQ(0, std::memcmp(out[s].data(), alone_out[0].data(), out[s].size() * sizeof(float)))
+        << "sequence " << s;
+  }
+}
+
+TEST(AttentionLayerPaged, MismatchedPoolsAndStepsAreRejected) {
+  auto [layer, w] = build(mistral_like(), 3);
+  const int64_t d = layer.config().hidden_size;
+  std::vector<float> x(size_t(4 * d), 0.1f), out(size_t(4 * d), -2.0f);
+  const TensorView xv = attnkit::make_view(x.data(), DType::kF32, {4, d});
+  const TensorView ov = attnkit::make_view(out.data(), DType::kF32, {4, d});
+  auto other = build(llama_like(), 4).layer.new_paged_cache(8, 4).value();
+  const int64_t a = other.add_sequence();
+  ASSERT_TRUE(other.append(std::vector<int64_t>{a}, std::vector<int64_t>{4}).ok());
+  const std::vector<int32_t> cu{0, 4};
+  const std::vector<int64_t> ids{a};
+  attnkit::Status st = layer.forward_batch(xv, cu, ids, other, 0, ov);
+  EXPECT_NE(st.message().find("AttentionLayer::forward_batch: cache spec."), std::string::npos)
+      << st.message();
+  auto pool = layer.new_paged_cache(8, 4).value();
+  const int64_t b = pool.add_sequence();
+  ASSERT_TRUE(pool.append(std::vector<int64_t>{b}, std::vector<int64_t>{3}).ok());
+  st = layer.forward_batch(xv, cu, std::vector<int64_t>{b}, pool, 0, ov);
+  EXPECT_NE(st.message().find("gives sequence 0 4 new tokens, but it has 3 reserved tokens"),
+            std::string::npos)
+      << st.message();
+  st = layer.forward_batch(xv, cu, std::vector<int64_t>{7}, pool, 0, ov);
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.to_string();
+  st = layer.forward_batch(xv, std::vector<int32_t>{0, 3}, std::vector<int64_t>{b}, pool, 0, ov);
+  EXPECT_NE(st.message().find("cu_seqlens_q[1] = 3 must equal x.shape[0] = 4"), std::string::npos)
+      << st.message();
+  for (float o : out) ASSERT_EQ(o, -2.0f);
+  EXPECT_EQ(pool.written(b, 0).value(), 0);
 }
 
 TEST(AttentionLayerCache, NewCacheMatchesLayer) {

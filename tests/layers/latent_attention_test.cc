@@ -22,7 +22,9 @@
 #include <string>
 #include <vector>
 
+#include "common/batch_steps.h"
 #include "common/random.h"
+#include "kernels/linear.h"
 
 namespace attnkit {
 namespace {
@@ -159,14 +161,17 @@ double ref_scale(const MlaConfig& c) {
   return s;
 }
 
-// Interleaved RoPE: pair (2i, 2i+1) is the complex number x[2i] + i x[2i+1]
-// multiplied by e^(i pos f_i), as DeepSeek's view_as_complex code does.
-void ref_rope(double* x, int64_t dr, int64_t pos, const std::vector<double>& f) {
+// RoPE: pair i is the complex number x[a] + i x[b] multiplied by
+// e^(i pos f_i). Interleaved (DeepSeek's view_as_complex code): a = 2i,
+// b = 2i+1. Half-split (rotate_half, rope_interleave = false): a = i,
+// b = i + dr/2.
+void ref_rope(double* x, int64_t dr, int64_t pos, const std::vector<double>& f, bool interleaved) {
   for (int64_t i = 0; i < dr / 2; ++i) {
-    const std::complex<double> z(x[2 * i], x[2 * i + 1]);
+    const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + dr / 2;
+    const std::complex<double> z(x[a], x[b]);
     const std::complex<double> r = z * std::polar(1.0, double(pos) * f[size_t(i)]);
-    x[2 * i] = r.real();
-    x[2 * i + 1] = r.imag();
+    x[a] = r.real();
+    x[b] = r.imag();
   }
 }
 
@@ -195,12 +200,13 @@ RefOut reference(const MlaConfig& c, const RefWeights& w, const std::vector<floa
           dq > 0 ? matvec(w.q_b, rmsnorm(matvec(w.q_a, xs, dq, d), w.q_a_norm, c.rms_norm_eps),
                           H * dqk, dq)
                  : matvec(w.q, xs, H * dqk, d);
-      for (int64_t h = 0; h < H; ++h) ref_rope(&qs[size_t(h * dqk + dn)], dr, pos[size_t(s)], f);
+      for (int64_t h = 0; h < H; ++h)
+        ref_rope(&qs[size_t(h * dqk + dn)], dr, pos[size_t(s)], f, c.rope_interleave);
       const std::vector<double> kva = matvec(w.kv_a, xs, dc + dr, d);
       const std::vector<double> cl =
           rmsnorm(std::vector<double>(kva.begin(), kva.begin() + dc), w.kv_a_norm, c.rms_norm_eps);
       std::vector<double> kr(kva.begin() + dc, kva.end());
-      ref_rope(kr.data(), dr, pos[size_t(s)], f);
+      ref_rope(kr.data(), dr, pos[size_t(s)], f, c.rope_interleave);
       std::copy(cl.begin(), cl.end(), r.latent.begin() + (b * S + s) * (dc + dr));
       std::copy(kr.begin(), kr.end(), r.latent.begin() + (b * S + s) * (dc + dr) + dc);
       // [k_nope_h ; v_h] = kv_b_proj[h] c, per-head blocks of d_n + d_v rows.
@@ -266,8 +272,9 @@ struct Fixture {
   LatentAttention layer;
 };
 
-Fixture make(bool q_lora, bool yarn, uint64_t seed) {
+Fixture make(bool q_lora, bool yarn, uint64_t seed, bool rope_interleave = true) {
   Fixture fx{small_config(q_lora, yarn), {}, {}};
+  fx.cfg.rope_interleave = rope_interleave;
   fx.w = random_weights(fx.cfg, seed);
   auto layer = LatentAttention::create(fx.cfg);
   EXPECT_TRUE(layer.ok()) << layer.status().to_string();
@@ -287,13 +294,14 @@ std::vector<int64_t> iota(int64_t n, int64_t start = 0) {
 
 struct Variant {
   bool q_lora, yarn;
+  bool rope_interleave = true;
 };
 
 class LatentAttentionExact : public ::testing::TestWithParam<Variant> {};
 
 TEST_P(LatentAttentionExact, BothFormsMatchFloat64Reference) {
   const Variant v = GetParam();
-  Fixture fx = make(v.q_lora, v.yarn, 11 + 2 * v.q_lora + v.yarn);
+  Fixture fx = make(v.q_lora, v.yarn, 11 + 2 * v.q_lora + v.yarn, v.rope_interleave);
   const int64_t B = 2, S = 9, d = fx.cfg.hidden_size;
   Rng rng(99);
   const std::vector<float> x = attnkit_test::uniform_vector(size_t(B * S * d), rng);
@@ -317,10 +325,13 @@ TEST_P(LatentAttentionExact, BothFormsMatchFloat64Reference) {
 
 INSTANTIATE_TEST_SUITE_P(QLoraYarn, LatentAttentionExact,
                          ::testing::Values(Variant{true, true}, Variant{true, false},
-                                           Variant{false, true}, Variant{false, false}),
+                                           Variant{false, true}, Variant{false, false},
+                                           Variant{true, true, false},
+                                           Variant{false, false, false}),
                          [](const auto& param_info) {
                            return std::string(param_info.param.q_lora ? "QLora" : "QProj") +
-                                  (param_info.param.yarn ? "Yarn" : "NoScaling");
+                                  (param_info.param.yarn ? "Yarn" : "NoScaling") +
+                                  (param_info.param.rope_interleave ? "" : "HalfSplitRope");
                          });
 
 TEST(LatentAttention, NaiveEqualsAbsorbedAtRandomShapesAndBatch) {
@@ -395,6 +406,51 @@ TEST(LatentAttention, ChunkedPrefillThenDecodeEqualsFullCausal) {
       EXPECT_TRUE(rel_close("cache rows, batch " + std::to_string(b), st + b * max_len * dkv,
                             ref.latent.data() + b * S * dkv, size_t(S * dkv)));
   }
+}
+
+// forward_batch over a latent pool: three sequences whose prompts, chunks
+// and decodes share steps, each against the float64 model run on it alone;
+// where the projections' rows are independent, the same bits as alone.
+TEST(LatentAttention, ForwardBatchOverPagesMatchesEachSequenceAlone) {
+  const std::vector<std::vector<int64_t>> steps = {{5, 2, 0}, {1, 3, 4}, {1, 1, 1},
+                                                   {2, 0, 1}, {1, 1, 3}, {1, 1, 1}};
+  for (bool q_lora : {true, false})
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      SCOPED_TRACE(std::string(q_lora ? "q_lora " : "q_proj ") + dtype_name(dtype));
+      Fixture fx = make(q_lora, true, 40 + q_lora);
+      const int64_t d = fx.cfg.hidden_size;
+      std::vector<int64_t> lengths(3, 0);
+      for (const auto& step : steps)
+        for (size_t s = 0; s < 3; ++s) lengths[s] += step[s];
+      Rng rng(9);
+      std::vector<std::vector<float>> x(3);
+      for (size_t s = 0; s < 3; ++s)
+        x[s] = attnkit_test::uniform_vector(size_t(lengths[s] * d), rng);
+      auto forward = [&](PagedKVCache& pool) {
+        return
+            [&](const TensorView& xv, std::span<const int32_t> cu, std::span<const int64_t> ids,
+                const TensorView& ov) { return fx.layer.forward_batch(xv, cu, ids, pool, 0, ov); };
+      };
+      auto pool = fx.layer.new_paged_cache(30, 3, 1, dtype);
+      ASSERT_TRUE(pool.ok()) << pool.status().to_string();
+      EXPECT_EQ(pool->spec().head_dim, fx.cfg.kv_lora_rank + fx.cfg.qk_rope_head_dim);
+      std::vector<std::vector<float>> out, alone;
+      attnkit_test::run_batch_steps(*pool, d, x, steps, &out, forward(*pool));
+      for (size_t s = 0; s < 3; ++s) {
+        const RefOut ref = reference(fx.cfg, fx.w, x[s], 1, lengths[s], iota(lengths[s]));
+        // bf16 latents: 2^-9 relative per stored value, through the layer.
+        EXPECT_TRUE(rel_close("sequence " + std::to_string(s), out[s].data(), ref.out.data(),
+                              out[s].size(), dtype == DType::kBF16 ? 1e-2 : kRelTol));
+        if (!kernels::linear_rows_independent(Backend::kAuto)) continue;
+        auto own = fx.layer.new_paged_cache(30, 3, 1, dtype).value();
+        std::vector<std::vector<int64_t>> own_steps;
+        for (const auto& step : steps)
+          if (step[s] > 0) own_steps.push_back({step[s]});
+        attnkit_test::run_batch_steps(own, d, {x[s]}, own_steps, &alone, forward(own));
+        EXPECT_EQ(0, std::memcmp(out[s].data(), alone[0].data(), out[s].size() * sizeof(float)))
+            << "sequence " << s << " batched vs alone";
+      }
+    }
 }
 
 // A cache rebuilt from saved rows continues exactly like the original.
@@ -546,6 +602,17 @@ TEST(MlaConfig, ParsesReleasedConfigsAndScales) {
   MlaConfig plain = *v3;
   plain.rope_scaling = {};
   EXPECT_DOUBLE_EQ(mla_softmax_scale(plain), 1.0 / std::sqrt(192.0));
+  // rope_interleave: absent or null = true; false is kept.
+  EXPECT_TRUE(v3->rope_interleave);
+  const std::string v3_text = kV3Json;
+  const std::string half = v3_text.substr(0, v3_text.size() - 1) + ", \"rope_interleave\": false}";
+  auto v3_half = mla_config_from_json(half);
+  ASSERT_TRUE(v3_half.ok()) << v3_half.status().to_string();
+  EXPECT_FALSE(v3_half->rope_interleave);
+  auto v3_null =
+      mla_config_from_json(v3_text.substr(0, v3_text.size() - 1) + ", \"rope_interleave\": null}");
+  ASSERT_TRUE(v3_null.ok()) << v3_null.status().to_string();
+  EXPECT_TRUE(v3_null->rope_interleave);
 }
 
 std::string without(const std::string& json, const std::string& field) {
@@ -585,6 +652,8 @@ TEST(MlaConfig, RejectsBadConfigsNamingTheField) {
   expect_error(mla_config_from_json(replaced(v3, "type", "\"linear\"")), "rope_scaling.type");
   expect_error(mla_config_from_json(replaced(v3, "factor", "0.5")), "rope_scaling.factor");
   expect_error(mla_config_from_json(replaced(v3, "rope_theta", "1")), "rope_theta");
+  expect_error(mla_config_from_json(v3.substr(0, v3.size() - 1) + ", \"rope_interleave\": 0}"),
+               "rope_interleave = 0 must be true or false");
   expect_error(mla_config_from_json("{\"model_type\": \"llama\", \"hidden_size\": 4096, "
                                     "\"num_attention_heads\": 32}"),
                "q_lora_rank");

@@ -2,25 +2,7 @@
 // any schedule of chunks must equal one causal attention over all N tokens
 // (within the window, if any).
 //
-// Tolerance. The kernel reads exactly the q, k, v the oracle reads (for a
-// bf16 cache the oracle is fed the bf16-rounded K/V, so rounding is part of
-// the compared function, not of the error). What remains is the kernel's
-// own arithmetic, which the contract allows to be fp32 (u = 2^-24, Higham's
-// gamma_n = n u / (1 - n u)). First order, per output element, with
-// S1 = scale * max_j sum_d |q_d k_jd| and Vmax = max |v|:
-//   score error    ds <= (gamma_D + 8u) S1 + 4u   (f32 dot, scale, softcap,
-//                  the exp argument, a few-ulp exp; moves out by 2 ds Vmax)
-//   P.V and sum    2 gamma_2N Vmax                 (online rescaling included)
-//   output         u Vmax
-//   window merge   f32 partial outputs and LSEs: (u (2 + Lmax) + ds) Vmax,
-//                  Lmax <= S1 + log N
-// i.e. Vmax (3 ds + 3 gamma_2N + u (3 + Lmax)); the test allows twice that.
-// The reference backend (double accumulation) gets the tighter bound below.
-// With bf16 K/V the fast kernel may also round the scaled queries and the
-// softmax weights to bf16 (src/kernels/cpu/attention_cpu.h: relative 2^-8
-// each), adding 2^-8 (2 S1 + 2) Vmax, again doubled. The bf16 runs use the
-// reference backend too, where only the tight bound applies, so the cache's
-// own rounding is checked at f32 precision on every machine.
+// Tolerances: common/attention_bounds.h derives them.
 #include "attnkit/kv_cache.h"
 
 #include <gtest/gtest.h>
@@ -33,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/attention_bounds.h"
 #include "common/attention_f64.h"
 #include "common/random.h"
 #include "common/views.h"
@@ -47,8 +30,6 @@ using attnkit::TensorView;
 using attnkit_test::Rng;
 using attnkit_test::span_bytes;
 using attnkit_test::view_at;
-
-constexpr double kU32 = 0x1p-24;  // f32 unit roundoff
 
 // Rows [t0, t0 + T) of a contiguous [batch, n, heads, dim] f32 array, as a
 // strided view (not contiguous across the batch when batch > 1).
@@ -96,23 +77,9 @@ std::vector<double> oracle(const Problem& p, int64_t W, bool bf16, double scale 
   return attnkit_test::attention_f64(o, attnkit_test::widen(p.q), kv(p.k), kv(p.v)).out;
 }
 
-double gamma(int64_t n) { return double(n) * kU32 / (1.0 - double(n) * kU32); }
-
-// The derived bound above, for uniform [-1, 1) inputs (|q|, |k|, |v| <= 1).
-// The reference backend accumulates in double, leaving only the f32
-// rounding of the scale (2 u S1 on the output), of the output (u) and of
-// the window merge's partial results (u (2 + Lmax)).
 attnkit_test::Tolerance tolerance(const Problem& p, DType dtype, attnkit::Backend backend,
                                   double scale = 0.0) {
-  const double s = scale > 0.0 ? scale : 1.0 / std::sqrt(double(p.head_dim));
-  const double s1 = s * double(p.head_dim);
-  const double lmax = s1 + std::log(double(p.n));
-  if (backend == attnkit::Backend::kReference)
-    return {2.0 * kU32 * (3.0 + 2.0 * s1 + lmax), 0.0};  // Vmax = 1
-  const double ds = (gamma(p.head_dim) + 8.0 * kU32) * s1 + 4.0 * kU32;
-  double bound = 3.0 * ds + 3.0 * gamma(2 * p.n) + kU32 * (3.0 + lmax);
-  if (dtype == DType::kBF16) bound += 0x1p-8 * (2.0 * s1 + 2.0);
-  return {2.0 * bound, 0.0};
+  return attnkit_test::attention_tolerance(p.head_dim, p.n, dtype, backend, scale);
 }
 
 // Runs the schedule through a fresh cache; returns out [batch, n, heads, dim_v].

@@ -80,7 +80,7 @@ def test_merge_errors():
                    "truncate": False}), r"scaling\['truncate'\] = False is not supported"),
     (dict(scaling="llama3"), r"apply_rope: scaling must be None or a Hugging Face rope_scaling"),
     (dict(positions=np.array([0, 1, -1])),
-     r"Rope::apply: positions\[2\] = -1 must be in \[0, 2\^53\)"),
+     r"Rope.apply: positions\[2\] = -1 must be in \[0, 2\^53\)"),
     (dict(positions=np.arange(4)), r"positions has 4 entries, must have seq = 3"),
     (dict(positions=np.array([0.0, 1.0, 2.0])), r"apply_rope: positions has dtype float64, "
                                                 r"must be integer"),
@@ -207,6 +207,43 @@ def test_bad_weights_raise_and_change_nothing(edit, pattern):
     np.testing.assert_array_equal(layer.forward(x), before)
     for name, w in layer.state_dict().items():
         np.testing.assert_array_equal(w, good[name])
+
+
+def test_strict_loading_skips_known_buffers_and_rejects_other_names():
+    # Exports from older transformers versions keep the RoPE buffers beside
+    # the projections; they are not weights.
+    layer = attnkit.from_config(LLAMA)
+    sd = llama_weights(0, prefix="model.layers.0.self_attn.")
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+    layer.load_state_dict(sd, prefix="model.layers.0.self_attn.")
+    sd["model.layers.0.self_attn.rotary_emb.freqs"] = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match=r"unexpected weight 'model.layers.0.self_attn.rotary_emb."
+                                         r"freqs'.*rotary_emb.inv_freq.*are ignored"):
+        layer.load_state_dict(sd, prefix="model.layers.0.self_attn.")
+
+
+def test_errors_speak_python():
+    """Messages from the C++ core name what a Python caller called: no '::',
+    and the layers' loader is load_state_dict, not C++'s load_weights."""
+    layer = attnkit.from_config(LLAMA)
+    with pytest.raises(ValueError, match=r"^AttentionLayer\.forward: no weights loaded "
+                                         r"\(call load_state_dict first\)$"):
+        layer.forward(randn(G, 1, 4, 32))
+    with pytest.raises(ValueError, match=r"^AttentionLayer\.state_dict: .*\(call load_state_dict\)"):
+        layer.state_dict()
+    with pytest.raises(ValueError, match=r"^AttentionLayer\.load_state_dict: "):
+        layer.load_state_dict({"q_proj.weight": np.zeros((32, 31), np.float32)})
+    cache = attnkit.KVCache(1, 4, 2, 16)
+    with pytest.raises(ValueError, match=r"^KVCache\.attend: ") as e:
+        q = np.zeros((1, 5, 4, 16), np.float32)
+        kv = np.zeros((1, 5, 2, 16), np.float32)
+        cache.attend(q, kv, kv)
+    with pytest.raises(ValueError, match=r"^KVCache: ") as e2:
+        attnkit.KVCache(1, 0, 2, 16)
+    with pytest.raises(ValueError, match=r"^Rope: "):
+        attnkit.Rope(7)
+    for err in (e, e2):
+        assert "::" not in str(err.value)
 
 
 def test_load_state_dict_argument_type():

@@ -405,6 +405,31 @@ def test_from_config_dispatches_mla(model_type):
     assert type(attnkit.from_config(FAMILIES["llama"])) is attnkit.AttentionLayer
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "bert", "falcon", "gemma3"])
+def test_from_config_rejects_families_it_does_not_implement(model_type):
+    with pytest.raises(ValueError, match=rf'model_type = "{model_type}" is not supported; '
+                                         r'accepted: "llama", "mistral"'):
+        attnkit.from_config(dict(FAMILIES["llama"], model_type=model_type))
+
+
+def test_dir_lists_the_api_only():
+    # The modules the package uses are imported under private names.
+    public = {n for n in dir(attnkit) if not n.startswith("_")}
+    assert not public & {"json", "os", "sys"}
+    assert public - set(attnkit.__all__) <= {"moe", "plot"}     # its own submodules
+
+
+def test_cache_reprs_show_their_length():
+    layer = attnkit.from_config(FAMILIES["llama"])
+    cache = layer.new_cache(batch_size=1, max_seq_len=8)
+    assert repr(cache).startswith("KVCache(length=0, batch_size=1, max_seq_len=8,")
+    cache.attend(*(np.zeros((1, 3, h, 8), np.float32) for h in (6, 2, 2)))
+    assert repr(cache).startswith("KVCache(length=3,")
+    mla = attnkit.from_config(DEEPSEEK)
+    latent = mla.new_cache(1, 8)
+    assert repr(latent).startswith("LatentCache(length=0, batch_size=1, max_seq_len=8,")
+
+
 def test_package_surface():
     import os
     import re

@@ -147,6 +147,22 @@ def rope_interleaved(x, pos, cfg):
     return torch.view_as_real(z * rot).reshape(x.shape)
 
 
+def rope_half_split(x, pos, cfg):
+    """Hugging Face's rotate_half pairing (rope_interleave = false): feature
+    i rotates with feature i + d_r/2, x*cos + rotate_half(x)*sin with
+    rotate_half(x) = [-x2, x1], times the same amplitude."""
+    ang = t64(pos)[..., None] * inv_freq(cfg)  # [.., S, d_r/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1) * amplitude(cfg)
+    sin = torch.cat([ang.sin(), ang.sin()], -1) * amplitude(cfg)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+def rope(x, pos, cfg):
+    return (rope_interleaved if cfg.get("rope_interleave", True) else rope_half_split)(x, pos, cfg)
+
+
 def rmsnorm(x, g, eps):
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * g
 
@@ -167,10 +183,10 @@ def mla_ref(cfg, w, x, pos):
     q = q.view(B, S, H, dn + dr).transpose(1, 2)  # [B, H, S, d_qk]
     q_nope, q_pe = q[..., :dn], q[..., dn:]
     pos_b = np.broadcast_to(np.asarray(pos), (B, S))
-    q_pe = rope_interleaved(q_pe, pos_b[:, None, :], cfg)  # per head
+    q_pe = rope(q_pe, pos_b[:, None, :], cfg)  # per head
     kv_a = X @ W["kv_a_proj_with_mqa.weight"].T
     c_kv = rmsnorm(kv_a[..., :dc], W["kv_a_layernorm.weight"], eps)  # latent only
-    k_pe = rope_interleaved(kv_a[..., dc:], pos_b, cfg)  # [B, S, d_r], one per token
+    k_pe = rope(kv_a[..., dc:], pos_b, cfg)  # [B, S, d_r], one per token
     kv = (c_kv @ W["kv_b_proj.weight"].T).view(B, S, H, dn + dv).transpose(1, 2)
     k_nope, v = kv[..., :dn], kv[..., dn:]
     k = torch.cat([k_nope, k_pe[:, None].expand(B, H, S, dr)], -1)
@@ -208,6 +224,34 @@ def test_forward_matches_torch(q_lora, scaling, form, backend):
     want, _ = mla_ref(cfg, w, x, pos)
     got = layer.forward(x, positions=pos, form=form, backend=backend)
     check_rel(f"{form} q_lora={q_lora} scaling={scaling} backend={backend}", got, want)
+
+
+@pytest.mark.parametrize("scaling", [None, "yarn"])
+def test_rope_interleave_false_uses_the_half_split_pairing(scaling, backend):
+    """DeepSeek-V3 configs may say rope_interleave: false; Hugging Face then
+    rotates (i, i + d_r/2) pairs. Prefill, then decode through the cache in
+    both forms, against the float64 reference with that pairing."""
+    cfg = config(True, {None: None, "yarn": YARN}[scaling], rope_interleave=False)
+    w = random_weights(cfg, 31)
+    layer = make_layer(cfg)
+    assert layer.config["rope_interleave"] is False
+    layer.load_state_dict(w)
+    B, S = 2, 9
+    x = rng(32).uniform(-1, 1, (B, S, 44)).astype(np.float32)
+    want, latent = mla_ref(cfg, w, x, np.arange(S))
+    for form in ("naive", "absorbed"):
+        check_rel(f"half-split {form} {backend}", layer.forward(x, form=form, backend=backend), want)
+    cache = layer.new_cache(B, S)
+    got = np.zeros_like(x)
+    got[:, :5] = layer.forward(x[:, :5], cache=cache, form="naive", backend=backend)
+    for t in range(5, S):
+        got[:, t:t + 1] = layer.forward(x[:, t:t + 1], cache=cache, form="absorbed", backend=backend)
+    check_rel(f"half-split prefill + decode {backend}", got, want)
+    # The interleaved layer computes a different function of the same weights.
+    interleaved = make_layer(dict(cfg, rope_interleave=True))
+    interleaved.load_state_dict(w)
+    diff = np.abs(interleaved.forward(x) - want).max() / np.abs(want).max()
+    assert diff > 1e-2
 
 
 def test_softmax_scale_and_config_roundtrip():
@@ -395,7 +439,7 @@ def test_bad_weights_change_nothing():
     w = random_weights(cfg, 40)
     layer = make_layer(cfg)
     x = rng(1).uniform(-1, 1, (1, 3, 44)).astype(np.float32)
-    with pytest.raises(ValueError, match="load_weights"):
+    with pytest.raises(ValueError, match=r"call load_state_dict first"):
         layer.forward(x)  # no weights yet
     layer.load_state_dict(w)
     before = layer.forward(x)

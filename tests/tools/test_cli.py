@@ -58,6 +58,62 @@ def test_bad_flags_exit_2_with_one_line(args):
     assert len(lines) == 1 and lines[0].startswith("attnkit")
 
 
+# The exact line for each kind of bad flag: the parser (CLI11) is wrapped so
+# that every message names the flag, the value and the rule in the tool's
+# own words, whatever CLI11 would have said.
+@pytest.mark.parametrize("args, message", [
+    (["analyze", "--bogus"], "attnkit analyze: unknown argument '--bogus' (see attnkit analyze --help)"),
+    (["analyze", "--model", "llama-3-8b", "--context", "abc"],
+     "attnkit analyze: --context expects an integer, got 'abc'"),
+    (["analyze", "--model", "llama-3-8b", "--context=abc"],
+     "attnkit analyze: --context expects an integer, got 'abc'"),
+    (["analyze", "--model", "llama-3-8b", "--context", "0"],
+     "attnkit analyze: --context must be >= 1, got 0"),
+    (["analyze", "--model", "llama-3-8b", "--context"], "attnkit analyze: --context needs a value"),
+    (["analyze", "--model", "llama-3-8b", "--context", "5", "6"],
+     "attnkit analyze: unknown argument '6' (see attnkit analyze --help)"),
+    (["analyze", "--model", "llama-3-8b", "--json=1"], "attnkit analyze: --json takes no value"),
+    (["analyze", "--model", "llama-3-8b", "--json=true"], "attnkit analyze: --json takes no value"),
+    (["analyze", "--model", "llama-3-8b", "--mla-ranks", "1,0"],
+     "attnkit analyze: --mla-ranks values must be >= 1, got 0"),
+    (["analyze", "--model", "llama-3-8b", "--peak-gflops", "inf"],
+     "attnkit analyze: --peak-gflops expects a number, got 'inf'"),
+    (["plan", "--model", "llama-3-8b", "--memory", "GiB", "--context", "5"],
+     "attnkit plan: --memory: 'GiB' is not a size (try 24GiB, 512MiB, 4096)"),
+    (["compare", "--variants", "mha,,mqa"], "attnkit compare: --variants has an empty entry in 'mha,,mqa'"),
+    (["compare", "--threads", "-1"], "attnkit compare: --threads must be >= 0, got -1"),
+    (["presets", "--x"], "attnkit presets: unknown argument '--x' (see attnkit presets --help)"),
+])
+def test_bad_flag_messages(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    assert r.stderr.strip() == message
+
+
+def test_integer_out_of_range_says_so():
+    r = run("analyze", "--model", "llama-3-8b", "--context", "99999999999999999999")
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("attnkit analyze: --context 99999999999999999999 is out of range "
+                                "(at most 9223372036854775807)")
+
+
+def test_sizes_accept_pib():
+    r = run("plan", "--model", "llama-3-8b", "--memory", "2PiB", "--context", "4096", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["memory_bytes"] == 2 << 50
+
+
+def test_version():
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.startswith("attnkit ") and r.stdout.strip()[-1].isdigit()
+
+
+def test_a_flag_given_twice_keeps_the_last_value():
+    r = run("analyze", "--model", "llama-3-8b", "--context", "5", "--context", "9", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["context"] == 9
+
+
 def test_unreadable_config(tmp_path):
     p = tmp_path / "config.json"
     p.write_text("{not json")
@@ -71,6 +127,109 @@ def test_every_command_has_help():
         assert r.returncode == 0 and "usage: attnkit " + cmd in r.stdout
         if cmd != "presets":
             assert "examples:" in r.stdout and "--json" in r.stdout
+
+
+def test_memory_zero_says_it_must_be_positive():
+    r = run("plan", "--model", "llama-3-8b", "--memory", "0", "--context", "4096", *FIXED)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "attnkit plan: --memory must be > 0, got 0 bytes"
+
+
+def test_a_directory_as_config_says_it_is_a_directory(tmp_path):
+    r = run("analyze", "--config", str(tmp_path), *FIXED)
+    assert r.returncode == 2
+    assert r.stderr.strip() == (f"attnkit analyze: --config '{tmp_path}' is a directory; "
+                                "give the config.json file")
+
+
+@pytest.mark.parametrize("out", ["/proc/attnkit-plots", "/dev/null/plots"])
+def test_plot_out_that_cannot_be_written_is_a_usage_error(tmp_path, out):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"rows": [], "machine": {}}))
+    r = run("plot", "--input", str(bench), "--out", out)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"attnkit plot: cannot create --out '{out}'")
+
+
+def test_analyze_mla_family_without_mla_fields_is_rejected_as_from_config_rejects_it(tmp_path):
+    attnkit = pytest.importorskip("attnkit")
+    cfg = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128,
+           "num_key_value_heads": 128, "num_hidden_layers": 61}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    r = run("analyze", "--config", str(p), *FIXED)
+    assert r.returncode == 2
+    with pytest.raises(ValueError) as e:
+        attnkit.from_config(cfg)
+    assert "q_lora_rank is missing" in str(e.value)
+    assert r.stderr.strip() == f"attnkit analyze: {p}: {e.value}"
+
+
+def test_analyze_huge_context_and_batch_print_the_true_size():
+    # 2e9 tokens x 2e9 sequences x 128 KiB/token: 5.2e23 B, past 2^63 B
+    # (8 EiB), which an int64 would have capped at 8388608 TiB.
+    r = run("analyze", "--model", "llama-3-8b", "--context", "2000000000", "--batch", "2000000000",
+            "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["kv_cache_bytes"]["bf16"] == pytest.approx(131072 * 2e9 * 2e9, rel=1e-15)
+    assert j["kv_cache_bytes"]["f32"] == pytest.approx(2 * 131072 * 2e9 * 2e9, rel=1e-15)
+    t = run("analyze", "--model", "llama-3-8b", "--context", "2000000000", "--batch", "2000000000",
+            *FIXED)
+    row = next(l for l in t.stdout.splitlines() if l.startswith("KV cache @"))
+    assert row.endswith("444 ZiB | 888 ZiB")
+
+
+def test_analyze_what_if_bytes_follow_kv_dtype():
+    r = run("analyze", "--model", "llama-3-8b", "--context", "1000", "--kv-dtype", "f32", *FIXED)
+    assert r.returncode == 0, r.stderr
+    header = next(l for l in r.stdout.splitlines() if l.startswith("variant"))
+    assert "KV/token (f32)" in header and "bf16" not in header
+    # gqa-8: 8 kv heads x (128 + 128) x 32 layers x 4 B = 256 KiB per token
+    row = next(l for l in r.stdout.splitlines() if l.startswith("gqa-8 "))
+    assert "256 KiB" in row
+    j = json.loads(run("analyze", "--model", "llama-3-8b", "--context", "1000", "--kv-dtype", "f32",
+                       "--json", *FIXED).stdout)
+    gqa8 = next(s for s in j["sweep"] if s["variant"] == "gqa-8")
+    assert gqa8["kv_bytes_per_token"] == 262144 and gqa8["kv_bytes_per_token_bf16"] == 131072
+
+
+@pytest.mark.parametrize("args", [
+    ["analyze", "--model", "deepseek-v3"],
+    ["plan", "--model", "llama-3-8b", "--memory", "24GiB", "--context", "32768"],
+    ["presets"],
+])
+def test_tables_have_no_trailing_spaces(args):
+    r = run(*args, *([] if args[0] == "presets" else FIXED))
+    assert r.returncode == 0, r.stderr
+    assert [l for l in r.stdout.splitlines() if l != l.rstrip()] == []
+
+
+def test_plan_caps_max_context_at_the_model_position_limit(tmp_path):
+    # Mixtral: 32768 positions; 128 GiB would hold over a million tokens.
+    cfg = {"model_type": "mixtral", "hidden_size": 4096, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "num_hidden_layers": 32, "max_position_embeddings": 32768,
+           "sliding_window": None}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    r = run("plan", "--config", str(p), "--memory", "128GiB", "--batch", "1", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["max_position_embeddings"] == 32768
+    for row in j["rows"]:
+        assert row["context"] <= 32768
+    row = next(r for r in j["rows"] if r["as_configured"] and r["kv_dtype"] == "bf16")
+    assert row["context"] == 32768 and row["context_limited_by_model"]
+    assert row["memory_max_context"] == (128 << 30) // 131072       # 128 KiB/token in bf16
+    t = run("plan", "--config", str(p), "--memory", "128GiB", "--batch", "1", *FIXED)
+    assert "32768 (model limit; memory allows 1048576)" in t.stdout
+    # A --context past the limit is flagged.
+    c = run("plan", "--config", str(p), "--memory", "128GiB", "--context", "100000", *FIXED)
+    assert c.returncode == 0 and "past the model's max_position_embeddings (32768)" in c.stdout
+    cj = json.loads(run("plan", "--config", str(p), "--memory", "128GiB", "--context", "100000",
+                        "--json", *FIXED).stdout)
+    assert cj["context_beyond_model_limit"]
 
 
 def test_analyze_json_matches_hand_computed(tmp_path):
@@ -187,13 +346,19 @@ def test_bench_smoke_json_and_csv():
     assert len(lines) == 1 + len(rows) and "," in lines[0]
 
 
-def test_plot_writes_png_and_svg(tmp_path):
+def tiny_bench_file(tmp_path, *args):
+    """A small `attnkit bench --json` result saved as bench.json, for plot."""
     bench = tmp_path / "bench.json"
-    r = run("bench", *TINY, "--variants", "mha,mqa", "--contexts", "32,64", "--batches", "1",
-            "--kv-dtypes", "f32", "--prompts", "16", "--budget", "0.01", "--rotate", "1MiB",
-            "--no-torch", "--json", *FIXED)
+    r = run("bench", *TINY, "--batches", "1", "--kv-dtypes", "f32", "--budget", "0.01",
+            "--rotate", "1MiB", "--no-torch", "--json", *args)
     assert r.returncode == 0, r.stderr
     bench.write_text(r.stdout)
+    return bench
+
+
+def test_plot_writes_png_and_svg(tmp_path):
+    bench = tiny_bench_file(tmp_path, "--variants", "mha,mqa", "--contexts", "32,64",
+                            "--prompts", "16", *FIXED)
     out = tmp_path / "plots"
     p = run("plot", "--input", str(bench), "--out", str(out), "--format", "png,svg", "--json")
     assert p.returncode == 0, p.stderr
@@ -238,15 +403,42 @@ def test_compare_table_has_units_and_no_progress_bar_when_piped():
     r = run("compare", *TINY, "--context", "32", "--prompt", "8", "--steps", "1", "--repeats", "1",
             "--kv-dtype", "bf16", *FIXED)
     assert r.returncode == 0 and r.stderr == ""
-    for unit in ("KiB", "GFLOP/s", "GB/s", "n/a", "diff vs MHA"):
+    for unit in ("KiB", "GFLOP/s", "GB/s", "n/a", "pooling drift"):
         assert unit in r.stdout
+
+
+def test_compare_concludes_from_its_own_figures():
+    r = run("compare", *TINY, "--variants", "mha,gqa-2,mqa,mla", "--context", "64", "--prompt", "8",
+            "--steps", "2", "--repeats", "1", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    rows = {v["variant"]: v for v in j["variants"]}
+    fastest = min(rows.values(), key=lambda v: v["decode_seconds"])["variant"]
+    assert j["summary"]["fastest_decode"] == fastest
+    assert j["summary"]["smallest_kv_cache"] == "mqa"            # 2 x 16 values, MLA 64 + 8
+    mla, mha = rows["mla"], rows["mha"]
+    assert j["summary"]["mla_kv_bytes_vs_mha"] == pytest.approx(
+        mla["kv_bytes_per_token"] / mha["kv_bytes_per_token"])
+    assert j["summary"]["mla_decode_flops_vs_mha"] > 1              # it trades FLOPs for bytes
+    assert j["conclusions"][0].startswith("Fastest decode: " + fastest)
+    t = run("compare", *TINY, "--variants", "mha,mqa,mla", "--context", "64", "--prompt", "8",
+            "--steps", "2", "--repeats", "1", *FIXED)
+    lines = t.stdout.splitlines()
+    at = lines.index("What this means here:")
+    said = lines[at + 1:]
+    assert said[0].startswith("- Fastest decode: ")
+    assert said[1] == "- Smallest cache: mqa, 128 B per token per layer; mha caches 4.00x as much (512 B)."
+    assert said[2].startswith("- MLA trades arithmetic for bytes: its cache is 0.56x of mha's")
+    # The drift column is explained as what pooling does, not read as an error.
+    assert "not an\nerror of attnkit" in t.stdout or "not an error of attnkit" in " ".join(lines)
 
 
 # Fields every bench row carries (docs/TOOL.md lists them).
 BENCH_FIELDS = {"mode", "variant", "batch", "context", "q_tokens", "kv_dtype", "num_heads", "num_kv_heads",
                 "head_dim", "head_dim_v", "flops", "bytes", "kv_buffers", "seconds", "gflops", "gbps",
                 "peak_fraction", "bandwidth_fraction", "arithmetic_intensity", "reference_seconds",
-                "speedup_vs_reference", "torch_seconds", "speedup_vs_torch", "samples", "note"}
+                "speedup_vs_reference", "torch_seconds", "speedup_vs_torch", "samples", "note",
+                "above_roof"}
 
 
 def bench_tiny(*extra, env=None):
@@ -309,3 +501,63 @@ def test_python_plot_module_rejects_a_non_bench_file(tmp_path):
     r = subprocess.run([sys.executable, "-m", "attnkit.plot", "--input", str(p), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not an `attnkit bench --json` result" in r.stderr
+
+
+# A peak and bandwidth far below anything the kernels reach stand for a
+# machine measured while busy: every fraction is then above 1, and no such
+# fraction may be printed without a flag.
+LOW_ROOF = ["--peak-gflops", "0.001", "--bandwidth-gbps", "0.001"]
+
+
+def test_bench_flags_every_fraction_above_the_roof():
+    args = ["bench", *TINY, "--variants", "mha,mqa", "--contexts", "64", "--batches", "1",
+            "--kv-dtypes", "f32,bf16", "--modes", "decode", "--budget", "0.01", "--rotate", "1MiB",
+            "--no-torch", *LOW_ROOF]
+    j = json.loads(run(*args, "--json").stdout)
+    assert all(r["above_roof"] for r in j["rows"])
+    assert any("above this machine's measured roof" in w for w in j["warnings"])
+    t = run(*args)
+    assert t.returncode == 0, t.stderr
+    rows = [l for l in t.stdout.splitlines() if l.startswith("decode")]
+    assert rows and all(l.count("%*") == 2 for l in rows)      # % peak and % BW both flagged
+    assert "warning: 4 row(s) above this machine's measured roof (marked *)" in t.stdout
+    # With a roof no kernel reaches, nothing is flagged.
+    high = json.loads(run(*args[:-4], "--peak-gflops", "1e9", "--bandwidth-gbps", "1e9",
+                          "--json").stdout)
+    assert not any(r["above_roof"] for r in high["rows"]) and high["warnings"] == []
+
+
+def test_compare_flags_fractions_above_the_roof():
+    args = ["compare", *TINY, "--context", "32", "--prompt", "8", "--steps", "1", "--repeats", "1",
+            "--variants", "mha,mqa"]
+    j = json.loads(run(*args, "--json", *LOW_ROOF).stdout)
+    assert all(v["above_roof"] for v in j["variants"])
+    assert any("above this machine's measured roof" in w for w in j["warnings"])
+    t = run(*args, *LOW_ROOF)
+    assert t.returncode == 0 and "%*" in t.stdout and "warning: 2 variant(s) above" in t.stdout
+
+
+def test_machine_json_says_how_the_figures_were_measured():
+    j = json.loads(run("compare", *TINY, "--context", "32", "--prompt", "8", "--steps", "1",
+                       "--repeats", "1", "--variants", "mha", "--json", *FIXED).stdout)
+    m = j["machine"]
+    assert m["agree"] and m["fp32_peak_gflops"] == 300 and m["dram_read_gbps"] == 35
+    assert m["before"]["fp32_peak_gflops"] == m["after"]["fp32_peak_gflops"] == 300
+
+
+def test_plot_marks_points_above_the_roof(tmp_path):
+    bench = tiny_bench_file(tmp_path, "--variants", "mha", "--contexts", "32", "--modes", "decode",
+                            *LOW_ROOF)
+    p = run("plot", "--input", str(bench), "--out", str(tmp_path / "plots"), "--json")
+    assert p.returncode == 0, p.stderr
+    notes = json.loads(p.stdout)["warnings"]
+    assert len(notes) == 1 and notes[0].startswith("1 of 1 points lie above the measured roof")
+    t = run("plot", "--input", str(bench), "--out", str(tmp_path / "plots"))
+    assert "warning: 1 of 1 points lie above the measured roof" in t.stdout
+    # The bench's own warnings pass through once, with one "warning: ".
+    j = json.loads(bench.read_text())
+    j["warnings"] = ["warning: the machine measured differently before and after the run (x)"]
+    bench.write_text(json.dumps(j))
+    t = run("plot", "--input", str(bench), "--out", str(tmp_path / "plots"))
+    assert "\nwarning: the machine measured differently" in t.stdout
+    assert "warning: warning:" not in t.stdout

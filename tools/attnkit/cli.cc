@@ -1,27 +1,31 @@
 #include "cli.h"
 
+#include <CLI/CLI.hpp>
+
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <sstream>
 
 namespace attnkit::cli {
 
-Flags::Flags(std::string command, std::string summary, std::vector<std::string> examples)
-    : command_(std::move(command)), summary_(std::move(summary)), examples_(std::move(examples)) {}
-
 namespace {
 
 int64_t to_int(const std::string& name, const std::string& v) {
-  try {
-    size_t pos = 0;
-    const long long x = std::stoll(v, &pos);
-    if (pos != v.size()) throw UsageError{""};
-    return x;
-  } catch (...) {
+  int64_t x = 0;
+  const char* first = v.data();
+  const char* last = v.data() + v.size();
+  if (first != last && *first == '+') ++first;  // from_chars takes no '+'
+  const auto [end, ec] = std::from_chars(first, last, x);
+  if (ec == std::errc::result_out_of_range && end == last)
+    throw UsageError{name + " " + v + " is out of range (at most " +
+                     std::to_string(std::numeric_limits<int64_t>::max()) + ")"};
+  if (ec != std::errc() || end != last || first == last)
     throw UsageError{name + " expects an integer, got '" + v + "'"};
-  }
+  return x;
 }
 
 std::vector<std::string> split(const std::string& s) {
@@ -39,122 +43,151 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
+// Adds a flag that takes one value and hands it, unconverted, to `set`.
+// The hint is the value's name in --help ("N", "SIZE", ...).
+void add_valued(CLI::App& app, const std::string& name, const std::string& help, const char* hint,
+                std::function<void(const std::string&)> set) {
+  app.add_option_function<std::string>(name, std::move(set), help)
+      ->type_name(hint)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+}
+
 }  // namespace
 
+Flags::Flags(std::string command, std::string summary, std::vector<std::string> examples)
+    : command_(std::move(command)),
+      examples_(std::move(examples)),
+      app_(std::make_unique<CLI::App>(std::move(summary), "attnkit " + command_)) {
+  app_->set_help_flag("-h,--help", "show this help");
+  // Unknown arguments are collected, not thrown, so that the message can
+  // name the first one in the tool's words.
+  app_->allow_extras();
+}
+
+Flags::~Flags() = default;
+
 void Flags::add_string(const std::string& name, std::string* dst, const std::string& help) {
-  flags_.push_back({name, help, "TEXT", true, [dst](const std::string& v) { *dst = v; }});
+  add_valued(*app_, name, help, "TEXT", [dst](const std::string& v) { *dst = v; });
 }
 
 void Flags::add_int(const std::string& name, int64_t* dst, const std::string& help,
                     int64_t min_value) {
-  flags_.push_back({name, help, "N", true, [=](const std::string& v) {
-                      const int64_t x = to_int(name, v);
-                      if (x < min_value)
-                        throw UsageError{name + " must be >= " + std::to_string(min_value) +
-                                         ", got " + v};
-                      *dst = x;
-                    }});
+  add_valued(*app_, name, help, "N", [=](const std::string& v) {
+    const int64_t x = to_int(name, v);
+    if (x < min_value)
+      throw UsageError{name + " must be >= " + std::to_string(min_value) + ", got " + v};
+    *dst = x;
+  });
 }
 
 void Flags::add_double(const std::string& name, double* dst, const std::string& help) {
-  flags_.push_back({name, help, "X", true, [=](const std::string& v) {
-                      try {
-                        size_t pos = 0;
-                        *dst = std::stod(v, &pos);
-                        if (pos != v.size() || !std::isfinite(*dst)) throw 0;
-                      } catch (...) {
-                        throw UsageError{name + " expects a number, got '" + v + "'"};
-                      }
-                    }});
+  add_valued(*app_, name, help, "X", [=](const std::string& v) {
+    double x = 0;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+    if (ec == std::errc::result_out_of_range && end == v.data() + v.size())
+      throw UsageError{name + " " + v + " is out of range"};
+    if (ec != std::errc() || end != v.data() + v.size() || !std::isfinite(x))
+      throw UsageError{name + " expects a number, got '" + v + "'"};
+    *dst = x;
+  });
 }
 
 void Flags::add_bytes(const std::string& name, int64_t* dst, const std::string& help) {
-  flags_.push_back({name, help, "SIZE", true, [=](const std::string& v) {
-                      try {
-                        *dst = parse_bytes(v);
-                      } catch (const UsageError& e) {
-                        throw UsageError{name + ": " + e.message};
-                      }
-                    }});
+  add_valued(*app_, name, help, "SIZE", [=](const std::string& v) {
+    try {
+      *dst = parse_bytes(v);
+    } catch (const UsageError& e) {
+      throw UsageError{name + ": " + e.message};
+    }
+  });
 }
 
 void Flags::add_int_list(const std::string& name, std::vector<int64_t>* dst,
                          const std::string& help) {
-  flags_.push_back({name, help, "N,N,..", true, [=](const std::string& v) {
-                      dst->clear();
-                      for (const std::string& p : split(v)) {
-                        const int64_t x = to_int(name, p);
-                        if (x < 1) throw UsageError{name + " values must be >= 1, got " + p};
-                        dst->push_back(x);
-                      }
-                    }});
+  add_valued(*app_, name, help, "N,N,..", [=](const std::string& v) {
+    dst->clear();
+    for (const std::string& p : split(v)) {
+      const int64_t x = to_int(name, p);
+      if (x < 1) throw UsageError{name + " values must be >= 1, got " + p};
+      dst->push_back(x);
+    }
+  });
 }
 
 void Flags::add_string_list(const std::string& name, std::vector<std::string>* dst,
                             const std::string& help) {
-  flags_.push_back({name, help, "A,B,..", true, [=](const std::string& v) {
-                      *dst = split(v);
-                      for (const std::string& p : *dst)
-                        if (p.empty())
-                          throw UsageError{name + " has an empty entry in '" + v + "'"};
-                    }});
+  add_valued(*app_, name, help, "A,B,..", [=](const std::string& v) {
+    *dst = split(v);
+    for (const std::string& p : *dst)
+      if (p.empty()) throw UsageError{name + " has an empty entry in '" + v + "'"};
+  });
 }
 
 void Flags::add_bool(const std::string& name, bool* dst, const std::string& help) {
-  flags_.push_back({name, help, "", false, [dst](const std::string&) { *dst = true; }});
-}
-
-const Flags::Flag* Flags::find(const std::string& name) const {
-  for (const Flag& f : flags_)
-    if (f.name == name) return &f;
-  return nullptr;
+  app_->add_flag_callback(
+          name, [dst] { *dst = true; }, help)
+      ->disable_flag_override();
 }
 
 bool Flags::parse(int argc, char** argv, int first) {
+  // CLI11 takes the arguments last first. A bool flag is a switch: CLI11
+  // would read "--json=true" or "--json=" as on, which the tool refuses.
+  std::vector<std::string> args;
   for (int i = first; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::fputs(help().c_str(), stdout);
-      return false;
+    const std::string arg = argv[i];
+    if (const size_t eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      const CLI::Option* f = app_->get_option_no_throw(arg.substr(0, eq));
+      if (f != nullptr && f->get_expected_max() == 0)
+        throw UsageError{arg.substr(0, eq) + " takes no value"};
     }
-    std::string value;
-    bool has_value = false;
-    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-      has_value = true;
-    }
-    const Flag* f = find(arg);
-    if (f == nullptr)
-      throw UsageError{"unknown argument '" + arg + "' (see attnkit " + command_ + " --help)"};
-    if (f->takes_value) {
-      if (!has_value) {
-        if (i + 1 >= argc) throw UsageError{arg + " needs a value"};
-        value = argv[++i];
-      }
-      f->set(value);
-    } else {
-      if (has_value) throw UsageError{arg + " takes no value"};
-      f->set("");
-    }
+    args.insert(args.begin(), arg);
   }
+  try {
+    app_->parse(args);
+  } catch (const CLI::CallForHelp&) {
+    std::fputs(help().c_str(), stdout);
+    return false;
+  } catch (const CLI::ArgumentMismatch& e) {
+    // CLI11 starts these messages with the flag's name: a flag given no
+    // value, or a bool flag given one ("--json=1").
+    const std::string what = e.what();
+    std::string name = what.substr(0, what.find_first_of(": "));
+    if (name.rfind("--", 0) != 0) name = "--" + name;  // flag messages drop the dashes
+    throw UsageError{name + (what.find("flag override") != std::string::npos ? " takes no value"
+                                                                             : " needs a value")};
+  } catch (const CLI::ParseError& e) {
+    throw UsageError{e.what()};
+  }
+  const std::vector<std::string> extra = app_->remaining();
+  if (!extra.empty())
+    throw UsageError{"unknown argument '" + extra.front() + "' (see attnkit " + command_ +
+                     " --help)"};
   return true;
 }
 
+bool Flags::given(const std::string& name) const { return app_->count(name) > 0; }
+
 std::string Flags::help() const {
   std::ostringstream o;
-  o << "usage: attnkit " << command_ << " [flags]\n\n" << summary_ << "\n\nflags:\n";
-  for (const Flag& f : flags_) {
-    std::string left = "  " + f.name + (f.value_hint.empty() ? "" : " " + f.value_hint);
-    o << left << std::string(left.size() < 28 ? 28 - left.size() : 1, ' ') << f.help << "\n";
+  o << "usage: attnkit " << command_ << " [flags]\n\n" << app_->get_description() << "\n\nflags:\n";
+  const CLI::Option* help_flag = app_->get_help_ptr();
+  auto line = [&o](const std::string& left, const std::string& text) {
+    o << left << std::string(left.size() < 28 ? 28 - left.size() : 1, ' ') << text << "\n";
+  };
+  for (const CLI::Option* f : app_->get_options()) {
+    if (f == help_flag) continue;
+    const std::string hint = f->get_expected_max() == 0 ? "" : " " + f->get_type_name();
+    line("  " + f->get_name() + hint, f->get_description());
   }
-  o << "  --help                    show this help\n";
+  line("  --help", help_flag->get_description());
   if (!examples_.empty()) {
     o << "\nexamples:\n";
     for (const std::string& e : examples_) o << "  " << e << "\n";
   }
   return o.str();
 }
+
+const char* version() { return ATTNKIT_VERSION; }
 
 int64_t parse_bytes(const std::string& text) {
   size_t i = 0;
@@ -169,17 +202,20 @@ int64_t parse_bytes(const std::string& text) {
   }
   std::string unit = text.substr(i);
   for (char& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  constexpr double kKi = 1024.0;
   double mult = 1;
   if (unit.empty() || unit == "b")
     mult = 1;
   else if (unit == "k" || unit == "kib")
-    mult = 1024.0;
+    mult = kKi;
   else if (unit == "m" || unit == "mib")
-    mult = 1024.0 * 1024;
+    mult = kKi * kKi;
   else if (unit == "g" || unit == "gib")
-    mult = 1024.0 * 1024 * 1024;
+    mult = kKi * kKi * kKi;
   else if (unit == "t" || unit == "tib")
-    mult = 1024.0 * 1024 * 1024 * 1024;
+    mult = kKi * kKi * kKi * kKi;
+  else if (unit == "p" || unit == "pib")
+    mult = kKi * kKi * kKi * kKi * kKi;
   else if (unit == "kb")
     mult = 1e3;
   else if (unit == "mb")
@@ -188,8 +224,11 @@ int64_t parse_bytes(const std::string& text) {
     mult = 1e9;
   else if (unit == "tb")
     mult = 1e12;
+  else if (unit == "pb")
+    mult = 1e15;
   else
-    throw UsageError{"unknown size unit '" + text.substr(i) + "' in '" + text + "'"};
+    throw UsageError{"unknown size unit '" + text.substr(i) + "' in '" + text +
+                     "' (B, KiB, MiB, GiB, TiB, PiB, or kB, MB, GB, TB, PB)"};
   const double bytes = v * mult;
   if (!(bytes >= 0) || bytes > 9.0e18) throw UsageError{"size '" + text + "' is out of range"};
   return static_cast<int64_t>(bytes);
@@ -202,31 +241,37 @@ std::string format_sig3(double v, const char* suffix) {
 }
 
 namespace {
+
 std::string fmt(double v, const char* unit) {
   return format_sig3(v, (std::string(" ") + unit).c_str());
 }
+
+// v in the largest of `units` (each `base` times the one before) that keeps
+// it below `base`; past the last unit, scientific notation (1.23e+04 YiB)
+// rather than a long run of digits.
+std::string scaled(double v, double base, std::initializer_list<const char*> units) {
+  const char* const* u = units.begin();
+  while (v >= base && u + 1 != units.end()) {
+    v /= base;
+    ++u;
+  }
+  if (v < base) return fmt(v, *u);
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2e %s", v, *u);
+  return buf;
+}
+
 }  // namespace
 
 std::string format_bytes(double b) {
-  if (b < 1024) return fmt(b, "B");
-  if (b < 1024.0 * 1024) return fmt(b / 1024, "KiB");
-  if (b < 1024.0 * 1024 * 1024) return fmt(b / (1024.0 * 1024), "MiB");
-  if (b < 1024.0 * 1024 * 1024 * 1024) return fmt(b / (1024.0 * 1024 * 1024), "GiB");
-  return fmt(b / (1024.0 * 1024 * 1024 * 1024), "TiB");
+  return scaled(b, 1024, {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"});
 }
 
-std::string format_count(double n) {
-  if (n < 1e3) return fmt(n, "");
-  if (n < 1e6) return fmt(n / 1e3, "k");
-  if (n < 1e9) return fmt(n / 1e6, "M");
-  return fmt(n / 1e9, "G");
-}
+std::string format_count(double n) { return scaled(n, 1e3, {"", "k", "M", "G", "T"}); }
 
 std::string format_flops(double f) {
   if (f < 1e6) return fmt(f / 1e3, "kFLOP");
-  if (f < 1e9) return fmt(f / 1e6, "MFLOP");
-  if (f < 1e12) return fmt(f / 1e9, "GFLOP");
-  return fmt(f / 1e12, "TFLOP");
+  return scaled(f / 1e6, 1e3, {"MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP", "ZFLOP", "YFLOP"});
 }
 
 std::string format_rate(double r) { return fmt(r / 1e9, "GFLOP/s"); }
@@ -256,12 +301,16 @@ std::string Table::str() const {
   };
   std::ostringstream o;
   auto line = [&](const std::vector<std::string>& r) {
+    std::string text;
     for (size_t c = 0; c < width.size(); ++c) {
       const std::string cell = c < r.size() ? r[c] : "";
       const std::string pad(width[c] - cell.size(), ' ');
-      o << (c ? "  " : "") << (c > 0 && numbers_right_ && numeric(cell) ? pad + cell : cell + pad);
+      text +=
+          (c ? "  " : "") + (c > 0 && numbers_right_ && numeric(cell) ? pad + cell : cell + pad);
     }
-    o << "\n";
+    // Padding is for the columns to the right; a line ends at its last character.
+    text.erase(text.find_last_not_of(' ') + 1);
+    o << text << "\n";
   };
   line(header_);
   size_t total = 0;

@@ -1,12 +1,16 @@
-// The attnkit tool's small command-line kit: flag parsing with help and
-// examples, unit formatting, aligned tables. Bad flags end the process
-// with exit code 2 and one line on stderr (see UsageError).
+// The attnkit tool's small command-line kit: flag parsing (CLI11 underneath)
+// with help and examples, unit formatting, aligned tables. Bad flags end the
+// process with exit code 2 and one line on stderr (see UsageError).
 #pragma once
 
 #include <cstdint>
-#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
+
+namespace CLI {
+class App;
+}  // namespace CLI
 
 namespace attnkit::cli {
 
@@ -16,15 +20,20 @@ struct UsageError {
   std::string message;
 };
 
+// One command's flags. Every flag is "--name VALUE" or "--name=VALUE" (a
+// bool flag takes no value); a flag given twice keeps its last value. The
+// values are converted here, not by CLI11, so that every message names the
+// flag, the value and the rule in the tool's own words.
 class Flags {
  public:
   Flags(std::string command, std::string summary, std::vector<std::string> examples);
+  ~Flags();
 
   void add_string(const std::string& name, std::string* dst, const std::string& help);
   void add_int(const std::string& name, int64_t* dst, const std::string& help,
                int64_t min_value = 0);
   void add_double(const std::string& name, double* dst, const std::string& help);
-  // Byte sizes: "24GiB", "512MiB", "1.5GB", "4096".
+  // Byte sizes: "24GiB", "512MiB", "1.5GB", "4096", "2PiB".
   void add_bytes(const std::string& name, int64_t* dst, const std::string& help);
   // Comma-separated lists: "1,2,4".
   void add_int_list(const std::string& name, std::vector<int64_t>* dst, const std::string& help);
@@ -36,20 +45,19 @@ class Flags {
   // been printed). Throws UsageError on anything it does not understand.
   bool parse(int argc, char** argv, int first);
   std::string help() const;
+  // Whether the command line named flag `name` (after parse).
+  bool given(const std::string& name) const;
 
  private:
-  struct Flag {
-    std::string name, help, value_hint;
-    bool takes_value;
-    std::function<void(const std::string&)> set;
-  };
-  const Flag* find(const std::string& name) const;
-  std::string command_, summary_;
+  std::string command_;
   std::vector<std::string> examples_;
-  std::vector<Flag> flags_;
+  std::unique_ptr<CLI::App> app_;
 };
 
 int64_t parse_bytes(const std::string& text);  // throws UsageError
+
+// The tool's version (the CMake project's), for `attnkit --version`.
+const char* version();
 
 // v to three significant digits (two decimals below 10, one below 100,
 // none from there), then `suffix` as given: format_sig3(41.94, " M") is

@@ -104,7 +104,8 @@ int run_analyze(int argc, char** argv) {
                          {"kv_lora_rank", m.kv_lora_rank},
                          {"qk_nope_head_dim", m.qk_nope_head_dim},
                          {"qk_rope_head_dim", m.qk_rope_head_dim},
-                         {"v_head_dim", m.v_head_dim}};
+                         {"v_head_dim", m.v_head_dim},
+                         {"rope_interleave", m.rope_interleave}};
   j["context"] = context;
   j["batch"] = batch;
   j["kv_dtype"] = kv_name;
@@ -133,22 +134,23 @@ int run_analyze(int argc, char** argv) {
                   {"threads", mp.threads}};
   j["decode_bound"] = memory_bound ? "memory" : "compute";
 
-  Table sweep({"variant", "kv heads", "KV/token (bf16)", "cache @ ctx x batch", "attn params/layer",
-               "decode intensity"});
+  // Every byte figure in the sweep is in --kv-dtype, so the columns agree.
+  Table sweep({"variant", "kv heads", "KV/token (" + kv_name + ")",
+               "cache @ ctx x batch (" + kv_name + ")", "attn params/layer", "decode intensity"});
   nlohmann::json jsweep = nlohmann::json::array();
   auto sweep_row = [&](const ModelShape& v) {
     const Totals tv = totals(v, context, batch, kv, wdt);
-    const double bytes = static_cast<double>(kv_cache_bytes(v, kv, context, batch));
+    const double bytes = kv_cache_bytes(v, kv, context, batch);
     sweep.add({variant_label(v) + (v.mla ? " r=" + std::to_string(v.kv_lora_rank) : ""),
                v.mla ? "latent" : std::to_string(v.num_kv_heads),
-               format_bytes(static_cast<double>(kv_bytes_per_token(v, DType::kBF16))),
-               format_bytes(bytes),
+               format_bytes(static_cast<double>(kv_bytes_per_token(v, kv))), format_bytes(bytes),
                format_count(static_cast<double>(attention_params_per_layer(v))),
                intensity_str(tv.decode_flops / tv.decode_bytes)});
     jsweep.push_back({{"variant", variant_label(v)},
                       {"num_kv_heads", v.num_kv_heads},
                       {"kv_lora_rank", v.kv_lora_rank},
                       {"kv_bytes_per_token_bf16", kv_bytes_per_token(v, DType::kBF16)},
+                      {"kv_bytes_per_token", kv_bytes_per_token(v, kv)},
                       {"kv_cache_bytes", bytes},
                       {"attention_params_per_layer", attention_params_per_layer(v)},
                       {"decode_arithmetic_intensity", tv.decode_flops / tv.decode_bytes}});
@@ -183,10 +185,11 @@ int run_analyze(int argc, char** argv) {
       windows_summary(m).c_str());
   if (m.mla)
     std::printf(
-        "MLA: q_lora_rank %lld, kv_lora_rank %lld, qk_nope %lld, qk_rope %lld, v %lld "
+        "MLA: q_lora_rank %lld, kv_lora_rank %lld, qk_nope %lld, qk_rope %lld (%s RoPE), v %lld "
         "(latent cache = kv_lora_rank + qk_rope per token per layer)\n",
         (long long)m.q_lora_rank, (long long)m.kv_lora_rank, (long long)m.qk_nope_head_dim,
-        (long long)m.qk_rope_head_dim, (long long)m.v_head_dim);
+        (long long)m.qk_rope_head_dim, m.rope_interleave ? "interleaved" : "half-split",
+        (long long)m.v_head_dim);
   std::printf("\n");
   Table main({"quantity", "value"}, /*numbers_right=*/false);
   main.add({"attention params / layer", format_count(static_cast<double>(params))});
@@ -205,9 +208,8 @@ int run_analyze(int argc, char** argv) {
                   "x the latent)"});
   const std::string at = " @ " + std::to_string(context) + " tok x " + std::to_string(batch);
   main.add({"KV cache" + at + " (bf16 | f32)",
-            format_bytes(static_cast<double>(kv_cache_bytes(m, DType::kBF16, context, batch))) +
-                " | " +
-                format_bytes(static_cast<double>(kv_cache_bytes(m, DType::kF32, context, batch)))});
+            format_bytes(kv_cache_bytes(m, DType::kBF16, context, batch)) + " | " +
+                format_bytes(kv_cache_bytes(m, DType::kF32, context, batch))});
   main.add({"prefill FLOPs" + at, format_flops(t.prefill_flops)});
   main.add({"decode FLOPs / step" + at, format_flops(t.decode_flops)});
   main.add({"decode bytes / step (" + kv_name + " KV, " + weight_name + " weights)",

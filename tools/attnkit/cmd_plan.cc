@@ -34,11 +34,11 @@ Step decode_step(const ModelShape& m, int64_t context, int64_t batch, DType kv,
 // window-capped).
 int64_t max_context(const ModelShape& m, DType kv, int64_t batch, int64_t budget) {
   constexpr int64_t kHuge = int64_t{1} << 40;
-  if (kv_cache_bytes(m, kv, kHuge, batch) <= budget) return -1;
+  if (kv_cache_bytes(m, kv, kHuge, batch) <= static_cast<double>(budget)) return -1;
   int64_t lo = 0, hi = kHuge;  // fits(lo), !fits(hi)
   while (hi - lo > 1) {
     const int64_t mid = lo + (hi - lo) / 2;
-    (kv_cache_bytes(m, kv, mid, batch) <= budget ? lo : hi) = mid;
+    (kv_cache_bytes(m, kv, mid, batch) <= static_cast<double>(budget) ? lo : hi) = mid;
   }
   return lo;
 }
@@ -72,7 +72,9 @@ int run_plan(int argc, char** argv) {
   f.add_double("--bandwidth-gbps", &bw, "use this read bandwidth instead of measuring");
   f.add_bool("--json", &json_out, "print JSON instead of a table");
   if (!f.parse(argc, argv, 2)) return 0;
-  if (memory <= 0) throw UsageError{"--memory is required (e.g. --memory 24GiB)"};
+  if (!f.given("--memory")) throw UsageError{"--memory is required (e.g. --memory 24GiB)"};
+  if (memory <= 0)
+    throw UsageError{"--memory must be > 0, got " + std::to_string(memory) + " bytes"};
   if ((context > 0) == (batch > 0))
     throw UsageError{"give exactly one of --context N or --batch N"};
   if (reserve >= memory) throw UsageError{"--reserve must be smaller than --memory"};
@@ -97,6 +99,8 @@ int run_plan(int argc, char** argv) {
     if (auto v = with_mla(m, 512, rope_dim, 0); v.ok()) variants.push_back(*v);
   }
 
+  const bool beyond_limit =
+      context > 0 && m.max_position_embeddings > 0 && context > m.max_position_embeddings;
   Table table({"variant", "KV dtype", context > 0 ? "max batch" : "max context", "cache used",
                "decode step", "tokens/s (all seqs)", "bound"});
   nlohmann::json rows = nlohmann::json::array();
@@ -106,13 +110,28 @@ int run_plan(int argc, char** argv) {
       const char* kv_label = kv == DType::kBF16 ? "bf16" : "f32";
       int64_t b = batch, c = context;
       std::string fit;
+      // Past the model's position limit a context is not served, whatever
+      // memory allows: cap the answer there and say so.
+      const int64_t limit = m.max_position_embeddings;
+      bool capped = false;
+      int64_t memory_context = 0;  // the longest context memory allows; -1 = any
       if (context > 0) {
-        b = budget / std::max<int64_t>(1, kv_cache_bytes(v, kv, context, 1));
+        const double per_sequence = kv_cache_bytes(v, kv, context, 1);
+        b = per_sequence > static_cast<double>(budget)
+                ? 0
+                : static_cast<int64_t>(static_cast<double>(budget) / std::max(1.0, per_sequence));
         fit = std::to_string(b);
       } else {
-        c = max_context(v, kv, batch, budget);
-        fit = c < 0 ? "any (window-capped)" : std::to_string(c);
-        if (c < 0) c = v.max_position_embeddings > 0 ? v.max_position_embeddings : 4096;
+        c = memory_context = max_context(v, kv, batch, budget);
+        if (limit > 0 && (c < 0 || c > limit)) {
+          fit = std::to_string(limit) + " (model limit; memory allows " +
+                (c < 0 ? std::string("any") : std::to_string(c)) + ")";
+          capped = true;
+          c = limit;
+        } else {
+          fit = c < 0 ? "any (window-capped)" : std::to_string(c);
+          if (c < 0) c = 4096;  // for the decode estimate only
+        }
       }
       nlohmann::json row = {{"variant", variant_label(v)},
                             {"as_configured", &v == &variants[0]},
@@ -127,7 +146,7 @@ int run_plan(int argc, char** argv) {
       }
       const Step s = decode_step(v, c, b, kv, mp);
       const bool mem = s.bytes / (mp.dram_read_gbps * 1e9) >= s.flops / (mp.fp32_peak_gflops * 1e9);
-      const double cache = static_cast<double>(kv_cache_bytes(v, kv, c, b));
+      const double cache = kv_cache_bytes(v, kv, c, b);
       char tps[32];
       std::snprintf(tps, sizeof tps, "%.1f", static_cast<double>(b) / s.seconds);
       table.add({label, kv_label, fit, format_bytes(cache), format_seconds(s.seconds), tps,
@@ -135,7 +154,12 @@ int run_plan(int argc, char** argv) {
       row["fits"] = true;
       row["batch"] = b;
       row["context"] = c;
-      row["context_unbounded"] = context == 0 && fit.rfind("any", 0) == 0;
+      row["context_unbounded"] = context == 0 && memory_context < 0;
+      if (context == 0) {
+        row["context_limited_by_model"] = capped;
+        row["memory_max_context"] =
+            memory_context < 0 ? nlohmann::json(nullptr) : nlohmann::json(memory_context);
+      }
       row["kv_cache_bytes"] = cache;
       row["decode_step_seconds"] = s.seconds;
       row["decode_tokens_per_second"] = static_cast<double>(b) / s.seconds;
@@ -157,6 +181,8 @@ int run_plan(int argc, char** argv) {
       j["context"] = context;
     else
       j["batch"] = batch;
+    j["max_position_embeddings"] = m.max_position_embeddings;
+    if (context > 0) j["context_beyond_model_limit"] = beyond_limit;
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
@@ -172,6 +198,14 @@ int run_plan(int argc, char** argv) {
       "attention weights in bf16\n\n",
       mp.fp32_peak_gflops, mp.dram_read_gbps, mp.simd.c_str());
   std::fputs(table.str().c_str(), stdout);
+  if (beyond_limit)
+    std::printf(
+        "\nnote: --context %lld is past the model's max_position_embeddings (%lld); it was not "
+        "trained for such positions.\n",
+        (long long)context, (long long)m.max_position_embeddings);
+  if (context == 0 && m.max_position_embeddings > 0)
+    std::printf("\nmax context stops at the model's max_position_embeddings (%lld).\n",
+                (long long)m.max_position_embeddings);
   return 0;
 }
 

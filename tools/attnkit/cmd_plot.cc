@@ -102,6 +102,15 @@ int run_plot(int argc, char** argv) {
       throw UsageError{"--input '" + input + "' is not an `attnkit bench --json` result"};
   }
 
+  // Where the files go is the user's choice, so a place that cannot take
+  // them is a usage error (exit 2), found before anything runs.
+  fs::create_directories(out_dir, ec);
+  if (ec) throw UsageError{"cannot create --out '" + out_dir + "': " + ec.message()};
+  if (!fs::is_directory(out_dir, ec))
+    throw UsageError{"--out '" + out_dir + "' is not a directory"};
+  if (access(out_dir.c_str(), W_OK | X_OK) != 0)
+    throw UsageError{"cannot write into --out '" + out_dir + "'"};
+
   const char* py_env = std::getenv("ATTNKIT_PYTHON");
   const std::string py = py_env ? py_env : "/usr/bin/python3";
   try {
@@ -110,8 +119,6 @@ int run_plot(int argc, char** argv) {
     const std::string script = find_plot_script();
     if (script.empty())
       throw RunError{"python/attnkit/plot.py not found (set ATTNKIT_PLOT_SCRIPT)"};
-    fs::create_directories(out_dir, ec);
-    if (ec) throw RunError{"cannot create --out '" + out_dir + "': " + ec.message()};
     if (input.empty()) {
       input = (fs::path(out_dir) / "bench.json").string();
       const fs::path exe = self_exe();
@@ -143,6 +150,8 @@ int run_plot(int argc, char** argv) {
              format_bytes(static_cast<double>(fs::file_size(fl["path"].get<std::string>(), ec)))});
     std::fputs(t.str().c_str(), stdout);
     std::printf("\nfrom %s\n", input.c_str());
+    for (const auto& w : j.value("warnings", nlohmann::json::array()))
+      std::printf("warning: %s\n", w.get<std::string>().c_str());
     return 0;
   } catch (const RunError& e) {
     std::fprintf(stderr, "attnkit plot: %s\n", e.message.c_str());

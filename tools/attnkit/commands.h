@@ -1,7 +1,10 @@
 // One function per subcommand; each returns the process exit code.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <string>
+#include <vector>
 
 #include "attnkit/analysis.h"
 #include "attnkit/machine.h"
@@ -20,6 +23,32 @@ ModelShape load_model(const std::string& model, const std::string& config_path);
 
 // The machine's figures: measured quickly unless both overrides are > 0.
 MachineProfile machine_profile(double peak_gflops_override, double bandwidth_gbps_override);
+
+// After the work `before` was measured for: measures the machine again the
+// same way (threads, quick) and compares. The figures to judge the run by
+// are the better of the two; figures given on the command line stay as
+// given (both given: nothing is measured and the check agrees).
+MachineCheck remeasure_machine(const MachineProfile& before, double peak_gflops_override,
+                               double bandwidth_gbps_override, int threads, bool quick);
+
+// The lines to print under a table about `check`: that the two
+// measurements disagree, or that a probe did not settle. Empty when
+// neither; each line is also a JSON "warnings" entry.
+std::vector<std::string> machine_warnings(const MachineCheck& check);
+
+// The JSON "machine" object of a measured run: the figures used (the best
+// of the two measurements), whether they were stable and agreed, and both
+// measurements.
+nlohmann::json machine_json(const MachineCheck& check);
+
+// A fraction of a roof for a table ("42%"), marked "42%*" when above
+// `roof` (a measured rate cannot exceed its roof; one that does says the
+// roof was measured low or, for bandwidth, that the data came from cache).
+std::string roof_percent(double fraction, double roof = 1.0);
+
+// The warning line under a table with `count` `what` ("row(s)") marked by
+// roof_percent, saying what such a fraction means.
+std::string above_roof_warning(int count, const std::string& what);
 
 // "mha" / "gqa-4" / "mqa" / "mla" for a shape.
 std::string variant_label(const ModelShape& m);

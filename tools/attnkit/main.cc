@@ -41,7 +41,9 @@ const Command kCommands[] = {
 void usage(FILE* out) {
   std::fprintf(out, "usage: attnkit <command> [flags]\n\ncommands:\n");
   for (const Command& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.name, c.summary);
-  std::fprintf(out, "\n'attnkit <command> --help' shows a command's flags and examples.\n");
+  std::fprintf(out,
+               "\n'attnkit <command> --help' shows a command's flags and examples;\n"
+               "'attnkit --version' prints the version.\n");
 }
 
 }  // namespace
@@ -51,6 +53,10 @@ int main(int argc, char** argv) {
       std::strcmp(argv[1], "help") == 0) {
     usage(stdout);
     return argc < 2 ? 2 : 0;
+  }
+  if (std::strcmp(argv[1], "--version") == 0) {
+    std::printf("attnkit %s\n", attnkit::cli::version());
+    return 0;
   }
   for (const Command& c : kCommands) {
     if (std::strcmp(argv[1], c.name) != 0) continue;

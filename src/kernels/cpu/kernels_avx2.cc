@@ -98,8 +98,9 @@ struct V256 {
 // columns (7 loads per 12 FMAs, all 16 registers), then transposing
 // reductions. With 2 keys (8 accumulators, exactly the FMA latency times
 // its throughput, so any late load stalled a chain) the 64-key fp32 tile's
-// QK took 1.07-1.27 us; with 3, 1.01-1.02 (docs/PERFORMANCE-LOG.md, seventh
-// and eighth sessions).
+// QK took 1.07-1.27 us; with 3, 1.01-1.02 (decode_tile_bench
+// --benchmark_filter=rows4/padded, 2026-11-24 at 06ff4eb and 2d9f2a5 on a
+// Zen 3: docs/PERFORMANCE-LOG.md, 2026-11-24 · 06ff4eb and · 2d9f2a5).
 
 // Lane i of the result = the sum of v[i]'s lanes.
 inline __m256 hsum8(const __m256 v[8]) {

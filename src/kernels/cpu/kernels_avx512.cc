@@ -402,7 +402,9 @@ inline void pv_rows_bf16_any(int64_t rows, const uint32_t* pp, int64_t pp_stride
 // tile, so the prefetch is shared out: block b of B fetches the whole rows
 // of pairs [b pairs / B, (b + 1) pairs / B). Issued by the first block alone,
 // a tile's lines were asked for in a sixth of the product (16 rows), and
-// decode ran 2-8 % slower (docs/PERFORMANCE-LOG.md, sixth session).
+// decode ran 2-8 % slower (GQA 32/8, 16K keys, 2 threads, both placements
+// alternated call by call in one process; 2026-11-24 at d3bb6e7 on a Zen 5:
+// docs/PERFORMANCE-LOG.md, 2026-11-24 · d3bb6e7).
 void pv_rows_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows,
                   const uint16_t* v, int64_t vs, int64_t dv, float* o, int64_t dv_pad,
                   const float* alpha, uint16_t* pack, int64_t pf) {

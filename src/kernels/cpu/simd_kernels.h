@@ -68,7 +68,8 @@ inline void qk_block(const float* k, int64_t ks, int64_t d, const float* qt, int
   // One pointer per key row, so that each broadcast is base + 4 c: written
   // as k + a * ks + c, GCC rebuilt some row addresses with lea chains inside
   // the loop, and the block ran at 0.71-0.83 of the FMA peak in L1 instead
-  // of 0.79-0.92 (decode_tile_bench rows16 qk, tenth session).
+  // of 0.79-0.92 (decode_tile_bench --benchmark_filter=rows16/compact/qk,
+  // 2026-11-24 at 253bf29 on a Zen 3).
   const float* rows[KB];
 #pragma GCC unroll 16
   for (int a = 0; a < KB; ++a) rows[a] = k + a * ks;
@@ -129,8 +130,8 @@ inline void qk_columns_tail(int64_t vecs, const float* k, int64_t ks, int64_t nk
 // first, or with `seen` the last, whose rows see the most keys of a causal
 // diagonal. With `seen` each column block runs over the keys its rows see:
 // a causal diagonal tile of 64 keys is a triangle, and computing all of it
-// cost 6 % of a causal s1024 prefill's work in each product
-// (docs/PERFORMANCE-LOG.md, tenth session).
+// cost 6 % of a causal s1024 prefill's work in each product (32c4094,
+// 2026-11-24, Zen 3: docs/PERFORMANCE-LOG.md, 2026-11-24 · d41a17f).
 template <class V>
 void qk_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt, int64_t m_pad,
             float* s, int64_t ss, int64_t pf, const int64_t* seen) {
@@ -266,7 +267,9 @@ inline void pv_block(const float* s, int64_t nk, int64_t ss, const Elem* v, int6
   // prefetch. The test's compares and flag ops took the 6 x 2 block's loop
   // to ~30 instructions per 12 FMAs, near the front end's 6 a cycle; without
   // them whole calls ran 0.89-0.96x the time for 4-token decode and
-  // 0.94-0.99x for prefill (A/B in one process, tenth session).
+  // 0.94-0.99x for prefill (A/B in one process, GQA 32/8 decode over 16K
+  // keys and causal s1024-s2048 prefill, 2 threads; 2026-11-24 at d41a17f on
+  // a Zen 3).
   const int64_t lo = pf_lo < 0 ? 0 : (pf_lo < nk ? pf_lo : nk);
   const int64_t hi = pf_hi < lo ? lo : (pf_hi < nk ? pf_hi : nk);
   const int64_t bounds[4] = {0, pf != 0 ? lo : 0, pf != 0 ? hi : 0, nk};
@@ -313,7 +316,9 @@ inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const 
 // further on is shared out, block b of B taking keys [b nk / B, (b + 1) nk /
 // B): issued by the first block alone, a tile's lines were asked for in a
 // third of the product (16 rows) and 4-token decode ran 5 % slower
-// (docs/PERFORMANCE-LOG.md, sixth session). With `seen` a block runs over the
+// (GQA 32/8, 16K keys, 2 threads, alternated call by call; 2026-11-24 at
+// d3bb6e7 on a Zen 5: docs/PERFORMANCE-LOG.md, 2026-11-24 · d3bb6e7). With
+// `seen` a block runs over the
 // keys its rows see only, and its share of the hints outside them is lost.
 template <class V, int CV, class Elem>
 inline void pv_columns(int64_t cvecs, int64_t rows, const float* s, int64_t nk, int64_t ss,
@@ -360,7 +365,8 @@ void pv(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int
     // Few rows leave most registers of the kPvRows block idle: a wider
     // block widens each loaded bf16 vector once for more multiply-adds and
     // keeps more accumulator chains in flight. (fp32 rows, which need no
-    // widening, ran 5-10 % slower so; docs/PERFORMANCE-LOG.md, eighth session.)
+    // widening, ran 5-10 % slower so: decode_tile_bench
+    // --benchmark_filter=rows4/padded, 2026-11-24 at 2d9f2a5 on a Zen 3.)
     // The columns are cut so that no block is narrower than it must be (16
     // vectors at 3: 3 3 3 3 2 2, not 3 3 3 3 3 1, whose last block would
     // run one short chain per row).

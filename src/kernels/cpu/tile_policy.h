@@ -38,7 +38,9 @@ inline constexpr int64_t kKeysPerTile = 64;
 // key, a short tile's arithmetic on data in the L1 costs the same
 // (decode_tile_bench). 16 rows (4 tokens) lost 2-10 % with short tiles:
 // their phases are long enough already. Measured on AVX2 only
-// (docs/PERFORMANCE-LOG.md, ninth session); the AVX-512 targets keep the tile
+// (tile sizes alternated call by call in one process, GQA 32/8, 16K keys,
+// 2 threads; 2026-11-24 at 3070e75 on a Zen 3: docs/PERFORMANCE-LOG.md,
+// 2026-11-24 · 3070e75); the AVX-512 targets keep the tile
 // they were tuned with on a Zen 5, whose L1 is 48 KiB.
 inline constexpr int64_t kShortTileKeysF32 = 12;  // four 3-key QK blocks
 inline constexpr int64_t kShortTileKeysBf16 = 24;
@@ -90,13 +92,13 @@ inline constexpr int64_t kInterleaveMaxHeads = 16;
 // head's QK, then every head's P V, which reads the tile's K rows in one
 // sweep and its V rows in another; or head by head, QK then P V. On a Zen 3
 // (AVX2) the sweeps took 0.87-0.96 of the head-by-head time for 1-token
-// decode (eleventh session). On a Zen 5 (GQA 32/8, 16K keys, 2 threads, the
-// walks alternated call by call, medians of 30-40 pairs, head by head over
+// decode (2026-11-24 at 38d9ab8). On a Zen 5 (GQA 32/8, 16K keys, 2 threads,
+// the walks alternated call by call, medians of 30-40 pairs, head by head over
 // the sweeps), bf16 K/V through vdpbf16ps ran faster head by head: 1 token
 // 0.91 and 0.92, batch 8 0.92 and 0.95, 4 tokens 1.00. fp32 was even (1
 // token 0.99 and 1.01, 2 and 4 tokens 0.99, batch 8 1.05), and so was the
 // avx512 target's widened bf16 (1.03), so they keep the sweeps
-// (docs/PERFORMANCE-LOG.md, fifteenth session).
+// (2026-11-26 at c690f90: docs/PERFORMANCE-LOG.md, 2026-11-26 · f8ebe0e).
 inline bool walks_k_then_v(SimdTarget target, DType kv_dtype) {
   return !(target == SimdTarget::kAvx512Bf16 && kv_dtype == DType::kBF16);
 }
@@ -125,6 +127,13 @@ inline int64_t padded_token_row(int64_t row_elems, int64_t elem_bytes) {
              : row_elems;
 }
 
+// Batch-invariant plans split a batch item's keys when the item alone has
+// fewer than kMinTasksWithoutSplit tasks, into at most this many splits: a
+// long item doubles its split size (from kSplitKeys) rather than its
+// partials, which every item of a large batch would otherwise multiply.
+// 32 splits of 512 keys are a 16K-key decode step's, as in the shared plan.
+inline constexpr int64_t kMaxSplitsPerItem = 32;
+
 // Packed rows per merge item when split partials are combined: items are
 // spread over the threads, and 16 rows of 512 values from 8 splits (256
 // KiB) are work enough to amortise claiming an item.
@@ -149,6 +158,11 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
     plan.kv_heads_per_task =
         p.num_kv_heads < kInterleaveMaxHeads ? p.num_kv_heads : kInterleaveMaxHeads;
   plan.k_then_v = walks_k_then_v(target, p.kv_dtype);
+  if (p.batch_invariant) {  // splits decided per item, in attention()
+    plan.split_k = kSplitKeys;
+    plan.split_per_item = true;
+    return plan;
+  }
   const int64_t head_blocks =
       (p.num_kv_heads + plan.kv_heads_per_task - 1) / plan.kv_heads_per_task;
   const int64_t tasks = p.batch * head_blocks * q_blocks;

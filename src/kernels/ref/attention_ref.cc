@@ -29,9 +29,10 @@ double score(const AttentionParams& prm, int64_t b, int64_t h, int64_t kvh, int6
   // A -inf bias masks the key too; decide before K is read so that NaN/Inf
   // in a masked K row cannot leak (NaN + -inf is NaN).
   if (prm.add_mask && prm.add_mask[mask_off] == kNegInf) return kNegInf;
-  const float* qrow = prm.q + b * prm.q_stride.batch + i * prm.q_stride.row + h * prm.q_stride.head;
+  const float* qrow =
+      prm.q + b * prm.q_stride.batch + prm.q_row(b, i) * prm.q_stride.row + h * prm.q_stride.head;
   const int64_t krow =
-      b * prm.k_stride.batch + prm.physical_row(j) * prm.k_stride.row + kvh * prm.k_stride.head;
+      b * prm.k_stride.batch + prm.key_row(b, j) * prm.k_stride.row + kvh * prm.k_stride.head;
   double dot = 0.0;
   for (int64_t d = 0; d < prm.head_dim; ++d)
     dot += static_cast<double>(qrow[d * prm.q_stride.dim]) *
@@ -58,7 +59,12 @@ void attention_ref(const AttentionParams& prm, double* scratch) {
     const int64_t offset = prm.offset_of(b);
     for (int64_t h = 0; h < prm.num_heads; ++h) {
       const int64_t kvh = h / group;
-      for (int64_t i = 0; i < prm.seqlen_q; ++i) {
+      // Ragged queries: probs rows past this item's own rows are 0.
+      for (int64_t i = prm.rows_of(b); prm.probs && i < prm.seqlen_q; ++i)
+        for (int64_t j = 0; j < prm.seqlen_k; ++j)
+          prm.probs[b * prm.probs_stride.batch + h * prm.probs_stride.head +
+                    i * prm.probs_stride.row + j * prm.probs_stride.dim] = 0.0f;
+      for (int64_t i = 0; i < prm.rows_of(b); ++i) {
         const int64_t p = i + offset;
         int64_t lo, hi;
         key_range(prm, b, p, &lo, &hi);
@@ -79,19 +85,20 @@ void attention_ref(const AttentionParams& prm, double* scratch) {
             const double w = std::exp(scores[j] - max_s);
             scores[j] = w;
             sum += w;
-            const int64_t vrow = b * prm.v_stride.batch + prm.physical_row(j) * prm.v_stride.row +
+            const int64_t vrow = b * prm.v_stride.batch + prm.key_row(b, j) * prm.v_stride.row +
                                  kvh * prm.v_stride.head;
             for (int64_t d = 0; d < prm.head_dim_v; ++d)
               acc[d] += w * load_kv(prm.v, prm.kv_dtype, vrow + d * prm.v_stride.dim);
           }
         }
 
+        const int64_t row = prm.q_row(b, i);
         float* orow =
-            prm.out + b * prm.out_stride.batch + i * prm.out_stride.row + h * prm.out_stride.head;
+            prm.out + b * prm.out_stride.batch + row * prm.out_stride.row + h * prm.out_stride.head;
         for (int64_t d = 0; d < prm.head_dim_v; ++d)
           orow[d * prm.out_stride.dim] = empty ? 0.0f : static_cast<float>(acc[d] / sum);
         if (prm.lse) {
-          prm.lse[b * prm.lse_stride_batch + h * prm.lse_stride_head + i * prm.lse_stride_row] =
+          prm.lse[b * prm.lse_stride_batch + h * prm.lse_stride_head + row * prm.lse_stride_row] =
               empty ? -std::numeric_limits<float>::infinity()
                     : static_cast<float>(max_s + std::log(sum));
         }

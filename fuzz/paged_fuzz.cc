@@ -1,0 +1,298 @@
+// libFuzzer target: PagedKVCache driven by fuzzer-chosen operation
+// sequences against a dense model of every sequence's history.
+//
+// The input picks a pool (MHA/GQA/MQA or MLA's latent layout, page size
+// 1-9, 1-40 pages, 1-3 layers, f32 or bf16, window 0-9) and then a sequence
+// of operations: add_sequence, append (valid, or with an unknown id, a
+// repeated id, a negative count, or more tokens than the pool holds),
+// attend of every layer for the reserved tokens (valid, or with a wrong
+// query count, a wrong layer, or a repeated id), fork, remove and
+// truncate. After each operation:
+//   - a failed call must leave every sequence's length, written counts and
+//     page table and the free-page count as they were;
+//   - every page no sequence holds is filled with NaN in every layer, so a
+//     read of a freed, released or foreign page shows as NaN;
+//   - each attend's output rows must equal, within the bound of
+//     tests/common/attention_bounds.h, the reference sdpa over that
+//     sequence's dense history (bottom-right causal, the pool's window).
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "attnkit/paged_kv_cache.h"
+#include "common/attention_bounds.h"
+
+namespace {
+
+using attnkit::DType;
+using attnkit::PagedKVCache;
+using attnkit::PagedKVCacheSpec;
+using attnkit::TensorView;
+
+[[noreturn]] void fail(const char* what, long long a = 0, long long b = 0) {
+  std::fprintf(stderr, "paged_fuzz: %s (%lld, %lld)\n", what, a, b);
+  std::abort();
+}
+
+struct Snapshot {
+  std::vector<int64_t> ids, lengths, written;
+  std::vector<std::vector<int32_t>> tables;
+  int64_t free_pages = 0;
+  bool operator==(const Snapshot&) const = default;
+};
+
+Snapshot snapshot(const PagedKVCache& pool) {
+  Snapshot s;
+  s.ids = pool.sequence_ids();
+  for (int64_t id : s.ids) {
+    s.lengths.push_back(*pool.length(id));
+    for (int64_t l = 0; l < pool.spec().num_layers; ++l) s.written.push_back(*pool.written(id, l));
+    s.tables.push_back(*pool.page_table(id));
+  }
+  s.free_pages = pool.free_pages();
+  return s;
+}
+
+void poison_free_pages(const PagedKVCache& pool) {
+  const PagedKVCacheSpec& s = pool.spec();
+  std::vector<bool> held(size_t(s.num_pages), false);
+  for (int64_t id : pool.sequence_ids()) {
+    const std::vector<int32_t> table = *pool.page_table(id);
+    for (int32_t p : table)
+      if (p >= 0) held[size_t(p)] = true;
+  }
+  for (int64_t l = 0; l < s.num_layers; ++l)
+    for (const TensorView& t : {*pool.keys(l), *pool.values(l)})
+      for (int64_t p = 0; p < s.num_pages; ++p)
+        for (int64_t r = p * s.page_size; !held[size_t(p)] && r < (p + 1) * s.page_size; ++r)
+          for (int64_t h = 0; h < t.shape[1]; ++h)
+            for (int64_t x = 0; x < t.shape[2]; ++x) {
+              const int64_t at = r * t.strides[0] + h * t.strides[1] + x;
+              if (t.dtype == DType::kBF16)
+                t.ptr<uint16_t>()[at] = 0x7fc0;
+              else
+                t.ptr<float>()[at] = std::numeric_limits<float>::quiet_NaN();
+            }
+}
+
+class Run {
+ public:
+  Run(FuzzedDataProvider& in) : in_(in) {
+    PagedKVCacheSpec s;
+    const int layout = in_.ConsumeIntegralInRange(0, 3);  // MHA, GQA, MQA, MLA
+    heads_ = layout == 0 ? 2 : 4;
+    if (layout == 3) {
+      s.kv_lora_rank = in_.ConsumeIntegralInRange(1, 9);
+      s.qk_rope_head_dim = in_.ConsumeIntegralInRange(0, 4);
+    } else {
+      s.num_kv_heads = layout == 0 ? 2 : layout == 1 ? 2 : 1;
+      s.head_dim = in_.ConsumeIntegralInRange(1, 12);
+      s.head_dim_v = in_.ConsumeIntegralInRange(0, 12);
+    }
+    s.num_layers = in_.ConsumeIntegralInRange(1, 3);
+    s.num_pages = in_.ConsumeIntegralInRange(1, 40);
+    s.page_size = in_.ConsumeIntegralInRange(1, 9);
+    s.dtype = in_.ConsumeBool() ? DType::kBF16 : DType::kF32;
+    s.sliding_window = in_.ConsumeBool() ? in_.ConsumeIntegralInRange(1, 9) : 0;
+    auto pool = PagedKVCache::create(s);
+    if (!pool.ok()) fail("create failed on a valid spec");
+    pool_.emplace(std::move(pool).value());
+    rng_state_ = in_.ConsumeIntegral<uint64_t>() | 1;
+  }
+
+  void step() {
+    PagedKVCache& pool = *pool_;
+    poison_free_pages(pool);
+    const Snapshot before = snapshot(pool);
+    const std::vector<int64_t> ids = pool.sequence_ids();
+    auto any_id = [&]() -> int64_t {
+      if (ids.empty() || in_.ConsumeIntegralInRange(0, 15) == 0)
+        return in_.ConsumeIntegralInRange<int64_t>(-1, 50);  // may not exist
+      return ids[in_.ConsumeIntegralInRange<size_t>(0, ids.size() - 1)];
+    };
+    switch (in_.ConsumeIntegralInRange(0, 6)) {
+      case 0: {
+        if (pool.num_sequences() < 6) model_[pool.add_sequence()].resize(layers());
+        return;
+      }
+      case 1:
+      case 2: {  // append, then attend every layer (or a broken attend)
+        std::vector<int64_t> seq, counts;
+        const size_t n = in_.ConsumeIntegralInRange<size_t>(0, 4);
+        for (size_t i = 0; i < n; ++i) {
+          seq.push_back(any_id());
+          counts.push_back(in_.ConsumeIntegralInRange<int64_t>(-1, 12));
+        }
+        if (!pool.append(seq, counts).ok()) {
+          if (!(snapshot(pool) == before)) fail("a failed append changed the pool");
+          return;
+        }
+        for (size_t i = 0; i < n; ++i)
+          if (counts[i] < 0 || !model_.count(seq[i])) fail("append accepted a bad argument");
+        for (int64_t l = 0; l < pool.spec().num_layers; ++l) attend(l, seq, counts);
+        return;
+      }
+      case 3: {
+        const int64_t id = any_id();
+        auto child = pool.fork(id);
+        if (!child.ok()) {
+          if (!(snapshot(pool) == before)) fail("a failed fork changed the pool");
+          return;
+        }
+        model_[*child] = model_.at(id);
+        return;
+      }
+      case 4: {
+        const int64_t id = any_id();
+        if (pool.remove(id).ok())
+          model_.erase(id);
+        else if (!(snapshot(pool) == before))
+          fail("a failed remove changed the pool");
+        return;
+      }
+      default: {
+        const int64_t id = any_id();
+        const int64_t to = in_.ConsumeIntegralInRange<int64_t>(-1, 60);
+        if (pool.truncate(id, to).ok()) {
+          for (History& h : model_.at(id)) h.resize(to, row_k(), row_v());
+        } else if (!(snapshot(pool) == before)) {
+          fail("a failed truncate changed the pool");
+        }
+        return;
+      }
+    }
+  }
+
+ private:
+  // One layer's history of a sequence: K and V rows as the pool holds them.
+  struct History {
+    std::vector<float> k, v;
+    void resize(int64_t tokens, int64_t kw, int64_t vw) {
+      k.resize(size_t(tokens * kw));
+      v.resize(size_t(tokens * vw));
+    }
+  };
+
+  size_t layers() const { return size_t(pool_->spec().num_layers); }
+  int64_t row_k() const { return pool_->spec().num_kv_heads * pool_->spec().head_dim; }
+  int64_t row_v() const { return pool_->spec().num_kv_heads * pool_->spec().head_dim_v; }
+
+  float next_value() {  // uniform in [-1, 1)
+    rng_state_ ^= rng_state_ << 13;
+    rng_state_ ^= rng_state_ >> 7;
+    rng_state_ ^= rng_state_ << 17;
+    return static_cast<float>(static_cast<double>(rng_state_ >> 40) * 0x1p-23 - 1.0);
+  }
+  float stored(float x) const {
+    return pool_->spec().dtype == DType::kBF16 ? attnkit::bf16_to_float(attnkit::float_to_bf16(x))
+                                               : x;
+  }
+
+  void attend(int64_t layer, const std::vector<int64_t>& seq, const std::vector<int64_t>& counts) {
+    PagedKVCache& pool = *pool_;
+    const PagedKVCacheSpec& s = pool.spec();
+    const int64_t D = s.head_dim, Dv = s.head_dim_v, Hkv = s.num_kv_heads, H = heads_;
+    std::vector<int32_t> cu{0};
+    for (int64_t c : counts) cu.push_back(cu.back() + int32_t(c));
+    const int64_t total = cu.back();
+    std::vector<float> q(size_t(total * H * D + 1)), k(size_t(total * Hkv * D + 1)),
+        v(size_t(total * Hkv * Dv + 1)), out(size_t(total * H * Dv + 1), 7.0f);
+    for (std::vector<float>* buf : {&q, &k, &v})
+      for (float& e : *buf) e = next_value();
+    attnkit::AttentionOptions o;
+    o.num_threads = in_.ConsumeIntegralInRange(1, 3);
+    const bool latent = s.latent();
+    auto call = [&](int64_t which_layer, const std::vector<int32_t>& offsets,
+                    const std::vector<int64_t>& which) {
+      return pool.attend(
+          which_layer, attnkit::make_view(q.data(), DType::kF32, {total, H, D}),
+          attnkit::make_view(k.data(), DType::kF32, {total, Hkv, D}),
+          latent ? TensorView{} : attnkit::make_view(v.data(), DType::kF32, {total, Hkv, Dv}),
+          offsets, which, attnkit::make_view(out.data(), DType::kF32, {total, H, Dv}), o);
+    };
+    // One broken call first, at times: it must change nothing. (Queries
+    // moved to the last sequence, or a repeated id, break the call only
+    // where they change something.)
+    const int broken = in_.ConsumeIntegralInRange(0, 7);
+    std::vector<int32_t> shifted = cu;
+    for (size_t i = 1; i + 1 < shifted.size(); ++i) shifted[i] = 0;
+    std::vector<int64_t> dup = seq;
+    if (dup.size() >= 2) dup[1] = dup[0];
+    if (broken == 0 || (broken == 1 && shifted != cu) || (broken == 2 && dup != seq)) {
+      const Snapshot before = snapshot(pool);
+      const attnkit::Status st = broken == 0   ? call(layer + s.num_layers, cu, seq)
+                                 : broken == 1 ? call(layer, shifted, seq)
+                                               : call(layer, cu, dup);
+      if (st.ok()) fail("a broken attend succeeded", broken);
+      if (!(snapshot(pool) == before)) fail("a failed attend changed the pool", broken);
+      for (size_t i = 0; i + 1 < out.size(); ++i)
+        if (out[i] != 7.0f) fail("a failed attend wrote out", broken);
+    }
+    poison_free_pages(pool);
+    const attnkit::Status st = call(layer, cu, seq);
+    if (!st.ok()) {
+      std::fprintf(stderr, "%s\n", st.to_string().c_str());
+      fail("a valid attend failed");
+    }
+    for (size_t i = 0; i < seq.size(); ++i) {
+      History& h = model_.at(seq[i])[size_t(layer)];
+      for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
+        for (int64_t x = 0; x < Hkv * D; ++x) h.k.push_back(stored(k[size_t(t * Hkv * D + x)]));
+        for (int64_t x = 0; x < Hkv * Dv; ++x)
+          h.v.push_back(stored(latent ? k[size_t(t * Hkv * D + x)] : v[size_t(t * Hkv * Dv + x)]));
+      }
+      check(i, cu, h, q, out);
+    }
+  }
+
+  // Sequence i's rows of `out` against the reference sdpa over its history.
+  void check(size_t i, const std::vector<int32_t>& cu, const History& h, std::vector<float>& q,
+             const std::vector<float>& out) {
+    const PagedKVCacheSpec& s = pool_->spec();
+    const int64_t D = s.head_dim, Dv = s.head_dim_v, Hkv = s.num_kv_heads, H = heads_;
+    const int64_t n = cu[i + 1] - cu[i], keys = int64_t(h.k.size()) / (Hkv * D);
+    if (n == 0) return;
+    std::vector<float> k = h.k, v = h.v, want(size_t(n * H * Dv));
+    attnkit::AttentionOptions o;
+    o.causal = true;
+    o.backend = attnkit::Backend::kReference;
+    if (s.sliding_window > 0) o.window_size.left = s.sliding_window - 1;
+    const attnkit::Status st =
+        attnkit::sdpa(attnkit::make_view(q.data() + cu[i] * H * D, DType::kF32, {1, n, H, D}),
+                      attnkit::make_view(k.data(), DType::kF32, {1, keys, Hkv, D}),
+                      attnkit::make_view(v.data(), DType::kF32, {1, keys, Hkv, Dv}),
+                      attnkit::make_view(want.data(), DType::kF32, {1, n, H, Dv}), o);
+    if (!st.ok()) fail("the reference sdpa failed");
+    const double bound =
+        attnkit_test::attention_tolerance(D, keys, s.dtype, attnkit::Backend::kAuto).atol;
+    for (int64_t x = 0; x < n * H * Dv; ++x) {
+      const float got = out[size_t(cu[i] * H * Dv + x)];
+      if (!(std::fabs(double(got) - want[size_t(x)]) <= bound))
+        fail("attend differs from the dense history", x, static_cast<long long>(keys));
+    }
+  }
+
+  FuzzedDataProvider& in_;
+  std::optional<PagedKVCache> pool_;
+  int64_t heads_ = 2;
+  uint64_t rng_state_ = 1;
+  std::map<int64_t, std::vector<History>> model_;
+};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  FuzzedDataProvider in(data, size);
+  Run run(in);
+  for (int op = 0; op < 40 && in.remaining_bytes() > 0; ++op) run.step();
+  return 0;
+}

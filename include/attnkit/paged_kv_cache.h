@@ -1,0 +1,207 @@
+// attnkit/paged_kv_cache.h — a paged KV pool shared by the layers of a
+// model, for continuous batching (vLLM's PagedAttention, FlashInfer's and
+// FlashAttention's page tables), and attention over it.
+//
+// The pool holds num_pages pages of page_size tokens for each of num_layers
+// layers. Page p of layer l stores, for its page_size token slots,
+//   keys   [page_size, num_kv_heads, head_dim]      (values likewise, head_dim_v)
+// or, for MLA's latent layout (kv_lora_rank > 0), one tensor
+//   latent [page_size, kv_lora_rank + qk_rope_head_dim]
+// whose first kv_lora_rank columns are the values (the absorbed form's
+// key is the whole row, its value the latent c).
+//
+// One allocation decision serves every layer: a sequence owns a list of
+// pages (its page table), and token t of the sequence lives in slot
+// t % page_size of page table[t / page_size] in every layer. A sequence
+// wastes less than one page; dense caches reserve max_seq_len per sequence.
+//
+// Lifecycle (all sequence operations are O(pages touched), never O(pool)):
+//   add_sequence()        a new, empty sequence; returns its id
+//   append(ids, counts)   reserves the next counts[i] token slots of each
+//                         sequence in every layer, all or nothing: if the
+//                         free pages do not suffice it fails with
+//                         kResourceExhausted naming the pages needed and
+//                         free, and changes nothing. length(id) counts the
+//                         reserved tokens at once.
+//   attend(layer, ...)    writes the K/V of exactly the tokens reserved and
+//                         not yet written in `layer`, then attends their
+//                         queries causally over the whole sequence
+//   fork(id)              a new sequence sharing every page of id
+//                         (reference counts); the first append that would
+//                         write into a shared, partly filled last page copies
+//                         it first (copy-on-write), so beams and parallel
+//                         samples share their prefix without copying it
+//   remove(id)            returns the pages whose count drops to zero
+//   truncate(id, n)       forgets tokens n ... (rejected speculative tokens)
+// With a sliding window of W (each token sees itself and the W - 1 before
+// it), pages whose tokens no later query can see are released as soon as
+// every layer has written past them. Freed pages are reused; a page is
+// never visible to two sequences unless one was forked from the other.
+//
+// A pool is not thread-safe; attend() itself runs on num_threads threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "attnkit/attention.h"
+#include "attnkit/status.h"
+#include "attnkit/tensor.h"
+
+namespace attnkit {
+
+struct PagedKVCacheSpec {
+  int64_t num_layers = 1;
+  int64_t num_pages = 0;
+  int64_t page_size = 16;  // tokens per page, >= 1
+  // MHA / MQA / GQA layout (kv_lora_rank == 0).
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t head_dim_v = 0;  // 0 = head_dim
+  // MLA latent layout: kv_lora_rank >= 1 and qk_rope_head_dim >= 0; then
+  // num_kv_heads, head_dim and head_dim_v must be 0 (they are 1,
+  // kv_lora_rank + qk_rope_head_dim and kv_lora_rank).
+  int64_t kv_lora_rank = 0;
+  int64_t qk_rope_head_dim = 0;
+  DType dtype = DType::kF32;   // kF32 or kBF16
+  int64_t sliding_window = 0;  // 0 = none, else W >= 1 for every layer
+
+  bool latent() const { return kv_lora_rank > 0; }
+};
+
+class PagedKVCache {
+ public:
+  static Result<PagedKVCache> create(const PagedKVCacheSpec& spec);
+
+  PagedKVCache(PagedKVCache&&) noexcept;
+  PagedKVCache& operator=(PagedKVCache&&) noexcept;
+  ~PagedKVCache();
+
+  // The spec with head_dim_v (and, for the latent layout, the head
+  // fields) filled in.
+  const PagedKVCacheSpec& spec() const { return spec_; }
+
+  // A new empty sequence. Ids are never reused within a pool.
+  int64_t add_sequence();
+
+  // Reserves num_new_tokens[i] slots at the end of sequence seq_ids[i] for
+  // every layer (see the lifecycle above). The ids must exist and be
+  // distinct; counts >= 0. Copy-on-write copies happen here.
+  Status append(std::span<const int64_t> seq_ids, std::span<const int64_t> num_new_tokens);
+
+  // A new sequence sharing every page of seq_id. The parent must have
+  // written all its reserved tokens in every layer.
+  Result<int64_t> fork(int64_t seq_id);
+
+  Status remove(int64_t seq_id);
+
+  // Forgets the tokens of seq_id from new_length on (rejected speculative
+  // tokens, a rolled-back step): pages past it return to the pool, and
+  // every layer's written count is clamped to it. new_length <= length,
+  // and after a window has released pages, the next query (at position
+  // new_length) must not need them: new_length >= first held token + W - 1.
+  Status truncate(int64_t seq_id, int64_t new_length);
+
+  Result<int64_t> length(int64_t seq_id) const;
+  // Tokens of seq_id that layer has written so far (<= length).
+  Result<int64_t> written(int64_t seq_id, int64_t layer) const;
+  // The pages holding seq_id's tokens in order; -1 marks pages released
+  // because a sliding window no longer sees them.
+  Result<std::vector<int32_t>> page_table(int64_t seq_id) const;
+  std::vector<int64_t> sequence_ids() const;  // ascending
+  int64_t num_sequences() const { return static_cast<int64_t>(sequences_.size()); }
+
+  int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
+  int64_t pages_in_use() const { return spec_.num_pages - free_pages(); }
+  // Bytes of K/V values one page holds across all layers (the KV memory
+  // formula per page: num_layers * page_size * (keys + values per token) *
+  // dtype size; row padding excluded), and the whole pool's.
+  size_t page_nbytes() const;
+  size_t nbytes() const { return page_nbytes() * static_cast<size_t>(spec_.num_pages); }
+
+  // Storage of one layer, for inspection and tests (strided views):
+  //   keys   [num_pages * page_size, num_kv_heads, head_dim]
+  //   values [num_pages * page_size, num_kv_heads, head_dim_v]
+  // (token slot s of page p is row p * page_size + s). The latent layout
+  // has keys [num_pages * page_size, 1, kv_lora_rank + qk_rope_head_dim]
+  // and values = the first kv_lora_rank columns of the same rows.
+  Result<TensorView> keys(int64_t layer) const;
+  Result<TensorView> values(int64_t layer) const;
+
+  // Batch attention over the pool, one call per layer and step (FlashInfer's
+  // BatchPrefillWithPagedKVCache). For the n = seq_ids.size() sequences:
+  //   q      [total_q, num_heads, head_dim]       f32
+  //   k_new  [total_q, num_kv_heads, head_dim]    f32 (latent: [total_q, 1,
+  //                                               kv_lora_rank + qk_rope_head_dim])
+  //   v_new  [total_q, num_kv_heads, head_dim_v]  f32 (latent: absent)
+  //   out    [total_q, num_heads, head_dim_v]     f32, written
+  //   lse    [num_heads, total_q]                 f32, optional, written
+  // Sequence s owns rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]) of them
+  // (n + 1 offsets from 0 to total_q); its n_s rows are the n_s newest
+  // reserved tokens, positions length - n_s ... length - 1, which must be
+  // exactly the tokens `layer` has not written yet. Their K/V are written
+  // to their slots, then each query attends causally to every earlier token
+  // of its sequence and the new ones up to itself (within the pool's window
+  // and options.window_size, whichever is narrower). One call may mix whole
+  // prompts, prompt chunks, single decode tokens and multi-token steps.
+  // From options: softmax_scale, softcap, window_size, sparse (absolute
+  // positions), backend, num_threads; a mask or seqlens_k is an error and
+  // causal is implied. A failed call changes nothing (no length, page or
+  // written count; the slots it may have filled were unwritten).
+  Status attend(int64_t layer, const TensorView& q, const TensorView& k_new,
+                const TensorView& v_new, std::span<const int32_t> cu_seqlens_q,
+                std::span<const int64_t> seq_ids, const TensorView& out,
+                const AttentionOptions& options = {}, const TensorView& lse = {});
+
+  // attend() without the attention: writes the K/V of exactly the reserved
+  // tokens `layer` has not written (same k_new, v_new and cu_seqlens
+  // layout), to restore a saved cache or a prefix computed elsewhere.
+  Status store(int64_t layer, const TensorView& k_new, const TensorView& v_new,
+               std::span<const int32_t> cu_seqlens, std::span<const int64_t> seq_ids);
+
+ private:
+  struct Sequence {
+    int64_t length = 0;
+    int64_t released = 0;          // leading pages released by the window (-1 in pages)
+    std::vector<int32_t> pages;    // ceil(length / page_size) entries
+    std::vector<int64_t> written;  // per layer: tokens whose K/V are written
+  };
+
+  struct AttendScratch;  // attend()'s per-call tables, kept so steps do not allocate
+
+  PagedKVCache();
+  Status check_step(const char* fn, int64_t layer, const TensorView& k_new, const TensorView& v_new,
+                    std::span<const int32_t> cu_seqlens, std::span<const int64_t> seq_ids) const;
+  void write_step(int64_t layer, const TensorView& k_new, const TensorView& v_new,
+                  std::span<const int32_t> cu_seqlens, std::span<const int64_t> seq_ids);
+  void finish_step(int64_t layer, std::span<const int64_t> seq_ids);
+  void release_unseen(Sequence* seq);
+  void drop_page(int32_t page);
+  void copy_page(int32_t from, int32_t to, int64_t tokens);
+  Result<Sequence*> find(const char* fn, int64_t seq_id);
+  Result<const Sequence*> find(const char* fn, int64_t seq_id) const;
+
+  PagedKVCacheSpec spec_;
+  int64_t k_token_stride_ = 0, v_token_stride_ = 0;  // elements between token rows
+  std::vector<Tensor> k_, v_;                        // per layer (v_ empty when latent)
+  std::vector<int32_t> free_;                        // a stack: the next page to hand out last
+  std::vector<int32_t> refs_;                        // per page: sequences that hold it
+  std::unordered_map<int64_t, Sequence> sequences_;
+  int64_t next_id_ = 0;
+  std::unique_ptr<AttendScratch> scratch_;
+};
+
+// attnkit.batch_attention's C++ name: cache.attend(layer, ...).
+inline Status batch_attention(const TensorView& q, const TensorView& k_new, const TensorView& v_new,
+                              std::span<const int32_t> cu_seqlens_q,
+                              std::span<const int64_t> seq_ids, PagedKVCache& cache, int64_t layer,
+                              const TensorView& out, const AttentionOptions& options = {},
+                              const TensorView& lse = {}) {
+  return cache.attend(layer, q, k_new, v_new, cu_seqlens_q, seq_ids, out, options, lse);
+}
+
+}  // namespace attnkit

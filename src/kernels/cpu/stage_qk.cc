@@ -1,0 +1,128 @@
+// The QK stage of a tile: the packed, scaled queries and S = K Q^T
+// through the KernelTable (task_runner.h).
+#include "kernels/cpu/task_runner.h"
+
+#include <algorithm>
+
+namespace attnkit::kernels::cpu {
+
+// qt = scale * q in the KernelTable's blocked, transposed layout (fp32, or
+// bf16 pairs for the vdpbf16ps kernels), or as 4 row-major rows for the
+// qk_rows_* kernels. Pad columns m >= m_ are 0 so that their scores stay
+// finite. In the portable loops columns are the inner loop: writes are
+// contiguous, and the rows being read (one per column) stay in L1.
+void TaskRunner::pack_q() {
+  const float** rows = reinterpret_cast<const float**>(ws_ + g_.qrows);
+  for (int64_t m = 0; m < m_; ++m)
+    rows[m] = p_.q + b_ * p_.q_stride.batch + p_.q_row(b_, row_of(m)) * p_.q_stride.row +
+              head_of(m) * p_.q_stride.head;
+  const float scale = p_.scale;
+  const int64_t w = g_.kt->qk_block_cols, dim = p_.q_stride.dim;
+  const KernelTable& kt = *g_.kt;
+  if (g_.rows_qk) {  // 4 row-major rows, zero-padded
+    // One plain loop per row and dtype, so that the compiler vectorises
+    // it (a loop over the padded row with the dtype test inside did not,
+    // and took ~6 % of a bf16 decode step).
+    for (int64_t r = 0; r < 4; ++r) {
+      const int64_t valid = r < m_ ? g_.d : 0;
+      if (g_.dot_bf16) {
+        uint16_t* out = reinterpret_cast<uint16_t*>(qt_) + r * g_.qt_row;
+        for (int64_t c = 0; c < valid; ++c) out[c] = float_to_bf16(rows[r][c * dim] * scale).bits;
+        std::fill(out + valid, out + g_.qt_row, uint16_t{0});
+      } else {
+        float* out = qt_ + r * g_.qt_row;
+        for (int64_t c = 0; c < valid; ++c) out[c] = rows[r][c * dim] * scale;
+        std::fill(out + valid, out + g_.qt_row, 0.0f);
+      }
+    }
+    return;
+  }
+  if (dim == 1 && (g_.dot_bf16 ? kt.pack_q_bf16 != nullptr : kt.pack_q_f32 != nullptr)) {
+    for (int64_t m0 = 0; m0 < g_.m_pad; m0 += w) {
+      const int64_t valid = std::clamp(m_ - m0, int64_t{0}, w);
+      if (g_.dot_bf16)
+        kt.pack_q_bf16(rows + m0, valid, g_.d, scale,
+                       reinterpret_cast<uint16_t*>(qt_) + m0 * ceil_div(g_.d, 2) * 2, w);
+      else
+        kt.pack_q_f32(rows + m0, valid, g_.d, scale, qt_ + m0 * g_.d, w);
+    }
+    return;
+  }
+  if (g_.dot_bf16) {
+    uint16_t* qt2 = reinterpret_cast<uint16_t*>(qt_);
+    const int64_t pairs = ceil_div(g_.d, 2);
+    for (int64_t m0 = 0; m0 < g_.m_pad; m0 += w) {
+      uint16_t* block = qt2 + m0 * pairs * 2;
+      const int64_t valid = std::clamp(m_ - m0, int64_t{0}, w);
+      for (int64_t c = 0; c < pairs * 2; ++c) {
+        uint16_t* out = block + (c / 2) * w * 2 + (c & 1);
+        for (int64_t x = 0; x < valid; ++x)
+          out[2 * x] = c < g_.d ? float_to_bf16(rows[m0 + x][c * dim] * scale).bits : 0;
+        for (int64_t x = valid; x < w; ++x) out[2 * x] = 0;
+      }
+    }
+    return;
+  }
+  float* qt = qt_;
+  for (int64_t m0 = 0; m0 < g_.m_pad; m0 += w) {
+    float* block = qt + m0 * g_.d;
+    const int64_t valid = std::clamp(m_ - m0, int64_t{0}, w);
+    for (int64_t c = 0; c < g_.d; ++c) {
+      float* out = block + c * w;
+      for (int64_t x = 0; x < valid; ++x) out[x] = rows[m0 + x][c * dim] * scale;
+      std::fill(out + valid, out + w, 0.0f);
+    }
+  }
+}
+
+// `seen`: see tile(); the kernels take it for a whole tile, not for a
+// run of keys that a ring or a page cuts short.
+void TaskRunner::scores(int64_t j0, int64_t nk, float* s, Prefetch pf, const int64_t* seen) {
+  const KernelTable& kt = *g_.kt;
+  auto whole = [&](int64_t n) { return n == nk ? seen : nullptr; };
+  auto fetch = [&](int64_t at, int64_t row) {
+    return prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
+  };
+  if (g_.rows_qk && g_.dot_bf16) {
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(qt_);
+    for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      kt.qk_rows_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, q,
+                      g_.qt_row, s + at * 4, fetch(at, row));
+    });
+  } else if (g_.rows_qk && !g_.bf16) {
+    for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      kt.qk_rows_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_,
+                     g_.qt_row, s + at * 4, fetch(at, row));
+    });
+  } else if (g_.dot_bf16) {
+    const uint16_t* qt2 = reinterpret_cast<const uint16_t*>(qt_) + m_lo_ * ceil_div(g_.d, 2) * 2;
+    for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      kt.qk_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, qt2,
+                 g_.m_pad - m_lo_, s + at * g_.s_stride + m_lo_, g_.s_stride, fetch(at, row));
+    });
+  } else if (g_.rows_qk && g_.bf16 && !g_.k_copies) {
+    for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      kt.qk_rows_widen(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_,
+                       g_.qt_row, s + at * 4, fetch(at, row));
+    });
+  } else if (g_.bf16) {
+    float* kw = ws_ + g_.kw;
+    for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      kt.widen_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d,
+                    kw + at * g_.d_pad, g_.d_pad, fetch(at, row));
+    });
+    if (g_.rows_qk)
+      kt.qk_rows_f32(kw, g_.d_pad, nk, g_.d, qt_, g_.qt_row, s, 0);
+    else
+      kt.qk_f32(kw, g_.d_pad, nk, g_.d, qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_, s + m_lo_,
+                g_.s_stride, 0, seen);
+  } else {
+    for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      kt.qk_f32(static_cast<const float*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_ + m_lo_ * g_.d,
+                g_.m_pad - m_lo_, s + at * g_.s_stride + m_lo_, g_.s_stride, fetch(at, row),
+                whole(n));
+    });
+  }
+}
+
+}  // namespace attnkit::kernels::cpu

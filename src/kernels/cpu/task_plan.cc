@@ -1,0 +1,141 @@
+// Planning (task_plan.h): the geometry and scratch layout of a call, and
+// its task list, from the shapes and the plan (tile_policy.h) alone.
+#include "kernels/cpu/task_plan.h"
+
+#include <algorithm>
+
+#include "kernels/cpu/tile_policy.h"
+#include "kernels/mask.h"
+
+namespace attnkit::kernels::cpu {
+namespace {
+
+size_t align_bytes(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
+Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
+  Geometry g;
+  g.kt = plan.kernels != nullptr ? plan.kernels : kernel_table(plan.target);
+  const int64_t lanes = g.kt->lanes;
+  g.bf16 = p.kv_dtype == DType::kBF16;
+  g.dot_bf16 = g.bf16 && g.kt->qk_bf16 != nullptr;
+  g.group = p.num_heads / p.num_kv_heads;
+  g.heads = std::clamp<int64_t>(plan.kv_heads_per_task, 1, p.num_kv_heads);
+  g.k_then_v = plan.k_then_v;
+  g.head_blocks = ceil_div(p.num_kv_heads, g.heads);
+  g.bq = plan.block_q;
+  g.bk = plan.block_k;
+  g.q_blocks = ceil_div(p.seqlen_q, g.bq);
+  g.bases = p.batch * g.head_blocks * g.q_blocks;
+  g.max_parts = plan.split_k > 0 ? std::max<int64_t>(1, ceil_div(p.seqlen_k, plan.split_k)) : 1;
+  if (plan.split_per_item) g.max_parts = std::min(g.max_parts, kMaxSplitsPerItem);
+  g.m_max = g.bq * g.group;
+  g.m_pad = round_up(g.m_max, lanes);
+  g.d = p.head_dim;
+  g.dv = p.head_dim_v;
+  g.d_pad = round_up(g.d, lanes);
+  g.dv_pad = round_up(g.dv, lanes);
+  g.vw_stride = odd_line_stride(g.dv_pad);
+  const int64_t elem_bytes = g.bf16 ? 2 : 4;
+  g.copy_v = !g.dot_bf16 && g.m_max >= kCopyValuesMinRows &&
+             (p.v_stride.row * elem_bytes) % kCopyValuesStrideBytes == 0;
+  const bool widen = g.bf16 && !g.dot_bf16;
+  g.pv_copies = g.copy_v || (widen && g.kt->pv_widen == nullptr);
+  g.rows_qk = takes_rows_qk(*g.kt, g.m_max, g.dot_bf16);
+  g.k_copies = widen && !(g.rows_qk && g.kt->qk_rows_widen != nullptr);
+  g.s_stride = score_stride(g.m_pad, g.rows_qk);
+  g.qt_row = round_up(g.d, 32);
+  g.part_floats = plan.split_k > 0 ? round_up(g.heads * g.m_max * (g.dv + 2), 16) : 0;
+
+  int64_t at = 0;
+  auto take = [&](int64_t floats) {
+    const int64_t start = at;
+    at += round_up(floats, 16);
+    return start;
+  };
+  // Column blocks of qk_block_cols: m_pad rounded up to a whole block.
+  const int64_t qt_cols = round_up(g.m_pad, g.kt->qk_block_cols);
+  // Also holds the bf16 pairs, or qk_rows_*'s 4 row-major rows.
+  g.qt = take(std::max(round_up(g.d, 2) * qt_cols, 4 * g.qt_row));
+  g.o = take(g.m_max * g.dv_pad);
+  g.row_max = take(g.m_pad);
+  g.row_sum = take(g.m_pad);
+  g.head_floats = at;
+  at = g.heads * g.head_floats;
+  g.qrows = take(2 * g.m_max);  // const float* per packed row
+  g.s_head = round_up(g.bk * g.s_stride, 16);
+  g.s = take(g.heads * g.s_head);
+  g.alpha = take(g.m_pad);
+  g.ones = take(g.m_pad);
+  g.kw = take(g.k_copies ? g.bk * g.d_pad : 0);
+  g.vw = take(g.pv_copies ? g.bk * g.vw_stride : 0);
+  g.seen = take(4 * g.m_pad);  // int64 pairs
+  g.pack = take(g.dot_bf16 ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2) : 0);
+  g.bitmap = take(p.sparse.kind != SparsePattern::Kind::kNone ? ceil_div(g.bq * g.bk, 4) : 0);
+  g.row_lo = take(2 * g.bq);  // int64
+  g.row_hi = take(2 * g.bq);
+  g.worker_floats = at;
+
+  const int64_t max_tasks = g.bases * g.max_parts;
+  g.workers =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(plan.num_threads, max_tasks)));
+  size_t bytes = 0;
+  g.tasks_at = bytes;
+  bytes = align_bytes(bytes + sizeof(Task) * static_cast<size_t>(max_tasks));
+  g.bases_at = bytes;
+  bytes = align_bytes(bytes + sizeof(Base) * static_cast<size_t>(g.bases));
+  g.parts_at = bytes;
+  bytes = align_bytes(bytes + sizeof(float) * static_cast<size_t>(max_tasks * g.part_floats));
+  g.workers_at = bytes;
+  bytes += sizeof(float) * static_cast<size_t>(g.worker_floats) * static_cast<size_t>(g.workers);
+  g.total = bytes + kAlign;  // slack to align the caller's pointer
+  return g;
+}
+
+int64_t plan_tasks(const AttentionParams& p, const Plan& plan, const Geometry& g, Base* bases,
+                   Task* tasks, int64_t* num_parts_out) {
+  int64_t num_tasks = 0, num_parts = 0, base_index = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t offset = p.offset_of(b);
+    for (int64_t kvh = 0; kvh < p.num_kv_heads; kvh += g.heads)
+      for (int64_t qb = 0; qb < g.q_blocks; ++qb, ++base_index) {
+        const int64_t i0 = qb * g.bq, i1 = std::min(i0 + g.bq, p.rows_of(b));
+        Base& base = bases[base_index];
+        base = {b, kvh, qb, 0, 1};
+        if (i0 >= i1) continue;  // a ragged batch's shorter item: no rows here
+        int64_t lo, hi_first, lo_last, hi;
+        key_range(p, b, i0 + offset, &lo, &hi_first);
+        key_range(p, b, i1 - 1 + offset, &lo_last, &hi);
+        const int64_t m_count = (i1 - i0) * g.group * std::min(g.heads, p.num_kv_heads - kvh);
+        int64_t split = plan.split_k;
+        if (plan.split_per_item && split > 0) {
+          if (g.head_blocks * ceil_div(p.rows_of(b), g.bq) >= kMinTasksWithoutSplit)
+            split = 0;  // the item alone has tasks enough
+          else
+            while (ceil_div(hi, split) - lo / split > kMaxSplitsPerItem) split *= 2;
+        }
+        if (split > 0 && hi > lo && ceil_div(hi, split) - lo / split >= 2) {
+          base.first_part = num_parts;
+          for (int64_t sidx = lo / split; sidx * split < hi; ++sidx) {
+            const int64_t k0 = std::max(lo, sidx * split), k1 = std::min(hi, (sidx + 1) * split);
+            tasks[num_tasks++] = {base_index, k0, k1, num_parts++, (k1 - k0) * m_count};
+          }
+          base.parts = num_parts - base.first_part;
+        } else {
+          const int64_t k1 = std::max(lo, hi);
+          tasks[num_tasks++] = {base_index, lo, k1, -1, (k1 - lo) * m_count};
+        }
+      }
+  }
+  // Longest first, so that the last tasks to start are short ones.
+  std::sort(tasks, tasks + num_tasks, [](const Task& a, const Task& b) {
+    if (a.cost != b.cost) return a.cost > b.cost;
+    if (a.base != b.base) return a.base < b.base;
+    return a.k0 < b.k0;
+  });
+  *num_parts_out = num_parts;
+  return num_tasks;
+}
+
+}  // namespace attnkit::kernels::cpu

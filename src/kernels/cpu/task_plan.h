@@ -1,0 +1,84 @@
+// Planning of the fast attention kernel (attention_cpu.h): the geometry
+// of one call (sizes shared by every task, the scratch layout) and its task
+// list, both functions of the shapes and the plan only, never of the thread
+// count, so that the reduction order and the output bits do not depend on
+// it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/attention_params.h"
+#include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/kernel_table.h"
+
+namespace attnkit::kernels::cpu {
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// A (batch item, block of kv heads, query block): the unit whose rows share
+// packed q tiles (one per kv head). With parts >= 2 its keys were split and
+// merge() combines partials [first_part, first_part + parts).
+struct Base {
+  int64_t b, g, qb;  // g: the first kv head of the block
+  int64_t first_part;
+  int64_t parts;
+};
+
+// Keys [k0, k1) of one base. part < 0: the task owns all of the base's
+// keys and writes the output rows itself.
+struct Task {
+  int64_t base;
+  int64_t k0, k1;
+  int64_t part;
+  int64_t cost;
+};
+
+// Sizes shared by every task of one call, and the scratch layout.
+struct Geometry {
+  const KernelTable* kt = nullptr;
+  bool bf16 = false;       // K/V are bf16
+  bool dot_bf16 = false;   // ... and go through the vdpbf16ps kernels
+  bool copy_v = false;     // V tiles are copied (bf16: widened) to a compact buffer
+  bool pv_copies = false;  // PV reads V from the vw buffer (copy_v, or bf16 with no pv_widen)
+  bool rows_qk = false;    // S = K Q^T by qk_rows_* (q row-major, qt_row apart)
+  bool k_copies = false;   // QK reads K from the kw buffer (bf16, widened)
+  bool k_then_v = true;    // Plan::k_then_v
+  int64_t qt_row = 0;
+  int64_t group = 1, bq = 1, bk = 1, q_blocks = 0, bases = 0, max_parts = 1;
+  int64_t heads = 1, head_blocks = 1;  // kv heads per task, blocks of them
+  int64_t m_max = 0, m_pad = 0, s_stride = 0, d = 0, dv = 0, d_pad = 0, dv_pad = 0, vw_stride = 0;
+  int64_t part_floats = 0;  // one partial: per head o [m_max][dv], row_max, row_sum
+  // Offsets in floats inside one worker's region: per kv head of a task
+  // (head h at offset + h * head_floats) ...
+  int64_t qt = 0, o = 0, row_max = 0, row_sum = 0, head_floats = 0;
+  // ... and shared by the heads (but for s, which holds each head's scores
+  // of a tile, s_head floats apart, as tasks of several heads run all QK
+  // first).
+  int64_t qrows = 0, s = 0, s_head = 0, alpha = 0, ones = 0, kw = 0, vw = 0, seen = 0, pack = 0,
+          bitmap = 0, row_lo = 0, row_hi = 0, worker_floats = 0;
+  // Byte offsets of the shared regions.
+  size_t tasks_at = 0, bases_at = 0, parts_at = 0, workers_at = 0, total = 0;
+  int workers = 1;
+};
+
+inline constexpr size_t kAlign = 64;
+
+Geometry make_geometry(const AttentionParams& p, const Plan& plan);
+
+// Everything one call's tasks share.
+struct Call {
+  const AttentionParams& p;
+  const Geometry& g;
+  const Base* bases;
+  float* parts;
+};
+
+// Fills bases[0, g.bases) and the task list (sorted longest first) for
+// scratch laid out by make_geometry; returns the number of tasks and sets
+// *num_parts to the number of split partials.
+int64_t plan_tasks(const AttentionParams& p, const Plan& plan, const Geometry& g, Base* bases,
+                   Task* tasks, int64_t* num_parts);
+
+}  // namespace attnkit::kernels::cpu

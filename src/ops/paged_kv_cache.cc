@@ -1,0 +1,600 @@
+// PagedKVCache: the page allocator (free stack, reference counts,
+// copy-on-write, window release) and attend(), which validates, writes the
+// new K/V into their reserved slots and runs the attention kernel over the
+// page tables. Every check and allocation of a call happens before its
+// first write, so a failed call changes nothing.
+//
+// attend() groups its sequences by query count and runs one kernel call per
+// group with batch-invariant plans (AttentionParams::batch_invariant): a
+// sequence's output then depends on its own tokens only, not on which other
+// sequences share the step, and decode groups keep the decode tiling
+// (several kv heads per task, split keys) while prompt chunks keep prefill's.
+#include "attnkit/paged_kv_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attnkit/kv_cache.h"
+#include "core/check.h"
+#include "core/checked_math.h"
+#include "kernels/attention_params.h"
+#include "kernels/dispatch.h"
+#include "ops/attention_checks.h"
+
+namespace attnkit {
+namespace {
+
+constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
+
+std::string str(int64_t x) { return std::to_string(x); }
+
+// n values from src (f32, `stride` apart) to dst (f32 or bf16, contiguous).
+void store_row(const float* src, int64_t stride, DType dtype, void* dst, int64_t n) {
+  if (dtype == DType::kBF16) {
+    bf16* d = static_cast<bf16*>(dst);
+    for (int64_t x = 0; x < n; ++x) d[x] = float_to_bf16(src[x * stride]);
+  } else {
+    float* d = static_cast<float*>(dst);
+    for (int64_t x = 0; x < n; ++x) d[x] = src[x * stride];
+  }
+}
+
+}  // namespace
+
+struct PagedKVCache::AttendScratch {
+  struct Group {
+    size_t first, count;   // entries in q_start ... k_len
+    int64_t rows, stride;  // queries per sequence, block table stride
+  };
+  std::vector<int64_t> order;  // sequence indices with queries, by query count
+  std::vector<Group> groups;
+  std::vector<int32_t> q_start, q_len, k_len, table;
+  std::vector<kernels::AttentionParams> calls;
+};
+
+PagedKVCache::PagedKVCache() : scratch_(std::make_unique<AttendScratch>()) {}
+PagedKVCache::PagedKVCache(PagedKVCache&&) noexcept = default;
+PagedKVCache& PagedKVCache::operator=(PagedKVCache&&) noexcept = default;
+PagedKVCache::~PagedKVCache() = default;
+
+Result<PagedKVCache> PagedKVCache::create(const PagedKVCacheSpec& spec) {
+  const std::string f = "PagedKVCache::create: spec.";
+  auto at_least = [&](const char* name, int64_t value, int64_t min) -> Status {
+    if (value >= min) return Status::Ok();
+    return invalid_argument(f + name + " = " + str(value) + " must be >= " + str(min));
+  };
+  ATTNKIT_RETURN_IF_ERROR(at_least("num_layers", spec.num_layers, 1));
+  ATTNKIT_RETURN_IF_ERROR(at_least("num_pages", spec.num_pages, 1));
+  ATTNKIT_RETURN_IF_ERROR(at_least("page_size", spec.page_size, 1));
+  ATTNKIT_RETURN_IF_ERROR(at_least("sliding_window", spec.sliding_window, 0));
+  if (spec.num_pages > kMaxInt32)
+    return invalid_argument(f + "num_pages = " + str(spec.num_pages) + " must be <= " +
+                            str(kMaxInt32) + " (page ids are int32, as in block tables)");
+  if (spec.dtype != DType::kF32 && spec.dtype != DType::kBF16)
+    return invalid_argument(f + "dtype = " + dtype_name(spec.dtype) + " must be f32 or bf16");
+  PagedKVCache pool;
+  pool.spec_ = spec;
+  PagedKVCacheSpec& s = pool.spec_;
+  if (spec.kv_lora_rank != 0 || spec.qk_rope_head_dim != 0) {
+    ATTNKIT_RETURN_IF_ERROR(at_least("kv_lora_rank", spec.kv_lora_rank, 1));
+    ATTNKIT_RETURN_IF_ERROR(at_least("qk_rope_head_dim", spec.qk_rope_head_dim, 0));
+    if (spec.num_kv_heads != 0 || spec.head_dim != 0 || spec.head_dim_v != 0)
+      return invalid_argument(
+          f + "num_kv_heads, head_dim and head_dim_v = " + str(spec.num_kv_heads) + ", " +
+          str(spec.head_dim) + ", " + str(spec.head_dim_v) +
+          " must be 0 with the latent layout (kv_lora_rank = " + str(spec.kv_lora_rank) +
+          "): a latent row is the key and its first kv_lora_rank values the value");
+    s.num_kv_heads = 1;
+    s.head_dim = spec.kv_lora_rank + spec.qk_rope_head_dim;
+    s.head_dim_v = spec.kv_lora_rank;
+  } else {
+    ATTNKIT_RETURN_IF_ERROR(at_least("num_kv_heads", spec.num_kv_heads, 1));
+    ATTNKIT_RETURN_IF_ERROR(at_least("head_dim", spec.head_dim, 1));
+    ATTNKIT_RETURN_IF_ERROR(at_least("head_dim_v", spec.head_dim_v, 0));
+    if (s.head_dim_v == 0) s.head_dim_v = s.head_dim;
+  }
+  int64_t rows;
+  if (!checked_mul(s.num_pages, s.page_size, &rows))
+    return resource_exhausted(f + "num_pages * page_size overflows 64 bits");
+  // Token rows padded as KVCache pads them (kv_token_stride).
+  pool.k_token_stride_ = kv_token_stride(s.num_kv_heads, s.head_dim, s.dtype);
+  pool.v_token_stride_ = kv_token_stride(s.num_kv_heads, s.head_dim_v, s.dtype);
+  if (pool.k_token_stride_ == 0 || pool.v_token_stride_ == 0)
+    return resource_exhausted(f + "num_kv_heads * head_dim overflows 64 bits");
+  for (int64_t l = 0; l < s.num_layers; ++l) {
+    auto k = Tensor::zeros(s.dtype, {rows, pool.k_token_stride_});
+    if (!k.ok()) return Status(k.status().code(), "PagedKVCache::create: " + k.status().message());
+    pool.k_.push_back(std::move(k).value());
+    if (s.latent()) continue;
+    auto v = Tensor::zeros(s.dtype, {rows, pool.v_token_stride_});
+    if (!v.ok()) return Status(v.status().code(), "PagedKVCache::create: " + v.status().message());
+    pool.v_.push_back(std::move(v).value());
+  }
+  // A stack: page 0 is handed out first, so a fresh pool fills in address
+  // order.
+  for (int64_t p = s.num_pages - 1; p >= 0; --p) pool.free_.push_back(static_cast<int32_t>(p));
+  pool.refs_.assign(static_cast<size_t>(s.num_pages), 0);
+  return pool;
+}
+
+size_t PagedKVCache::page_nbytes() const {
+  const int64_t per_token =
+      spec_.num_kv_heads * (spec_.latent() ? spec_.head_dim : spec_.head_dim + spec_.head_dim_v);
+  return static_cast<size_t>(spec_.num_layers * spec_.page_size * per_token) *
+         dtype_size(spec_.dtype);
+}
+
+int64_t PagedKVCache::add_sequence() {
+  Sequence seq;
+  seq.written.assign(static_cast<size_t>(spec_.num_layers), 0);
+  const int64_t id = next_id_++;
+  sequences_.emplace(id, std::move(seq));
+  return id;
+}
+
+Result<PagedKVCache::Sequence*> PagedKVCache::find(const char* fn, int64_t seq_id) {
+  auto it = sequences_.find(seq_id);
+  if (it == sequences_.end())
+    return not_found(std::string(fn) + ": sequence " + str(seq_id) + " does not exist");
+  return &it->second;
+}
+
+Result<const PagedKVCache::Sequence*> PagedKVCache::find(const char* fn, int64_t seq_id) const {
+  auto it = sequences_.find(seq_id);
+  if (it == sequences_.end())
+    return not_found(std::string(fn) + ": sequence " + str(seq_id) + " does not exist");
+  return &it->second;
+}
+
+Result<int64_t> PagedKVCache::length(int64_t seq_id) const {
+  ATTNKIT_ASSIGN_OR_RETURN(const Sequence* seq, find("PagedKVCache::length", seq_id));
+  return seq->length;
+}
+
+Result<int64_t> PagedKVCache::written(int64_t seq_id, int64_t layer) const {
+  ATTNKIT_ASSIGN_OR_RETURN(const Sequence* seq, find("PagedKVCache::written", seq_id));
+  if (layer < 0 || layer >= spec_.num_layers)
+    return invalid_argument("PagedKVCache::written: layer = " + str(layer) + " must be in [0, " +
+                            str(spec_.num_layers) + ")");
+  return seq->written[static_cast<size_t>(layer)];
+}
+
+Result<std::vector<int32_t>> PagedKVCache::page_table(int64_t seq_id) const {
+  ATTNKIT_ASSIGN_OR_RETURN(const Sequence* seq, find("PagedKVCache::page_table", seq_id));
+  return seq->pages;
+}
+
+std::vector<int64_t> PagedKVCache::sequence_ids() const {
+  std::vector<int64_t> ids;
+  ids.reserve(sequences_.size());
+  for (const auto& kv : sequences_) ids.push_back(kv.first);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+Result<TensorView> PagedKVCache::keys(int64_t layer) const {
+  if (layer < 0 || layer >= spec_.num_layers)
+    return invalid_argument("PagedKVCache::keys: layer = " + str(layer) + " must be in [0, " +
+                            str(spec_.num_layers) + ")");
+  TensorView v = make_view(k_[static_cast<size_t>(layer)].data(), spec_.dtype,
+                           {spec_.num_pages * spec_.page_size, spec_.num_kv_heads, spec_.head_dim});
+  v.strides[0] = k_token_stride_;
+  return v;
+}
+
+Result<TensorView> PagedKVCache::values(int64_t layer) const {
+  if (layer < 0 || layer >= spec_.num_layers)
+    return invalid_argument("PagedKVCache::values: layer = " + str(layer) + " must be in [0, " +
+                            str(spec_.num_layers) + ")");
+  const size_t l = static_cast<size_t>(layer);
+  const bool latent = spec_.latent();
+  TensorView v =
+      make_view(latent ? k_[l].data() : v_[l].data(), spec_.dtype,
+                {spec_.num_pages * spec_.page_size, spec_.num_kv_heads, spec_.head_dim_v});
+  v.strides[0] = latent ? k_token_stride_ : v_token_stride_;
+  v.strides[1] = latent ? spec_.head_dim : spec_.head_dim_v;
+  return v;
+}
+
+void PagedKVCache::drop_page(int32_t page) {
+  if (--refs_[static_cast<size_t>(page)] == 0) free_.push_back(page);
+}
+
+void PagedKVCache::copy_page(int32_t from, int32_t to, int64_t tokens) {
+  const size_t elem = dtype_size(spec_.dtype);
+  for (int64_t l = 0; l < spec_.num_layers; ++l) {
+    const size_t li = static_cast<size_t>(l);
+    const size_t row_bytes = static_cast<size_t>(k_token_stride_) * elem;
+    char* k = static_cast<char*>(k_[li].data());
+    std::memcpy(k + static_cast<size_t>(to * spec_.page_size) * row_bytes,
+                k + static_cast<size_t>(from * spec_.page_size) * row_bytes,
+                static_cast<size_t>(tokens) * row_bytes);
+    if (spec_.latent()) continue;
+    const size_t v_row_bytes = static_cast<size_t>(v_token_stride_) * elem;
+    char* v = static_cast<char*>(v_[li].data());
+    std::memcpy(v + static_cast<size_t>(to * spec_.page_size) * v_row_bytes,
+                v + static_cast<size_t>(from * spec_.page_size) * v_row_bytes,
+                static_cast<size_t>(tokens) * v_row_bytes);
+  }
+}
+
+Status PagedKVCache::append(std::span<const int64_t> seq_ids,
+                            std::span<const int64_t> num_new_tokens) {
+  constexpr const char* fn = "PagedKVCache::append";
+  const std::string f = fn;
+  if (seq_ids.size() != num_new_tokens.size())
+    return invalid_argument(f + ": seq_ids has " + str(static_cast<int64_t>(seq_ids.size())) +
+                            " entries and num_new_tokens " +
+                            str(static_cast<int64_t>(num_new_tokens.size())) +
+                            "; they must be equal");
+  const int64_t ps = spec_.page_size;
+  int64_t needed = 0, tokens = 0;
+  for (size_t i = 0; i < seq_ids.size(); ++i) {
+    ATTNKIT_ASSIGN_OR_RETURN(Sequence * seq, find(fn, seq_ids[i]));
+    for (size_t j = 0; j < i; ++j)
+      if (seq_ids[j] == seq_ids[i])
+        return invalid_argument(f + ": seq_ids[" + str(static_cast<int64_t>(i)) +
+                                "] = " + str(seq_ids[i]) + " repeats seq_ids[" +
+                                str(static_cast<int64_t>(j)) + "]; each sequence appears once");
+    const int64_t n = num_new_tokens[i];
+    if (n < 0)
+      return invalid_argument(f + ": num_new_tokens[" + str(static_cast<int64_t>(i)) +
+                              "] = " + str(n) + " must be >= 0");
+    // The kernels count a sequence's keys in int32, as FlashAttention does.
+    if (n > kMaxInt32 - seq->length)
+      return out_of_range(f + ": sequence " + str(seq_ids[i]) + " would hold " + str(seq->length) +
+                          " + " + str(n) + " tokens, more than " + str(kMaxInt32));
+    if (n == 0) continue;
+    const int64_t len = seq->length;
+    needed += (len + n + ps - 1) / ps - static_cast<int64_t>(seq->pages.size());
+    // A shared, partly filled last page is copied before the first write.
+    if (len % ps != 0 && refs_[static_cast<size_t>(seq->pages.back())] > 1) ++needed;
+    tokens += n;
+  }
+  if (needed > free_pages())
+    return resource_exhausted(f + ": out of pages: " + str(tokens) + " new tokens need " +
+                              str(needed) + " free pages of " + str(ps) + " tokens, and " +
+                              str(free_pages()) + " of " + str(spec_.num_pages) +
+                              " are free; nothing was reserved");
+  for (size_t i = 0; i < seq_ids.size(); ++i) {
+    const int64_t n = num_new_tokens[i];
+    if (n == 0) continue;
+    Sequence& seq = sequences_.find(seq_ids[i])->second;
+    const int64_t len = seq.length;
+    if (len % ps != 0 && refs_[static_cast<size_t>(seq.pages.back())] > 1) {
+      const int32_t copy = free_.back();
+      free_.pop_back();
+      refs_[static_cast<size_t>(copy)] = 1;
+      copy_page(seq.pages.back(), copy, len % ps);
+      drop_page(seq.pages.back());
+      seq.pages.back() = copy;
+    }
+    for (int64_t p = static_cast<int64_t>(seq.pages.size()); p * ps < len + n; ++p) {
+      const int32_t page = free_.back();
+      free_.pop_back();
+      refs_[static_cast<size_t>(page)] = 1;
+      seq.pages.push_back(page);
+    }
+    seq.length = len + n;
+  }
+  return Status::Ok();
+}
+
+Result<int64_t> PagedKVCache::fork(int64_t seq_id) {
+  constexpr const char* fn = "PagedKVCache::fork";
+  ATTNKIT_ASSIGN_OR_RETURN(const Sequence* parent, find(fn, seq_id));
+  for (int64_t l = 0; l < spec_.num_layers; ++l)
+    if (parent->written[static_cast<size_t>(l)] != parent->length)
+      return invalid_argument(std::string(fn) + ": sequence " + str(seq_id) + " has " +
+                              str(parent->length - parent->written[static_cast<size_t>(l)]) +
+                              " reserved tokens that layer " + str(l) +
+                              " has not written; fork after every layer's attend()");
+  Sequence child = *parent;
+  for (int32_t page : child.pages)
+    if (page >= 0) ++refs_[static_cast<size_t>(page)];
+  const int64_t id = next_id_++;
+  sequences_.emplace(id, std::move(child));
+  return id;
+}
+
+Status PagedKVCache::remove(int64_t seq_id) {
+  ATTNKIT_ASSIGN_OR_RETURN(Sequence * seq, find("PagedKVCache::remove", seq_id));
+  for (int32_t page : seq->pages)
+    if (page >= 0) drop_page(page);
+  sequences_.erase(seq_id);
+  return Status::Ok();
+}
+
+Status PagedKVCache::truncate(int64_t seq_id, int64_t new_length) {
+  constexpr const char* fn = "PagedKVCache::truncate";
+  ATTNKIT_ASSIGN_OR_RETURN(Sequence * seq, find(fn, seq_id));
+  // The next query, at position new_length, must still find every token
+  // its window sees.
+  const int64_t lowest =
+      seq->released > 0 ? seq->released * spec_.page_size + spec_.sliding_window - 1 : 0;
+  if (new_length < lowest || new_length > seq->length)
+    return invalid_argument(std::string(fn) + ": new_length = " + str(new_length) +
+                            " must be in [" + str(lowest) + ", length = " + str(seq->length) +
+                            "] for sequence " + str(seq_id) +
+                            (lowest > 0 ? " (its window has released the tokens before " +
+                                              str(seq->released * spec_.page_size) + ")"
+                                        : ""));
+  const size_t keep = static_cast<size_t>((new_length + spec_.page_size - 1) / spec_.page_size);
+  for (size_t p = keep; p < seq->pages.size(); ++p) drop_page(seq->pages[p]);
+  seq->pages.resize(keep);
+  seq->length = new_length;
+  for (int64_t& w : seq->written) w = std::min(w, new_length);
+  return Status::Ok();
+}
+
+// Pages whose tokens no later query of any layer can see: a query sits at a
+// position >= the fewest tokens a layer has written, and sees W - 1 tokens
+// back.
+void PagedKVCache::release_unseen(Sequence* seq) {
+  const int64_t W = spec_.sliding_window;
+  if (W == 0) return;
+  const int64_t first_query = *std::min_element(seq->written.begin(), seq->written.end());
+  const int64_t first_seen = std::max<int64_t>(0, first_query - (W - 1));
+  const int64_t release = first_seen / spec_.page_size;
+  for (int64_t p = seq->released; p < release; ++p) {
+    drop_page(seq->pages[static_cast<size_t>(p)]);
+    seq->pages[static_cast<size_t>(p)] = -1;
+  }
+  seq->released = std::max(seq->released, release);
+}
+
+// The parts of a step attend() and store() share: the new K/V rows and
+// the packed layout checked against the pool, ...
+Status PagedKVCache::check_step(const char* fn, int64_t layer, const TensorView& k_new,
+                                const TensorView& v_new, std::span<const int32_t> cu_seqlens,
+                                std::span<const int64_t> seq_ids) const {
+  const std::string f = fn;
+  if (layer < 0 || layer >= spec_.num_layers)
+    return invalid_argument(f + ": layer = " + str(layer) +
+                            " must be in [0, num_layers = " + str(spec_.num_layers) + ")");
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "k_new", k_new, 3, {DType::kF32}));
+  const bool latent = spec_.latent();
+  if (latent && v_new.present())
+    return invalid_argument(f +
+                            ": v_new must be absent with the latent layout; the values are "
+                            "the first kv_lora_rank = " +
+                            str(spec_.kv_lora_rank) + " columns of k_new's rows");
+  const int64_t total = k_new.shape[0];
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(fn, "k_new", k_new, 1, "num_kv_heads", spec_.num_kv_heads, "spec().num_kv_heads"));
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(fn, "k_new", k_new, 2, "head_dim", spec_.head_dim, "spec().head_dim"));
+  if (!latent) {
+    ATTNKIT_RETURN_IF_ERROR(check::view(fn, "v_new", v_new, 3, {DType::kF32}));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "v_new", v_new, 0, "total", total, "k_new.shape[0]"));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "v_new", v_new, 1, "num_kv_heads", spec_.num_kv_heads,
+                                       "spec().num_kv_heads"));
+    ATTNKIT_RETURN_IF_ERROR(
+        check::dim(fn, "v_new", v_new, 2, "head_dim_v", spec_.head_dim_v, "spec().head_dim_v"));
+  }
+  if (total > kMaxInt32)
+    return invalid_argument(f + ": k_new.shape[0] = " + str(total) +
+                            " must be <= " + str(kMaxInt32));
+  const int64_t n = static_cast<int64_t>(seq_ids.size());
+  int32_t longest = 0;
+  ATTNKIT_RETURN_IF_ERROR(
+      check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens, n, total, "k_new.shape[0]", &longest));
+  const size_t li = static_cast<size_t>(layer);
+  for (int64_t s = 0; s < n; ++s) {
+    ATTNKIT_ASSIGN_OR_RETURN(const Sequence* seq, find(fn, seq_ids[s]));
+    for (int64_t t = 0; t < s; ++t)
+      if (seq_ids[t] == seq_ids[s])
+        return invalid_argument(f + ": seq_ids[" + str(s) + "] = " + str(seq_ids[s]) +
+                                " repeats seq_ids[" + str(t) + "]; each sequence appears once");
+    const int64_t rows = cu_seqlens[s + 1] - cu_seqlens[s];
+    const int64_t pending = seq->length - seq->written[li];
+    if (rows != pending)
+      return invalid_argument(f + ": cu_seqlens_q gives sequence " + str(seq_ids[s]) + " " +
+                              str(rows) + " new tokens, but it has " + str(pending) +
+                              " reserved tokens that layer " + str(layer) +
+                              " has not written; they must be equal (append() reserves, "
+                              "attend() or store() writes them)");
+  }
+  const TensorView storage[] = {keys(layer).value(), values(layer).value()};
+  for (const NamedView& x : {NamedView{"k_new", &k_new}, NamedView{"v_new", &v_new}})
+    for (const TensorView& st : storage)
+      if (check::overlaps(*x.view, st))
+        return invalid_argument(f + ": " + x.name + " overlaps the pool's own storage");
+  return Status::Ok();
+}
+
+// ... the new tokens' K/V copied into their slots (unwritten slots of this
+// layer, which nothing reads until written() says so) ...
+void PagedKVCache::write_step(int64_t layer, const TensorView& k_new, const TensorView& v_new,
+                              std::span<const int32_t> cu_seqlens,
+                              std::span<const int64_t> seq_ids) {
+  const size_t li = static_cast<size_t>(layer);
+  const int64_t ps = spec_.page_size, Hkv = spec_.num_kv_heads, D = spec_.head_dim,
+                Dv = spec_.head_dim_v;
+  const size_t elem = dtype_size(spec_.dtype);
+  for (size_t s = 0; s < seq_ids.size(); ++s) {
+    const Sequence& seq = sequences_.find(seq_ids[s])->second;
+    for (int64_t t = seq.written[li]; t < seq.length; ++t) {
+      const int64_t row = seq.pages[static_cast<size_t>(t / ps)] * ps + t % ps;
+      const int64_t src = cu_seqlens[s] + (t - seq.written[li]);
+      char* k_row =
+          static_cast<char*>(k_[li].data()) + static_cast<size_t>(row * k_token_stride_) * elem;
+      for (int64_t h = 0; h < Hkv; ++h)
+        store_row(k_new.ptr<const float>() + src * k_new.strides[0] + h * k_new.strides[1],
+                  k_new.strides[2], spec_.dtype, k_row + static_cast<size_t>(h * D) * elem, D);
+      if (spec_.latent()) continue;
+      char* v_row =
+          static_cast<char*>(v_[li].data()) + static_cast<size_t>(row * v_token_stride_) * elem;
+      for (int64_t h = 0; h < Hkv; ++h)
+        store_row(v_new.ptr<const float>() + src * v_new.strides[0] + h * v_new.strides[1],
+                  v_new.strides[2], spec_.dtype, v_row + static_cast<size_t>(h * Dv) * elem, Dv);
+    }
+  }
+}
+
+// ... and, once nothing can fail, the tokens counted as written and the
+// pages a window no longer needs released.
+void PagedKVCache::finish_step(int64_t layer, std::span<const int64_t> seq_ids) {
+  for (int64_t id : seq_ids) {
+    Sequence& seq = sequences_.find(id)->second;
+    seq.written[static_cast<size_t>(layer)] = seq.length;
+    release_unseen(&seq);
+  }
+}
+
+Status PagedKVCache::store(int64_t layer, const TensorView& k_new, const TensorView& v_new,
+                           std::span<const int32_t> cu_seqlens, std::span<const int64_t> seq_ids) {
+  ATTNKIT_RETURN_IF_ERROR(
+      check_step("PagedKVCache::store", layer, k_new, v_new, cu_seqlens, seq_ids));
+  write_step(layer, k_new, v_new, cu_seqlens, seq_ids);
+  finish_step(layer, seq_ids);
+  return Status::Ok();
+}
+
+Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView& k_new,
+                            const TensorView& v_new, std::span<const int32_t> cu_seqlens_q,
+                            std::span<const int64_t> seq_ids, const TensorView& out,
+                            const AttentionOptions& options, const TensorView& lse) {
+  constexpr const char* fn = "PagedKVCache::attend";
+  const std::string f = fn;
+  ATTNKIT_RETURN_IF_ERROR(check_step(fn, layer, k_new, v_new, cu_seqlens_q, seq_ids));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "q", q, 3, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "out", out, 3, {DType::kF32}));
+  const bool latent = spec_.latent();
+  const int64_t total_q = q.shape[0], num_heads = q.shape[1];
+  const int64_t num_kv_heads = spec_.num_kv_heads, head_dim = spec_.head_dim,
+                head_dim_v = spec_.head_dim_v;
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "q", q, 2, "head_dim", head_dim, "spec().head_dim"));
+  ATTNKIT_RETURN_IF_ERROR(check_head_layout(fn, num_heads, num_kv_heads, head_dim, head_dim_v));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "q", q, 0, "total_q", k_new.shape[0], "k_new.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "out", out, 0, "total_q", total_q, "q.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "out", out, 1, "num_heads", num_heads, "q.shape[1]"));
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(fn, "out", out, 2, "head_dim_v", head_dim_v, "spec().head_dim_v"));
+  if (lse.present()) {
+    ATTNKIT_RETURN_IF_ERROR(check::view(fn, "lse", lse, 2, {DType::kF32}));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse", lse, 0, "num_heads", num_heads, "q.shape[1]"));
+    ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse", lse, 1, "total_q", total_q, "q.shape[0]"));
+  }
+  ATTNKIT_RETURN_IF_ERROR(check_attention_options(fn, options));
+  if (options.mask.present())
+    return invalid_argument(f +
+                            ": options.mask is not supported; attention over the pool is "
+                            "causal (within the windows)");
+  if (!options.seqlens_k.empty())
+    return invalid_argument(f +
+                            ": options.seqlens_k must be empty; every sequence's length() "
+                            "gives its keys");
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "out", out));
+  if (lse.present()) ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "lse", lse));
+  const NamedView outputs[] = {{"out", &out}, {"lse", &lse}};
+  const NamedView inputs[] = {{"q", &q}, {"k_new", &k_new}, {"v_new", &v_new}};
+  ATTNKIT_RETURN_IF_ERROR(check_outputs_apart(fn, outputs, inputs));
+  const TensorView storage[] = {keys(layer).value(), values(layer).value()};
+  for (const NamedView& x : {outputs[0], outputs[1], inputs[0]})
+    for (const TensorView& st : storage)
+      if (check::overlaps(*x.view, st))
+        return invalid_argument(f + ": " + x.name + " overlaps the pool's own storage");
+
+  // Kernel calls: one per distinct query count, sequences without queries
+  // left out (see the top of the file). Their tables live in members that
+  // only grow.
+  const int64_t ps = spec_.page_size, n = static_cast<int64_t>(seq_ids.size());
+  const size_t li = static_cast<size_t>(layer);
+  AttendScratch& x = *scratch_;
+  x.q_start.clear();
+  x.q_len.clear();
+  x.k_len.clear();
+  x.table.clear();
+  x.order.clear();
+  for (int64_t s = 0; s < n; ++s)
+    if (cu_seqlens_q[s + 1] > cu_seqlens_q[s]) x.order.push_back(s);
+  std::stable_sort(x.order.begin(), x.order.end(), [&](int64_t a, int64_t b) {
+    return cu_seqlens_q[a + 1] - cu_seqlens_q[a] < cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+  });
+  kernels::AttentionParams base;
+  base.seqlen_k = 0;
+  base.num_heads = num_heads;
+  base.num_kv_heads = num_kv_heads;
+  base.head_dim = head_dim;
+  base.head_dim_v = head_dim_v;
+  base.q = q.ptr<const float>();
+  base.q_stride = {0, q.strides[0], q.strides[1], q.strides[2]};
+  base.k = k_[li].data();
+  base.k_stride = {0, k_token_stride_, head_dim, 1};
+  base.v = latent ? k_[li].data() : v_[li].data();
+  base.v_stride = latent ? base.k_stride : kernels::Strides4{0, v_token_stride_, head_dim_v, 1};
+  base.kv_dtype = spec_.dtype;
+  base.out = out.ptr<float>();
+  base.out_stride = {0, out.strides[0], out.strides[1], out.strides[2]};
+  if (lse.present()) {
+    base.lse = lse.ptr<float>();
+    base.lse_stride_head = lse.strides[0];
+    base.lse_stride_row = lse.strides[1];
+  }
+  base.scale = options.softmax_scale > 0.0f
+                   ? options.softmax_scale
+                   : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  base.softcap = options.softcap;
+  base.causal = true;
+  base.window_left = options.window_size.left;
+  base.window_right = options.window_size.right;
+  if (spec_.sliding_window > 0 &&
+      (base.window_left < 0 || base.window_left > spec_.sliding_window - 1))
+    base.window_left = spec_.sliding_window - 1;
+  base.sparse = options.sparse;
+  base.page_size = ps;
+  base.batch_invariant = true;
+  base.num_threads = options.num_threads;
+  // Index arrays first (they may reallocate), then the params that point
+  // into them.
+  x.groups.clear();
+  for (size_t i = 0; i < x.order.size();) {
+    const int64_t rows = cu_seqlens_q[x.order[i] + 1] - cu_seqlens_q[x.order[i]];
+    size_t end = i;
+    int64_t stride = 1;
+    while (end < x.order.size() &&
+           cu_seqlens_q[x.order[end] + 1] - cu_seqlens_q[x.order[end]] == rows) {
+      const Sequence& seq = sequences_.find(seq_ids[x.order[end]])->second;
+      stride = std::max<int64_t>(stride, static_cast<int64_t>(seq.pages.size()));
+      ++end;
+    }
+    x.groups.push_back({x.q_start.size(), end - i, rows, stride});
+    for (; i < end; ++i) {
+      const int64_t s = x.order[i];
+      const Sequence& seq = sequences_.find(seq_ids[s])->second;
+      x.q_start.push_back(cu_seqlens_q[s]);
+      x.q_len.push_back(static_cast<int32_t>(rows));
+      x.k_len.push_back(static_cast<int32_t>(seq.length));
+      x.table.insert(x.table.end(), seq.pages.begin(), seq.pages.end());
+      x.table.resize(x.table.size() + static_cast<size_t>(stride) - seq.pages.size(), -1);
+    }
+  }
+  x.calls.clear();
+  size_t table_at = 0;
+  for (const AttendScratch::Group& g : x.groups) {
+    kernels::AttentionParams p = base;
+    p.batch = static_cast<int64_t>(g.count);
+    p.seqlen_q = g.rows;
+    for (size_t i = 0; i < g.count; ++i)
+      p.seqlen_k = std::max<int64_t>(p.seqlen_k, x.k_len[g.first + i]);
+    p.q_start = x.q_start.data() + g.first;
+    p.q_len = x.q_len.data() + g.first;
+    p.k_len = x.k_len.data() + g.first;
+    p.block_table = x.table.data() + table_at;
+    p.block_table_stride = g.stride;
+    table_at += g.count * static_cast<size_t>(g.stride);
+    x.calls.push_back(p);
+  }
+
+  write_step(layer, k_new, v_new, cu_seqlens_q, seq_ids);
+  ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(x.calls, options.backend));
+  finish_step(layer, seq_ids);
+  return Status::Ok();
+}
+
+}  // namespace attnkit
