@@ -1,6 +1,8 @@
 // The agreement protocol of src/dist/agree.h.
 #include "dist/common.h"
 
+#include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -114,6 +116,25 @@ Status check_output(const char* fn, const char* name, const TensorView& v,
   if (!v.is_contiguous())
     return invalid_argument(f + " " + v.describe() + " must be contiguous (row-major)");
   return Status::Ok();
+}
+
+Result<char*> thread_scratch(const char* fn, size_t bytes) {
+  constexpr size_t kAlign = 64;
+  thread_local std::unique_ptr<char[]> buffer;
+  thread_local size_t size = 0;
+  if (bytes + kAlign > size) {
+    buffer.reset();
+    size = 0;
+    try {
+      buffer = std::make_unique_for_overwrite<char[]>(bytes + kAlign);
+    } catch (const std::bad_alloc&) {
+      return resource_exhausted(std::string(fn) + ": cannot allocate " + std::to_string(bytes) +
+                                " bytes of scratch");
+    }
+    size = bytes + kAlign;
+  }
+  const uintptr_t p = reinterpret_cast<uintptr_t>(buffer.get());
+  return buffer.get() + (kAlign - p % kAlign) % kAlign;
 }
 
 TensorView with_placeholder_if_empty(TensorView v) {

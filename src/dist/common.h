@@ -15,6 +15,7 @@
 
 #include <mpi.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -65,6 +66,14 @@ Status agree(MPI_Comm comm, const char* fn, const Status& local);
 // Messages: "<fn>: <name>.shape[1] = 3 must be 4 (<shape_text>)".
 Status check_output(const char* fn, const char* name, const TensorView& v,
                     std::span<const int64_t> shape, const char* shape_text, bool optional);
+
+// This thread's scratch of at least `bytes` bytes, 64-byte aligned and
+// uninitialised, kept for the thread's later calls and only grown (as the
+// kernels keep theirs, src/kernels/dispatch.cc): ring attention needs about
+// 100 MiB per call at 4096 tokens, which fresh allocations would map and
+// fault in anew every call (2.8 us per 4 KiB page on this machine).
+// kResourceExhausted "<fn>: cannot allocate <bytes> bytes of scratch".
+Result<char*> thread_scratch(const char* fn, size_t bytes);
 
 // An empty tensor (a dimension of 0) may arrive without storage (an empty
 // std::vector, a zero-size numpy array); such a view gets a placeholder

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -158,25 +159,32 @@ Status ring_attention(MPI_Comm comm, const TensorView& q_arg, const TensorView& 
                                    true);
 
   // ---- scratch: accumulators, one partial, two K/V blocks ---------------
-  // A block holds K then V of a rank's tokens, contiguous; with ring_chunks'
+  // Uninitialised: step 0 writes every accumulator row, a partial is
+  // written before it is read, and a block is packed or received whole. A
+  // block holds K then V of a rank's tokens, contiguous; with ring_chunks'
   // layout no rank has more than two tokens more than this one.
   const size_t elt = shaped ? dtype_size(k_local.dtype) : 0;
   const int64_t per_token = K * (D + Dv);
-  Tensor acc_out, acc_lse, part_out, part_lse, blocks[2];
-  const auto alloc = [&](DType dt, std::initializer_list<int64_t> shape, Tensor* t) {
-    if (!local.ok()) return;
-    Result<Tensor> r = Tensor::zeros(dt, shape);
-    if (!r.ok())
-      local = Status(r.status().code(), f + ": " + r.status().message());
+  const auto round_up = [](size_t bytes) { return (bytes + 63) / 64 * 64; };
+  const size_t out_bytes = round_up(static_cast<size_t>(B * n * H * Dv) * sizeof(float)),
+               lse_bytes = round_up(static_cast<size_t>(B * H * n) * sizeof(float)),
+               block_bytes = round_up(static_cast<size_t>(B * (n + 2) * per_token) * elt);
+  char* base = nullptr;
+  if (local.ok()) {
+    Result<char*> s =
+        internal::thread_scratch(kFn, 2 * out_bytes + 2 * lse_bytes + 2 * block_bytes);
+    if (s.ok())
+      base = *s;
     else
-      *t = std::move(r).value();
-  };
-  alloc(DType::kF32, {B, n, H, Dv}, &acc_out);
-  alloc(DType::kF32, {B, H, n}, &acc_lse);
-  alloc(DType::kF32, {B, n, H, Dv}, &part_out);
-  alloc(DType::kF32, {B, H, n}, &part_lse);
-  for (Tensor& blk : blocks)
-    alloc(shaped ? k_local.dtype : DType::kF32, {B * (n + 2) * per_token}, &blk);
+      local = s.status();
+  }
+  const auto at = [&](size_t offset) { return base ? base + offset : nullptr; };
+  float* acc_out = reinterpret_cast<float*>(at(0));
+  float* part_out = reinterpret_cast<float*>(at(out_bytes));
+  float* acc_lse = reinterpret_cast<float*>(at(2 * out_bytes));
+  float* part_lse = reinterpret_cast<float*>(at(2 * out_bytes + lse_bytes));
+  char* blocks[2] = {at(2 * out_bytes + 2 * lse_bytes),
+                     at(2 * out_bytes + 2 * lse_bytes + block_bytes)};
 
   // ---- agreement: shapes, options, and the token layout -----------------
   const int64_t facts[] = {B,
@@ -221,21 +229,18 @@ Status ring_attention(MPI_Comm comm, const TensorView& q_arg, const TensorView& 
   // ---- the ring ------------------------------------------------------------
   const MPI_Datatype wire = elt == 4 ? MPI_FLOAT : MPI_UINT16_T;
   const int right = (rank + 1) % ranks, left = (rank + ranks - 1) % ranks;
-  {
-    char* cur = static_cast<char*>(blocks[0].data());
-    pack(k_local, elt, cur);
-    pack(v_local, elt, cur + B * n * K * D * static_cast<int64_t>(elt));
-  }
-  for (int64_t i = 0; i < B * H * n; ++i)
-    acc_lse.ptr<float>()[i] = -std::numeric_limits<float>::infinity();
+  pack(k_local, elt, blocks[0]);
+  pack(v_local, elt, blocks[0] + B * n * K * D * static_cast<int64_t>(elt));
 
   AttentionOptions opt;
   opt.softmax_scale = options.softmax_scale;
   opt.softcap = options.softcap;
   opt.backend = options.backend;
   opt.num_threads = options.num_threads;
-  const TensorView q_all = q_local, acc_o = acc_out.view(), acc_l = acc_lse.view(),
-                   part_o = part_out.view(), part_l = part_lse.view();
+  const TensorView q_all = q_local, acc_o = make_view(acc_out, DType::kF32, {B, n, H, Dv}),
+                   acc_l = make_view(acc_lse, DType::kF32, {B, H, n}),
+                   part_o = make_view(part_out, DType::kF32, {B, n, H, Dv}),
+                   part_l = make_view(part_lse, DType::kF32, {B, H, n});
   const int64_t a_len = chunks[static_cast<size_t>(rank)].first.size();
   Status compute;  // the first local failure; the ring goes on regardless
   MPI_Request reqs[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
@@ -245,17 +250,21 @@ Status ring_attention(MPI_Comm comm, const TensorView& q_arg, const TensorView& 
     if (reqs[0] != MPI_REQUEST_NULL || reqs[1] != MPI_REQUEST_NULL)
       MPI_Testall(2, reqs, &done, MPI_STATUSES_IGNORE);
   };
-  // Queries [q0, q1) against keys [k0, k1) of `block` (holding n_src tokens).
+  // Queries [q0, q1) against keys [k0, k1) of `block` (holding n_src
+  // tokens). Step 0 attends every query row once (its own block), straight
+  // into the accumulators; later steps merge a partial into them.
   const auto attend = [&](const char* block, int64_t n_src, int64_t q0, int64_t q1, int64_t k0,
-                          int64_t k1, bool causal) {
+                          int64_t k1, bool causal, bool first) {
     if (!compute.ok() || q1 <= q0 || k1 <= k0) return;
     TensorView kb = make_view(block, k_local.dtype, {B, n_src, K, D});
     TensorView vb = make_view(block + B * n_src * K * D * static_cast<int64_t>(elt), k_local.dtype,
                               {B, n_src, K, Dv});
     opt.causal = causal;
+    const TensorView& o = first ? acc_o : part_o;
+    const TensorView& l = first ? acc_l : part_l;
     compute = sdpa(rows_of(q_all, q0, q1), rows_of(kb, k0, k1), rows_of(vb, k0, k1),
-                   rows_of(part_o, q0, q1), opt, lse_rows_of(part_l, q0, q1));
-    if (compute.ok())
+                   rows_of(o, q0, q1), opt, lse_rows_of(l, q0, q1));
+    if (compute.ok() && !first)
       compute = merge_attention_states(rows_of(acc_o, q0, q1), lse_rows_of(acc_l, q0, q1),
                                        rows_of(part_o, q0, q1), lse_rows_of(part_l, q0, q1),
                                        rows_of(acc_o, q0, q1), lse_rows_of(acc_l, q0, q1));
@@ -265,29 +274,29 @@ Status ring_attention(MPI_Comm comm, const TensorView& q_arg, const TensorView& 
   for (int t = 0; t < ranks && comm_st.ok(); ++t) {
     const int src = (rank - t + ranks) % ranks;
     const int64_t n_src = tokens[static_cast<size_t>(src)];
-    char* cur = static_cast<char*>(blocks[t % 2].data());
+    char* cur = blocks[t % 2];
     if (t + 1 < ranks) {
       const int from = (src + ranks - 1) % ranks;  // whose block arrives next
       const int64_t n_next = tokens[static_cast<size_t>(from)];
-      comm_st =
-          mpi_status(kFn, "MPI_Irecv",
-                     MPI_Irecv(blocks[(t + 1) % 2].data(), static_cast<int>(B * n_next * per_token),
-                               wire, left, kRingTag, comm, &reqs[0]));
+      comm_st = mpi_status(kFn, "MPI_Irecv",
+                           MPI_Irecv(blocks[(t + 1) % 2], static_cast<int>(B * n_next * per_token),
+                                     wire, left, kRingTag, comm, &reqs[0]));
       if (comm_st.ok())
         comm_st = mpi_status(kFn, "MPI_Isend",
                              MPI_Isend(cur, static_cast<int>(B * n_src * per_token), wire, right,
                                        kRingTag, comm, &reqs[1]));
     }
     const int64_t c1 = chunks[static_cast<size_t>(src)].first.size();
+    const bool first = t == 0;
     if (!options.causal)
-      attend(cur, n_src, 0, n, 0, n_src, false);
+      attend(cur, n_src, 0, n, 0, n_src, false, first);
     else if (src == rank) {
-      attend(cur, n_src, 0, a_len, 0, a_len, true);
-      attend(cur, n_src, a_len, n, 0, n_src, true);
+      attend(cur, n_src, 0, a_len, 0, a_len, true, first);
+      attend(cur, n_src, a_len, n, 0, n_src, true, first);
     } else if (src < rank) {
-      attend(cur, n_src, 0, n, 0, c1, false);
+      attend(cur, n_src, 0, n, 0, c1, false, first);
     } else {
-      attend(cur, n_src, a_len, n, 0, n_src, false);
+      attend(cur, n_src, a_len, n, 0, n_src, false, first);
     }
     if (comm_st.ok() && t + 1 < ranks)
       comm_st = mpi_status(kFn, "MPI_Waitall", MPI_Waitall(2, reqs, MPI_STATUSES_IGNORE));
@@ -295,8 +304,9 @@ Status ring_attention(MPI_Comm comm, const TensorView& q_arg, const TensorView& 
   ATTNKIT_RETURN_IF_ERROR(comm_st);
   ATTNKIT_RETURN_IF_ERROR(internal::agree(comm, kFn, compute));
   if (n == 0) return Status::Ok();
-  std::memcpy(out_local.data, acc_out.data(), acc_out.nbytes());
-  if (lse_local.present()) std::memcpy(lse_local.data, acc_lse.data(), acc_lse.nbytes());
+  std::memcpy(out_local.data, acc_out, static_cast<size_t>(B * n * H * Dv) * sizeof(float));
+  if (lse_local.present())
+    std::memcpy(lse_local.data, acc_lse, static_cast<size_t>(B * H * n) * sizeof(float));
   return Status::Ok();
 }
 
