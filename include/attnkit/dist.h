@@ -183,9 +183,11 @@ class HeadParallelLatentAttention {
 // How the ranks' partial (out, lse) pairs are combined; both give
 // bit-identical results on every rank. With M the bytes of one partial:
 //   kAllgather  MPI_Allgather of every partial, then each rank merges them
-//               in rank order: (N-1) M sent per rank. The default: Open MPI
-//               4.1 counted exactly that, and kAllreduce sent as much or more
-//               and took longer at 2 ranks (docs/DISTRIBUTED.md).
+//               in rank order: (N-1) M sent per rank. The default: its cost
+//               does not depend on how the MPI library runs a user operation;
+//               under Open MPI 4.1 it sent the same bytes as kAllreduce at 2,
+//               3 and 4 ranks, and at 2 ranks the two took the same time
+//               within this machine's noise (docs/DISTRIBUTED.md).
 //   kAllreduce  one MPI_Allreduce with a custom operation that applies
 //               merge_attention_states to a single element holding every
 //               row of the partial. Its cost is the MPI library's choice of
@@ -261,7 +263,9 @@ struct RingOptions {
 // blocks travel around the ring (rank r sends to r+1): N steps, and during
 // each step but the last the next block is received (MPI_Isend/MPI_Irecv)
 // while the current one is attended. batch, heads, dims, dtype and options
-// must match across ranks; a block's K (or V) elements must fit an int.
+// must match across ranks; a block's K and V elements must fit an int. The
+// scratch (two [batch, n, num_heads, head_dim_v] f32 buffers and two K/V
+// blocks) is kept by the calling thread for its later calls.
 Status ring_attention(MPI_Comm comm, const TensorView& q_local, const TensorView& k_local,
                       const TensorView& v_local, const TensorView& out_local,
                       const RingOptions& options = {}, const TensorView& lse_local = {});

@@ -139,8 +139,9 @@ struct StrategyCost {
 //   prefill  FLOPs B prefill_flops_per_layer(shard, S); then an all-reduce
 //            of M = B S d e_a, not overlapped: reduce-scatter by recursive
 //            halving and all-gather by recursive doubling (Rabenseifner's
-//            algorithm; Open MPI sent exactly its bytes at 2 and 4 ranks),
-//            bytes 2 (N-1)/N M in 2 ceil(log2 N) messages, time
+//            algorithm; Open MPI sent exactly its bytes at 2 and 4 ranks,
+//            more at 3, docs/DISTRIBUTED.md), bytes 2 (N-1)/N M in
+//            2 ceil(log2 N) messages, time
 //            2 ceil(log2 N) alpha + 2 (N-1)/N M / beta
 //   decode   roofline of decode_flops/decode_bytes_per_layer(shard, S) for
 //            B tokens; then the all-reduce of M = B d e_a
