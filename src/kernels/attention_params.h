@@ -100,10 +100,15 @@ struct AttentionParams {
   // the keys j .. j + n - 1 (n >= 1) sit in consecutive rows from it.
   int64_t key_row(int64_t b, int64_t j, int64_t n, int64_t* run) const {
     if (block_table != nullptr) {
-      const int64_t page = block_table[b * block_table_stride + j / page_size];
+      // Pages that follow each other in the pool extend the run: a fresh
+      // pool hands a sequence consecutive pages, and one long run costs the
+      // tile loop one kernel call instead of one per page.
+      const int32_t* table = block_table + b * block_table_stride + j / page_size;
       const int64_t in_page = j % page_size;
-      *run = n < page_size - in_page ? n : page_size - in_page;
-      return page * page_size + in_page;
+      int64_t rows = page_size - in_page;
+      for (int64_t p = 1; rows < n && table[p] == table[0] + p; ++p) rows += page_size;
+      *run = n < rows ? n : rows;
+      return table[0] * page_size + in_page;
     }
     if (ring_capacity > 0) {
       int64_t r = ring_start + j;

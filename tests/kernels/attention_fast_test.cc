@@ -113,7 +113,14 @@ class Problem {
       pages_per_item_ = (c.seqlen_k + c.page_size - 1) / c.page_size;
       const int64_t pages = c.batch * pages_per_item_ + 2;
       for (int64_t x = 0; x < pages; ++x) block_table_.push_back(static_cast<int32_t>(x));
-      std::shuffle(block_table_.begin(), block_table_.end(), layout_rng);
+      // Shuffled pages, or (one case in three) runs of consecutive pages
+      // as a fresh pool hands them out, which the kernel reads as one run.
+      if (c.seed % 3 == 0) {
+        for (size_t x = 0; x + 3 < block_table_.size(); x += 3)
+          if (layout_rng() % 2) std::swap(block_table_[x], block_table_[x + 3]);
+      } else {
+        std::shuffle(block_table_.begin(), block_table_.end(), layout_rng);
+      }
       block_table_.resize(static_cast<size_t>(c.batch * pages_per_item_));
       kv_rows = pages * c.page_size;
       ks_.batch = vs_.batch = 0;
