@@ -5,14 +5,18 @@
 # the top-level CMakeLists.txt after the attnkit target is defined.
 include(CheckCXXSourceCompiles)
 
-set(ATTNKIT_AVX2_FLAGS -mavx2 -mfma)
+set(ATTNKIT_AVX2_FLAGS -mavx2 -mfma -mf16c)
 set(ATTNKIT_AVX512_FLAGS -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma)
 
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
   list(JOIN ATTNKIT_AVX2_FLAGS " " CMAKE_REQUIRED_FLAGS)
   check_cxx_source_compiles([[
     #include <immintrin.h>
-    int main() { __m256 a = _mm256_set1_ps(1.0f); a = _mm256_fmadd_ps(a, a, a); return (int)_mm256_cvtss_f32(a); }
+    int main() {
+      __m256 a = _mm256_set1_ps(1.0f);
+      a = _mm256_fmadd_ps(a, _mm256_cvtph_ps(_mm_set1_epi16(0x3c00)), a);
+      return (int)_mm256_cvtss_f32(a);
+    }
   ]] ATTNKIT_COMPILER_HAS_AVX2)
   list(JOIN ATTNKIT_AVX512_FLAGS " " CMAKE_REQUIRED_FLAGS)
   check_cxx_source_compiles([[

@@ -3,7 +3,8 @@
 //
 // Targets form a ladder; each one needs everything below it:
 //   kScalar      portable C++ (whatever the compiler's baseline allows)
-//   kAvx2        AVX2 + FMA, 8 fp32 lanes
+//   kAvx2        AVX2 + FMA + F16C (fp8 K/V decode through binary16), 8 fp32
+//                lanes
 //   kAvx512      AVX-512 F/BW/VL/DQ, 16 fp32 lanes; bf16 K/V are widened to
 //                fp32 exactly
 //   kAvx512Bf16  kAvx512 plus AVX512_BF16: bf16 K/V use vdpbf16ps, which
@@ -27,7 +28,7 @@ inline constexpr SimdTarget kAllSimdTargets[] = {SimdTarget::kScalar, SimdTarget
                                                  SimdTarget::kAvx512, SimdTarget::kAvx512Bf16};
 
 struct CpuFeatures {
-  bool avx2 = false;    // with FMA and OS-enabled YMM state
+  bool avx2 = false;    // with FMA, F16C and OS-enabled YMM state
   bool avx512 = false;  // F, BW, VL, DQ and OS-enabled ZMM/opmask state
   bool avx512_bf16 = false;
 };

@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "attnkit/tensor.h"
+
 // Names SIMDe leaves without an alias.
 typedef simde__mmask16 __mmask16;
 typedef simde__mmask32 __mmask32;
@@ -54,6 +56,13 @@ inline simde__m256i maskz_loadu_epi16_256(simde__mmask16 k, const void* p) {
   return masked_load<simde__m256i, uint16_t, 16>(simde_mm256_setzero_si256(), k, p);
 }
 
+inline simde__m128i maskz_loadu_epi8_128(simde__mmask16 k, const void* p) {
+  return masked_load<simde__m128i, uint8_t, 16>(simde_mm_setzero_si128(), k, p);
+}
+inline simde__m256i maskz_loadu_epi8_256(simde__mmask32 k, const void* p) {
+  return masked_load<simde__m256i, uint8_t, 32>(simde_mm256_setzero_si256(), k, p);
+}
+
 inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
   float lanes[16];
   std::memcpy(lanes, &a, sizeof lanes);
@@ -68,6 +77,52 @@ inline simde__m512i cvtepu16_epi32(simde__m256i a) {
   std::memcpy(in, &a, sizeof in);
   for (int i = 0; i < 16; ++i) out[i] = in[i];
   simde__m512i r;
+  std::memcpy(&r, out, sizeof out);
+  return r;
+}
+
+inline simde__m512i cvtepi8_epi32(simde__m128i a) {
+  int8_t in[16];
+  int32_t out[16];
+  std::memcpy(in, &a, sizeof in);
+  for (int i = 0; i < 16; ++i) out[i] = in[i];
+  simde__m512i r;
+  std::memcpy(&r, out, sizeof out);
+  return r;
+}
+
+inline simde__m512 cvtepi32_ps(simde__m512i a) {
+  int32_t in[16];
+  float out[16];
+  std::memcpy(in, &a, sizeof in);
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(in[i]);
+  simde__m512 r;
+  std::memcpy(&r, out, sizeof out);
+  return r;
+}
+
+// VPMADDWD: lane i = a[2i] b[2i] + a[2i + 1] b[2i + 1] in int32 (wrapping
+// only for -32768 * -32768 pairs, which the kernels never form).
+inline simde__m512i madd_epi16(simde__m512i a, simde__m512i b) {
+  int16_t x[32], y[32];
+  int32_t out[16];
+  std::memcpy(x, &a, sizeof x);
+  std::memcpy(y, &b, sizeof y);
+  for (int i = 0; i < 16; ++i)
+    out[i] = static_cast<int32_t>(static_cast<uint32_t>(int32_t{x[2 * i]} * y[2 * i]) +
+                                  static_cast<uint32_t>(int32_t{x[2 * i + 1]} * y[2 * i + 1]));
+  simde__m512i r;
+  std::memcpy(&r, out, sizeof out);
+  return r;
+}
+
+// VCVTPH2PS, exact (subnormals, Inf and NaN included).
+inline simde__m512 cvtph_ps(simde__m256i a) {
+  uint16_t in[16];
+  float out[16];
+  std::memcpy(in, &a, sizeof in);
+  for (int i = 0; i < 16; ++i) out[i] = attnkit::f16_to_float(in[i]);
+  simde__m512 r;
   std::memcpy(&r, out, sizeof out);
   return r;
 }
@@ -101,6 +156,17 @@ inline Bh cvtne2ps_pbh(F a, F b) {
   return r;
 }
 
+template <class Bh, class F, int n>
+inline Bh cvtneps_pbh(F a) {
+  float fa[n];
+  uint16_t out[n];
+  std::memcpy(fa, &a, sizeof fa);
+  for (int i = 0; i < n; ++i) out[i] = to_bf16(fa[i]);
+  Bh r;
+  std::memcpy(&r, out, sizeof out);
+  return r;
+}
+
 }  // namespace attnkit_avx512_emulation
 
 #define _mm512_maskz_loadu_ps(k, p) attnkit_avx512_emulation::maskz_loadu_ps(k, p)
@@ -114,3 +180,12 @@ inline Bh cvtne2ps_pbh(F a, F b) {
 #define _mm_cvtne2ps_pbh(a, b) \
   attnkit_avx512_emulation::cvtne2ps_pbh<simde__m128bh, simde__m128, 4>(a, b)
 #define _mm512_shuffle_f32x4(a, b, imm8) simde_mm512_shuffle_f32x4(a, b, imm8)
+#define _mm_maskz_loadu_epi8(k, p) attnkit_avx512_emulation::maskz_loadu_epi8_128(k, p)
+#define _mm256_maskz_loadu_epi8(k, p) attnkit_avx512_emulation::maskz_loadu_epi8_256(k, p)
+#define _mm512_cvtepi8_epi32(a) attnkit_avx512_emulation::cvtepi8_epi32(a)
+#define _mm512_cvtepi32_ps(a) attnkit_avx512_emulation::cvtepi32_ps(a)
+#undef _mm512_madd_epi16  // SIMDe 0.7.4 defines it with the masked form's four arguments
+#define _mm512_madd_epi16(a, b) attnkit_avx512_emulation::madd_epi16(a, b)
+#define _mm512_cvtph_ps(a) attnkit_avx512_emulation::cvtph_ps(a)
+#define _mm512_cvtneps_pbh(a) \
+  attnkit_avx512_emulation::cvtneps_pbh<simde__m256bh, simde__m512, 16>(a)

@@ -56,8 +56,9 @@ struct Plan {
 };
 
 // False for the cases the fast kernel leaves to the reference (see
-// dispatch.cc): probabilities requested, or K/V rows that are not
-// contiguous along the head dimension.
+// dispatch.cc): probabilities requested, K/V rows that are not contiguous
+// along the head dimension, or 8-bit K/V whose scale blocks are not a
+// multiple of 16 channels, adjacent.
 bool supports(const AttentionParams& params);
 
 // nullptr when this build has no kernels for `target`.

@@ -91,6 +91,23 @@ struct V512 {
     const __m256i h = _mm256_maskz_loadu_epi16(mask_first(n), p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+  static __m128i load_bytes16(const void* p, int64_t n) {
+    return n >= 16 ? _mm_loadu_si128(static_cast<const __m128i*>(p))
+                   : _mm_maskz_loadu_epi8(mask_first(n), p);
+  }
+  static F widen_i8(const int8_t* p, int64_t n) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(p, n)));
+  }
+  static F widen_fp8(const uint8_t* p, int64_t n) { return fp8_to_f32(load_bytes16(p, n)); }
+  // 16 fp8 E4M3 codes as value * 2^-8 (kernel_table.h): sign-extended to 16
+  // bits and shifted left by 7, a code's sign lands on bit 15 and its
+  // magnitude on bits 13..7, a binary16 with 2^-8 the value; bit 14 (a copy
+  // of the sign) is cleared.
+  static F fp8_to_f32(__m128i codes) {
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7),
+                                       _mm256_set1_epi16(static_cast<int16_t>(0xbf80)));
+    return _mm512_cvtph_ps(h);
+  }
 };
 
 // ---- vdpbf16ps kernels ---------------------------------------------------
@@ -544,35 +561,56 @@ void pack_q_bf16(const float* const* rows, int64_t count, int64_t d, float scale
 // reduction (hsum16) turns them into the 16 scores. ~60 instead of ~140
 // instructions per key and kv head.
 
-// Lane i of the result = the sum of v[i]'s lanes (45 shuffles and adds).
+// Lane i of the result = the sum of v[i]'s lanes (45 shuffles and adds),
+// added as fp32 or, with kInt, as int32 (the shuffles move bits either way).
+template <bool kInt = false>
 inline __m512 hsum16(const __m512 v[16]) {
+  auto add = [](__m512 a, __m512 b) {
+    if constexpr (kInt)
+      return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+    else
+      return _mm512_add_ps(a, b);
+  };
   __m512 w[4];
   for (int q = 0; q < 4; ++q) {
     __m512 u[2];
     for (int h = 0; h < 2; ++h) {
       const __m512 a = v[4 * q + 2 * h], b = v[4 * q + 2 * h + 1];
-      u[h] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+      u[h] = add(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
     }
     const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]));
     const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]));
-    w[q] = _mm512_add_ps(_mm512_castpd_ps(lo),
-                         _mm512_castpd_ps(hi));  // lane 4L+j: source j, 128-bit lane L
+    w[q] = add(_mm512_castpd_ps(lo),
+               _mm512_castpd_ps(hi));  // lane 4L+j: source j, 128-bit lane L
   }
   const __m512 y =
-      _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xee));
+      add(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xee));
   const __m512 z =
-      _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xee));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y, z, 0x88), _mm512_shuffle_f32x4(y, z, 0xdd));
+      add(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xee));
+  return add(_mm512_shuffle_f32x4(y, z, 0x88), _mm512_shuffle_f32x4(y, z, 0xdd));
 }
 
 // Writes the scores of keys [0, keys) of a 4-key block, packed: hsum16
 // leaves key a's row r in lane 4a + r, which is s[a * 4 + r].
-inline void store_rows4(const __m512 acc[16], int keys, float* s) {
-  const __m512 sums = hsum16(acc);
+inline void store_rows4(__m512 sums, int keys, float* s) {
   if (keys == 4)
     _mm512_storeu_ps(s, sums);
   else
     _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << (4 * keys)) - 1u), sums);
+}
+inline void store_rows4(const __m512 acc[16], int keys, float* s) {
+  store_rows4(hsum16(acc), keys, s);
+}
+
+// Lanes 4a + r = kscale[a * kss] for keys a < kKeys (the others 0): the
+// 8-bit kernels' per-key scales laid out as the packed scores.
+template <int kKeys>
+inline __m512 key_scales4(const float* kscale, int64_t kss) {
+  alignas(16) float k4[4] = {};
+#pragma GCC unroll 4
+  for (int a = 0; a < kKeys; ++a) k4[a] = kscale[a * kss];
+  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_load_ps(k4)));
 }
 
 // One block of kKeys (1-4) keys against the 4 query rows q[r * qs ...]:
@@ -590,6 +628,7 @@ inline void rows4_block(const Elem* k, int64_t ks, int64_t chunks, __mmask32 tai
                         int64_t qs, float* s, int64_t pf) {
   constexpr int kPer = 64 / sizeof(QElem);  // elements per vector
   constexpr bool kWiden = sizeof(Elem) == 2 && sizeof(QElem) == 4;
+  constexpr bool kFp8 = sizeof(Elem) == 1;
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -607,11 +646,16 @@ inline void rows4_block(const Elem* k, int64_t ks, int64_t chunks, __mmask32 tai
 #pragma GCC unroll 4
     for (int a = 0; a < kKeys; ++a) {
       const Elem* row = k + a * ks + c * kPer;
-      // A widened chunk is half a line: one prefetch per line.
+      // A widened chunk is half a line, an fp8 chunk a quarter: one
+      // prefetch per line.
       if constexpr (kPrefetch)
-        if (!kWiden || c % 2 == 0)
+        if (kFp8 ? c % 4 == 0 : !kWiden || c % 2 == 0)
           _mm_prefetch(reinterpret_cast<const char*>(row + pf), _MM_HINT_T0);
-      if constexpr (kWiden) {
+      if constexpr (kFp8) {
+        const __m128i b = last ? _mm_maskz_loadu_epi8(__mmask16(tail), row)
+                               : _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+        kv[a] = _mm512_castps_si512(V512::fp8_to_f32(b));
+      } else if constexpr (kWiden) {
         const __m256i h = last ? _mm256_maskz_loadu_epi16(__mmask16(tail), row)
                                : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
         kv[a] = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
@@ -655,7 +699,8 @@ inline void rows4_keys(const Elem* k, int64_t ks, int64_t nk, int64_t chunks, __
 }
 
 // KernelTable::qk_rows_f32 (float keys and queries), qk_rows_bf16 (bf16
-// pairs) and qk_rows_widen (bf16 keys, fp32 queries).
+// pairs), qk_rows_widen (bf16 keys, fp32 queries) and, unscaled, the fp8
+// keys of qk_rows_fp8.
 template <class Elem, class QElem>
 void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const QElem* q, int64_t qs, float* s,
              int64_t pf) {
@@ -667,6 +712,121 @@ void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const QElem* q, i
     rows4_keys<true>(k, ks, nk, chunks, tail, q, qs, s, pf);
   else
     rows4_keys<false>(k, ks, nk, chunks, tail, q, qs, s, pf);
+}
+
+// fp8 keys decoded to value * 2^-8 against fp32 rows, then the scores
+// times 2^8 and each key's scale.
+void qk_rows_fp8(const uint8_t* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs,
+                 const float* kscale, int64_t kss, float* s, int64_t pf) {
+  qk_rows(k, ks, nk, d, q, qs, s, pf);
+  int64_t n = 0;
+  for (; n + 4 <= nk; n += 4)
+    _mm512_storeu_ps(s + 4 * n, _mm512_mul_ps(_mm512_loadu_ps(s + 4 * n),
+                                              _mm512_mul_ps(key_scales4<4>(kscale + n * kss, kss),
+                                                            _mm512_set1_ps(256.0f))));
+  for (; n < nk; ++n)
+    _mm_storeu_ps(s + 4 * n,
+                  _mm_mul_ps(_mm_loadu_ps(s + 4 * n), _mm_set1_ps(256.0f * kscale[n * kss])));
+}
+
+// ---- S = K Q^T for up to 4 rows over int8 keys ----------------------------
+// int8 keys widened to int16 (vpmovsxbw, 32 codes per vector) against int16
+// query rows: vpmaddwd multiplies 32 pairs and sums adjacent products into
+// 16 int32 lanes, so a vector of key codes needs no conversion to float and
+// covers twice the columns of an fp32 or widened-bf16 vector. The int32
+// sums are exact (the caller bounds head_dim * 127 * max|q16| < 2^31); the
+// per-key scale and per-row factor apply once, to the reduced scores.
+template <int kKeys, bool kPrefetch>
+inline void rows4_i8_block(const int8_t* k, int64_t ks, int64_t chunks, __mmask32 tail,
+                           const int16_t* q, int64_t qs, __m512 rf, const float* kscale,
+                           int64_t kss, float* s, int64_t pf) {
+  __m512i acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const bool last = c + 1 == chunks;
+    __m512i qv[4], kv[kKeys];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) qv[r] = _mm512_loadu_si512(q + r * qs + c * 32);
+#pragma GCC unroll 4
+    for (int a = 0; a < kKeys; ++a) {
+      const int8_t* row = k + a * ks + c * 32;
+      if constexpr (kPrefetch)  // a chunk is half a line
+        if (c % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + pf), _MM_HINT_T0);
+      const __m256i b = last ? _mm256_maskz_loadu_epi8(tail, row)
+                             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      kv[a] = _mm512_cvtepi8_epi16(b);
+    }
+#pragma GCC unroll 4
+    for (int a = 0; a < kKeys; ++a)
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r)
+        acc[a * 4 + r] = _mm512_add_epi32(acc[a * 4 + r], _mm512_madd_epi16(kv[a], qv[r]));
+  }
+  __m512 sums[16];  // a copy for the reduction, as in rows4_block
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) sums[i] = _mm512_castsi512_ps(acc[i]);
+  const __m512 dots = _mm512_cvtepi32_ps(_mm512_castps_si512(hsum16<true>(sums)));
+  store_rows4(_mm512_mul_ps(_mm512_mul_ps(dots, rf), key_scales4<kKeys>(kscale, kss)), kKeys, s);
+}
+
+template <bool kPrefetch>
+inline void rows4_i8_keys(const int8_t* k, int64_t ks, int64_t nk, int64_t chunks, __mmask32 tail,
+                          const int16_t* q, int64_t qs, __m512 rf, const float* kscale, int64_t kss,
+                          float* s, int64_t pf) {
+  int64_t n = 0;
+  for (; n + 4 <= nk; n += 4)
+    rows4_i8_block<4, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, rf, kscale + n * kss, kss,
+                                 s + n * 4, pf);
+  switch (nk - n) {
+    case 3:
+      return rows4_i8_block<3, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, rf, kscale + n * kss,
+                                          kss, s + n * 4, pf);
+    case 2:
+      return rows4_i8_block<2, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, rf, kscale + n * kss,
+                                          kss, s + n * 4, pf);
+    case 1:
+      return rows4_i8_block<1, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, rf, kscale + n * kss,
+                                          kss, s + n * 4, pf);
+    default:
+      return;
+  }
+}
+
+void qk_rows_i8(const int8_t* k, int64_t ks, int64_t nk, int64_t d, const int16_t* q, int64_t qs,
+                const float* qf, const float* kscale, int64_t kss, float* s, int64_t pf) {
+  const int64_t chunks = (d + 31) / 32;
+  const int64_t last = d - (chunks - 1) * 32;
+  const __mmask32 tail = last >= 32 ? ~__mmask32{0} : (__mmask32{1} << last) - 1;
+  const __m512 rf = _mm512_broadcast_f32x4(_mm_loadu_ps(qf));  // lane 4a + r: row r's factor
+  if (pf != 0)
+    rows4_i8_keys<true>(k, ks, nk, chunks, tail, q, qs, rf, kscale, kss, s, pf);
+  else
+    rows4_i8_keys<false>(k, ks, nk, chunks, tail, q, qs, rf, kscale, kss, s, pf);
+}
+
+// KernelTable::dequant_bf16: dequant_f32's values rounded to bf16.
+void dequant_bf16(const uint8_t* src, int64_t src_row_stride, int64_t rows, int64_t cols,
+                  const float* scale, int64_t scale_stride, int64_t block, bool fp8, uint16_t* dst,
+                  int64_t dst_row_stride, int64_t pf) {
+  const float unit = fp8 ? 256.0f : 1.0f;
+  for (int64_t n = 0; n < rows; ++n) {
+    const uint8_t* row = src + n * src_row_stride;
+    const float* sc = scale + n * scale_stride;
+    if (pf != 0)
+      for (int64_t c = 0; c < cols; c += 64) V512::prefetch(row + pf + c);
+    for (int64_t c = 0; c < dst_row_stride; c += 16) {
+      const int64_t valid = cols - c < 0 ? 0 : cols - c;
+      __m512 x = _mm512_setzero_ps();
+      if (valid > 0) {
+        x = fp8 ? V512::widen_fp8(row + c, valid)
+                : V512::widen_i8(reinterpret_cast<const int8_t*>(row) + c, valid);
+        x = _mm512_mul_ps(x, _mm512_set1_ps(sc[block > 0 ? c / block : 0] * unit));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + n * dst_row_stride + c),
+                          (__m256i)_mm512_cvtneps_pbh(x));
+    }
+  }
 }
 
 // ---- the online-softmax step on packed 4-row scores -----------------------
@@ -739,6 +899,12 @@ constexpr KernelTable kAvx512Table = {
     nullptr,
     qk_rows<uint16_t, float>,
     simd::pv_widen<V512>,
+    simd::dequant_f32<V512>,
+    nullptr,
+    qk_rows_i8,
+    qk_rows_fp8,
+    simd::pv_i8<V512>,
+    simd::pv_fp8<V512>,
 };
 
 constexpr KernelTable kAvx512Bf16Table = {
@@ -759,6 +925,12 @@ constexpr KernelTable kAvx512Bf16Table = {
     qk_rows<uint16_t, uint16_t>,
     nullptr,
     nullptr,
+    simd::dequant_f32<V512>,
+    dequant_bf16,
+    qk_rows_i8,
+    qk_rows_fp8,
+    simd::pv_i8<V512>,
+    simd::pv_fp8<V512>,
 };
 
 }  // namespace

@@ -20,6 +20,9 @@
 //   ninf_to_zero (lanes equal to -inf become 0),
 //   exp (exp(-inf) = 0, NaN stays NaN, a few ulp),
 //   widen_bf16(const uint16_t*, n) (first n of kLanes bf16, rest 0),
+//   widen_i8(const int8_t*, n) (first n of kLanes int8 codes, exactly),
+//   widen_fp8(const uint8_t*, n) (first n of kLanes fp8 E4M3 codes as
+//   value * 2^-8, exactly: KernelTable's binary16 decoding),
 //   prefetch(const void*) (a hint; any address, never faults).
 // Layouts are described in kernel_table.h.
 #pragma once
@@ -211,7 +214,9 @@ void softmax(float* s, int64_t nk, int64_t m_pad, int64_t ss, float* row_max, fl
 
 // V rows are fp32 (Elem = float) or bf16 (Elem = uint16_t, widened to fp32
 // in registers, exactly, for targets without vdpbf16ps: a widened copy of
-// the tile cost a store and a load per value and took no prefetch).
+// the tile cost a store and a load per value and took no prefetch), or
+// 8-bit codes decoded in registers (int8_t: int8; uint8_t: fp8 E4M3, as
+// value * 2^-8), whose scales the caller has folded into the weights.
 // The last vector of a row: lanes [count, kLanes) read as 0 and never
 // touched; `mask` says the same for fp32 loads.
 template <class V>
@@ -244,6 +249,22 @@ inline typename V::F load_last(const float* p, LastVec<V> last) {
 template <class V>
 inline typename V::F load_last(const uint16_t* p, LastVec<V> last) {
   return V::widen_bf16(p, last.count);
+}
+template <class V>
+inline typename V::F load_vec(const int8_t* p) {
+  return V::widen_i8(p, V::kLanes);
+}
+template <class V>
+inline typename V::F load_last(const int8_t* p, LastVec<V> last) {
+  return V::widen_i8(p, last.count);
+}
+template <class V>
+inline typename V::F load_vec(const uint8_t* p) {
+  return V::widen_fp8(p, V::kLanes);
+}
+template <class V>
+inline typename V::F load_last(const uint8_t* p, LastVec<V> last) {
+  return V::widen_fp8(p, last.count);
 }
 
 // One register block: MR packed rows by CV vectors of output columns, over
@@ -361,9 +382,9 @@ inline void pv_few_columns(int64_t cvecs, int64_t rows, const float* s, int64_t 
 template <class V, class Elem>
 void pv(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int64_t vs, int64_t dv,
         float* o, int64_t dv_pad, const float* alpha, int64_t pf, const int64_t* seen) {
-  if constexpr (sizeof(Elem) == 2 && requires { V::kPvFewVecs; }) {
+  if constexpr (sizeof(Elem) < 4 && requires { V::kPvFewVecs; }) {
     // Few rows leave most registers of the kPvRows block idle: a wider
-    // block widens each loaded bf16 vector once for more multiply-adds and
+    // block widens each loaded bf16 or 8-bit vector once for more multiply-adds and
     // keeps more accumulator chains in flight. (fp32 rows, which need no
     // widening, ran 5-10 % slower so: decode_tile_bench
     // --benchmark_filter=rows4/padded, 2026-11-24 at 2d9f2a5 on a Zen 3.)
@@ -406,6 +427,48 @@ void pv_widen(const float* s, int64_t nk, int64_t ss, int64_t rows, const uint16
               int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf,
               const int64_t* seen) {
   pv<V>(s, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf, seen);
+}
+
+template <class V>
+void pv_i8(const float* s, int64_t nk, int64_t ss, int64_t rows, const int8_t* v, int64_t vs,
+           int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf,
+           const int64_t* seen) {
+  pv<V>(s, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf, seen);
+}
+
+template <class V>
+void pv_fp8(const float* s, int64_t nk, int64_t ss, int64_t rows, const uint8_t* v, int64_t vs,
+            int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf,
+            const int64_t* seen) {
+  pv<V>(s, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf, seen);
+}
+
+// ---- 8-bit rows to fp32 ----------------------------------------------------
+
+// KernelTable::dequant_f32. A block of scales is a multiple of 16 >=
+// kLanes, so one vector never spans two scales; vectors past `cols` are
+// stored as 0 without reading a scale (the row may hold no more).
+template <class V>
+void dequant_f32(const uint8_t* src, int64_t src_row_stride, int64_t rows, int64_t cols,
+                 const float* scale, int64_t scale_stride, int64_t block, bool fp8, float* dst,
+                 int64_t dst_row_stride, int64_t pf) {
+  const float unit = fp8 ? 256.0f : 1.0f;  // widen_fp8 gives value * 2^-8
+  for (int64_t n = 0; n < rows; ++n) {
+    const uint8_t* row = src + n * src_row_stride;
+    const float* sc = scale + n * scale_stride;
+    if (pf != 0)
+      for (int64_t c = 0; c < cols; c += 64) V::prefetch(row + pf + c);
+    for (int64_t c = 0; c < dst_row_stride; c += V::kLanes) {
+      const int64_t valid = cols - c < 0 ? 0 : cols - c;
+      typename V::F x = V::zero();
+      if (valid > 0) {
+        x = fp8 ? V::widen_fp8(row + c, valid)
+                : V::widen_i8(reinterpret_cast<const int8_t*>(row) + c, valid);
+        x = V::mul(x, V::set1(sc[block > 0 ? c / block : 0] * unit));
+      }
+      V::store(dst + n * dst_row_stride + c, x);
+    }
+  }
 }
 
 // ---- bf16 rows to fp32 ---------------------------------------------------
