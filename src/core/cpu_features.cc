@@ -31,12 +31,12 @@ CpuFeatures detect() {
   if (__get_cpuid_max(0, nullptr) < 7) return f;
   __cpuid_count(7, 0, a, b, c, d);
   const bool avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1,
-             avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
+             avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1, avx512_vnni = (c >> 11) & 1;
   __cpuid_count(7, 1, a, b, c, d);
   const bool avx512_bf16 = (a >> 5) & 1;
   f.avx2 = os_ymm && avx2 && fma && f16c;
   f.avx512 = f.avx2 && os_zmm && avx512f && avx512dq && avx512bw && avx512vl;
-  f.avx512_bf16 = f.avx512 && avx512_bf16;
+  f.avx512_bf16 = f.avx512 && avx512_bf16 && avx512_vnni;
   return f;
 }
 #else

@@ -24,7 +24,8 @@
 // kv_quant_f64.h) may do the same with the dequantized K/V (prefill tiles
 // on avx512bf16) and, for int8 keys, round the scaled queries to int16 in
 // steps of max |scale q| / 29357 or finer (kernels/cpu/stage_qk.cc): a
-// score error of at most S1 / 58714, 3x in the output.
+// score error of at most S1 / 58714, 3x in the output, and round the
+// weights to int16 for decode's P V: 2^-10 Vmax (kernels/cpu/kernel_table.h).
 #pragma once
 
 #include <algorithm>
@@ -55,7 +56,7 @@ inline Tolerance attention_tolerance(int64_t head_dim, int64_t keys, attnkit::DT
   double bound = 3.0 * ds + 3.0 * gamma_f32(2 * keys) + u * (3.0 + lmax);
   const bool q8 = kv_dtype == attnkit::DType::kI8 || kv_dtype == attnkit::DType::kFp8E4M3;
   if (kv_dtype == attnkit::DType::kBF16 || q8) bound += 0x1p-8 * (2.0 * s1 + 2.0);
-  if (kv_dtype == attnkit::DType::kI8) bound += 3.0 * s1 / 58714.0;
+  if (kv_dtype == attnkit::DType::kI8) bound += 3.0 * s1 / 58714.0 + 0x1p-10;
   return {2.0 * bound, 0.0};
 }
 

@@ -18,6 +18,7 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -116,6 +117,36 @@ inline simde__m512i madd_epi16(simde__m512i a, simde__m512i b) {
   return r;
 }
 
+// VCVTPS2DQ under the default rounding (to nearest, ties to even); the
+// kernels convert only values within int32's range.
+inline simde__m512i cvtps_epi32(simde__m512 a) {
+  float in[16];
+  int32_t out[16];
+  std::memcpy(in, &a, sizeof in);
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<int32_t>(std::nearbyint(in[i]));
+  simde__m512i r;
+  std::memcpy(&r, out, sizeof out);
+  return r;
+}
+
+// VPMOVDW: each int32 lane's low 16 bits.
+inline simde__m256i cvtepi32_epi16(simde__m512i a) {
+  int32_t in[16];
+  int16_t out[16];
+  std::memcpy(in, &a, sizeof in);
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<int16_t>(in[i]);
+  simde__m256i r;
+  std::memcpy(&r, out, sizeof out);
+  return r;
+}
+
+inline void mask_storeu_epi32(void* p, simde__mmask16 k, simde__m512i a) {
+  int32_t lanes[16];
+  std::memcpy(lanes, &a, sizeof lanes);
+  for (int i = 0; i < 16; ++i)
+    if ((k >> i) & 1) std::memcpy(static_cast<char*>(p) + 4 * i, &lanes[i], 4);
+}
+
 // VCVTPH2PS, exact (subnormals, Inf and NaN included).
 inline simde__m512 cvtph_ps(simde__m256i a) {
   uint16_t in[16];
@@ -187,5 +218,8 @@ inline Bh cvtneps_pbh(F a) {
 #undef _mm512_madd_epi16  // SIMDe 0.7.4 defines it with the masked form's four arguments
 #define _mm512_madd_epi16(a, b) attnkit_avx512_emulation::madd_epi16(a, b)
 #define _mm512_cvtph_ps(a) attnkit_avx512_emulation::cvtph_ps(a)
+#define _mm512_cvtps_epi32(a) attnkit_avx512_emulation::cvtps_epi32(a)
+#define _mm512_cvtepi32_epi16(a) attnkit_avx512_emulation::cvtepi32_epi16(a)
+#define _mm512_mask_storeu_epi32(p, k, a) attnkit_avx512_emulation::mask_storeu_epi32(p, k, a)
 #define _mm512_cvtneps_pbh(a) \
   attnkit_avx512_emulation::cvtneps_pbh<simde__m256bh, simde__m512, 16>(a)

@@ -141,15 +141,25 @@ struct KernelTable {
   void (*qk_rows_fp8)(const uint8_t* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
                       const float* q, int64_t q_stride, const float* kscale, int64_t kscale_stride,
                       float* s, int64_t prefetch);
-  // As pv_f32 with int8 (pv_i8) or fp8 (pv_fp8, decoded as e4m3 * 2^-8)
-  // values decoded in registers: the caller has multiplied each key's weights
-  // by its value scale (and, for fp8, by 2^8).
+  // As pv_f32 with int8 (pv_i8) or fp8 (pv_fp8) values, one scale per value
+  // row, vscale[n * vscale_stride], for tiles of fewer than
+  // kCopyValuesMinRows rows: the codes are read where they lie. `pack`
+  // holds pv_8bit_pack_elems(nk, s_stride, dv_pad) uint16s of scratch.
+  // Tiles of at most pv_int_rows_max rows (0 = none) round each row's
+  // weights, times the value scales, to int16 in steps of 2^-15 of the
+  // row's largest in the tile (the products and their sums are then exact
+  // in int32): relative to the output, at most 64 * 127 / 2 steps of a code
+  // times its scale, i.e. 2^-10 of the largest |value| (bf16 weights round
+  // by 2^-8). Other tiles and targets multiply in fp32.
+  int pv_int_rows_max;
   void (*pv_i8)(const float* s, int64_t nk, int64_t s_stride, int64_t rows, const int8_t* v,
-                int64_t v_row_stride, int64_t head_dim_v, float* o, int64_t dv_pad,
-                const float* alpha, int64_t prefetch, const int64_t* seen);
+                int64_t v_row_stride, const float* vscale, int64_t vscale_stride,
+                int64_t head_dim_v, float* o, int64_t dv_pad, const float* alpha, uint16_t* pack,
+                int64_t prefetch, const int64_t* seen);
   void (*pv_fp8)(const float* s, int64_t nk, int64_t s_stride, int64_t rows, const uint8_t* v,
-                 int64_t v_row_stride, int64_t head_dim_v, float* o, int64_t dv_pad,
-                 const float* alpha, int64_t prefetch, const int64_t* seen);
+                 int64_t v_row_stride, const float* vscale, int64_t vscale_stride,
+                 int64_t head_dim_v, float* o, int64_t dv_pad, const float* alpha, uint16_t* pack,
+                 int64_t prefetch, const int64_t* seen);
 };
 
 // A row stride of at least `floats` (a multiple of the lanes) that is not
@@ -165,6 +175,12 @@ inline int64_t score_stride(int64_t m_pad, bool rows_qk) {
 
 inline int64_t pv_bf16_pack_elems(int64_t nk, int64_t s_stride, int64_t dv_pad) {
   return (nk + 1) / 2 * 2 * (s_stride + dv_pad);
+}
+
+// The 8-bit P V kernels' scratch: the scaled weights in fp32 (nk * s_stride),
+// or the int16 weight pairs and each row's factor.
+inline int64_t pv_8bit_pack_elems(int64_t nk, int64_t s_stride) {
+  return 2 * ((nk + 1) / 2 * 2 * s_stride + 16);
 }
 
 // Per-target tables, defined in the per-target translation units (this

@@ -35,6 +35,7 @@ struct V256 {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
   static F load_masked(const float* p, Mask m) { return _mm256_maskload_ps(p, m); }
+  static void store_masked(float* p, Mask m, F x) { _mm256_maskstore_ps(p, m, x); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
@@ -436,6 +437,7 @@ constexpr KernelTable kAvx2Table = {
     nullptr,
     qk_rows_i8,
     qk_rows_fp8,
+    0,
     simd::pv_i8<V256>,
     simd::pv_fp8<V256>,
 };

@@ -1,6 +1,7 @@
-// AVX-512 microkernels (compiled with -mavx512f/bw/vl/dq/bf16 -mfma; see
-// cmake/attnkit_simd.cmake). Two tables: kAvx512 widens bf16 K/V to fp32
-// exactly; kAvx512Bf16 adds the vdpbf16ps kernels for bf16 K/V.
+// AVX-512 microkernels (compiled with -mavx512f/bw/vl/dq/bf16/vnni -mfma;
+// see cmake/attnkit_simd.cmake). Two tables: kAvx512 widens bf16 K/V to
+// fp32 exactly; kAvx512Bf16 adds the vdpbf16ps kernels for bf16 K/V and
+// vpdpwssd (AVX512_VNNI, which every CPU with AVX512_BF16 has) for int8.
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -11,9 +12,10 @@
 // ATTNKIT_AVX512_EMULATED: the second build of this file that tests and the
 // attention fuzzer link, on emulated intrinsics (tests/common/
 // avx512_emulation.h, force-included; cmake/attnkit_avx512_emulation.cmake).
-#if defined(ATTNKIT_AVX512_EMULATED) ||                                        \
-    (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-     defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__FMA__))
+#if defined(ATTNKIT_AVX512_EMULATED) ||                                             \
+    (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&      \
+     defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && \
+     defined(__FMA__))
 #if !defined(ATTNKIT_AVX512_EMULATED)
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12's own AVX-512 headers trip -W(maybe-)uninitialized (GCC bug
@@ -50,6 +52,7 @@ struct V512 {
   static F bcast(const float* p) { return _mm512_set1_ps(*p); }
   static Mask mask_first(int64_t n) { return n >= 16 ? Mask(0xffff) : Mask((1u << n) - 1u); }
   static F load_masked(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+  static void store_masked(float* p, Mask m, F x) { _mm512_mask_storeu_ps(p, m, x); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
@@ -602,15 +605,17 @@ inline void store_rows4(const __m512 acc[16], int keys, float* s) {
   store_rows4(hsum16(acc), keys, s);
 }
 
-// Lanes 4a + r = kscale[a * kss] for keys a < kKeys (the others 0): the
-// 8-bit kernels' per-key scales laid out as the packed scores.
-template <int kKeys>
-inline __m512 key_scales4(const float* kscale, int64_t kss) {
-  alignas(16) float k4[4] = {};
-#pragma GCC unroll 4
-  for (int a = 0; a < kKeys; ++a) k4[a] = kscale[a * kss];
+// Lanes 4a + r = kscale[a * kss] for keys a < keys (the others 0): the
+// 8-bit kernels' per-key scales laid out as the packed scores. Built in
+// registers: four scalar stores to the stack and a vector load of them
+// stalled on store forwarding, and quantize_weight_pairs4 took 1.5x the
+// time of a P V tile of 1-token int8 decode (decode_tile_bench).
+inline __m512 key_scales4(const float* kscale, int64_t kss, int keys) {
+  const __m128 k4 =
+      _mm_setr_ps(kscale[0], keys > 1 ? kscale[kss] : 0.0f, keys > 2 ? kscale[2 * kss] : 0.0f,
+                  keys > 3 ? kscale[3 * kss] : 0.0f);
   const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_load_ps(k4)));
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(k4));
 }
 
 // One block of kKeys (1-4) keys against the 4 query rows q[r * qs ...]:
@@ -722,7 +727,7 @@ void qk_rows_fp8(const uint8_t* k, int64_t ks, int64_t nk, int64_t d, const floa
   int64_t n = 0;
   for (; n + 4 <= nk; n += 4)
     _mm512_storeu_ps(s + 4 * n, _mm512_mul_ps(_mm512_loadu_ps(s + 4 * n),
-                                              _mm512_mul_ps(key_scales4<4>(kscale + n * kss, kss),
+                                              _mm512_mul_ps(key_scales4(kscale + n * kss, kss, 4),
                                                             _mm512_set1_ps(256.0f))));
   for (; n < nk; ++n)
     _mm_storeu_ps(s + 4 * n,
@@ -736,7 +741,17 @@ void qk_rows_fp8(const uint8_t* k, int64_t ks, int64_t nk, int64_t d, const floa
 // covers twice the columns of an fp32 or widened-bf16 vector. The int32
 // sums are exact (the caller bounds head_dim * 127 * max|q16| < 2^31); the
 // per-key scale and per-row factor apply once, to the reduced scores.
-template <int kKeys, bool kPrefetch>
+// kVnni: vpdpwssd (AVX512_VNNI) does vpmaddwd's work and the add in one
+// instruction.
+template <bool kVnni>
+inline __m512i dot_add(__m512i acc, __m512i a, __m512i b) {
+  if constexpr (kVnni)
+    return _mm512_dpwssd_epi32(acc, a, b);
+  else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+}
+
+template <int kKeys, bool kPrefetch, bool kVnni>
 inline void rows4_i8_block(const int8_t* k, int64_t ks, int64_t chunks, __mmask32 tail,
                            const int16_t* q, int64_t qs, __m512 rf, const float* kscale,
                            int64_t kss, float* s, int64_t pf) {
@@ -760,39 +775,39 @@ inline void rows4_i8_block(const int8_t* k, int64_t ks, int64_t chunks, __mmask3
 #pragma GCC unroll 4
     for (int a = 0; a < kKeys; ++a)
 #pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r)
-        acc[a * 4 + r] = _mm512_add_epi32(acc[a * 4 + r], _mm512_madd_epi16(kv[a], qv[r]));
+      for (int r = 0; r < 4; ++r) acc[a * 4 + r] = dot_add<kVnni>(acc[a * 4 + r], kv[a], qv[r]);
   }
   __m512 sums[16];  // a copy for the reduction, as in rows4_block
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) sums[i] = _mm512_castsi512_ps(acc[i]);
   const __m512 dots = _mm512_cvtepi32_ps(_mm512_castps_si512(hsum16<true>(sums)));
-  store_rows4(_mm512_mul_ps(_mm512_mul_ps(dots, rf), key_scales4<kKeys>(kscale, kss)), kKeys, s);
+  store_rows4(_mm512_mul_ps(_mm512_mul_ps(dots, rf), key_scales4(kscale, kss, kKeys)), kKeys, s);
 }
 
-template <bool kPrefetch>
+template <bool kPrefetch, bool kVnni>
 inline void rows4_i8_keys(const int8_t* k, int64_t ks, int64_t nk, int64_t chunks, __mmask32 tail,
                           const int16_t* q, int64_t qs, __m512 rf, const float* kscale, int64_t kss,
                           float* s, int64_t pf) {
   int64_t n = 0;
   for (; n + 4 <= nk; n += 4)
-    rows4_i8_block<4, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, rf, kscale + n * kss, kss,
-                                 s + n * 4, pf);
+    rows4_i8_block<4, kPrefetch, kVnni>(k + n * ks, ks, chunks, tail, q, qs, rf, kscale + n * kss,
+                                        kss, s + n * 4, pf);
   switch (nk - n) {
     case 3:
-      return rows4_i8_block<3, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, rf, kscale + n * kss,
-                                          kss, s + n * 4, pf);
+      return rows4_i8_block<3, kPrefetch, kVnni>(k + n * ks, ks, chunks, tail, q, qs, rf,
+                                                 kscale + n * kss, kss, s + n * 4, pf);
     case 2:
-      return rows4_i8_block<2, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, rf, kscale + n * kss,
-                                          kss, s + n * 4, pf);
+      return rows4_i8_block<2, kPrefetch, kVnni>(k + n * ks, ks, chunks, tail, q, qs, rf,
+                                                 kscale + n * kss, kss, s + n * 4, pf);
     case 1:
-      return rows4_i8_block<1, kPrefetch>(k + n * ks, ks, chunks, tail, q, qs, rf, kscale + n * kss,
-                                          kss, s + n * 4, pf);
+      return rows4_i8_block<1, kPrefetch, kVnni>(k + n * ks, ks, chunks, tail, q, qs, rf,
+                                                 kscale + n * kss, kss, s + n * 4, pf);
     default:
       return;
   }
 }
 
+template <bool kVnni>
 void qk_rows_i8(const int8_t* k, int64_t ks, int64_t nk, int64_t d, const int16_t* q, int64_t qs,
                 const float* qf, const float* kscale, int64_t kss, float* s, int64_t pf) {
   const int64_t chunks = (d + 31) / 32;
@@ -800,9 +815,199 @@ void qk_rows_i8(const int8_t* k, int64_t ks, int64_t nk, int64_t d, const int16_
   const __mmask32 tail = last >= 32 ? ~__mmask32{0} : (__mmask32{1} << last) - 1;
   const __m512 rf = _mm512_broadcast_f32x4(_mm_loadu_ps(qf));  // lane 4a + r: row r's factor
   if (pf != 0)
-    rows4_i8_keys<true>(k, ks, nk, chunks, tail, q, qs, rf, kscale, kss, s, pf);
+    rows4_i8_keys<true, kVnni>(k, ks, nk, chunks, tail, q, qs, rf, kscale, kss, s, pf);
   else
-    rows4_i8_keys<false>(k, ks, nk, chunks, tail, q, qs, rf, kscale, kss, s, pf);
+    rows4_i8_keys<false, kVnni>(k, ks, nk, chunks, tail, q, qs, rf, kscale, kss, s, pf);
+}
+
+// ---- O = alpha O + P V for int8 V and at most 16 rows (decode) -----------
+// simd::pv over int8 codes spends two conversions (vpmovsxbd, vcvtdq2ps) per
+// 16 values beside the multiply-adds. Here the weights, times each key's
+// value scale, are rounded to int16 per row (kernel_table.h gives the
+// bound) and multiplied with the codes in int32: two V rows are widened to
+// int16 and interleaved (as pv_rows_bf16 pairs bf16 rows), and one
+// vpmaddwd (vpdpwssd) takes a key pair for 16 columns. Accumulator lanes
+// follow pv_rows_bf16's pair order.
+
+// Keys per rounding: 32 pairs of 2 * 127 * 32767 stay below 2^31 in a
+// lane; the kernel rounds and flushes per chunk of this many keys.
+constexpr int64_t kPvIntChunkKeys = 64;
+
+// pp[pair * pp_stride + r] = the int16 weight pair of keys (2 pair, 2 pair
+// + 1) of row r < rows (an odd last key pairs with 0), factor[r] = the
+// value of one step: weights s[n * ss + r] * vscale[n * vss].
+inline void quantize_weight_pairs(const float* s, int64_t nk, int64_t ss, int64_t rows,
+                                  const float* vscale, int64_t vss, uint32_t* pp, int64_t pp_stride,
+                                  float* factor) {
+  const __mmask16 live = V512::mask_first(rows);
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t n = 0; n < nk; ++n)  // weights are >= 0
+    mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + n * ss),
+                                         _mm512_set1_ps(vscale[n * vss])));
+  // 32767 steps up to the row's largest weight; a row without one gets
+  // factor 0 (non-finite weights and scales never reach here: the tile
+  // loop sends such tiles to its slow path).
+  const __mmask16 some = _mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ);
+  const __m512 inv = _mm512_maskz_div_ps(some, _mm512_set1_ps(32767.0f), mx);
+  _mm512_mask_storeu_ps(factor, live, _mm512_mul_ps(mx, _mm512_set1_ps(1.0f / 32767)));
+  auto q16 = [&](int64_t n) {
+    if (n >= nk) return _mm512_setzero_si512();
+    const __m512 w =
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + n * ss), _mm512_set1_ps(vscale[n * vss]));
+    return _mm512_cvtps_epi32(_mm512_mul_ps(w, inv));  // to nearest, <= 32767
+  };
+  for (int64_t i = 0; 2 * i < nk; ++i) {
+    const __m512i lo = q16(2 * i), hi = q16(2 * i + 1);
+    const __m512i pair =
+        _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(hi, 16));
+    _mm512_mask_storeu_epi32(pp + i * pp_stride, live, pair);
+  }
+}
+
+// Every 128-bit quarter gets op over all four quarters, lane by lane.
+template <class Op>
+inline __m512 across_quarters(__m512 x, Op op) {
+  x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  return op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+// As quantize_weight_pairs for the packed weights of 1-4 rows, s[n * 4 +
+// r] (qk_rows_*'s layout; pp_stride 4): 4 keys per vector, the rows' largest
+// weights taken across the vector's quarters, a pair of keys' words put
+// together by one 16-bit permute.
+inline void quantize_weight_pairs4(const float* s, int64_t nk, const float* vscale, int64_t vss,
+                                   uint32_t* pp, float* factor) {
+  const int64_t vecs = (nk + 3) / 4;
+  auto weights = [&](int64_t j) {
+    const int keys = static_cast<int>(nk - 4 * j < 4 ? nk - 4 * j : 4);
+    return _mm512_mul_ps(_mm512_maskz_loadu_ps(V512::mask_first(4 * keys), s + 16 * j),
+                         key_scales4(vscale + 4 * j * vss, vss, keys));
+  };
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t j = 0; j < vecs; ++j) mx = _mm512_max_ps(mx, weights(j));
+  mx = across_quarters(mx, V512::max);
+  const __mmask16 some = _mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ);
+  const __m512 inv = _mm512_maskz_div_ps(some, _mm512_set1_ps(32767.0f), mx);
+  _mm_storeu_ps(factor, _mm512_castps512_ps128(_mm512_mul_ps(mx, _mm512_set1_ps(1.0f / 32767))));
+  // int16 lanes (key a, row r) at 4a + r -> words (k0 r, k1 r) of 2 pairs.
+  const __m256i order = _mm256_setr_epi16(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  for (int64_t j = 0; j < vecs; ++j) {
+    const __m256i q = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(weights(j), inv)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + 8 * j), _mm256_permutexvar_epi16(order, q));
+  }
+}
+
+// Rows [0, kRows) of o, columns [c0, c0 + 64) (fewer at the end of dv), as
+// pv_rows_bf16_block: kRows <= 6 keeps 24 accumulators, 4 paired V vectors
+// and a weight in the 32 registers. o = alpha o + factor * (the int32 sums).
+template <int kRows, bool kPrefetch, bool kVnni>
+inline void pv_i8_block(const uint32_t* pp, int64_t pp_stride, int64_t pairs, int64_t nk,
+                        const int8_t* v, int64_t vs, int64_t dv, int64_t c0, float* o,
+                        int64_t dv_pad, const float* alpha, const float* factor, int64_t pf,
+                        int64_t pf_lo, int64_t pf_hi) {
+  const int64_t halves = dv_pad - c0 >= 64 ? 2 : (dv_pad - c0 + 31) / 32;
+  __mmask32 mask[2];
+  for (int q = 0; q < 2; ++q) {
+    const int64_t valid = dv - (c0 + 32 * q);
+    mask[q] = valid >= 32 ? ~__mmask32{0} : valid <= 0 ? 0 : (__mmask32{1} << valid) - 1;
+  }
+  __m512i acc[kRows][4];
+#pragma GCC unroll 6
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < pairs; ++i) {
+    const bool second = 2 * i + 1 < nk;
+    const int8_t* v0 = v + 2 * i * vs + c0;
+    if constexpr (kPrefetch)
+      if (i >= pf_lo && i < pf_hi)
+        for (int64_t c = 0; c < dv; c += 64) {
+          V512::prefetch(v0 - c0 + pf + c);
+          V512::prefetch(v0 - c0 + vs + pf + c);
+        }
+    __m512i w[4];
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q) {
+      const __m512i a = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask[q], v0 + 32 * q));
+      const __m512i b =
+          second ? _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask[q], v0 + vs + 32 * q))
+                 : _mm512_setzero_si512();
+      w[2 * q] = _mm512_unpacklo_epi16(a, b);
+      w[2 * q + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i p = _mm512_set1_epi32(static_cast<int>(pp[i * pp_stride + r]));
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[r][j] = dot_add<kVnni>(acc[r][j], w[j], p);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]), f = _mm512_set1_ps(factor[r]);
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q) {
+      if (q >= halves) continue;
+      __m512 x0, x1;
+      from_pair_order(_mm512_cvtepi32_ps(acc[r][2 * q]), _mm512_cvtepi32_ps(acc[r][2 * q + 1]), &x0,
+                      &x1);
+      float* row = o + r * dv_pad + c0 + 32 * q;
+      _mm512_storeu_ps(row, _mm512_fmadd_ps(x0, f, _mm512_mul_ps(_mm512_loadu_ps(row), a)));
+      if (c0 + 32 * q + 16 < dv_pad)
+        _mm512_storeu_ps(row + 16,
+                         _mm512_fmadd_ps(x1, f, _mm512_mul_ps(_mm512_loadu_ps(row + 16), a)));
+    }
+  }
+}
+
+template <int kRows, bool kVnni>
+inline void pv_i8_any(int64_t rows, const uint32_t* pp, int64_t pp_stride, int64_t pairs,
+                      int64_t nk, const int8_t* v, int64_t vs, int64_t dv, int64_t c0, float* o,
+                      int64_t dv_pad, const float* alpha, const float* factor, int64_t pf,
+                      int64_t pf_lo, int64_t pf_hi) {
+  if constexpr (kRows >= 1) {
+    if (rows != kRows)
+      return pv_i8_any<kRows - 1, kVnni>(rows, pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad,
+                                         alpha, factor, pf, pf_lo, pf_hi);
+    if (pf != 0)
+      pv_i8_block<kRows, true, kVnni>(pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha,
+                                      factor, pf, pf_lo, pf_hi);
+    else
+      pv_i8_block<kRows, false, kVnni>(pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha,
+                                       factor, 0, 0, 0);
+  }
+}
+
+// KernelTable::pv_i8: the integer product for up to 16 rows, else simd's.
+// Blocks of up to 6 rows by 64 columns share the prefetch out by pairs, as
+// pv_rows_bf16's do.
+template <bool kVnni>
+void pv_i8(const float* s, int64_t nk, int64_t ss, int64_t rows, const int8_t* v, int64_t vs,
+           const float* vscale, int64_t vss, int64_t dv, float* o, int64_t dv_pad,
+           const float* alpha, uint16_t* pack, int64_t pf, const int64_t* seen) {
+  if (rows > 16)
+    return simd::pv_i8<V512>(s, nk, ss, rows, v, vs, vscale, vss, dv, o, dv_pad, alpha, pack, pf,
+                             seen);
+  float* factor = reinterpret_cast<float*>(pack);
+  uint32_t* pp = reinterpret_cast<uint32_t*>(pack) + 16;
+  const int64_t pp_stride = rows <= 4 ? 4 : 16;
+  static constexpr float kOnes[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  for (int64_t k0 = 0; k0 < nk; k0 += kPvIntChunkKeys) {
+    const int64_t n = nk - k0 < kPvIntChunkKeys ? nk - k0 : kPvIntChunkKeys, pairs = (n + 1) / 2;
+    if (ss == 4)
+      quantize_weight_pairs4(s + k0 * ss, n, vscale + k0 * vss, vss, pp, factor);
+    else
+      quantize_weight_pairs(s + k0 * ss, n, ss, rows, vscale + k0 * vss, vss, pp, pp_stride,
+                            factor);
+    const int8_t* vk = v + k0 * vs;
+    const int64_t blocks = (dv_pad + 63) / 64 * ((rows + 5) / 6);
+    int64_t b = 0;
+    for (int64_t c0 = 0; c0 < dv_pad; c0 += 64)
+      for (int64_t m = 0; m < rows; m += 6, ++b)
+        pv_i8_any<6, kVnni>(rows - m < 6 ? rows - m : 6, pp + m, pp_stride, pairs, n, vk, vs, dv,
+                            c0, o + m * dv_pad, dv_pad, k0 == 0 ? alpha + m : kOnes, factor + m, pf,
+                            b * pairs / blocks, (b + 1) * pairs / blocks);
+  }
 }
 
 // KernelTable::dequant_bf16: dequant_f32's values rounded to bf16.
@@ -834,13 +1039,6 @@ void dequant_bf16(const uint8_t* src, int64_t src_row_stride, int64_t rows, int6
 // sum per key on 4 values. Packed, lane 4a + r of a vector is key a's row r,
 // so a vector holds 4 keys and every lane counts: a row's values sit in the
 // same lane of each 128-bit quarter, and two quarter swaps reduce them.
-
-// Every 128-bit quarter gets op over all four quarters, lane by lane.
-template <class Op>
-inline __m512 across_quarters(__m512 x, Op op) {
-  x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-  return op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-}
 
 void softmax_rows4(float* s, int64_t nk, float* row_max, float* row_sum, float* alpha) {
   const int64_t vecs = (nk + 3) / 4;
@@ -901,9 +1099,10 @@ constexpr KernelTable kAvx512Table = {
     simd::pv_widen<V512>,
     simd::dequant_f32<V512>,
     nullptr,
-    qk_rows_i8,
+    qk_rows_i8<false>,
     qk_rows_fp8,
-    simd::pv_i8<V512>,
+    16,
+    pv_i8<false>,
     simd::pv_fp8<V512>,
 };
 
@@ -927,9 +1126,10 @@ constexpr KernelTable kAvx512Bf16Table = {
     nullptr,
     simd::dequant_f32<V512>,
     dequant_bf16,
-    qk_rows_i8,
+    qk_rows_i8<true>,
     qk_rows_fp8,
-    simd::pv_i8<V512>,
+    16,
+    pv_i8<true>,
     simd::pv_fp8<V512>,
 };
 

@@ -48,6 +48,9 @@ struct VScalar {
     for (int64_t i = 0; i < m; ++i) r.x[i] = p[i];
     return r;
   }
+  static void store_masked(float* p, Mask m, F a) {
+    for (int64_t i = 0; i < m; ++i) p[i] = a.x[i];
+  }
   static F fma(F a, F b, F c) {
     for (int i = 0; i < kLanes; ++i) c.x[i] = std::fma(a.x[i], b.x[i], c.x[i]);
     return c;
@@ -126,6 +129,7 @@ constexpr KernelTable kScalarTable = {
     nullptr,
     nullptr,
     nullptr,
+    0,
     simd::pv_i8<VScalar>,
     simd::pv_fp8<VScalar>,
 };

@@ -5,7 +5,8 @@
 // instructions: an ordinary inline function shared by translation units
 // compiled with different flags may be merged by the linker into the copy a
 // CPU cannot run. For the same reason this header defines nothing that is
-// not a template on V, and includes only <cstdint> (types, no code).
+// not a template on V, and includes only <cstdint> and <type_traits>
+// (types, no code).
 //
 // V provides (F = vector of kLanes floats, Mask = lane mask):
 //   kLanes; kQkVecs, kQkAcc, kQkMaxKeys (QK register block: up to kQkVecs
@@ -15,6 +16,7 @@
 //   in registers, in calls with at most kPvFewRows rows: 1-token decode);
 //   zero, set1, load, store, bcast(const float*), mask_first(n),
 //   load_masked(p, mask) (lanes off the mask read as 0 and never touched),
+//   store_masked(p, mask, x) (lanes off the mask never touched),
 //   fma(a, b, c) = a * b + c, mul, add, sub, div,
 //   max(a, b) (b when either is NaN), abs, copysign(magnitude, sign),
 //   ninf_to_zero (lanes equal to -inf become 0),
@@ -28,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace attnkit::kernels::cpu::simd {
 
@@ -429,18 +432,40 @@ void pv_widen(const float* s, int64_t nk, int64_t ss, int64_t rows, const uint16
   pv<V>(s, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf, seen);
 }
 
+// KernelTable::pv_i8 / pv_fp8 in fp32: the weights of rows [0, rows) times
+// each key's value scale (and 2^8 for fp8, which widen_fp8 decodes as value
+// * 2^-8), copied to `pack`, then pv over the codes. (Folded into pv_block
+// instead, the scale would cost a multiply per row and key; here it is one
+// per key and vector of rows.)
+template <class V, class Elem>
+void pv_scaled(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int64_t vs,
+               const float* vscale, int64_t vss, int64_t dv, float* o, int64_t dv_pad,
+               const float* alpha, uint16_t* pack, int64_t pf, const int64_t* seen) {
+  const float unit = std::is_same_v<Elem, uint8_t> ? 256.0f : 1.0f;
+  float* w = reinterpret_cast<float*>(pack);
+  for (int64_t n = 0; n < nk; ++n) {
+    const typename V::F f = V::set1(vscale[n * vss] * unit);
+    for (int64_t m = 0; m < rows; m += V::kLanes) {
+      const int64_t left = rows - m;
+      const typename V::Mask mask = V::mask_first(left);
+      V::store_masked(w + n * ss + m, mask, V::mul(V::load_masked(s + n * ss + m, mask), f));
+    }
+  }
+  pv<V>(w, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf, seen);
+}
+
 template <class V>
 void pv_i8(const float* s, int64_t nk, int64_t ss, int64_t rows, const int8_t* v, int64_t vs,
-           int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf,
-           const int64_t* seen) {
-  pv<V>(s, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf, seen);
+           const float* vscale, int64_t vss, int64_t dv, float* o, int64_t dv_pad,
+           const float* alpha, uint16_t* pack, int64_t pf, const int64_t* seen) {
+  pv_scaled<V>(s, nk, ss, rows, v, vs, vscale, vss, dv, o, dv_pad, alpha, pack, pf, seen);
 }
 
 template <class V>
 void pv_fp8(const float* s, int64_t nk, int64_t ss, int64_t rows, const uint8_t* v, int64_t vs,
-            int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf,
-            const int64_t* seen) {
-  pv<V>(s, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf, seen);
+            const float* vscale, int64_t vss, int64_t dv, float* o, int64_t dv_pad,
+            const float* alpha, uint16_t* pack, int64_t pf, const int64_t* seen) {
+  pv_scaled<V>(s, nk, ss, rows, v, vs, vscale, vss, dv, o, dv_pad, alpha, pack, pf, seen);
 }
 
 // ---- 8-bit rows to fp32 ----------------------------------------------------

@@ -34,7 +34,7 @@ bool rows_finite(const void* base, DType dtype, int64_t stride, int64_t rows, in
 }  // namespace
 
 // Rows [m_lo_, m_) of o += P V (s and alpha indexed by packed row).
-void TaskRunner::accumulate(int64_t j0, int64_t nk, float* s, const float* alpha, Prefetch pf,
+void TaskRunner::accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha, Prefetch pf,
                             const int64_t* seen) {
   if (g_.q8 && g_.pv_copies) return accumulate_dequantized(j0, nk, s, alpha, pf, seen);
   const KernelTable& kt = *g_.kt;
@@ -75,29 +75,21 @@ void TaskRunner::accumulate(int64_t j0, int64_t nk, float* s, const float* alpha
     return;
   }
   if (g_.q8) {
-    // 8-bit V where it lies: each key's weights times its value scale (and
-    // 2^8 for fp8, which pv_fp8 decodes as value * 2^-8); the softmax's row
-    // sums were taken before. Masked keys have weight 0 and finite scales
-    // here (finish_head sends tiles with non-finite ones to the slow path).
-    const int64_t cols = g_.rows_qk ? 4 : g_.m_pad - m_lo_;
-    const float unit = g_.fp8 ? 256.0f : 1.0f;
-    for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-      const float* vs = v_scales(row);
-      for (int64_t r = 0; r < n; ++r) {
-        const float f = vs[r * p_.v_scale_stride.row] * unit;
-        float* w = s + (at + r) * g_.s_stride;
-        for (int64_t m = 0; m < cols; ++m) w[m] *= f;
-      }
-    });
+    // 8-bit V where it lies, each key's value scale applied by the kernel.
+    // Masked keys have weight 0 and finite scales here (finish_head sends
+    // tiles with non-finite ones to the slow path).
+    uint16_t* pack = reinterpret_cast<uint16_t*>(ws_ + g_.pack);
     for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
       const float* w = s + at * g_.s_stride;
       const float* a = at == 0 ? alpha : ones;
       if (g_.fp8)
         kt.pv_fp8(w, n, g_.s_stride, rows, static_cast<const uint8_t*>(v_row(row)), p_.v_stride.row,
-                  g_.dv, o, g_.dv_pad, a, fetch(at, row), whole(n));
+                  v_scales(row), p_.v_scale_stride.row, g_.dv, o, g_.dv_pad, a, pack,
+                  fetch(at, row), whole(n));
       else
         kt.pv_i8(w, n, g_.s_stride, rows, static_cast<const int8_t*>(v_row(row)), p_.v_stride.row,
-                 g_.dv, o, g_.dv_pad, a, fetch(at, row), whole(n));
+                 v_scales(row), p_.v_scale_stride.row, g_.dv, o, g_.dv_pad, a, pack, fetch(at, row),
+                 whole(n));
     });
     return;
   }

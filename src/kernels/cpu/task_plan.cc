@@ -88,7 +88,9 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.kw = take(g.k_copies ? g.bk * g.d_pad : 0);
   g.vw = take(g.pv_copies ? g.bk * g.vw_stride : 0);
   g.seen = take(4 * g.m_pad);  // int64 pairs
-  g.pack = take(g.dot_bf16 ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2) : 0);
+  g.pack = take(g.dot_bf16             ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2)
+                : g.q8 && !g.pv_copies ? ceil_div(pv_8bit_pack_elems(g.bk, g.s_stride), 2)
+                                       : 0);
   g.bitmap = take(p.sparse.kind != SparsePattern::Kind::kNone ? ceil_div(g.bq * g.bk, 4) : 0);
   g.row_lo = take(2 * g.bq);  // int64
   g.row_hi = take(2 * g.bq);

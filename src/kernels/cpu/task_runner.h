@@ -65,7 +65,7 @@ class TaskRunner {
   void apply_masks(int64_t j0, int64_t nk, float* s, const int64_t* row_lo, const int64_t* row_hi,
                    bool sparse_partial);
   // stage_pv.cc
-  void accumulate(int64_t j0, int64_t nk, float* s, const float* alpha, Prefetch pf,
+  void accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha, Prefetch pf,
                   const int64_t* seen);
   void accumulate_dequantized(int64_t j0, int64_t nk, const float* s, const float* alpha,
                               Prefetch pf, const int64_t* seen);
