@@ -903,7 +903,10 @@ TEST(LatentAttention, BadCallsWriteNothing) {
   EXPECT_NE(st.message().find("load_weights"), std::string::npos) << st.message();
   EXPECT_FALSE(fx.layer.new_cache(0, 4).ok());
   EXPECT_FALSE(fx.layer.new_cache(1, 0).ok());
-  EXPECT_FALSE(fx.layer.new_cache(1, 4, DType::kF16).ok());
+  const auto f16 = fx.layer.new_cache(1, 4, DType::kF16);
+  EXPECT_NE(f16.status().message().find("dtype = f16 must be f32, bf16, int8 or fp8_e4m3"),
+            std::string::npos)
+      << f16.status().to_string();
   // The good call after all of that still continues the sequence.
   ASSERT_TRUE(fx.layer
                   .forward(make_view(x.data(), DType::kF32, {2, 2, d}),

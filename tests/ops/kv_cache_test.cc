@@ -460,7 +460,7 @@ struct Snapshot {
 
 TEST(KVCacheErrors, OverflowIsOutOfRangeAndChangesNothing) {
   for (int64_t W : {int64_t{0}, int64_t{4}})
-    for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
       SCOPED_TRACE("window " + std::to_string(W) + " " + attnkit::dtype_name(dt));
       Problem p;
       p.n = 9;  // 5 + 4 overflows max_seq_len 8; 5 + 3 fits
@@ -560,7 +560,7 @@ TEST(KVCacheErrors, CreateRejectsBadSpecs) {
   with([](KVCacheSpec& s) { s.head_dim_v = -1; }, StatusCode::kInvalidArgument,
        "spec.head_dim_v = -1");
   with([](KVCacheSpec& s) { s.dtype = DType::kF16; }, StatusCode::kInvalidArgument,
-       "spec.dtype = f16");
+       "spec.dtype = f16 must be f32, bf16, int8 or fp8_e4m3");
   with([](KVCacheSpec& s) { s.sliding_window = -2; }, StatusCode::kInvalidArgument,
        "spec.sliding_window = -2");
   with(

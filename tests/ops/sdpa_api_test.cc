@@ -148,6 +148,10 @@ TEST(SdpaApi, WrongDtype) {
   SdpaCall d;
   d.kv.dtype = DType::kI32;
   expect_sdpa_rejected(d, {"k.dtype = i32", "f32 or bf16"});
+  // 8-bit K/V carry scales, which only the caches keep (kv_cache.h).
+  SdpaCall d8;
+  d8.kv.dtype = DType::kI8;
+  expect_sdpa_rejected(d8, {"k.dtype = int8", "f32 or bf16"});
   SdpaCall e;  // v must follow k's dtype
   e.use_bf16_kv();
   e.vv = attnkit::make_view(e.v.data(), DType::kF32, {2, 5, 2, 6});
