@@ -70,6 +70,14 @@ TensorView kv_cache_view(void* data, DType dtype, int64_t batch, int64_t tokens,
 TensorView kv_cache_scales_view(void* data, DType dtype, int64_t batch, int64_t tokens,
                                 int64_t num_kv_heads, int64_t dim);
 
+// Channels per scale in the 8-bit types' MLA latent rows (LatentCache and
+// PagedKVCache's latent layout; MHA/GQA rows have one scale per kv head):
+// the latent c carries per-channel gains and the rope key part outlier
+// channels, and blocks of 64 measured about half the int8 error of one
+// scale per row on such rows (docs/QUANTIZATION.md). The absorbed form
+// dequantizes a tile once for all 128 heads, so blocks cost it nothing.
+inline constexpr int64_t kLatentScaleBlock = 64;
+
 class KVCache {
  public:
   static Result<KVCache> create(const KVCacheSpec& spec);

@@ -25,7 +25,7 @@ py::object sdpa_py(py::object q, py::object k, py::object v, std::optional<doubl
   const InputArray ki = f32_input(k, {kFn, "k", 4, 4, "[batch, seqlen_k, num_kv_heads, head_dim]"});
   const InputArray vi =
       f32_input(v, {kFn, "v", 4, 4, "[batch, seqlen_k, num_kv_heads, head_dim_v]"});
-  const DType kv = parse_cache_dtype(kv_dtype, kFn, "kv_dtype");
+  const DType kv = parse_cache_dtype(kv_dtype, kFn, "kv_dtype", false);
 
   AttentionOptions opt;
   opt.softmax_scale = parse_softmax_scale(softmax_scale, kFn);

@@ -24,18 +24,12 @@
 
 #include <cstdint>
 
+#include "attnkit/kv_cache.h"
 #include "attnkit/tensor.h"
 
 namespace attnkit {
 
 inline bool is_kv_quantized(DType dtype) { return dtype == DType::kI8 || dtype == DType::kFp8E4M3; }
-
-// Channels per scale in MLA's latent rows (LatentCache, the paged pool's
-// latent layout): the latent c carries per-channel gains and the rope key
-// part outlier channels, and blocks of 64 measured 2.1x smaller int8 errors
-// than one scale per row on such rows (docs/QUANTIZATION.md). The absorbed
-// form dequantizes a tile per 128 heads, so blocks cost it nothing there.
-inline constexpr int64_t kLatentScaleBlock = 64;
 
 struct KvRowLayout {
   int64_t row = 0;              // elements between tokens (bytes for 8-bit types); 0 = overflow
