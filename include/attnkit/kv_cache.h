@@ -70,6 +70,15 @@ TensorView kv_cache_view(void* data, DType dtype, int64_t batch, int64_t tokens,
 TensorView kv_cache_scales_view(void* data, DType dtype, int64_t batch, int64_t tokens,
                                 int64_t num_kv_heads, int64_t dim);
 
+// The caches' 8-bit rule applied to any rows: each row (the last axis) of
+// x, f32 [..., dim] (rank 1-4, any strides), quantized symmetrically with
+// one fp32 scale into codes (int8 or fp8_e4m3, x's shape) and scales (f32,
+// x's shape with a last dimension of 1), as KVCache stores them; e.g. for
+// sdpa()'s options.k_scales. Rows of codes are contiguous. Fails, writing
+// nothing, on mismatched shapes or dtypes, or outputs that overlap x or
+// each other.
+Status quantize_kv_rows(const TensorView& x, const TensorView& codes, const TensorView& scales);
+
 // Channels per scale in the 8-bit types' MLA latent rows (LatentCache and
 // PagedKVCache's latent layout; MHA/GQA rows have one scale per kv head):
 // the latent c carries per-channel gains and the rope key part outlier

@@ -171,6 +171,57 @@ TensorView kv_cache_view(void* data, DType dtype, int64_t batch, int64_t tokens,
   return v;
 }
 
+Status quantize_kv_rows(const TensorView& x, const TensorView& codes, const TensorView& scales) {
+  constexpr const char* fn = "quantize_kv_rows";
+  if (x.rank < 1)
+    return invalid_argument(std::string(fn) + ": x has rank " + std::to_string(x.rank) +
+                            ", must have rank 1 to 4");
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "x", x, x.rank, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "codes", codes, x.rank, {DType::kI8, DType::kFp8E4M3}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "scales", scales, x.rank, {DType::kF32}));
+  const int last = x.rank - 1;
+  for (int i = 0; i < x.rank; ++i) {
+    if (codes.shape[i] != x.shape[i])
+      return invalid_argument(std::string(fn) + ": codes.shape[" + std::to_string(i) +
+                              "] = " + std::to_string(codes.shape[i]) + " must equal x.shape[" +
+                              std::to_string(i) + "] = " + std::to_string(x.shape[i]));
+    const int64_t want = i == last ? 1 : x.shape[i];
+    if (scales.shape[i] != want)
+      return invalid_argument(std::string(fn) + ": scales.shape[" + std::to_string(i) +
+                              "] = " + std::to_string(scales.shape[i]) + " must be " +
+                              std::to_string(want) + (i == last ? " (one scale per row)" : ""));
+  }
+  if (codes.shape[last] > 1 && codes.strides[last] != 1)
+    return invalid_argument(std::string(fn) + ": codes.strides[" + std::to_string(last) +
+                            "] = " + std::to_string(codes.strides[last]) +
+                            " must be 1 (rows of codes are contiguous)");
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "codes", codes));
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "scales", scales));
+  const NamedView outputs[] = {{"codes", &codes}, {"scales", &scales}};
+  const NamedView inputs[] = {{"x", &x}};
+  ATTNKIT_RETURN_IF_ERROR(check_outputs_apart(fn, outputs, inputs));
+  if (check::overlaps(codes, scales))
+    return invalid_argument(std::string(fn) + ": codes overlap scales");
+  int64_t shape[3] = {1, 1, 1}, xs[3] = {0, 0, 0}, cs[3] = {0, 0, 0}, ss[3] = {0, 0, 0};
+  for (int i = 0; i < last; ++i) {
+    shape[3 - last + i] = x.shape[i];
+    xs[3 - last + i] = x.strides[i];
+    cs[3 - last + i] = codes.strides[i];
+    ss[3 - last + i] = scales.strides[i];
+  }
+  const int64_t dim = x.shape[last];
+  if (dim == 0) return Status::Ok();
+  for (int64_t a = 0; a < shape[0]; ++a)
+    for (int64_t b = 0; b < shape[1]; ++b)
+      for (int64_t c = 0; c < shape[2]; ++c) {
+        const float* row = x.ptr<const float>() + a * xs[0] + b * xs[1] + c * xs[2];
+        uint8_t* out = codes.ptr<uint8_t>() + a * cs[0] + b * cs[1] + c * cs[2];
+        float* scale = scales.ptr<float>() + a * ss[0] + b * ss[1] + c * ss[2];
+        quantize_kv(row, x.strides[last], dim, codes.dtype, 0, out, scale);
+      }
+  return Status::Ok();
+}
+
 size_t KVCache::nbytes() const {
   const int64_t values = keys_.numel() + values_.numel();
   const int64_t scales = key_scales_.present() ? key_scales_.numel() + value_scales_.numel() : 0;

@@ -44,15 +44,21 @@ Q, K, V = randn(G, 2, 3, 4, 8), randn(G, 2, 5, 2, 8), randn(G, 2, 5, 2, 6)
     (dict(sparse=[1]), r"sdpa: sparse must be None or a dict"),
     (dict(backend="gpu"), r"sdpa: backend = 'gpu' must be 'auto', 'reference' or 'fast'"),
     (dict(num_threads=-1), r"sdpa: num_threads = -1 must be >= 0"),
-    (dict(kv_dtype="float16"), r"sdpa: kv_dtype = 'float16' must be 'float32' or 'bfloat16'"),
-    (dict(kv_dtype="int8"), r"sdpa: kv_dtype = 'int8' must be 'float32' or 'bfloat16' \(8-bit "
-                            r"K/V carry scales, which only the caches keep"),
+    (dict(kv_dtype="float16"), r"sdpa: kv_dtype = 'float16' must be 'float32', 'bfloat16', "
+                               r"'int8' or 'fp8_e4m3'"),
 ])
 def test_sdpa_errors(kwargs, pattern):
     args = dict(q=Q, k=K, v=V)
     args.update(kwargs)
     with pytest.raises(ValueError, match=pattern):
         attnkit.sdpa(**args)
+
+
+def test_sdpa_varlen_takes_no_eight_bit_kv():
+    q = np.zeros((4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"sdpa_varlen: kv_dtype = 'int8' must be 'float32' or "
+                                         r"'bfloat16' \(8-bit K/V carry scales"):
+        attnkit.sdpa_varlen(q, q, q, [0, 4], [0, 4], kv_dtype="int8")
 
 
 def test_merge_errors():
