@@ -33,6 +33,9 @@ struct CpuFeatures {
   bool avx2 = false;         // with FMA, F16C and OS-enabled YMM state
   bool avx512 = false;       // F, BW, VL, DQ and OS-enabled ZMM/opmask state
   bool avx512_bf16 = false;  // with AVX512_VNNI
+  // An AMD CPU: there vdpbf16ps multiplies twice the pairs an fp32 FMA does
+  // per cycle (kernels/cpu/tile_policy.h, dequantizes_to_bf16).
+  bool amd = false;
 };
 
 // Detected with cpuid/xgetbv once per process; all false off x86.

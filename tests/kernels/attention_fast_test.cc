@@ -564,6 +564,7 @@ std::string plan_str(const cpu::Plan& plan) {
          " block_k=" + std::to_string(plan.block_k) + " split_k=" + std::to_string(plan.split_k) +
          " kv_heads_per_task=" + std::to_string(plan.kv_heads_per_task) +
          " k_then_v=" + std::to_string(plan.k_then_v) +
+         " dequant_bf16=" + std::to_string(plan.dequant_bf16) +
          " threads=" + std::to_string(plan.num_threads);
 }
 
@@ -943,6 +944,14 @@ TEST(AttentionFast, EightBitKvEveryPath) {
           c.seed = ++seed;
           check_case(c, [&](const Problem& p, SimdTarget t) { return default_plan(p, 2, t); });
           check_case(c, [&](const Problem&) { return tiled(tokens, 16, 48, 3, 2); });
+          // Dequantized copies of the other element type than the CPU's
+          // vendor picks (tile_policy.h, dequantizes_to_bf16).
+          if (tokens == 9 || block > 0)
+            check_case(c, [&](const Problem& p, SimdTarget t) {
+              cpu::Plan other = default_plan(p, 2, t);
+              other.dequant_bf16 = !other.dequant_bf16;
+              return other;
+            });
         }
   // Masks and sparse patterns over 8-bit keys, with NaN rows behind them.
   for (DType kv : {DType::kI8, DType::kFp8E4M3})
@@ -1152,6 +1161,7 @@ TEST(AttentionFast, RandomCasesEveryTargetTilingAndThreadCount) {
         tiled(pick({1, 2, 3, 5, 8, 64}), pick({1, 2, 7, 16, 64}), pick({0, 0, 1, 5, 16, 64}),
               static_cast<int>(pick({1, 2, 3, 7})), pick({1, 1, 2, 3}));
     random_tiling.k_then_v = pick({0, 1}) == 1;
+    random_tiling.dequant_bf16 = pick({0, 1}) == 1;
     const int threads = static_cast<int>(pick({1, 2, 3, 7}));
     check_case(c, [&](const Problem&) { return random_tiling; });
     check_case(c, [&](const Problem& pr) { return default_plan(pr, threads); });

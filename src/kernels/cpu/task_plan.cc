@@ -45,12 +45,13 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
     // _fp8, pv_i8 / _fp8); more rows dequantize each K tile once for all of
     // them, and tiles of kCopyValuesMinRows rows or more (prefill, absorbed
     // MLA) each V tile too, as bf16 for the vdpbf16ps kernels where the
-    // target has them. Block scales are always dequantized.
+    // target has them and the plan says so (tile_policy.h). Block scales
+    // are always dequantized.
     g.rows_qk = takes_rows_qk(*g.kt, g.m_max, p.kv_dtype, false, g.row_scales);
     g.k_copies = !g.rows_qk;
     g.pv_copies = !g.row_scales || g.m_max >= kCopyValuesMinRows ||
                   (g.fp8 ? g.kt->pv_fp8 == nullptr : g.kt->pv_i8 == nullptr);
-    g.dot_bf16 = g.k_copies && g.pv_copies && g.kt->dequant_bf16 != nullptr;
+    g.dot_bf16 = g.k_copies && g.pv_copies && g.kt->dequant_bf16 != nullptr && plan.dequant_bf16;
   } else {
     const int64_t elem_bytes = g.bf16 ? 2 : 4;
     g.copy_v = !g.dot_bf16 && g.m_max >= kCopyValuesMinRows &&
