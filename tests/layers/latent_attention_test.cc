@@ -530,6 +530,33 @@ TEST(LatentAttention, AppendedRowsRestoreACache) {
   EXPECT_EQ(b->length(), 6);
 }
 
+const MlaForm kForms[2] = {MlaForm::kNaive, MlaForm::kAbsorbed};
+
+// outs[form][backend]: x (B x S x hidden) through the layer in both forms
+// (naive, absorbed) on both backends (reference, auto), each from a fresh
+// cache of `dtype` with S + 2 positions, which inspect(form, backend,
+// cache) checks after the call.
+template <class Inspect>
+void forward_forms(Fixture& fx, const std::vector<float>& x, int64_t B, int64_t S, DType dtype,
+                   std::vector<float> (&outs)[2][2], Inspect inspect) {
+  const int64_t d = fx.cfg.hidden_size;
+  const Backend backends[2] = {Backend::kReference, Backend::kAuto};
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) {
+      auto cache = fx.layer.new_cache(B, S + 2, dtype);
+      ASSERT_TRUE(cache.ok()) << cache.status().to_string();
+      outs[i][j].assign(x.size(), 0.0f);
+      RunOptions run;
+      run.backend = backends[j];
+      ASSERT_TRUE(fx.layer
+                      .forward(make_view(x.data(), DType::kF32, {B, S, d}),
+                               make_view(outs[i][j].data(), DType::kF32, {B, S, d}), {},
+                               &cache.value(), run, kForms[i])
+                      .ok());
+      inspect(i, j, cache.value());
+    }
+}
+
 // 8-bit latent caches: what the rows hold (each block of 64 channels as
 // tests/common/kv_quant_f64.h quantizes it), both forms on both backends
 // reading the same dequantized latents, and the output's distance from
@@ -546,59 +573,48 @@ TEST(LatentAttention, EightBitCachesHoldQuantizedRowsAndFormsAgree) {
       Rng rng(8);
       const std::vector<float> x = attnkit_test::uniform_vector(size_t(B * S * d), rng);
       const RefOut ref = reference(fx.cfg, fx.w, x, B, S, iota(S));
+      const int64_t blocks = (dkv + 63) / 64;
       std::vector<float> outs[2][2];
-      const MlaForm forms[2] = {MlaForm::kNaive, MlaForm::kAbsorbed};
-      const Backend backends[2] = {Backend::kReference, Backend::kAuto};
-      for (int i = 0; i < 2; ++i)
-        for (int j = 0; j < 2; ++j) {
-          auto cache = fx.layer.new_cache(B, S + 2, dtype);
-          ASSERT_TRUE(cache.ok()) << cache.status().to_string();
-          const int64_t blocks = (dkv + 63) / 64;
-          EXPECT_EQ(cache->scales().shape[2], blocks);
-          EXPECT_EQ(cache->nbytes(), size_t(B * (S + 2) * (dkv + 4 * blocks)));
-          outs[i][j].assign(x.size(), 0.0f);
-          RunOptions run;
-          run.backend = backends[j];
-          ASSERT_TRUE(fx.layer
-                          .forward(make_view(x.data(), DType::kF32, {B, S, d}),
-                                   make_view(outs[i][j].data(), DType::kF32, {B, S, d}), {},
-                                   &cache.value(), run, forms[i])
-                          .ok());
-          if (i + j > 0) continue;
-          // The rows: the reference model's latents, quantized by the rule
-          // (the fp32 projections differ from the float64 ones in the last
-          // bits, which can move a code by one step: compare within one).
-          const TensorView &st = cache->storage(), &sc = cache->scales();
-          for (int64_t b = 0; b < B; ++b)
-            for (int64_t t = 0; t < S; ++t) {
-              std::vector<float> row(static_cast<size_t>(dkv));
-              for (int64_t c = 0; c < dkv; ++c)
-                row[size_t(c)] = float(ref.latent[(b * S + t) * dkv + c]);
-              const std::vector<double> want =
-                  attnkit_test::kv_dequantized(row.data(), dkv, dtype, 64);
-              for (int64_t c = 0; c < dkv; ++c) {
-                const float scale =
-                    sc.ptr<const float>()[b * sc.strides[0] + t * sc.strides[1] + c / 64];
-                const uint8_t code =
-                    st.ptr<const uint8_t>()[b * st.strides[0] + t * st.strides[1] + c];
-                const double got = double(attnkit::kv_code_value(dtype, code)) * scale;
-                // One step: scale (int8), or 2^-3 of the value's binade (fp8).
-                const double step = dtype == DType::kI8
-                                        ? 1.01 * scale
-                                        : std::fabs(want[size_t(c)]) / 7 + 0x1p-9 * scale;
-                EXPECT_LE(std::fabs(got - want[size_t(c)]), step) << b << " " << t << " " << c;
-              }
+      forward_forms(fx, x, B, S, dtype, outs, [&](int i, int j, const LatentCache& cache) {
+        EXPECT_EQ(cache.scales().shape[2], blocks);
+        EXPECT_EQ(cache.nbytes(), size_t(B * (S + 2) * (dkv + 4 * blocks)));
+        if (i + j > 0) return;
+        // The rows: the reference model's latents, quantized by the rule
+        // (the fp32 projections differ from the float64 ones in the last
+        // bits, which can move a code by one step: compare within one).
+        const TensorView &st = cache.storage(), &sc = cache.scales();
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t t = 0; t < S; ++t) {
+            std::vector<float> row(static_cast<size_t>(dkv));
+            for (int64_t c = 0; c < dkv; ++c)
+              row[size_t(c)] = float(ref.latent[(b * S + t) * dkv + c]);
+            const std::vector<double> want =
+                attnkit_test::kv_dequantized(row.data(), dkv, dtype, 64);
+            for (int64_t c = 0; c < dkv; ++c) {
+              const float scale =
+                  sc.ptr<const float>()[b * sc.strides[0] + t * sc.strides[1] + c / 64];
+              const uint8_t code =
+                  st.ptr<const uint8_t>()[b * st.strides[0] + t * st.strides[1] + c];
+              const double got = double(attnkit::kv_code_value(dtype, code)) * scale;
+              // One step: scale (int8), or 2^-3 of the value's binade (fp8).
+              const double step = dtype == DType::kI8
+                                      ? 1.01 * scale
+                                      : std::fabs(want[size_t(c)]) / 7 + 0x1p-9 * scale;
+              EXPECT_LE(std::fabs(got - want[size_t(c)]), step) << b << " " << t << " " << c;
             }
-        }
+          }
+      });
       // The reference kernel reads the dequantized latents exactly: both
       // forms agree to fp32 rounding.
       const std::vector<double> naive(outs[0][0].begin(), outs[0][0].end());
       EXPECT_TRUE(rel_close("absorbed vs naive (reference)", outs[1][0].data(), naive.data(),
                             naive.size()));
-      // The fast absorbed form copies tiles as bf16 for vdpbf16ps where the
-      // target has it (2^-9 relative per value, weight and query).
+      // The fast absorbed form may copy tiles as bf16 for vdpbf16ps
+      // (kernels/cpu/tile_policy.h; 2^-9 relative per value, weight and
+      // query).
       for (int i = 0; i < 2; ++i)
-        EXPECT_TRUE(rel_close(std::string("fast kernel, ") + mla_form_name(forms[i]),
+
+        EXPECT_TRUE(rel_close(std::string("fast kernel, ") + mla_form_name(kForms[i]),
                               outs[i][1].data(), naive.data(), naive.size(), 0x1p-6));
       EXPECT_TRUE(rel_close("vs float64", outs[0][0].data(), ref.out.data(), naive.size(),
                             latent_tolerance(dtype)));
@@ -614,24 +630,10 @@ TEST(LatentAttention, Bf16CacheFormsAgreeAndTrackReference) {
   Rng rng(8);
   const std::vector<float> x = attnkit_test::uniform_vector(size_t(B * S * d), rng);
   const RefOut ref = reference(fx.cfg, fx.w, x, B, S, iota(S));
-  // [form][backend]: naive/absorbed x reference/auto.
   std::vector<float> outs[2][2];
-  const MlaForm forms[2] = {MlaForm::kNaive, MlaForm::kAbsorbed};
-  const Backend backends[2] = {Backend::kReference, Backend::kAuto};
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 2; ++j) {
-      auto cache = fx.layer.new_cache(B, S + 2, DType::kBF16);
-      ASSERT_TRUE(cache.ok());
-      EXPECT_EQ(cache->nbytes(), size_t(B * (S + 2) * 36 * 2));
-      outs[i][j].assign(x.size(), 0.0f);
-      RunOptions run;
-      run.backend = backends[j];
-      ASSERT_TRUE(fx.layer
-                      .forward(make_view(x.data(), DType::kF32, {B, S, d}),
-                               make_view(outs[i][j].data(), DType::kF32, {B, S, d}), {},
-                               &cache.value(), run, forms[i])
-                      .ok());
-    }
+  forward_forms(fx, x, B, S, DType::kBF16, outs, [&](int, int, const LatentCache& cache) {
+    EXPECT_EQ(cache.nbytes(), size_t(B * (S + 2) * 36 * 2));
+  });
   // The reference kernel widens bf16 K/V exactly, so both forms read the
   // same rounded latents and agree to fp32 rounding.
   const std::vector<double> naive(outs[0][0].begin(), outs[0][0].end());
@@ -641,7 +643,7 @@ TEST(LatentAttention, Bf16CacheFormsAgreeAndTrackReference) {
   // to bf16 (2^-9 relative each); through softmax and o_proj that stays
   // within 2^-6 of the output scale.
   for (int i = 0; i < 2; ++i)
-    EXPECT_TRUE(rel_close(std::string("bf16 cache, fast kernel, ") + mla_form_name(forms[i]),
+    EXPECT_TRUE(rel_close(std::string("bf16 cache, fast kernel, ") + mla_form_name(kForms[i]),
                           outs[i][1].data(), naive.data(), naive.size(), 0x1p-6));
   // Against exact latents: bf16 keeps 8 significant bits (relative rounding
   // <= 2^-9 ~ 2e-3 per latent value); through two linear maps and a softmax

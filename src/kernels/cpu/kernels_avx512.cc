@@ -102,10 +102,8 @@ struct V512 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(p, n)));
   }
   static F widen_fp8(const uint8_t* p, int64_t n) { return fp8_to_f32(load_bytes16(p, n)); }
-  // 16 fp8 E4M3 codes as value * 2^-8 (kernel_table.h): sign-extended to 16
-  // bits and shifted left by 7, a code's sign lands on bit 15 and its
-  // magnitude on bits 13..7, a binary16 with 2^-8 the value; bit 14 (a copy
-  // of the sign) is cleared.
+  // 16 fp8 E4M3 codes as value * 2^-8, through binary16 as
+  // V256::fp8_to_f32 (kernels_avx2.cc) widens 8.
   static F fp8_to_f32(__m128i codes) {
     const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7),
                                        _mm256_set1_epi16(static_cast<int16_t>(0xbf80)));
