@@ -309,6 +309,15 @@ inline void from_pair_order(__m512 lo, __m512 hi, __m512* x0, __m512* x1) {
   *x1 = _mm512_permutex2var_ps(lo, i1, hi);
 }
 
+// The 16-bit lanes of columns [c0, c0 + 32) and [c0 + 32, c0 + 64) that lie
+// below dv.
+inline void column_masks32(int64_t dv, int64_t c0, __mmask32 mask[2]) {
+  for (int q = 0; q < 2; ++q) {
+    const int64_t valid = dv - (c0 + 32 * q);
+    mask[q] = valid >= 32 ? ~__mmask32{0} : valid <= 0 ? 0 : (__mmask32{1} << valid) - 1;
+  }
+}
+
 // Rows [0, kRows) of o, columns [c0, c0 + 64) (fewer at the end of dv:
 // loads are masked to dv, stores stay within dv_pad); pp holds the
 // (p[n][r], p[n+1][r]) pairs of every key pair as 32-bit words
@@ -323,10 +332,7 @@ inline void pv_rows_bf16_block(const uint32_t* pp, int64_t pp_stride, int64_t pa
                                int64_t pf_hi) {
   const int64_t halves = dv_pad - c0 >= 64 ? 2 : (dv_pad - c0 + 31) / 32;  // 32-column groups
   __mmask32 mask[2];
-  for (int q = 0; q < 2; ++q) {
-    const int64_t valid = dv - (c0 + 32 * q);
-    mask[q] = valid >= 32 ? ~__mmask32{0} : valid <= 0 ? 0 : (__mmask32{1} << valid) - 1;
-  }
+  column_masks32(dv, c0, mask);
   __m512 acc[kRows][4];
 #pragma GCC unroll 6
   for (int r = 0; r < kRows; ++r) {
@@ -905,10 +911,7 @@ inline void pv_i8_block(const uint32_t* pp, int64_t pp_stride, int64_t pairs, in
                         int64_t pf_lo, int64_t pf_hi) {
   const int64_t halves = dv_pad - c0 >= 64 ? 2 : (dv_pad - c0 + 31) / 32;
   __mmask32 mask[2];
-  for (int q = 0; q < 2; ++q) {
-    const int64_t valid = dv - (c0 + 32 * q);
-    mask[q] = valid >= 32 ? ~__mmask32{0} : valid <= 0 ? 0 : (__mmask32{1} << valid) - 1;
-  }
+  column_masks32(dv, c0, mask);
   __m512i acc[kRows][4];
 #pragma GCC unroll 6
   for (int r = 0; r < kRows; ++r)
