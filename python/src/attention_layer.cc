@@ -430,7 +430,7 @@ void bind_attention_layer(py::module_& m) {
           },
           py::arg("batch_size"), py::arg("max_seq_len"), py::arg("dtype") = "float32",
           "A KVCache sized for this layer (its kv heads, head dim and sliding window); dtype "
-          "'float32' or 'bfloat16'.")
+          "'float32', 'bfloat16', 'int8' or 'fp8_e4m3'.")
       .def(
           "new_paged_cache",
           [](PyAttentionLayer& s, int64_t num_pages, int64_t page_size, int64_t num_layers,

@@ -12,6 +12,7 @@
 
 #include <pybind11/stl.h>
 
+#include "attnkit/kv_cache.h"
 #include "attnkit/latent_attention.h"
 #include "bindings.h"
 #include "numpy_util.h"
@@ -183,7 +184,8 @@ values), nothing else. Made by LatentAttention.new_cache.
           "tokens appended so far (the next token's position)")
       .def_property_readonly(
           "nbytes", [](PyLatentCache& c) { return c.cache.nbytes(); },
-          "bytes of storage: batch * max_seq_len * values_per_token * itemsize")
+          "bytes of storage: batch * max_seq_len * values_per_token * itemsize (8-bit types: "
+          "plus a float32 scale per 64 values)")
       .def_property_readonly(
           "values_per_token", [](PyLatentCache& c) { return c.cache.values_per_token(); },
           "kv_lora_rank + qk_rope_head_dim")
@@ -222,12 +224,15 @@ values), nothing else. Made by LatentAttention.new_cache.
           "latent",
           [](PyLatentCache& c) {
             std::lock_guard lock(c.mu);
-            TensorView v = c.cache.storage();
+            TensorView v = c.cache.storage(), s = c.cache.scales();
             v.shape[1] = c.cache.length();
-            return copy_to_numpy(v);
+            if (!s.present()) return copy_to_numpy(v);
+            s.shape[1] = c.cache.length();
+            return dequantize_to_numpy(v, s, kLatentScaleBlock);
           },
           "Copy of the cached rows, float32 [batch, length, kv_lora_rank + qk_rope_head_dim]: "
-          "[normed latent ; rotated rope key] per token.")
+          "[normed latent ; rotated rope key] per token (8-bit caches: the values they hold, "
+          "code * scale).")
       .def("__repr__", [](PyLatentCache& c) {
         int64_t length = 0;
         {
@@ -289,7 +294,8 @@ values), nothing else. Made by LatentAttention.new_cache.
                 value_or_throw(s.layer.new_cache(batch_size, max_seq_len, dt)));
           },
           py::arg("batch_size"), py::arg("max_seq_len"), py::arg("dtype") = "float32",
-          "A latent cache for this layer (dtype 'float32' or 'bfloat16').")
+          "A latent cache for this layer (dtype 'float32', 'bfloat16', 'int8' or 'fp8_e4m3'; "
+          "the 8-bit types keep one float32 scale per 64 channels of a row).")
       .def(
           "new_paged_cache",
           [](PyLatentAttention& s, int64_t num_pages, int64_t page_size, int64_t num_layers,

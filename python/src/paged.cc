@@ -56,12 +56,18 @@ std::vector<int32_t> offsets_arg(py::handle obj, const char* fn, const char* nam
 namespace {
 
 // A float32 copy [num_pages * page_size, heads, dim] of a layer's storage
-// (bf16 widened exactly).
+// (bf16 widened exactly, 8-bit types dequantized).
 py::array storage_copy(PyPagedKVCache& c, int64_t layer, bool keys) {
   // Copied holding the GIL and the pool: nothing that holds the pool waits
   // for the GIL.
   std::lock_guard<std::mutex> lock(c.mu);
-  return copy_to_numpy(value_or_throw(keys ? c.pool.keys(layer) : c.pool.values(layer)));
+  const TensorView data = value_or_throw(keys ? c.pool.keys(layer) : c.pool.values(layer));
+  const TensorView scales =
+      value_or_throw(keys ? c.pool.key_scales(layer) : c.pool.value_scales(layer));
+  if (!scales.present()) return copy_to_numpy(data);
+  // One scale per head row, or per kLatentScaleBlock channels of a latent row.
+  return dequantize_to_numpy(data, scales,
+                             c.pool.spec().latent() ? kLatentScaleBlock : data.shape[2]);
 }
 
 py::object batch_attention_py(py::object q, py::object k_new, py::object v_new,
@@ -113,7 +119,7 @@ py::object sdpa_varlen_py(py::object q, py::object k, py::object v, py::object c
   const InputArray vi = f32_input(v, {kFn, "v", 3, 3, "[total_k, num_kv_heads, head_dim_v]"});
   const std::vector<int32_t> cu_q = offsets_arg(cu_seqlens_q, kFn, "cu_seqlens_q");
   const std::vector<int32_t> cu_k = offsets_arg(cu_seqlens_k, kFn, "cu_seqlens_k");
-  const DType kv = parse_cache_dtype(kv_dtype, kFn, "kv_dtype");
+  const DType kv = parse_cache_dtype(kv_dtype, kFn, "kv_dtype", false);
   // The longest sequences, and FlashAttention's max_seqlen bounds checked
   // against them (they only size buffers there).
   int64_t longest[2] = {0, 0};
@@ -177,7 +183,10 @@ A paged KV pool shared by the layers of a model (vLLM's PagedAttention):
 num_pages pages of page_size token slots for each of num_layers layers.
 A page of a layer holds keys [page_size, num_kv_heads, head_dim] and values
 [page_size, num_kv_heads, head_dim_v], or, with kv_lora_rank > 0 (MLA),
-one latent row [page_size, kv_lora_rank + qk_rope_head_dim] per token.
+one latent row [page_size, kv_lora_rank + qk_rope_head_dim] per token,
+as kv_dtype "float32", "bfloat16", "int8" or "fp8_e4m3" (the 8-bit types
+keep one float32 scale per token row of a kv head, or per 64 channels of a
+latent row; keys() and values() return code * scale as float32).
 
     cache = attnkit.PagedKVCache(num_layers=2, num_pages=512, page_size=16,
                                  num_kv_heads=8, head_dim=128)

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attnkit/attention.h"
+#include "attnkit/kv_cache.h"
 #include "attnkit/tensor.h"
 #include "bindings.h"
 #include "numpy_util.h"
@@ -66,6 +67,22 @@ py::object sdpa_py(py::object q, py::object k, py::object v, std::optional<doubl
         round_to_bf16(kv_view, kb->ptr<bf16>());
         round_to_bf16(vv, vb->ptr<bf16>());
         st = attnkit::sdpa(qv, kb->view(), vb->view(), out, opt, lse, probs);
+      }
+    } else if (kv == DType::kI8 || kv == DType::kFp8E4M3) {
+      // Each row of each kv head quantized as a KVCache stores it.
+      const int64_t* ks = kv_view.shape.data();
+      const int64_t* vs = vv.shape.data();
+      Result<Tensor> kc = Tensor::zeros(kv, ks, 4), vc = Tensor::zeros(kv, vs, 4);
+      Result<Tensor> ksc = Tensor::zeros(DType::kF32, {ks[0], ks[1], ks[2], 1});
+      Result<Tensor> vsc = Tensor::zeros(DType::kF32, {vs[0], vs[1], vs[2], 1});
+      for (const Result<Tensor>* t : {&kc, &vc, &ksc, &vsc})
+        if (st.ok() && !t->ok()) st = t->status();
+      if (st.ok()) st = quantize_kv_rows(kv_view, kc->view(), ksc->view());
+      if (st.ok()) st = quantize_kv_rows(vv, vc->view(), vsc->view());
+      if (st.ok()) {
+        opt.k_scales = ksc->view();
+        opt.v_scales = vsc->view();
+        st = attnkit::sdpa(qv, kc->view(), vc->view(), out, opt, lse, probs);
       }
     } else {
       st = attnkit::sdpa(qv, kv_view, vv, out, opt, lse, probs);
@@ -125,7 +142,9 @@ Keyword arguments:
         "stride": l, "summary": c, "block_size": b}.
     return_lse: also return lse [batch, num_heads, seqlen_q] (natural log).
     return_probs: also return probs [batch, num_heads, seqlen_q, seqlen_k].
-    kv_dtype: "float32", or "bfloat16" to round K/V to bf16 storage first
+    kv_dtype: "float32", or "bfloat16" to round K/V to bf16 storage first, or
+              "int8" / "fp8_e4m3" to quantize each row of each kv head as an
+              8-bit KVCache stores it (one float32 scale per row)
         (numpy has no bfloat16; this exercises the bf16 K/V kernels).
     backend: "auto" | "reference" | "fast".
     num_threads: 0 = ATTNKIT_NUM_THREADS or all cores.

@@ -105,10 +105,15 @@ Status check_inputs(const ModelShape& m, int64_t ranks, const ParallelWorkload& 
   const std::pair<const char*, DType> dtypes[] = {{"workload.kv_dtype", w.kv_dtype},
                                                   {"workload.weight_dtype", w.weight_dtype},
                                                   {"workload.comm_dtype", w.comm_dtype}};
-  for (const auto& [name, dt] : dtypes)
-    if (dt != DType::kF32 && dt != DType::kBF16 && dt != DType::kF16)
+  for (const auto& [name, dt] : dtypes) {
+    // The KV cache may also be 8-bit (the ring's transfers then count the
+    // codes; their fp32 scales, 4 bytes per row of a head, are left out).
+    const bool kv_8bit = name == dtypes[0].first && (dt == DType::kI8 || dt == DType::kFp8E4M3);
+    if (dt != DType::kF32 && dt != DType::kBF16 && dt != DType::kF16 && !kv_8bit)
       return invalid_argument(f + ": " + name + " = " + dtype_name(dt) +
-                              " must be f32, bf16 or f16");
+                              " must be f32, bf16 or f16" +
+                              (name == dtypes[0].first ? " (or int8, fp8_e4m3)" : ""));
+  }
   return Status::Ok();
 }
 

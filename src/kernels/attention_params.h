@@ -30,7 +30,20 @@ struct AttentionParams {
   Strides4 k_stride;
   const void* v = nullptr;  // [batch, kv rows, num_kv_heads, head_dim_v]
   Strides4 v_stride;
-  DType kv_dtype = DType::kF32;  // kF32 or kBF16
+  DType kv_dtype = DType::kF32;  // kF32, kBF16, kI8 or kFp8E4M3
+
+  // 8-bit K/V (kI8, kFp8E4M3, ops/kv_quant.h): k and v hold 1-byte codes,
+  // and element c of the K row of (batch item b, physical row r, kv head h)
+  // is decode(code) * k_scale[b * k_scale_stride.batch + r *
+  // k_scale_stride.row + h * k_scale_stride.head + (c / scale_block) *
+  // k_scale_stride.dim] (V likewise, with v_scale). Scales are addressed by
+  // the data's physical row, so every key layout (key_row()) finds them.
+  // scale_block: channels per scale, 0 = one scale per head row.
+  const float* k_scale = nullptr;
+  Strides4 k_scale_stride;
+  const float* v_scale = nullptr;
+  Strides4 v_scale_stride;
+  int64_t scale_block = 0;
 
   float* out = nullptr;  // [batch, seqlen_q, num_heads, head_dim_v]
   Strides4 out_stride;

@@ -4,11 +4,10 @@ appends, forks, truncates and removes, MLA's latent pool, the layers'
 forward_batch, and the errors of each."""
 import numpy as np
 import pytest
-import torch
 
 import attnkit
-from torch_ref import (bf16_criterion, check_close, layer_tolerance, random_weights, randn, rng, sdpa_bf16_naive,
-                       sdpa_bounds, sdpa_ref)
+from torch_ref import (bf16_criterion, check_close, eight_bit_bound, kv_stored, layer_tolerance,
+                       random_weights, randn, rng, sdpa_bf16_naive, sdpa_bounds, sdpa_ref)
 
 
 def offsets(lengths):
@@ -85,12 +84,15 @@ class DenseHistory:
         for k, v in self.seqs[sid]:
             del k[n:], v[n:]
 
-    def extend(self, sid, layer, k_rows, v_rows):
-        stored = (lambda x: torch.from_numpy(x).to(torch.bfloat16).float().numpy()
-                  if self.dtype == "bfloat16" else x)
+    def extend(self, sid, layer, k_rows, v_rows, latent_dv=0):
+        """k_rows [n, kv heads, d] and v_rows [n, kv heads, dv]; a latent pool
+        (latent_dv > 0) takes v_rows None: its values are the stored latent
+        rows' first latent_dv columns."""
         k, v = self.seqs[sid][layer]
-        k.extend(stored(k_rows))
-        v.extend(stored(v_rows))
+        # 8-bit: one scale per head row, or per 64 channels of a latent row.
+        ks = kv_stored(k_rows, self.dtype, 64 if latent_dv else None)
+        k.extend(ks)
+        v.extend(ks[..., :latent_dv] if latent_dv else kv_stored(v_rows, self.dtype))
         return np.stack(k)[None], np.stack(v)[None]
 
 
@@ -102,17 +104,21 @@ SHAPES = {"gqa": dict(num_kv_heads=2, head_dim=16, head_dim_v=8, heads=6),
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("window", [0, 6])
-def test_random_trace_equals_dense_histories(shape, page_size, window, backend):
+@pytest.mark.parametrize("dtype", ["float32", "int8", "fp8_e4m3"])
+def test_random_trace_equals_dense_histories(shape, page_size, window, dtype, backend):
     spec = dict(SHAPES[shape])
     heads = spec.pop("heads")
     if shape == "mla" and window:
         pytest.skip("MLA layers have no window")
+    if dtype != "float32" and page_size != 4:
+        pytest.skip("8-bit pools: one page size")
     cache = attnkit.PagedKVCache(num_layers=2, num_pages=200 // page_size + 8,
-                                 page_size=page_size, sliding_window=window, **spec)
+                                 page_size=page_size, sliding_window=window, kv_dtype=dtype,
+                                 **spec)
     latent = cache.kv_lora_rank > 0
     hkv, d, dv = cache.num_kv_heads, cache.head_dim, cache.head_dim_v
     g = rng(hash((shape, page_size, window)) % 2**32)
-    model = DenseHistory(2, "float32")
+    model = DenseHistory(2, dtype)
     for step in range(14):
         ids = cache.sequence_ids()
         if len(ids) < 4 and g.random() < 0.6:
@@ -144,11 +150,13 @@ def test_random_trace_equals_dense_histories(shape, page_size, window, backend):
                 if counts[s] == 0:
                     continue
                 rows = slice(cu[s], cu[s + 1])
-                ks, vs = model.extend(sid, layer, k[rows], k[rows, :, :dv] if latent else v[rows])
+                ks, vs = model.extend(sid, layer, k[rows], None if latent else v[rows],
+                                      dv if latent else 0)
                 win = (window - 1, -1) if window else (-1, -1)
                 want = sdpa_ref(q[None, rows], ks, vs, causal=True, window=win)[0][0]
-                check_close(f"step {step} seq {sid} layer {layer}", out[rows], want,
-                            sdpa_bounds(q[None, rows], ks, vs)["out"])
+                bound = (sdpa_bounds(q[None, rows], ks, vs)["out"] if dtype == "float32" else
+                         eight_bit_bound(q[None, rows], ks, vs, dtype))
+                check_close(f"step {step} seq {sid} layer {layer}", out[rows], want, bound)
         if g.random() < 0.15 and ids:
             sid = int(g.choice(ids))
             released = cache.page_table(sid).count(-1)

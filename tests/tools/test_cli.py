@@ -35,7 +35,7 @@ def test_help_lists_commands():
     ["plan", "--model", "llama-3-8b", "--context", "4096"],
     ["plan", "--model", "llama-3-8b", "--memory", "24XB", "--context", "4096"],
     ["plan", "--model", "llama-3-8b", "--memory", "24GiB"],
-    ["compare", "--kv-dtype", "int8"],
+    ["compare", "--kv-dtype", "int4"],
     ["compare", "--d-model", "100", "--heads", "3"],
     ["compare", "--variants", "mha,gqa-3"],
     ["compare", "--variants", "mha,,mqa"],
@@ -178,7 +178,9 @@ def test_analyze_huge_context_and_batch_print_the_true_size():
     t = run("analyze", "--model", "llama-3-8b", "--context", "2000000000", "--batch", "2000000000",
             *FIXED)
     row = next(l for l in t.stdout.splitlines() if l.startswith("KV cache @"))
-    assert row.endswith("444 ZiB | 888 ZiB")
+    # 8-bit: 1 byte per value and an fp32 scale per row of a kv head
+    # (65536 + 2048 bytes per token for Llama-3-8B).
+    assert row.endswith("444 ZiB | 888 ZiB | 229 ZiB")
 
 
 def test_analyze_what_if_bytes_follow_kv_dtype():
@@ -514,7 +516,8 @@ def test_bench_rows_have_documented_fields_and_exact_arithmetic():
     assert mla["flops"] == 2 * 4 * (72 + 64) * 64 * 2
     assert mla["bytes"] == 2 * 64 * 72 * 2 + 4 * 2 * 1 * 4 * (72 + 64)
     assert rows[("mqa", "bf16")]["bytes"] == 2 * 64 * 1 * 32 * 2 + 4 * 2 * 1 * 4 * 32
-    assert j["kv_bytes_per_token"]["mla"] == {"f32": 72 * 4, "bf16": 72 * 2}
+    # 8-bit: one fp32 scale per latent row, as the bench lays its buffers out
+    assert j["kv_bytes_per_token"]["mla"] == {"f32": 72 * 4, "bf16": 72 * 2, "int8": 72 + 4}
 
 
 def test_bench_without_python_notes_and_carries_on():

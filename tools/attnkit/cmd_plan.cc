@@ -95,7 +95,7 @@ void print_parallel(const ModelShape& m, int64_t ranks, int64_t batch, int64_t c
                     {"decode_exposed_comm_seconds", c.decode.exposed_comm_s * layers}});
   }
   (*j)["parallel"] = {{"ranks", ranks},         {"batch", batch},
-                      {"context", context},     {"kv_dtype", kv == DType::kBF16 ? "bf16" : "f32"},
+                      {"context", context},     {"kv_dtype", kv_dtype_label(kv)},
                       {"link_gbps", link.gbps}, {"link_latency_us", link.latency_us},
                       {"strategies", rows}};
   if (json_out) return;
@@ -103,8 +103,8 @@ void print_parallel(const ModelShape& m, int64_t ranks, int64_t batch, int64_t c
       "\nacross %lld ranks (the model as configured, batch %lld x context %lld, %s KV; per rank "
       "the budget above; a cost model, docs/DISTRIBUTED.md: the rates above, a "
       "%.0f Gbit/s link with %.0f us latency):\n\n",
-      (long long)ranks, (long long)batch, (long long)context, kv == DType::kBF16 ? "bf16" : "f32",
-      link.gbps, link.latency_us);
+      (long long)ranks, (long long)batch, (long long)context, kv_dtype_label(kv), link.gbps,
+      link.latency_us);
   std::fputs(table.str().c_str(), stdout);
 }
 
@@ -135,7 +135,8 @@ int run_plan(int argc, char** argv) {
   f.add_bytes("--reserve", &reserve, "part of the budget not available to the cache");
   f.add_int("--context", &context, "tokens per sequence: plan the largest batch", 1);
   f.add_int("--batch", &batch, "sequences: plan the longest context", 1);
-  f.add_string_list("--kv-dtypes", &dtypes, "KV dtypes to plan for (default bf16,f32)");
+  f.add_string_list("--kv-dtypes", &dtypes,
+                    "KV dtypes to plan for: bf16, f32, int8, fp8_e4m3 (default bf16,f32)");
   f.add_double("--peak-gflops", &peak, "use this fp32 peak instead of measuring");
   f.add_double("--bandwidth-gbps", &bw, "use this read bandwidth instead of measuring");
   f.add_int("--ranks", &ranks,
@@ -160,14 +161,7 @@ int run_plan(int argc, char** argv) {
   if (!f.given("--ranks") && (f.given("--link-gbps") || f.given("--link-latency-us")))
     throw UsageError{"--link-gbps and --link-latency-us need --ranks N"};
   std::vector<DType> kv_types;
-  for (const std::string& d : dtypes) {
-    if (d == "bf16")
-      kv_types.push_back(DType::kBF16);
-    else if (d == "f32")
-      kv_types.push_back(DType::kF32);
-    else
-      throw UsageError{"--kv-dtypes entries must be bf16 or f32, got '" + d + "'"};
-  }
+  for (const std::string& d : dtypes) kv_types.push_back(kv_dtype_of(d, "--kv-dtypes entries"));
   const ModelShape m = load_model(model, config);
   const MachineProfile mp = machine_profile(peak, bw);
   const int64_t budget = memory - reserve;
@@ -189,7 +183,7 @@ int run_plan(int argc, char** argv) {
   for (const ModelShape& v : variants) {
     for (DType kv : kv_types) {
       const std::string label = variant_label(v) + (&v == &variants[0] ? " (as configured)" : "");
-      const char* kv_label = kv == DType::kBF16 ? "bf16" : "f32";
+      const char* kv_label = kv_dtype_label(kv);
       int64_t b = batch, c = context;
       std::string fit;
       // Past the model's position limit a context is not served, whatever
