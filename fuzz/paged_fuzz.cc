@@ -35,6 +35,7 @@
 #include "attnkit/paged_kv_cache.h"
 #include "common/attention_bounds.h"
 #include "common/kv_quant_f64.h"
+#include "common/paged_pool_state.h"
 
 namespace {
 
@@ -48,49 +49,9 @@ using attnkit::TensorView;
   std::abort();
 }
 
-struct Snapshot {
-  std::vector<int64_t> ids, lengths, written;
-  std::vector<std::vector<int32_t>> tables;
-  int64_t free_pages = 0;
-  bool operator==(const Snapshot&) const = default;
-};
-
-Snapshot snapshot(const PagedKVCache& pool) {
-  Snapshot s;
-  s.ids = pool.sequence_ids();
-  for (int64_t id : s.ids) {
-    s.lengths.push_back(*pool.length(id));
-    for (int64_t l = 0; l < pool.spec().num_layers; ++l) s.written.push_back(*pool.written(id, l));
-    s.tables.push_back(*pool.page_table(id));
-  }
-  s.free_pages = pool.free_pages();
-  return s;
-}
-
-void poison_free_pages(const PagedKVCache& pool) {
-  const PagedKVCacheSpec& s = pool.spec();
-  std::vector<bool> held(size_t(s.num_pages), false);
-  for (int64_t id : pool.sequence_ids()) {
-    const std::vector<int32_t> table = *pool.page_table(id);
-    for (int32_t p : table)
-      if (p >= 0) held[size_t(p)] = true;
-  }
-  for (int64_t l = 0; l < s.num_layers; ++l)
-    for (const TensorView& t :
-         {*pool.keys(l), *pool.values(l), *pool.key_scales(l), *pool.value_scales(l)})
-      for (int64_t p = 0; p < s.num_pages && t.present(); ++p)
-        for (int64_t r = p * s.page_size; !held[size_t(p)] && r < (p + 1) * s.page_size; ++r)
-          for (int64_t h = 0; h < t.shape[1]; ++h)
-            for (int64_t x = 0; x < t.shape[2]; ++x) {
-              const int64_t at = r * t.strides[0] + h * t.strides[1] + x;
-              if (t.dtype == DType::kBF16)
-                t.ptr<uint16_t>()[at] = 0x7fc0;
-              else if (t.dtype == DType::kF32)
-                t.ptr<float>()[at] = std::numeric_limits<float>::quiet_NaN();
-              else
-                t.ptr<uint8_t>()[at] = 0x7f;
-            }
-}
+using attnkit_test::poison_free_pages;
+using attnkit_test::snapshot;
+using Snapshot = attnkit_test::PoolSnapshot;
 
 class Run {
  public:

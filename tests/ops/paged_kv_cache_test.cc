@@ -24,6 +24,7 @@
 #include "common/attention_bounds.h"
 #include "common/attention_f64.h"
 #include "common/kv_quant_f64.h"
+#include "common/paged_pool_state.h"
 #include "common/random.h"
 #include "ops/kv_quant.h"
 
@@ -162,62 +163,9 @@ class DenseModel {
   std::map<int64_t, Seq> seqs_;
 };
 
-// Fills every page no sequence holds with NaN, in every layer (8-bit
-// pools: codes 0x7f, fp8's NaN, and NaN scales).
-void poison_free_pages(const PagedKVCache& pool) {
-  const PagedKVCacheSpec& s = pool.spec();
-  std::vector<bool> held(size_t(s.num_pages), false);
-  for (int64_t id : pool.sequence_ids()) {
-    const std::vector<int32_t> table = pool.page_table(id).value();
-    for (int32_t p : table)
-      if (p >= 0) held[size_t(p)] = true;
-  }
-  const bool q8 = s.dtype == DType::kI8 || s.dtype == DType::kFp8E4M3;
-  for (int64_t l = 0; l < s.num_layers; ++l) {
-    std::vector<TensorView> views = {pool.keys(l).value(), pool.values(l).value()};
-    if (q8) {
-      views.push_back(pool.key_scales(l).value());
-      views.push_back(pool.value_scales(l).value());
-    }
-    for (const TensorView& t : views)
-      for (int64_t p = 0; p < s.num_pages; ++p) {
-        if (held[size_t(p)]) continue;
-        for (int64_t r = p * s.page_size; r < (p + 1) * s.page_size; ++r)
-          for (int64_t h = 0; h < t.shape[1]; ++h)
-            for (int64_t x = 0; x < t.shape[2]; ++x) {
-              const int64_t at = r * t.strides[0] + h * t.strides[1] + x;
-              if (t.dtype == DType::kBF16)
-                t.ptr<uint16_t>()[at] = 0x7fc0;
-              else if (t.dtype == DType::kF32)
-                t.ptr<float>()[at] = std::numeric_limits<float>::quiet_NaN();
-              else
-                t.ptr<uint8_t>()[at] = 0x7f;
-            }
-      }
-  }
-}
-
-// Every observable of the pool's bookkeeping, to check that a failed call
-// changed none of it.
-struct Snapshot {
-  std::vector<int64_t> ids, lengths, written;
-  std::vector<std::vector<int32_t>> tables;
-  int64_t free_pages = 0;
-  bool operator==(const Snapshot&) const = default;
-};
-
-Snapshot snapshot(const PagedKVCache& pool) {
-  Snapshot s;
-  s.ids = pool.sequence_ids();
-  for (int64_t id : s.ids) {
-    s.lengths.push_back(pool.length(id).value());
-    for (int64_t l = 0; l < pool.spec().num_layers; ++l)
-      s.written.push_back(pool.written(id, l).value());
-    s.tables.push_back(pool.page_table(id).value());
-  }
-  s.free_pages = pool.free_pages();
-  return s;
-}
+using attnkit_test::poison_free_pages;
+using attnkit_test::snapshot;
+using Snapshot = attnkit_test::PoolSnapshot;
 
 struct TraceOptions {
   Shape shape = kShapes[1];
