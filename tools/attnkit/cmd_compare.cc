@@ -321,12 +321,6 @@ Conclusions conclude(const std::vector<Measured>& rows, DType kv, int64_t contex
   return c;
 }
 
-DType parse_kv(const std::string& s) {
-  if (s == "f32") return DType::kF32;
-  if (s == "bf16") return DType::kBF16;
-  throw UsageError{"--kv-dtype must be f32 or bf16, got '" + s + "'"};
-}
-
 Backend parse_backend(const std::string& s) {
   if (s == "auto") return Backend::kAuto;
   if (s == "fast") return Backend::kFast;
@@ -382,7 +376,7 @@ int run_compare(int argc, char** argv) {
       return v.rfind("gqa-", 0) == 0 &&
              (o.heads <= std::stoll(v.substr(4)) || o.heads % std::stoll(v.substr(4)));
     });
-  const DType kv = parse_kv(o.kv);
+  const DType kv = parse_kv_dtype("--kv-dtype", o.kv);
   const RunOptions run{parse_backend(o.backend), static_cast<int>(o.threads)};
   if (o.d_model % o.heads != 0)
     throw UsageError{"--d-model " + std::to_string(o.d_model) + " must be divisible by --heads " +
@@ -391,9 +385,8 @@ int run_compare(int argc, char** argv) {
   if (!o.no_rope && head_dim % 2 != 0)
     throw UsageError{"head_dim = d_model / heads = " + std::to_string(head_dim) +
                      " must be even for RoPE (or give --no-rope)"};
-  if (o.mla_rank == 0) o.mla_rank = 4 * head_dim;
-  if (o.mla_rope_dim == 0)
-    o.mla_rope_dim = std::max<int64_t>(2, std::min<int64_t>(64, head_dim / 2) / 2 * 2);
+  if (o.mla_rank == 0) o.mla_rank = default_mla_rank(head_dim);
+  if (o.mla_rope_dim == 0) o.mla_rope_dim = default_mla_rope_dim(head_dim);
 
   ModelShape base;
   base.name = "d_model " + std::to_string(o.d_model);
@@ -448,14 +441,7 @@ int run_compare(int argc, char** argv) {
       outputs.push_back(zeros({o.batch, o.prompt, o.d_model}));
       const TensorView y = outputs.back().view();
       if (p.shape.mla) {
-        MlaConfig c;
-        c.model_type = "attnkit-compare";
-        c.hidden_size = o.d_model;
-        c.num_attention_heads = o.heads;
-        c.kv_lora_rank = p.shape.kv_lora_rank;
-        c.qk_nope_head_dim = p.shape.qk_nope_head_dim;
-        c.qk_rope_head_dim = p.shape.qk_rope_head_dim;
-        c.v_head_dim = p.shape.v_head_dim;
+        const MlaConfig c = mla_layer_config(p.shape);
         const Weights w = random_mla_weights(c, static_cast<uint64_t>(o.seed) * 16 + 8);
         measure<LatentAttention, LatentCache>(
             o, p.shape, kv,

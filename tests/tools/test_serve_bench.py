@@ -1,0 +1,199 @@
+"""`attnkit serve-bench`: the serving benchmark's contract on a tiny model —
+every request served with exactly its output tokens, KV figures that agree
+with hand-computed values, smaller caches admitting more sequences, paged
+admitting at least as many as static, traces read from files, and one clear
+line with exit code 2 for malformed traces, impossible budgets and bad
+flags. No test asserts on a time."""
+import json
+import os
+import subprocess
+
+import pytest
+
+CLI = os.environ.get("ATTNKIT_CLI", "build/attnkit")
+
+# hidden 64, 4 query heads and 2 kv heads of 16: a llama-shaped config small
+# enough that a whole trace takes a fraction of a second.
+TINY_CONFIG = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "num_hidden_layers": 2, "rope_theta": 10000.0,
+               "intermediate_size": 96, "hidden_act": "silu"}
+TRACE = ["--requests", "10", "--prompt-tokens", "4-20", "--output-tokens", "2-8"]
+
+
+def run(*args):
+    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def config(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(TINY_CONFIG))
+    return str(p)
+
+
+def serve_json(config, *args):
+    r = run("serve-bench", "--config", config, "--layers", "1", *TRACE, "--json", *args)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""  # no progress bar when stderr is not a terminal
+    return json.loads(r.stdout)
+
+
+ROW_FIELDS = {"variant", "kv_dtype", "cache", "memory_bytes", "kv_bytes_per_token", "pool_pages",
+              "static_slots", "static_max_seq_len", "requests", "output_tokens", "duration_s",
+              "busy_s", "output_tokens_per_s", "requests_per_s", "ttft_s", "tpot_s", "peak_running",
+              "mean_running", "kv_used_bytes", "kv_reserved_bytes", "preemptions", "steps",
+              "tokens_computed", "weight_bytes"}
+
+
+def test_rows_have_the_documented_fields_and_exact_kv_arithmetic(config):
+    j = serve_json(config, "--kv-dtypes", "bf16,f32", "--memory", "64KiB")
+    assert j["kind"] == "serve-bench"
+    assert j["config"]["layers"] == 1 and j["config"]["weights"] == "bf16"
+    trace = j["trace"]
+    assert trace["requests"] == 10
+    # The default variants of a 4-head GQA model: as configured, mqa, mla.
+    assert [r["variant"] for r in j["rows"]] == ["gqa-2", "gqa-2", "mqa", "mqa", "mla", "mla"]
+    per_token = {"gqa-2": 2 * 2 * 16, "mqa": 2 * 1 * 16, "mla": 4 * 16 + 8}  # values, one layer
+    for r in j["rows"]:
+        assert set(r) == ROW_FIELDS
+        assert r["kv_bytes_per_token"] == per_token[r["variant"]] * (2 if r["kv_dtype"] == "bf16" else 4)
+        assert r["memory_bytes"] == 64 << 10
+        assert r["pool_pages"] == (64 << 10) // (16 * r["kv_bytes_per_token"])
+        assert r["requests"] == 10 and r["output_tokens"] == trace["output_tokens"]
+        assert r["tokens_computed"] >= trace["token_slots"]
+        for key in ("ttft_s", "tpot_s"):
+            assert r[key]["p50"] <= r[key]["p90"] <= r[key]["p99"]
+        assert r["output_tokens_per_s"] > 0 and r["requests_per_s"] > 0
+        assert 1 <= r["mean_running"] <= r["peak_running"] <= 10
+        assert r["kv_used_bytes"]["peak"] <= r["kv_reserved_bytes"]["peak"] <= 64 << 10
+        assert r["static_slots"] is None
+
+
+def test_smaller_caches_and_paging_admit_more(config):
+    # 16 KiB holds 128 tokens of MHA (bf16, one layer): a few requests at a time.
+    j = serve_json(config, "--variants", "mha,gqa-2,mqa", "--cache", "paged,static",
+                   "--memory", "16KiB", "--page-size", "4")
+    rows = {(r["variant"], r["cache"]): r for r in j["rows"]}
+    peak = {k: r["peak_running"] for k, r in rows.items()}
+    assert peak["mqa", "paged"] >= peak["gqa-2", "paged"] >= peak["mha", "paged"]
+    assert peak["mqa", "paged"] > peak["mha", "paged"]
+    for v in ("mha", "gqa-2", "mqa"):
+        s = rows[v, "static"]
+        assert peak[v, "paged"] >= peak[v, "static"]
+        assert s["preemptions"] == 0 and s["peak_running"] <= s["static_slots"]
+        # A static slot reserves the longest request: prompt + output - 1 tokens.
+        assert s["static_slots"] == (16 << 10) // (s["static_max_seq_len"] * s["kv_bytes_per_token"])
+    lines = j["conclusions"]
+    assert any(l.startswith("paged bf16 16.0 KiB: output tokens/s ") for l in lines)
+    assert any("paged serves" in l and "the static cache's output tokens/s" in l for l in lines)
+
+
+def test_a_trace_file_is_served_as_given(config, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    reqs = [{"arrival_s": 0.0, "prompt_tokens": 7, "output_tokens": 3},
+            {"arrival_s": 0.01, "prompt_tokens": 12, "output_tokens": 1},
+            {"arrival_s": 0.2, "prompt_tokens": 3, "output_tokens": 9}]
+    trace.write_text("\n".join(json.dumps(r) for r in reqs) + "\n\n")
+    r = run("serve-bench", "--config", config, "--layers", "1", "--trace", str(trace),
+            "--variants", "mqa", "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["trace"]["source"] == str(trace)
+    assert j["trace"]["requests"] == 3 and j["trace"]["output_tokens"] == 13
+    assert j["trace"]["token_slots"] == (7 + 2) + 12 + (3 + 8)
+    row = j["rows"][0]
+    assert row["output_tokens"] == 13
+    assert row["duration_s"] >= 0.2  # the last request arrives at 0.2 s
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{not json\n", "line 1: not a JSON object"),
+    ('{"arrival_s": 0, "prompt_tokens": 4}\n', "line 1: output_tokens must be an integer in [1, 2^30], got nothing"),
+    ('\n{"arrival_s": -1, "prompt_tokens": 4, "output_tokens": 2}\n', "line 2: arrival_s must be a number >= 0"),
+    ('{"arrival_s": 0, "prompt_tokens": 0, "output_tokens": 2}\n', "prompt_tokens must be an integer in [1, 2^30], got 0"),
+    ('{"arrival_s": 0, "prompt_tokens": 2.5, "output_tokens": 2}\n', "prompt_tokens must be an integer in [1, 2^30], got 2.5"),
+    ('{"arrival_s": 0, "prompt_tokens": 4, "output_tokens": 2, "user": 1}\n', 'unknown field "user"'),
+    ("[1, 2]\n", "line 1: not a JSON object"),
+    ("\n\n", "holds no requests"),
+])
+def test_malformed_traces_exit_2_with_one_line(config, tmp_path, text, says):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(text)
+    r = run("serve-bench", "--config", config, "--trace", str(trace))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnkit serve-bench: ") and says in lines[0], r.stderr
+
+
+def test_an_impossible_budget_exits_2_naming_the_request(config, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"arrival_s": 0, "prompt_tokens": 4, "output_tokens": 2}\n'
+                     '{"arrival_s": 0, "prompt_tokens": 300, "output_tokens": 30}\n')
+    # mqa, bf16, one layer: 64 B per token, pages of 16 tokens = 1 KiB; 8 KiB holds 8 pages.
+    r = run("serve-bench", "--config", config, "--layers", "1", "--variants", "mqa", "--trace",
+            str(trace), "--memory", "8KiB")
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        "attnkit serve-bench: mqa bf16 paged --memory 8.00 KiB: request 1 (300 prompt + 30 output "
+        "tokens) needs 21 pages of 16 tokens (1024 bytes each), but the budget of 8192 bytes holds 8")
+    s = run("serve-bench", "--config", config, "--layers", "1", "--variants", "mqa", "--trace",
+            str(trace), "--memory", "8KiB", "--cache", "static")
+    assert s.returncode == 2 and "a static cache slot of 329 tokens needs 21056 bytes" in s.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--cache", "dense"], "--cache entries must be paged or static, got 'dense'"),
+    (["--kv-dtypes", "int3"], "--kv-dtypes entries must be f32 or bf16, got 'int3'"),
+    (["--weights", "f16"], "--weights must be f32 or bf16, got 'f16'"),
+    (["--variants", "gqa-3"], "--variants: gqa-3: 3 kv heads must divide the model's 4 heads"),
+    (["--variants", "mha,bogus"], "--variants: unknown variant 'bogus' (mha, mqa, gqa-N, mla)"),
+    (["--rate", "0"], "--rate must be a number > 0 (requests per second) or inf, got '0'"),
+    (["--prompt-tokens", "9-3"], "--prompt-tokens must be N or A-B with 1 <= A <= B, got '9-3'"),
+    (["--output-tokens", "x"], "--output-tokens must be N or A-B (token counts >= 1), got 'x'"),
+    (["--memory", "12XB"], "--memory: unknown size unit 'XB' in '12XB'"),
+    (["--memory", "0"], "--memory entries must be > 0, got '0'"),
+    (["--json", "--csv"], "give at most one of --json and --csv"),
+    (["--trace", "t.jsonl", "--requests", "4"], "--requests describes a synthetic trace; it cannot go with --trace"),
+])
+def test_bad_flags_exit_2_with_one_line(config, args, says):
+    r = run("serve-bench", "--config", config, *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnkit serve-bench: ") and says in lines[0], r.stderr
+
+
+def test_mlp_needs_the_config_and_runs_dense_and_moe(config, tmp_path):
+    r = run("serve-bench", "--mlp")
+    assert r.returncode == 2 and "--mlp needs --config" in r.stderr
+    j = serve_json(config, "--mlp", "--variants", "mqa")
+    assert j["config"]["mlp"] and j["rows"][0]["output_tokens"] == j["trace"]["output_tokens"]
+    # q, k, v, o of mqa, then the dense SwiGLU (gate, up, down of 64 x 96) as a
+    # one-expert MoE, whose router is one row of 64; all bf16.
+    attention = (64 * 64 + 2 * 16 * 64 + 64 * 64) * 2
+    assert j["rows"][0]["weight_bytes"] == attention + (64 + 3 * 64 * 96) * 2
+    moe = dict(TINY_CONFIG, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    p = tmp_path / "mixtral.json"
+    p.write_text(json.dumps(moe))
+    m = serve_json(str(p), "--mlp", "--variants", "mqa")
+    assert m["rows"][0]["weight_bytes"] == attention + (4 * 64 + 4 * 3 * 64 * 96) * 2
+
+
+def test_table_and_csv(config):
+    r = run("serve-bench", "--config", config, "--layers", "1", *TRACE, "--variants", "mha,mqa",
+            "--memory", "32KiB")
+    assert r.returncode == 0 and r.stderr == ""
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("serving " + config + ": 1 layer, bf16 weights")
+    header = next(l for l in lines if l.startswith("variant"))
+    for col in ("out tok/s", "TTFT p50", "TPOT p50", "seqs peak", "KV used", "reserved", "preempt"):
+        assert col in header
+    assert all(l == l.rstrip() for l in lines)
+    assert "What this means here:" in lines
+    c = run("serve-bench", "--config", config, "--layers", "1", *TRACE, "--variants", "mha,mqa",
+            "--memory", "32KiB", "--csv")
+    assert c.returncode == 0, c.stderr
+    rows = c.stdout.strip().splitlines()
+    assert len(rows) == 3
+    assert rows[0].split(",")[:3] == ["variant", "kv_dtype", "cache"]
+    assert "ttft_s_p99" in rows[0].split(",") and "kv_used_bytes_peak" in rows[0].split(",")
+
