@@ -24,7 +24,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <functional>
 #include <random>
 #include <string>
@@ -49,17 +48,6 @@ void check(const attnkit::Status& st, const char* what) {
   if (st.ok()) return;
   std::fprintf(stderr, "paged_bench: %s: %s\n", what, st.to_string().c_str());
   std::exit(1);
-}
-
-std::string cpu_name() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line, model = "unknown CPU", family;
-  while (std::getline(in, line)) {
-    const auto value = [&] { return line.substr(line.find(':') + 2); };
-    if (line.rfind("model name", 0) == 0 && model == "unknown CPU") model = value();
-    if (line.rfind("cpu family", 0) == 0 && family.empty()) family = value();
-  }
-  return model + " (family " + family + ")";
 }
 
 double seconds(const std::function<void()>& f) {
@@ -301,7 +289,7 @@ int main(int argc, char** argv) {
   const int threads = argc > 1 ? std::max(1, std::atoi(argv[1])) : 2;
   const int pairs = argc > 2 ? std::max(3, std::atoi(argv[2])) : 25;
   std::printf("paged_bench: %s, %d threads, %d pairs; median [quartiles] of paired ratios\n",
-              cpu_name().c_str(), threads, pairs);
+              attnkit::bench::cpu_name().c_str(), threads, pairs);
   for (DType dtype : {DType::kF32, DType::kBF16}) {
     decode_vs_dense("decode batch 1, 16K keys", {16384}, dtype, threads, pairs);
     std::vector<int64_t> ragged;

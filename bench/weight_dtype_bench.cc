@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <functional>
 #include <random>
 #include <string>
@@ -45,18 +44,6 @@ void check(const attnkit::Status& st, const char* what) {
   if (st.ok()) return;
   std::fprintf(stderr, "weight_dtype_bench: %s: %s\n", what, st.to_string().c_str());
   std::exit(1);
-}
-
-std::string cpu_name() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line, model = "unknown CPU", family, number;
-  while (std::getline(in, line)) {
-    const auto value = [&] { return line.substr(line.find(':') + 2); };
-    if (line.rfind("model name", 0) == 0 && model == "unknown CPU") model = value();
-    if (line.rfind("cpu family", 0) == 0 && family.empty()) family = value();
-    if (line.rfind("model\t", 0) == 0 && number.empty()) number = value();
-  }
-  return model + " (family " + family + ", model " + number + ")";
 }
 
 attnkit::AttentionConfig llama3_8b() {
@@ -209,8 +196,8 @@ int main(int argc, char** argv) {
   }
   std::mt19937 rng(7);
   Stack f32 = make_stack(DType::kF32, rng), bf16 = make_stack(DType::kBF16, rng);
-  std::printf("weight_dtype_bench: %s, %d threads, %s\n", cpu_name().c_str(), threads,
-              attnkit::gemm_backend_name());
+  std::printf("weight_dtype_bench: %s, %d threads, %s\n", attnkit::bench::cpu_name().c_str(),
+              threads, attnkit::gemm_backend_name());
   std::printf(
       "Llama-3-8B attention layer: weights f32 %.1f MiB, bf16 %.1f MiB (%.3fx); %zu and "
       "%zu copies rotated\n",
