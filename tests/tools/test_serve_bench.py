@@ -197,3 +197,20 @@ def test_table_and_csv(config):
     assert rows[0].split(",")[:3] == ["variant", "kv_dtype", "cache"]
     assert "ttft_s_p99" in rows[0].split(",") and "kv_used_bytes_peak" in rows[0].split(",")
 
+
+def test_plot_draws_throughput_and_concurrency_against_memory(config, tmp_path):
+    pytest.importorskip("matplotlib")
+    j = serve_json(config, "--variants", "mha,mqa", "--memory", "16KiB,64KiB", "--cache",
+                   "paged,static")
+    assert sorted({r["memory_bytes"] for r in j["rows"]}) == [16 << 10, 64 << 10]
+    result = tmp_path / "serve.json"
+    result.write_text(json.dumps(j))
+    out = tmp_path / "plots"
+    p = run("plot", "--input", str(result), "--out", str(out), "--format", "png,svg", "--json")
+    assert p.returncode == 0, p.stderr
+    names = {f["plot"] for f in json.loads(p.stdout)["files"]}
+    assert names == {"serve_throughput_vs_memory", "serve_concurrency_vs_memory"}
+    for name in names:
+        png = (out / (name + ".png")).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+        assert b"<svg" in (out / (name + ".svg")).read_bytes()[:2000]
