@@ -214,3 +214,30 @@ def test_plot_draws_throughput_and_concurrency_against_memory(config, tmp_path):
         png = (out / (name + ".png")).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
         assert b"<svg" in (out / (name + ".svg")).read_bytes()[:2000]
+
+
+def test_compare_has_a_serving_section():
+    tiny = ["compare", "--d-model", "64", "--heads", "4", "--context", "32", "--prompt", "8",
+            "--steps", "1", "--repeats", "1", "--peak-gflops", "300", "--bandwidth-gbps", "35"]
+    r = run(*tiny, "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["serving"]
+    rows = {row["variant"]: row for row in s["rows"]}
+    assert set(rows) == {"mha", "mqa", "mla"}
+    # One layer, f32 KV: K and V of 4 heads of 16 for mha, of one head for mqa.
+    assert rows["mha"]["kv_bytes_per_token"] == 2 * 4 * 16 * 4
+    assert rows["mqa"]["kv_bytes_per_token"] == 2 * 1 * 16 * 4
+    # The budget is MHA's cache for 4 of the 16 requests, in whole pages.
+    assert s["requests"] == 16
+    pages = (s["token_slots"] * 4 // 16 + 15) // 16
+    assert s["budget_bytes"] == pages * 16 * rows["mha"]["kv_bytes_per_token"]
+    assert rows["mqa"]["mean_running"] > rows["mha"]["mean_running"]
+    assert rows["mqa"]["peak_running"] >= rows["mla"]["peak_running"] >= rows["mha"]["peak_running"]
+    assert s["sentence"].startswith("With the KV cache capped at ")
+    assert "mqa (128 B per token) ran " in s["sentence"] and "mha (512 B)" in s["sentence"]
+    t = run(*tiny)
+    assert t.returncode == 0 and t.stderr == ""
+    assert "\nServing (continuous batching over a paged KV pool of " in t.stdout
+    assert "With the KV cache capped at" in t.stdout
+    n = run(*tiny, "--no-serve", "--json")
+    assert n.returncode == 0 and "serving" not in json.loads(n.stdout)
