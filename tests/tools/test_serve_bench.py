@@ -81,8 +81,10 @@ def test_smaller_caches_and_paging_admit_more(config):
         s = rows[v, "static"]
         assert peak[v, "paged"] >= peak[v, "static"]
         assert s["preemptions"] == 0 and s["peak_running"] <= s["static_slots"]
-        # A static slot reserves the longest request: prompt + output - 1 tokens.
-        assert s["static_slots"] == (16 << 10) // (s["static_max_seq_len"] * s["kv_bytes_per_token"])
+        # A static slot reserves the longest request the trace allows: the
+        # longest prompt (20) and output (8), less the last output's slot.
+        assert s["static_max_seq_len"] == 20 + 8 - 1
+        assert s["static_slots"] == (16 << 10) // (27 * s["kv_bytes_per_token"])
     lines = j["conclusions"]
     assert any(l.startswith("paged bf16 16.0 KiB: output tokens/s ") for l in lines)
     assert any("paged serves" in l and "the static cache's output tokens/s" in l for l in lines)

@@ -429,7 +429,8 @@ int run_serve_bench(int argc, char** argv) {
                     "paged, static or both (static reserves --max-seq-len per sequence; default "
                     "paged)");
   f.add_int("--max-seq-len", &o.max_seq_len,
-            "static: tokens each sequence reserves (default: the longest request)", 0);
+            "static: tokens each sequence reserves (default: the longest request the trace allows)",
+            0);
   f.add_int("--requests", &o.requests, "synthetic trace: requests (default 32)", 1);
   f.add_string("--rate", &o.rate,
                "synthetic trace: Poisson arrivals per second, or inf = all at once (default inf)");
@@ -478,6 +479,10 @@ int run_serve_bench(int argc, char** argv) {
   // ---- the trace --------------------------------------------------------
   std::vector<serve::Request> trace;
   std::string trace_label;
+  // What a static slot reserves: --max-seq-len, else the longest request
+  // the trace allows (a synthetic trace: its longest prompt and output;
+  // a file: its longest request), as a static engine is configured.
+  int64_t static_len = o.max_seq_len;
   if (!o.trace.empty()) {
     trace = read_trace(o.trace);
     trace_label = o.trace;
@@ -492,6 +497,7 @@ int run_serve_bench(int argc, char** argv) {
     }
     const auto [p0, p1] = parse_range("--prompt-tokens", o.prompt);
     const auto [g0, g1] = parse_range("--output-tokens", o.output);
+    if (static_len == 0) static_len = p1 + g1 - 1;
     trace = serve::synthetic_trace(o.requests, rate, p0, p1, g0, g1, static_cast<uint64_t>(o.seed));
     trace_label = std::to_string(o.requests) + " requests, " +
                   (o.rate == "inf" ? std::string("all at once") : "Poisson " + o.rate + "/s") +
@@ -551,7 +557,7 @@ int run_serve_bench(int argc, char** argv) {
       so.kv_dtype = c.kv;
       so.max_tokens_per_step = o.max_tokens;
       so.max_seqs = o.max_seqs;
-      so.max_seq_len = o.max_seq_len;
+      so.max_seq_len = static_len;
       so.run = {backend, static_cast<int>(o.threads)};
       return so;
     };
