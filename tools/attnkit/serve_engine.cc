@@ -449,16 +449,26 @@ Result<Report> run(Model& model, std::span<const Request> requests, const Option
       ++i;
     }
     // ---- admit waiting requests while there is room --------------------
+    // Pages the running sequences still need for the tokens they know
+    // (prompt chunks not yet reserved), promised to them as vLLM reserves
+    // a whole prompt at admission.
+    int64_t promised = 0;
+    for (int64_t r : running) {
+      ATTNKIT_ASSIGN_OR_RETURN(const int64_t held,
+                               pool.length(seqs[static_cast<size_t>(r)].pool_id));
+      promised += ceil_div(known(r), o.page_size) - ceil_div(held, o.page_size);
+    }
     while (!preempted && budget > 0 && !waiting.empty() &&
            static_cast<int64_t>(running.size()) < o.max_seqs) {
       const int64_t r = waiting.front();
       Seq& s = seqs[static_cast<size_t>(r)];
       const int64_t want = std::min(known(r), budget);
+      const int64_t need = ceil_div(known(r), o.page_size);
       if (o.cache == CacheMode::kStatic) {
         if (static_cast<int64_t>(running.size()) >= b.slots) break;
       } else {
         const int64_t keep = running.empty() ? 0 : watermark;
-        if (pool.free_pages() - ceil_div(want, o.page_size) < keep) break;
+        if (pool.free_pages() - promised - need < keep) break;
       }
       s.pool_id = pool.add_sequence();
       const Status st =
@@ -473,6 +483,7 @@ Result<Report> run(Model& model, std::span<const Request> requests, const Option
       scheduled.push_back(r);
       counts.push_back(want);
       budget -= want;
+      promised += need - ceil_div(want, o.page_size);
     }
     if (scheduled.empty()) return internal_error("serve: a step scheduled nothing");
 

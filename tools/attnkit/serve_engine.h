@@ -27,10 +27,13 @@
 //      to the front of the queue, to be recomputed from its prompt and the
 //      outputs it has so far (vLLM's recompute preemption);
 //   3. if nothing was preempted, waiting requests are admitted in order
-//      while the token budget, `max_seqs` and the pool allow: the pool
-//      must hold the request's first chunk and keep a watermark of 1 % of
-//      its pages free while others run (vLLM's default), so that a fresh
-//      admission is not preempted at the next decode;
+//      while the token budget, `max_seqs` and the pool allow: the free
+//      pages must hold every token the request knows (its prompt, and its
+//      outputs when it is recomputed) besides the prompt pages promised to
+//      the running sequences, and keep a watermark of 1 % of the pool free
+//      while others run (vLLM reserves a whole prompt at admission and
+//      keeps this watermark), so that admissions do not preempt each other
+//      before they decode;
 //   4. one forward pass over every scheduled token; each sequence whose
 //      scheduled tokens reach the end of what it knows gets an output.
 // The clock is the measured time of the steps; when nothing runs and
