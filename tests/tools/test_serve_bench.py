@@ -40,7 +40,8 @@ def serve_json(config, *args):
 
 ROW_FIELDS = {"variant", "kv_dtype", "cache", "memory_bytes", "kv_bytes_per_token", "pool_pages",
               "static_slots", "static_max_seq_len", "requests", "output_tokens", "duration_s",
-              "busy_s", "output_tokens_per_s", "requests_per_s", "ttft_s", "tpot_s", "peak_running",
+              "busy_s", "output_tokens_per_s", "output_tokens_per_s_runs", "requests_per_s", "ttft_s",
+              "tpot_s", "peak_running",
               "mean_running", "kv_used_bytes", "kv_reserved_bytes", "preemptions", "steps",
               "tokens_computed", "weight_bytes"}
 
@@ -64,6 +65,7 @@ def test_rows_have_the_documented_fields_and_exact_kv_arithmetic(config):
         for key in ("ttft_s", "tpot_s"):
             assert r[key]["p50"] <= r[key]["p90"] <= r[key]["p99"]
         assert r["output_tokens_per_s"] > 0 and r["requests_per_s"] > 0
+        assert r["output_tokens_per_s_runs"] == [r["output_tokens_per_s"]]
         assert 1 <= r["mean_running"] <= r["peak_running"] <= 10
         assert r["kv_used_bytes"]["peak"] <= r["kv_reserved_bytes"]["peak"] <= 64 << 10
         assert r["static_slots"] is None
@@ -88,6 +90,14 @@ def test_smaller_caches_and_paging_admit_more(config):
     lines = j["conclusions"]
     assert any(l.startswith("paged bf16 16.0 KiB: output tokens/s ") for l in lines)
     assert any("paged serves" in l and "the static cache's output tokens/s" in l for l in lines)
+
+
+def test_repeats_run_every_configuration_and_report_the_median(config):
+    j = serve_json(config, "--variants", "mqa", "--cache", "paged,static", "--repeats", "3")
+    assert j["config"]["repeats"] == 3
+    for r in j["rows"]:
+        runs = r["output_tokens_per_s_runs"]
+        assert len(runs) == 3 and r["output_tokens_per_s"] == sorted(runs)[1]
 
 
 def test_a_trace_file_is_served_as_given(config, tmp_path):

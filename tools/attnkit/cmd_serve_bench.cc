@@ -36,7 +36,7 @@ struct Options {
   std::string weights = "bf16", backend = "auto";
   std::vector<std::string> variants, kv_dtypes = {"bf16"}, caches = {"paged"}, memory;
   int64_t layers = 2, requests = 32, page_size = 16, max_tokens = 512, max_seqs = 256;
-  int64_t max_seq_len = 0, threads = 0, seed = 1;
+  int64_t max_seq_len = 0, threads = 0, seed = 1, repeats = 1;
   bool mlp = false, json = false, csv = false;
 };
 
@@ -260,9 +260,16 @@ double percentile(std::vector<double> v, double p) {
 struct Row {
   std::string variant, kv, cache;
   int64_t memory = 0;
-  serve::Report r;
+  serve::Report r;  // the run of median output tokens/s
   size_t weight_bytes = 0;
+  std::vector<double> tokens_per_s;  // every run's, in run order
 };
+
+double output_tokens_per_s(const serve::Report& r) {
+  int64_t outputs = 0;
+  for (const serve::RequestReport& q : r.requests) outputs += q.output_tokens;
+  return static_cast<double>(outputs) / std::max(r.end_s - r.start_s, 1e-9);
+}
 
 ojson stats(const std::vector<double>& v) {
   if (v.empty()) return ojson(nullptr);
@@ -297,7 +304,8 @@ ojson row_json(const Row& row) {
           {"output_tokens", outputs},
           {"duration_s", span},
           {"busy_s", r.busy_s},
-          {"output_tokens_per_s", static_cast<double>(outputs) / span},
+          {"output_tokens_per_s", output_tokens_per_s(r)},
+          {"output_tokens_per_s_runs", row.tokens_per_s},
           {"requests_per_s", static_cast<double>(r.requests.size()) / span},
           {"ttft_s", stats(ttft)},
           {"tpot_s", stats(tpot)},
@@ -447,6 +455,9 @@ int run_serve_bench(int argc, char** argv) {
   f.add_int("--threads", &o.threads, "threads (default 0 = all cores)", 0);
   f.add_string("--backend", &o.backend, "auto, fast or reference kernels (default auto)");
   f.add_int("--seed", &o.seed, "weights, prompts and synthetic trace seed (default 1)", 0);
+  f.add_int("--repeats", &o.repeats,
+            "runs of every configuration, in turn; each row is the median by tokens/s (default 1)",
+            1);
   f.add_bool("--json", &o.json, "print JSON instead of a table");
   f.add_bool("--csv", &o.csv, "print CSV (one line per configuration) instead of a table");
   if (!f.parse(argc, argv, 2)) return 0;
@@ -569,23 +580,37 @@ int run_serve_bench(int argc, char** argv) {
                          format_bytes(static_cast<double>(c.memory)) + ": " + st.message()};
     }
 
-    Progress progress("serve-bench",
-                      static_cast<int64_t>(configs.size()) * static_cast<int64_t>(trace.size()));
+    Progress progress("serve-bench", static_cast<int64_t>(configs.size()) * o.repeats *
+                                         static_cast<int64_t>(trace.size()));
+    // Every configuration once per round, round after round, so that a
+    // busy spell of the machine falls on all of them alike.
+    std::vector<std::vector<serve::Report>> runs(configs.size());
+    for (int64_t round = 0; round < o.repeats; ++round)
+      for (size_t i = 0; i < configs.size(); ++i) {
+        const Config& c = configs[i];
+        const std::string what = variants[c.variant].name + " " + c.kv_name + " " + c.cache + " " +
+                                 format_bytes(static_cast<double>(c.memory));
+        serve::Options so = options_for(c);
+        int64_t shown = 0;
+        so.on_progress = [&](int64_t done, int64_t) {
+          for (; shown < done; ++shown) progress.step(what);
+        };
+        runs[i].push_back(value_or_throw(serve::run(models[c.variant], trace, so), what));
+      }
+    progress.finish();
     std::vector<Row> rows;
-    for (const Config& c : configs) {
-      const std::string what = variants[c.variant].name + " " + c.kv_name + " " + c.cache + " " +
-                               format_bytes(static_cast<double>(c.memory));
-      serve::Options so = options_for(c);
-      int64_t shown = 0;
-      so.on_progress = [&](int64_t done, int64_t) {
-        for (; shown < done; ++shown) progress.step(what);
-      };
-      Row row{variants[c.variant].name,        c.kv_name, c.cache, c.memory, {},
-              models[c.variant].weight_bytes()};
-      row.r = value_or_throw(serve::run(models[c.variant], trace, so), what);
+    for (size_t i = 0; i < configs.size(); ++i) {
+      const Config& c = configs[i];
+      Row row{variants[c.variant].name,         c.kv_name, c.cache, c.memory, {},
+              models[c.variant].weight_bytes(), {}};
+      for (const serve::Report& r : runs[i]) row.tokens_per_s.push_back(output_tokens_per_s(r));
+      std::vector<size_t> order(runs[i].size());
+      for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+      std::sort(order.begin(), order.end(),
+                [&](size_t a, size_t b) { return row.tokens_per_s[a] < row.tokens_per_s[b]; });
+      row.r = std::move(runs[i][order[order.size() / 2]]);
       rows.push_back(std::move(row));
     }
-    progress.finish();
 
     ojson jrows = ojson::array();
     for (const Row& r : rows) jrows.push_back(row_json(r));
@@ -626,7 +651,8 @@ int run_serve_bench(int argc, char** argv) {
                    {"backend", o.backend},
                    {"threads", threads},
                    {"gemm", gemm_backend_name()},
-                   {"seed", o.seed}}},
+                   {"seed", o.seed},
+                   {"repeats", o.repeats}}},
                  {"trace",
                   {{"source", trace_label},
                    {"requests", trace.size()},
