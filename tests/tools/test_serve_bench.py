@@ -190,6 +190,25 @@ def test_mlp_needs_the_config_and_runs_dense_and_moe(config, tmp_path):
     assert m["rows"][0]["weight_bytes"] == attention + (4 * 64 + 4 * 3 * 64 * 96) * 2
 
 
+def test_mlp_errors_name_the_config_and_oversized_models_are_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(dict(TINY_CONFIG, model_type="mixtral", num_local_experts=4,
+                                   num_experts_per_tok=9)))
+    r = run("serve-bench", "--config", str(bad), "--mlp")
+    assert r.returncode == 2 and r.stderr.startswith(f"attnkit serve-bench: --mlp: {bad}: ")
+    assert "num_experts_per_tok" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    # 2^16 experts of 4096 x 14336: petabytes, refused before anything is allocated.
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps({"model_type": "mixtral", "hidden_size": 4096,
+                                "num_attention_heads": 32, "num_key_value_heads": 8,
+                                "num_hidden_layers": 32, "intermediate_size": 14336,
+                                "num_local_experts": 65536,
+                                "num_experts_per_tok": 2}))
+    h = run("serve-bench", "--config", str(huge), "--mlp", "--variants", "gqa-8")
+    assert h.returncode == 2 and "the served layers' weights would take " in h.stderr
+    assert "more than this machine's" in h.stderr and "leave out --mlp" in h.stderr
+
+
 def test_table_and_csv(config):
     r = run("serve-bench", "--config", config, "--layers", "1", *TRACE, "--variants", "mha,mqa",
             "--memory", "32KiB")

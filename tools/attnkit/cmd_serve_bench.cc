@@ -8,6 +8,8 @@
 // allowed and the KV memory used and reserved.
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -109,8 +111,12 @@ struct Variant {
 MoeConfig feed_forward(const Source& src) {
   if (src.json.empty())
     throw UsageError{"--mlp needs --config (the feed-forward's sizes come from config.json)"};
-  if (auto moe = moe_config_from_json(src.json); moe.ok()) return *moe;
   const auto j = nlohmann::json::parse(src.json, nullptr, false);
+  if (!j.is_discarded() && (j.contains("num_local_experts") || j.contains("n_routed_experts"))) {
+    auto moe = moe_config_from_json(src.json);
+    if (!moe.ok()) throw UsageError{"--mlp: " + src.label + ": " + moe.status().message()};
+    return *moe;
+  }
   if (j.is_discarded() || !j.contains("intermediate_size") ||
       !j["intermediate_size"].is_number_integer())
     throw UsageError{"--mlp: " + src.label +
@@ -132,7 +138,9 @@ std::vector<Variant> plan_variants(const Options& o, const Source& src) {
   std::vector<std::string> names = o.variants;
   serve::ModelSpec base;
   base.layers = o.layers;
-  base.weight_dtype = parse_kv_dtype("--weights", o.weights);
+  if (o.weights != "f32" && o.weights != "bf16")
+    throw UsageError{"--weights must be f32 or bf16, got '" + o.weights + "'"};
+  base.weight_dtype = o.weights == "bf16" ? DType::kBF16 : DType::kF32;
   base.seed = static_cast<uint64_t>(o.seed);
   if (o.mlp) {
     base.ffn = true;
@@ -190,6 +198,37 @@ std::vector<Variant> plan_variants(const Options& o, const Source& src) {
     out.push_back({n, spec});
   }
   return out;
+}
+
+// The bytes a variant's layers will keep, before building them: a
+// feed-forward of hundreds of experts is more than most machines hold.
+double planned_weight_bytes(const serve::ModelSpec& s) {
+  double params = 0;
+  if (s.mla) {
+    const MlaConfig& c = s.latent;
+    const double d = static_cast<double>(c.hidden_size),
+                 H = static_cast<double>(c.num_attention_heads);
+    const double dq = static_cast<double>(c.q_lora_rank),
+                 dqk = static_cast<double>(c.qk_head_dim());
+    const double dc = static_cast<double>(c.kv_lora_rank);
+    params = (dq > 0 ? dq * d + H * dqk * dq : H * dqk * d) +
+             (dc + static_cast<double>(c.qk_rope_head_dim)) * d +
+             H * static_cast<double>(c.qk_nope_head_dim + c.v_head_dim) * dc +
+             d * H * static_cast<double>(c.v_head_dim);
+  } else {
+    const AttentionConfig& c = s.attention;
+    const double d = static_cast<double>(c.hidden_size);
+    params = 2 * d * static_cast<double>(c.num_heads * c.head_dim) +
+             2 * d * static_cast<double>(c.num_kv_heads * c.head_dim);
+  }
+  if (s.ffn) {
+    const MoeConfig& m = s.moe;
+    const double d = static_cast<double>(m.hidden_size),
+                 E = static_cast<double>(m.n_routed_experts);
+    const double I = static_cast<double>(m.moe_intermediate_size);
+    params += E * d + 3 * d * I * (E + static_cast<double>(m.n_shared_experts));
+  }
+  return params * static_cast<double>(s.layers) * static_cast<double>(dtype_size(s.weight_dtype));
 }
 
 // "N" or "A-B" (inclusive), each >= 1.
@@ -519,7 +558,18 @@ int run_serve_bench(int argc, char** argv) {
 
   try {
     const double t_start = now_seconds();
-    // The models are built first (their weights are the big allocation).
+    // The models are built first (their weights are the big allocation),
+    // where they fit in this machine's memory.
+    double planned = 0;
+    for (const Variant& v : variants) planned += planned_weight_bytes(v.spec);
+    const double physical =
+        static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+    if (physical > 0 && planned > physical)
+      throw UsageError{"the served layers' weights would take " + format_bytes(planned) + " (" +
+                       std::to_string(variants.size()) + " variant(s) x " +
+                       std::to_string(o.layers) + " layer(s)), more than this machine's " +
+                       format_bytes(physical) + "; give fewer --layers or --variants" +
+                       (o.mlp ? ", or leave out --mlp" : "")};
     std::vector<serve::Model> models;
     size_t weights = 0;
     for (const Variant& v : variants) {

@@ -437,7 +437,7 @@ Result<Report> run(Model& model, std::span<const Request> requests, const Option
       }
       if (!st.ok()) {
         if (st.code() != StatusCode::kResourceExhausted) return prefixed("serve: append", st);
-        // Even alone among the running it does not fit: it waits.
+        // It is the most recent running sequence itself: it waits.
         preempt(r);
         running.pop_back();
         preempted = true;
