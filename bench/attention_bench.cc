@@ -43,6 +43,9 @@
 #include "bench_stats.h"
 #include "core/cpu_features.h"
 #include "core/threads.h"
+#include "kernels/attention_params.h"
+#include "kernels/dispatch.h"
+#include "ops/kv_quant.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -116,8 +119,26 @@ struct Shape {
   DType kv = DType::kF32;
   bool causal = false;
   bool mla_view = false;  // V = the first dv columns of K's rows
+  bool ragged = false;    // batch items of seqlen_k / 16 ... seqlen_k keys, evenly spread
   int threads = 0;        // 0 = bench_threads()
 };
+
+bool eight_bit(DType kv) { return kv == DType::kI8 || kv == DType::kFp8E4M3; }
+
+// Keys of batch item b.
+int64_t keys_of(const Shape& s, int64_t b) {
+  if (!s.ragged || s.batch < 2) return s.seqlen_k;
+  const int64_t lo = s.seqlen_k / 16;
+  return lo + (s.seqlen_k - lo) * b / (s.batch - 1);
+}
+
+// Bytes of one token's row of one kv head as a cache stores it (8-bit:
+// codes and scales, ops/kv_quant.h), unpadded.
+double head_row_bytes(const Shape& s, int64_t dim) {
+  if (!eight_bit(s.kv)) return static_cast<double>(dim) * static_cast<double>(dtype_size(s.kv));
+  const int64_t block = s.mla_view ? kLatentScaleBlock : 0;
+  return static_cast<double>(dim + 4 * (block ? (dim + block - 1) / block : 1));
+}
 
 bool is_decode(const Shape& s) { return s.seqlen_q <= 16; }
 
@@ -158,11 +179,17 @@ class Problem {
     q_.resize(static_cast<size_t>(s.batch * s.seqlen_q * s.heads * s.d));
     for (float& x : q_) x = u(rng);
     // Decode reads a KV cache, laid out as attnkit's KVCache lays it out
-    // (token rows of whole 2 KiB padded by a line, kv_token_stride).
+    // (token rows of whole 2 KiB padded by a line, kv_token_stride; 8-bit
+    // rows with their scales, MLA's as LatentCache stores them).
     cache_layout_ = is_decode(s) && !s.mla_view;
-    const int64_t k_row = cache_layout_ ? kv_token_stride(s.kv_heads, s.d, s.kv) : s.kv_heads * s.d;
-    const int64_t v_row =
-        cache_layout_ ? kv_token_stride(s.kv_heads, s.dv, s.kv) : s.kv_heads * s.dv;
+    const KvRowLayout kl = kv_row_layout(s.kv_heads, s.d, s.kv, s.mla_view ? kLatentScaleBlock : 0);
+    const KvRowLayout vl = kv_row_layout(s.kv_heads, s.dv, s.kv);
+    k_layout_ = kl;
+    v_layout_ = vl;
+    const int64_t k_row = cache_layout_ || eight_bit(s.kv) ? kl.row : s.kv_heads * s.d;
+    const int64_t v_row = cache_layout_ || eight_bit(s.kv) ? vl.row : s.kv_heads * s.dv;
+    k_row_ = k_row;
+    v_row_ = v_row;
     const size_t kn = static_cast<size_t>(s.batch * s.seqlen_k * k_row);
     const size_t vn = s.mla_view ? 0 : static_cast<size_t>(s.batch * s.seqlen_k * v_row);
     const size_t bytes = dtype_size(s.kv);
@@ -180,6 +207,10 @@ class Problem {
         if (s.kv == DType::kBF16) {
           const bf16 h = float_to_bf16(x);
           std::memcpy(buf.data() + 2 * i, &h, 2);
+        } else if (eight_bit(s.kv)) {  // codes of values in [-1, 1] at the scales below
+          buf.data()[i] =
+              static_cast<char>(s.kv == DType::kI8 ? static_cast<int8_t>(std::lround(x * 127))
+                                                   : float_to_fp8_e4m3(x * 448));
         } else {
           std::memcpy(buf.data() + 4 * i, &x, 4);
         }
@@ -187,6 +218,18 @@ class Problem {
     };
     fill(k_, kn_);
     fill(v_, vn_);
+    // 8-bit: every scale 1/code_max, written over the filled rows' scale bytes.
+    auto scales = [&](AlignedBytes& buf, size_t rows, const KvRowLayout& l, int64_t row) {
+      const float scale = s.kv == DType::kI8 ? 1.0f / 127 : 1.0f / 448;
+      for (size_t r = 0; r < rows; ++r)
+        for (int64_t x = 0; x < s.kv_heads * l.scales_per_head; ++x)
+          std::memcpy(buf.data() + r * row + l.scale_offset + 4 * x, &scale, 4);
+    };
+    if (eight_bit(s.kv)) {
+      scales(k_, kn_ / k_row, kl, k_row);
+      if (!s.mla_view) scales(v_, vn_ / v_row, vl, v_row);
+    }
+    for (int64_t b = 0; b < s.batch; ++b) k_len_.push_back(static_cast<int32_t>(keys_of(s, b)));
     out_.resize(static_cast<size_t>(s.batch * s.seqlen_q * s.heads * s.dv));
   }
 
@@ -198,9 +241,12 @@ class Problem {
     next_set_ = (next_set_ + 1) % sets_;
     const char* parts[2] = {k_.data() + k_.size() / sets_ * set,
                             v_.data() + v_.size() / sets_ * set};
-    const int64_t rows = s_.batch * s_.seqlen_k * s_.kv_heads;
-    const int64_t elem = static_cast<int64_t>(dtype_size(s_.kv));
-    const int64_t floats[2] = {rows * s_.d * elem / 4, s_.mla_view ? 0 : rows * s_.dv * elem / 4};
+    double keys = 0;
+    for (int64_t b = 0; b < s_.batch; ++b) keys += static_cast<double>(keys_of(s_, b));
+    const double rows = keys * static_cast<double>(s_.kv_heads);
+    const int64_t floats[2] = {
+        static_cast<int64_t>(rows * head_row_bytes(s_, s_.d) / 4),
+        s_.mla_view ? 0 : static_cast<int64_t>(rows * head_row_bytes(s_, s_.dv) / 4)};
     volatile float sink = 0;
     const auto t0 = Clock::now();
     parallel_for(threads, threads, [&](int64_t t, int) {
@@ -226,9 +272,11 @@ class Problem {
     o.causal = s_.causal;
     o.backend = backend;
     o.num_threads = threads;
+    if (s_.ragged) o.seqlens_k = k_len_;
     const size_t set = next_set_;
     next_set_ = (next_set_ + 1) % sets_;
     const size_t k_at = k_.size() / sets_ * set, v_at = v_.size() / sets_ * set;
+    if (eight_bit(s_.kv)) return run_8bit(backend, threads, k_.data() + k_at, v_.data() + v_at);
     auto shaped = [&](char* data, int64_t dim) {
       return cache_layout_ ? kv_cache_view(data, s_.kv, s_.batch, s_.seqlen_k, s_.kv_heads, dim)
                            : make_view(data, s_.kv, {s_.batch, s_.seqlen_k, s_.kv_heads, dim});
@@ -248,22 +296,65 @@ class Problem {
   // 2 flops per multiply-add of QK^T and PV over visible (query, key) pairs.
   double flops() const {
     double pairs = 0;
-    for (int64_t i = 0; i < s_.seqlen_q; ++i)
-      pairs += s_.causal
-                   ? static_cast<double>(std::min(s_.seqlen_k, i + s_.seqlen_k - s_.seqlen_q + 1))
-                   : static_cast<double>(s_.seqlen_k);
-    return 2.0 * (s_.d + s_.dv) * pairs * s_.heads * s_.batch;
+    for (int64_t b = 0; b < s_.batch; ++b) {
+      const int64_t keys = keys_of(s_, b);
+      for (int64_t i = 0; i < s_.seqlen_q; ++i)
+        pairs += s_.causal ? static_cast<double>(std::min(keys, i + keys - s_.seqlen_q + 1))
+                           : static_cast<double>(keys);
+    }
+    return 2.0 * (s_.d + s_.dv) * pairs * s_.heads;
   }
-  // K and V bytes a decode step must read once (V inside K for MLA).
+  // K and V bytes a decode step must read once (V inside K for MLA; 8-bit
+  // types with their scales).
   double kv_bytes() const {
-    return static_cast<double>(s_.batch * s_.seqlen_k * s_.kv_heads) *
-           (s_.d + (s_.mla_view ? 0 : s_.dv)) * static_cast<double>(dtype_size(s_.kv));
+    double keys = 0;
+    for (int64_t b = 0; b < s_.batch; ++b) keys += static_cast<double>(keys_of(s_, b));
+    return keys * static_cast<double>(s_.kv_heads) *
+           (head_row_bytes(s_, s_.d) + (s_.mla_view ? 0 : head_row_bytes(s_, s_.dv)));
   }
 
  private:
+  // sdpa() takes f32 and bf16 K/V only: 8-bit ones are given to the kernels
+  // as KVCache and LatentCache give them (src/ops/kv_cache.cc).
+  Status run_8bit(Backend backend, int threads, const char* k, const char* v) {
+    kernels::AttentionParams p;
+    p.batch = s_.batch;
+    p.seqlen_q = s_.seqlen_q;
+    p.seqlen_k = s_.seqlen_k;
+    p.num_heads = s_.heads;
+    p.num_kv_heads = s_.kv_heads;
+    p.head_dim = s_.d;
+    p.head_dim_v = s_.dv;
+    p.q = q_.data();
+    p.q_stride = {s_.seqlen_q * s_.heads * s_.d, s_.heads * s_.d, s_.d, 1};
+    p.kv_dtype = s_.kv;
+    p.k = k;
+    p.k_stride = {s_.seqlen_k * k_row_, k_row_, s_.d, 1};
+    p.v = s_.mla_view ? k : v;
+    p.v_stride =
+        s_.mla_view ? p.k_stride : kernels::Strides4{s_.seqlen_k * v_row_, v_row_, s_.dv, 1};
+    const KvRowLayout& vl = s_.mla_view ? k_layout_ : v_layout_;
+    const int64_t v_row = s_.mla_view ? k_row_ : v_row_;
+    p.k_scale = reinterpret_cast<const float*>(k + k_layout_.scale_offset);
+    p.k_scale_stride = {s_.seqlen_k * k_row_ / 4, k_row_ / 4, k_layout_.scales_per_head, 1};
+    p.v_scale = reinterpret_cast<const float*>((s_.mla_view ? k : v) + vl.scale_offset);
+    p.v_scale_stride = {s_.seqlen_k * v_row / 4, v_row / 4, vl.scales_per_head, 1};
+    p.scale_block = s_.mla_view ? kLatentScaleBlock : 0;
+    p.out = out_.data();
+    p.out_stride = {s_.seqlen_q * s_.heads * s_.dv, s_.heads * s_.dv, s_.dv, 1};
+    p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s_.d)));
+    p.causal = s_.causal;
+    if (s_.ragged) p.k_len = k_len_.data();
+    p.num_threads = threads;
+    return kernels::run_attention(p, backend);
+  }
+
   Shape s_;
   std::vector<float> q_, out_;
-  AlignedBytes k_, v_;  // `sets_` copies, one after the other (each a multiple of 64 B)
+  std::vector<int32_t> k_len_;
+  KvRowLayout k_layout_, v_layout_;
+  int64_t k_row_ = 0, v_row_ = 0;  // elements (8-bit: bytes) between token rows
+  AlignedBytes k_, v_;             // `sets_` copies, one after the other (each a multiple of 64 B)
   size_t kn_ = 0, vn_ = 0, sets_ = 1, next_set_ = 0;
   bool cache_layout_ = false;  // K/V laid out as KVCache's (kv_cache_view)
 };
@@ -438,6 +529,15 @@ Shape on_threads(Shape s, int threads) {
   return s;
 }
 
+Shape ragged(Shape s) {
+  s.ragged = true;
+  return s;
+}
+
+std::string kv_name(DType kv) {
+  return kv == DType::kBF16 ? "bf16" : kv == DType::kF32 ? "f32" : dtype_name(kv);
+}
+
 // The shapes of the speed targets (docs/PERFORMANCE.md), then the thread
 // scaling pair (1 thread against the default), the per-token decode
 // scaling from 4K to 64K keys, and the reference twin on a small size.
@@ -454,24 +554,37 @@ void register_all() {
   for (int64_t tokens : {1, 2, 4, 8, 16})
     add("decode/gqa32-8/k16384/q" + std::to_string(tokens) + "/f32",
         gqa_decode(tokens, DType::kF32));
-  add("decode/gqa32-8/k16384/q1/bf16", gqa_decode(1, DType::kBF16));
-  add("decode/gqa32-8/k16384/q4/bf16", gqa_decode(4, DType::kBF16));
+  for (DType kv : {DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
+    add("decode/gqa32-8/k16384/q1/" + kv_name(kv), gqa_decode(1, kv));
+    add("decode/gqa32-8/k16384/q4/" + kv_name(kv), gqa_decode(4, kv));
+  }
   add("decode/gqa32-8/k16384/b8/q1/f32", gqa_decode(1, DType::kF32, 8));
   add("decode/gqa32-8/k16384/b8/q1/bf16", gqa_decode(1, DType::kBF16, 8));
   add("decode/gqa32-8/k16384/b8/q4/f32", gqa_decode(4, DType::kF32, 8));
-  add_ratio("paired/decode/gqa32-8/k16384/q4_over_q1/f32", gqa_decode(4, DType::kF32),
-            gqa_decode(1, DType::kF32));
-  add_ratio("paired/decode/gqa32-8/k16384/q4_over_q1/bf16", gqa_decode(4, DType::kBF16),
-            gqa_decode(1, DType::kBF16));
+  // Batch 8 of 1K-16K keys (the issue-25 target's ragged batch).
+  for (DType kv : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3})
+    add("decode/gqa32-8/k1024-16384/b8/q1/" + kv_name(kv), ragged(gqa_decode(1, kv, 8)));
+  for (DType kv : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3})
+    add_ratio("paired/decode/gqa32-8/k16384/q4_over_q1/" + kv_name(kv), gqa_decode(4, kv),
+              gqa_decode(1, kv));
+  // 8-bit against 16-bit and 32-bit storage, 1 token.
+  for (DType kv : {DType::kI8, DType::kFp8E4M3})
+    for (DType wide : {DType::kBF16, DType::kF32})
+      add_ratio("paired/decode/gqa32-8/k16384/q1/" + kv_name(kv) + "_over_" + kv_name(wide),
+                gqa_decode(1, kv), gqa_decode(1, wide));
   add_ratio("paired/prefill/causal/s1024/gqa32-8_over_mha32/f32", gqa_prefill(8, DType::kF32, 1024),
             gqa_prefill(32, DType::kF32, 1024));
   add_ratio("paired/prefill/causal/s1024/mqa32-1_over_mha32/f32", gqa_prefill(1, DType::kF32, 1024),
             gqa_prefill(32, DType::kF32, 1024));
-  add("mla/h128/k4096/q1/f32", mla_decode(DType::kF32));
-  add("mla/h128/k4096/q1/bf16", mla_decode(DType::kBF16));
+  for (DType kv : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3})
+    add("mla/h128/k4096/q1/" + kv_name(kv), mla_decode(kv));
+  for (DType kv : {DType::kI8, DType::kFp8E4M3})
+    add_ratio("paired/mla/h128/k4096/q1/" + kv_name(kv) + "_over_bf16", mla_decode(kv),
+              mla_decode(DType::kBF16));
   // Thread scaling: the same shapes on one thread.
   add("threads1/prefill/causal/gqa32-8/s2048/f32", on_threads(gqa_prefill(8, DType::kF32), 1));
-  add("threads1/decode/gqa32-8/k16384/q1/f32", on_threads(gqa_decode(1, DType::kF32), 1));
+  for (DType kv : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3})
+    add("threads1/decode/gqa32-8/k16384/q1/" + kv_name(kv), on_threads(gqa_decode(1, kv), 1));
   add("threads1/mla/h128/k4096/q1/f32", on_threads(mla_decode(DType::kF32), 1));
   // Per-token decode time from 4K to 64K keys.
   add("decode/gqa32-8/k4096/q1/f32", gqa_decode(1, DType::kF32, 1, 4096));

@@ -9,7 +9,7 @@
 // the kernel's plan does (tile_policy.h), the keys are split into 512-token
 // tasks shared by the threads, and each task walks its keys in tiles of 12
 // tokens (or as many as asked). Two orders within a tile:
-//   K, then V   the kernel's (attention_cpu.cc, tile()): every head's 12 K
+//   K, then V   the kernel's (task_runner.cc, tile()): every head's 12 K
 //               rows (512 B each, a token row apart), then every head's V
 //               rows; each 64-byte line read prefetches the line of the next
 //               head's rows, the last head's K the first head's V, the last

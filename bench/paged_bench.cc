@@ -2,13 +2,15 @@
 // alternated in one process, so that the machine's moment-to-moment speed
 // cancels out. Public API only; no benchmark framework.
 //
-//   decode    GQA 32/8, head_dim 128, pages of 16 tokens, f32 and bf16:
+//   decode    GQA 32/8, head_dim 128, pages of 16 tokens (or argument 3), f32 and bf16:
 //             a step through PagedKVCache (append 1 token per sequence,
 //             attend, truncate back) against sdpa() over a dense cache of
 //             the same tokens (KVCache's layout, seqlens_k for the ragged
 //             batch) — batch 1 at 16K keys and batch 8 with lengths spread
-//             over 1K-16K. Both rotate over copies of their K/V totalling
-//             >= 1 GiB, so that each call reads memory, not a cache.
+//             over 1K-16K, each with a sequence's pages consecutive (a
+//             fresh pool) and interleaved with another's (no two adjacent).
+//             Both rotate over copies of their K/V totalling >= 1 GiB, so
+//             that each call reads memory, not a cache.
 //   mixed     one step of a 512-token prompt chunk (after 1K cached tokens)
 //             and 31 decodes over 1K-16K keys as one attend() call, against
 //             the same work as two calls (the chunk; the 31 decodes) and as
@@ -18,7 +20,7 @@
 //             pages: the same time, since it touches only the sequences'
 //             last pages.
 //
-//   build/bench/paged_bench [threads, default 2] [pairs, default 25]
+//   build/bench/paged_bench [threads, default 2] [pairs, default 25] [page size, default 16]
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -41,7 +43,9 @@ using attnkit::PagedKVCache;
 using attnkit::TensorView;
 using Clock = std::chrono::steady_clock;
 
-constexpr int64_t kHeads = 32, kKvHeads = 8, kDim = 128, kPageSize = 16;
+constexpr int64_t kHeads = 32, kKvHeads = 8, kDim = 128;
+// Tokens per page of the decode and mixed pools (argument 3, default 16).
+int64_t g_page_size = 16;
 constexpr size_t kRotateBytes = size_t{1} << 30;
 
 void check(const attnkit::Status& st, const char* what) {
@@ -81,20 +85,27 @@ void report(const char* what, int pairs, const std::function<void()>& a,
 
 float random_value(std::mt19937& rng) { return std::uniform_real_distribution<float>(-1, 1)(rng); }
 
-// Sequences of the given lengths, `copies` times over, in one pool, K/V
-// written with store().
 struct PagedSet {
   PagedKVCache pool;
   std::vector<std::vector<int64_t>> ids;  // [copy][sequence]
   std::vector<int64_t> lengths;
 };
 
-PagedSet make_paged(const std::vector<int64_t>& lengths, int copies, DType dtype) {
+// Sequences of the given lengths, `copies` times over, in one pool, K/V
+// written with store(). Contiguous: each sequence filled at once, so a
+// fresh pool hands it consecutive pages (which the kernel reads as one
+// run). Interleaved: the sequences of a copy (and, for a single sequence, a
+// second one that is never attended) take one page each in turn, so no two
+// pages of a sequence are adjacent: the worst case for the walk.
+PagedSet make_paged(const std::vector<int64_t>& lengths, int copies, DType dtype,
+                    bool interleaved = false) {
+  std::vector<int64_t> filled = lengths;
+  if (interleaved && filled.size() == 1) filled.push_back(filled[0]);
   int64_t pages = 0;
-  for (int64_t n : lengths) pages += (n + 1 + kPageSize - 1) / kPageSize + 1;
+  for (int64_t n : filled) pages += (n + 1 + g_page_size - 1) / g_page_size + 1;
   attnkit::PagedKVCacheSpec spec;
   spec.num_pages = pages * copies;
-  spec.page_size = kPageSize;
+  spec.page_size = g_page_size;
   spec.num_kv_heads = kKvHeads;
   spec.head_dim = kDim;
   spec.dtype = dtype;
@@ -102,21 +113,25 @@ PagedSet make_paged(const std::vector<int64_t>& lengths, int copies, DType dtype
   check(pool.status(), "create");
   PagedSet set{std::move(pool).value(), {}, lengths};
   std::mt19937 rng(1);
-  constexpr int64_t kChunk = 2048;
-  std::vector<float> kv(size_t(kChunk * kKvHeads * kDim));
+  const int64_t chunk = interleaved ? g_page_size : 2048;
+  std::vector<float> kv(size_t(chunk * kKvHeads * kDim));
   for (float& x : kv) x = random_value(rng);
   for (int c = 0; c < copies; ++c) {
-    set.ids.emplace_back();
-    for (int64_t n : lengths) {
-      const int64_t id = set.pool.add_sequence();
-      set.ids.back().push_back(id);
-      for (int64_t done = 0; done < n; done += kChunk) {
-        const int64_t t = std::min(kChunk, n - done);
-        check(set.pool.append(std::vector<int64_t>{id}, std::vector<int64_t>{t}), "append");
+    std::vector<int64_t> ids, done(filled.size(), 0);
+    for (size_t s = 0; s < filled.size(); ++s) ids.push_back(set.pool.add_sequence());
+    set.ids.emplace_back(ids.begin(), ids.begin() + int64_t(lengths.size()));
+    for (bool more = true; more;) {
+      more = false;
+      for (size_t s = 0; s < filled.size(); ++s) {
+        const int64_t t = std::min(chunk, filled[s] - done[s]);
+        if (t == 0) continue;
+        more = true;
+        check(set.pool.append(std::vector<int64_t>{ids[s]}, std::vector<int64_t>{t}), "append");
         check(set.pool.store(0, attnkit::make_view(kv.data(), DType::kF32, {t, kKvHeads, kDim}),
                              attnkit::make_view(kv.data(), DType::kF32, {t, kKvHeads, kDim}),
-                             std::vector<int32_t>{0, int32_t(t)}, std::vector<int64_t>{id}),
+                             std::vector<int32_t>{0, int32_t(t)}, std::vector<int64_t>{ids[s]}),
               "store");
+        done[s] += t;
       }
     }
   }
@@ -205,18 +220,19 @@ void dense_step(const DenseSet& d, int copy, Step& s, int threads, DType dtype) 
 }
 
 void decode_vs_dense(const char* name, const std::vector<int64_t>& lengths, DType dtype,
-                     int threads, int pairs) {
+                     bool interleaved, int threads, int pairs) {
   int64_t tokens = 0;
   for (int64_t n : lengths) tokens += n;
   const size_t set_bytes = size_t(tokens) * kKvHeads * kDim * 2 * attnkit::dtype_size(dtype);
   const int copies = int(std::max<size_t>(1, (kRotateBytes + set_bytes - 1) / set_bytes));
-  PagedSet paged = make_paged(lengths, copies, dtype);
+  PagedSet paged = make_paged(lengths, copies, dtype, interleaved);
   const DenseSet dense = make_dense(lengths, copies, dtype);
   Step ps, ds;
   int next_paged = 0, next_dense = 0;
   const std::vector<int64_t> ones(lengths.size(), 1);
   const std::string what = std::string(name) + " " + attnkit::dtype_name(dtype) +
-                           ": paged step / dense sdpa (" + std::to_string(copies) + " copies)";
+                           (interleaved ? ", interleaved" : ", contiguous") +
+                           " pages: paged / dense (" + std::to_string(copies) + " copies)";
   report(
       what.c_str(), pairs,
       [&] {
@@ -261,7 +277,7 @@ void mixed_step(int threads, int pairs) {
 double bookkeeping_seconds(int64_t num_pages, int reps) {
   attnkit::PagedKVCacheSpec spec;
   spec.num_pages = num_pages;
-  spec.page_size = kPageSize;
+  spec.page_size = 16;
   spec.num_kv_heads = 1;
   spec.head_dim = 8;
   auto pool = PagedKVCache::create(spec);
@@ -288,13 +304,18 @@ double bookkeeping_seconds(int64_t num_pages, int reps) {
 int main(int argc, char** argv) {
   const int threads = argc > 1 ? std::max(1, std::atoi(argv[1])) : 2;
   const int pairs = argc > 2 ? std::max(3, std::atoi(argv[2])) : 25;
-  std::printf("paged_bench: %s, %d threads, %d pairs; median [quartiles] of paired ratios\n",
-              attnkit::bench::cpu_name().c_str(), threads, pairs);
+  if (argc > 3) g_page_size = std::max(1, std::atoi(argv[3]));
+  std::printf(
+      "paged_bench: %s, %d threads, %d pairs, pages of %lld tokens; median [quartiles] of paired "
+      "ratios\n",
+      attnkit::bench::cpu_name().c_str(), threads, pairs, static_cast<long long>(g_page_size));
   for (DType dtype : {DType::kF32, DType::kBF16}) {
-    decode_vs_dense("decode batch 1, 16K keys", {16384}, dtype, threads, pairs);
+    for (bool interleaved : {false, true})
+      decode_vs_dense("batch 1, 16K keys", {16384}, dtype, interleaved, threads, pairs);
     std::vector<int64_t> ragged;
     for (int s = 0; s < 8; ++s) ragged.push_back(1024 + s * 15 * 1024 / 7);
-    decode_vs_dense("decode batch 8, 1K-16K keys", ragged, dtype, threads, pairs);
+    for (bool interleaved : {false, true})
+      decode_vs_dense("batch 8, 1K-16K keys", ragged, dtype, interleaved, threads, pairs);
   }
   mixed_step(threads, pairs);
   const double small = bookkeeping_seconds(int64_t{1} << 10, 15);

@@ -20,7 +20,7 @@ function(attnkit_link_avx512_emulation program)
   endif()
   set(object ${program}_avx512_emulated)
   add_library(${object} OBJECT ${PROJECT_SOURCE_DIR}/src/kernels/cpu/kernels_avx512.cc)
-  target_include_directories(${object} PRIVATE ${PROJECT_SOURCE_DIR}/src)
+  target_include_directories(${object} PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
   target_include_directories(${object} SYSTEM PRIVATE ${ATTNKIT_SIMDE_INCLUDE_DIR})
   # -Wno-psabi: the compilers note that 64-byte vector arguments have
   # another ABI without AVX-512; the object never meets AVX-512 code.

@@ -14,10 +14,11 @@
 //            mask, sparse pattern, backend, threads, overlap, overflow):
 //            it must fail with a message and leave every output byte as it
 //            was.
-//   cache    a KVCache fed in random chunks (f32 or bf16, with or without a
-//            sliding window, one bad call in between) against the reference
-//            sdpa over the whole history; a failed call must leave the cache
-//            and `out` untouched.
+//   cache    a KVCache fed in random chunks (f32, bf16, int8 or fp8_e4m3,
+//            with or without a sliding window, one bad call in between)
+//            against the reference sdpa over the whole history as the cache
+//            stores it (8-bit: dequantized by tests/common/kv_quant_f64.h's
+//            rule); a failed call must leave the cache and `out` untouched.
 //   merge    sdpa over two halves of the keys merged by
 //            merge_attention_states (in place, as the cache does) against
 //            sdpa over all keys.
@@ -39,6 +40,11 @@
 //   out error      <= Vmax (expm1(2E) + (3n + 48) u + n 2^-126)   (exp flushes
 //                     below e^-87.3) + (3n + 32) 2^-149
 //                     + Vmax 2^-8 + 2^-125 on avx512bf16 (bf16 weights, DAZ)
+// 8-bit caches: the reference reads the dequantized values rounded to
+// fp32 (u relative), and the fast kernel may dequantize tiles to bf16 on
+// avx512bf16 (E + 2^-8 S more, out + Vmax 2^-8 more), round int8 decode's
+// queries to int16 (E + scale Qmax d Kmax / 58714) and its weights to int16
+// (out + Vmax 2^-10; src/kernels/cpu/kernel_table.h).
 //   lse error      <= E + (3n + 48) u + 4 u |lse|
 // Rows are compared only where fp32 can hold the computation: S, max|scale
 // q|, max|bias| and n * Vmax below 1e37 (docs/RELIABILITY.md states this
@@ -62,6 +68,7 @@
 #include "attnkit/kv_cache.h"
 #include "attnkit/tensor.h"
 #include "common/emulated_kernels.h"
+#include "common/kv_quant_f64.h"
 #include "common/views.h"
 #include "core/cpu_features.h"
 #include "kernels/dispatch.h"
@@ -478,7 +485,9 @@ bool bits_equal(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 // Checks fast against reference row by row (see the header for the bound).
 void compare(const Problem& p, const Outputs& fast, const Outputs& ref, const char* what) {
   const attnkit::SimdTarget target = g_target.target;
-  const bool dot_bf16 = p.kv == DType::kBF16 && target == attnkit::SimdTarget::kAvx512Bf16;
+  const bool eight_bit = p.kv == DType::kI8 || p.kv == DType::kFp8E4M3;
+  const bool dot_bf16 =
+      (p.kv == DType::kBF16 || eight_bit) && target == attnkit::SimdTarget::kAvx512Bf16;
   const double scale = p.scale();
   const int64_t group = p.heads / p.kv_heads;
   double max_bias = 0.0;
@@ -544,10 +553,14 @@ void compare(const Problem& p, const Outputs& fast, const Outputs& ref, const ch
         if (p.mask == MaskKind::kAdd) e += kU * (s_max + max_bias);
         // vdpbf16ps also treats subnormal bf16 inputs and products as 0.
         if (dot_bf16) e += 0x1p-8 * s_max + p.d * 0x1p-126 * (scale * q_max + k_max + 1.0);
+        if (eight_bit) e += (dot_bf16 ? 0x1p-8 : 0.0) * s_max + 2 * kU * s_max;
+        if (p.kv == DType::kI8) e += scale * q_max * p.d * k_max / 58714.0;
         if (e > 20.0) continue;  // the bound says nothing
         double out_bound = v_max * (std::expm1(2 * e) + (3 * n + 48) * kU + n * 0x1p-126) +
                            (3 * n + 32) * 0x1p-149;
         if (dot_bf16) out_bound += v_max * 0x1p-8 + 0x1p-125;
+        if (eight_bit) out_bound += v_max * ((dot_bf16 ? 0x1p-8 : 0.0) + 4 * kU);
+        if (p.kv == DType::kI8) out_bound += v_max * 0x1p-10;
         for (int64_t c = 0; c < p.dv; ++c) {
           const size_t at = static_cast<size_t>(p.ol.at(b, i, h, c));
           const double r = ref.out[at], f = fast.out[at];
@@ -799,7 +812,8 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
   spec.num_kv_heads = fdp.ConsumeIntegralInRange<int64_t>(1, 3);
   spec.head_dim = fdp.ConsumeIntegralInRange<int64_t>(1, 24);
   spec.head_dim_v = fdp.ConsumeBool() ? 0 : fdp.ConsumeIntegralInRange<int64_t>(1, 24);
-  spec.dtype = fdp.ConsumeBool() ? DType::kBF16 : DType::kF32;
+  static constexpr DType kCacheTypes[] = {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3};
+  spec.dtype = kCacheTypes[fdp.ConsumeIntegralInRange<size_t>(0, 3)];
   spec.sliding_window = fdp.ConsumeBool() ? 0 : fdp.ConsumeIntegralInRange<int64_t>(1, 20);
   // Sometimes K rows of whole 2 KiB, which the cache stores padded.
   if (spec.num_kv_heads != 3 && fdp.ConsumeIntegralInRange<int>(0, 7) == 0)
@@ -824,8 +838,9 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
   opt.backend = pick_backend(fdp);
   opt.num_threads = fdp.ConsumeIntegralInRange<int>(0, 3);
 
-  // The whole history, as the cache stores it (rounded to bf16 for a bf16
-  // cache): [B, max_seq_len, Hkv, D] and [.., Dv].
+  // The whole history, as the cache stores it (rounded to bf16, or each
+  // token's row of each head quantized and dequantized): [B, max_seq_len,
+  // Hkv, D] and [.., Dv].
   const int64_t cap = spec.max_seq_len;
   std::vector<float> hist_k(static_cast<size_t>(B * cap * Hkv * D)),
       hist_v(static_cast<size_t>(B * cap * Hkv * Dv));
@@ -926,15 +941,23 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
     const Status st = cache.attend(qv, kv, vv, ov, opt);
     if (!st.ok()) fail("KVCache::attend rejected a valid call: " + st.to_string());
     if (cache.length() != len + T) fail("KVCache::attend: length() did not grow by T");
+    const bool eight_bit = spec.dtype == DType::kI8 || spec.dtype == DType::kFp8E4M3;
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = 0; t < T; ++t)
         for (int64_t g = 0; g < Hkv; ++g) {
-          for (int64_t x = 0; x < D; ++x)
-            hist_k[static_cast<size_t>(((b * cap + len + t) * Hkv + g) * D + x)] =
-                stored(kn[static_cast<size_t>(((b * T + t) * Hkv + g) * D + x)]);
-          for (int64_t x = 0; x < Dv; ++x)
-            hist_v[static_cast<size_t>(((b * cap + len + t) * Hkv + g) * Dv + x)] =
-                stored(vn[static_cast<size_t>(((b * T + t) * Hkv + g) * Dv + x)]);
+          const float* krow = kn.data() + ((b * T + t) * Hkv + g) * D;
+          const float* vrow = vn.data() + ((b * T + t) * Hkv + g) * Dv;
+          float* hk = hist_k.data() + ((b * cap + len + t) * Hkv + g) * D;
+          float* hv = hist_v.data() + ((b * cap + len + t) * Hkv + g) * Dv;
+          if (eight_bit) {
+            const std::vector<double> dk = attnkit_test::kv_dequantized(krow, D, spec.dtype);
+            const std::vector<double> dv = attnkit_test::kv_dequantized(vrow, Dv, spec.dtype);
+            std::copy(dk.begin(), dk.end(), hk);
+            std::copy(dv.begin(), dv.end(), hv);
+            continue;
+          }
+          for (int64_t x = 0; x < D; ++x) hk[x] = stored(krow[x]);
+          for (int64_t x = 0; x < Dv; ++x) hv[x] = stored(vrow[x]);
         }
 
     // Reference: sdpa over the history [0, len + T) with the new queries
@@ -963,7 +986,7 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
     p.vl.elems = hist_v.size();
     p.ol.elems = out.size();
     p.q = q;
-    p.kv = spec.dtype;  // for the bound: bf16 storage may take the vdpbf16ps path
+    p.kv = spec.dtype;  // for the bound: the storage type's paths (compare())
     p.k.dtype = p.v.dtype = DType::kF32;
     p.k.f = hist_k;
     p.v.f = hist_v;

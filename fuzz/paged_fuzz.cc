@@ -2,7 +2,8 @@
 // sequences against a dense model of every sequence's history.
 //
 // The input picks a pool (MHA/GQA/MQA or MLA's latent layout, page size
-// 1-9, 1-40 pages, 1-3 layers, f32 or bf16, window 0-9) and then a sequence
+// 1-9, 1-40 pages, 1-3 layers, f32, bf16, int8 or fp8_e4m3, window 0-9)
+// and then a sequence
 // of operations: add_sequence, append (valid, or with an unknown id, a
 // repeated id, a negative count, or more tokens than the pool holds),
 // attend of every layer for the reserved tokens (valid, or with a wrong
@@ -10,8 +11,9 @@
 // truncate. After each operation:
 //   - a failed call must leave every sequence's length, written counts and
 //     page table and the free-page count as they were;
-//   - every page no sequence holds is filled with NaN in every layer, so a
-//     read of a freed, released or foreign page shows as NaN;
+//   - every page no sequence holds is filled with NaN in every layer (8-bit
+//     pools: NaN scales and fp8's NaN code), so a read of a freed,
+//     released or foreign page shows as NaN;
 //   - each attend's output rows must equal, within the bound of
 //     tests/common/attention_bounds.h, the reference sdpa over that
 //     sequence's dense history (bottom-right causal, the pool's window).
@@ -30,6 +32,7 @@
 #include "attnkit/attention.h"
 #include "attnkit/paged_kv_cache.h"
 #include "common/attention_bounds.h"
+#include "common/kv_quant_f64.h"
 
 namespace {
 
@@ -71,16 +74,19 @@ void poison_free_pages(const PagedKVCache& pool) {
       if (p >= 0) held[size_t(p)] = true;
   }
   for (int64_t l = 0; l < s.num_layers; ++l)
-    for (const TensorView& t : {*pool.keys(l), *pool.values(l)})
-      for (int64_t p = 0; p < s.num_pages; ++p)
+    for (const TensorView& t :
+         {*pool.keys(l), *pool.values(l), *pool.key_scales(l), *pool.value_scales(l)})
+      for (int64_t p = 0; p < s.num_pages && t.present(); ++p)
         for (int64_t r = p * s.page_size; !held[size_t(p)] && r < (p + 1) * s.page_size; ++r)
           for (int64_t h = 0; h < t.shape[1]; ++h)
             for (int64_t x = 0; x < t.shape[2]; ++x) {
               const int64_t at = r * t.strides[0] + h * t.strides[1] + x;
               if (t.dtype == DType::kBF16)
                 t.ptr<uint16_t>()[at] = 0x7fc0;
-              else
+              else if (t.dtype == DType::kF32)
                 t.ptr<float>()[at] = std::numeric_limits<float>::quiet_NaN();
+              else
+                t.ptr<uint8_t>()[at] = 0x7f;
             }
 }
 
@@ -101,7 +107,8 @@ class Run {
     s.num_layers = in_.ConsumeIntegralInRange(1, 3);
     s.num_pages = in_.ConsumeIntegralInRange(1, 40);
     s.page_size = in_.ConsumeIntegralInRange(1, 9);
-    s.dtype = in_.ConsumeBool() ? DType::kBF16 : DType::kF32;
+    static constexpr DType kTypes[] = {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3};
+    s.dtype = kTypes[in_.ConsumeIntegralInRange<size_t>(0, 3)];
     s.sliding_window = in_.ConsumeBool() ? in_.ConsumeIntegralInRange(1, 9) : 0;
     auto pool = PagedKVCache::create(s);
     if (!pool.ok()) fail("create failed on a valid spec");
@@ -192,9 +199,19 @@ class Run {
     rng_state_ ^= rng_state_ << 17;
     return static_cast<float>(static_cast<double>(rng_state_ >> 40) * 0x1p-23 - 1.0);
   }
-  float stored(float x) const {
-    return pool_->spec().dtype == DType::kBF16 ? attnkit::bf16_to_float(attnkit::float_to_bf16(x))
-                                               : x;
+  // n values as the pool stores them: rounded to bf16, or quantized in
+  // blocks (one per head row; 64 channels of a latent row) and dequantized.
+  void append_stored(const float* x, int64_t n, std::vector<float>* to) const {
+    const DType dt = pool_->spec().dtype;
+    if (dt == DType::kI8 || dt == DType::kFp8E4M3) {
+      const int64_t block = pool_->spec().latent() ? 64 : n;
+      const std::vector<double> d = attnkit_test::kv_dequantized(x, n, dt, block);
+      to->insert(to->end(), d.begin(), d.end());
+      return;
+    }
+    for (int64_t i = 0; i < n; ++i)
+      to->push_back(dt == DType::kBF16 ? attnkit::bf16_to_float(attnkit::float_to_bf16(x[i]))
+                                       : x[i]);
   }
 
   void attend(int64_t layer, const std::vector<int64_t>& seq, const std::vector<int64_t>& counts) {
@@ -245,11 +262,14 @@ class Run {
     }
     for (size_t i = 0; i < seq.size(); ++i) {
       History& h = model_.at(seq[i])[size_t(layer)];
-      for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
-        for (int64_t x = 0; x < Hkv * D; ++x) h.k.push_back(stored(k[size_t(t * Hkv * D + x)]));
-        for (int64_t x = 0; x < Hkv * Dv; ++x)
-          h.v.push_back(stored(latent ? k[size_t(t * Hkv * D + x)] : v[size_t(t * Hkv * Dv + x)]));
-      }
+      for (int64_t t = cu[i]; t < cu[i + 1]; ++t)
+        for (int64_t g = 0; g < Hkv; ++g) {
+          append_stored(k.data() + (t * Hkv + g) * D, D, &h.k);
+          if (latent)  // the values: the stored row's first kv_lora_rank columns
+            h.v.insert(h.v.end(), h.k.end() - D, h.k.end() - D + Dv);
+          else
+            append_stored(v.data() + (t * Hkv + g) * Dv, Dv, &h.v);
+        }
       check(i, cu, h, q, out);
     }
   }

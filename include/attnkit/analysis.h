@@ -72,7 +72,10 @@ Result<std::string> preset_config_json(std::string_view name);
 int64_t attention_params_per_layer(const ModelShape& m);
 // MLA: latent = true counts the latent cache, false the naive per-head cache.
 int64_t kv_values_per_token_per_layer(const ModelShape& m, bool mla_latent = true);
-// Bytes of K/V for one token across all layers (no window cap).
+// Bytes of K/V for one token across all layers (no window cap); the 8-bit
+// types (int8, fp8_e4m3) count their fp32 scales too, as the caches store
+// them: one per kv head row of K and of V, one per 64 channels of an MLA
+// latent row (kv_cache.h).
 int64_t kv_bytes_per_token(const ModelShape& m, DType kv_dtype, bool mla_latent = true);
 // Bytes of the whole cache for `batch` sequences of `context` tokens, with
 // each layer's sliding window applied. A double, because user-given

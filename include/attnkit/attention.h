@@ -3,8 +3,10 @@
 //
 // Contract of sdpa():
 //   q    [batch, seqlen_q, num_heads,    head_dim]    f32
-//   k    [batch, seqlen_k, num_kv_heads, head_dim]    f32 or bf16
+//   k    [batch, seqlen_k, num_kv_heads, head_dim]    f32, bf16, int8 or fp8_e4m3
 //   v    [batch, seqlen_k, num_kv_heads, head_dim_v]  same dtype as k
+// (int8 and fp8_e4m3 K/V come with their scales, options.k_scales /
+// v_scales: as a KVCache stores them, kv_cache.h)
 //   out  [batch, seqlen_q, num_heads,    head_dim_v]  f32, written
 //   lse  [batch, num_heads, seqlen_q]                 f32, optional, written
 //   probs[batch, num_heads, seqlen_q, seqlen_k]       f32, optional, written
@@ -90,6 +92,12 @@ struct AttentionOptions {
   // dtype kBool = keep where true; dtype kF32 = additive bias.
   TensorView mask;
   SparsePattern sparse;
+  // 8-bit K/V (k.dtype int8 or fp8_e4m3; sdpa only): the fp32 scale of
+  // every row, [batch, seqlen_k, num_kv_heads, 1] each, any strides: element
+  // (b, j, h, c) of k is code * k_scales[b, j, h, 0], the code the int8 or
+  // the E4M3 value (v likewise). kv_cache_scales_view() gives them for
+  // buffers in a KVCache's layout. Absent otherwise.
+  TensorView k_scales, v_scales;
   Backend backend = Backend::kAuto;
   // Worker threads; 0 = ATTNKIT_NUM_THREADS or all available cores.
   int num_threads = 0;

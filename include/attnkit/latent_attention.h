@@ -108,22 +108,32 @@ const char* mla_form_name(MlaForm form);
 
 // The per-layer latent cache: for every token only the RMS-normed latent
 // c (d_c) and the rotated shared rope key (d_r), contiguous per token:
-//   storage [batch, max_seq_len, d_c + d_r]   f32 or bf16
+//   storage [batch, max_seq_len, d_c + d_r]   f32, bf16, int8 or fp8_e4m3
 // The absorbed form attends over these rows directly (key = the whole row,
 // value = its first d_c values); the naive form decompresses them.
 // All sequences of a batch advance together; token t lives in row t.
+// The 8-bit types quantize each block of 64 channels of a row once, when
+// it is written, with one fp32 scale (value = code * scale; as KVCache,
+// include/attnkit/kv_cache.h): the latent's channels carry gains of their
+// own and the rope part outliers, which one scale per row would spread
+// over every channel. A token's scales follow its codes in its row;
+// storage() is then strided and scales() views the scales.
 class LatentCache {
  public:
-  int64_t batch_size() const { return storage_.dim(0); }
-  int64_t max_seq_len() const { return storage_.dim(1); }
+  int64_t batch_size() const { return view_.shape[0]; }
+  int64_t max_seq_len() const { return view_.shape[1]; }
   int64_t kv_lora_rank() const { return kv_lora_rank_; }
   int64_t qk_rope_head_dim() const { return qk_rope_head_dim_; }
-  int64_t values_per_token() const { return storage_.dim(2); }  // d_c + d_r
-  DType dtype() const { return storage_.dtype(); }
+  int64_t values_per_token() const { return view_.shape[2]; }  // d_c + d_r
+  DType dtype() const { return view_.dtype; }
   int64_t length() const { return length_; }  // tokens appended so far
-  size_t nbytes() const { return storage_.nbytes(); }
+  // Bytes of the values (and the 8-bit types' scales) the cache can hold.
+  size_t nbytes() const;
   // [batch, max_seq_len, d_c + d_r]; rows >= length() are unspecified.
-  const TensorView& storage() const { return storage_.view(); }
+  const TensorView& storage() const { return view_; }
+  // 8-bit types: [batch, max_seq_len, ceil((d_c + d_r) / 64)] f32, the
+  // scales of storage()'s rows; absent otherwise.
+  const TensorView& scales() const { return scales_; }
 
   // Forgets every token (storage is kept).
   void reset() { length_ = 0; }
@@ -139,11 +149,13 @@ class LatentCache {
  private:
   friend class LatentAttention;
   LatentCache() = default;
+  void write_row(int64_t b, int64_t t, const float* x, int64_t stride);
 
   int64_t kv_lora_rank_ = 0;
   int64_t qk_rope_head_dim_ = 0;
   int64_t length_ = 0;
-  Tensor storage_;
+  Tensor storage_;  // [batch, max_seq_len, row]
+  TensorView view_, scales_;
 };
 
 class LatentAttention {
@@ -170,7 +182,7 @@ class LatentAttention {
   // are kept in (f32, or bf16 for projections loaded from bf16).
   Result<TensorView> weight(std::string_view name) const;
 
-  // A latent cache for this layer; dtype kF32 or kBF16.
+  // A latent cache for this layer; dtype kF32, kBF16, kI8 or kFp8E4M3.
   Result<LatentCache> new_cache(int64_t batch_size, int64_t max_seq_len,
                                 DType dtype = DType::kF32) const;
 

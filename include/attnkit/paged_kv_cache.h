@@ -67,7 +67,12 @@ struct PagedKVCacheSpec {
   // kv_lora_rank + qk_rope_head_dim and kv_lora_rank).
   int64_t kv_lora_rank = 0;
   int64_t qk_rope_head_dim = 0;
-  DType dtype = DType::kF32;   // kF32 or kBF16
+  // kF32, kBF16, kI8 or kFp8E4M3. The 8-bit types quantize each token's
+  // row of each kv head (latent layout: each block of 64 channels of the
+  // latent row) once, when attend() or store() writes it, with one fp32
+  // scale, kept in the token's row after its codes (as KVCache does:
+  // include/attnkit/kv_cache.h).
+  DType dtype = DType::kF32;
   int64_t sliding_window = 0;  // 0 = none, else W >= 1 for every layer
 
   bool latent() const { return kv_lora_rank > 0; }
@@ -119,7 +124,8 @@ class PagedKVCache {
   int64_t pages_in_use() const { return spec_.num_pages - free_pages(); }
   // Bytes of K/V values one page holds across all layers (the KV memory
   // formula per page: num_layers * page_size * (keys + values per token) *
-  // dtype size; row padding excluded), and the whole pool's.
+  // dtype size, plus the 8-bit types' fp32 scales; row padding excluded),
+  // and the whole pool's.
   size_t page_nbytes() const;
   size_t nbytes() const { return page_nbytes() * static_cast<size_t>(spec_.num_pages); }
 
@@ -131,6 +137,12 @@ class PagedKVCache {
   // and values = the first kv_lora_rank columns of the same rows.
   Result<TensorView> keys(int64_t layer) const;
   Result<TensorView> values(int64_t layer) const;
+  // The 8-bit types' scales of the same rows, [num_pages * page_size,
+  // num_kv_heads, scales per head] f32 (1 per head; the latent layout:
+  // ceil((kv_lora_rank + qk_rope_head_dim) / 64), values sharing the keys');
+  // an absent view for f32 and bf16.
+  Result<TensorView> key_scales(int64_t layer) const;
+  Result<TensorView> value_scales(int64_t layer) const;
 
   // Batch attention over the pool, one call per layer and step (FlashInfer's
   // BatchPrefillWithPagedKVCache). For the n = seq_ids.size() sequences:
@@ -187,9 +199,11 @@ class PagedKVCache {
 
   PagedKVCacheSpec spec_;
   int64_t k_token_stride_ = 0, v_token_stride_ = 0;  // elements between token rows
-  std::vector<Tensor> k_, v_;                        // per layer (v_ empty when latent)
-  std::vector<int32_t> free_;                        // a stack: the next page to hand out last
-  std::vector<int32_t> refs_;                        // per page: sequences that hold it
+  // 8-bit types: bytes from a row's start to its scales, scales per head.
+  int64_t k_scale_offset_ = 0, v_scale_offset_ = 0, k_scales_per_head_ = 0, v_scales_per_head_ = 0;
+  std::vector<Tensor> k_, v_;  // per layer (v_ empty when latent)
+  std::vector<int32_t> free_;  // a stack: the next page to hand out last
+  std::vector<int32_t> refs_;  // per page: sequences that hold it
   std::unordered_map<int64_t, Sequence> sequences_;
   int64_t next_id_ = 0;
   std::unique_ptr<AttendScratch> scratch_;

@@ -27,6 +27,10 @@ enum class DType : uint8_t {
   kBool,  // one byte per element, nonzero = true
   kI32,
   kI64,
+  // 8-bit KV-cache storage (kv_cache.h): 1-byte codes, each block of a
+  // token row dequantized with its fp32 scale (value = code * scale).
+  kI8,       // signed 8-bit integers, symmetric (-128 is never written)
+  kFp8E4M3,  // OCP fp8 E4M3 ("e4m3fn": no infinities, max 448, 0x7f/0xff NaN)
 };
 
 const char* dtype_name(DType dtype);
@@ -55,6 +59,12 @@ inline bf16 float_to_bf16(float f) {
 
 // IEEE binary16 to float, exact (subnormals, Inf and NaN included).
 float f16_to_float(uint16_t h);
+
+// fp8 E4M3 to float, exact (subnormals included; 0x7f and 0xff are NaN).
+float fp8_e4m3_to_float(uint8_t x);
+// float to fp8 E4M3: round to nearest even, saturating at +-448 (the
+// largest finite value; E4M3 has no infinities); NaN gives 0x7f.
+uint8_t float_to_fp8_e4m3(float f);
 
 inline constexpr int kMaxRank = 4;
 

@@ -18,8 +18,9 @@ import json as _json
 import os as _os
 
 from . import _attnkit
-from ._attnkit import (AttentionLayer, KVCache, Rope, apply_rope, load_safetensors,
-                       merge_attention_states, save_safetensors, sdpa)
+from ._attnkit import (AttentionLayer, KVCache, PagedKVCache, Rope, apply_rope,
+                       batch_attention, load_safetensors, merge_attention_states,
+                       save_safetensors, sdpa, sdpa_varlen)
 from .moe import moe_from_config
 
 __version__ = "0.1.0"
@@ -86,9 +87,9 @@ def attention_from_variant(variant, d_model, num_heads, bias=True):
 
 
 __all__ = [
-    "__version__", "AttentionLayer", "KVCache", "MLA_MODEL_TYPES", "Rope", "apply_rope",
-    "attention_from_variant", "from_config", "load_safetensors", "merge_attention_states",
-    "moe_from_config", "save_safetensors", "sdpa",
+    "__version__", "AttentionLayer", "KVCache", "MLA_MODEL_TYPES", "PagedKVCache", "Rope",
+    "apply_rope", "attention_from_variant", "batch_attention", "from_config", "load_safetensors",
+    "merge_attention_states", "moe_from_config", "save_safetensors", "sdpa", "sdpa_varlen",
 ]
 
 # Classes and functions bound by the other areas (MLA, MoE) are public too.

@@ -117,7 +117,8 @@ def _save(fig, path):
 
 def kv_memory_vs_context(bench, path, layers=1, batch=1, contexts=None):
     """KV-cache bytes for `batch` sequences of every context, per variant
-    and KV dtype (solid f32, dashed bf16), for `layers` layers of the
+    and KV dtype (solid f32, dashed bf16, dotted 8-bit: int8 and fp8_e4m3
+    take the same bytes), for `layers` layers of the
     bench's shape. Writes `path` (.png or .svg) and returns it."""
     from matplotlib.ticker import FuncFormatter
 
@@ -130,13 +131,13 @@ def kv_memory_vs_context(bench, path, layers=1, batch=1, contexts=None):
     colors = _colors(variants)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for v in variants:
-        for dtype, style in (("f32", "-"), ("bf16", "--")):
+        for dtype, style in (("f32", "-"), ("bf16", "--"), ("int8", ":")):
             b = per_token.get(v, {}).get(dtype)
             if b is None:
                 continue
             ax.plot(contexts, [b * c * layers * batch for c in contexts], style, color=colors[v],
                     marker="o" if dtype == "f32" else None, markersize=3,
-                    label="%s %s" % (v, dtype))
+                    label="%s %s" % (v, "8-bit" if dtype == "int8" else dtype))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(_context_label))
@@ -165,7 +166,7 @@ def decode_latency_vs_context(bench, path, batch=1):
     colors = _colors(variants)
     fig, ax = plt.subplots(figsize=(8.0, 4.2))
     for v in variants:
-        for dtype, marker in (("f32", "o"), ("bf16", "^")):
+        for dtype, marker in (("f32", "o"), ("bf16", "^"), ("int8", "s"), ("fp8_e4m3", "D")):
             pts = sorted((r["context"], r["seconds"]) for r in rows
                          if r["variant"] == v and r["kv_dtype"] == dtype and r["seconds"] is not None)
             if pts:
@@ -194,11 +195,12 @@ def decode_latency_vs_context(bench, path, batch=1):
 
 def _roof(bench, row):
     """The roof a row can reach: the fp32 FMA peak (the bf16 dot-product
-    peak for bf16 K/V rows, where higher) or the read bandwidth times the
-    row's arithmetic intensity, whichever is lower."""
+    peak for bf16 and 8-bit K/V rows, which may run on it, where higher) or
+    the read bandwidth times the row's arithmetic intensity, whichever is
+    lower."""
     m = bench["machine"]
     peak = float(m["fp32_peak_gflops"])
-    if row["kv_dtype"] == "bf16":
+    if row["kv_dtype"] != "f32":
         peak = max(peak, float(m.get("bf16_dot_peak_gflops") or 0))
     return min(peak, float(m["dram_read_gbps"]) * row["arithmetic_intensity"])
 
@@ -235,7 +237,7 @@ def roofline(bench, path):
     """Roofline of this machine (measured fp32 FMA peak and read bandwidth,
     and dashed the bf16 dot-product peak where it is higher) with every
     measured row at (FLOPs / bytes, achieved GFLOP/s): circles decode,
-    squares prefill; filled f32 KV, hollow bf16. Points above their roof
+    squares prefill; filled f32 KV, hollow bf16 or 8-bit. Points above their roof
     (see above_roof) are ringed in red and counted on the plot. Writes
     `path`."""
     plt = _plt()
@@ -262,7 +264,7 @@ def roofline(bench, path):
     seen = set()
     for r in rows:
         v = r["variant"]
-        hollow = r["kv_dtype"] == "bf16"
+        hollow = r["kv_dtype"] != "f32"
         label = None
         key = (v, r["mode"])
         if key not in seen:
@@ -282,7 +284,7 @@ def roofline(bench, path):
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("achieved GFLOP/s")
-    ax.set_title("roofline (measured here): %s, %s threads\nfilled = f32 KV, hollow = bf16 KV"
+    ax.set_title("roofline (measured here): %s, %s threads\nfilled = f32 KV, hollow = bf16 / 8-bit KV"
                  % (m.get("simd", "?"), m.get("threads", "?")), fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=7, ncol=2, loc="lower right")

@@ -18,6 +18,7 @@
 #include "bindings.h"
 #include "kv_cache.h"
 #include "numpy_util.h"
+#include "paged.h"
 #include "rope.h"
 
 namespace attnkit::python {
@@ -173,6 +174,30 @@ py::array layer_forward(PyAttentionLayer& s, py::object x, py::object positions,
     } else {
       st = s.layer.forward(xi.view, out, pos, nullptr, run);
     }
+  }
+  throw_if_error(st);
+  return out_a;
+}
+
+py::array layer_forward_batch(PyAttentionLayer& s, py::object x, py::object cu_seqlens_q,
+                              py::object seq_ids, py::object cache, int64_t layer_index,
+                              const std::string& backend, int num_threads) {
+  constexpr const char* kFn = "AttentionLayer.forward_batch";
+  const InputArray xi = f32_input(x, {kFn, "x", 2, 2, "[total_tokens, hidden]", true});
+  const std::vector<int32_t> cu = offsets_arg(cu_seqlens_q, kFn, "cu_seqlens_q");
+  const std::vector<int64_t> ids = int64_list(seq_ids, kFn, "seq_ids");
+  PyPagedKVCache& c = paged_cache_arg(cache, kFn);
+  RunOptions run;
+  run.backend = parse_backend(backend, kFn);
+  run.num_threads = num_threads;
+  TensorView out;
+  py::array out_a = new_array(DType::kF32, {xi.view.shape[0], s.layer.config().hidden_size}, &out);
+  Status st;
+  {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> layer_lock(s.mu);
+    std::lock_guard<std::mutex> cache_lock(c.mu);
+    st = s.layer.forward_batch(xi.view, cu, ids, c.pool, layer_index, out, run);
   }
   throw_if_error(st);
   return out_a;
@@ -410,7 +435,30 @@ void bind_attention_layer(py::module_& m) {
           },
           py::arg("batch_size"), py::arg("max_seq_len"), py::arg("dtype") = "float32",
           "A KVCache sized for this layer (its kv heads, head dim and sliding window); dtype "
-          "'float32' or 'bfloat16'.")
+          "'float32', 'bfloat16', 'int8' or 'fp8_e4m3'.")
+      .def(
+          "new_paged_cache",
+          [](PyAttentionLayer& s, int64_t num_pages, int64_t page_size, int64_t num_layers,
+             const std::string& kv_dtype) {
+            const DType dt =
+                parse_cache_dtype(kv_dtype, "AttentionLayer.new_paged_cache", "kv_dtype");
+            return std::make_unique<PyPagedKVCache>(
+                value_or_throw(s.layer.new_paged_cache(num_pages, page_size, num_layers, dt)));
+          },
+          py::arg("num_pages"), py::arg("page_size") = 16, py::arg("num_layers") = 1,
+          py::arg("kv_dtype") = "float32",
+          "A PagedKVCache shaped for this layer (its kv heads, head dim and sliding window) with "
+          "num_layers layers.")
+      .def(
+          "forward_batch", &layer_forward_batch, py::arg("x"), py::arg("cu_seqlens_q"),
+          py::arg("seq_ids"), py::arg("cache"), py::arg("layer_index") = 0, py::kw_only(),
+          py::arg("backend") = "auto", py::arg("num_threads") = 0,
+          R"doc(One continuous-batching step over a PagedKVCache: x [total_tokens, hidden] holds the new tokens of
+the sequences seq_ids packed in order (sequence s owns rows cu_seqlens_q[s] ... cu_seqlens_q[s + 1]
+- 1: the tokens it reserved with cache.append() that layer layer_index of the pool has not written
+yet, at positions written + i). Returns [total_tokens, hidden] float32. Each projection is one GEMM
+over all rows; a sequence's output does not depend on what else shares the step (where the GEMM's
+rows are independent: AVX-512 machines).)doc")
       .def("__repr__", [](PyAttentionLayer& s) {
         return "AttentionLayer(" + py::repr(config_to_dict(s.layer.config())).cast<std::string>() +
                ")";

@@ -17,7 +17,8 @@ namespace attnkit::python {
 namespace {
 
 // The held tokens of keys (or values) in position order, oldest first, as
-// float32 [batch, stored, num_kv_heads, dim] (bf16 storage widened exactly).
+// float32 [batch, stored, num_kv_heads, dim] (bf16 storage widened exactly,
+// 8-bit codes times their scales, exactly).
 py::array cache_tokens(PyKVCache& c, bool keys) {
   struct Snapshot {
     Result<Tensor> data = Status(StatusCode::kInternal, "unset");
@@ -27,6 +28,7 @@ py::array cache_tokens(PyKVCache& c, bool keys) {
     Snapshot s;
     const KVCache& kv = c.cache;
     const TensorView& src = keys ? kv.keys() : kv.values();
+    const TensorView& scales = keys ? kv.key_scales() : kv.value_scales();
     s.stored = kv.stored();
     s.data = Tensor::zeros(DType::kF32, {src.shape[0], s.stored, src.shape[2], src.shape[3]});
     if (!s.data.ok()) return s;
@@ -40,8 +42,18 @@ py::array cache_tokens(PyKVCache& c, bool keys) {
         for (int64_t h = 0; h < src.shape[2]; ++h)
           for (int64_t d = 0; d < src.shape[3]; ++d) {
             const int64_t i = base + h * src.strides[2] + d * src.strides[3];
-            *dst++ = src.dtype == DType::kBF16 ? bf16_to_float(src.ptr<const bf16>()[i])
-                                               : src.ptr<const float>()[i];
+            if (src.dtype == DType::kBF16) {
+              *dst++ = bf16_to_float(src.ptr<const bf16>()[i]);
+            } else if (scales.present()) {
+              const uint8_t code = src.ptr<const uint8_t>()[i];
+              const float value =
+                  src.dtype == DType::kI8 ? static_cast<int8_t>(code) : fp8_e4m3_to_float(code);
+              *dst++ = value *
+                       scales.ptr<const float>()[b * scales.strides[0] + slot * scales.strides[1] +
+                                                 h * scales.strides[2]];
+            } else {
+              *dst++ = src.ptr<const float>()[i];
+            }
           }
       }
     return s;
@@ -79,7 +91,11 @@ Key/value cache of one MHA/MQA/GQA layer for incremental decoding.
             dtype="float32", sliding_window=0)
 
 Stores K [batch, slots, num_kv_heads, head_dim] and V [..., head_dim_v] as
-float32 or bfloat16. Without a window slots = max_seq_len; with a sliding
+float32, bfloat16, int8 or fp8_e4m3. The 8-bit types quantize each token's
+row of each kv head once, when it is written, with one float32 scale
+(max |x| / 127 or / 448): a quarter of float32's bytes, plus 4 per row.
+keys() and values() return the values they hold (code * scale), as float32.
+Without a window slots = max_seq_len; with a sliding
 window W (each token sees itself and W-1 before it) slots = min(max_seq_len,
 W-1), a ring buffer. All sequences advance together. Usually made by
 AttentionLayer.new_cache.
@@ -128,7 +144,8 @@ void bind_kv_cache(py::module_& m) {
           "slots", [](PyKVCache& c) { return c.cache.slots(); }, "tokens the storage holds")
       .def_property_readonly(
           "nbytes", [](PyKVCache& c) { return c.cache.nbytes(); },
-          "bytes of the K and V values the cache holds (the KV memory formula)")
+          "bytes of the K and V values the cache holds (the KV memory formula; 8-bit types "
+          "with their float32 scales)")
       .def_property_readonly(
           "storage_nbytes", [](PyKVCache& c) { return c.cache.storage_nbytes(); },
           "bytes allocated for K and V: nbytes plus one 64-byte line per token row whose "

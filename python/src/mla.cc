@@ -12,9 +12,11 @@
 
 #include <pybind11/stl.h>
 
+#include "attnkit/kv_cache.h"
 #include "attnkit/latent_attention.h"
 #include "bindings.h"
 #include "numpy_util.h"
+#include "paged.h"
 
 namespace attnkit::python {
 namespace {
@@ -80,6 +82,35 @@ void load_py(PyLatentAttention& self, py::handle state_dict, const std::string& 
     st = self.layer.load_weights(map, prefix);
   }
   throw_if_error(st);
+}
+
+py::array forward_batch_py(PyLatentAttention& self, py::object x, py::object cu_seqlens_q,
+                           py::object seq_ids, py::object cache, int64_t layer_index,
+                           const std::string& backend, int num_threads) {
+  constexpr const char* kFn = "LatentAttention.forward_batch";
+  InputArray xi = f32_input(x, {kFn, "x", 2, 2, "[total_tokens, hidden_size]"});
+  // The layer needs x contiguous; f32_input views strided float32 in place.
+  if (!xi.view.is_contiguous())
+    xi = f32_input(py::module_::import("numpy").attr("ascontiguousarray")(xi.array),
+                   {kFn, "x", 2, 2, "[total_tokens, hidden_size]"});
+  const std::vector<int32_t> cu = offsets_arg(cu_seqlens_q, kFn, "cu_seqlens_q");
+  const std::vector<int64_t> ids = int64_list(seq_ids, kFn, "seq_ids");
+  PyPagedKVCache& c = paged_cache_arg(cache, kFn);
+  RunOptions run;
+  run.num_threads = num_threads;
+  run.backend = parse_backend(backend, kFn);
+  TensorView out;
+  py::array out_a =
+      new_array(DType::kF32, {xi.view.shape[0], self.layer.config().hidden_size}, &out);
+  Status st;
+  {
+    py::gil_scoped_release release;
+    std::shared_lock lock(self.mu);
+    std::lock_guard<std::mutex> cache_lock(c.mu);
+    st = self.layer.forward_batch(xi.view, cu, ids, c.pool, layer_index, out, run);
+  }
+  throw_if_error(st);
+  return out_a;
 }
 
 py::array forward_py(PyLatentAttention& self, py::handle x, py::handle positions,
@@ -153,7 +184,8 @@ values), nothing else. Made by LatentAttention.new_cache.
           "tokens appended so far (the next token's position)")
       .def_property_readonly(
           "nbytes", [](PyLatentCache& c) { return c.cache.nbytes(); },
-          "bytes of storage: batch * max_seq_len * values_per_token * itemsize")
+          "bytes of storage: batch * max_seq_len * values_per_token * itemsize (8-bit types: "
+          "plus a float32 scale per 64 values)")
       .def_property_readonly(
           "values_per_token", [](PyLatentCache& c) { return c.cache.values_per_token(); },
           "kv_lora_rank + qk_rope_head_dim")
@@ -192,12 +224,15 @@ values), nothing else. Made by LatentAttention.new_cache.
           "latent",
           [](PyLatentCache& c) {
             std::lock_guard lock(c.mu);
-            TensorView v = c.cache.storage();
+            TensorView v = c.cache.storage(), s = c.cache.scales();
             v.shape[1] = c.cache.length();
-            return copy_to_numpy(v);
+            if (!s.present()) return copy_to_numpy(v);
+            s.shape[1] = c.cache.length();
+            return dequantize_to_numpy(v, s, kLatentScaleBlock);
           },
           "Copy of the cached rows, float32 [batch, length, kv_lora_rank + qk_rope_head_dim]: "
-          "[normed latent ; rotated rope key] per token.")
+          "[normed latent ; rotated rope key] per token (8-bit caches: the values they hold, "
+          "code * scale).")
       .def("__repr__", [](PyLatentCache& c) {
         int64_t length = 0;
         {
@@ -259,7 +294,25 @@ values), nothing else. Made by LatentAttention.new_cache.
                 value_or_throw(s.layer.new_cache(batch_size, max_seq_len, dt)));
           },
           py::arg("batch_size"), py::arg("max_seq_len"), py::arg("dtype") = "float32",
-          "A latent cache for this layer (dtype 'float32' or 'bfloat16').")
+          "A latent cache for this layer (dtype 'float32', 'bfloat16', 'int8' or 'fp8_e4m3'; "
+          "the 8-bit types keep one float32 scale per 64 channels of a row).")
+      .def(
+          "new_paged_cache",
+          [](PyLatentAttention& s, int64_t num_pages, int64_t page_size, int64_t num_layers,
+             const std::string& kv_dtype) {
+            const DType dt =
+                parse_cache_dtype(kv_dtype, "LatentAttention.new_paged_cache", "kv_dtype");
+            return std::make_unique<PyPagedKVCache>(
+                value_or_throw(s.layer.new_paged_cache(num_pages, page_size, num_layers, dt)));
+          },
+          py::arg("num_pages"), py::arg("page_size") = 16, py::arg("num_layers") = 1,
+          py::arg("kv_dtype") = "float32",
+          "A PagedKVCache in the latent layout (kv_lora_rank + qk_rope_head_dim values per "
+          "token) with num_layers layers.")
+      .def("forward_batch", &forward_batch_py, py::arg("x"), py::arg("cu_seqlens_q"),
+           py::arg("seq_ids"), py::arg("cache"), py::arg("layer_index") = 0, py::kw_only(),
+           py::arg("backend") = "auto", py::arg("num_threads") = 0,
+           "As AttentionLayer.forward_batch, over a latent pool, in the absorbed form.")
       .def(
           "choose_form",
           [](PyLatentAttention& s, int64_t new_tokens, int64_t cached_tokens) {

@@ -9,6 +9,7 @@ PYBIND11_MODULE(_attnkit, m) {
   attnkit::python::bind_sdpa(m);
   attnkit::python::bind_rope(m);
   attnkit::python::bind_kv_cache(m);
+  attnkit::python::bind_paged(m);
   attnkit::python::bind_attention_layer(m);
   attnkit::python::bind_safetensors(m);
   attnkit::python::bind_mla(m);

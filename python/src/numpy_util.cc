@@ -25,6 +25,10 @@ py::dtype numpy_dtype(DType dtype) {
       return py::dtype::of<int32_t>();
     case DType::kI64:
       return py::dtype::of<int64_t>();
+    case DType::kI8:
+      return py::dtype::of<int8_t>();
+    case DType::kFp8E4M3:
+      return py::dtype::of<uint8_t>();  // the codes; numpy has no fp8
     case DType::kBF16:
       break;  // numpy has no bfloat16; callers widen to float32
   }
@@ -303,7 +307,37 @@ py::array copy_to_numpy(const TensorView& v) {
     case DType::kI64:
       copy_strided<int64_t>(v, static_cast<int64_t*>(a.mutable_data()), same);
       break;
+    case DType::kI8:
+    case DType::kFp8E4M3:
+      copy_strided<uint8_t>(v, static_cast<uint8_t*>(a.mutable_data()), same);
+      break;
   }
+  return a;
+}
+
+py::array dequantize_to_numpy(const TensorView& codes, const TensorView& scales, int64_t block) {
+  std::vector<py::ssize_t> dims(codes.shape.begin(), codes.shape.begin() + codes.rank);
+  py::array a(py::dtype::of<float>(), dims);
+  float* dst = static_cast<float*>(a.mutable_data());
+  const int r = codes.rank;
+  int64_t shape[4] = {1, 1, 1, 1}, cs[4] = {0, 0, 0, 0}, ss[4] = {0, 0, 0, 0};
+  for (int i = 0; i < r; ++i) {
+    shape[4 - r + i] = codes.shape[i];
+    cs[4 - r + i] = codes.strides[i];
+    ss[4 - r + i] = scales.strides[i];
+  }
+  const uint8_t* c = codes.ptr<const uint8_t>();
+  const float* s = scales.ptr<const float>();
+  for (int64_t i0 = 0; i0 < shape[0]; ++i0)
+    for (int64_t i1 = 0; i1 < shape[1]; ++i1)
+      for (int64_t i2 = 0; i2 < shape[2]; ++i2)
+        for (int64_t i3 = 0; i3 < shape[3]; ++i3) {
+          const uint8_t code = c[i0 * cs[0] + i1 * cs[1] + i2 * cs[2] + i3 * cs[3]];
+          const float scale = s[i0 * ss[0] + i1 * ss[1] + i2 * ss[2] + i3 / block * ss[3]];
+          const float value =
+              codes.dtype == DType::kI8 ? static_cast<int8_t>(code) : fp8_e4m3_to_float(code);
+          *dst++ = value * scale;
+        }
   return a;
 }
 
@@ -398,13 +432,46 @@ float parse_softmax_scale(const std::optional<double>& scale, const char* fn) {
   return s;
 }
 
-DType parse_cache_dtype(const std::string& text, const char* fn, const char* name) {
-  if (text == "float32" || text == "f32") return DType::kF32;
-  if (text == "bfloat16" || text == "bf16") return DType::kBF16;
-  raise_value_error(fn, std::string(name) + " = '" + text + "' must be 'float32' or 'bfloat16'");
+void round_to_bf16(const TensorView& src, bf16* dst) {
+  int64_t shape[4] = {1, 1, 1, 1}, strides[4] = {0, 0, 0, 0};
+  for (int i = 0; i < src.rank; ++i) {
+    shape[4 - src.rank + i] = src.shape[i];
+    strides[4 - src.rank + i] = src.strides[i];
+  }
+  const float* p = src.ptr<const float>();
+  for (int64_t a = 0; a < shape[0]; ++a)
+    for (int64_t b = 0; b < shape[1]; ++b)
+      for (int64_t c = 0; c < shape[2]; ++c)
+        for (int64_t d = 0; d < shape[3]; ++d)
+          *dst++ =
+              float_to_bf16(p[a * strides[0] + b * strides[1] + c * strides[2] + d * strides[3]]);
 }
 
-const char* cache_dtype_name(DType dtype) { return dtype == DType::kBF16 ? "bfloat16" : "float32"; }
+DType parse_cache_dtype(const std::string& text, const char* fn, const char* name, bool eight_bit) {
+  if (text == "float32" || text == "f32") return DType::kF32;
+  if (text == "bfloat16" || text == "bf16") return DType::kBF16;
+  if (eight_bit && text == "int8") return DType::kI8;
+  if (eight_bit && text == "fp8_e4m3") return DType::kFp8E4M3;
+  if (eight_bit)
+    raise_value_error(fn, std::string(name) + " = '" + text +
+                              "' must be 'float32', 'bfloat16', 'int8' or 'fp8_e4m3'");
+  raise_value_error(fn, std::string(name) + " = '" + text +
+                            "' must be 'float32' or 'bfloat16' (8-bit K/V carry scales, which "
+                            "only the caches keep: KVCache, PagedKVCache, LatentCache)");
+}
+
+const char* cache_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kI8:
+      return "int8";
+    case DType::kFp8E4M3:
+      return "fp8_e4m3";
+    default:
+      return "float32";
+  }
+}
 
 WeightMap weights_from_dict(py::handle obj, const char* fn, const std::string& prefix,
                             std::vector<InputArray>* keep) {

@@ -97,8 +97,20 @@ InputArray mask_input(py::handle obj, const char* fn);
 py::array new_array(DType dtype, std::initializer_list<int64_t> shape, TensorView* view);
 
 // A new numpy array holding a copy of `v` (any strides): f32 -> float32,
-// bf16 -> float32 (exact), f16 -> float16, f64, i32, i64, bool as themselves.
+// bf16 -> float32 (exact), f16 -> float16, f64, i32, i64, bool, int8 as
+// themselves, fp8_e4m3 codes as uint8.
 py::array copy_to_numpy(const TensorView& v);
+
+// The values of an 8-bit cache view `codes` (int8 or fp8_e4m3, rank 1..4,
+// any strides) as float32: code * scale, the scale of element (..., c) at
+// (..., c / block) of `scales` (f32, the same leading shape; block = the
+// last dimension for one scale per row). Exact: a code has at most 8
+// significant bits.
+py::array dequantize_to_numpy(const TensorView& codes, const TensorView& scales, int64_t block);
+
+// Rounds f32 `src` (rank 1..4, any strides) into contiguous bf16 `dst`:
+// K/V for kv_dtype="bfloat16", since numpy has no bfloat16 to pass directly.
+void round_to_bf16(const TensorView& src, bf16* dst);
 
 // "auto" | "reference" | "fast".
 Backend parse_backend(const std::string& text, const char* fn);
@@ -121,11 +133,14 @@ std::vector<int64_t> parse_positions(py::handle obj, const char* fn);
 // "1/sqrt(head_dim)"), else a finite value > 0.
 float parse_softmax_scale(const std::optional<double>& scale, const char* fn);
 
-// "float32" | "f32" -> kF32, "bfloat16" | "bf16" -> kBF16; `name` is the
-// argument's name in messages.
-DType parse_cache_dtype(const std::string& text, const char* fn, const char* name = "dtype");
+// "float32" | "f32" -> kF32, "bfloat16" | "bf16" -> kBF16, and with
+// `eight_bit` (the caches) "int8" -> kI8, "fp8_e4m3" -> kFp8E4M3; `name` is
+// the argument's name in messages.
+DType parse_cache_dtype(const std::string& text, const char* fn, const char* name = "dtype",
+                        bool eight_bit = true);
 
-// The numpy-facing name of a storage dtype: "float32" or "bfloat16".
+// The Python name of a storage dtype: "float32", "bfloat16", "int8" or
+// "fp8_e4m3".
 const char* cache_dtype_name(DType dtype);
 
 // The entries of a state dict {name: array} under `prefix`, as a WeightMap

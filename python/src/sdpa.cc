@@ -9,24 +9,13 @@
 #include <vector>
 
 #include "attnkit/attention.h"
+#include "attnkit/kv_cache.h"
 #include "attnkit/tensor.h"
 #include "bindings.h"
 #include "numpy_util.h"
 
 namespace attnkit::python {
 namespace {
-
-// Rounds f32 `src` (rank 4, any strides) into contiguous bf16 `dst`: K/V for
-// sdpa's kv_dtype="bfloat16", since numpy has no bfloat16 to pass directly.
-void round_to_bf16(const TensorView& src, bf16* dst) {
-  const float* p = src.ptr<const float>();
-  for (int64_t a = 0; a < src.shape[0]; ++a)
-    for (int64_t b = 0; b < src.shape[1]; ++b)
-      for (int64_t c = 0; c < src.shape[2]; ++c)
-        for (int64_t d = 0; d < src.shape[3]; ++d)
-          *dst++ = float_to_bf16(
-              p[a * src.strides[0] + b * src.strides[1] + c * src.strides[2] + d * src.strides[3]]);
-}
 
 py::object sdpa_py(py::object q, py::object k, py::object v, std::optional<double> softmax_scale,
                    bool causal, py::object window_size, double softcap, py::object seqlens_k,
@@ -78,6 +67,22 @@ py::object sdpa_py(py::object q, py::object k, py::object v, std::optional<doubl
         round_to_bf16(kv_view, kb->ptr<bf16>());
         round_to_bf16(vv, vb->ptr<bf16>());
         st = attnkit::sdpa(qv, kb->view(), vb->view(), out, opt, lse, probs);
+      }
+    } else if (kv == DType::kI8 || kv == DType::kFp8E4M3) {
+      // Each row of each kv head quantized as a KVCache stores it.
+      const int64_t* ks = kv_view.shape.data();
+      const int64_t* vs = vv.shape.data();
+      Result<Tensor> kc = Tensor::zeros(kv, ks, 4), vc = Tensor::zeros(kv, vs, 4);
+      Result<Tensor> ksc = Tensor::zeros(DType::kF32, {ks[0], ks[1], ks[2], 1});
+      Result<Tensor> vsc = Tensor::zeros(DType::kF32, {vs[0], vs[1], vs[2], 1});
+      for (const Result<Tensor>* t : {&kc, &vc, &ksc, &vsc})
+        if (st.ok() && !t->ok()) st = t->status();
+      if (st.ok()) st = quantize_kv_rows(kv_view, kc->view(), ksc->view());
+      if (st.ok()) st = quantize_kv_rows(vv, vc->view(), vsc->view());
+      if (st.ok()) {
+        opt.k_scales = ksc->view();
+        opt.v_scales = vsc->view();
+        st = attnkit::sdpa(qv, kc->view(), vc->view(), out, opt, lse, probs);
       }
     } else {
       st = attnkit::sdpa(qv, kv_view, vv, out, opt, lse, probs);
@@ -137,7 +142,9 @@ Keyword arguments:
         "stride": l, "summary": c, "block_size": b}.
     return_lse: also return lse [batch, num_heads, seqlen_q] (natural log).
     return_probs: also return probs [batch, num_heads, seqlen_q, seqlen_k].
-    kv_dtype: "float32", or "bfloat16" to round K/V to bf16 storage first
+    kv_dtype: "float32", or "bfloat16" to round K/V to bf16 storage first, or
+              "int8" / "fp8_e4m3" to quantize each row of each kv head as an
+              8-bit KVCache stores it (one float32 scale per row)
         (numpy has no bfloat16; this exercises the bf16 K/V kernels).
     backend: "auto" | "reference" | "fast".
     num_threads: 0 = ATTNKIT_NUM_THREADS or all cores.

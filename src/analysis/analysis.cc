@@ -5,6 +5,7 @@
 #include <string>
 
 #include "attnkit/analysis.h"
+#include "attnkit/kv_cache.h"
 
 namespace attnkit {
 namespace {
@@ -65,9 +66,28 @@ int64_t kv_values_per_token_per_layer(const ModelShape& m, bool mla_latent) {
   return m.num_kv_heads * (m.head_dim + m.head_dim_v);
 }
 
+namespace {
+
+// Bytes one token takes in one layer's cache: its values, plus for the
+// 8-bit types one fp32 scale per row of a kv head (K and V), or per
+// kLatentScaleBlock channels of an MLA latent row, as the caches store them
+// (include/attnkit/kv_cache.h).
+int64_t kv_token_layer_bytes(const ModelShape& m, DType kv_dtype, bool mla_latent) {
+  const int64_t values =
+      kv_values_per_token_per_layer(m, mla_latent) * static_cast<int64_t>(dtype_size(kv_dtype));
+  if (kv_dtype != DType::kI8 && kv_dtype != DType::kFp8E4M3) return values;
+  int64_t rows;
+  if (m.mla && mla_latent)
+    rows = (m.kv_lora_rank + m.qk_rope_head_dim + kLatentScaleBlock - 1) / kLatentScaleBlock;
+  else
+    rows = 2 * (m.mla ? m.num_heads : m.num_kv_heads);
+  return values + 4 * rows;
+}
+
+}  // namespace
+
 int64_t kv_bytes_per_token(const ModelShape& m, DType kv_dtype, bool mla_latent) {
-  return kv_values_per_token_per_layer(m, mla_latent) * m.num_layers *
-         static_cast<int64_t>(dtype_size(kv_dtype));
+  return kv_token_layer_bytes(m, kv_dtype, mla_latent) * m.num_layers;
 }
 
 double kv_cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int64_t batch,
@@ -76,9 +96,7 @@ double kv_cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int6
   // layer (sizes are capped at 2^20 by the parsers) x 2^63 tokens x 2^20
   // layers = 2^126. Times the batch in double: a product below 2^53 is
   // exact, a larger one is within two roundings of the truth.
-  const __int128 per_token_layer =
-      static_cast<__int128>(kv_values_per_token_per_layer(m, mla_latent)) *
-      static_cast<__int128>(dtype_size(kv_dtype));
+  const __int128 per_token_layer = kv_token_layer_bytes(m, kv_dtype, mla_latent);
   __int128 per_sequence = 0;
   for (int64_t l = 0; l < m.num_layers; ++l)
     per_sequence += per_token_layer * tokens_held(m, context, l);
@@ -109,8 +127,7 @@ double decode_bytes_per_layer(const ModelShape& m, int64_t context, int64_t batc
                               DType weight_dtype, int64_t layer) {
   const double weights = static_cast<double>(attention_params_per_layer(m)) *
                          static_cast<double>(dtype_size(weight_dtype));
-  const double kv = static_cast<double>(kv_values_per_token_per_layer(m, true)) *
-                    static_cast<double>(dtype_size(kv_dtype)) *
+  const double kv = static_cast<double>(kv_token_layer_bytes(m, kv_dtype, true)) *
                     static_cast<double>(tokens_held(m, context, layer));
   return weights + static_cast<double>(batch) * kv;
 }

@@ -23,20 +23,22 @@ uint64_t read_xcr0() {
 CpuFeatures detect() {
   CpuFeatures f;
   unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return f;
+  f.amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
-  const bool fma = (c >> 12) & 1, osxsave = (c >> 27) & 1;
+  const bool fma = (c >> 12) & 1, osxsave = (c >> 27) & 1, f16c = (c >> 29) & 1;
   if (!osxsave) return f;
   const uint64_t xcr0 = read_xcr0();
   const bool os_ymm = (xcr0 & 0x6) == 0x6, os_zmm = (xcr0 & 0xe6) == 0xe6;
   if (__get_cpuid_max(0, nullptr) < 7) return f;
   __cpuid_count(7, 0, a, b, c, d);
   const bool avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1,
-             avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
+             avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1, avx512_vnni = (c >> 11) & 1;
   __cpuid_count(7, 1, a, b, c, d);
   const bool avx512_bf16 = (a >> 5) & 1;
-  f.avx2 = os_ymm && avx2 && fma;
+  f.avx2 = os_ymm && avx2 && fma && f16c;
   f.avx512 = f.avx2 && os_zmm && avx512f && avx512dq && avx512bw && avx512vl;
-  f.avx512_bf16 = f.avx512 && avx512_bf16;
+  f.avx512_bf16 = f.avx512 && avx512_bf16 && avx512_vnni;
   return f;
 }
 #else

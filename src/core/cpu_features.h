@@ -3,12 +3,15 @@
 //
 // Targets form a ladder; each one needs everything below it:
 //   kScalar      portable C++ (whatever the compiler's baseline allows)
-//   kAvx2        AVX2 + FMA, 8 fp32 lanes
+//   kAvx2        AVX2 + FMA + F16C (fp8 K/V decode through binary16), 8 fp32
+//                lanes
 //   kAvx512      AVX-512 F/BW/VL/DQ, 16 fp32 lanes; bf16 K/V are widened to
 //                fp32 exactly
-//   kAvx512Bf16  kAvx512 plus AVX512_BF16: bf16 K/V use vdpbf16ps, which
+//   kAvx512Bf16  kAvx512 plus AVX512_BF16 and AVX512_VNNI (every CPU with
+//                the first has the second): bf16 K/V use vdpbf16ps, which
 //                rounds q and the softmax weights to bf16 (as every bf16
-//                attention kernel does) and accumulates in fp32
+//                attention kernel does) and accumulates in fp32; int8 K/V
+//                use vpdpwssd
 // The active target is the best one detected, chosen once per process. The
 // environment variable ATTNKIT_SIMD=avx512bf16|avx512|avx2|scalar lowers it
 // (a target above the detected best is ignored), and set_simd_target()
@@ -27,9 +30,12 @@ inline constexpr SimdTarget kAllSimdTargets[] = {SimdTarget::kScalar, SimdTarget
                                                  SimdTarget::kAvx512, SimdTarget::kAvx512Bf16};
 
 struct CpuFeatures {
-  bool avx2 = false;    // with FMA and OS-enabled YMM state
-  bool avx512 = false;  // F, BW, VL, DQ and OS-enabled ZMM/opmask state
-  bool avx512_bf16 = false;
+  bool avx2 = false;         // with FMA, F16C and OS-enabled YMM state
+  bool avx512 = false;       // F, BW, VL, DQ and OS-enabled ZMM/opmask state
+  bool avx512_bf16 = false;  // with AVX512_VNNI
+  // An AMD CPU: there vdpbf16ps multiplies twice the pairs an fp32 FMA does
+  // per cycle (kernels/cpu/tile_policy.h, dequantizes_to_bf16).
+  bool amd = false;
 };
 
 // Detected with cpuid/xgetbv once per process; all false off x86.

@@ -1,6 +1,8 @@
 #include "attnkit/tensor.h"
 
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <new>
 
 #include "core/checked_math.h"
@@ -23,6 +25,10 @@ const char* dtype_name(DType dtype) {
       return "i32";
     case DType::kI64:
       return "i64";
+    case DType::kI8:
+      return "int8";
+    case DType::kFp8E4M3:
+      return "fp8_e4m3";
   }
   return "unknown";
 }
@@ -43,6 +49,9 @@ size_t dtype_size(DType dtype) {
       return 4;
     case DType::kI64:
       return 8;
+    case DType::kI8:
+    case DType::kFp8E4M3:
+      return 1;
   }
   return 0;
 }
@@ -69,6 +78,38 @@ float f16_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+float fp8_e4m3_to_float(uint8_t x) {
+  const int exp = (x >> 3) & 0xf, mant = x & 7;
+  float mag;
+  if ((x & 0x7f) == 0x7f)
+    mag = std::numeric_limits<float>::quiet_NaN();
+  else if (exp == 0)
+    mag = std::ldexp(static_cast<float>(mant), -9);  // subnormal: mant * 2^-6 / 8
+  else
+    mag = std::ldexp(static_cast<float>(8 + mant), exp - 10);  // (1 + mant / 8) * 2^(exp - 7)
+  return (x & 0x80) ? -mag : mag;
+}
+
+uint8_t float_to_fp8_e4m3(float f) {
+  if (std::isnan(f)) return 0x7f;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
+  const float a = std::fabs(f);
+  if (a >= 448.0f) return sign | 0x7e;
+  // Below the smallest normal (2^-6) the step is 2^-9. nearbyint rounds
+  // half to even; a subnormal rounding up to 8 steps is the smallest
+  // normal, whose code is 8 too.
+  if (a < 0x1p-6f) return sign | static_cast<uint8_t>(std::nearbyint(std::ldexp(a, 9)));
+  int e;
+  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1): exponent field e + 6
+  int steps = static_cast<int>(std::nearbyint(std::ldexp(m, 4)));  // 8..16 eighths above 1
+  if (steps == 16) {
+    steps = 8;
+    ++e;
+  }
+  const int code = ((e + 6) << 3) | (steps - 8);
+  return sign | static_cast<uint8_t>(code > 0x7e ? 0x7e : code);
 }
 
 int64_t TensorView::numel() const {

@@ -30,7 +30,20 @@ struct AttentionParams {
   Strides4 k_stride;
   const void* v = nullptr;  // [batch, kv rows, num_kv_heads, head_dim_v]
   Strides4 v_stride;
-  DType kv_dtype = DType::kF32;  // kF32 or kBF16
+  DType kv_dtype = DType::kF32;  // kF32, kBF16, kI8 or kFp8E4M3
+
+  // 8-bit K/V (kI8, kFp8E4M3, ops/kv_quant.h): k and v hold 1-byte codes,
+  // and element c of the K row of (batch item b, physical row r, kv head h)
+  // is decode(code) * k_scale[b * k_scale_stride.batch + r *
+  // k_scale_stride.row + h * k_scale_stride.head + (c / scale_block) *
+  // k_scale_stride.dim] (V likewise, with v_scale). Scales are addressed by
+  // the data's physical row, so every key layout (key_row()) finds them.
+  // scale_block: channels per scale, 0 = one scale per head row.
+  const float* k_scale = nullptr;
+  Strides4 k_scale_stride;
+  const float* v_scale = nullptr;
+  Strides4 v_scale_stride;
+  int64_t scale_block = 0;
 
   float* out = nullptr;  // [batch, seqlen_q, num_heads, head_dim_v]
   Strides4 out_stride;
@@ -100,10 +113,19 @@ struct AttentionParams {
   // the keys j .. j + n - 1 (n >= 1) sit in consecutive rows from it.
   int64_t key_row(int64_t b, int64_t j, int64_t n, int64_t* run) const {
     if (block_table != nullptr) {
-      const int64_t page = block_table[b * block_table_stride + j / page_size];
+      // Pages that follow each other in the pool extend the run: a fresh
+      // pool hands a sequence consecutive pages, and one long run costs the
+      // tile loop one kernel call instead of one per page.
+      // The int8 P V kernel rounds the weights of a run's keys together, so
+      // its bits depend on where runs end: batch-invariant int8 calls end
+      // them at page ends, which stay put wherever the pool put the pages.
+      const int32_t* table = block_table + b * block_table_stride + j / page_size;
       const int64_t in_page = j % page_size;
-      *run = n < page_size - in_page ? n : page_size - in_page;
-      return page * page_size + in_page;
+      int64_t rows = page_size - in_page;
+      const bool merge = !(batch_invariant && kv_dtype == DType::kI8);
+      for (int64_t p = 1; merge && rows < n && table[p] == table[0] + p; ++p) rows += page_size;
+      *run = n < rows ? n : rows;
+      return table[0] * page_size + in_page;
     }
     if (ring_capacity > 0) {
       int64_t r = ring_start + j;

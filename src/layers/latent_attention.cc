@@ -30,6 +30,7 @@
 #include "kernels/dispatch.h"
 #include "kernels/linear.h"
 #include "layers/paged_positions.h"
+#include "ops/kv_quant.h"
 
 namespace attnkit {
 namespace {
@@ -186,16 +187,48 @@ Result<LatentCache> LatentAttention::new_cache(int64_t batch_size, int64_t max_s
     return invalid_argument(f + ": batch_size = " + std::to_string(batch_size) + " must be >= 1");
   if (max_seq_len < 1)
     return invalid_argument(f + ": max_seq_len = " + std::to_string(max_seq_len) + " must be >= 1");
-  if (dtype != DType::kF32 && dtype != DType::kBF16)
-    return invalid_argument(f + ": dtype = " + dtype_name(dtype) + " must be f32 or bf16");
-  Result<Tensor> storage =
-      Tensor::zeros(dtype, {batch_size, max_seq_len, config_.cache_values_per_token()});
+  if (dtype != DType::kF32 && dtype != DType::kBF16 && !is_kv_quantized(dtype))
+    return invalid_argument(f + ": dtype = " + dtype_name(dtype) +
+                            " must be f32, bf16, int8 or fp8_e4m3");
+  const int64_t values = config_.cache_values_per_token();
+  // Unpadded rows for f32 and bf16, as before; 8-bit rows with their scales.
+  const KvRowLayout l = kv_row_layout(1, values, dtype, kLatentScaleBlock);
+  const int64_t row = is_kv_quantized(dtype) ? l.row : values;
+  Result<Tensor> storage = Tensor::zeros(dtype, {batch_size, max_seq_len, row});
   if (!storage.ok()) return Status(storage.status().code(), f + ": " + storage.status().message());
   LatentCache cache;
   cache.kv_lora_rank_ = config_.kv_lora_rank;
   cache.qk_rope_head_dim_ = config_.qk_rope_head_dim;
   cache.storage_ = std::move(storage).value();
+  cache.view_ = make_view(cache.storage_.data(), dtype, {batch_size, max_seq_len, values});
+  cache.view_.strides[1] = row;
+  cache.view_.strides[0] = max_seq_len * row;
+  if (is_kv_quantized(dtype)) {
+    cache.scales_ = make_view(static_cast<char*>(cache.storage_.data()) + l.scale_offset,
+                              DType::kF32, {batch_size, max_seq_len, l.scales_per_head});
+    cache.scales_.strides[1] = row / 4;
+    cache.scales_.strides[0] = max_seq_len * row / 4;
+  }
   return cache;
+}
+
+size_t LatentCache::nbytes() const {
+  const size_t values = static_cast<size_t>(view_.numel()) * dtype_size(view_.dtype);
+  return values + (scales_.present() ? static_cast<size_t>(scales_.numel()) * sizeof(float) : 0);
+}
+
+// Writes n values (x, `stride` apart) as row `t` of batch item b.
+void LatentCache::write_row(int64_t b, int64_t t, const float* x, int64_t stride) {
+  const int64_t n = values_per_token();
+  const int64_t at = b * view_.strides[0] + t * view_.strides[1];
+  if (is_kv_quantized(dtype())) {
+    quantize_kv(x, stride, n, dtype(), kLatentScaleBlock, view_.ptr<uint8_t>() + at,
+                scales_.ptr<float>() + b * scales_.strides[0] + t * scales_.strides[1]);
+  } else if (dtype() == DType::kBF16) {
+    for (int64_t i = 0; i < n; ++i) view_.ptr<bf16>()[at + i] = float_to_bf16(x[i * stride]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) view_.ptr<float>()[at + i] = x[i * stride];
+  }
 }
 
 Status LatentCache::append(const TensorView& rows) {
@@ -211,19 +244,10 @@ Status LatentCache::append(const TensorView& rows) {
                         " new tokens > max_seq_len = " + std::to_string(max_seq_len()));
   if (check::overlaps(rows, storage_.view()))
     return invalid_argument(std::string(fn) + ": rows overlap the cache storage");
-  const int64_t n = values_per_token();
   for (int64_t b = 0; b < batch_size(); ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      const float* src = rows.ptr<const float>() + b * rows.strides[0] + t * rows.strides[1];
-      const int64_t at = (b * max_seq_len() + L + t) * n;
-      for (int64_t i = 0; i < n; ++i) {
-        const float v = src[i * rows.strides[2]];
-        if (dtype() == DType::kBF16)
-          storage_.ptr<bf16>()[at + i] = float_to_bf16(v);
-        else
-          storage_.ptr<float>()[at + i] = v;
-      }
-    }
+    for (int64_t t = 0; t < T; ++t)
+      write_row(b, L + t, rows.ptr<const float>() + b * rows.strides[0] + t * rows.strides[1],
+                rows.strides[2]);
   length_ += T;
   return Status::Ok();
 }
@@ -350,9 +374,11 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
   ATTNKIT_RETURN_IF_ERROR(need(q, {rows, H, dqk}, "q"));
   ATTNKIT_RETURN_IF_ERROR(need(kv_new, {rows, dkv}, "the new latent rows"));
   ATTNKIT_RETURN_IF_ERROR(need(o, {rows, H, dv}, "o"));
-  const bool bf16_cache = cache && cache->dtype() == DType::kBF16;
+  // A bf16 or 8-bit cache's rows are widened (dequantized) to f32 for the
+  // naive form's projections.
+  const bool widen_cache = cache && cache->dtype() != DType::kF32;
   if (chosen == MlaForm::kNaive) {
-    if (bf16_cache) ATTNKIT_RETURN_IF_ERROR(need(lat, {B, S, dkv}, "the widened latent rows"));
+    if (widen_cache) ATTNKIT_RETURN_IF_ERROR(need(lat, {B, S, dkv}, "the widened latent rows"));
     ATTNKIT_RETURN_IF_ERROR(need(kvh, {B, S, H, dqk + dv}, "decompressed K and V"));
   } else {
     ATTNKIT_RETURN_IF_ERROR(need(qa, {rows, H, dkv}, "absorbed queries"));
@@ -370,22 +396,16 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
   // the cache's visible state unchanged until length advances at the end.
   const void* kv_rows = kv_new.data();  // [B, S, d_c + d_r]
   DType kv_dtype = DType::kF32;
-  int64_t kv_batch_stride = T * dkv;
+  int64_t kv_batch_stride = T * dkv, kv_row_stride = dkv;
   if (cache) {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t)
+        cache->write_row(b, L + t, kv_new.data() + (b * T + t) * dkv, 1);
     const TensorView& st = cache->storage();
-    for (int64_t b = 0; b < B; ++b) {
-      const float* src = kv_new.data() + b * T * dkv;
-      if (bf16_cache) {
-        bf16* dst = st.ptr<bf16>() + b * st.strides[0] + L * dkv;
-        for (int64_t i = 0; i < T * dkv; ++i) dst[i] = float_to_bf16(src[i]);
-      } else {
-        std::memcpy(st.ptr<float>() + b * st.strides[0] + L * dkv, src,
-                    static_cast<size_t>(T * dkv) * sizeof(float));
-      }
-    }
     kv_rows = st.data;
     kv_dtype = st.dtype;
     kv_batch_stride = st.strides[0];
+    kv_row_stride = st.strides[1];
   }
 
   kernels::AttentionParams prm;
@@ -402,11 +422,21 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
     // Latent rows as f32, [B, S, d_c + d_r] with batch stride lat_bs.
     const float* latent = static_cast<const float*>(kv_rows);
     int64_t lat_bs = kv_batch_stride;
-    if (bf16_cache) {
-      const bf16* src = static_cast<const bf16*>(kv_rows);
+    if (widen_cache) {
+      const TensorView &st = cache->storage(), &sc = cache->scales();
       for (int64_t b = 0; b < B; ++b)
-        for (int64_t i = 0; i < S * dkv; ++i)
-          lat.data()[b * S * dkv + i] = bf16_to_float(src[b * kv_batch_stride + i]);
+        for (int64_t t = 0; t < S; ++t) {
+          float* dst = lat.data() + (b * S + t) * dkv;
+          const int64_t at = b * st.strides[0] + t * st.strides[1];
+          if (kv_dtype == DType::kBF16) {
+            for (int64_t i = 0; i < dkv; ++i) dst[i] = bf16_to_float(st.ptr<const bf16>()[at + i]);
+            continue;
+          }
+          const float* scale = sc.ptr<const float>() + b * sc.strides[0] + t * sc.strides[1];
+          for (int64_t i = 0; i < dkv; ++i)
+            dst[i] = kv_code_value(kv_dtype, st.ptr<const uint8_t>()[at + i]) *
+                     scale[i / kLatentScaleBlock];
+        }
       latent = lat.data();
       lat_bs = S * dkv;
     }
@@ -448,10 +478,16 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
     prm.q = qa.data();
     prm.q_stride = strides4(T * H * dkv, H * dkv, dkv);
     prm.k = kv_rows;
-    prm.k_stride = strides4(kv_batch_stride, dkv, dkv);
+    prm.k_stride = strides4(kv_batch_stride, kv_row_stride, dkv);
     prm.v = kv_rows;
     prm.v_stride = prm.k_stride;
     prm.kv_dtype = kv_dtype;
+    if (is_kv_quantized(kv_dtype)) {  // values share the keys' rows, hence their scales
+      const TensorView& sc = cache->scales();
+      prm.k_scale = prm.v_scale = sc.ptr<const float>();
+      prm.k_scale_stride = prm.v_scale_stride = strides4(sc.strides[0], sc.strides[1], 0);
+      prm.scale_block = kLatentScaleBlock;
+    }
     prm.out = oa.data();
     prm.out_stride = strides4(T * H * dc, H * dc, dc);
     ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, run.backend));

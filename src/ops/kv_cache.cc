@@ -20,9 +20,9 @@
 
 #include "core/check.h"
 #include "core/checked_math.h"
-#include "kernels/cpu/tile_policy.h"
 #include "kernels/dispatch.h"
 #include "ops/attention_checks.h"
+#include "ops/kv_quant.h"
 
 namespace attnkit {
 namespace {
@@ -34,23 +34,51 @@ kernels::Strides4 strides_of(const TensorView& v) {
   return {v.strides[0], v.strides[1], v.strides[2], v.strides[3]};
 }
 
-// Copies token `t` of src [batch, T, heads, dim] (f32 or bf16, any strides)
-// into row `row` of dst [batch, rows, heads, dim] (f32 or bf16, any
-// strides). f32 -> bf16 rounds to nearest even; bf16 -> bf16 is exact.
-void store_token(const TensorView& src, int64_t t, const TensorView& dst, int64_t row) {
-  const int64_t batch = src.shape[0], heads = src.shape[2], dim = src.shape[3];
+// K or V storage: the [batch, rows, heads, dim] view of the values and,
+// for the 8-bit types, the [batch, rows, heads, 1] view of their scales.
+struct Rows {
+  TensorView data, scales;
+};
+
+// Copies token `t` of src [batch, T, heads, dim] (any strides) into row
+// `row` of dst. f32 -> bf16 rounds to nearest even; f32 -> 8-bit quantizes
+// (ops/kv_quant.h); bf16 -> bf16 and 8-bit -> 8-bit (codes and scales of
+// the same type) are exact.
+void store_token(const Rows& src, int64_t t, const Rows& dst, int64_t row) {
+  const TensorView &in = src.data, &out = dst.data;
+  const int64_t batch = in.shape[0], heads = in.shape[2], dim = in.shape[3];
+  if (is_kv_quantized(out.dtype)) {
+    const TensorView &ss = src.scales, &ds = dst.scales;
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t h = 0; h < heads; ++h) {
+        uint8_t* codes =
+            out.ptr<uint8_t>() + b * out.strides[0] + row * out.strides[1] + h * out.strides[2];
+        float* scale =
+            ds.ptr<float>() + b * ds.strides[0] + row * ds.strides[1] + h * ds.strides[2];
+        const int64_t s0 = b * in.strides[0] + t * in.strides[1] + h * in.strides[2];
+        if (in.dtype == out.dtype) {
+          for (int64_t d = 0; d < dim; ++d)
+            codes[d] = in.ptr<const uint8_t>()[s0 + d * in.strides[3]];
+          *scale = ss.ptr<const float>()[b * ss.strides[0] + t * ss.strides[1] + h * ss.strides[2]];
+        } else {
+          quantize_kv(in.ptr<const float>() + s0, in.strides[3], dim, out.dtype, 0, codes, scale);
+        }
+      }
+    return;
+  }
+  const TensorView &src_v = in, &dst_v = out;
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t s0 = b * src.strides[0] + t * src.strides[1] + h * src.strides[2];
-      const int64_t d0 = b * dst.strides[0] + row * dst.strides[1] + h * dst.strides[2];
+      const int64_t s0 = b * src_v.strides[0] + t * src_v.strides[1] + h * src_v.strides[2];
+      const int64_t d0 = b * dst_v.strides[0] + row * dst_v.strides[1] + h * dst_v.strides[2];
       for (int64_t d = 0; d < dim; ++d) {
-        const int64_t si = s0 + d * src.strides[3], di = d0 + d * dst.strides[3];
-        if (src.dtype == DType::kBF16)
-          dst.ptr<bf16>()[di] = src.ptr<const bf16>()[si];  // dst is then bf16 too
-        else if (dst.dtype == DType::kBF16)
-          dst.ptr<bf16>()[di] = float_to_bf16(src.ptr<const float>()[si]);
+        const int64_t si = s0 + d * src_v.strides[3], di = d0 + d * dst_v.strides[3];
+        if (src_v.dtype == DType::kBF16)
+          dst_v.ptr<bf16>()[di] = src_v.ptr<const bf16>()[si];  // dst is then bf16 too
+        else if (dst_v.dtype == DType::kBF16)
+          dst_v.ptr<bf16>()[di] = float_to_bf16(src_v.ptr<const float>()[si]);
         else
-          dst.ptr<float>()[di] = src.ptr<const float>()[si];
+          dst_v.ptr<float>()[di] = src_v.ptr<const float>()[si];
       }
     }
 }
@@ -89,25 +117,49 @@ void set_out(const TensorView& out, const TensorView& lse, kernels::AttentionPar
   }
 }
 
-// Storage [batch, slots, stride] (zeroed) and the [batch, slots, heads, dim]
-// view of its first heads * dim elements per token.
+// Storage [batch, slots, stride] (zeroed) and the views of its rows.
 Status make_storage(DType dtype, int64_t batch, int64_t slots, int64_t heads, int64_t dim,
-                    Tensor* storage, TensorView* view) {
+                    Tensor* storage, Rows* rows) {
   const int64_t stride = kv_token_stride(heads, dim, dtype);
   if (stride == 0) return resource_exhausted("element count overflows 64 bits");
   auto t = Tensor::zeros(dtype, {batch, slots, stride});
   if (!t.ok()) return t.status();
   *storage = std::move(t).value();
-  *view = kv_cache_view(storage->data(), dtype, batch, slots, heads, dim);
+  rows->data = kv_cache_view(storage->data(), dtype, batch, slots, heads, dim);
+  rows->scales = kv_cache_scales_view(storage->data(), dtype, batch, slots, heads, dim);
   return Status::Ok();
+}
+
+// Points prm's K (V) and its scales at `rows`.
+void set_kv(const Rows& k, const Rows& v, kernels::AttentionParams* prm) {
+  prm->k = k.data.data;
+  prm->k_stride = strides_of(k.data);
+  prm->v = v.data.data;
+  prm->v_stride = strides_of(v.data);
+  prm->kv_dtype = k.data.dtype;
+  if (k.scales.present()) {
+    prm->k_scale = k.scales.ptr<const float>();
+    prm->k_scale_stride = strides_of(k.scales);
+    prm->v_scale = v.scales.ptr<const float>();
+    prm->v_scale_stride = strides_of(v.scales);
+  }
 }
 
 }  // namespace
 
 int64_t kv_token_stride(int64_t num_kv_heads, int64_t dim, DType dtype) {
-  int64_t row;
-  if (num_kv_heads < 1 || dim < 1 || !checked_mul(num_kv_heads, dim, &row)) return 0;
-  return kernels::cpu::padded_token_row(row, static_cast<int64_t>(dtype_size(dtype)));
+  return kv_row_layout(num_kv_heads, dim, dtype).row;
+}
+
+TensorView kv_cache_scales_view(void* data, DType dtype, int64_t batch, int64_t tokens,
+                                int64_t num_kv_heads, int64_t dim) {
+  if (!is_kv_quantized(dtype)) return {};
+  const KvRowLayout l = kv_row_layout(num_kv_heads, dim, dtype);
+  TensorView v = make_view(static_cast<char*>(data) + l.scale_offset, DType::kF32,
+                           {batch, tokens, num_kv_heads, 1});
+  v.strides[1] = l.row / 4;
+  v.strides[0] = tokens * v.strides[1];
+  return v;
 }
 
 TensorView kv_cache_view(void* data, DType dtype, int64_t batch, int64_t tokens,
@@ -119,8 +171,62 @@ TensorView kv_cache_view(void* data, DType dtype, int64_t batch, int64_t tokens,
   return v;
 }
 
+Status quantize_kv_rows(const TensorView& x, const TensorView& codes, const TensorView& scales) {
+  constexpr const char* fn = "quantize_kv_rows";
+  if (x.rank < 1)
+    return invalid_argument(std::string(fn) + ": x has rank " + std::to_string(x.rank) +
+                            ", must have rank 1 to 4");
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "x", x, x.rank, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "codes", codes, x.rank, {DType::kI8, DType::kFp8E4M3}));
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "scales", scales, x.rank, {DType::kF32}));
+  const int last = x.rank - 1;
+  for (int i = 0; i < x.rank; ++i) {
+    if (codes.shape[i] != x.shape[i])
+      return invalid_argument(std::string(fn) + ": codes.shape[" + std::to_string(i) +
+                              "] = " + std::to_string(codes.shape[i]) + " must equal x.shape[" +
+                              std::to_string(i) + "] = " + std::to_string(x.shape[i]));
+    const int64_t want = i == last ? 1 : x.shape[i];
+    if (scales.shape[i] != want)
+      return invalid_argument(std::string(fn) + ": scales.shape[" + std::to_string(i) +
+                              "] = " + std::to_string(scales.shape[i]) + " must be " +
+                              std::to_string(want) + (i == last ? " (one scale per row)" : ""));
+  }
+  if (codes.shape[last] > 1 && codes.strides[last] != 1)
+    return invalid_argument(std::string(fn) + ": codes.strides[" + std::to_string(last) +
+                            "] = " + std::to_string(codes.strides[last]) +
+                            " must be 1 (rows of codes are contiguous)");
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "codes", codes));
+  ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "scales", scales));
+  const NamedView outputs[] = {{"codes", &codes}, {"scales", &scales}};
+  const NamedView inputs[] = {{"x", &x}};
+  ATTNKIT_RETURN_IF_ERROR(check_outputs_apart(fn, outputs, inputs));
+  if (check::overlaps(codes, scales))
+    return invalid_argument(std::string(fn) + ": codes overlap scales");
+  int64_t shape[3] = {1, 1, 1}, xs[3] = {0, 0, 0}, cs[3] = {0, 0, 0}, ss[3] = {0, 0, 0};
+  for (int i = 0; i < last; ++i) {
+    shape[3 - last + i] = x.shape[i];
+    xs[3 - last + i] = x.strides[i];
+    cs[3 - last + i] = codes.strides[i];
+    ss[3 - last + i] = scales.strides[i];
+  }
+  const int64_t dim = x.shape[last];
+  if (dim == 0) return Status::Ok();
+  for (int64_t a = 0; a < shape[0]; ++a)
+    for (int64_t b = 0; b < shape[1]; ++b)
+      for (int64_t c = 0; c < shape[2]; ++c) {
+        const float* row = x.ptr<const float>() + a * xs[0] + b * xs[1] + c * xs[2];
+        uint8_t* out = codes.ptr<uint8_t>() + a * cs[0] + b * cs[1] + c * cs[2];
+        float* scale = scales.ptr<float>() + a * ss[0] + b * ss[1] + c * ss[2];
+        quantize_kv(row, x.strides[last], dim, codes.dtype, 0, out, scale);
+      }
+  return Status::Ok();
+}
+
 size_t KVCache::nbytes() const {
-  return static_cast<size_t>(keys_.numel() + values_.numel()) * dtype_size(spec_.dtype);
+  const int64_t values = keys_.numel() + values_.numel();
+  const int64_t scales = key_scales_.present() ? key_scales_.numel() + value_scales_.numel() : 0;
+  return static_cast<size_t>(values) * dtype_size(spec_.dtype) +
+         static_cast<size_t>(scales) * sizeof(float);
 }
 
 Result<KVCache> KVCache::create(const KVCacheSpec& spec) {
@@ -139,9 +245,9 @@ Result<KVCache> KVCache::create(const KVCacheSpec& spec) {
   if (spec.head_dim_v < 0)
     return invalid_argument(f + ": spec.head_dim_v = " + std::to_string(spec.head_dim_v) +
                             " must be >= 1 (or 0 for head_dim)");
-  if (spec.dtype != DType::kF32 && spec.dtype != DType::kBF16)
+  if (spec.dtype != DType::kF32 && spec.dtype != DType::kBF16 && !is_kv_quantized(spec.dtype))
     return invalid_argument(f + ": spec.dtype = " + dtype_name(spec.dtype) +
-                            " must be f32 or bf16");
+                            " must be f32, bf16, int8 or fp8_e4m3");
   if (spec.sliding_window < 0)
     return invalid_argument(f + ": spec.sliding_window = " + std::to_string(spec.sliding_window) +
                             " must be >= 1 (or 0 for none)");
@@ -153,12 +259,17 @@ Result<KVCache> KVCache::create(const KVCacheSpec& spec) {
   cache.slots_ = spec.sliding_window == 0 ? spec.max_seq_len
                                           : std::min(spec.max_seq_len, spec.sliding_window - 1);
   // Tensor::zeros checks the element and byte counts for overflow.
+  Rows k, v;
   Status st = make_storage(spec.dtype, spec.batch_size, cache.slots_, spec.num_kv_heads,
-                           spec.head_dim, &cache.key_storage_, &cache.keys_);
+                           spec.head_dim, &cache.key_storage_, &k);
   if (!st.ok()) return Status(st.code(), f + ": keys: " + st.message());
   st = make_storage(spec.dtype, spec.batch_size, cache.slots_, spec.num_kv_heads,
-                    cache.spec_.head_dim_v, &cache.value_storage_, &cache.values_);
+                    cache.spec_.head_dim_v, &cache.value_storage_, &v);
   if (!st.ok()) return Status(st.code(), f + ": values: " + st.message());
+  cache.keys_ = k.data;
+  cache.key_scales_ = k.scales;
+  cache.values_ = v.data;
+  cache.value_scales_ = v.scales;
   return cache;
 }
 
@@ -247,20 +358,18 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
                         " exceeds max_seq_len = " + std::to_string(spec_.max_seq_len));
 
   kernels::AttentionParams prm = base_params(q, num_kv_heads, head_dim_v, options);
-  prm.kv_dtype = spec_.dtype;
+  const Rows keys{keys_, key_scales_}, values{values_, value_scales_};
+  const Rows k_in{k_new, {}}, v_in{v_new, {}};
 
   if (W == 0) {
     // Slots [length, length + T) hold no token yet, so writing them before
     // attending changes nothing observable if the kernel call fails.
     for (int64_t t = 0; t < T; ++t) {
-      store_token(k_new, t, keys_, length_ + t);
-      store_token(v_new, t, values_, length_ + t);
+      store_token(k_in, t, keys, length_ + t);
+      store_token(v_in, t, values, length_ + t);
     }
     prm.seqlen_k = new_length;  // bottom-right causal: q_offset = length
-    prm.k = keys_.data;
-    prm.k_stride = strides_of(keys_);
-    prm.v = values_.data;
-    prm.v_stride = strides_of(values_);
+    set_kv(keys, values, &prm);
     set_out(out, {}, &prm);
     ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, options.backend));
     length_ = new_length;
@@ -283,30 +392,30 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
     ATTNKIT_RETURN_IF_ERROR(alloc(DType::kF32, {batch, num_heads, T}, &lse_a));
     ATTNKIT_RETURN_IF_ERROR(alloc(DType::kI64, {batch}, &q_offset));
   }
-  // A bf16 cache rounds the chunk before part B reads it, so that the new
-  // tokens are seen exactly as the no-window path (write, then read) sees
-  // them and results do not depend on whether a window is configured.
-  TensorView k_src = k_new, v_src = v_new;
-  if (spec_.dtype == DType::kBF16) {
-    ATTNKIT_RETURN_IF_ERROR(alloc(DType::kBF16, {batch, T, num_kv_heads, head_dim}, &k_chunk));
-    ATTNKIT_RETURN_IF_ERROR(alloc(DType::kBF16, {batch, T, num_kv_heads, head_dim_v}, &v_chunk));
+  // A bf16 or 8-bit cache rounds (quantizes) the chunk into its own layout
+  // before part B reads it, so that the new tokens are seen exactly as the
+  // no-window path (write, then read) sees them and results do not depend
+  // on whether a window is configured.
+  Rows k_src = k_in, v_src = v_in;
+  if (spec_.dtype != DType::kF32) {
+    auto chunk = [&](int64_t dim, Tensor* t, Rows* rows) -> Status {
+      const Status st = make_storage(spec_.dtype, batch, T, num_kv_heads, dim, t, rows);
+      if (!st.ok()) return Status(st.code(), f + ": scratch: " + st.message());
+      return Status::Ok();
+    };
+    ATTNKIT_RETURN_IF_ERROR(chunk(head_dim, &k_chunk, &k_src));
+    ATTNKIT_RETURN_IF_ERROR(chunk(head_dim_v, &v_chunk, &v_src));
     for (int64_t t = 0; t < T; ++t) {
-      store_token(k_new, t, k_chunk.view(), t);
-      store_token(v_new, t, v_chunk.view(), t);
+      store_token(k_in, t, k_src, t);
+      store_token(v_in, t, v_src, t);
     }
-    k_src = k_chunk.view();
-    v_src = v_chunk.view();
   }
 
   // B: the chunk over itself, causal (q_offset = 0) within the window.
   kernels::AttentionParams pb = prm;
   pb.seqlen_k = T;
   pb.window_left = W - 1;
-  pb.k = k_src.data;
-  pb.k_stride = strides_of(k_src);
-  pb.v = v_src.data;
-  pb.v_stride = strides_of(v_src);
-  pb.kv_dtype = k_src.dtype;
+  set_kv(k_src, v_src, &pb);
   set_out(out_b.view(), lse_b.view(), &pb);
   ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(pb, options.backend));
 
@@ -323,10 +432,7 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
     for (int64_t b = 0; b < batch; ++b) offsets[b] = held;
     pa.q_offset = offsets;
     pa.window_left = W - 1;
-    pa.k = keys_.data;
-    pa.k_stride = strides_of(keys_);
-    pa.v = values_.data;
-    pa.v_stride = strides_of(values_);
+    set_kv(keys, values, &pa);
     set_out(out_a.view(), lse_a.view(), &pa);
     ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(pa, options.backend));
     // The views' shapes were set from validated sizes; merge cannot fail.
@@ -347,8 +453,8 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
   // overwritten within this same loop anyway.
   for (int64_t t = std::max<int64_t>(0, T - slots_); t < T; ++t) {
     const int64_t slot = (length_ + t) % slots_;
-    store_token(k_src, t, keys_, slot);
-    store_token(v_src, t, values_, slot);
+    store_token(k_src, t, keys, slot);
+    store_token(v_src, t, values, slot);
   }
   length_ = new_length;
   return Status::Ok();

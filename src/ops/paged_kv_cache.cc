@@ -24,6 +24,7 @@
 #include "kernels/attention_params.h"
 #include "kernels/dispatch.h"
 #include "ops/attention_checks.h"
+#include "ops/kv_quant.h"
 
 namespace attnkit {
 namespace {
@@ -32,9 +33,13 @@ constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
 
 std::string str(int64_t x) { return std::to_string(x); }
 
-// n values from src (f32, `stride` apart) to dst (f32 or bf16, contiguous).
-void store_row(const float* src, int64_t stride, DType dtype, void* dst, int64_t n) {
-  if (dtype == DType::kBF16) {
+// n values from src (f32, `stride` apart) to dst (f32 or bf16, contiguous;
+// 8-bit: codes at dst, scales of `block` values each at `scales`).
+void store_row(const float* src, int64_t stride, DType dtype, void* dst, int64_t n, int64_t block,
+               float* scales) {
+  if (is_kv_quantized(dtype)) {
+    quantize_kv(src, stride, n, dtype, block, static_cast<uint8_t*>(dst), scales);
+  } else if (dtype == DType::kBF16) {
     bf16* d = static_cast<bf16*>(dst);
     for (int64_t x = 0; x < n; ++x) d[x] = float_to_bf16(src[x * stride]);
   } else {
@@ -74,8 +79,9 @@ Result<PagedKVCache> PagedKVCache::create(const PagedKVCacheSpec& spec) {
   if (spec.num_pages > kMaxInt32)
     return invalid_argument(f + "num_pages = " + str(spec.num_pages) + " must be <= " +
                             str(kMaxInt32) + " (page ids are int32, as in block tables)");
-  if (spec.dtype != DType::kF32 && spec.dtype != DType::kBF16)
-    return invalid_argument(f + "dtype = " + dtype_name(spec.dtype) + " must be f32 or bf16");
+  if (spec.dtype != DType::kF32 && spec.dtype != DType::kBF16 && !is_kv_quantized(spec.dtype))
+    return invalid_argument(f + "dtype = " + dtype_name(spec.dtype) +
+                            " must be f32, bf16, int8 or fp8_e4m3");
   PagedKVCache pool;
   pool.spec_ = spec;
   PagedKVCacheSpec& s = pool.spec_;
@@ -100,11 +106,19 @@ Result<PagedKVCache> PagedKVCache::create(const PagedKVCacheSpec& spec) {
   int64_t rows;
   if (!checked_mul(s.num_pages, s.page_size, &rows))
     return resource_exhausted(f + "num_pages * page_size overflows 64 bits");
-  // Token rows padded as KVCache pads them (kv_token_stride).
-  pool.k_token_stride_ = kv_token_stride(s.num_kv_heads, s.head_dim, s.dtype);
-  pool.v_token_stride_ = kv_token_stride(s.num_kv_heads, s.head_dim_v, s.dtype);
-  if (pool.k_token_stride_ == 0 || pool.v_token_stride_ == 0)
+  // Token rows padded as KVCache pads them (kv_token_stride), 8-bit ones
+  // with their scales.
+  const int64_t block = s.latent() ? kLatentScaleBlock : 0;
+  const KvRowLayout kl = kv_row_layout(s.num_kv_heads, s.head_dim, s.dtype, block);
+  const KvRowLayout vl = kv_row_layout(s.num_kv_heads, s.head_dim_v, s.dtype, block);
+  if (kl.row == 0 || vl.row == 0)
     return resource_exhausted(f + "num_kv_heads * head_dim overflows 64 bits");
+  pool.k_token_stride_ = kl.row;
+  pool.v_token_stride_ = vl.row;
+  pool.k_scale_offset_ = kl.scale_offset;
+  pool.v_scale_offset_ = vl.scale_offset;
+  pool.k_scales_per_head_ = kl.scales_per_head;
+  pool.v_scales_per_head_ = vl.scales_per_head;
   for (int64_t l = 0; l < s.num_layers; ++l) {
     auto k = Tensor::zeros(s.dtype, {rows, pool.k_token_stride_});
     if (!k.ok()) return Status(k.status().code(), "PagedKVCache::create: " + k.status().message());
@@ -124,8 +138,11 @@ Result<PagedKVCache> PagedKVCache::create(const PagedKVCacheSpec& spec) {
 size_t PagedKVCache::page_nbytes() const {
   const int64_t per_token =
       spec_.num_kv_heads * (spec_.latent() ? spec_.head_dim : spec_.head_dim + spec_.head_dim_v);
-  return static_cast<size_t>(spec_.num_layers * spec_.page_size * per_token) *
-         dtype_size(spec_.dtype);
+  const int64_t scales =
+      spec_.num_kv_heads * (k_scales_per_head_ + (spec_.latent() ? 0 : v_scales_per_head_));
+  return static_cast<size_t>(spec_.num_layers * spec_.page_size) *
+         (static_cast<size_t>(per_token) * dtype_size(spec_.dtype) +
+          static_cast<size_t>(scales) * sizeof(float));
 }
 
 int64_t PagedKVCache::add_sequence() {
@@ -197,6 +214,25 @@ Result<TensorView> PagedKVCache::values(int64_t layer) const {
                 {spec_.num_pages * spec_.page_size, spec_.num_kv_heads, spec_.head_dim_v});
   v.strides[0] = latent ? k_token_stride_ : v_token_stride_;
   v.strides[1] = latent ? spec_.head_dim : spec_.head_dim_v;
+  return v;
+}
+
+Result<TensorView> PagedKVCache::key_scales(int64_t layer) const {
+  ATTNKIT_ASSIGN_OR_RETURN(TensorView k, keys(layer));
+  if (!is_kv_quantized(spec_.dtype)) return TensorView{};
+  TensorView v = make_view(static_cast<char*>(k.data) + k_scale_offset_, DType::kF32,
+                           {k.shape[0], spec_.num_kv_heads, k_scales_per_head_});
+  v.strides[0] = k_token_stride_ / 4;
+  return v;
+}
+
+Result<TensorView> PagedKVCache::value_scales(int64_t layer) const {
+  if (spec_.latent()) return key_scales(layer);  // the values are the keys' first columns
+  ATTNKIT_ASSIGN_OR_RETURN(TensorView vals, values(layer));
+  if (!is_kv_quantized(spec_.dtype)) return TensorView{};
+  TensorView v = make_view(static_cast<char*>(vals.data) + v_scale_offset_, DType::kF32,
+                           {vals.shape[0], spec_.num_kv_heads, v_scales_per_head_});
+  v.strides[0] = v_token_stride_ / 4;
   return v;
 }
 
@@ -416,6 +452,7 @@ void PagedKVCache::write_step(int64_t layer, const TensorView& k_new, const Tens
   const int64_t ps = spec_.page_size, Hkv = spec_.num_kv_heads, D = spec_.head_dim,
                 Dv = spec_.head_dim_v;
   const size_t elem = dtype_size(spec_.dtype);
+  const int64_t block = spec_.latent() ? kLatentScaleBlock : 0;
   for (size_t s = 0; s < seq_ids.size(); ++s) {
     const Sequence& seq = sequences_.find(seq_ids[s])->second;
     for (int64_t t = seq.written[li]; t < seq.length; ++t) {
@@ -423,15 +460,19 @@ void PagedKVCache::write_step(int64_t layer, const TensorView& k_new, const Tens
       const int64_t src = cu_seqlens[s] + (t - seq.written[li]);
       char* k_row =
           static_cast<char*>(k_[li].data()) + static_cast<size_t>(row * k_token_stride_) * elem;
+      float* k_scales = reinterpret_cast<float*>(k_row + k_scale_offset_);
       for (int64_t h = 0; h < Hkv; ++h)
         store_row(k_new.ptr<const float>() + src * k_new.strides[0] + h * k_new.strides[1],
-                  k_new.strides[2], spec_.dtype, k_row + static_cast<size_t>(h * D) * elem, D);
+                  k_new.strides[2], spec_.dtype, k_row + static_cast<size_t>(h * D) * elem, D,
+                  block, k_scales + h * k_scales_per_head_);
       if (spec_.latent()) continue;
       char* v_row =
           static_cast<char*>(v_[li].data()) + static_cast<size_t>(row * v_token_stride_) * elem;
+      float* v_scales = reinterpret_cast<float*>(v_row + v_scale_offset_);
       for (int64_t h = 0; h < Hkv; ++h)
         store_row(v_new.ptr<const float>() + src * v_new.strides[0] + h * v_new.strides[1],
-                  v_new.strides[2], spec_.dtype, v_row + static_cast<size_t>(h * Dv) * elem, Dv);
+                  v_new.strides[2], spec_.dtype, v_row + static_cast<size_t>(h * Dv) * elem, Dv,
+                  block, v_scales + h * v_scales_per_head_);
     }
   }
 }
@@ -529,6 +570,14 @@ Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView
   base.v = latent ? k_[li].data() : v_[li].data();
   base.v_stride = latent ? base.k_stride : kernels::Strides4{0, v_token_stride_, head_dim_v, 1};
   base.kv_dtype = spec_.dtype;
+  if (is_kv_quantized(spec_.dtype)) {
+    const TensorView ks = key_scales(layer).value(), vs = value_scales(layer).value();
+    base.k_scale = ks.ptr<const float>();
+    base.k_scale_stride = {0, ks.strides[0], ks.strides[1], ks.strides[2]};
+    base.v_scale = vs.ptr<const float>();
+    base.v_scale_stride = {0, vs.strides[0], vs.strides[1], vs.strides[2]};
+    base.scale_block = latent ? kLatentScaleBlock : 0;
+  }
   base.out = out.ptr<float>();
   base.out_stride = {0, out.strides[0], out.strides[1], out.strides[2]};
   if (lse.present()) {

@@ -71,8 +71,11 @@ Status check_no_self_overlap(const char* fn, const char* name, const TensorView&
   return Status::Ok();
 }
 
-Status check_attention_options(const char* fn, const AttentionOptions& o) {
+Status check_attention_options(const char* fn, const AttentionOptions& o, bool kv_scales) {
   const std::string f = fn;
+  if (!kv_scales && (o.k_scales.present() || o.v_scales.present()))
+    return invalid_argument(f + ": options." + (o.k_scales.present() ? "k_scales" : "v_scales") +
+                            " must be absent: only sdpa() takes 8-bit K/V with their scales");
   if (!std::isfinite(o.softmax_scale) || o.softmax_scale < 0.0f)
     return invalid_argument(f + ": softmax_scale = " + std::to_string(o.softmax_scale) +
                             " must be finite and > 0 (or 0 for 1/sqrt(head_dim))");
@@ -143,10 +146,41 @@ Status fill_mask(const char* fn, const TensorView& mask, int64_t batch, int64_t 
   return Status::Ok();
 }
 
+// 8-bit K/V's scales: present exactly when k is 8-bit, f32, rank 4,
+// [batch, seqlen_k, num_kv_heads, 1].
+Status check_kv_scales(const TensorView& k, const AttentionOptions& o) {
+  const bool eight_bit = k.dtype == DType::kI8 || k.dtype == DType::kFp8E4M3;
+  const struct {
+    const char* name;
+    const TensorView& view;
+  } scales[] = {{"options.k_scales", o.k_scales}, {"options.v_scales", o.v_scales}};
+  for (const auto& s : scales) {
+    if (!eight_bit) {
+      if (s.view.present())
+        return invalid_argument(std::string(kFn) + ": " + s.name + " is given, but k.dtype = " +
+                                dtype_name(k.dtype) + " has no scales (only int8 and fp8_e4m3)");
+      continue;
+    }
+    if (!s.view.present())
+      return invalid_argument(std::string(kFn) + ": " + s.name + " is absent; k.dtype = " +
+                              dtype_name(k.dtype) + " needs the fp32 scale of every K and V row");
+    ATTNKIT_RETURN_IF_ERROR(check::view(kFn, s.name, s.view, 4, {DType::kF32}));
+    const int64_t want[4] = {k.shape[0], k.shape[1], k.shape[2], 1};
+    const char* axis[4] = {"batch", "seqlen_k", "num_kv_heads", "1 (one scale per row)"};
+    for (int i = 0; i < 4; ++i)
+      if (s.view.shape[i] != want[i])
+        return invalid_argument(std::string(kFn) + ": " + s.name + ".shape[" + std::to_string(i) +
+                                "] = " + std::to_string(s.view.shape[i]) + " must be " + axis[i] +
+                                " = " + std::to_string(want[i]));
+  }
+  return Status::Ok();
+}
+
 Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
             const AttentionOptions& options, const TensorView& lse, const TensorView& probs) {
   ATTNKIT_RETURN_IF_ERROR(check::view(kFn, "q", q, 4, {DType::kF32}));
-  ATTNKIT_RETURN_IF_ERROR(check::view(kFn, "k", k, 4, {DType::kF32, DType::kBF16}));
+  ATTNKIT_RETURN_IF_ERROR(
+      check::view(kFn, "k", k, 4, {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3}));
   ATTNKIT_RETURN_IF_ERROR(check::view(kFn, "v", v, 4, {k.dtype}));
   ATTNKIT_RETURN_IF_ERROR(check::view(kFn, "out", out, 4, {DType::kF32}));
 
@@ -163,7 +197,8 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
   ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "out", out, 1, "seqlen_q", seqlen_q, "q.shape[1]"));
   ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "out", out, 2, "num_heads", num_heads, "q.shape[2]"));
   ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "out", out, 3, "head_dim_v", head_dim_v, "v.shape[3]"));
-  ATTNKIT_RETURN_IF_ERROR(check_attention_options(kFn, options));
+  ATTNKIT_RETURN_IF_ERROR(check_attention_options(kFn, options, true));
+  ATTNKIT_RETURN_IF_ERROR(check_kv_scales(k, options));
 
   if (lse.present()) {
     ATTNKIT_RETURN_IF_ERROR(check::view(kFn, "lse", lse, 3, {DType::kF32}));
@@ -183,7 +218,12 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
   if (lse.present()) ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kFn, "lse", lse));
   if (probs.present()) ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kFn, "probs", probs));
   const NamedView outputs[] = {{"out", &out}, {"lse", &lse}, {"probs", &probs}};
-  const NamedView inputs[] = {{"q", &q}, {"k", &k}, {"v", &v}, {"mask", &options.mask}};
+  const NamedView inputs[] = {{"q", &q},
+                              {"k", &k},
+                              {"v", &v},
+                              {"mask", &options.mask},
+                              {"options.k_scales", &options.k_scales},
+                              {"options.v_scales", &options.v_scales}};
   ATTNKIT_RETURN_IF_ERROR(check_outputs_apart(kFn, outputs, inputs));
 
   if (!options.seqlens_k.empty()) {
@@ -216,6 +256,12 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
   prm.v = v.data;
   prm.v_stride = strides_of(v);
   prm.kv_dtype = k.dtype;
+  if (options.k_scales.present()) {
+    prm.k_scale = options.k_scales.ptr<const float>();
+    prm.k_scale_stride = strides_of(options.k_scales);
+    prm.v_scale = options.v_scales.ptr<const float>();
+    prm.v_scale_stride = strides_of(options.v_scales);
+  }
   prm.out = out.ptr<float>();
   prm.out_stride = strides_of(out);
   if (lse.present()) {

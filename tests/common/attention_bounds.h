@@ -20,6 +20,12 @@
 // (u (2 + Lmax)). With bf16 K/V the fast kernel may also round the scaled
 // queries and the softmax weights to bf16 (src/kernels/cpu/attention_cpu.h:
 // relative 2^-8 each), adding 2^-8 (2 S1 + 2) Vmax, again doubled.
+// The 8-bit K/V types (against the oracle on their dequantized values,
+// kv_quant_f64.h) may do the same with the dequantized K/V (prefill tiles
+// on avx512bf16) and, for int8 keys, round the scaled queries to int16 in
+// steps of max |scale q| / 29357 or finer (kernels/cpu/stage_qk.cc): a
+// score error of at most S1 / 58714, 3x in the output, and round the
+// weights to int16 for decode's P V: 2^-10 Vmax (kernels/cpu/kernel_table.h).
 #pragma once
 
 #include <algorithm>
@@ -48,7 +54,9 @@ inline Tolerance attention_tolerance(int64_t head_dim, int64_t keys, attnkit::DT
   if (backend == attnkit::Backend::kReference) return {2.0 * u * (3.0 + 2.0 * s1 + lmax), 0.0};
   const double ds = (gamma_f32(head_dim) + 8.0 * u) * s1 + 4.0 * u;
   double bound = 3.0 * ds + 3.0 * gamma_f32(2 * keys) + u * (3.0 + lmax);
-  if (kv_dtype == attnkit::DType::kBF16) bound += 0x1p-8 * (2.0 * s1 + 2.0);
+  const bool q8 = kv_dtype == attnkit::DType::kI8 || kv_dtype == attnkit::DType::kFp8E4M3;
+  if (kv_dtype == attnkit::DType::kBF16 || q8) bound += 0x1p-8 * (2.0 * s1 + 2.0);
+  if (kv_dtype == attnkit::DType::kI8) bound += 3.0 * s1 / 58714.0 + 0x1p-10;
   return {2.0 * bound, 0.0};
 }
 

@@ -18,8 +18,11 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "attnkit/tensor.h"
 
 // Names SIMDe leaves without an alias.
 typedef simde__mmask16 __mmask16;
@@ -54,22 +57,87 @@ inline simde__m256i maskz_loadu_epi16_256(simde__mmask16 k, const void* p) {
   return masked_load<simde__m256i, uint16_t, 16>(simde_mm256_setzero_si256(), k, p);
 }
 
-inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
-  float lanes[16];
+inline simde__m128i maskz_loadu_epi8_128(simde__mmask16 k, const void* p) {
+  return masked_load<simde__m128i, uint8_t, 16>(simde_mm_setzero_si128(), k, p);
+}
+inline simde__m256i maskz_loadu_epi8_256(simde__mmask32 k, const void* p) {
+  return masked_load<simde__m256i, uint8_t, 32>(simde_mm256_setzero_si256(), k, p);
+}
+
+template <class Lane, int kLanes, class Vec>
+inline void masked_store(void* p, uint64_t mask, Vec a) {
+  Lane lanes[kLanes];
   std::memcpy(lanes, &a, sizeof lanes);
-  for (int i = 0; i < 16; ++i)
-    if ((k >> i) & 1)
-      std::memcpy(static_cast<char*>(p) + i * sizeof(float), &lanes[i], sizeof(float));
+  for (int i = 0; i < kLanes; ++i)
+    if ((mask >> i) & 1)
+      std::memcpy(static_cast<char*>(p) + i * sizeof(Lane), &lanes[i], sizeof(Lane));
+}
+
+inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
+  masked_store<float, 16>(p, k, a);
+}
+
+// The conversions lane by lane: the first kLanes lanes of `a`, of type In,
+// mapped through f into a vector of type Out lanes.
+template <class Vec, class Out, class In, int kLanes, class From, class F>
+inline Vec map_lanes(From a, F f) {
+  In in[kLanes];
+  Out out[kLanes];
+  std::memcpy(in, &a, sizeof in);
+  for (int i = 0; i < kLanes; ++i) out[i] = f(in[i]);
+  Vec r;
+  std::memcpy(&r, out, sizeof out);
+  return r;
 }
 
 inline simde__m512i cvtepu16_epi32(simde__m256i a) {
-  uint16_t in[16];
-  uint32_t out[16];
-  std::memcpy(in, &a, sizeof in);
-  for (int i = 0; i < 16; ++i) out[i] = in[i];
+  return map_lanes<simde__m512i, uint32_t, uint16_t, 16>(a, [](uint16_t x) { return x; });
+}
+
+inline simde__m512i cvtepi8_epi32(simde__m128i a) {
+  return map_lanes<simde__m512i, int32_t, int8_t, 16>(a, [](int8_t x) { return x; });
+}
+
+inline simde__m512 cvtepi32_ps(simde__m512i a) {
+  return map_lanes<simde__m512, float, int32_t, 16>(
+      a, [](int32_t x) { return static_cast<float>(x); });
+}
+
+// VPMADDWD: lane i = a[2i] b[2i] + a[2i + 1] b[2i + 1] in int32 (wrapping
+// only for -32768 * -32768 pairs, which the kernels never form).
+inline simde__m512i madd_epi16(simde__m512i a, simde__m512i b) {
+  int16_t x[32], y[32];
+  int32_t out[16];
+  std::memcpy(x, &a, sizeof x);
+  std::memcpy(y, &b, sizeof y);
+  for (int i = 0; i < 16; ++i)
+    out[i] = static_cast<int32_t>(static_cast<uint32_t>(int32_t{x[2 * i]} * y[2 * i]) +
+                                  static_cast<uint32_t>(int32_t{x[2 * i + 1]} * y[2 * i + 1]));
   simde__m512i r;
   std::memcpy(&r, out, sizeof out);
   return r;
+}
+
+// VCVTPS2DQ under the default rounding (to nearest, ties to even); the
+// kernels convert only values within int32's range.
+inline simde__m512i cvtps_epi32(simde__m512 a) {
+  return map_lanes<simde__m512i, int32_t, float, 16>(
+      a, [](float x) { return static_cast<int32_t>(std::nearbyint(x)); });
+}
+
+// VPMOVDW: each int32 lane's low 16 bits.
+inline simde__m256i cvtepi32_epi16(simde__m512i a) {
+  return map_lanes<simde__m256i, int16_t, int32_t, 16>(
+      a, [](int32_t x) { return static_cast<int16_t>(x); });
+}
+
+inline void mask_storeu_epi32(void* p, simde__mmask16 k, simde__m512i a) {
+  masked_store<int32_t, 16>(p, k, a);
+}
+
+// VCVTPH2PS, exact (subnormals, Inf and NaN included).
+inline simde__m512 cvtph_ps(simde__m256i a) {
+  return map_lanes<simde__m512, float, uint16_t, 16>(a, attnkit::f16_to_float);
 }
 
 // VCVTNE2PS2BF16's conversion: round to nearest even; denormal inputs
@@ -101,6 +169,10 @@ inline Bh cvtne2ps_pbh(F a, F b) {
   return r;
 }
 
+inline simde__m256bh cvtneps_pbh(simde__m512 a) {
+  return map_lanes<simde__m256bh, uint16_t, float, 16>(a, to_bf16);
+}
+
 }  // namespace attnkit_avx512_emulation
 
 #define _mm512_maskz_loadu_ps(k, p) attnkit_avx512_emulation::maskz_loadu_ps(k, p)
@@ -114,3 +186,14 @@ inline Bh cvtne2ps_pbh(F a, F b) {
 #define _mm_cvtne2ps_pbh(a, b) \
   attnkit_avx512_emulation::cvtne2ps_pbh<simde__m128bh, simde__m128, 4>(a, b)
 #define _mm512_shuffle_f32x4(a, b, imm8) simde_mm512_shuffle_f32x4(a, b, imm8)
+#define _mm_maskz_loadu_epi8(k, p) attnkit_avx512_emulation::maskz_loadu_epi8_128(k, p)
+#define _mm256_maskz_loadu_epi8(k, p) attnkit_avx512_emulation::maskz_loadu_epi8_256(k, p)
+#define _mm512_cvtepi8_epi32(a) attnkit_avx512_emulation::cvtepi8_epi32(a)
+#define _mm512_cvtepi32_ps(a) attnkit_avx512_emulation::cvtepi32_ps(a)
+#undef _mm512_madd_epi16  // SIMDe 0.7.4 defines it with the masked form's four arguments
+#define _mm512_madd_epi16(a, b) attnkit_avx512_emulation::madd_epi16(a, b)
+#define _mm512_cvtph_ps(a) attnkit_avx512_emulation::cvtph_ps(a)
+#define _mm512_cvtps_epi32(a) attnkit_avx512_emulation::cvtps_epi32(a)
+#define _mm512_cvtepi32_epi16(a) attnkit_avx512_emulation::cvtepi32_epi16(a)
+#define _mm512_mask_storeu_epi32(p, k, a) attnkit_avx512_emulation::mask_storeu_epi32(p, k, a)
+#define _mm512_cvtneps_pbh(a) attnkit_avx512_emulation::cvtneps_pbh(a)

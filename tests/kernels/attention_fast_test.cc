@@ -23,9 +23,11 @@
 #include "common/emulated_kernels.h"
 #include "core/cpu_features.h"
 #include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/task_plan.h"
 #include "kernels/cpu/tile_policy.h"
 #include "kernels/dispatch.h"
 #include "kernels/ref/attention_ref.h"
+#include "ops/kv_quant.h"
 
 namespace attnkit::kernels {
 namespace {
@@ -49,12 +51,13 @@ struct Case {
   bool mask_broadcast = false;
   SparsePattern sparse;
   bool ring = false;
-  int64_t page_size = 0;   // > 0: K/V rows in shuffled pages behind a block table
-  bool ragged = false;     // each batch item has 0..seqlen_q query rows, packed
-  bool strided = false;    // padded strides everywhere, non-unit q/out dim strides
-  bool mla_view = false;   // V is the first dv columns of K's rows (dv <= d)
-  double poison = 0.0;     // fraction of (batch, kv row, kv head) K/V rows set to NaN
-  bool inexact_q = false;  // bf16 K/V: leave q and the scale arbitrary (see Problem)
+  int64_t page_size = 0;    // > 0: K/V rows in shuffled pages behind a block table
+  bool ragged = false;      // each batch item has 0..seqlen_q query rows, packed
+  bool strided = false;     // padded strides everywhere, non-unit q/out dim strides
+  bool mla_view = false;    // V is the first dv columns of K's rows (dv <= d)
+  double poison = 0.0;      // fraction of (batch, kv row, kv head) K/V rows set to NaN
+  bool inexact_q = false;   // bf16 K/V: leave q and the scale arbitrary (see Problem)
+  int64_t scale_block = 0;  // 8-bit K/V: channels per scale, 0 = one per head row
   uint64_t seed = 1;
 
   std::string describe() const {
@@ -66,7 +69,8 @@ struct Case {
       << (mask_broadcast ? "b" : "") << " sparse=" << static_cast<int>(sparse.kind) << "/"
       << sparse.block_size << "/" << sparse.stride << "/" << sparse.summary << " ring=" << ring
       << " page_size=" << page_size << " ragged=" << ragged << " strided=" << strided
-      << " mla_view=" << mla_view << " poison=" << poison << " seed=" << seed;
+      << " mla_view=" << mla_view << " poison=" << poison << " scale_block=" << scale_block
+      << " seed=" << seed;
     return s.str();
   }
 };
@@ -113,7 +117,14 @@ class Problem {
       pages_per_item_ = (c.seqlen_k + c.page_size - 1) / c.page_size;
       const int64_t pages = c.batch * pages_per_item_ + 2;
       for (int64_t x = 0; x < pages; ++x) block_table_.push_back(static_cast<int32_t>(x));
-      std::shuffle(block_table_.begin(), block_table_.end(), layout_rng);
+      // Shuffled pages, or (one case in three) runs of consecutive pages
+      // as a fresh pool hands them out, which the kernel reads as one run.
+      if (c.seed % 3 == 0) {
+        for (size_t x = 0; x + 3 < block_table_.size(); x += 3)
+          if (layout_rng() % 2) std::swap(block_table_[x], block_table_[x + 3]);
+      } else {
+        std::shuffle(block_table_.begin(), block_table_.end(), layout_rng);
+      }
       block_table_.resize(static_cast<size_t>(c.batch * pages_per_item_));
       kv_rows = pages * c.page_size;
       ks_.batch = vs_.batch = 0;
@@ -155,6 +166,8 @@ class Problem {
     if (c.kv == DType::kBF16) {
       for (float x : k) kb_.push_back(float_to_bf16(x));
       for (float x : v) vb_.push_back(float_to_bf16(x));
+    } else if (is_kv_quantized(c.kv)) {
+      quantize(c, k, v, pad);
     } else {
       kf_ = std::move(k);
       vf_ = std::move(v);
@@ -201,10 +214,17 @@ class Problem {
 
   const Case& spec() const { return c_; }
 
-  // Fills the K and V row of (batch b, physical row r, kv head g) with NaN.
+  // Fills the K and V row of (batch b, physical row r, kv head g) with NaN
+  // (8-bit K/V: as quantize_kv stores a row holding NaN, scales NaN).
   void poison_row(int64_t b, int64_t r, int64_t g) {
     s_max_.clear();
     poisoned_[(b * c_.seqlen_k + r) * c_.kv_heads + g] = 1;
+    if (is_kv_quantized(c_.kv)) {
+      for (int64_t x = 0; x < blocks(c_.d); ++x) kscale_[kscale_at(b, r, g) + x] = kNaN;
+      if (!c_.mla_view)
+        for (int64_t x = 0; x < blocks(c_.dv); ++x) vscale_[vscale_at(b, r, g) + x] = kNaN;
+      return;
+    }
     const bf16 nan16 = float_to_bf16(kNaN);
     for (int64_t x = 0; x < c_.d; ++x) {
       const int64_t at = krow(b, r) + g * ks_.head + x;
@@ -223,6 +243,33 @@ class Problem {
     }
   }
 
+  // 8-bit K/V: every code at its largest magnitude with random signs (and,
+  // for fp8, every third one subnormal), each key row's scales spread over
+  // 2^-6 .. 2^6 (keys) and 2^-12 .. 2^12 (values).
+  void saturate_rows() {
+    s_max_.clear();
+    std::uniform_int_distribution<int> sign(0, 1), shift(-12, 12);
+    auto fill = [&](std::vector<uint8_t>& codes, int64_t at, int64_t n) {
+      for (int64_t x = 0; x < n; ++x) {
+        const bool neg = sign(rng_) == 1;
+        uint8_t code = c_.kv == DType::kI8 ? static_cast<uint8_t>(neg ? -127 : 127) : 0x7e;
+        if (c_.kv == DType::kFp8E4M3) code = (x % 3 == 2 ? 0x05 : 0x7e) | (neg ? 0x80 : 0);
+        codes[at + x] = code;
+      }
+    };
+    for (int64_t b = 0; b < c_.batch; ++b)
+      for (int64_t r = 0; r < c_.seqlen_k; ++r)
+        for (int64_t g = 0; g < c_.kv_heads; ++g) {
+          fill(kq_, krow(b, r) + g * ks_.head, c_.d);
+          for (int64_t x = 0; x < blocks(c_.d); ++x)
+            kscale_[kscale_at(b, r, g) + x] = std::ldexp(0.01f, shift(rng_) / 2) / 127;
+          if (c_.mla_view) continue;
+          fill(vq_, vrow(b, r) + g * vs_.head, c_.dv);
+          for (int64_t x = 0; x < blocks(c_.dv); ++x)
+            vscale_[vscale_at(b, r, g) + x] = std::ldexp(1.0f, shift(rng_)) / 127;
+        }
+  }
+
   // Params writing to `out` / `lse` (laid out as out_elems() / lse_elems()).
   AttentionParams params(float* out, float* lse) const {
     AttentionParams p;
@@ -236,7 +283,15 @@ class Problem {
     p.q = q_.data();
     p.q_stride = qs_;
     p.kv_dtype = c_.kv;
-    if (c_.kv == DType::kBF16) {
+    if (is_kv_quantized(c_.kv)) {
+      p.k = kq_.data();
+      p.v = c_.mla_view ? kq_.data() : vq_.data();
+      p.k_scale = kscale_.data();
+      p.k_scale_stride = kss_;
+      p.v_scale = c_.mla_view ? kscale_.data() : vscale_.data();
+      p.v_scale_stride = c_.mla_view ? kss_ : vss_;
+      p.scale_block = c_.scale_block;
+    } else if (c_.kv == DType::kBF16) {
       p.k = kb_.data();
       p.v = c_.mla_view ? static_cast<const void*>(kb_.data()) : vb_.data();
     } else {
@@ -302,47 +357,125 @@ class Problem {
   struct Bounds {
     double out, lse;
   };
-  Bounds bounds_for_row(int64_t b, int64_t i, int64_t h, SimdTarget target) const {
+  //
+  // 8-bit K/V (the reference reads the dequantized values exactly): the
+  // fp32 terms above, with the keys' and values' dequantization (one
+  // rounding, u) inside them, plus per path:
+  //   int8 keys, 1-4 rows (qk_rows_i8): q rounded to int16 in steps of
+  //     qf = max_c |scale q_c| / qmax: E += qf / 2 * max_j sum_c |k_jc|
+  //   weights times the value scale (pv_i8 / pv_fp8): 2u Vmax
+  //   copies as bf16 (`dot`: the vdpbf16ps kernels): q and k rounded to
+  //     bf16, E += 2^-8 S; values and weights rounded, 2 * 2^-8 Vmax
+  Bounds bounds_for_row(int64_t b, int64_t i, int64_t h, SimdTarget target, bool dot) const {
     if (s_max_.empty()) compute_row_maxima();
-    const double s_max = s_max_[(b * c_.seqlen_q + i) * c_.heads + h];
+    const int64_t row = (b * c_.seqlen_q + i) * c_.heads + h;
+    const double s_max = s_max_[row];
     const double v_max = v_max_[b * c_.kv_heads + h / (c_.heads / c_.kv_heads)];
+    const bool q8 = is_kv_quantized(c_.kv);
     double e = (c_.d + 4) * kU * s_max;
     if (c_.softcap > 0.0f) e += 8 * kU * c_.softcap;
     if (c_.mask == MaskKind::kAdd) e += kU * (s_max + 2.0);
     if (c_.inexact_q && c_.kv == DType::kBF16 && target == SimdTarget::kAvx512Bf16)
       e += kUBf16 * s_max;
+    if (c_.kv == DType::kI8) {
+      const double qmax = std::min(32767.0, std::floor(2147483647.0 / (127.0 * double(c_.d))));
+      e += 0.5 * q_amax_[row] / qmax * k1_max_[b * c_.kv_heads + h / (c_.heads / c_.kv_heads)];
+    }
+    if (q8 && dot) e += kUBf16 * s_max;
     const double n = static_cast<double>(c_.seqlen_k);
     double out = v_max * (std::expm1(2 * e) + 8 * kU + (3 * n + 32) * kU);
     if (c_.kv == DType::kBF16 && target == SimdTarget::kAvx512Bf16) out += v_max * kUBf16;
+    if (q8) out += v_max * (dot ? 2 * kUBf16 : 2 * kU);
     return {out + 1e-30, e + (3 * n + 32) * kU};
+  }
+
+  // 8-bit K/V: a Problem's inputs are the float K/V, quantized per (batch
+  // item, row, kv head) as the caches quantize them (ops/kv_quant.h), with
+  // the scales in arrays of their own, [rows, kv heads, blocks] per batch
+  // item (padded like the data when strided). Padding codes decode to
+  // large values and padding scales are NaN: a kernel reading past a row
+  // or a scale shows.
+  int64_t blocks(int64_t dim) const {
+    return c_.scale_block > 0 ? (dim + c_.scale_block - 1) / c_.scale_block : 1;
   }
 
  private:
   // S (per row) and Vmax (per batch item and kv head) of bounds_for_row,
-  // over the keys that are not NaN.
+  // over the keys that are not NaN; for int8 keys also max_c |scale q_c|
+  // per row and max_j sum_c |k_jc| per batch item and kv head.
   void compute_row_maxima() const {
     const int64_t group = c_.heads / c_.kv_heads;
     s_max_.assign(static_cast<size_t>(c_.batch * c_.seqlen_q * c_.heads), 0.0);
+    q_amax_.assign(s_max_.size(), 0.0);
     v_max_.assign(static_cast<size_t>(c_.batch * c_.kv_heads), 0.0);
+    k1_max_.assign(v_max_.size(), 0.0);
     std::vector<double> kabs(static_cast<size_t>(c_.d));
     for (int64_t b = 0; b < c_.batch; ++b)
       for (int64_t g = 0; g < c_.kv_heads; ++g)
         for (int64_t r = 0; r < c_.seqlen_k; ++r) {
           if (poisoned_[(b * c_.seqlen_k + r) * c_.kv_heads + g]) continue;
-          for (int64_t x = 0; x < c_.d; ++x)
-            kabs[x] = std::fabs(kv_at(true, krow(b, r) + g * ks_.head + x));
+          double k1 = 0.0;
+          for (int64_t x = 0; x < c_.d; ++x) {
+            kabs[x] = std::fabs(kv_at(true, b, r, g, x));
+            k1 += kabs[x];
+          }
+          k1_max_[b * c_.kv_heads + g] = std::max(k1_max_[b * c_.kv_heads + g], k1);
           double& vm = v_max_[b * c_.kv_heads + g];
           for (int64_t x = 0; x < c_.dv; ++x)
-            vm = std::max(vm, std::fabs(kv_at(false, vrow(b, r) + g * vs_.head + x)));
+            vm = std::max(vm, std::fabs(kv_at(false, b, r, g, x)));
           for (int64_t i = 0; i < rows(b); ++i)
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
               const float* q = q_.data() + b * qs_.batch + q_row(b, i) * qs_.row + h * qs_.head;
-              double dot = 0.0;
-              for (int64_t x = 0; x < c_.d; ++x) dot += std::fabs(q[x * qs_.dim]) * kabs[x];
+              double dot = 0.0, qa = 0.0;
+              for (int64_t x = 0; x < c_.d; ++x) {
+                dot += std::fabs(q[x * qs_.dim]) * kabs[x];
+                qa = std::max(qa, std::fabs(double(scale_ * q[x * qs_.dim])));
+              }
               double& sm = s_max_[(b * c_.seqlen_q + i) * c_.heads + h];
               sm = std::max(sm, scale_ * dot);
+              q_amax_[(b * c_.seqlen_q + i) * c_.heads + h] = qa;
             }
         }
+  }
+
+  void quantize(const Case& c, const std::vector<float>& k, const std::vector<float>& v,
+                int64_t pad) {
+    kq_.assign(k.size(), 0x7e);  // padding: +448 (fp8) or 126 (int8)
+    vq_.assign(v.size(), 0x7e);
+    // Scales [rows, kv heads, blocks] per batch item (paged: one array of
+    // every page's rows, batch stride 0, as the data).
+    auto strides = [&](int64_t dim) {
+      Strides4 st;
+      st.dim = 1;
+      st.head = blocks(dim) + (c.strided ? 1 : 0);
+      st.row = c.kv_heads * st.head + pad;
+      st.batch = c.page_size > 0 ? 0 : c.seqlen_k * st.row + pad;
+      return st;
+    };
+    kss_ = strides(c.d);
+    vss_ = strides(c.dv);
+    const int64_t rows_total = c.page_size > 0
+                                   ? static_cast<int64_t>(block_table_.size() + 2) * c.page_size
+                                   : c.batch * c.seqlen_k;
+    kscale_.assign(static_cast<size_t>(rows_total * kss_.row + c.batch * pad + 1), kNaN);
+    vscale_.assign(static_cast<size_t>(rows_total * vss_.row + c.batch * pad + 1), kNaN);
+    for (int64_t b = 0; b < c.batch; ++b)
+      for (int64_t r = 0; r < c.seqlen_k; ++r)
+        for (int64_t g = 0; g < c.kv_heads; ++g) {
+          const int64_t k0 = krow(b, r) + g * ks_.head;
+          quantize_kv(k.data() + k0, 1, c.d, c.kv, c.scale_block, kq_.data() + k0,
+                      kscale_.data() + kscale_at(b, r, g));
+          if (c.mla_view) continue;
+          const int64_t v0 = vrow(b, r) + g * vs_.head;
+          quantize_kv(v.data() + v0, 1, c.dv, c.kv, c.scale_block, vq_.data() + v0,
+                      vscale_.data() + vscale_at(b, r, g));
+        }
+  }
+  int64_t kscale_at(int64_t b, int64_t r, int64_t g) const {
+    return b * kss_.batch + kv_row(b, r) * kss_.row + g * kss_.head;
+  }
+  int64_t vscale_at(int64_t b, int64_t r, int64_t g) const {
+    return b * vss_.batch + kv_row(b, r) * vss_.row + g * vss_.head;
   }
 
   template <class F>
@@ -366,8 +499,17 @@ class Problem {
     const float x = u(rng_);
     return bf16_exact ? bf16_to_float(float_to_bf16(x)) : x;
   }
-  double kv_at(bool key, int64_t index) const {
+  // Element x of the K (key) or V row of (b, logical row r, kv head g), as
+  // the reference reads it (8-bit: dequantized, exactly).
+  double kv_at(bool key, int64_t b, int64_t r, int64_t g, int64_t x) const {
     const bool from_k = key || c_.mla_view;
+    const int64_t index = from_k ? krow(b, r) + g * ks_.head + x : vrow(b, r) + g * vs_.head + x;
+    if (is_kv_quantized(c_.kv)) {
+      const int64_t block = c_.scale_block > 0 ? x / c_.scale_block : 0;
+      const float scale =
+          from_k ? kscale_[kscale_at(b, r, g) + block] : vscale_[vscale_at(b, r, g) + block];
+      return double(kv_code_value(c_.kv, from_k ? kq_[index] : vq_[index])) * scale;
+    }
     if (c_.kv == DType::kBF16) return bf16_to_float(from_k ? kb_[index] : vb_[index]);
     return from_k ? kf_[index] : vf_[index];
   }
@@ -381,10 +523,13 @@ class Problem {
   float scale_ = 1.0f;
   std::vector<float> q_, kf_, vf_, add_mask_;
   std::vector<bf16> kb_, vb_;
+  std::vector<uint8_t> kq_, vq_;        // 8-bit codes, laid out as kf_ / vf_
+  std::vector<float> kscale_, vscale_;  // their scales
+  Strides4 kss_, vss_;
   std::vector<uint8_t> bool_mask_, poisoned_;
   std::vector<int32_t> k_len_;
   std::vector<int64_t> q_off_;
-  mutable std::vector<double> s_max_, v_max_;
+  mutable std::vector<double> s_max_, v_max_, q_amax_, k1_max_;
 };
 
 struct Outputs {
@@ -426,6 +571,7 @@ std::string plan_str(const cpu::Plan& plan) {
          " block_k=" + std::to_string(plan.block_k) + " split_k=" + std::to_string(plan.split_k) +
          " kv_heads_per_task=" + std::to_string(plan.kv_heads_per_task) +
          " k_then_v=" + std::to_string(plan.k_then_v) +
+         " dequant_bf16=" + std::to_string(plan.dequant_bf16) +
          " threads=" + std::to_string(plan.num_threads);
 }
 
@@ -435,6 +581,9 @@ std::string plan_str(const cpu::Plan& plan) {
 void expect_close(const Problem& pr, const Outputs& ref, const Outputs& fast,
                   const cpu::Plan& plan) {
   const Case& c = pr.spec();
+  // 8-bit K/V copied as bf16 for the vdpbf16ps kernels round them.
+  const bool dot =
+      is_kv_quantized(c.kv) && cpu::make_geometry(pr.params(nullptr, nullptr), plan).dot_bf16;
   std::vector<uint8_t> logical(ref.out.size(), 0), logical_lse(ref.lse.size(), 0);
   double worst_ratio = 0.0;
   std::string worst;
@@ -442,7 +591,7 @@ void expect_close(const Problem& pr, const Outputs& ref, const Outputs& fast,
   for (int64_t b = 0; b < c.batch; ++b)
     for (int64_t i = 0; i < pr.rows(b); ++i)
       for (int64_t h = 0; h < c.heads; ++h) {
-        const Problem::Bounds bound = pr.bounds_for_row(b, i, h, plan.target);
+        const Problem::Bounds bound = pr.bounds_for_row(b, i, h, plan.target, dot);
         auto check = [&](const char* what, float r, float f, double tol) {
           std::ostringstream where;
           where << what << "[b=" << b << ", i=" << i << ", h=" << h << "]";
@@ -651,7 +800,7 @@ TEST(AttentionFast, EveryMask) {
 TEST(AttentionFast, NonFiniteMaskedKeysDoNotLeak) {
   uint64_t seed = 400;
   for (int variant = 0; variant < 4; ++variant)
-    for (DType kv : {DType::kF32, DType::kBF16}) {
+    for (DType kv : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
       Case c;
       c.batch = 2;
       c.seqlen_q = 12;
@@ -724,7 +873,7 @@ TEST(AttentionFast, RowsWithoutVisibleKeysAreZero) {
 // keys are 576 wide, values are the first 512 columns of the same rows.
 TEST(AttentionFast, AbsorbedMlaDecode) {
   uint64_t seed = 500;
-  for (DType kv : {DType::kF32, DType::kBF16})
+  for (DType kv : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3})
     for (int64_t sq : {1, 2}) {
       Case c;
       c.batch = 1;
@@ -737,6 +886,7 @@ TEST(AttentionFast, AbsorbedMlaDecode) {
       c.kv = kv;
       c.mla_view = true;
       c.causal = true;
+      c.scale_block = kLatentScaleBlock;  // as LatentCache stores 8-bit rows
       c.seed = ++seed;
       check_case(c, [&](const Problem& pr) { return default_plan(pr, 2); });
       check_case(c, [&](const Problem&) { return tiled(1, 32, 64, 3); });
@@ -764,6 +914,98 @@ TEST(AttentionFast, Bf16DotProductsRoundQueriesWithinTheirBound) {
     check_case(c, [&](const Problem& pr) { return default_plan(pr, 2); });
     check_case(c, [&](const Problem&) { return tiled(5, 16, 32, 3, 2); });
   }
+}
+
+// 8-bit K/V through every path the tile loop takes for them: 1-4 packed
+// rows read the codes where they lie (qk_rows_i8 / _fp8, pv_i8 / _fp8,
+// weights times the value scales), 5-31 rows dequantize K tiles into a copy
+// and read V where it lies, more rows (and block scales, at any row count)
+// dequantize both (as bf16 where the target has vdpbf16ps). Head dims below,
+// at and past the kernels' 16-, 32- and 64-column chunks; masks, softcap,
+// rings, pages, strided rows and scales, splits and several kv heads per
+// task. The reference reads the same codes and scales, dequantized exactly.
+TEST(AttentionFast, EightBitKvEveryPath) {
+  uint64_t seed = 800;
+  for (DType kv : {DType::kI8, DType::kFp8E4M3})
+    for (int64_t d : {8, 33, 64, 128})
+      for (int64_t tokens : {1, 2, 9})
+        for (int64_t block : {0, 16, 32}) {
+          if (block > 0 && d % 16 != 0) continue;
+          Case c;
+          c.batch = 2;
+          c.seqlen_q = tokens;
+          c.seqlen_k = 150;
+          c.heads = 8;
+          c.kv_heads = 2;
+          c.d = d;
+          c.dv = d == 33 ? 40 : d;
+          c.kv = kv;
+          c.causal = true;
+          c.scale_block = block;
+          c.seqlens = tokens != 2;
+          c.softcap = tokens == 9 ? 3.0f : 0.0f;
+          c.strided = d == 33;
+          c.page_size = d == 64 ? 16 : 0;
+          c.ring = d == 8 && tokens == 1;
+          c.window_left = tokens == 9 ? 70 : -1;
+          c.seed = ++seed;
+          check_case(c, [&](const Problem& p, SimdTarget t) { return default_plan(p, 2, t); });
+          check_case(c, [&](const Problem&) { return tiled(tokens, 16, 48, 3, 2); });
+          // Dequantized copies of the other element type than the CPU's
+          // vendor picks (tile_policy.h, dequantizes_to_bf16).
+          if (tokens == 9 || block > 0)
+            check_case(c, [&](const Problem& p, SimdTarget t) {
+              cpu::Plan other = default_plan(p, 2, t);
+              other.dequant_bf16 = !other.dequant_bf16;
+              return other;
+            });
+        }
+  // Masks and sparse patterns over 8-bit keys, with NaN rows behind them.
+  for (DType kv : {DType::kI8, DType::kFp8E4M3})
+    for (MaskKind m : {MaskKind::kBool, MaskKind::kAdd}) {
+      Case c;
+      c.batch = 2;
+      c.seqlen_q = 3;
+      c.seqlen_k = 77;
+      c.heads = 4;
+      c.kv_heads = 1;
+      c.d = c.dv = 48;
+      c.kv = kv;
+      c.mask = m;
+      c.poison = 0.05;
+      c.seed = ++seed;
+      check_case(c, [&](const Problem& p, SimdTarget t) { return default_plan(p, 2, t); });
+      check_case(c, [&](const Problem&) { return tiled(2, 8, 0, 2); });
+    }
+}
+
+// Codes of the largest magnitude in every position and keys whose scales
+// differ by orders of magnitude: int8 QK's int16 queries and int32 sums at
+// their limits (head_dim 576 takes the smaller int16 range), fp8's largest
+// and subnormal codes, and per-key scales applied to the right keys.
+TEST(AttentionFast, EightBitKvExtremeCodesAndScales) {
+  uint64_t seed = 900;
+  for (DType kv : {DType::kI8, DType::kFp8E4M3})
+    for (int64_t d : {128, 576}) {
+      Case c;
+      c.seqlen_q = 1;
+      c.seqlen_k = 70;
+      c.heads = 4;
+      c.kv_heads = 1;
+      c.d = d;
+      c.dv = 64;
+      c.kv = kv;
+      c.causal = true;
+      c.seed = ++seed;
+      Problem pr(c);
+      pr.saturate_rows();
+      const Outputs ref = run_reference(pr);
+      for (const TestedTarget& t : tested_targets()) {
+        cpu::Plan plan = default_plan(pr, 2, t.target);
+        t.apply(plan);
+        expect_close(pr, ref, run_fast(pr, plan), plan);
+      }
+    }
 }
 
 // ---- randomized sweep ----------------------------------------------------
@@ -843,7 +1085,7 @@ TEST(AttentionFast, PagedKeysAndRaggedQueries) {
   for (int64_t page_size : {1, 3, 16, 64})
     for (bool ragged : {false, true})
       for (int64_t seqlen_q : {1, 4, 19})
-        for (DType kv : {DType::kF32, DType::kBF16}) {
+        for (DType kv : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
           Case c;
           c.batch = 3;
           c.seqlen_q = seqlen_q;
@@ -883,7 +1125,12 @@ Case random_case(uint64_t seed) {
   c.d = pick({1, 3, 8, 16, 17, 32, 40});
   c.mla_view = chance(0.15);
   c.dv = c.mla_view ? std::max<int64_t>(1, c.d - pick({0, 1, 5})) : pick({1, 5, 16, 31, 33});
-  c.kv = chance(0.4) ? DType::kBF16 : DType::kF32;
+  c.kv = chance(0.3)    ? DType::kBF16
+         : chance(0.3)  ? DType::kI8
+         : chance(0.25) ? DType::kFp8E4M3
+                        : DType::kF32;
+  if (is_kv_quantized(c.kv) && c.d % 16 == 0 && c.dv % 16 == 0 && chance(0.3))
+    c.scale_block = pick({16, 32});
   c.causal = chance(0.5);
   if (chance(0.3)) {
     c.window_left = pick({-1, 0, 3, 10});
@@ -921,6 +1168,7 @@ TEST(AttentionFast, RandomCasesEveryTargetTilingAndThreadCount) {
         tiled(pick({1, 2, 3, 5, 8, 64}), pick({1, 2, 7, 16, 64}), pick({0, 0, 1, 5, 16, 64}),
               static_cast<int>(pick({1, 2, 3, 7})), pick({1, 1, 2, 3}));
     random_tiling.k_then_v = pick({0, 1}) == 1;
+    random_tiling.dequant_bf16 = pick({0, 1}) == 1;
     const int threads = static_cast<int>(pick({1, 2, 3, 7}));
     check_case(c, [&](const Problem&) { return random_tiling; });
     check_case(c, [&](const Problem& pr) { return default_plan(pr, threads); });
@@ -933,7 +1181,7 @@ TEST(AttentionFast, RandomCasesEveryTargetTilingAndThreadCount) {
 // only, so outputs are the same bits for any thread count and every run.
 TEST(AttentionFast, DecodeIsBitIdenticalAcrossThreadCounts) {
   uint64_t seed = 600;
-  for (DType kv : {DType::kF32, DType::kBF16})
+  for (DType kv : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3})
     for (int64_t sq : {1, 4, 16}) {
       Case c;
       c.batch = 3;

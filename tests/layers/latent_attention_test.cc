@@ -23,8 +23,10 @@
 #include <vector>
 
 #include "common/batch_steps.h"
+#include "common/kv_quant_f64.h"
 #include "common/random.h"
 #include "kernels/linear.h"
+#include "ops/kv_quant.h"
 
 namespace attnkit {
 namespace {
@@ -272,9 +274,8 @@ struct Fixture {
   LatentAttention layer;
 };
 
-Fixture make(bool q_lora, bool yarn, uint64_t seed, bool rope_interleave = true) {
-  Fixture fx{small_config(q_lora, yarn), {}, {}};
-  fx.cfg.rope_interleave = rope_interleave;
+Fixture make_from(const MlaConfig& cfg, uint64_t seed) {
+  Fixture fx{cfg, {}, {}};
   fx.w = random_weights(fx.cfg, seed);
   auto layer = LatentAttention::create(fx.cfg);
   EXPECT_TRUE(layer.ok()) << layer.status().to_string();
@@ -282,6 +283,39 @@ Fixture make(bool q_lora, bool yarn, uint64_t seed, bool rope_interleave = true)
   const Status st = fx.layer.load_weights(weight_map(fx.cfg, fx.w));
   EXPECT_TRUE(st.ok()) << st.to_string();
   return fx;
+}
+
+Fixture make(bool q_lora, bool yarn, uint64_t seed, bool rope_interleave = true) {
+  MlaConfig cfg = small_config(q_lora, yarn);
+  cfg.rope_interleave = rope_interleave;
+  return make_from(cfg, seed);
+}
+
+// Latent rows of 96 + 16 channels: one whole block of 64 scales and a
+// partial one (8-bit caches, kLatentScaleBlock).
+Fixture make_wide_latent(uint64_t seed) {
+  MlaConfig cfg = small_config(true, false);
+  cfg.kv_lora_rank = 96;
+  cfg.qk_rope_head_dim = 16;
+  return make_from(cfg, seed);
+}
+
+// How far the layer's output may move, relative to its largest value, when
+// its latents are stored as `dtype` rather than exactly: bf16 rounds each
+// value by 2^-9 relative, int8 by half a step of 1/127 of its block's
+// largest value, fp8 by 2^-4 relative; through softmax and two linear
+// maps a few times that.
+double latent_tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return 1e-2;
+    case DType::kI8:
+      return 3e-2;
+    case DType::kFp8E4M3:
+      return 1.5e-1;
+    default:
+      return kRelTol;
+  }
 }
 
 std::vector<int64_t> iota(int64_t n, int64_t start = 0) {
@@ -415,7 +449,7 @@ TEST(LatentAttention, ForwardBatchOverPagesMatchesEachSequenceAlone) {
   const std::vector<std::vector<int64_t>> steps = {{5, 2, 0}, {1, 3, 4}, {1, 1, 1},
                                                    {2, 0, 1}, {1, 1, 3}, {1, 1, 1}};
   for (bool q_lora : {true, false})
-    for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
       SCOPED_TRACE(std::string(q_lora ? "q_lora " : "q_proj ") + dtype_name(dtype));
       Fixture fx = make(q_lora, true, 40 + q_lora);
       const int64_t d = fx.cfg.hidden_size;
@@ -438,9 +472,10 @@ TEST(LatentAttention, ForwardBatchOverPagesMatchesEachSequenceAlone) {
       attnkit_test::run_batch_steps(*pool, d, x, steps, &out, forward(*pool));
       for (size_t s = 0; s < 3; ++s) {
         const RefOut ref = reference(fx.cfg, fx.w, x[s], 1, lengths[s], iota(lengths[s]));
-        // bf16 latents: 2^-9 relative per stored value, through the layer.
+        // Against exact latents: bf16 rounds 2^-9 relative per stored value,
+        // int8 and fp8 quantize (latent_tolerance).
         EXPECT_TRUE(rel_close("sequence " + std::to_string(s), out[s].data(), ref.out.data(),
-                              out[s].size(), dtype == DType::kBF16 ? 1e-2 : kRelTol));
+                              out[s].size(), latent_tolerance(dtype)));
         if (!kernels::linear_rows_independent(Backend::kAuto)) continue;
         auto own = fx.layer.new_paged_cache(30, 3, 1, dtype).value();
         std::vector<std::vector<int64_t>> own_steps;
@@ -561,30 +596,110 @@ TEST(LatentAttention, AppendedRowsRestoreACache) {
   EXPECT_EQ(b->length(), 6);
 }
 
-TEST(LatentAttention, Bf16CacheFormsAgreeAndTrackReference) {
-  Fixture fx = make(true, true, 31);
-  const int64_t B = 2, S = 7, d = fx.cfg.hidden_size;
-  Rng rng(8);
-  const std::vector<float> x = attnkit_test::uniform_vector(size_t(B * S * d), rng);
-  const RefOut ref = reference(fx.cfg, fx.w, x, B, S, iota(S));
-  // [form][backend]: naive/absorbed x reference/auto.
-  std::vector<float> outs[2][2];
-  const MlaForm forms[2] = {MlaForm::kNaive, MlaForm::kAbsorbed};
+const MlaForm kForms[2] = {MlaForm::kNaive, MlaForm::kAbsorbed};
+
+// outs[form][backend]: x (B x S x hidden) through the layer in both forms
+// (naive, absorbed) on both backends (reference, auto), each from a fresh
+// cache of `dtype` with S + 2 positions, which inspect(form, backend,
+// cache) checks after the call.
+template <class Inspect>
+void forward_forms(Fixture& fx, const std::vector<float>& x, int64_t B, int64_t S, DType dtype,
+                   std::vector<float> (&outs)[2][2], Inspect inspect) {
+  const int64_t d = fx.cfg.hidden_size;
   const Backend backends[2] = {Backend::kReference, Backend::kAuto};
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < 2; ++j) {
-      auto cache = fx.layer.new_cache(B, S + 2, DType::kBF16);
-      ASSERT_TRUE(cache.ok());
-      EXPECT_EQ(cache->nbytes(), size_t(B * (S + 2) * 36 * 2));
+      auto cache = fx.layer.new_cache(B, S + 2, dtype);
+      ASSERT_TRUE(cache.ok()) << cache.status().to_string();
       outs[i][j].assign(x.size(), 0.0f);
       RunOptions run;
       run.backend = backends[j];
       ASSERT_TRUE(fx.layer
                       .forward(make_view(x.data(), DType::kF32, {B, S, d}),
                                make_view(outs[i][j].data(), DType::kF32, {B, S, d}), {},
-                               &cache.value(), run, forms[i])
+                               &cache.value(), run, kForms[i])
                       .ok());
+      inspect(i, j, cache.value());
     }
+}
+
+// 8-bit latent caches: what the rows hold (each block of 64 channels as
+// tests/common/kv_quant_f64.h quantizes it), both forms on both backends
+// reading the same dequantized latents, and the output's distance from
+// exact latents.
+TEST(LatentAttention, EightBitCachesHoldQuantizedRowsAndFormsAgree) {
+  for (DType dtype : {DType::kI8, DType::kFp8E4M3}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    // kv_lora_rank 32 + rope 4: one partial block of 64 channels per row;
+    // the DeepSeek-shaped fixture below gives whole and partial blocks.
+    for (bool wide : {false, true}) {
+      Fixture fx = wide ? make_wide_latent(71) : make(true, true, 71);
+      const int64_t B = 2, S = 7, d = fx.cfg.hidden_size;
+      const int64_t dkv = fx.cfg.kv_lora_rank + fx.cfg.qk_rope_head_dim;
+      Rng rng(8);
+      const std::vector<float> x = attnkit_test::uniform_vector(size_t(B * S * d), rng);
+      const RefOut ref = reference(fx.cfg, fx.w, x, B, S, iota(S));
+      const int64_t blocks = (dkv + 63) / 64;
+      std::vector<float> outs[2][2];
+      forward_forms(fx, x, B, S, dtype, outs, [&](int i, int j, const LatentCache& cache) {
+        EXPECT_EQ(cache.scales().shape[2], blocks);
+        EXPECT_EQ(cache.nbytes(), size_t(B * (S + 2) * (dkv + 4 * blocks)));
+        if (i + j > 0) return;
+        // The rows: the reference model's latents, quantized by the rule
+        // (the fp32 projections differ from the float64 ones in the last
+        // bits, which can move a code by one step: compare within one).
+        const TensorView &st = cache.storage(), &sc = cache.scales();
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t t = 0; t < S; ++t) {
+            std::vector<float> row(static_cast<size_t>(dkv));
+            for (int64_t c = 0; c < dkv; ++c)
+              row[size_t(c)] = float(ref.latent[(b * S + t) * dkv + c]);
+            const std::vector<double> want =
+                attnkit_test::kv_dequantized(row.data(), dkv, dtype, 64);
+            for (int64_t c = 0; c < dkv; ++c) {
+              const float scale =
+                  sc.ptr<const float>()[b * sc.strides[0] + t * sc.strides[1] + c / 64];
+              const uint8_t code =
+                  st.ptr<const uint8_t>()[b * st.strides[0] + t * st.strides[1] + c];
+              const double got = double(attnkit::kv_code_value(dtype, code)) * scale;
+              // One step: scale (int8), or 2^-3 of the value's binade (fp8).
+              const double step = dtype == DType::kI8
+                                      ? 1.01 * scale
+                                      : std::fabs(want[size_t(c)]) / 7 + 0x1p-9 * scale;
+              EXPECT_LE(std::fabs(got - want[size_t(c)]), step) << b << " " << t << " " << c;
+            }
+          }
+      });
+      // The reference kernel reads the dequantized latents exactly: both
+      // forms agree to fp32 rounding.
+      const std::vector<double> naive(outs[0][0].begin(), outs[0][0].end());
+      EXPECT_TRUE(rel_close("absorbed vs naive (reference)", outs[1][0].data(), naive.data(),
+                            naive.size()));
+      // The fast absorbed form may copy tiles as bf16 for vdpbf16ps
+      // (kernels/cpu/tile_policy.h; 2^-9 relative per value, weight and
+      // query).
+      for (int i = 0; i < 2; ++i)
+
+        EXPECT_TRUE(rel_close(std::string("fast kernel, ") + mla_form_name(kForms[i]),
+                              outs[i][1].data(), naive.data(), naive.size(), 0x1p-6));
+      EXPECT_TRUE(rel_close("vs float64", outs[0][0].data(), ref.out.data(), naive.size(),
+                            latent_tolerance(dtype)));
+      EXPECT_FALSE(
+          rel_close("differs from exact", outs[0][0].data(), ref.out.data(), naive.size(), 1e-4));
+    }
+  }
+}
+
+TEST(LatentAttention, Bf16CacheFormsAgreeAndTrackReference) {
+  Fixture fx = make(true, true, 31);
+  const int64_t B = 2, S = 7, d = fx.cfg.hidden_size;
+  Rng rng(8);
+  const std::vector<float> x = attnkit_test::uniform_vector(size_t(B * S * d), rng);
+  const RefOut ref = reference(fx.cfg, fx.w, x, B, S, iota(S));
+  std::vector<float> outs[2][2];
+  forward_forms(fx, x, B, S, DType::kBF16, outs, [&](int, int, const LatentCache& cache) {
+    EXPECT_EQ(cache.nbytes(), size_t(B * (S + 2) * 36 * 2));
+  });
   // The reference kernel widens bf16 K/V exactly, so both forms read the
   // same rounded latents and agree to fp32 rounding.
   const std::vector<double> naive(outs[0][0].begin(), outs[0][0].end());
@@ -594,7 +709,7 @@ TEST(LatentAttention, Bf16CacheFormsAgreeAndTrackReference) {
   // to bf16 (2^-9 relative each); through softmax and o_proj that stays
   // within 2^-6 of the output scale.
   for (int i = 0; i < 2; ++i)
-    EXPECT_TRUE(rel_close(std::string("bf16 cache, fast kernel, ") + mla_form_name(forms[i]),
+    EXPECT_TRUE(rel_close(std::string("bf16 cache, fast kernel, ") + mla_form_name(kForms[i]),
                           outs[i][1].data(), naive.data(), naive.size(), 0x1p-6));
   // Against exact latents: bf16 keeps 8 significant bits (relative rounding
   // <= 2^-9 ~ 2e-3 per latent value); through two linear maps and a softmax
@@ -856,7 +971,10 @@ TEST(LatentAttention, BadCallsWriteNothing) {
   EXPECT_NE(st.message().find("load_weights"), std::string::npos) << st.message();
   EXPECT_FALSE(fx.layer.new_cache(0, 4).ok());
   EXPECT_FALSE(fx.layer.new_cache(1, 0).ok());
-  EXPECT_FALSE(fx.layer.new_cache(1, 4, DType::kF16).ok());
+  const auto f16 = fx.layer.new_cache(1, 4, DType::kF16);
+  EXPECT_NE(f16.status().message().find("dtype = f16 must be f32, bf16, int8 or fp8_e4m3"),
+            std::string::npos)
+      << f16.status().to_string();
   // The good call after all of that still continues the sequence.
   ASSERT_TRUE(fx.layer
                   .forward(make_view(x.data(), DType::kF32, {2, 2, d}),

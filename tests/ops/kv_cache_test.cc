@@ -17,8 +17,10 @@
 
 #include "common/attention_bounds.h"
 #include "common/attention_f64.h"
+#include "common/kv_quant_f64.h"
 #include "common/random.h"
 #include "common/views.h"
+#include "ops/kv_quant.h"
 
 namespace {
 
@@ -53,9 +55,23 @@ struct Problem {
   }
 };
 
+// K or V [batch, n, heads, dim] as a cache of `stored` holds it: rounded to
+// bf16, or each token's row of each head quantized and dequantized.
+std::vector<double> as_stored(const std::vector<float>& x, int64_t dim, DType stored) {
+  std::vector<double> d(x.begin(), x.end());
+  if (stored == DType::kBF16)
+    for (size_t i = 0; i < x.size(); ++i) d[i] = attnkit_test::round_bf16(x[i]);
+  if (stored == DType::kI8 || stored == DType::kFp8E4M3)
+    for (size_t i = 0; i < x.size(); i += size_t(dim)) {
+      const std::vector<double> row = attnkit_test::kv_dequantized(x.data() + i, dim, stored);
+      std::copy(row.begin(), row.end(), d.begin() + int64_t(i));
+    }
+  return d;
+}
+
 // Full causal attention over the problem's n tokens with window W (0 = none),
-// in float64; K/V rounded to bf16 first when `bf16`.
-std::vector<double> oracle(const Problem& p, int64_t W, bool bf16, double scale = 0.0,
+// in float64, over K/V as a cache of `stored` holds them.
+std::vector<double> oracle(const Problem& p, int64_t W, DType stored, double scale = 0.0,
                            double softcap = 0.0, attnkit::SparsePattern sparse = {}) {
   attnkit_test::OracleOptions o;
   o.batch = p.batch;
@@ -69,12 +85,10 @@ std::vector<double> oracle(const Problem& p, int64_t W, bool bf16, double scale 
   o.softmax_scale = scale;
   o.softcap = softcap;
   o.sparse = sparse;
-  auto kv = [&](const std::vector<float>& x) {
-    std::vector<double> d(x.size());
-    for (size_t i = 0; i < x.size(); ++i) d[i] = bf16 ? attnkit_test::round_bf16(x[i]) : x[i];
-    return d;
-  };
-  return attnkit_test::attention_f64(o, attnkit_test::widen(p.q), kv(p.k), kv(p.v)).out;
+  return attnkit_test::attention_f64(o, attnkit_test::widen(p.q),
+                                     as_stored(p.k, p.head_dim, stored),
+                                     as_stored(p.v, p.head_dim_v, stored))
+      .out;
 }
 
 attnkit_test::Tolerance tolerance(const Problem& p, DType dtype, attnkit::Backend backend,
@@ -159,7 +173,7 @@ void decode_matches_full_attention(DType dtype) {
           const attnkit_test::Tolerance tol = tolerance(p, dtype, backend);
           const bool bf16 = dtype == DType::kBF16;
           double ratio = 0.0;
-          EXPECT_TRUE(attnkit_test::all_close("out", out, oracle(p, W, bf16), tol, &ratio));
+          EXPECT_TRUE(attnkit_test::all_close("out", out, oracle(p, W, dtype), tol, &ratio));
           worst[backend == attnkit::Backend::kAuto] =
               std::max(worst[backend == attnkit::Backend::kAuto], ratio);
           if (bf16) {
@@ -168,8 +182,8 @@ void decode_matches_full_attention(DType dtype) {
             // order, |dout| <= (2 |ds| + 2^-9) Vmax; 1.5x for second order.
             const double smax = double(p.head_dim) / std::sqrt(double(p.head_dim));
             const double b = 1.5 * (2.0 * 0x1p-9 * smax + 0x1p-9) + tol.atol;
-            EXPECT_TRUE(
-                attnkit_test::all_close("out vs f32 oracle", out, oracle(p, W, false), {b, 0.0}));
+            EXPECT_TRUE(attnkit_test::all_close("out vs f32 oracle", out, oracle(p, W, DType::kF32),
+                                                {b, 0.0}));
           }
         }
   ::testing::Test::RecordProperty("reference_worst_error_over_bound", std::to_string(worst[0]));
@@ -179,6 +193,70 @@ void decode_matches_full_attention(DType dtype) {
 TEST(KVCacheDecode, F32MatchesFullCausalAttention) { decode_matches_full_attention(DType::kF32); }
 
 TEST(KVCacheDecode, BF16MatchesOracleOnRoundedKV) { decode_matches_full_attention(DType::kBF16); }
+
+TEST(KVCacheDecode, Int8MatchesOracleOnDequantizedKV) { decode_matches_full_attention(DType::kI8); }
+
+TEST(KVCacheDecode, Fp8MatchesOracleOnDequantizedKV) {
+  decode_matches_full_attention(DType::kFp8E4M3);
+}
+
+// An 8-bit cache's rows hold what kv_quant_f64.h's rule gives: the codes of
+// each token's row of each head, then its scale, in the layout
+// kv_cache_view / kv_cache_scales_view describe; a row holding NaN gets a
+// NaN scale, and rows of zeros scale 0.
+TEST(KVCacheStorage, EightBitRowsHoldCodesThenScales) {
+  for (DType dtype : {DType::kI8, DType::kFp8E4M3}) {
+    SCOPED_TRACE(attnkit::dtype_name(dtype));
+    const int64_t heads = 3, dim = 40, n = 4;
+    auto cache = KVCache::create({1, n, heads, dim, 0, dtype, 0});
+    ASSERT_TRUE(cache.ok()) << cache.status().to_string();
+    // 120 codes, 4 bytes of alignment, 3 scales: 136 bytes, 160 with the pad to 32.
+    EXPECT_EQ(attnkit::kv_token_stride(heads, dim, dtype), 160);
+    EXPECT_EQ(cache->keys().strides[1], 160);
+    EXPECT_EQ(cache->key_scales().strides[1], 40);
+    EXPECT_EQ(static_cast<const char*>(cache->key_scales().data) -
+                  static_cast<const char*>(cache->keys().data),
+              120);
+    EXPECT_EQ(cache->nbytes(), size_t(2 * n * heads * (dim + 4)));
+    Rng rng(3);
+    std::vector<float> k = attnkit_test::uniform_vector(size_t(n * heads * dim), rng);
+    std::vector<float> v = attnkit_test::uniform_vector(k.size(), rng);
+    k[size_t(dim + 7)] = NAN;                                         // token 0, head 1
+    for (int64_t x = 0; x < dim; ++x) v[size_t(2 * dim + x)] = 0.0f;  // token 0, head 2
+    k[size_t(heads * dim + 5)] *= 1000.0f;  // an outlier sets token 1's head 0 scale
+    std::vector<float> q(size_t(n * heads * dim), 0.1f), out(q.size());
+    ASSERT_TRUE(cache
+                    ->attend(attnkit::make_view(q.data(), DType::kF32, {1, n, heads, dim}),
+                             attnkit::make_view(k.data(), DType::kF32, {1, n, heads, dim}),
+                             attnkit::make_view(v.data(), DType::kF32, {1, n, heads, dim}),
+                             attnkit::make_view(out.data(), DType::kF32, {1, n, heads, dim}))
+                    .ok());
+    for (int kind = 0; kind < 2; ++kind) {
+      const std::vector<float>& src = kind == 0 ? k : v;
+      const TensorView& codes = kind == 0 ? cache->keys() : cache->values();
+      const TensorView& scales = kind == 0 ? cache->key_scales() : cache->value_scales();
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* row = src.data() + (t * heads + h) * dim;
+          const std::vector<double> want = attnkit_test::kv_dequantized(row, dim, dtype);
+          const float scale = scales.ptr<const float>()[t * scales.strides[1] + h];
+          for (int64_t x = 0; x < dim; ++x) {
+            const uint8_t code = codes.ptr<const uint8_t>()[t * codes.strides[1] + h * dim + x];
+            const double got = double(attnkit::kv_code_value(dtype, code)) * scale;
+            if (std::isnan(want[size_t(x)]))
+              EXPECT_TRUE(std::isnan(got)) << kind << " " << t << " " << h << " " << x;
+            else
+              EXPECT_EQ(got, want[size_t(x)]) << kind << " " << t << " " << h << " " << x;
+          }
+        }
+    }
+    EXPECT_TRUE(std::isnan(cache->key_scales().ptr<const float>()[1]));
+    EXPECT_EQ(cache->value_scales().ptr<const float>()[2], 0.0f);
+    // The query rows that see token 0's NaN key (kv head 1 = query head 1) are NaN.
+    for (int64_t x = 0; x < dim; ++x) EXPECT_TRUE(std::isnan(out[size_t(dim + x)]));
+    EXPECT_TRUE(std::isfinite(out[0]));
+  }
+}
 
 TEST(KVCacheDecode, OptionsScaleSoftcapAndBackendApply) {
   for (int64_t W : {int64_t{0}, int64_t{4}}) {
@@ -194,9 +272,9 @@ TEST(KVCacheDecode, OptionsScaleSoftcapAndBackendApply) {
     opt.num_threads = 2;
     KVCacheSpec spec{p.batch, p.n, p.num_kv_heads, p.head_dim, 0, DType::kF32, W};
     const auto out = decode(p, spec, {5, 1, 4, 1, 2}, opt);
-    EXPECT_TRUE(
-        attnkit_test::all_close("out", out, oracle(p, W, false, double(opt.softmax_scale), 1.5),
-                                tolerance(p, DType::kF32, opt.backend, double(opt.softmax_scale))));
+    EXPECT_TRUE(attnkit_test::all_close(
+        "out", out, oracle(p, W, DType::kF32, double(opt.softmax_scale), 1.5),
+        tolerance(p, DType::kF32, opt.backend, double(opt.softmax_scale))));
   }
 }
 
@@ -220,7 +298,8 @@ TEST(KVCacheDecode, SparsePatternUsesAbsolutePositions) {
       opt.backend = backend;
       KVCacheSpec spec{p.batch, p.n, p.num_kv_heads, p.head_dim, 0, DType::kF32, 0};
       const auto out = decode(p, spec, {5, 1, 3, 1, 2, 1, 2}, opt);
-      EXPECT_TRUE(attnkit_test::all_close("out", out, oracle(p, 0, false, 0.0, 0.0, opt.sparse),
+      EXPECT_TRUE(attnkit_test::all_close("out", out,
+                                          oracle(p, 0, DType::kF32, 0.0, 0.0, opt.sparse),
                                           tolerance(p, DType::kF32, backend)));
     }
 }
@@ -364,8 +443,8 @@ TEST(KVCacheStorage, PaddedRowsDecodeLikeTheOracle) {
         attnkit::AttentionOptions opt;
         opt.backend = backend;
         const std::vector<float> out = decode(p, spec, {5, 1, 3, 1, 1, 2}, opt);
-        EXPECT_TRUE(attnkit_test::all_close("out", out, oracle(p, W, dtype == DType::kBF16),
-                                            tolerance(p, dtype, backend)));
+        EXPECT_TRUE(
+            attnkit_test::all_close("out", out, oracle(p, W, dtype), tolerance(p, dtype, backend)));
       }
 }
 
@@ -381,7 +460,7 @@ struct Snapshot {
 
 TEST(KVCacheErrors, OverflowIsOutOfRangeAndChangesNothing) {
   for (int64_t W : {int64_t{0}, int64_t{4}})
-    for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
       SCOPED_TRACE("window " + std::to_string(W) + " " + attnkit::dtype_name(dt));
       Problem p;
       p.n = 9;  // 5 + 4 overflows max_seq_len 8; 5 + 3 fits
@@ -421,7 +500,7 @@ TEST(KVCacheErrors, OverflowIsOutOfRangeAndChangesNothing) {
       p8.k = slice(p.k, p.num_kv_heads, p.head_dim);
       p8.v = slice(p.v, p.num_kv_heads, p.head_dim_v);
       EXPECT_TRUE(attnkit_test::all_close("out", slice(out, p.num_heads, p.head_dim_v),
-                                          oracle(p8, W, dt == DType::kBF16),
+                                          oracle(p8, W, dt),
                                           tolerance(p8, dt, attnkit::Backend::kAuto)));
     }
 }
@@ -452,7 +531,7 @@ TEST(KVCacheErrors, ResetForgetsTokens) {
     EXPECT_EQ(cache->length(), 0);
     EXPECT_EQ(cache->stored(), 0);
     run(second);
-    EXPECT_TRUE(attnkit_test::all_close("out", out, oracle(second, W, false),
+    EXPECT_TRUE(attnkit_test::all_close("out", out, oracle(second, W, DType::kF32),
                                         tolerance(second, DType::kF32, attnkit::Backend::kAuto)));
   }
 }
@@ -481,7 +560,7 @@ TEST(KVCacheErrors, CreateRejectsBadSpecs) {
   with([](KVCacheSpec& s) { s.head_dim_v = -1; }, StatusCode::kInvalidArgument,
        "spec.head_dim_v = -1");
   with([](KVCacheSpec& s) { s.dtype = DType::kF16; }, StatusCode::kInvalidArgument,
-       "spec.dtype = f16");
+       "spec.dtype = f16 must be f32, bf16, int8 or fp8_e4m3");
   with([](KVCacheSpec& s) { s.sliding_window = -2; }, StatusCode::kInvalidArgument,
        "spec.sliding_window = -2");
   with(

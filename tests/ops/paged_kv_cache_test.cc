@@ -23,7 +23,9 @@
 
 #include "common/attention_bounds.h"
 #include "common/attention_f64.h"
+#include "common/kv_quant_f64.h"
 #include "common/random.h"
+#include "ops/kv_quant.h"
 
 namespace {
 
@@ -94,16 +96,34 @@ class DenseModel {
     Seq& s = seqs_.at(id);
     std::vector<double>& k = s.k[size_t(layer)];
     std::vector<double>& v = s.v[size_t(layer)];
-    auto keep = [&](float x) -> double {
-      return spec_.dtype == DType::kBF16 ? attnkit_test::round_bf16(x) : x;
+    // Rows of `heads` x `dim` values as the pool keeps them: rounded to
+    // bf16, or quantized per head (per 64 channels of a latent row).
+    auto keep = [&](const float* x, int64_t heads, int64_t dim) {
+      std::vector<double> r;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* row = x + h * dim;
+        if (spec_.dtype == DType::kI8 || spec_.dtype == DType::kFp8E4M3) {
+          const std::vector<double> d = attnkit_test::kv_dequantized(
+              row, dim, spec_.dtype, spec_.latent() ? attnkit::kLatentScaleBlock : 0);
+          r.insert(r.end(), d.begin(), d.end());
+        } else {
+          for (int64_t c = 0; c < dim; ++c)
+            r.push_back(spec_.dtype == DType::kBF16 ? attnkit_test::round_bf16(row[c]) : row[c]);
+        }
+      }
+      return r;
     };
     for (int64_t t = 0; t < n; ++t) {
-      for (int64_t x = 0; x < key_width(); ++x) k.push_back(keep(k_new[t * key_width() + x]));
-      if (spec_.latent())  // the value is the first kv_lora_rank columns of the row
-        for (int64_t x = 0; x < spec_.head_dim_v; ++x)
-          v.push_back(keep(k_new[t * key_width() + x]));
-      else
-        for (int64_t x = 0; x < value_width(); ++x) v.push_back(keep(v_new[t * value_width() + x]));
+      const std::vector<double> kr =
+          keep(k_new + t * key_width(), spec_.num_kv_heads, spec_.head_dim);
+      k.insert(k.end(), kr.begin(), kr.end());
+      if (spec_.latent()) {  // the value is the first kv_lora_rank columns of the row
+        v.insert(v.end(), kr.begin(), kr.begin() + spec_.head_dim_v);
+      } else {
+        const std::vector<double> vr =
+            keep(v_new + t * value_width(), spec_.num_kv_heads, spec_.head_dim_v);
+        v.insert(v.end(), vr.begin(), vr.end());
+      }
     }
     attnkit_test::OracleOptions o;
     o.seqlen_q = n;
@@ -128,7 +148,8 @@ class DenseModel {
   std::map<int64_t, Seq> seqs_;
 };
 
-// Fills every page no sequence holds with NaN, in every layer.
+// Fills every page no sequence holds with NaN, in every layer (8-bit
+// pools: codes 0x7f, fp8's NaN, and NaN scales).
 void poison_free_pages(const PagedKVCache& pool) {
   const PagedKVCacheSpec& s = pool.spec();
   std::vector<bool> held(size_t(s.num_pages), false);
@@ -137,8 +158,14 @@ void poison_free_pages(const PagedKVCache& pool) {
     for (int32_t p : table)
       if (p >= 0) held[size_t(p)] = true;
   }
-  for (int64_t l = 0; l < s.num_layers; ++l)
-    for (const TensorView& t : {pool.keys(l).value(), pool.values(l).value()})
+  const bool q8 = s.dtype == DType::kI8 || s.dtype == DType::kFp8E4M3;
+  for (int64_t l = 0; l < s.num_layers; ++l) {
+    std::vector<TensorView> views = {pool.keys(l).value(), pool.values(l).value()};
+    if (q8) {
+      views.push_back(pool.key_scales(l).value());
+      views.push_back(pool.value_scales(l).value());
+    }
+    for (const TensorView& t : views)
       for (int64_t p = 0; p < s.num_pages; ++p) {
         if (held[size_t(p)]) continue;
         for (int64_t r = p * s.page_size; r < (p + 1) * s.page_size; ++r)
@@ -147,10 +174,13 @@ void poison_free_pages(const PagedKVCache& pool) {
               const int64_t at = r * t.strides[0] + h * t.strides[1] + x;
               if (t.dtype == DType::kBF16)
                 t.ptr<uint16_t>()[at] = 0x7fc0;
-              else
+              else if (t.dtype == DType::kF32)
                 t.ptr<float>()[at] = std::numeric_limits<float>::quiet_NaN();
+              else
+                t.ptr<uint8_t>()[at] = 0x7f;
             }
       }
+  }
 }
 
 // Every observable of the pool's bookkeeping, to check that a failed call
@@ -319,7 +349,9 @@ TEST(PagedKVCache, RandomTracesMatchDenseHistories) {
         // Enough pages for a few sequences, few enough to run out at times.
         t.num_pages = std::max<int64_t>(6, 160 / page_size);
         t.window = window;
-        t.dtype = seed % 3 == 0 ? DType::kBF16 : DType::kF32;
+        const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kF32, DType::kI8,
+                                DType::kFp8E4M3};
+        t.dtype = dtypes[seed % 5];
         t.softcap = seed % 4 == 1 ? 2.0f : 0.0f;
         t.backend = seed % 5 == 2 ? Backend::kReference : Backend::kAuto;
         t.threads = static_cast<int>(seed % 3) + 1;
@@ -576,7 +608,7 @@ TEST(PagedKVCache, RejectsBadArgumentsAndChangesNothing) {
       spec_for(sh, 1, 8, 4, DType::kF32, -1)};
   const char* needles[] = {"spec.num_layers = 0 must be >= 1", "spec.num_pages = 0 must be >= 1",
                            "spec.page_size = 0 must be >= 1",
-                           "spec.dtype = f16 must be f32 or bf16",
+                           "spec.dtype = f16 must be f32, bf16, int8 or fp8_e4m3",
                            "spec.sliding_window = -1 must be >= 0"};
   for (size_t i = 0; i < std::size(bad); ++i) {
     auto r = PagedKVCache::create(bad[i]);

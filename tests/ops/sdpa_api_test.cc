@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "attnkit/attention.h"
+#include "attnkit/kv_cache.h"
 #include "attnkit/tensor.h"
+#include "common/kv_quant_f64.h"
 #include "common/random.h"
 
 namespace {
@@ -62,6 +64,23 @@ struct SdpaCall {
     opt.backend = Backend::kReference;
   }
   Status call() const { return attnkit::sdpa(qv, kv, vv, ov, opt, lv, pv); }
+  // int8 K/V with their scales, quantized as a KVCache stores them.
+  std::vector<uint8_t> k8, v8;
+  std::vector<float> ks8, vs8;
+  void use_int8_kv() {
+    k8.resize(k.size());
+    v8.resize(v.size());
+    ks8.resize(size_t(B * Sk * Hkv));
+    vs8.resize(ks8.size());
+    const TensorView kc = attnkit::make_view(k8.data(), DType::kI8, {B, Sk, Hkv, D});
+    const TensorView vc = attnkit::make_view(v8.data(), DType::kI8, {B, Sk, Hkv, Dv});
+    opt.k_scales = attnkit::make_view(ks8.data(), DType::kF32, {B, Sk, Hkv, 1});
+    opt.v_scales = attnkit::make_view(vs8.data(), DType::kF32, {B, Sk, Hkv, 1});
+    EXPECT_TRUE(attnkit::quantize_kv_rows(kv, kc, opt.k_scales).ok());
+    EXPECT_TRUE(attnkit::quantize_kv_rows(vv, vc, opt.v_scales).ok());
+    kv = kc;
+    vv = vc;
+  }
   void use_bf16_kv() {
     for (float x : k) k16.push_back(attnkit::float_to_bf16(x));
     for (float x : v) v16.push_back(attnkit::float_to_bf16(x));
@@ -147,7 +166,7 @@ TEST(SdpaApi, WrongDtype) {
   expect_sdpa_rejected(c, {"q.dtype = bf16", "must be f32"});
   SdpaCall d;
   d.kv.dtype = DType::kI32;
-  expect_sdpa_rejected(d, {"k.dtype = i32", "f32 or bf16"});
+  expect_sdpa_rejected(d, {"k.dtype = i32", "f32 or bf16 or int8 or fp8_e4m3"});
   SdpaCall e;  // v must follow k's dtype
   e.use_bf16_kv();
   e.vv = attnkit::make_view(e.v.data(), DType::kF32, {2, 5, 2, 6});
@@ -472,6 +491,108 @@ TEST(MergeStatesApi, Overlaps) {
   ok.o = ok.oa;
   ok.l = ok.la;
   EXPECT_TRUE(ok.call().ok());
+}
+
+}  // namespace
+
+namespace {
+
+// 8-bit K/V through sdpa(): the scales are required exactly when K is
+// 8-bit, [batch, seqlen_k, num_kv_heads, 1] f32; the caches and
+// sdpa_varlen take none (they keep their own, or none).
+TEST(SdpaApi, EightBitKvNeedTheirScales) {
+  SdpaCall ok;
+  ok.use_int8_kv();
+  ASSERT_TRUE(ok.call().ok());
+  SdpaCall a;
+  a.use_int8_kv();
+  a.opt.v_scales = {};
+  expect_sdpa_rejected(a, {"options.v_scales is absent", "k.dtype = int8"});
+  SdpaCall given;
+  given.opt.k_scales = attnkit::make_view(given.k.data(), DType::kF32, {2, 5, 2, 1});
+  expect_sdpa_rejected(given, {"options.k_scales is given, but k.dtype = f32 has no scales"});
+  SdpaCall c;
+  c.use_int8_kv();
+  c.opt.k_scales.shape[3] = 2;
+  expect_sdpa_rejected(c, {"options.k_scales.shape[3] = 2 must be 1 (one scale per row) = 1"});
+  SdpaCall d;
+  d.use_int8_kv();
+  d.opt.v_scales.dtype = DType::kBF16;
+  expect_sdpa_rejected(d, {"options.v_scales.dtype = bf16 must be f32"});
+  SdpaCall e;
+  e.use_int8_kv();
+  e.vv.dtype = DType::kFp8E4M3;  // v must follow k's dtype
+  expect_sdpa_rejected(e, {"v.dtype = fp8_e4m3", "must be int8"});
+  // The reference over int8 K/V equals the oracle over their dequantized values.
+  SdpaCall f;
+  f.use_int8_kv();
+  ASSERT_TRUE(attnkit::sdpa(f.qv, f.kv, f.vv, f.ov, f.opt).ok());
+  const int64_t B = SdpaCall::B, Sq = SdpaCall::Sq, Sk = SdpaCall::Sk, H = SdpaCall::H,
+                Hkv = SdpaCall::Hkv, D = SdpaCall::D, Dv = SdpaCall::Dv;
+  std::vector<double> kd, vd;
+  for (int64_t r = 0; r < B * Sk * Hkv; ++r) {
+    const std::vector<double> kr = attnkit_test::kv_dequantized(f.k.data() + r * D, D, DType::kI8);
+    const std::vector<double> vr =
+        attnkit_test::kv_dequantized(f.v.data() + r * Dv, Dv, DType::kI8);
+    kd.insert(kd.end(), kr.begin(), kr.end());
+    vd.insert(vd.end(), vr.begin(), vr.end());
+  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < Sq; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        double s[SdpaCall::Sk], mx = -1e300, sum = 0;
+        const int64_t g = h / (H / Hkv);
+        for (int64_t j = 0; j < Sk; ++j) {
+          s[j] = 0;
+          for (int64_t x = 0; x < D; ++x)
+            s[j] +=
+                double(f.q[((b * Sq + i) * H + h) * D + x]) * kd[((b * Sk + j) * Hkv + g) * D + x];
+          s[j] /= std::sqrt(double(D));
+          mx = std::max(mx, s[j]);
+        }
+        for (int64_t j = 0; j < Sk; ++j) sum += (s[j] = std::exp(s[j] - mx));
+        for (int64_t x = 0; x < Dv; ++x) {
+          double o = 0;
+          for (int64_t j = 0; j < Sk; ++j) o += s[j] * vd[((b * Sk + j) * Hkv + g) * Dv + x];
+          EXPECT_NEAR(f.out[((b * Sq + i) * H + h) * Dv + x], o / sum, 1e-6);
+        }
+      }
+  // Anywhere else the scales have no place.
+  std::vector<float> out(size_t(B * Sq * H * Dv), kSentinel);
+  const int32_t cu_q[3] = {0, 3, 6}, cu_k[3] = {0, 5, 10};
+  const Status varlen = attnkit::sdpa_varlen(
+      attnkit::make_view(ok.q.data(), DType::kF32, {B * Sq, H, D}),
+      attnkit::make_view(ok.k.data(), DType::kF32, {B * Sk, Hkv, D}),
+      attnkit::make_view(ok.v.data(), DType::kF32, {B * Sk, Hkv, Dv}), cu_q, cu_k,
+      attnkit::make_view(out.data(), DType::kF32, {B * Sq, H, Dv}), ok.opt);
+  expect_rejected(varlen, {"sdpa_varlen: options.k_scales must be absent"}, {&out});
+}
+
+TEST(SdpaApi, QuantizeKvRowsFollowsTheCachesRuleAndChecksItsViews) {
+  attnkit_test::Rng rng(3);
+  std::vector<float> x = attnkit_test::uniform_vector(6 * 10, rng);
+  std::vector<uint8_t> codes(60, 0xee);
+  std::vector<float> scales(6, kSentinel);
+  const TensorView xv = attnkit::make_view(x.data(), DType::kF32, {2, 3, 10});
+  const TensorView cv = attnkit::make_view(codes.data(), DType::kFp8E4M3, {2, 3, 10});
+  const TensorView sv = attnkit::make_view(scales.data(), DType::kF32, {2, 3, 1});
+  ASSERT_TRUE(attnkit::quantize_kv_rows(xv, cv, sv).ok());
+  for (int r = 0; r < 6; ++r) {
+    const std::vector<double> want =
+        attnkit_test::kv_dequantized(x.data() + 10 * r, 10, DType::kFp8E4M3);
+    for (int c = 0; c < 10; ++c)
+      EXPECT_EQ(double(attnkit::fp8_e4m3_to_float(codes[size_t(10 * r + c)])) * scales[size_t(r)],
+                want[size_t(c)]);
+  }
+  std::vector<float> s2(12, kSentinel);
+  const Status bad =
+      attnkit::quantize_kv_rows(xv, cv, attnkit::make_view(s2.data(), DType::kF32, {2, 3, 2}));
+  expect_rejected(bad, {"quantize_kv_rows: scales.shape[2] = 2 must be 1 (one scale per row)"},
+                  {&s2});
+  const Status f32 =
+      attnkit::quantize_kv_rows(xv, attnkit::make_view(x.data(), DType::kF32, {2, 3, 10}), sv);
+  EXPECT_NE(f32.message().find("codes.dtype = f32 must be int8 or fp8_e4m3"), std::string::npos)
+      << f32.to_string();
 }
 
 }  // namespace

@@ -1,14 +1,14 @@
 """KVCache: decoding token by token (after chunked prefill) equals full
-causal attention over the whole sequence, for MHA / GQA / MQA, float32 and
-bfloat16 storage, with and without a sliding window; failed calls change
-nothing."""
+causal attention over the whole sequence, for MHA / GQA / MQA, float32,
+bfloat16, int8 and fp8_e4m3 storage, with and without a sliding window;
+failed calls change nothing."""
 import numpy as np
 import pytest
 import torch
 
 import attnkit
-from torch_ref import (bf16_criterion, check_close, randn, rng, sdpa_bf16_naive, sdpa_bounds,
-                       sdpa_ref)
+from torch_ref import (bf16_criterion, check_close, eight_bit_bound, kv_stored, randn, rng,
+                       sdpa_bf16_naive, sdpa_bounds, sdpa_ref)
 
 
 
@@ -31,7 +31,7 @@ VARIANTS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("window", [0, 5])
 def test_decode_equals_full_causal(variant, dtype, window, backend):
     num_heads, num_kv_heads = VARIANTS[variant]
@@ -51,6 +51,14 @@ def test_decode_equals_full_causal(variant, dtype, window, backend):
     if dtype == "float32":
         check_close(f"{variant} f32 W={window}", got, exact, sdpa_bounds(q, k, v)["out"],
                     rel=1e-5)
+    elif dtype in ("int8", "fp8_e4m3"):
+        # Against attention over the values the cache holds (each token's row
+        # of each kv head quantized with its own scale).
+        ks, vs = kv_stored(k, dtype), kv_stored(v, dtype)
+        want = sdpa_ref(q, ks, vs, causal=True, window=win)[0]
+        # int8 decode rounds the weights to int16 (2^-15 of a row's largest).
+        check_close(f"{variant} {dtype} W={window}", got, want,
+                    eight_bit_bound(q, ks, vs, dtype), rel=1e-4 if dtype == "int8" else 1e-5)
     elif backend == "reference":
         # The reference reads the stored bf16 K/V exactly: attention over
         # the rounded values, within the fp32 bound.
@@ -63,11 +71,11 @@ def test_decode_equals_full_causal(variant, dtype, window, backend):
         bf16_criterion(f"{variant} bf16 W={window}", got, exact,
                        sdpa_bf16_naive(q, k, v, causal=True, window=win),
                        sdpa_bounds(q, k, v)["out"])
-    if dtype == "bfloat16":
-        assert np.abs(got - exact).max() > 1e-5  # storage really is bf16
+    if dtype != "float32":
+        assert np.abs(got - exact).max() > 1e-5  # storage really rounds
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "fp8_e4m3"])
 def test_keys_values_hold_the_latest_tokens(dtype):
     g = rng(5)
     q, k, v = randn(g, 1, 9, 2, 4), randn(g, 1, 9, 1, 4), randn(g, 1, 9, 1, 6)
@@ -75,12 +83,13 @@ def test_keys_values_hold_the_latest_tokens(dtype):
     assert cache.slots == 3
     decode(cache, q, k, v, [2, 5, 1, 1])
     assert cache.stored == 3
-    ks, vs = (bf16_round(k), bf16_round(v)) if dtype == "bfloat16" else (k, v)
-    np.testing.assert_array_equal(cache.keys(), ks[:, -3:])
-    np.testing.assert_array_equal(cache.values(), vs[:, -3:])
+    ks, vs = kv_stored(k, dtype), kv_stored(v, dtype)
+    np.testing.assert_array_equal(cache.keys(), ks[:, -3:].astype(np.float32))
+    np.testing.assert_array_equal(cache.values(), vs[:, -3:].astype(np.float32))
     assert cache.keys().dtype == np.float32
-    item = 2 if dtype == "bfloat16" else 4
-    assert cache.nbytes == 1 * 3 * 1 * (4 + 6) * item
+    item = {"float32": 4, "bfloat16": 2, "int8": 1, "fp8_e4m3": 1}[dtype]
+    scales = 2 * 4 if item == 1 else 0  # one float32 per token row of K and of V
+    assert cache.nbytes == 1 * 3 * 1 * ((4 + 6) * item + scales)
     assert cache.dtype == dtype
 
 

@@ -44,13 +44,21 @@ Q, K, V = randn(G, 2, 3, 4, 8), randn(G, 2, 5, 2, 8), randn(G, 2, 5, 2, 6)
     (dict(sparse=[1]), r"sdpa: sparse must be None or a dict"),
     (dict(backend="gpu"), r"sdpa: backend = 'gpu' must be 'auto', 'reference' or 'fast'"),
     (dict(num_threads=-1), r"sdpa: num_threads = -1 must be >= 0"),
-    (dict(kv_dtype="float16"), r"sdpa: kv_dtype = 'float16' must be 'float32' or 'bfloat16'"),
+    (dict(kv_dtype="float16"), r"sdpa: kv_dtype = 'float16' must be 'float32', 'bfloat16', "
+                               r"'int8' or 'fp8_e4m3'"),
 ])
 def test_sdpa_errors(kwargs, pattern):
     args = dict(q=Q, k=K, v=V)
     args.update(kwargs)
     with pytest.raises(ValueError, match=pattern):
         attnkit.sdpa(**args)
+
+
+def test_sdpa_varlen_takes_no_eight_bit_kv():
+    q = np.zeros((4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"sdpa_varlen: kv_dtype = 'int8' must be 'float32' or "
+                                         r"'bfloat16' \(8-bit K/V carry scales"):
+        attnkit.sdpa_varlen(q, q, q, [0, 4], [0, 4], kv_dtype="int8")
 
 
 def test_merge_errors():
@@ -107,7 +115,8 @@ def test_rope_object_errors():
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
-    (dict(dtype="float16"), r"KVCache: dtype = 'float16' must be 'float32' or 'bfloat16'"),
+    (dict(dtype="float16"), r"KVCache: dtype = 'float16' must be 'float32', 'bfloat16', 'int8' "
+                            r"or 'fp8_e4m3'"),
     (dict(batch_size=0), r"batch_size = 0"),
     (dict(max_seq_len=-1), r"max_seq_len = -1"),
     (dict(sliding_window=-2), r"sliding_window = -2"),
@@ -314,8 +323,9 @@ def test_failed_forward_leaves_cache_unchanged():
 
 def test_new_cache_errors():
     layer = attnkit.from_config(LLAMA)
-    with pytest.raises(ValueError, match=r"AttentionLayer.new_cache: dtype = 'int8'"):
-        layer.new_cache(1, 4, dtype="int8")
+    with pytest.raises(ValueError, match=r"AttentionLayer.new_cache: dtype = 'int4' must be "
+                                         r"'float32', 'bfloat16', 'int8' or 'fp8_e4m3'"):
+        layer.new_cache(1, 4, dtype="int4")
     with pytest.raises(ValueError, match=r"max_seq_len = 0"):
         layer.new_cache(1, 0)
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import attnkit
-from torch_ref import (bf16_criterion, check_close, hf_attention_ref, layer_tolerance, randn,
-                       random_weights, rng, t64)
+from torch_ref import (bf16_criterion, check_close, hf_attention_ref, kv_stored,
+                       layer_tolerance, randn, random_weights, rng, t64)
 
 
 # --------------------------------------------------------------------------
@@ -352,6 +352,25 @@ def test_decode_equals_full_causal(family, kv_heads, dtype, backend):
         naive, _ = hf_attention_ref(cfg, sd, x, bf16_naive=True)
         bf16_criterion(f"{family}/{kv_heads} decode bf16", got, want, naive, tol)
         assert np.abs(got - full).max() > 1e-5 * np.abs(want).max()  # really bf16
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
+def test_eight_bit_cache_holds_the_quantized_keys(dtype, backend):
+    """An 8-bit cache holds exactly the f32 cache's K/V quantized per token
+    row of each kv head, and decodes within the quantization's reach of the
+    f32 cache (bench/kv_quant_accuracy measures that reach; docs/QUANTIZATION.md)."""
+    cfg = dict(FAMILIES["llama"], num_key_value_heads=2)
+    layer = attnkit.from_config(cfg)
+    layer.load_state_dict(hf_weights(cfg, 2))
+    x = randn(rng(23), 2, 13, cfg["hidden_size"])
+    c32, c8 = layer.new_cache(2, 16), layer.new_cache(2, 16, dtype=dtype)
+    want = decode_all(layer, c32, x, [5, 2] + [1] * 6, backend)
+    got = decode_all(layer, c8, x, [5, 2] + [1] * 6, backend)
+    np.testing.assert_array_equal(c8.keys(), kv_stored(c32.keys(), dtype).astype(np.float32))
+    np.testing.assert_array_equal(c8.values(), kv_stored(c32.values(), dtype).astype(np.float32))
+    assert c8.nbytes == c32.nbytes // 4 + 2 * 2 * 16 * 2 * 4  # plus a scale per head row
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert 1e-4 < err < (0.03 if dtype == "int8" else 0.15), err
 
 
 def test_sliding_window_cache_is_a_ring():

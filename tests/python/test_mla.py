@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from attnkit import _attnkit
-from torch_ref import check_close, rng, t64
+from torch_ref import check_close, kv_stored, rng, t64
 
 REL = 1e-5
 
@@ -331,6 +331,18 @@ def test_cache_sizes_and_bf16():
     # output projections that stays within 2^-6 of the output's scale.
     for key in [("naive", "auto"), ("absorbed", "auto")]:
         check_close(f"bf16 cache {key}", out[key], ref, 2.0 ** -6 * np.abs(ref).max())
+    # 8-bit latent caches hold the f32 cache's rows quantized per 64 channels
+    # (one block here: 30 values) and decode within their reach of it.
+    c32.reset()
+    want = layer.forward(x, cache=c32)
+    for dtype, reach in (("int8", 0.03), ("fp8_e4m3", 0.15)):
+        c8 = layer.new_cache(3, 10, dtype=dtype)
+        assert (c8.nbytes, c8.dtype) == (3 * 10 * (30 + 4), dtype)
+        got = layer.forward(x, cache=c8)
+        np.testing.assert_array_equal(c8.latent(), kv_stored(c32.latent(), dtype, 64)
+                                      .astype(np.float32))
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert 1e-4 < err < reach, (dtype, err)
     # DeepSeek-V3 shapes: 576 values per token, whatever the head count.
     v3 = make_layer(dict(BASE, hidden_size=7168, num_attention_heads=128, q_lora_rank=1536,
                          kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,

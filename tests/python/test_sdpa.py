@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import attnkit
-from torch_ref import (EPS32, bf16_criterion, check_close, randn, rng, sdpa_bf16_naive,
-                       sdpa_bounds, sdpa_ref)
+from torch_ref import (EPS32, bf16_criterion, check_close, eight_bit_bound, kv_stored, randn,
+                       rng, sdpa_bf16_naive, sdpa_bounds, sdpa_ref)
 
 
 def random_case(seed):
@@ -93,6 +93,21 @@ def test_bf16_kv_storage(seed, backend):
                             opts.get("seqlens_k"))
     bf16_criterion("bf16 kv fast", out, exact, naive,
                    sdpa_bounds(q, k, v, opts.get("softmax_scale"))["out"])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("seed", range(4))
+def test_eight_bit_kv_storage(dtype, seed, backend):
+    """kv_dtype='int8' / 'fp8_e4m3' quantizes each row of each kv head as an
+    8-bit KVCache stores it: against float64 attention over the stored
+    values, with the 8-bit paths' terms in the bound."""
+    q, k, v, opts = random_case(200 + seed)
+    ks, vs = kv_stored(k, dtype), kv_stored(v, dtype)
+    got = attnkit.sdpa(q, k, v, kv_dtype=dtype, backend=backend, **opts)
+    want = ref_of(q, ks, vs, opts)[0]
+    check_close(f"{dtype} kv", got, want,
+                eight_bit_bound(q, ks, vs, dtype, opts.get("softmax_scale")))
+    assert np.abs(got - ref_of(q, k, v, opts)[0]).max() > 1e-5  # the storage really rounds
 
 
 @pytest.mark.parametrize("mask_shape", [(1, 1, 5, 7), (2, 4, 5, 7), (2, 1, 1, 7), (1, 4, 5, 1),

@@ -351,3 +351,70 @@ def layer_tolerance(want):
     seqlen_k, o_proj over heads*head_dim, all < 100 here) accumulates about
     eps32 * sqrt(length) ~ 1e-6 relative per stage, a few stages deep."""
     return 1e-5 * np.abs(want).max()
+
+
+# ---- 8-bit KV storage (attnkit's rule, src/ops/kv_quant.h) -----------------
+
+def _e4m3_magnitudes():
+    vals = [(m / 8) * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+            for e in range(16) for m in range(8)]
+    return np.array(vals[:0x7f])  # codes 0 .. 0x7e; 0x7f is NaN
+
+
+E4M3 = _e4m3_magnitudes()
+
+
+def _round_e4m3(y):
+    """Nearest E4M3 value of float32 y, ties to the even code, saturating at
+    448 (from the table, not the library's exponent arithmetic)."""
+    a = np.abs(y).astype(np.float64)
+    best = np.argmin(np.abs(E4M3 - a[..., None]), axis=-1)  # a tie takes the lower
+    hi = np.take(E4M3, np.minimum(best + 1, len(E4M3) - 1))
+    tie = (np.abs(hi - a) == np.abs(np.take(E4M3, best) - a)) & (best % 2 == 1)
+    return np.copysign(np.take(E4M3, np.where(tie, best + 1, best)), y)
+
+
+def kv_stored(x, dtype, block=None):
+    """x [..., n] as an attnkit cache of `dtype` holds it, as float64: float32
+    as is, bfloat16 rounded, int8 / fp8_e4m3 quantized per block of `block`
+    values of the last axis (None: the whole row) with one float32 scale
+    max|x| / 127 (448), codes round(x * (127 / max)) computed in float32."""
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "float32":
+        return x.astype(np.float64)
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16).double().numpy()
+    n = x.shape[-1]
+    block = block or n
+    out = np.empty(x.shape, np.float64)
+    code_max = np.float32(127.0 if dtype == "int8" else 448.0)
+    for b0 in range(0, n, block):
+        part = x[..., b0:b0 + block]
+        amax = np.abs(part).max(axis=-1, keepdims=True).astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            inv = (code_max / amax).astype(np.float32)
+            y = (part * inv).astype(np.float32)
+        zero = ~np.isfinite(inv)
+        y = np.where(zero, np.float32(0), y)
+        code = (np.clip(np.rint(y), -127, 127) if dtype == "int8" else _round_e4m3(y))
+        scale = (amax / code_max).astype(np.float32)
+        out[..., b0:b0 + block] = np.where(zero, 0.0, code * scale.astype(np.float64))
+    return out
+
+
+def eight_bit_bound(q, ks, vs, dtype, softmax_scale=None):
+    """Bound on |fast - f64 reference over the stored K/V| for an 8-bit cache
+    (tests/common/attention_bounds.h): the fp32 bound, plus bf16 copies'
+    rounding of q, k, weights and values (2^-8 (2 S + 2) Vmax), plus int8's
+    int16 queries (3 S / 58714) and int16 weights (2^-10 Vmax)."""
+    b = sdpa_bounds(q, ks, vs, softmax_scale)
+    d = q.shape[3]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    g = q.shape[2] // ks.shape[2]
+    smax = scale * np.einsum("bqhd,bkhd->bhqk", np.abs(np.asarray(q, np.float64)),
+                             np.repeat(np.abs(ks), g, axis=2)).max(initial=0.0)
+    vmax = np.abs(vs).max(initial=0.0)
+    extra = 2.0 ** -8 * (2 * smax + 2)
+    if dtype == "int8":
+        extra += 3 * smax / 58714 + 2.0 ** -10
+    return b["out"] + 2 * extra * max(vmax, 1.0)

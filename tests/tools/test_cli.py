@@ -35,7 +35,7 @@ def test_help_lists_commands():
     ["plan", "--model", "llama-3-8b", "--context", "4096"],
     ["plan", "--model", "llama-3-8b", "--memory", "24XB", "--context", "4096"],
     ["plan", "--model", "llama-3-8b", "--memory", "24GiB"],
-    ["compare", "--kv-dtype", "int8"],
+    ["compare", "--kv-dtype", "int4"],
     ["compare", "--d-model", "100", "--heads", "3"],
     ["compare", "--variants", "mha,gqa-3"],
     ["compare", "--variants", "mha,,mqa"],
@@ -178,7 +178,9 @@ def test_analyze_huge_context_and_batch_print_the_true_size():
     t = run("analyze", "--model", "llama-3-8b", "--context", "2000000000", "--batch", "2000000000",
             *FIXED)
     row = next(l for l in t.stdout.splitlines() if l.startswith("KV cache @"))
-    assert row.endswith("444 ZiB | 888 ZiB")
+    # 8-bit: 1 byte per value and an fp32 scale per row of a kv head
+    # (65536 + 2048 bytes per token for Llama-3-8B).
+    assert row.endswith("444 ZiB | 888 ZiB | 229 ZiB")
 
 
 def test_analyze_what_if_bytes_follow_kv_dtype():
@@ -272,6 +274,46 @@ def test_plan_answers_the_batch_question():
     assert rows[("mqa", "bf16")]["batch"] == (24 << 30) // (per_seq // 8)
     assert not rows[("mha", "f32")]["fits"]
     assert rows[("mqa", "bf16")]["batch"] >= 16
+
+
+def test_plan_ranks_models_the_parallel_strategies():
+    # Llama-3-8B over 8 ranks at batch 2 x 8192: 8 kv heads, one per rank.
+    r = run("plan", "--model", "llama-3-8b", "--memory", "24GiB", "--batch", "2",
+            "--ranks", "8", "--link-gbps", "200", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)["parallel"]
+    assert p["ranks"] == 8 and p["batch"] == 2 and p["context"] == 8192
+    assert p["link_gbps"] == 200 and p["link_latency_us"] == 5
+    s = {x["strategy"]: x for x in p["strategies"]}
+    assert set(s) == {"single", "head-parallel", "context-parallel"}
+    single, heads, tokens = s["single"], s["head-parallel"], s["context-parallel"]
+    kv = 2 * 8192 * 131072                               # 128 KiB/token in bf16, all layers
+    assert single["kv_bytes_per_rank"] == kv
+    assert heads["kv_bytes_per_rank"] == kv / 8          # one kv head of 8 per rank
+    assert tokens["kv_bytes_per_rank"] == kv / 8         # 8192 tokens in 16 equal chunks
+    assert tokens["weight_bytes_per_rank"] == single["weight_bytes_per_rank"]
+    assert heads["weight_bytes_per_rank"] < single["weight_bytes_per_rank"] / 7
+    # Head-parallel decode all-reduces the layer output of 2 tokens: 2 (N-1)/N x 2 x 4096 x 4 B.
+    assert heads["decode_bytes_sent_per_layer"] == 2 * 7 / 8 * 2 * 4096 * 4
+    assert single["decode_bytes_sent_per_layer"] == 0
+    t = run("plan", "--model", "llama-3-8b", "--memory", "24GiB", "--batch", "2", "--ranks", "8",
+            *FIXED)
+    assert "across 8 ranks" in t.stdout and "head-parallel" in t.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--link-gbps", "10"], "attnkit plan: --link-gbps and --link-latency-us need --ranks N"),
+    (["--ranks", "0"], "attnkit plan: --ranks must be >= 1, got 0"),
+    (["--ranks", "2", "--link-gbps", "0"], "attnkit plan: --link-gbps must be > 0, got 0.00"),
+    (["--ranks", "64"], "head-parallel"),
+])
+def test_plan_ranks_errors(args, message):
+    r = run("plan", "--model", "llama-3-8b", "--memory", "24GiB", "--context", "4096", *args,
+            *FIXED)
+    if message == "head-parallel":  # 64 ranks > 32 query heads: not an error, a note in the row
+        assert r.returncode == 0 and "num_heads" in r.stdout, r.stdout
+        return
+    assert r.returncode == 2 and r.stderr.strip() == message, r.stderr
 
 
 def test_plan_context_for_batch_window_capped():
@@ -474,7 +516,8 @@ def test_bench_rows_have_documented_fields_and_exact_arithmetic():
     assert mla["flops"] == 2 * 4 * (72 + 64) * 64 * 2
     assert mla["bytes"] == 2 * 64 * 72 * 2 + 4 * 2 * 1 * 4 * (72 + 64)
     assert rows[("mqa", "bf16")]["bytes"] == 2 * 64 * 1 * 32 * 2 + 4 * 2 * 1 * 4 * 32
-    assert j["kv_bytes_per_token"]["mla"] == {"f32": 72 * 4, "bf16": 72 * 2}
+    # 8-bit: one fp32 scale per latent row, as the bench lays its buffers out
+    assert j["kv_bytes_per_token"]["mla"] == {"f32": 72 * 4, "bf16": 72 * 2, "int8": 72 + 4}
 
 
 def test_bench_without_python_notes_and_carries_on():

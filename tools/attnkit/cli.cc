@@ -234,6 +234,25 @@ int64_t parse_bytes(const std::string& text) {
   return static_cast<int64_t>(bytes);
 }
 
+DType kv_dtype_of(const std::string& name, const std::string& flag) {
+  for (DType kv : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3})
+    if (name == kv_dtype_label(kv)) return kv;
+  throw UsageError{flag + " must be f32, bf16, int8 or fp8_e4m3, got '" + name + "'"};
+}
+
+const char* kv_dtype_label(DType kv) {
+  switch (kv) {
+    case DType::kBF16:
+      return "bf16";
+    case DType::kI8:
+      return "int8";
+    case DType::kFp8E4M3:
+      return "fp8_e4m3";
+    default:
+      return "f32";
+  }
+}
+
 std::string format_sig3(double v, const char* suffix) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f%s", v >= 100 ? 0 : v >= 10 ? 1 : 2, v, suffix);

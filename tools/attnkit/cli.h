@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "attnkit/tensor.h"
+
 namespace CLI {
 class App;
 }  // namespace CLI
@@ -55,6 +57,11 @@ class Flags {
 };
 
 int64_t parse_bytes(const std::string& text);  // throws UsageError
+
+// A KV storage type by its flag name: f32, bf16, int8, fp8_e4m3 (throws
+// UsageError naming `flag` otherwise), and back.
+DType kv_dtype_of(const std::string& name, const std::string& flag = "--kv-dtype");
+const char* kv_dtype_label(DType kv);
 
 // The tool's version (the CMake project's), for `attnkit --version`.
 const char* version();

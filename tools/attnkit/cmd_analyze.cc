@@ -64,7 +64,8 @@ int run_analyze(int argc, char** argv) {
   f.add_string("--config", &config, "a Hugging Face config.json");
   f.add_int("--context", &context, "tokens per sequence (default 4096)", 1);
   f.add_int("--batch", &batch, "sequences (default 1)", 1);
-  f.add_string("--kv-dtype", &kv_name, "bf16 or f32 for the decode figures (default bf16)");
+  f.add_string("--kv-dtype", &kv_name,
+               "bf16, f32, int8 or fp8_e4m3 for the decode figures (default bf16)");
   f.add_string("--weight-dtype", &weight_name,
                "bf16 or f32 weights for decode bytes (default bf16)");
   f.add_int_list("--mla-ranks", &mla_ranks, "kv_lora_rank values for the MLA sweep");
@@ -77,7 +78,7 @@ int run_analyze(int argc, char** argv) {
     if (s == "f32") return DType::kF32;
     throw UsageError{flag + " must be bf16 or f32, got '" + s + "'"};
   };
-  const DType kv = dtype_of("--kv-dtype", kv_name), wdt = dtype_of("--weight-dtype", weight_name);
+  const DType kv = kv_dtype_of(kv_name), wdt = dtype_of("--weight-dtype", weight_name);
   const ModelShape m = load_model(model, config);
   const MachineProfile mp = machine_profile(peak, bw);
   const double balance = mp.fp32_peak_gflops / mp.dram_read_gbps;  // FLOPs per byte
@@ -112,10 +113,15 @@ int run_analyze(int argc, char** argv) {
   j["attention_params_per_layer"] = params;
   j["attention_params_total"] = params * m.num_layers;
   j["kv_values_per_token_per_layer"] = kv_values_per_token_per_layer(m);
+  // int8 and fp8_e4m3 take the same bytes (codes and fp32 scales).
   j["kv_bytes_per_token"] = {{"bf16", kv_bytes_per_token(m, DType::kBF16)},
-                             {"f32", kv_bytes_per_token(m, DType::kF32)}};
+                             {"f32", kv_bytes_per_token(m, DType::kF32)},
+                             {"int8", kv_bytes_per_token(m, DType::kI8)},
+                             {"fp8_e4m3", kv_bytes_per_token(m, DType::kFp8E4M3)}};
   j["kv_cache_bytes"] = {{"bf16", kv_cache_bytes(m, DType::kBF16, context, batch)},
-                         {"f32", kv_cache_bytes(m, DType::kF32, context, batch)}};
+                         {"f32", kv_cache_bytes(m, DType::kF32, context, batch)},
+                         {"int8", kv_cache_bytes(m, DType::kI8, context, batch)},
+                         {"fp8_e4m3", kv_cache_bytes(m, DType::kFp8E4M3, context, batch)}};
   if (m.mla) {
     j["mla_naive_kv_bytes_per_token"] = {{"bf16", kv_bytes_per_token(m, DType::kBF16, false)},
                                          {"f32", kv_bytes_per_token(m, DType::kF32, false)}};
@@ -196,9 +202,10 @@ int run_analyze(int argc, char** argv) {
   main.add(
       {"attention params, all layers", format_count(static_cast<double>(params * m.num_layers))});
   main.add({"KV values / token / layer", std::to_string(kv_values_per_token_per_layer(m))});
-  main.add({"KV / token, all layers (bf16 | f32)",
+  main.add({"KV / token, all layers (bf16 | f32 | 8-bit)",
             format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kBF16))) + " | " +
-                format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kF32)))});
+                format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kF32))) + " | " +
+                format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kI8)))});
   if (m.mla)
     main.add({"naive MLA KV / token (bf16)",
               format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kBF16, false))) +
@@ -207,9 +214,10 @@ int run_analyze(int argc, char** argv) {
                                  kv_values_per_token_per_layer(m)) +
                   "x the latent)"});
   const std::string at = " @ " + std::to_string(context) + " tok x " + std::to_string(batch);
-  main.add({"KV cache" + at + " (bf16 | f32)",
+  main.add({"KV cache" + at + " (bf16 | f32 | 8-bit)",
             format_bytes(kv_cache_bytes(m, DType::kBF16, context, batch)) + " | " +
-                format_bytes(kv_cache_bytes(m, DType::kF32, context, batch))});
+                format_bytes(kv_cache_bytes(m, DType::kF32, context, batch)) + " | " +
+                format_bytes(kv_cache_bytes(m, DType::kI8, context, batch))});
   main.add({"prefill FLOPs" + at, format_flops(t.prefill_flops)});
   main.add({"decode FLOPs / step" + at, format_flops(t.decode_flops)});
   main.add({"decode bytes / step (" + kv_name + " KV, " + weight_name + " weights)",

@@ -77,8 +77,11 @@ struct Shape {
   int64_t kv_elems() const {
     return batch * seqlen_k * kv_heads * (head_dim + (v_is_k_prefix ? 0 : head_dim_v));
   }
-  double kv_bytes() const {
-    return static_cast<double>(kv_elems() * static_cast<int64_t>(dtype_size(kv)));
+  bool eight_bit() const { return kv == DType::kI8 || kv == DType::kFp8E4M3; }
+  double kv_bytes() const {  // 8-bit types: one fp32 scale per K (and V) row too
+    const int64_t rows = batch * seqlen_k * kv_heads * (v_is_k_prefix ? 1 : 2);
+    return static_cast<double>(kv_elems() * static_cast<int64_t>(dtype_size(kv)) +
+                               (eight_bit() ? 4 * rows : 0));
   }
   double bytes() const {  // read K/V once, read q and write out
     return kv_bytes() +
@@ -110,7 +113,8 @@ struct Row {
 
 // K/V buffers for one shape, `n` sets, each [batch, seqlen_k, kv_heads, dk+dv].
 // Decode reads them laid out as attnkit's KVCache lays out its storage:
-// token rows of whole 2 KiB are one 64-byte line apart (kv_token_stride).
+// token rows of whole 2 KiB are one 64-byte line apart (kv_token_stride),
+// 8-bit rows carry their scales (always in that layout).
 struct Buffers {
   std::vector<Tensor> k, v;  // [batch, seqlen_k, row elements]
   bool cache = false;        // KVCache's layout, else contiguous
@@ -125,7 +129,41 @@ struct Buffers {
     view.shape[3] = s.head_dim_v;  // same strides: a view of the first head_dim_v features
     return view;
   }
+  // 8-bit: the scales of set i's K (V) rows; absent otherwise. MLA's V
+  // shares K's rows and scales.
+  TensorView kscales(size_t i, const Shape& s) const {
+    return kv_cache_scales_view(k[i].data(), s.kv, s.batch, s.seqlen_k, s.kv_heads, s.head_dim);
+  }
+  TensorView vscales(size_t i, const Shape& s) const {
+    if (s.v_is_k_prefix) return kscales(i, s);
+    return kv_cache_scales_view(v[i].data(), s.kv, s.batch, s.seqlen_k, s.kv_heads, s.head_dim_v);
+  }
 };
+
+// 8-bit rows: codes of values uniform in [-1, 1] (a splitmix64 stream from
+// `seed`) and every scale 1 / code max, in a KVCache's row layout.
+void fill_8bit(const Tensor& t, const Shape& s, int64_t dim, uint64_t seed) {
+  const TensorView codes = kv_cache_view(t.data(), s.kv, s.batch, s.seqlen_k, s.kv_heads, dim);
+  const TensorView scales =
+      kv_cache_scales_view(t.data(), s.kv, s.batch, s.seqlen_k, s.kv_heads, dim);
+  const float scale = s.kv == DType::kI8 ? 1.0f / 127 : 1.0f / 448;
+  uint64_t state = seed * 0x9E3779B97F4A7C15ull;
+  auto uniform = [&state] {  // in [-1, 1)
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return static_cast<float>(static_cast<double>((z ^ (z >> 31)) >> 11) * 0x1.0p-52 - 1.0);
+  };
+  uint8_t* c = codes.ptr<uint8_t>();
+  for (int64_t r = 0; r < s.batch * s.seqlen_k; ++r)
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      for (int64_t x = 0; x < dim; ++x)
+        c[r * codes.strides[1] + h * codes.strides[2] + x] =
+            s.kv == DType::kI8 ? static_cast<uint8_t>(static_cast<int8_t>(uniform() * 127))
+                               : float_to_fp8_e4m3(uniform() * 448);
+      scales.ptr<float>()[r * scales.strides[1] + h * scales.strides[2]] = scale;
+    }
+}
 
 Tensor alloc(DType dtype, std::initializer_list<int64_t> shape) {
   return value_or_throw(Tensor::zeros(dtype, shape), "allocating a bench buffer");
@@ -133,7 +171,7 @@ Tensor alloc(DType dtype, std::initializer_list<int64_t> shape) {
 
 Buffers make_buffers(const Shape& s, int n) {
   Buffers b;
-  b.cache = s.mode == "decode" && !s.v_is_k_prefix;
+  b.cache = (s.mode == "decode" && !s.v_is_k_prefix) || s.eight_bit();
   const int64_t k_row =
       b.cache ? kv_token_stride(s.kv_heads, s.head_dim, s.kv) : s.kv_heads * s.head_dim;
   const int64_t v_row =
@@ -145,8 +183,14 @@ Buffers make_buffers(const Shape& s, int n) {
   // Every set gets its own random values, as distinct caches hold.
   for (int i = 0; i < n; ++i) {
     const uint64_t seed = 11 + 2 * static_cast<uint64_t>(i);
-    fill_uniform(b.k[static_cast<size_t>(i)].view(), seed, 1.0);
-    if (!b.v.empty()) fill_uniform(b.v[static_cast<size_t>(i)].view(), seed + 1, 1.0);
+    const size_t at = static_cast<size_t>(i);
+    if (s.eight_bit()) {
+      fill_8bit(b.k[at], s, s.head_dim, seed);
+      if (!b.v.empty()) fill_8bit(b.v[at], s, s.head_dim_v, seed + 1);
+      continue;
+    }
+    fill_uniform(b.k[at].view(), seed, 1.0);
+    if (!b.v.empty()) fill_uniform(b.v[at].view(), seed + 1, 1.0);
   }
   return b;
 }
@@ -164,6 +208,8 @@ Timing time_sdpa(const Shape& s, const Buffers& buf, int n, Backend backend, int
   return time_median(
       [&](int64_t i) {
         const size_t r = static_cast<size_t>(i % n);
+        opt.k_scales = buf.kscales(r, s);
+        opt.v_scales = buf.vscales(r, s);
         ok_or_throw(sdpa(q.view(), buf.kview(r, s), buf.vview(r, s), out.view(), opt), "sdpa");
       },
       budget, min_samples, 200);
@@ -188,7 +234,7 @@ std::vector<Shape> plan_shapes(const Options& o) {
             s.mode = mode;
             s.variant = v;
             s.kv_name = kvn;
-            s.kv = kvn == "bf16" ? DType::kBF16 : DType::kF32;
+            s.kv = kv_dtype_of(kvn);
             s.batch = B;
             s.seqlen_k = L;
             s.seqlen_q = mode == "decode" ? std::min(o.q_tokens, L) : L;
@@ -366,7 +412,7 @@ int run_bench(int argc, char** argv) {
   f.add_string_list("--variants", &o.variants, "mha, mqa, gqa-N, mla (default mha,gqa-8,mqa,mla)");
   f.add_int_list("--contexts", &o.contexts, "decode: cached tokens (default 1024,4096,16384)");
   f.add_int_list("--batches", &o.batches, "decode: sequences (default 1,8)");
-  f.add_string_list("--kv-dtypes", &o.kv_dtypes, "f32, bf16 (default f32,bf16)");
+  f.add_string_list("--kv-dtypes", &o.kv_dtypes, "f32, bf16, int8, fp8_e4m3 (default f32,bf16)");
   f.add_string_list("--modes", &o.modes, "decode, prefill (default both)");
   f.add_int_list("--prompts", &o.prompts, "prefill: tokens, batch 1 (default 1024)");
   f.add_int("--q-tokens", &o.q_tokens, "decode: new tokens per step (default 1)", 1);
@@ -398,8 +444,8 @@ int run_bench(int argc, char** argv) {
     });
   for (const std::string& v : o.variants) check_variant(v, o.heads);
   for (const std::string& d : o.kv_dtypes)
-    if (d != "f32" && d != "bf16")
-      throw UsageError{"--kv-dtypes entries must be f32 or bf16, got '" + d + "'"};
+    if (d != "f32" && d != "bf16" && d != "int8" && d != "fp8_e4m3")
+      throw UsageError{"--kv-dtypes entries must be f32, bf16, int8 or fp8_e4m3, got '" + d + "'"};
   for (const std::string& m : o.modes)
     if (m != "decode" && m != "prefill")
       throw UsageError{"--modes entries must be decode or prefill, got '" + m + "'"};
@@ -452,8 +498,9 @@ int run_bench(int argc, char** argv) {
     std::vector<std::string> warnings = machine_warnings(check);
 
     const double peak = mp.fp32_peak_gflops * 1e9, bw = mp.dram_read_gbps * 1e9;
-    // A row's compute roof as a fraction of the fp32 peak: bf16 K/V may run
-    // on the bf16 dot product (vdpbf16ps), whose peak is higher.
+    // A row's compute roof as a fraction of the fp32 peak: bf16 K/V, and
+    // 8-bit K/V dequantized for prefill, may run on the bf16 dot product
+    // (vdpbf16ps), whose peak is higher.
     const double bf16_roof = std::max(1.0, mp.bf16_dot_peak_gflops / mp.fp32_peak_gflops);
     int above = 0;
     using ojson = nlohmann::ordered_json;
@@ -475,7 +522,7 @@ int run_bench(int argc, char** argv) {
       j["gbps"] = opt(fast, fast ? s.bytes() / t / 1e9 : 0);
       j["peak_fraction"] = opt(fast, fast ? s.flops() / t / peak : 0);
       j["bandwidth_fraction"] = opt(fast, fast ? s.bytes() / t / bw : 0);
-      const double roof = s.kv == DType::kBF16 ? bf16_roof : 1.0;
+      const double roof = s.kv != DType::kF32 ? bf16_roof : 1.0;
       const bool over = fast && (s.flops() / t / peak > roof || s.bytes() / t / bw > 1.0);
       j["above_roof"] = over;
       above += over;
@@ -511,7 +558,7 @@ int run_bench(int argc, char** argv) {
       Options one = o;
       one.modes = {"decode"};
       one.contexts = one.batches = {1};
-      one.kv_dtypes = {"f32", "bf16"};
+      one.kv_dtypes = {"f32", "bf16", "int8"};
       ojson per_token = ojson::object();
       for (const Shape& s : plan_shapes(one)) per_token[s.variant][s.kv_name] = s.kv_bytes();
       ojson j = {{"config",
@@ -540,20 +587,19 @@ int run_bench(int argc, char** argv) {
       auto cell = [&](const char* key, auto fmt) {
         return j[key].is_null() ? std::string("-") : fmt(j[key].get<double>());
       };
-      table.add({r.s.mode, r.s.variant, std::to_string(r.s.batch),
-                 std::to_string(r.s.seqlen_k) + (r.s.mode == "decode" && r.s.seqlen_q > 1
-                                                     ? " (q " + std::to_string(r.s.seqlen_q) + ")"
-                                                     : ""),
-                 r.s.kv_name, fast ? format_seconds(r.fast->median) : "-",
-                 cell("gflops", [](double v) { return format_rate(v * 1e9); }),
-                 cell("gbps", [](double v) { return format_bandwidth(v * 1e9); }),
-                 cell("peak_fraction",
-                      [&](double v) {
-                        return roof_percent(v, r.s.kv == DType::kBF16 ? bf16_roof : 1.0);
-                      }),
-                 cell("bandwidth_fraction", [](double v) { return roof_percent(v); }),
-                 cell("speedup_vs_reference", format_ratio), cell("speedup_vs_torch", format_ratio),
-                 r.note});
+      table.add(
+          {r.s.mode, r.s.variant, std::to_string(r.s.batch),
+           std::to_string(r.s.seqlen_k) + (r.s.mode == "decode" && r.s.seqlen_q > 1
+                                               ? " (q " + std::to_string(r.s.seqlen_q) + ")"
+                                               : ""),
+           r.s.kv_name, fast ? format_seconds(r.fast->median) : "-",
+           cell("gflops", [](double v) { return format_rate(v * 1e9); }),
+           cell("gbps", [](double v) { return format_bandwidth(v * 1e9); }),
+           cell("peak_fraction",
+                [&](double v) { return roof_percent(v, r.s.kv != DType::kF32 ? bf16_roof : 1.0); }),
+           cell("bandwidth_fraction", [](double v) { return roof_percent(v); }),
+           cell("speedup_vs_reference", format_ratio), cell("speedup_vs_torch", format_ratio),
+           r.note});
     }
     std::printf(
         "sdpa kernels: d_model %lld, %lld query heads of %lld; MLA decode = absorbed (1 latent kv "

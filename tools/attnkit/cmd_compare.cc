@@ -429,7 +429,7 @@ int run_compare(int argc, char** argv) {
   f.add_int("--prompt", &o.prompt, "prefill tokens (default 256)", 1);
   f.add_int("--context", &o.context, "cached tokens a decode step attends to (default 4096)", 1);
   f.add_int("--batch", &o.batch, "sequences (default 1)", 1);
-  f.add_string("--kv-dtype", &o.kv, "f32 or bf16 cache storage (default f32)");
+  f.add_string("--kv-dtype", &o.kv, "f32, bf16, int8 or fp8_e4m3 cache storage (default f32)");
   f.add_int("--mla-rank", &o.mla_rank, "MLA kv_lora_rank (default 4 x head_dim, DeepSeek's ratio)",
             0);
   f.add_int("--mla-rope-dim", &o.mla_rope_dim, "MLA qk_rope_head_dim (default head_dim / 2, even)",
@@ -453,7 +453,7 @@ int run_compare(int argc, char** argv) {
       return v.rfind("gqa-", 0) == 0 &&
              (o.heads <= std::stoll(v.substr(4)) || o.heads % std::stoll(v.substr(4)));
     });
-  const DType kv = parse_kv_dtype("--kv-dtype", o.kv);
+  const DType kv = kv_dtype_of(o.kv);
   const RunOptions run{parse_backend(o.backend), static_cast<int>(o.threads)};
   if (o.d_model % o.heads != 0)
     throw UsageError{"--d-model " + std::to_string(o.d_model) + " must be divisible by --heads " +

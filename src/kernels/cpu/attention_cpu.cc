@@ -29,8 +29,19 @@ const KernelTable* kernel_table(SimdTarget target) {
 }
 
 bool supports(const AttentionParams& p) {
-  return p.probs == nullptr && p.k_stride.dim == 1 && p.v_stride.dim == 1 &&
-         (p.kv_dtype == DType::kF32 || p.kv_dtype == DType::kBF16);
+  if (p.probs != nullptr || p.k_stride.dim != 1 || p.v_stride.dim != 1) return false;
+  switch (p.kv_dtype) {
+    case DType::kF32:
+    case DType::kBF16:
+      return true;
+    case DType::kI8:
+    case DType::kFp8E4M3:
+      // Block scales: a vector of codes shares one scale, blocks adjacent.
+      return p.scale_block == 0 ||
+             (p.scale_block % 16 == 0 && p.k_scale_stride.dim == 1 && p.v_scale_stride.dim == 1);
+    default:
+      return false;
+  }
 }
 
 size_t scratch_bytes(const AttentionParams& params, const Plan& plan) {

@@ -48,6 +48,9 @@ struct Plan {
   // With several kv heads per task, how a tile is walked: every head's QK,
   // then every head's P V (true), or QK then P V head by head (false).
   bool k_then_v = true;
+  // 8-bit K/V tiles that are dequantized (prefill, absorbed MLA) become bf16
+  // for the vdpbf16ps kernels where the target has them (true), else fp32.
+  bool dequant_bf16 = true;
   int num_threads = 1;  // resolved, >= 1
   // Tests only: kernels to run instead of kernel_table(target), which still
   // names the target (the emulated AVX-512 tables,
@@ -56,8 +59,9 @@ struct Plan {
 };
 
 // False for the cases the fast kernel leaves to the reference (see
-// dispatch.cc): probabilities requested, or K/V rows that are not
-// contiguous along the head dimension.
+// dispatch.cc): probabilities requested, K/V rows that are not contiguous
+// along the head dimension, or 8-bit K/V whose scale blocks are not a
+// multiple of 16 channels, adjacent.
 bool supports(const AttentionParams& params);
 
 // nullptr when this build has no kernels for `target`.

@@ -1,5 +1,5 @@
 // The microkernels of one SIMD target, as plain function pointers, so that
-// the tile loop (attention_cpu.cc) exists once and every target runs the
+// the tile loop (task_runner.h and its stage_*.cc files) exists once and every target runs the
 // same algorithm. Each target's table is built in its own translation unit,
 // compiled with that target's flags (see cmake/attnkit_simd.cmake).
 //
@@ -109,20 +109,63 @@ struct KernelTable {
   void (*pv_widen)(const float* s, int64_t nk, int64_t s_stride, int64_t rows, const uint16_t* v,
                    int64_t v_row_stride, int64_t head_dim_v, float* o, int64_t dv_pad,
                    const float* alpha, int64_t prefetch, const int64_t* seen);
+
+  // 8-bit K/V (kI8, kFp8E4M3; attention_params.h): rows of 1-byte codes.
+  // int8 codes decode exactly to fp32; fp8 E4M3 codes are decoded through
+  // binary16 (the magnitude bits moved to fp16's exponent and mantissa, one
+  // vcvtph2ps), which gives value * 2^-8 exactly, subnormals included.
+  // dst[n][c] = decode(src[n][c]) * scale[n * scale_stride + c / block] for
+  // c < cols (block: 0 = the whole row, else a multiple of 16), 0 up to
+  // dst_row_stride (a multiple of lanes), prefetching as widen_bf16; `fp8`
+  // picks the code type.
+  void (*dequant_f32)(const uint8_t* src, int64_t src_row_stride, int64_t rows, int64_t cols,
+                      const float* scale, int64_t scale_stride, int64_t block, bool fp8, float* dst,
+                      int64_t dst_row_stride, int64_t prefetch);
+  // As dequant_f32, rounded to bf16: the operands of the vdpbf16ps kernels;
+  // nullptr unless qk_bf16 is set.
+  void (*dequant_bf16)(const uint8_t* src, int64_t src_row_stride, int64_t rows, int64_t cols,
+                       const float* scale, int64_t scale_stride, int64_t block, bool fp8,
+                       uint16_t* dst, int64_t dst_row_stride, int64_t prefetch);
+  // For tiles of at most qk_rows_max packed rows, as qk_rows_f32 (packed
+  // s[n * 4 + r]) with one scale per key row, kscale[n * kscale_stride]:
+  // int8 keys against int16 query rows q16 (zero past the tile's rows and
+  // past head_dim up to a multiple of 32), one factor per row qf[r]:
+  //   s[n * 4 + r] = kscale[n * kscale_stride] * qf[r] * sum_c k[n][c] * q16[r][c]
+  // summed exactly in int32 (the caller keeps head_dim * 127 * max|q16| below
+  // 2^31); nullptr where the tile loop dequantizes a copy instead.
+  void (*qk_rows_i8)(const int8_t* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
+                     const int16_t* q16, int64_t q_stride, const float* qf, const float* kscale,
+                     int64_t kscale_stride, float* s, int64_t prefetch);
+  // fp8 keys decoded exactly in registers against fp32 query rows:
+  //   s[n * 4 + r] = kscale[n * kscale_stride] * sum_c e4m3(k[n][c]) * q[r][c]
+  void (*qk_rows_fp8)(const uint8_t* k, int64_t k_row_stride, int64_t nk, int64_t head_dim,
+                      const float* q, int64_t q_stride, const float* kscale, int64_t kscale_stride,
+                      float* s, int64_t prefetch);
+  // As pv_f32 with int8 (pv_i8) or fp8 (pv_fp8) values, one scale per value
+  // row, vscale[n * vscale_stride], for tiles of fewer than
+  // kCopyValuesMinRows rows: the codes are read where they lie. `pack`
+  // holds pv_8bit_pack_elems(nk, s_stride, dv_pad) uint16s of scratch.
+  // Tiles of at most pv_int_rows_max rows (0 = none) round each row's
+  // weights, times the value scales, to int16 in steps of 2^-15 of the
+  // row's largest in the tile (the products and their sums are then exact
+  // in int32): relative to the output, at most 64 * 127 / 2 steps of a code
+  // times its scale, i.e. 2^-10 of the largest |value| (bf16 weights round
+  // by 2^-8). Other tiles and targets multiply in fp32.
+  int pv_int_rows_max;
+  void (*pv_i8)(const float* s, int64_t nk, int64_t s_stride, int64_t rows, const int8_t* v,
+                int64_t v_row_stride, const float* vscale, int64_t vscale_stride,
+                int64_t head_dim_v, float* o, int64_t dv_pad, const float* alpha, uint16_t* pack,
+                int64_t prefetch, const int64_t* seen);
+  void (*pv_fp8)(const float* s, int64_t nk, int64_t s_stride, int64_t rows, const uint8_t* v,
+                 int64_t v_row_stride, const float* vscale, int64_t vscale_stride,
+                 int64_t head_dim_v, float* o, int64_t dv_pad, const float* alpha, uint16_t* pack,
+                 int64_t prefetch, const int64_t* seen);
 };
 
 // A row stride of at least `floats` (a multiple of the lanes) that is not
 // an even number of 64-byte lines: a walk down a column of such rows spreads
 // over all L1 sets instead of a few (a 1 KiB stride uses one set in 16).
 inline int64_t odd_line_stride(int64_t floats) { return floats % 32 == 0 ? floats + 16 : floats; }
-
-// Whether tiles of m_max packed rows take the qk_rows_* kernels (with
-// dot_bf16: the bf16 one) and their packed s, rather than qk_f32 / qk_bf16.
-inline bool takes_rows_qk(const KernelTable& kt, int64_t m_max, bool dot_bf16) {
-  const int64_t m_pad = (m_max + kt.lanes - 1) / kt.lanes * kt.lanes;
-  return m_max <= kt.qk_rows_max && m_pad == kt.lanes &&
-         (dot_bf16 ? kt.qk_rows_bf16 != nullptr : kt.qk_rows_f32 != nullptr);
-}
 
 // The s row stride of a tile: 4 packed rows per key for qk_rows_*, else
 // m_pad columns on an odd number of lines.
@@ -132,6 +175,12 @@ inline int64_t score_stride(int64_t m_pad, bool rows_qk) {
 
 inline int64_t pv_bf16_pack_elems(int64_t nk, int64_t s_stride, int64_t dv_pad) {
   return (nk + 1) / 2 * 2 * (s_stride + dv_pad);
+}
+
+// The 8-bit P V kernels' scratch: the scaled weights in fp32 (nk * s_stride),
+// or the int16 weight pairs and each row's factor.
+inline int64_t pv_8bit_pack_elems(int64_t nk, int64_t s_stride) {
+  return 2 * ((nk + 1) / 2 * 2 * s_stride + 16);
 }
 
 // Per-target tables, defined in the per-target translation units (this

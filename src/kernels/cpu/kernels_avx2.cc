@@ -1,11 +1,12 @@
-// AVX2 + FMA microkernels (compiled with -mavx2 -mfma; see
-// cmake/attnkit_simd.cmake). bf16 K/V are widened to fp32 exactly.
+// AVX2 + FMA microkernels (compiled with -mavx2 -mfma -mf16c; see
+// cmake/attnkit_simd.cmake). bf16 K/V are widened to fp32 exactly; fp8 K/V
+// are decoded through binary16 (F16C's vcvtph2ps).
 #include <cstdint>
 #include <cstring>
 
 #include "kernels/cpu/kernel_table.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
 #include "kernels/cpu/simd_kernels.h"
@@ -34,6 +35,7 @@ struct V256 {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
   static F load_masked(const float* p, Mask m) { return _mm256_maskload_ps(p, m); }
+  static void store_masked(float* p, Mask m, F x) { _mm256_maskstore_ps(p, m, x); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
@@ -86,6 +88,25 @@ struct V256 {
     }
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+  // First n (<= 8) bytes, the rest 0, without reading past them.
+  static __m128i load_bytes8(const void* p, int64_t n) {
+    uint64_t x = 0;
+    std::memcpy(&x, p, static_cast<size_t>(n >= 8 ? 8 : n));
+    return _mm_cvtsi64_si128(static_cast<long long>(x));
+  }
+  static F widen_i8(const int8_t* p, int64_t n) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes8(p, n)));
+  }
+  static F widen_fp8(const uint8_t* p, int64_t n) { return fp8_to_f32(load_bytes8(p, n)); }
+  // 8 fp8 E4M3 codes (the low 8 bytes) as value * 2^-8 (kernel_table.h):
+  // sign-extended to 16 bits and shifted left by 7, a code's sign lands on
+  // bit 15 and its magnitude on bits 13..7, a binary16 with 2^-8 the value;
+  // bit 14 (a copy of the sign) is cleared.
+  static F fp8_to_f32(__m128i codes) {
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(codes), 7),
+                                    _mm_set1_epi16(static_cast<int16_t>(0xbf80)));
+    return _mm256_cvtph_ps(h);
+  }
 };
 
 // ---- S = K Q^T for 1-4 packed rows, the head dimension along the lanes --
@@ -113,10 +134,12 @@ inline __m256 hsum8(const __m256 v[8]) {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return V256::widen_bf16(p, 8); }
+inline __m256 load8(const uint8_t* p) { return V256::widen_fp8(p, 8); }
 inline __m256 load_tail(const float* p, int64_t n) {
   return _mm256_maskload_ps(p, V256::mask_first(n));
 }
 inline __m256 load_tail(const uint16_t* p, int64_t n) { return V256::widen_bf16(p, n); }
+inline __m256 load_tail(const uint8_t* p, int64_t n) { return V256::widen_fp8(p, n); }
 
 // Lane i of the result (i < 4) = the sum of v[i]'s lanes.
 inline __m128 hsum4(const __m256 v[4]) {
@@ -235,6 +258,120 @@ void softmax_rows4(float* s, int64_t nk, float* row_max, float* row_sum, float* 
   _mm_storeu_ps(alpha, a);
 }
 
+// ---- S = K Q^T for 1-4 packed rows over 8-bit keys -------------------------
+// As rows4_block, one scale per key row applied to the sums. int8 keys:
+// 16 codes widened to int16 (vpmovsxbw) and multiplied with int16 query rows
+// by vpmaddwd, which sums adjacent products into int32 lanes: 16 columns per
+// instruction where the fp32 path does 8, with no conversion of the keys to
+// float. fp8 keys are decoded to fp32 (fp8_to_f32) against fp32 rows.
+
+// Lane i of the result (i < 8) = the sum of v[i]'s int32 lanes.
+inline __m256i hsum8_i32(const __m256i v[8]) {
+  const __m256i ab =
+      _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i cd =
+      _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20),
+                          _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+inline __m128i hsum4_i32(const __m256i v[4]) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+// Scores of keys a, a + 1 (lanes 4a' + r) times their key scales and the
+// rows' factors rf (rows 0-3 in both halves).
+inline __m256 scale_pair(__m256 sums, const float* kscale, int64_t kss, __m256 rf) {
+  const __m256 ks = _mm256_set_m128(_mm_set1_ps(kscale[kss]), _mm_set1_ps(kscale[0]));
+  return _mm256_mul_ps(_mm256_mul_ps(sums, ks), rf);
+}
+
+template <int kKeys, bool kPrefetch>
+inline void rows4_i8_block(const int8_t* k, int64_t ks, int64_t d, const int16_t* q, int64_t qs,
+                           const float* kscale, int64_t kss, __m256 rf, float* s, int64_t pf) {
+  __m256i acc[12];
+#pragma GCC unroll 12
+  for (int i = 0; i < 12; ++i) acc[i] = _mm256_setzero_si256();
+  for (int64_t c = 0; c < d; c += 16) {
+    __m256i kv[kKeys];
+#pragma GCC unroll 3
+    for (int a = 0; a < kKeys; ++a) {
+      const int8_t* row = k + a * ks + c;
+      if (kPrefetch && c % 64 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(row + pf), _MM_HINT_T0);
+      __m128i b;
+      if (c + 16 <= d) {
+        b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+      } else {  // q is 0 past d; the key row is not read past it
+        alignas(16) int8_t tmp[16] = {};
+        std::memcpy(tmp, row, static_cast<size_t>(d - c));
+        b = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+      }
+      kv[a] = _mm256_cvtepi8_epi16(b);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * qs + c));
+#pragma GCC unroll 3
+      for (int a = 0; a < kKeys; ++a)
+        acc[a * 4 + r] = _mm256_add_epi32(acc[a * 4 + r], _mm256_madd_epi16(kv[a], qv));
+    }
+  }
+  if constexpr (kKeys == 1) {
+    const __m256i sums[4] = {acc[0], acc[1], acc[2], acc[3]};
+    _mm_storeu_ps(s,
+                  _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(hsum4_i32(sums)), _mm_set1_ps(kscale[0])),
+                             _mm256_castps256_ps128(rf)));
+  } else {
+    const __m256i sums[8] = {acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]};
+    _mm256_storeu_ps(s, scale_pair(_mm256_cvtepi32_ps(hsum8_i32(sums)), kscale, kss, rf));
+    if constexpr (kKeys == 3) {
+      const __m256i last[4] = {acc[8], acc[9], acc[10], acc[11]};
+      _mm_storeu_ps(s + 8, _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(hsum4_i32(last)),
+                                                 _mm_set1_ps(kscale[2 * kss])),
+                                      _mm256_castps256_ps128(rf)));
+    }
+  }
+}
+
+template <bool kPrefetch>
+void rows4_i8_keys(const int8_t* k, int64_t ks, int64_t nk, int64_t d, const int16_t* q, int64_t qs,
+                   const float* kscale, int64_t kss, __m256 rf, float* s, int64_t pf) {
+  int64_t n = 0;
+  for (; n + 3 <= nk; n += 3)
+    rows4_i8_block<3, kPrefetch>(k + n * ks, ks, d, q, qs, kscale + n * kss, kss, rf, s + n * 4,
+                                 pf);
+  if (nk - n == 2)
+    rows4_i8_block<2, kPrefetch>(k + n * ks, ks, d, q, qs, kscale + n * kss, kss, rf, s + n * 4,
+                                 pf);
+  else if (nk - n == 1)
+    rows4_i8_block<1, kPrefetch>(k + n * ks, ks, d, q, qs, kscale + n * kss, kss, rf, s + n * 4,
+                                 pf);
+}
+
+void qk_rows_i8(const int8_t* k, int64_t ks, int64_t nk, int64_t d, const int16_t* q, int64_t qs,
+                const float* qf, const float* kscale, int64_t kss, float* s, int64_t pf) {
+  const __m128 f = _mm_loadu_ps(qf);
+  const __m256 rf = _mm256_set_m128(f, f);
+  if (pf != 0)
+    rows4_i8_keys<true>(k, ks, nk, d, q, qs, kscale, kss, rf, s, pf);
+  else
+    rows4_i8_keys<false>(k, ks, nk, d, q, qs, kscale, kss, rf, s, pf);
+}
+
+// fp8 keys: rows4_keys' fp32 loop on keys decoded to value * 2^-8, then the
+// scores times 2^8 and each key's scale.
+void qk_rows_fp8(const uint8_t* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs,
+                 const float* kscale, int64_t kss, float* s, int64_t pf) {
+  if (pf != 0)
+    rows4_keys<true>(k, ks, nk, d, q, qs, s, pf);
+  else
+    rows4_keys<false>(k, ks, nk, d, q, qs, s, pf);
+  for (int64_t n = 0; n < nk; ++n)
+    _mm_storeu_ps(s + 4 * n,
+                  _mm_mul_ps(_mm_loadu_ps(s + 4 * n), _mm_set1_ps(256.0f * kscale[n * kss])));
+}
+
 // ---- q into the qt layout -------------------------------------------------
 // The portable loop reads one column of 16 rows at a time; a prefill's q
 // rows of one column block lie a token's row apart (16 KiB under 32 heads of
@@ -296,6 +433,13 @@ constexpr KernelTable kAvx2Table = {
     nullptr,
     qk_rows<uint16_t>,  // bf16 keys, fp32 q
     simd::pv_widen<V256>,
+    simd::dequant_f32<V256>,
+    nullptr,
+    qk_rows_i8,
+    qk_rows_fp8,
+    0,
+    simd::pv_i8<V256>,
+    simd::pv_fp8<V256>,
 };
 
 }  // namespace

@@ -1,6 +1,7 @@
-// AVX-512 microkernels (compiled with -mavx512f/bw/vl/dq/bf16 -mfma; see
-// cmake/attnkit_simd.cmake). Two tables: kAvx512 widens bf16 K/V to fp32
-// exactly; kAvx512Bf16 adds the vdpbf16ps kernels for bf16 K/V.
+// AVX-512 microkernels (compiled with -mavx512f/bw/vl/dq/bf16/vnni -mfma;
+// see cmake/attnkit_simd.cmake). Two tables: kAvx512 widens bf16 K/V to
+// fp32 exactly; kAvx512Bf16 adds the vdpbf16ps kernels for bf16 K/V and
+// vpdpwssd (AVX512_VNNI, which every CPU with AVX512_BF16 has) for int8.
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -11,9 +12,10 @@
 // ATTNKIT_AVX512_EMULATED: the second build of this file that tests and the
 // attention fuzzer link, on emulated intrinsics (tests/common/
 // avx512_emulation.h, force-included; cmake/attnkit_avx512_emulation.cmake).
-#if defined(ATTNKIT_AVX512_EMULATED) ||                                        \
-    (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-     defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__FMA__))
+#if defined(ATTNKIT_AVX512_EMULATED) ||                                             \
+    (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&      \
+     defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && \
+     defined(__FMA__))
 #if !defined(ATTNKIT_AVX512_EMULATED)
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12's own AVX-512 headers trip -W(maybe-)uninitialized (GCC bug
@@ -50,6 +52,7 @@ struct V512 {
   static F bcast(const float* p) { return _mm512_set1_ps(*p); }
   static Mask mask_first(int64_t n) { return n >= 16 ? Mask(0xffff) : Mask((1u << n) - 1u); }
   static F load_masked(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+  static void store_masked(float* p, Mask m, F x) { _mm512_mask_storeu_ps(p, m, x); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
@@ -90,6 +93,21 @@ struct V512 {
   static F widen_bf16(const uint16_t* p, int64_t n) {
     const __m256i h = _mm256_maskz_loadu_epi16(mask_first(n), p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static __m128i load_bytes16(const void* p, int64_t n) {
+    return n >= 16 ? _mm_loadu_si128(static_cast<const __m128i*>(p))
+                   : _mm_maskz_loadu_epi8(mask_first(n), p);
+  }
+  static F widen_i8(const int8_t* p, int64_t n) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(p, n)));
+  }
+  static F widen_fp8(const uint8_t* p, int64_t n) { return fp8_to_f32(load_bytes16(p, n)); }
+  // 16 fp8 E4M3 codes as value * 2^-8, through binary16 as
+  // V256::fp8_to_f32 (kernels_avx2.cc) widens 8.
+  static F fp8_to_f32(__m128i codes) {
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7),
+                                       _mm256_set1_epi16(static_cast<int16_t>(0xbf80)));
+    return _mm512_cvtph_ps(h);
   }
 };
 
@@ -291,6 +309,15 @@ inline void from_pair_order(__m512 lo, __m512 hi, __m512* x0, __m512* x1) {
   *x1 = _mm512_permutex2var_ps(lo, i1, hi);
 }
 
+// The 16-bit lanes of columns [c0, c0 + 32) and [c0 + 32, c0 + 64) that lie
+// below dv.
+inline void column_masks32(int64_t dv, int64_t c0, __mmask32 mask[2]) {
+  for (int q = 0; q < 2; ++q) {
+    const int64_t valid = dv - (c0 + 32 * q);
+    mask[q] = valid >= 32 ? ~__mmask32{0} : valid <= 0 ? 0 : (__mmask32{1} << valid) - 1;
+  }
+}
+
 // Rows [0, kRows) of o, columns [c0, c0 + 64) (fewer at the end of dv:
 // loads are masked to dv, stores stay within dv_pad); pp holds the
 // (p[n][r], p[n+1][r]) pairs of every key pair as 32-bit words
@@ -305,10 +332,7 @@ inline void pv_rows_bf16_block(const uint32_t* pp, int64_t pp_stride, int64_t pa
                                int64_t pf_hi) {
   const int64_t halves = dv_pad - c0 >= 64 ? 2 : (dv_pad - c0 + 31) / 32;  // 32-column groups
   __mmask32 mask[2];
-  for (int q = 0; q < 2; ++q) {
-    const int64_t valid = dv - (c0 + 32 * q);
-    mask[q] = valid >= 32 ? ~__mmask32{0} : valid <= 0 ? 0 : (__mmask32{1} << valid) - 1;
-  }
+  column_masks32(dv, c0, mask);
   __m512 acc[kRows][4];
 #pragma GCC unroll 6
   for (int r = 0; r < kRows; ++r) {
@@ -544,35 +568,58 @@ void pack_q_bf16(const float* const* rows, int64_t count, int64_t d, float scale
 // reduction (hsum16) turns them into the 16 scores. ~60 instead of ~140
 // instructions per key and kv head.
 
-// Lane i of the result = the sum of v[i]'s lanes (45 shuffles and adds).
+// Lane i of the result = the sum of v[i]'s lanes (45 shuffles and adds),
+// added as fp32 or, with kInt, as int32 (the shuffles move bits either way).
+template <bool kInt = false>
 inline __m512 hsum16(const __m512 v[16]) {
+  auto add = [](__m512 a, __m512 b) {
+    if constexpr (kInt)
+      return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+    else
+      return _mm512_add_ps(a, b);
+  };
   __m512 w[4];
   for (int q = 0; q < 4; ++q) {
     __m512 u[2];
     for (int h = 0; h < 2; ++h) {
       const __m512 a = v[4 * q + 2 * h], b = v[4 * q + 2 * h + 1];
-      u[h] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+      u[h] = add(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
     }
     const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]));
     const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]));
-    w[q] = _mm512_add_ps(_mm512_castpd_ps(lo),
-                         _mm512_castpd_ps(hi));  // lane 4L+j: source j, 128-bit lane L
+    w[q] = add(_mm512_castpd_ps(lo),
+               _mm512_castpd_ps(hi));  // lane 4L+j: source j, 128-bit lane L
   }
   const __m512 y =
-      _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xee));
+      add(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xee));
   const __m512 z =
-      _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xee));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y, z, 0x88), _mm512_shuffle_f32x4(y, z, 0xdd));
+      add(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xee));
+  return add(_mm512_shuffle_f32x4(y, z, 0x88), _mm512_shuffle_f32x4(y, z, 0xdd));
 }
 
 // Writes the scores of keys [0, keys) of a 4-key block, packed: hsum16
 // leaves key a's row r in lane 4a + r, which is s[a * 4 + r].
-inline void store_rows4(const __m512 acc[16], int keys, float* s) {
-  const __m512 sums = hsum16(acc);
+inline void store_rows4(__m512 sums, int keys, float* s) {
   if (keys == 4)
     _mm512_storeu_ps(s, sums);
   else
     _mm512_mask_storeu_ps(s, static_cast<__mmask16>((1u << (4 * keys)) - 1u), sums);
+}
+inline void store_rows4(const __m512 acc[16], int keys, float* s) {
+  store_rows4(hsum16(acc), keys, s);
+}
+
+// Lanes 4a + r = kscale[a * kss] for keys a < keys (the others 0): the
+// 8-bit kernels' per-key scales laid out as the packed scores. Built in
+// registers: four scalar stores to the stack and a vector load of them
+// stalled on store forwarding, and quantize_weight_pairs4 took 1.5x the
+// time of a P V tile of 1-token int8 decode (decode_tile_bench).
+inline __m512 key_scales4(const float* kscale, int64_t kss, int keys) {
+  const __m128 k4 =
+      _mm_setr_ps(kscale[0], keys > 1 ? kscale[kss] : 0.0f, keys > 2 ? kscale[2 * kss] : 0.0f,
+                  keys > 3 ? kscale[3 * kss] : 0.0f);
+  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(k4));
 }
 
 // One block of kKeys (1-4) keys against the 4 query rows q[r * qs ...]:
@@ -590,6 +637,7 @@ inline void rows4_block(const Elem* k, int64_t ks, int64_t chunks, __mmask32 tai
                         int64_t qs, float* s, int64_t pf) {
   constexpr int kPer = 64 / sizeof(QElem);  // elements per vector
   constexpr bool kWiden = sizeof(Elem) == 2 && sizeof(QElem) == 4;
+  constexpr bool kFp8 = sizeof(Elem) == 1;
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -607,11 +655,16 @@ inline void rows4_block(const Elem* k, int64_t ks, int64_t chunks, __mmask32 tai
 #pragma GCC unroll 4
     for (int a = 0; a < kKeys; ++a) {
       const Elem* row = k + a * ks + c * kPer;
-      // A widened chunk is half a line: one prefetch per line.
+      // A widened chunk is half a line, an fp8 chunk a quarter: one
+      // prefetch per line.
       if constexpr (kPrefetch)
-        if (!kWiden || c % 2 == 0)
+        if (kFp8 ? c % 4 == 0 : !kWiden || c % 2 == 0)
           _mm_prefetch(reinterpret_cast<const char*>(row + pf), _MM_HINT_T0);
-      if constexpr (kWiden) {
+      if constexpr (kFp8) {
+        const __m128i b = last ? _mm_maskz_loadu_epi8(__mmask16(tail), row)
+                               : _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+        kv[a] = _mm512_castps_si512(V512::fp8_to_f32(b));
+      } else if constexpr (kWiden) {
         const __m256i h = last ? _mm256_maskz_loadu_epi16(__mmask16(tail), row)
                                : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
         kv[a] = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
@@ -655,7 +708,8 @@ inline void rows4_keys(const Elem* k, int64_t ks, int64_t nk, int64_t chunks, __
 }
 
 // KernelTable::qk_rows_f32 (float keys and queries), qk_rows_bf16 (bf16
-// pairs) and qk_rows_widen (bf16 keys, fp32 queries).
+// pairs), qk_rows_widen (bf16 keys, fp32 queries) and, unscaled, the fp8
+// keys of qk_rows_fp8.
 template <class Elem, class QElem>
 void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const QElem* q, int64_t qs, float* s,
              int64_t pf) {
@@ -669,11 +723,150 @@ void qk_rows(const Elem* k, int64_t ks, int64_t nk, int64_t d, const QElem* q, i
     rows4_keys<false>(k, ks, nk, chunks, tail, q, qs, s, pf);
 }
 
-// ---- the online-softmax step on packed 4-row scores -----------------------
-// simd::softmax on s[n][16] with 4 live rows spends 16 lanes of max, exp and
-// sum per key on 4 values. Packed, lane 4a + r of a vector is key a's row r,
-// so a vector holds 4 keys and every lane counts: a row's values sit in the
-// same lane of each 128-bit quarter, and two quarter swaps reduce them.
+// fp8 keys decoded to value * 2^-8 against fp32 rows, then the scores
+// times 2^8 and each key's scale.
+void qk_rows_fp8(const uint8_t* k, int64_t ks, int64_t nk, int64_t d, const float* q, int64_t qs,
+                 const float* kscale, int64_t kss, float* s, int64_t pf) {
+  qk_rows(k, ks, nk, d, q, qs, s, pf);
+  int64_t n = 0;
+  for (; n + 4 <= nk; n += 4)
+    _mm512_storeu_ps(s + 4 * n, _mm512_mul_ps(_mm512_loadu_ps(s + 4 * n),
+                                              _mm512_mul_ps(key_scales4(kscale + n * kss, kss, 4),
+                                                            _mm512_set1_ps(256.0f))));
+  for (; n < nk; ++n)
+    _mm_storeu_ps(s + 4 * n,
+                  _mm_mul_ps(_mm_loadu_ps(s + 4 * n), _mm_set1_ps(256.0f * kscale[n * kss])));
+}
+
+// ---- S = K Q^T for up to 4 rows over int8 keys ----------------------------
+// int8 keys widened to int16 (vpmovsxbw, 32 codes per vector) against int16
+// query rows: vpmaddwd multiplies 32 pairs and sums adjacent products into
+// 16 int32 lanes, so a vector of key codes needs no conversion to float and
+// covers twice the columns of an fp32 or widened-bf16 vector. The int32
+// sums are exact (the caller bounds head_dim * 127 * max|q16| < 2^31); the
+// per-key scale and per-row factor apply once, to the reduced scores.
+// kVnni: vpdpwssd (AVX512_VNNI) does vpmaddwd's work and the add in one
+// instruction.
+template <bool kVnni>
+inline __m512i dot_add(__m512i acc, __m512i a, __m512i b) {
+  if constexpr (kVnni)
+    return _mm512_dpwssd_epi32(acc, a, b);
+  else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+}
+
+template <int kKeys, bool kPrefetch, bool kVnni>
+inline void rows4_i8_block(const int8_t* k, int64_t ks, int64_t chunks, __mmask32 tail,
+                           const int16_t* q, int64_t qs, __m512 rf, const float* kscale,
+                           int64_t kss, float* s, int64_t pf) {
+  __m512i acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const bool last = c + 1 == chunks;
+    __m512i qv[4], kv[kKeys];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) qv[r] = _mm512_loadu_si512(q + r * qs + c * 32);
+#pragma GCC unroll 4
+    for (int a = 0; a < kKeys; ++a) {
+      const int8_t* row = k + a * ks + c * 32;
+      if constexpr (kPrefetch)  // a chunk is half a line
+        if (c % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + pf), _MM_HINT_T0);
+      const __m256i b = last ? _mm256_maskz_loadu_epi8(tail, row)
+                             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      kv[a] = _mm512_cvtepi8_epi16(b);
+    }
+#pragma GCC unroll 4
+    for (int a = 0; a < kKeys; ++a)
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) acc[a * 4 + r] = dot_add<kVnni>(acc[a * 4 + r], kv[a], qv[r]);
+  }
+  __m512 sums[16];  // a copy for the reduction, as in rows4_block
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) sums[i] = _mm512_castsi512_ps(acc[i]);
+  const __m512 dots = _mm512_cvtepi32_ps(_mm512_castps_si512(hsum16<true>(sums)));
+  store_rows4(_mm512_mul_ps(_mm512_mul_ps(dots, rf), key_scales4(kscale, kss, kKeys)), kKeys, s);
+}
+
+template <bool kPrefetch, bool kVnni>
+inline void rows4_i8_keys(const int8_t* k, int64_t ks, int64_t nk, int64_t chunks, __mmask32 tail,
+                          const int16_t* q, int64_t qs, __m512 rf, const float* kscale, int64_t kss,
+                          float* s, int64_t pf) {
+  int64_t n = 0;
+  for (; n + 4 <= nk; n += 4)
+    rows4_i8_block<4, kPrefetch, kVnni>(k + n * ks, ks, chunks, tail, q, qs, rf, kscale + n * kss,
+                                        kss, s + n * 4, pf);
+  switch (nk - n) {
+    case 3:
+      return rows4_i8_block<3, kPrefetch, kVnni>(k + n * ks, ks, chunks, tail, q, qs, rf,
+                                                 kscale + n * kss, kss, s + n * 4, pf);
+    case 2:
+      return rows4_i8_block<2, kPrefetch, kVnni>(k + n * ks, ks, chunks, tail, q, qs, rf,
+                                                 kscale + n * kss, kss, s + n * 4, pf);
+    case 1:
+      return rows4_i8_block<1, kPrefetch, kVnni>(k + n * ks, ks, chunks, tail, q, qs, rf,
+                                                 kscale + n * kss, kss, s + n * 4, pf);
+    default:
+      return;
+  }
+}
+
+template <bool kVnni>
+void qk_rows_i8(const int8_t* k, int64_t ks, int64_t nk, int64_t d, const int16_t* q, int64_t qs,
+                const float* qf, const float* kscale, int64_t kss, float* s, int64_t pf) {
+  const int64_t chunks = (d + 31) / 32;
+  const int64_t last = d - (chunks - 1) * 32;
+  const __mmask32 tail = last >= 32 ? ~__mmask32{0} : (__mmask32{1} << last) - 1;
+  const __m512 rf = _mm512_broadcast_f32x4(_mm_loadu_ps(qf));  // lane 4a + r: row r's factor
+  if (pf != 0)
+    rows4_i8_keys<true, kVnni>(k, ks, nk, chunks, tail, q, qs, rf, kscale, kss, s, pf);
+  else
+    rows4_i8_keys<false, kVnni>(k, ks, nk, chunks, tail, q, qs, rf, kscale, kss, s, pf);
+}
+
+// ---- O = alpha O + P V for int8 V and at most 16 rows (decode) -----------
+// simd::pv over int8 codes spends two conversions (vpmovsxbd, vcvtdq2ps) per
+// 16 values beside the multiply-adds. Here the weights, times each key's
+// value scale, are rounded to int16 per row (kernel_table.h gives the
+// bound) and multiplied with the codes in int32: two V rows are widened to
+// int16 and interleaved (as pv_rows_bf16 pairs bf16 rows), and one
+// vpmaddwd (vpdpwssd) takes a key pair for 16 columns. Accumulator lanes
+// follow pv_rows_bf16's pair order.
+
+// Keys per rounding: 32 pairs of 2 * 127 * 32767 stay below 2^31 in a
+// lane; the kernel rounds and flushes per chunk of this many keys.
+constexpr int64_t kPvIntChunkKeys = 64;
+
+// pp[pair * pp_stride + r] = the int16 weight pair of keys (2 pair, 2 pair
+// + 1) of row r < rows (an odd last key pairs with 0), factor[r] = the
+// value of one step: weights s[n * ss + r] * vscale[n * vss].
+inline void quantize_weight_pairs(const float* s, int64_t nk, int64_t ss, int64_t rows,
+                                  const float* vscale, int64_t vss, uint32_t* pp, int64_t pp_stride,
+                                  float* factor) {
+  const __mmask16 live = V512::mask_first(rows);
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t n = 0; n < nk; ++n)  // weights are >= 0
+    mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + n * ss),
+                                         _mm512_set1_ps(vscale[n * vss])));
+  // 32767 steps up to the row's largest weight; a row without one gets
+  // factor 0 (non-finite weights and scales never reach here: the tile
+  // loop sends such tiles to its slow path).
+  const __mmask16 some = _mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ);
+  const __m512 inv = _mm512_maskz_div_ps(some, _mm512_set1_ps(32767.0f), mx);
+  _mm512_mask_storeu_ps(factor, live, _mm512_mul_ps(mx, _mm512_set1_ps(1.0f / 32767)));
+  auto q16 = [&](int64_t n) {
+    if (n >= nk) return _mm512_setzero_si512();
+    const __m512 w =
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + n * ss), _mm512_set1_ps(vscale[n * vss]));
+    return _mm512_cvtps_epi32(_mm512_mul_ps(w, inv));  // to nearest, <= 32767
+  };
+  for (int64_t i = 0; 2 * i < nk; ++i) {
+    const __m512i lo = q16(2 * i), hi = q16(2 * i + 1);
+    const __m512i pair =
+        _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(hi, 16));
+    _mm512_mask_storeu_epi32(pp + i * pp_stride, live, pair);
+  }
+}
 
 // Every 128-bit quarter gets op over all four quarters, lane by lane.
 template <class Op>
@@ -681,6 +874,172 @@ inline __m512 across_quarters(__m512 x, Op op) {
   x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
   return op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
 }
+
+// As quantize_weight_pairs for the packed weights of 1-4 rows, s[n * 4 +
+// r] (qk_rows_*'s layout; pp_stride 4): 4 keys per vector, the rows' largest
+// weights taken across the vector's quarters, a pair of keys' words put
+// together by one 16-bit permute.
+inline void quantize_weight_pairs4(const float* s, int64_t nk, const float* vscale, int64_t vss,
+                                   uint32_t* pp, float* factor) {
+  const int64_t vecs = (nk + 3) / 4;
+  auto weights = [&](int64_t j) {
+    const int keys = static_cast<int>(nk - 4 * j < 4 ? nk - 4 * j : 4);
+    return _mm512_mul_ps(_mm512_maskz_loadu_ps(V512::mask_first(4 * keys), s + 16 * j),
+                         key_scales4(vscale + 4 * j * vss, vss, keys));
+  };
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t j = 0; j < vecs; ++j) mx = _mm512_max_ps(mx, weights(j));
+  mx = across_quarters(mx, V512::max);
+  const __mmask16 some = _mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ);
+  const __m512 inv = _mm512_maskz_div_ps(some, _mm512_set1_ps(32767.0f), mx);
+  _mm_storeu_ps(factor, _mm512_castps512_ps128(_mm512_mul_ps(mx, _mm512_set1_ps(1.0f / 32767))));
+  // int16 lanes (key a, row r) at 4a + r -> words (k0 r, k1 r) of 2 pairs.
+  const __m256i order = _mm256_setr_epi16(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  for (int64_t j = 0; j < vecs; ++j) {
+    const __m256i q = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(weights(j), inv)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + 8 * j), _mm256_permutexvar_epi16(order, q));
+  }
+}
+
+// Rows [0, kRows) of o, columns [c0, c0 + 64) (fewer at the end of dv), as
+// pv_rows_bf16_block: kRows <= 6 keeps 24 accumulators, 4 paired V vectors
+// and a weight in the 32 registers. o = alpha o + factor * (the int32 sums).
+template <int kRows, bool kPrefetch, bool kVnni>
+inline void pv_i8_block(const uint32_t* pp, int64_t pp_stride, int64_t pairs, int64_t nk,
+                        const int8_t* v, int64_t vs, int64_t dv, int64_t c0, float* o,
+                        int64_t dv_pad, const float* alpha, const float* factor, int64_t pf,
+                        int64_t pf_lo, int64_t pf_hi) {
+  const int64_t halves = dv_pad - c0 >= 64 ? 2 : (dv_pad - c0 + 31) / 32;
+  __mmask32 mask[2];
+  column_masks32(dv, c0, mask);
+  __m512i acc[kRows][4];
+#pragma GCC unroll 6
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < pairs; ++i) {
+    const bool second = 2 * i + 1 < nk;
+    const int8_t* v0 = v + 2 * i * vs + c0;
+    if constexpr (kPrefetch)
+      if (i >= pf_lo && i < pf_hi)
+        for (int64_t c = 0; c < dv; c += 64) {
+          V512::prefetch(v0 - c0 + pf + c);
+          V512::prefetch(v0 - c0 + vs + pf + c);
+        }
+    __m512i w[4];
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q) {
+      const __m512i a = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask[q], v0 + 32 * q));
+      const __m512i b =
+          second ? _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask[q], v0 + vs + 32 * q))
+                 : _mm512_setzero_si512();
+      w[2 * q] = _mm512_unpacklo_epi16(a, b);
+      w[2 * q + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i p = _mm512_set1_epi32(static_cast<int>(pp[i * pp_stride + r]));
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[r][j] = dot_add<kVnni>(acc[r][j], w[j], p);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]), f = _mm512_set1_ps(factor[r]);
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q) {
+      if (q >= halves) continue;
+      __m512 x0, x1;
+      from_pair_order(_mm512_cvtepi32_ps(acc[r][2 * q]), _mm512_cvtepi32_ps(acc[r][2 * q + 1]), &x0,
+                      &x1);
+      float* row = o + r * dv_pad + c0 + 32 * q;
+      _mm512_storeu_ps(row, _mm512_fmadd_ps(x0, f, _mm512_mul_ps(_mm512_loadu_ps(row), a)));
+      if (c0 + 32 * q + 16 < dv_pad)
+        _mm512_storeu_ps(row + 16,
+                         _mm512_fmadd_ps(x1, f, _mm512_mul_ps(_mm512_loadu_ps(row + 16), a)));
+    }
+  }
+}
+
+template <int kRows, bool kVnni>
+inline void pv_i8_any(int64_t rows, const uint32_t* pp, int64_t pp_stride, int64_t pairs,
+                      int64_t nk, const int8_t* v, int64_t vs, int64_t dv, int64_t c0, float* o,
+                      int64_t dv_pad, const float* alpha, const float* factor, int64_t pf,
+                      int64_t pf_lo, int64_t pf_hi) {
+  if constexpr (kRows >= 1) {
+    if (rows != kRows)
+      return pv_i8_any<kRows - 1, kVnni>(rows, pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad,
+                                         alpha, factor, pf, pf_lo, pf_hi);
+    if (pf != 0)
+      pv_i8_block<kRows, true, kVnni>(pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha,
+                                      factor, pf, pf_lo, pf_hi);
+    else
+      pv_i8_block<kRows, false, kVnni>(pp, pp_stride, pairs, nk, v, vs, dv, c0, o, dv_pad, alpha,
+                                       factor, 0, 0, 0);
+  }
+}
+
+// KernelTable::pv_i8: the integer product for up to 16 rows, else simd's.
+// Blocks of up to 6 rows by 64 columns share the prefetch out by pairs, as
+// pv_rows_bf16's do.
+template <bool kVnni>
+void pv_i8(const float* s, int64_t nk, int64_t ss, int64_t rows, const int8_t* v, int64_t vs,
+           const float* vscale, int64_t vss, int64_t dv, float* o, int64_t dv_pad,
+           const float* alpha, uint16_t* pack, int64_t pf, const int64_t* seen) {
+  if (rows > 16)
+    return simd::pv_i8<V512>(s, nk, ss, rows, v, vs, vscale, vss, dv, o, dv_pad, alpha, pack, pf,
+                             seen);
+  float* factor = reinterpret_cast<float*>(pack);
+  uint32_t* pp = reinterpret_cast<uint32_t*>(pack) + 16;
+  const int64_t pp_stride = rows <= 4 ? 4 : 16;
+  static constexpr float kOnes[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  for (int64_t k0 = 0; k0 < nk; k0 += kPvIntChunkKeys) {
+    const int64_t n = nk - k0 < kPvIntChunkKeys ? nk - k0 : kPvIntChunkKeys, pairs = (n + 1) / 2;
+    if (ss == 4)
+      quantize_weight_pairs4(s + k0 * ss, n, vscale + k0 * vss, vss, pp, factor);
+    else
+      quantize_weight_pairs(s + k0 * ss, n, ss, rows, vscale + k0 * vss, vss, pp, pp_stride,
+                            factor);
+    const int8_t* vk = v + k0 * vs;
+    const int64_t blocks = (dv_pad + 63) / 64 * ((rows + 5) / 6);
+    int64_t b = 0;
+    for (int64_t c0 = 0; c0 < dv_pad; c0 += 64)
+      for (int64_t m = 0; m < rows; m += 6, ++b)
+        pv_i8_any<6, kVnni>(rows - m < 6 ? rows - m : 6, pp + m, pp_stride, pairs, n, vk, vs, dv,
+                            c0, o + m * dv_pad, dv_pad, k0 == 0 ? alpha + m : kOnes, factor + m, pf,
+                            b * pairs / blocks, (b + 1) * pairs / blocks);
+  }
+}
+
+// KernelTable::dequant_bf16: dequant_f32's values rounded to bf16.
+void dequant_bf16(const uint8_t* src, int64_t src_row_stride, int64_t rows, int64_t cols,
+                  const float* scale, int64_t scale_stride, int64_t block, bool fp8, uint16_t* dst,
+                  int64_t dst_row_stride, int64_t pf) {
+  const float unit = fp8 ? 256.0f : 1.0f;
+  for (int64_t n = 0; n < rows; ++n) {
+    const uint8_t* row = src + n * src_row_stride;
+    const float* sc = scale + n * scale_stride;
+    if (pf != 0)
+      for (int64_t c = 0; c < cols; c += 64) V512::prefetch(row + pf + c);
+    for (int64_t c = 0; c < dst_row_stride; c += 16) {
+      const int64_t valid = cols - c < 0 ? 0 : cols - c;
+      __m512 x = _mm512_setzero_ps();
+      if (valid > 0) {
+        x = fp8 ? V512::widen_fp8(row + c, valid)
+                : V512::widen_i8(reinterpret_cast<const int8_t*>(row) + c, valid);
+        x = _mm512_mul_ps(x, _mm512_set1_ps(sc[block > 0 ? c / block : 0] * unit));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + n * dst_row_stride + c),
+                          (__m256i)_mm512_cvtneps_pbh(x));
+    }
+  }
+}
+
+// ---- the online-softmax step on packed 4-row scores -----------------------
+// simd::softmax on s[n][16] with 4 live rows spends 16 lanes of max, exp and
+// sum per key on 4 values. Packed, lane 4a + r of a vector is key a's row r,
+// so a vector holds 4 keys and every lane counts: a row's values sit in the
+// same lane of each 128-bit quarter, and two quarter swaps reduce them.
 
 void softmax_rows4(float* s, int64_t nk, float* row_max, float* row_sum, float* alpha) {
   const int64_t vecs = (nk + 3) / 4;
@@ -739,6 +1098,13 @@ constexpr KernelTable kAvx512Table = {
     nullptr,
     qk_rows<uint16_t, float>,
     simd::pv_widen<V512>,
+    simd::dequant_f32<V512>,
+    nullptr,
+    qk_rows_i8<false>,
+    qk_rows_fp8,
+    16,
+    pv_i8<false>,
+    simd::pv_fp8<V512>,
 };
 
 constexpr KernelTable kAvx512Bf16Table = {
@@ -759,6 +1125,13 @@ constexpr KernelTable kAvx512Bf16Table = {
     qk_rows<uint16_t, uint16_t>,
     nullptr,
     nullptr,
+    simd::dequant_f32<V512>,
+    dequant_bf16,
+    qk_rows_i8<true>,
+    qk_rows_fp8,
+    16,
+    pv_i8<true>,
+    simd::pv_fp8<V512>,
 };
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "attnkit/tensor.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/simd_kernels.h"
 
@@ -46,6 +47,9 @@ struct VScalar {
     F r{};
     for (int64_t i = 0; i < m; ++i) r.x[i] = p[i];
     return r;
+  }
+  static void store_masked(float* p, Mask m, F a) {
+    for (int64_t i = 0; i < m; ++i) p[i] = a.x[i];
   }
   static F fma(F a, F b, F c) {
     for (int i = 0; i < kLanes; ++i) c.x[i] = std::fma(a.x[i], b.x[i], c.x[i]);
@@ -88,6 +92,19 @@ struct VScalar {
     }
     return r;
   }
+  static F widen_i8(const int8_t* p, int64_t n) {
+    F r{};
+    for (int64_t i = 0; i < n && i < kLanes; ++i) r.x[i] = p[i];
+    return r;
+  }
+  // The SIMD targets' decoding (kernel_table.h): the code's magnitude bits
+  // become a binary16's exponent and mantissa, giving value * 2^-8.
+  static F widen_fp8(const uint8_t* p, int64_t n) {
+    F r{};
+    for (int64_t i = 0; i < n && i < kLanes; ++i)
+      r.x[i] = f16_to_float(static_cast<uint16_t>(((p[i] & 0x7fu) << 7) | ((p[i] & 0x80u) << 8)));
+    return r;
+  }
 };
 
 constexpr KernelTable kScalarTable = {
@@ -108,6 +125,13 @@ constexpr KernelTable kScalarTable = {
     nullptr,
     nullptr,
     simd::pv_widen<VScalar>,
+    simd::dequant_f32<VScalar>,
+    nullptr,
+    nullptr,
+    nullptr,
+    0,
+    simd::pv_i8<VScalar>,
+    simd::pv_fp8<VScalar>,
 };
 
 }  // namespace

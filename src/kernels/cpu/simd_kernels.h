@@ -5,7 +5,8 @@
 // instructions: an ordinary inline function shared by translation units
 // compiled with different flags may be merged by the linker into the copy a
 // CPU cannot run. For the same reason this header defines nothing that is
-// not a template on V, and includes only <cstdint> (types, no code).
+// not a template on V, and includes only <cstdint> and <type_traits>
+// (types, no code).
 //
 // V provides (F = vector of kLanes floats, Mask = lane mask):
 //   kLanes; kQkVecs, kQkAcc, kQkMaxKeys (QK register block: up to kQkVecs
@@ -15,16 +16,21 @@
 //   in registers, in calls with at most kPvFewRows rows: 1-token decode);
 //   zero, set1, load, store, bcast(const float*), mask_first(n),
 //   load_masked(p, mask) (lanes off the mask read as 0 and never touched),
+//   store_masked(p, mask, x) (lanes off the mask never touched),
 //   fma(a, b, c) = a * b + c, mul, add, sub, div,
 //   max(a, b) (b when either is NaN), abs, copysign(magnitude, sign),
 //   ninf_to_zero (lanes equal to -inf become 0),
 //   exp (exp(-inf) = 0, NaN stays NaN, a few ulp),
 //   widen_bf16(const uint16_t*, n) (first n of kLanes bf16, rest 0),
+//   widen_i8(const int8_t*, n) (first n of kLanes int8 codes, exactly),
+//   widen_fp8(const uint8_t*, n) (first n of kLanes fp8 E4M3 codes as
+//   value * 2^-8, exactly: KernelTable's binary16 decoding),
 //   prefetch(const void*) (a hint; any address, never faults).
 // Layouts are described in kernel_table.h.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace attnkit::kernels::cpu::simd {
 
@@ -211,7 +217,9 @@ void softmax(float* s, int64_t nk, int64_t m_pad, int64_t ss, float* row_max, fl
 
 // V rows are fp32 (Elem = float) or bf16 (Elem = uint16_t, widened to fp32
 // in registers, exactly, for targets without vdpbf16ps: a widened copy of
-// the tile cost a store and a load per value and took no prefetch).
+// the tile cost a store and a load per value and took no prefetch), or
+// 8-bit codes decoded in registers (int8_t: int8; uint8_t: fp8 E4M3, as
+// value * 2^-8), whose scales the caller has folded into the weights.
 // The last vector of a row: lanes [count, kLanes) read as 0 and never
 // touched; `mask` says the same for fp32 loads.
 template <class V>
@@ -244,6 +252,22 @@ inline typename V::F load_last(const float* p, LastVec<V> last) {
 template <class V>
 inline typename V::F load_last(const uint16_t* p, LastVec<V> last) {
   return V::widen_bf16(p, last.count);
+}
+template <class V>
+inline typename V::F load_vec(const int8_t* p) {
+  return V::widen_i8(p, V::kLanes);
+}
+template <class V>
+inline typename V::F load_last(const int8_t* p, LastVec<V> last) {
+  return V::widen_i8(p, last.count);
+}
+template <class V>
+inline typename V::F load_vec(const uint8_t* p) {
+  return V::widen_fp8(p, V::kLanes);
+}
+template <class V>
+inline typename V::F load_last(const uint8_t* p, LastVec<V> last) {
+  return V::widen_fp8(p, last.count);
 }
 
 // One register block: MR packed rows by CV vectors of output columns, over
@@ -361,9 +385,9 @@ inline void pv_few_columns(int64_t cvecs, int64_t rows, const float* s, int64_t 
 template <class V, class Elem>
 void pv(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int64_t vs, int64_t dv,
         float* o, int64_t dv_pad, const float* alpha, int64_t pf, const int64_t* seen) {
-  if constexpr (sizeof(Elem) == 2 && requires { V::kPvFewVecs; }) {
+  if constexpr (sizeof(Elem) < 4 && requires { V::kPvFewVecs; }) {
     // Few rows leave most registers of the kPvRows block idle: a wider
-    // block widens each loaded bf16 vector once for more multiply-adds and
+    // block widens each loaded bf16 or 8-bit vector once for more multiply-adds and
     // keeps more accumulator chains in flight. (fp32 rows, which need no
     // widening, ran 5-10 % slower so: decode_tile_bench
     // --benchmark_filter=rows4/padded, 2026-11-24 at 2d9f2a5 on a Zen 3.)
@@ -406,6 +430,70 @@ void pv_widen(const float* s, int64_t nk, int64_t ss, int64_t rows, const uint16
               int64_t dv, float* o, int64_t dv_pad, const float* alpha, int64_t pf,
               const int64_t* seen) {
   pv<V>(s, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf, seen);
+}
+
+// KernelTable::pv_i8 / pv_fp8 in fp32: the weights of rows [0, rows) times
+// each key's value scale (and 2^8 for fp8, which widen_fp8 decodes as value
+// * 2^-8), copied to `pack`, then pv over the codes. (Folded into pv_block
+// instead, the scale would cost a multiply per row and key; here it is one
+// per key and vector of rows.)
+template <class V, class Elem>
+void pv_scaled(const float* s, int64_t nk, int64_t ss, int64_t rows, const Elem* v, int64_t vs,
+               const float* vscale, int64_t vss, int64_t dv, float* o, int64_t dv_pad,
+               const float* alpha, uint16_t* pack, int64_t pf, const int64_t* seen) {
+  const float unit = std::is_same_v<Elem, uint8_t> ? 256.0f : 1.0f;
+  float* w = reinterpret_cast<float*>(pack);
+  for (int64_t n = 0; n < nk; ++n) {
+    const typename V::F f = V::set1(vscale[n * vss] * unit);
+    for (int64_t m = 0; m < rows; m += V::kLanes) {
+      const int64_t left = rows - m;
+      const typename V::Mask mask = V::mask_first(left);
+      V::store_masked(w + n * ss + m, mask, V::mul(V::load_masked(s + n * ss + m, mask), f));
+    }
+  }
+  pv<V>(w, nk, ss, rows, v, vs, dv, o, dv_pad, alpha, pf, seen);
+}
+
+template <class V>
+void pv_i8(const float* s, int64_t nk, int64_t ss, int64_t rows, const int8_t* v, int64_t vs,
+           const float* vscale, int64_t vss, int64_t dv, float* o, int64_t dv_pad,
+           const float* alpha, uint16_t* pack, int64_t pf, const int64_t* seen) {
+  pv_scaled<V>(s, nk, ss, rows, v, vs, vscale, vss, dv, o, dv_pad, alpha, pack, pf, seen);
+}
+
+template <class V>
+void pv_fp8(const float* s, int64_t nk, int64_t ss, int64_t rows, const uint8_t* v, int64_t vs,
+            const float* vscale, int64_t vss, int64_t dv, float* o, int64_t dv_pad,
+            const float* alpha, uint16_t* pack, int64_t pf, const int64_t* seen) {
+  pv_scaled<V>(s, nk, ss, rows, v, vs, vscale, vss, dv, o, dv_pad, alpha, pack, pf, seen);
+}
+
+// ---- 8-bit rows to fp32 ----------------------------------------------------
+
+// KernelTable::dequant_f32. A block of scales is a multiple of 16 >=
+// kLanes, so one vector never spans two scales; vectors past `cols` are
+// stored as 0 without reading a scale (the row may hold no more).
+template <class V>
+void dequant_f32(const uint8_t* src, int64_t src_row_stride, int64_t rows, int64_t cols,
+                 const float* scale, int64_t scale_stride, int64_t block, bool fp8, float* dst,
+                 int64_t dst_row_stride, int64_t pf) {
+  const float unit = fp8 ? 256.0f : 1.0f;  // widen_fp8 gives value * 2^-8
+  for (int64_t n = 0; n < rows; ++n) {
+    const uint8_t* row = src + n * src_row_stride;
+    const float* sc = scale + n * scale_stride;
+    if (pf != 0)
+      for (int64_t c = 0; c < cols; c += 64) V::prefetch(row + pf + c);
+    for (int64_t c = 0; c < dst_row_stride; c += V::kLanes) {
+      const int64_t valid = cols - c < 0 ? 0 : cols - c;
+      typename V::F x = V::zero();
+      if (valid > 0) {
+        x = fp8 ? V::widen_fp8(row + c, valid)
+                : V::widen_i8(reinterpret_cast<const int8_t*>(row) + c, valid);
+        x = V::mul(x, V::set1(sc[block > 0 ? c / block : 0] * unit));
+      }
+      V::store(dst + n * dst_row_stride + c, x);
+    }
+  }
 }
 
 // ---- bf16 rows to fp32 ---------------------------------------------------

@@ -2,7 +2,10 @@
 // the slow path for masked keys holding non-finite values (task_runner.h).
 #include "kernels/cpu/task_runner.h"
 
+#include <cmath>
 #include <cstring>
+
+#include "kernels/kv_load.h"
 
 namespace attnkit::kernels::cpu {
 
@@ -10,6 +13,12 @@ namespace {
 
 bool rows_finite(const void* base, DType dtype, int64_t stride, int64_t rows, int64_t cols) {
   uint32_t bad = 0;
+  if (dtype == DType::kI8 || dtype == DType::kFp8E4M3) {  // base: the rows' scales
+    const float* x = static_cast<const float*>(base);
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t c = 0; c < cols; ++c) bad |= !std::isfinite(x[n * stride + c]);
+    return bad == 0;
+  }
   if (dtype == DType::kBF16) {
     const uint16_t* x = static_cast<const uint16_t*>(base);
     for (int64_t n = 0; n < rows; ++n)
@@ -22,16 +31,12 @@ bool rows_finite(const void* base, DType dtype, int64_t stride, int64_t rows, in
   return bad == 0;
 }
 
-float load_kv(const void* base, DType dtype, int64_t index) {
-  if (dtype == DType::kBF16) return bf16_to_float(static_cast<const bf16*>(base)[index]);
-  return static_cast<const float*>(base)[index];
-}
-
 }  // namespace
 
 // Rows [m_lo_, m_) of o += P V (s and alpha indexed by packed row).
 void TaskRunner::accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha, Prefetch pf,
                             const int64_t* seen) {
+  if (g_.q8 && g_.pv_copies) return accumulate_dequantized(j0, nk, s, alpha, pf, seen);
   const KernelTable& kt = *g_.kt;
   auto fetch = [&](int64_t at, int64_t row) {
     return prefetch_at(pf, j0, nk, at, row, p_.v_stride.row);
@@ -69,6 +74,25 @@ void TaskRunner::accumulate(int64_t j0, int64_t nk, const float* s, const float*
     kt.pv_f32(s, nk, g_.s_stride, rows, vw, g_.vw_stride, g_.dv, o, g_.dv_pad, alpha, 0, seen);
     return;
   }
+  if (g_.q8) {
+    // 8-bit V where it lies, each key's value scale applied by the kernel.
+    // Masked keys have weight 0 and finite scales here (finish_head sends
+    // tiles with non-finite ones to the slow path).
+    uint16_t* pack = reinterpret_cast<uint16_t*>(ws_ + g_.pack);
+    for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      const float* w = s + at * g_.s_stride;
+      const float* a = at == 0 ? alpha : ones;
+      if (g_.fp8)
+        kt.pv_fp8(w, n, g_.s_stride, rows, static_cast<const uint8_t*>(v_row(row)), p_.v_stride.row,
+                  v_scales(row), p_.v_scale_stride.row, g_.dv, o, g_.dv_pad, a, pack,
+                  fetch(at, row), whole(n));
+      else
+        kt.pv_i8(w, n, g_.s_stride, rows, static_cast<const int8_t*>(v_row(row)), p_.v_stride.row,
+                 v_scales(row), p_.v_scale_stride.row, g_.dv, o, g_.dv_pad, a, pack, fetch(at, row),
+                 whole(n));
+    });
+    return;
+  }
   if (g_.bf16) {
     for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
       kt.pv_widen(s + at * g_.s_stride, n, g_.s_stride, rows,
@@ -84,10 +108,43 @@ void TaskRunner::accumulate(int64_t j0, int64_t nk, const float* s, const float*
   });
 }
 
+// 8-bit V dequantized run by run into the vw buffer (fp32, or bf16 for
+// pv_bf16), then the product over the copy.
+void TaskRunner::accumulate_dequantized(int64_t j0, int64_t nk, const float* s, const float* alpha,
+                                        Prefetch pf, const int64_t* seen) {
+  const KernelTable& kt = *g_.kt;
+  float* vw = ws_ + g_.vw;
+  uint16_t* vw16 = reinterpret_cast<uint16_t*>(vw);
+  for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+    const uint8_t* codes = static_cast<const uint8_t*>(v_row(row));
+    const int64_t fetch = prefetch_at(pf, j0, nk, at, row, p_.v_stride.row);
+    if (g_.dot_bf16)
+      kt.dequant_bf16(codes, p_.v_stride.row, n, g_.dv, v_scales(row), p_.v_scale_stride.row,
+                      p_.scale_block, g_.fp8, vw16 + at * g_.vw_stride, g_.vw_stride, fetch);
+    else
+      kt.dequant_f32(codes, p_.v_stride.row, n, g_.dv, v_scales(row), p_.v_scale_stride.row,
+                     p_.scale_block, g_.fp8, vw + at * g_.vw_stride, g_.vw_stride, fetch);
+  });
+  float* o = o_ + m_lo_ * g_.dv_pad;
+  const int64_t rows = m_ - m_lo_;
+  if (g_.dot_bf16)
+    kt.pv_bf16(s + m_lo_, nk, g_.m_pad - m_lo_, g_.s_stride, rows, vw16, g_.vw_stride, g_.dv, o,
+               g_.dv_pad, alpha + m_lo_, reinterpret_cast<uint16_t*>(ws_ + g_.pack), 0);
+  else
+    kt.pv_f32(s + m_lo_, nk, g_.s_stride, rows, vw, g_.vw_stride, g_.dv, o, g_.dv_pad,
+              alpha + m_lo_, 0, seen);
+}
+
+// Whether the tile's V values are finite (8-bit V: its scales, the codes
+// always decode to finite values).
 bool TaskRunner::values_finite(int64_t j0, int64_t nk) const {
   bool finite = true;
   for_runs(p_, b_, j0, nk, [&](int64_t, int64_t row, int64_t n) {
-    finite = finite && rows_finite(v_row(row), p_.kv_dtype, p_.v_stride.row, n, g_.dv);
+    if (g_.q8)
+      finite = finite && rows_finite(v_scales(row), p_.kv_dtype, p_.v_scale_stride.row, n,
+                                     g_.row_scales ? 1 : ceil_div(g_.dv, p_.scale_block));
+    else
+      finite = finite && rows_finite(v_row(row), p_.kv_dtype, p_.v_stride.row, n, g_.dv);
   });
   return finite;
 }
@@ -98,11 +155,14 @@ void TaskRunner::accumulate_skipping_zeros(int64_t j0, int64_t nk, const float* 
   for (int64_t m = m_lo_; m < m_; ++m)
     for (int64_t c = 0; c < g_.dv; ++c) o[m * g_.dv_pad + c] *= alpha[m];
   for (int64_t n = 0; n < nk; ++n) {
-    const void* v = v_row(p_.key_row(b_, j0 + n));
+    const int64_t r = p_.key_row(b_, j0 + n);
+    const int64_t v0 = b_ * p_.v_stride.batch + r * p_.v_stride.row + kvh_ * p_.v_stride.head;
     for (int64_t m = m_lo_; m < m_; ++m) {
       const float w = s[n * g_.s_stride + m];
       if (w == 0.0f) continue;
-      for (int64_t c = 0; c < g_.dv; ++c) o[m * g_.dv_pad + c] += w * load_kv(v, p_.kv_dtype, c);
+      for (int64_t c = 0; c < g_.dv; ++c)
+        o[m * g_.dv_pad + c] +=
+            w * static_cast<float>(kv_element(p_, true, v0 + c, b_, r, kvh_, c));
     }
   }
 }

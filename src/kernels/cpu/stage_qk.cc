@@ -3,6 +3,9 @@
 #include "kernels/cpu/task_runner.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
 
 namespace attnkit::kernels::cpu {
 
@@ -19,6 +22,7 @@ void TaskRunner::pack_q() {
   const float scale = p_.scale;
   const int64_t w = g_.kt->qk_block_cols, dim = p_.q_stride.dim;
   const KernelTable& kt = *g_.kt;
+  if (g_.rows_qk && g_.q8 && !g_.fp8) return pack_q_int16(rows);
   if (g_.rows_qk) {  // 4 row-major rows, zero-padded
     // One plain loop per row and dtype, so that the compiler vectorises
     // it (a loop over the padded row with the dtype test inside did not,
@@ -75,6 +79,66 @@ void TaskRunner::pack_q() {
   }
 }
 
+namespace {
+
+// One query row scaled and rounded to int16 in steps of qmax / max |scale *
+// x| (pack_q_int16); returns the step, NaN for a row holding NaN or Inf, 0
+// for a row of zeros (or so small that qmax / max overflows), whose codes
+// are then 0. Written for the compiler to vectorise (it is called per task
+// and kv head, 32 times per row in a split 16K-key decode step): the
+// non-finite test on the bits, and rounding to nearest by adding and
+// subtracting 1.5 * 2^23 (exact for |y| <= qmax < 2^22), not nearbyint,
+// which the baseline target calls out of line.
+template <int64_t kStride>
+float quantize_q_row(const float* x, int64_t stride, int64_t n, float scale, float qmax,
+                     int16_t* out) {
+  if constexpr (kStride != 0) stride = kStride;
+  float amax = 0.0f;
+  uint32_t bad = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const float y = x[c * stride] * scale;
+    uint32_t bits;
+    std::memcpy(&bits, &y, sizeof bits);
+    bad |= (bits & 0x7f800000u) == 0x7f800000u;
+    amax = std::max(amax, std::fabs(y));
+  }
+  const float inv = qmax / amax;
+  if (bad != 0 || !std::isfinite(inv)) {
+    for (int64_t c = 0; c < n; ++c) out[c] = 0;
+    return bad != 0 ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+  }
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  for (int64_t c = 0; c < n; ++c) {
+    const float y = x[c * stride] * scale * inv;
+    out[c] = static_cast<int16_t>(static_cast<int32_t>((y + kRound) - kRound));
+  }
+  return amax / qmax;
+}
+
+}  // namespace
+
+// For qk_rows_i8 (int8 keys): each of the 4 rows, scaled, quantized to
+// int16 with a factor of its own, row r = qf[r] * q16[r] (qf after the 4
+// rows of qt_row int16s). The range keeps head_dim * 127 * max|q16| below
+// 2^31, so the kernel's int32 sums are exact: 32767 up to head_dim 516,
+// 29357 at MLA's 576. A row's rounding is at most qf / 2 per element,
+// 2^-16 of its largest |scale * q| at head dims up to 516: small beside the
+// int8 keys' own step of 2^-8 of theirs.
+void TaskRunner::pack_q_int16(const float* const* rows) {
+  const double limit = std::min(32767.0, std::floor(2147483647.0 / (127.0 * double(g_.d))));
+  const float qmax = static_cast<float>(limit);
+  const int64_t dim = p_.q_stride.dim;
+  int16_t* q16 = reinterpret_cast<int16_t*>(qt_);
+  float* qf = reinterpret_cast<float*>(q16 + 4 * g_.qt_row);
+  for (int64_t r = 0; r < 4; ++r) {
+    int16_t* out = q16 + r * g_.qt_row;
+    const int64_t valid = r < m_ ? g_.d : 0;
+    qf[r] = dim == 1 ? quantize_q_row<1>(rows[r], 1, valid, p_.scale, qmax, out)
+                     : quantize_q_row<0>(rows[r], dim, valid, p_.scale, qmax, out);
+    std::fill(out + valid, out + g_.qt_row, int16_t{0});
+  }
+}
+
 // `seen`: see tile(); the kernels take it for a whole tile, not for a
 // run of keys that a ring or a page cuts short.
 void TaskRunner::scores(int64_t j0, int64_t nk, float* s, Prefetch pf, const int64_t* seen) {
@@ -83,6 +147,7 @@ void TaskRunner::scores(int64_t j0, int64_t nk, float* s, Prefetch pf, const int
   auto fetch = [&](int64_t at, int64_t row) {
     return prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
   };
+  if (g_.q8) return scores_8bit(j0, nk, s, pf, seen);
   if (g_.rows_qk && g_.dot_bf16) {
     const uint16_t* q = reinterpret_cast<const uint16_t*>(qt_);
     for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
@@ -123,6 +188,48 @@ void TaskRunner::scores(int64_t j0, int64_t nk, float* s, Prefetch pf, const int
                 whole(n));
     });
   }
+}
+
+// scores() for 8-bit keys: qk_rows_i8 / qk_rows_fp8 where the codes lie
+// (1-4 rows, one scale per row), else each run of the tile dequantized into
+// the kw buffer (fp32, or bf16 for qk_bf16) and the product over the copy.
+void TaskRunner::scores_8bit(int64_t j0, int64_t nk, float* s, Prefetch pf, const int64_t* seen) {
+  const KernelTable& kt = *g_.kt;
+  auto fetch = [&](int64_t at, int64_t row) {
+    return prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
+  };
+  const int64_t kss = p_.k_scale_stride.row;
+  if (g_.rows_qk) {
+    const int16_t* q16 = reinterpret_cast<const int16_t*>(qt_);
+    const float* qf = reinterpret_cast<const float*>(q16 + 4 * g_.qt_row);
+    for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      if (g_.fp8)
+        kt.qk_rows_fp8(static_cast<const uint8_t*>(k_row(row)), p_.k_stride.row, n, g_.d, qt_,
+                       g_.qt_row, k_scales(row), kss, s + at * 4, fetch(at, row));
+      else
+        kt.qk_rows_i8(static_cast<const int8_t*>(k_row(row)), p_.k_stride.row, n, g_.d, q16,
+                      g_.qt_row, qf, k_scales(row), kss, s + at * 4, fetch(at, row));
+    });
+    return;
+  }
+  float* kw = ws_ + g_.kw;
+  uint16_t* kw16 = reinterpret_cast<uint16_t*>(kw);
+  for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+    const uint8_t* codes = static_cast<const uint8_t*>(k_row(row));
+    if (g_.dot_bf16)
+      kt.dequant_bf16(codes, p_.k_stride.row, n, g_.d, k_scales(row), kss, p_.scale_block, g_.fp8,
+                      kw16 + at * g_.d_pad, g_.d_pad, fetch(at, row));
+    else
+      kt.dequant_f32(codes, p_.k_stride.row, n, g_.d, k_scales(row), kss, p_.scale_block, g_.fp8,
+                     kw + at * g_.d_pad, g_.d_pad, fetch(at, row));
+  });
+  if (g_.dot_bf16)
+    kt.qk_bf16(kw16, g_.d_pad, nk, g_.d,
+               reinterpret_cast<const uint16_t*>(qt_) + m_lo_ * ceil_div(g_.d, 2) * 2,
+               g_.m_pad - m_lo_, s + m_lo_, g_.s_stride, 0);
+  else
+    kt.qk_f32(kw, g_.d_pad, nk, g_.d, qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_, s + m_lo_, g_.s_stride,
+              0, seen);
 }
 
 }  // namespace attnkit::kernels::cpu

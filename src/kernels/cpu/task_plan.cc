@@ -37,13 +37,30 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.d_pad = round_up(g.d, lanes);
   g.dv_pad = round_up(g.dv, lanes);
   g.vw_stride = odd_line_stride(g.dv_pad);
-  const int64_t elem_bytes = g.bf16 ? 2 : 4;
-  g.copy_v = !g.dot_bf16 && g.m_max >= kCopyValuesMinRows &&
-             (p.v_stride.row * elem_bytes) % kCopyValuesStrideBytes == 0;
-  const bool widen = g.bf16 && !g.dot_bf16;
-  g.pv_copies = g.copy_v || (widen && g.kt->pv_widen == nullptr);
-  g.rows_qk = takes_rows_qk(*g.kt, g.m_max, g.dot_bf16);
-  g.k_copies = widen && !(g.rows_qk && g.kt->qk_rows_widen != nullptr);
+  g.q8 = p.kv_dtype == DType::kI8 || p.kv_dtype == DType::kFp8E4M3;
+  g.fp8 = p.kv_dtype == DType::kFp8E4M3;
+  g.row_scales = g.q8 && (p.scale_block == 0 || p.scale_block >= std::max(g.d, g.dv));
+  if (g.q8) {
+    // 1-4 rows with row scales read the codes where they lie (qk_rows_i8 /
+    // _fp8, pv_i8 / _fp8); more rows dequantize each K tile once for all of
+    // them, and tiles of kCopyValuesMinRows rows or more (prefill, absorbed
+    // MLA) each V tile too, as bf16 for the vdpbf16ps kernels where the
+    // target has them and the plan says so (tile_policy.h). Block scales
+    // are always dequantized.
+    g.rows_qk = takes_rows_qk(*g.kt, g.m_max, p.kv_dtype, false, g.row_scales);
+    g.k_copies = !g.rows_qk;
+    g.pv_copies = !g.row_scales || g.m_max >= kCopyValuesMinRows ||
+                  (g.fp8 ? g.kt->pv_fp8 == nullptr : g.kt->pv_i8 == nullptr);
+    g.dot_bf16 = g.k_copies && g.pv_copies && g.kt->dequant_bf16 != nullptr && plan.dequant_bf16;
+  } else {
+    const int64_t elem_bytes = g.bf16 ? 2 : 4;
+    g.copy_v = !g.dot_bf16 && g.m_max >= kCopyValuesMinRows &&
+               (p.v_stride.row * elem_bytes) % kCopyValuesStrideBytes == 0;
+    const bool widen = g.bf16 && !g.dot_bf16;
+    g.pv_copies = g.copy_v || (widen && g.kt->pv_widen == nullptr);
+    g.rows_qk = takes_rows_qk(*g.kt, g.m_max, p.kv_dtype, g.dot_bf16, false);
+    g.k_copies = widen && !(g.rows_qk && g.kt->qk_rows_widen != nullptr);
+  }
   g.s_stride = score_stride(g.m_pad, g.rows_qk);
   g.qt_row = round_up(g.d, 32);
   g.part_floats = plan.split_k > 0 ? round_up(g.heads * g.m_max * (g.dv + 2), 16) : 0;
@@ -56,7 +73,8 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   };
   // Column blocks of qk_block_cols: m_pad rounded up to a whole block.
   const int64_t qt_cols = round_up(g.m_pad, g.kt->qk_block_cols);
-  // Also holds the bf16 pairs, or qk_rows_*'s 4 row-major rows.
+  // Also holds the bf16 pairs, or qk_rows_*'s 4 row-major rows (int8 keys:
+  // 4 int16 rows, then the 4 rows' factors).
   g.qt = take(std::max(round_up(g.d, 2) * qt_cols, 4 * g.qt_row));
   g.o = take(g.m_max * g.dv_pad);
   g.row_max = take(g.m_pad);
@@ -71,7 +89,9 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.kw = take(g.k_copies ? g.bk * g.d_pad : 0);
   g.vw = take(g.pv_copies ? g.bk * g.vw_stride : 0);
   g.seen = take(4 * g.m_pad);  // int64 pairs
-  g.pack = take(g.dot_bf16 ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2) : 0);
+  g.pack = take(g.dot_bf16             ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2)
+                : g.q8 && !g.pv_copies ? ceil_div(pv_8bit_pack_elems(g.bk, g.s_stride), 2)
+                                       : 0);
   g.bitmap = take(p.sparse.kind != SparsePattern::Kind::kNone ? ceil_div(g.bq * g.bk, 4) : 0);
   g.row_lo = take(2 * g.bq);  // int64
   g.row_hi = take(2 * g.bq);

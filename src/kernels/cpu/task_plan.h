@@ -38,13 +38,18 @@ struct Task {
 // Sizes shared by every task of one call, and the scratch layout.
 struct Geometry {
   const KernelTable* kt = nullptr;
-  bool bf16 = false;       // K/V are bf16
-  bool dot_bf16 = false;   // ... and go through the vdpbf16ps kernels
-  bool copy_v = false;     // V tiles are copied (bf16: widened) to a compact buffer
-  bool pv_copies = false;  // PV reads V from the vw buffer (copy_v, or bf16 with no pv_widen)
-  bool rows_qk = false;    // S = K Q^T by qk_rows_* (q row-major, qt_row apart)
-  bool k_copies = false;   // QK reads K from the kw buffer (bf16, widened)
-  bool k_then_v = true;    // Plan::k_then_v
+  bool bf16 = false;        // K/V are bf16
+  bool q8 = false;          // K/V are 8-bit codes (kI8, kFp8E4M3) ...
+  bool fp8 = false;         // ... fp8 E4M3 ones (else int8)
+  bool row_scales = false;  // ... with one scale per head row (else per block of channels)
+  bool dot_bf16 = false;    // bf16 K/V, or 8-bit K/V copied as bf16, go through vdpbf16ps
+  bool copy_v = false;      // fp32 V tiles are copied to a compact buffer
+  // PV reads V from the vw buffer: copy_v, bf16 with no pv_widen, or 8-bit
+  // V dequantized (with block scales, or for tiles of many rows).
+  bool pv_copies = false;
+  bool rows_qk = false;   // S = K Q^T by qk_rows_* (q row-major, qt_row apart)
+  bool k_copies = false;  // QK reads K from the kw buffer (bf16 widened, 8-bit dequantized)
+  bool k_then_v = true;   // Plan::k_then_v
   int64_t qt_row = 0;
   int64_t group = 1, bq = 1, bk = 1, q_blocks = 0, bases = 0, max_parts = 1;
   int64_t heads = 1, head_blocks = 1;  // kv heads per task, blocks of them
@@ -62,6 +67,24 @@ struct Geometry {
   size_t tasks_at = 0, bases_at = 0, parts_at = 0, workers_at = 0, total = 0;
   int workers = 1;
 };
+
+// Whether tiles of m_max packed rows take the qk_rows_* kernels and their
+// packed s, rather than qk_f32 / qk_bf16: fp32 keys, bf16 keys with
+// dot_bf16 (the vdpbf16ps one), or 8-bit keys with one scale per row
+// (row_scales; the others are dequantized into a copy).
+inline bool takes_rows_qk(const KernelTable& kt, int64_t m_max, DType kv, bool dot_bf16,
+                          bool row_scales) {
+  const int64_t m_pad = (m_max + kt.lanes - 1) / kt.lanes * kt.lanes;
+  if (m_max > kt.qk_rows_max || m_pad != kt.lanes) return false;
+  switch (kv) {
+    case DType::kI8:
+      return row_scales && kt.qk_rows_i8 != nullptr;
+    case DType::kFp8E4M3:
+      return row_scales && kt.qk_rows_fp8 != nullptr;
+    default:
+      return dot_bf16 ? kt.qk_rows_bf16 != nullptr : kt.qk_rows_f32 != nullptr;
+  }
+}
 
 inline constexpr size_t kAlign = 64;
 

@@ -53,6 +53,10 @@ void TaskRunner::select_head(int64_t h) {
        (b_ * p_.k_stride.batch + kvh_ * p_.k_stride.head) * elem_size();
   v_ = static_cast<const char*>(p_.v) +
        (b_ * p_.v_stride.batch + kvh_ * p_.v_stride.head) * elem_size();
+  if (g_.q8) {
+    k_scale_ = p_.k_scale + b_ * p_.k_scale_stride.batch + kvh_ * p_.k_scale_stride.head;
+    v_scale_ = p_.v_scale + b_ * p_.v_scale_stride.batch + kvh_ * p_.v_scale_stride.head;
+  }
   float* state = ws_ + h * g_.head_floats;
   qt_ = state + g_.qt;
   o_ = state + g_.o;

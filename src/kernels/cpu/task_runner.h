@@ -54,7 +54,9 @@ class TaskRunner {
   void tile(int64_t j0, int64_t nk, const int64_t* row_lo, const int64_t* row_hi);
   // stage_qk.cc
   void pack_q();
+  void pack_q_int16(const float* const* rows);
   void scores(int64_t j0, int64_t nk, float* s, Prefetch pf, const int64_t* seen);
+  void scores_8bit(int64_t j0, int64_t nk, float* s, Prefetch pf, const int64_t* seen);
   // stage_softmax.cc
   void finish_head(int64_t j0, int64_t nk, float* s, Prefetch prefetch, const int64_t* seen,
                    bool masked, bool sparse_partial, const int64_t* row_lo, const int64_t* row_hi);
@@ -65,13 +67,22 @@ class TaskRunner {
   // stage_pv.cc
   void accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha, Prefetch pf,
                   const int64_t* seen);
+  void accumulate_dequantized(int64_t j0, int64_t nk, const float* s, const float* alpha,
+                              Prefetch pf, const int64_t* seen);
   bool values_finite(int64_t j0, int64_t nk) const;
   void accumulate_skipping_zeros(int64_t j0, int64_t nk, const float* s, const float* alpha);
   // stage_merge.cc
   void write_rows() const;
   void store_partial(float* part) const;
 
-  size_t elem_size() const { return g_.bf16 ? 2 : 4; }
+  size_t elem_size() const { return g_.q8 ? 1 : g_.bf16 ? 2 : 4; }
+  // 8-bit K/V: the scales of a physical row of the selected head.
+  const float* k_scales(int64_t physical) const {
+    return k_scale_ + physical * p_.k_scale_stride.row;
+  }
+  const float* v_scales(int64_t physical) const {
+    return v_scale_ + physical * p_.v_scale_stride.row;
+  }
   const void* k_row(int64_t physical) const {
     return k_ + physical * p_.k_stride.row * static_cast<int64_t>(elem_size());
   }
@@ -102,6 +113,8 @@ class TaskRunner {
   int64_t kvh_ = 0;
   const char* k_ = nullptr;
   const char* v_ = nullptr;
+  const float* k_scale_ = nullptr;  // 8-bit K/V: the scales of physical row 0
+  const float* v_scale_ = nullptr;
   float* qt_ = nullptr;
   float* o_ = nullptr;
   float* row_max_ = nullptr;

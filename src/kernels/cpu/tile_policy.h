@@ -103,6 +103,20 @@ inline bool walks_k_then_v(SimdTarget target, DType kv_dtype) {
   return !(target == SimdTarget::kAvx512Bf16 && kv_dtype == DType::kBF16);
 }
 
+// What 8-bit K/V tiles that are dequantized for many rows (prefill, absorbed
+// MLA's 128 heads) become on a target with vdpbf16ps (Plan::dequant_bf16):
+// bf16 for the vdpbf16ps kernels, or fp32 for the FMA kernels. A 512-bit
+// vdpbf16ps does 32 multiply-adds; Intel's server cores issue one a cycle
+// beside two 16-lane FMAs, so bf16 gains nothing there and pays for packing
+// its pairs: absorbed MLA decode (128 heads, 576/512, 4096 keys, 2 threads,
+// the two alternated call by call, 20 pairs) took 0.60 (int8) and 0.64
+// (fp8) of the bf16 copies' time with fp32 ones on an Intel Xeon (family
+// 6, model 207; 2026-11-26, docs/PERFORMANCE-LOG.md). On AMD's Zen 4 and
+// Zen 5 vdpbf16ps runs at the FMA's rate (bf16 prefill reached 1.25-1.38x
+// the fp32 peak on a Zen 5: docs/PERFORMANCE.md), so there they stay bf16;
+// that side is unmeasured for 8-bit K/V.
+inline bool dequantizes_to_bf16(const CpuFeatures& cpu) { return cpu.amd; }
+
 // attnkit's own KV caches (KVCache) pad a token's row by one 64-byte line
 // when its bytes are a multiple of this. Rows 4 KiB apart (GQA 8 kv heads x
 // 128 fp32) put all 64 rows of a kv head's tile into the same 8 of the
@@ -158,6 +172,7 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
     plan.kv_heads_per_task =
         p.num_kv_heads < kInterleaveMaxHeads ? p.num_kv_heads : kInterleaveMaxHeads;
   plan.k_then_v = walks_k_then_v(target, p.kv_dtype);
+  plan.dequant_bf16 = dequantizes_to_bf16(cpu_features());
   if (p.batch_invariant) {  // splits decided per item, in attention()
     plan.split_k = kSplitKeys;
     plan.split_per_item = true;

@@ -7,15 +7,11 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/kv_load.h"
 #include "kernels/mask.h"
 
 namespace attnkit::kernels {
 namespace {
-
-inline double load_kv(const void* base, DType dtype, int64_t index) {
-  if (dtype == DType::kBF16) return bf16_to_float(static_cast<const bf16*>(base)[index]);
-  return static_cast<const float*>(base)[index];
-}
 
 // Score of key j for row i of (b, h), or -inf when masked. `p` is the row's
 // key-space position. Only visible keys are ever loaded.
@@ -31,12 +27,12 @@ double score(const AttentionParams& prm, int64_t b, int64_t h, int64_t kvh, int6
   if (prm.add_mask && prm.add_mask[mask_off] == kNegInf) return kNegInf;
   const float* qrow =
       prm.q + b * prm.q_stride.batch + prm.q_row(b, i) * prm.q_stride.row + h * prm.q_stride.head;
-  const int64_t krow =
-      b * prm.k_stride.batch + prm.key_row(b, j) * prm.k_stride.row + kvh * prm.k_stride.head;
+  const int64_t r = prm.key_row(b, j);
+  const int64_t krow = b * prm.k_stride.batch + r * prm.k_stride.row + kvh * prm.k_stride.head;
   double dot = 0.0;
   for (int64_t d = 0; d < prm.head_dim; ++d)
     dot += static_cast<double>(qrow[d * prm.q_stride.dim]) *
-           load_kv(prm.k, prm.kv_dtype, krow + d * prm.k_stride.dim);
+           kv_element(prm, false, krow + d * prm.k_stride.dim, b, r, kvh, d);
   double s = prm.scale * dot;
   if (prm.softcap > 0.0f) s = prm.softcap * std::tanh(s / prm.softcap);
   if (prm.add_mask) s += prm.add_mask[mask_off];
@@ -85,10 +81,11 @@ void attention_ref(const AttentionParams& prm, double* scratch) {
             const double w = std::exp(scores[j] - max_s);
             scores[j] = w;
             sum += w;
-            const int64_t vrow = b * prm.v_stride.batch + prm.key_row(b, j) * prm.v_stride.row +
-                                 kvh * prm.v_stride.head;
+            const int64_t r = prm.key_row(b, j);
+            const int64_t vrow =
+                b * prm.v_stride.batch + r * prm.v_stride.row + kvh * prm.v_stride.head;
             for (int64_t d = 0; d < prm.head_dim_v; ++d)
-              acc[d] += w * load_kv(prm.v, prm.kv_dtype, vrow + d * prm.v_stride.dim);
+              acc[d] += w * kv_element(prm, true, vrow + d * prm.v_stride.dim, b, r, kvh, d);
           }
         }
 

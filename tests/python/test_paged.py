@@ -1,0 +1,259 @@
+"""Serving-style attention against PyTorch float64: sdpa_varlen on packed
+sequences, PagedKVCache + batch_attention over random traces of adds,
+appends, forks, truncates and removes, MLA's latent pool, the layers'
+forward_batch, and the errors of each."""
+import numpy as np
+import pytest
+
+import attnkit
+from torch_ref import (bf16_criterion, check_close, eight_bit_bound, kv_stored, layer_tolerance,
+                       random_weights, randn, rng, sdpa_bf16_naive, sdpa_bounds, sdpa_ref)
+
+
+def offsets(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+# ---- sdpa_varlen -------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (4, 1)])
+def test_varlen_equals_each_sequence_alone(causal, heads, backend):
+    num_heads, num_kv_heads = heads
+    g = rng(11 + num_heads + 3 * num_kv_heads + causal)
+    q_lens, k_lens = [3, 1, 0, 9, 5], [7, 12, 4, 9, 2]  # empty, decode, more queries than keys
+    d, dv = 16, 8
+    q = randn(g, sum(q_lens), num_heads, d)
+    k = randn(g, sum(k_lens), num_kv_heads, d)
+    v = randn(g, sum(k_lens), num_kv_heads, dv)
+    cq, ck = offsets(q_lens), offsets(k_lens)
+    out, lse = attnkit.sdpa_varlen(q, k, v, cq, ck, max(q_lens), max(k_lens), causal=causal,
+                                   window_size=(4, -1), softcap=3.0, return_lse=True,
+                                   backend=backend)
+    assert out.shape == (sum(q_lens), num_heads, dv) and lse.shape == (num_heads, sum(q_lens))
+    for s in range(len(q_lens)):
+        qs, ks, vs = (x[None, o[s]:o[s + 1]] for x, o in ((q, cq), (k, ck), (v, ck)))
+        want_out, want_lse, _ = sdpa_ref(qs, ks, vs, causal=causal, window=(4, -1), softcap=3.0)
+        bound = sdpa_bounds(qs, ks, vs)
+        check_close(f"out {s}", out[cq[s]:cq[s + 1]], want_out[0], bound["out"])
+        check_close(f"lse {s}", lse[:, cq[s]:cq[s + 1]], want_lse[0], bound["lse"])
+
+
+def test_varlen_bf16_and_probs():
+    g = rng(5)
+    q_lens, k_lens = [4, 2], [6, 9]
+    q, k, v = randn(g, 6, 4, 8), randn(g, 15, 2, 8), randn(g, 15, 2, 8)
+    cq, ck = offsets(q_lens), offsets(k_lens)
+    out = attnkit.sdpa_varlen(q, k, v, cq, ck, causal=True, kv_dtype="bfloat16")
+    _, probs = attnkit.sdpa_varlen(q, k, v, cq, ck, causal=True, return_probs=True)
+    assert probs.shape == (2, 4, 4, 9)
+    for s in range(2):
+        qs, ks, vs = q[None, cq[s]:cq[s + 1]], k[None, ck[s]:ck[s + 1]], v[None, ck[s]:ck[s + 1]]
+        exact, _, p = sdpa_ref(qs, ks, vs, causal=True)
+        bf16_criterion(f"bf16 {s}", out[None, cq[s]:cq[s + 1]], exact,
+                       sdpa_bf16_naive(qs, ks, vs, causal=True), sdpa_bounds(qs, ks, vs)["out"])
+        padded = np.zeros((4, 4, 9))
+        padded[:, :q_lens[s], :k_lens[s]] = p[0]
+        check_close(f"probs {s}", probs[s], padded, sdpa_bounds(qs, ks, vs)["probs"])
+
+
+def test_varlen_rejects_bad_offsets():
+    q, k = np.zeros((4, 2, 8), np.float32), np.zeros((5, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"sdpa_varlen: cu_seqlens_k\[2\] = 3 must be >= "
+                                         r"cu_seqlens_k\[1\] = 4"):
+        attnkit.sdpa_varlen(q, k, k, [0, 2, 4], [0, 4, 3])
+    with pytest.raises(ValueError, match=r"max_seqlen_q = 1 is less than the longest sequence, 2"):
+        attnkit.sdpa_varlen(q, k, k, [0, 2, 4], [0, 4, 5], 1)
+
+
+# ---- the pool and batch_attention -----------------------------------------------
+
+class DenseHistory:
+    """Every sequence's K/V history per layer, as the pool holds them."""
+
+    def __init__(self, layers, dtype):
+        self.layers, self.dtype, self.seqs = layers, dtype, {}
+
+    def add(self, sid):
+        self.seqs[sid] = [([], []) for _ in range(self.layers)]
+
+    def fork(self, parent, child):
+        self.seqs[child] = [(list(k), list(v)) for k, v in self.seqs[parent]]
+
+    def truncate(self, sid, n):
+        for k, v in self.seqs[sid]:
+            del k[n:], v[n:]
+
+    def extend(self, sid, layer, k_rows, v_rows, latent_dv=0):
+        """k_rows [n, kv heads, d] and v_rows [n, kv heads, dv]; a latent pool
+        (latent_dv > 0) takes v_rows None: its values are the stored latent
+        rows' first latent_dv columns."""
+        k, v = self.seqs[sid][layer]
+        # 8-bit: one scale per head row, or per 64 channels of a latent row.
+        ks = kv_stored(k_rows, self.dtype, 64 if latent_dv else None)
+        k.extend(ks)
+        v.extend(ks[..., :latent_dv] if latent_dv else kv_stored(v_rows, self.dtype))
+        return np.stack(k)[None], np.stack(v)[None]
+
+
+SHAPES = {"gqa": dict(num_kv_heads=2, head_dim=16, head_dim_v=8, heads=6),
+          "mqa": dict(num_kv_heads=1, head_dim=8, head_dim_v=8, heads=4),
+          "mla": dict(kv_lora_rank=12, qk_rope_head_dim=4, heads=8)}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("dtype", ["float32", "int8", "fp8_e4m3"])
+def test_random_trace_equals_dense_histories(shape, page_size, window, dtype, backend):
+    spec = dict(SHAPES[shape])
+    heads = spec.pop("heads")
+    if shape == "mla" and window:
+        pytest.skip("MLA layers have no window")
+    if dtype != "float32" and page_size != 4:
+        pytest.skip("8-bit pools: one page size")
+    cache = attnkit.PagedKVCache(num_layers=2, num_pages=200 // page_size + 8,
+                                 page_size=page_size, sliding_window=window, kv_dtype=dtype,
+                                 **spec)
+    latent = cache.kv_lora_rank > 0
+    hkv, d, dv = cache.num_kv_heads, cache.head_dim, cache.head_dim_v
+    g = rng(hash((shape, page_size, window)) % 2**32)
+    model = DenseHistory(2, dtype)
+    for step in range(14):
+        ids = cache.sequence_ids()
+        if len(ids) < 4 and g.random() < 0.6:
+            model.add(cache.add_sequence())
+        elif ids and g.random() < 0.2:
+            parent = int(g.choice(ids))
+            model.fork(parent, cache.fork(parent))
+        elif len(ids) > 2 and g.random() < 0.2:
+            victim = int(g.choice(ids))
+            cache.remove(victim)
+            del model.seqs[victim]
+        ids = cache.sequence_ids()
+        counts = [int(g.choice([0, 1, 1, 3, 7])) for _ in ids]
+        try:
+            cache.append(ids, counts)
+        except MemoryError as e:
+            assert "out of pages" in str(e)
+            victim = int(g.choice(ids))
+            cache.remove(victim)
+            del model.seqs[victim]
+            continue
+        cu = offsets(counts)
+        for layer in range(2):
+            q = randn(g, int(cu[-1]), heads, d)
+            k = randn(g, int(cu[-1]), hkv, d)
+            v = None if latent else randn(g, int(cu[-1]), hkv, dv)
+            out = attnkit.batch_attention(q, k, v, cu, ids, cache, layer, backend=backend)
+            for s, sid in enumerate(ids):
+                if counts[s] == 0:
+                    continue
+                rows = slice(cu[s], cu[s + 1])
+                ks, vs = model.extend(sid, layer, k[rows], None if latent else v[rows],
+                                      dv if latent else 0)
+                win = (window - 1, -1) if window else (-1, -1)
+                want = sdpa_ref(q[None, rows], ks, vs, causal=True, window=win)[0][0]
+                bound = (sdpa_bounds(q[None, rows], ks, vs)["out"] if dtype == "float32" else
+                         eight_bit_bound(q[None, rows], ks, vs, dtype))
+                check_close(f"step {step} seq {sid} layer {layer}", out[rows], want, bound)
+        if g.random() < 0.15 and ids:
+            sid = int(g.choice(ids))
+            released = cache.page_table(sid).count(-1)
+            lowest = released * page_size + window - 1 if released else 0
+            n = max(lowest, cache.length(sid) - int(g.integers(0, 4)))
+            cache.truncate(sid, n)
+            model.truncate(sid, n)
+
+
+def test_pool_bookkeeping_and_repr():
+    cache = attnkit.PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2,
+                                 head_dim=8, kv_dtype="bfloat16")
+    a = cache.add_sequence()
+    cache.append([a], [6])
+    assert cache.length(a) == 6 and cache.written(a, 0) == 0 and cache.pages_in_use() == 2
+    assert cache.page_nbytes == 2 * 4 * 2 * (8 + 8) * 2
+    assert repr(cache).startswith("PagedKVCache(sequences=1, pages_in_use=2/8, page_size=4")
+    with pytest.raises(MemoryError, match=r"out of pages: 40 new tokens need 10 free pages of 4 "
+                                          r"tokens, and 6 of 8 are free; nothing was reserved"):
+        cache.append([a], [40])
+    assert cache.length(a) == 6
+    with pytest.raises(ValueError, match=r"PagedKVCache.fork: sequence 0 has 6 reserved tokens "
+                                         r"that layer 0 has not written"):
+        cache.fork(a)
+    q = np.zeros((6, 4, 8), np.float32)
+    kv = np.zeros((6, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q gives sequence 0 5 new tokens, but it "
+                                         r"has 6 reserved tokens"):
+        attnkit.batch_attention(q[:5], kv[:5], kv[:5], [0, 5], [a], cache, 0)
+    with pytest.raises(ValueError, match=r"sequence 7 does not exist"):
+        cache.length(7)
+    cache.store(0, kv, kv, [0, 6], [a])
+    assert cache.written(a, 0) == 6
+    np.testing.assert_array_equal(cache.keys(0).shape, (32, 2, 8))
+
+
+# ---- layers ---------------------------------------------------------------------
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "rope_theta": 10000.0, "max_position_embeddings": 512}
+DEEPSEEK = {"model_type": "deepseek_v3", "hidden_size": 48, "num_attention_heads": 4,
+            "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4, "v_head_dim": 8, "rope_theta": 10000.0}
+
+
+def weight_shapes(config):
+    """{name: shape} of the attention weights a config's layer expects."""
+    hid, h = config["hidden_size"], config["num_attention_heads"]
+    if config["model_type"] != "deepseek_v3":
+        hkv, d = config["num_key_value_heads"], hid // h
+        return {"q_proj.weight": (h * d, hid), "k_proj.weight": (hkv * d, hid),
+                "v_proj.weight": (hkv * d, hid), "o_proj.weight": (hid, h * d)}
+    dq, dc = config["q_lora_rank"], config["kv_lora_rank"]
+    dn, dr, dv = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    return {"q_a_proj.weight": (dq, hid), "q_a_layernorm.weight": (dq,),
+            "q_b_proj.weight": (h * (dn + dr), dq), "kv_a_proj_with_mqa.weight": (dc + dr, hid),
+            "kv_a_layernorm.weight": (dc,), "kv_b_proj.weight": (h * (dn + dv), dc),
+            "o_proj.weight": (hid, h * dv)}
+
+
+@pytest.mark.parametrize("config", [LLAMA, DEEPSEEK], ids=["llama", "deepseek_v3"])
+def test_forward_batch_equals_forward_per_sequence(config):
+    """Each sequence through forward_batch, batched with others in mixed
+    steps, against the same layer's forward() on the whole sequence."""
+    layer = attnkit.from_config(config)
+    g = rng(3)
+    layer.load_state_dict(random_weights(g, weight_shapes(config)))
+    hidden = config["hidden_size"]
+    steps = [[5, 2, 0], [1, 3, 4], [1, 1, 1], [2, 0, 3], [1, 1, 1]]
+    lengths = np.sum(steps, axis=0)
+    xs = [randn(g, int(n), hidden) for n in lengths]
+    cache = layer.new_paged_cache(num_pages=40, page_size=3)
+    ids = [cache.add_sequence() for _ in range(3)]
+    outs, done = [[] for _ in ids], [0, 0, 0]
+    for counts in steps:
+        cache.append(ids, counts)
+        x = np.concatenate([xs[s][done[s]:done[s] + counts[s]] for s in range(3)])
+        y = layer.forward_batch(x, offsets(counts), ids, cache, 0)
+        cu = offsets(counts)
+        for s in range(3):
+            outs[s].append(y[cu[s]:cu[s + 1]])
+            done[s] += counts[s]
+    for s in range(3):
+        want = layer.forward(xs[s][None])[0]
+        got = np.concatenate(outs[s])
+        check_close(f"sequence {s}", got, want, layer_tolerance(want))
+
+
+def test_forward_batch_rejects_a_pool_of_another_shape():
+    layer = attnkit.from_config(LLAMA)
+    g = rng(1)
+    layer.load_state_dict(random_weights(g, weight_shapes(LLAMA)))
+    other = attnkit.PagedKVCache(num_pages=4, num_kv_heads=1, head_dim=16)
+    sid = other.add_sequence()
+    other.append([sid], [2])
+    with pytest.raises(ValueError, match=r"AttentionLayer.forward_batch: cache spec.num_kv_heads "
+                                         r"= 1 must equal config\(\).num_kv_heads = 2"):
+        layer.forward_batch(np.zeros((2, 64), np.float32), [0, 2], [sid], other, 0)
+    with pytest.raises(ValueError, match=r"cache must be a PagedKVCache"):
+        layer.forward_batch(np.zeros((2, 64), np.float32), [0, 2], [sid], None, 0)
