@@ -71,6 +71,24 @@ def test_rows_have_the_documented_fields_and_exact_kv_arithmetic(config):
         assert r["static_slots"] is None
 
 
+def test_eight_bit_kv_dtypes_count_their_scales_and_admit_more(config):
+    # An 8-bit token row holds its codes, then one fp32 scale per kv head
+    # (MLA: per 64 channels of its latent row of 64 + 8), K and V each
+    # (kv_cache.h, paged_kv_cache.h); one layer.
+    per_token = {"gqa-2": 2 * (2 * 16 + 2 * 4), "mqa": 2 * (16 + 4), "mla": (64 + 8) + 2 * 4}
+    j = serve_json(config, "--kv-dtypes", "int8,fp8_e4m3,bf16", "--memory", "8KiB",
+                   "--page-size", "4")
+    assert [r["kv_dtype"] for r in j["rows"]] == ["int8", "fp8_e4m3", "bf16"] * 3
+    rows = {(r["variant"], r["kv_dtype"]): r for r in j["rows"]}
+    for (variant, dtype), r in rows.items():
+        if dtype != "bf16":
+            assert r["kv_bytes_per_token"] == per_token[variant]
+        assert r["pool_pages"] == (8 << 10) // (4 * r["kv_bytes_per_token"])
+        assert r["output_tokens"] == j["trace"]["output_tokens"]
+    # 8 KiB holds 25 pages of gqa-2's int8 rows against 16 of its bf16 ones.
+    assert rows["gqa-2", "int8"]["peak_running"] >= rows["gqa-2", "bf16"]["peak_running"]
+
+
 def test_smaller_caches_and_paging_admit_more(config):
     # 16 KiB holds 128 tokens of MHA (bf16, one layer): a few requests at a time.
     j = serve_json(config, "--variants", "mha,gqa-2,mqa", "--cache", "paged,static",
@@ -155,7 +173,7 @@ def test_an_impossible_budget_exits_2_naming_the_request(config, tmp_path):
 
 @pytest.mark.parametrize("args, says", [
     (["--cache", "dense"], "--cache entries must be paged or static, got 'dense'"),
-    (["--kv-dtypes", "int3"], "--kv-dtypes entries must be f32 or bf16, got 'int3'"),
+    (["--kv-dtypes", "int3"], "--kv-dtypes entries must be f32, bf16, int8 or fp8_e4m3, got 'int3'"),
     (["--weights", "f16"], "--weights must be f32 or bf16, got 'f16'"),
     (["--variants", "gqa-3"], "--variants: gqa-3: 3 kv heads must divide the model's 4 heads"),
     (["--variants", "mha,bogus"], "--variants: unknown variant 'bogus' (mha, mqa, gqa-N, mla)"),

@@ -348,17 +348,16 @@ struct Serving {
   std::vector<Row> rows;
 };
 
+// mha_token: MHA's KV bytes per token of one layer in `kv` (scales included).
 Serving serve_variants(const Options& o,
                        const std::vector<std::pair<std::string, serve::ModelSpec>>& specs, DType kv,
-                       const RunOptions& run, Progress* progress) {
+                       int64_t mha_token, const RunOptions& run, Progress* progress) {
   constexpr int64_t kRequests = 16, kMhaSequences = 4, kPage = 16;
   Serving out;
   const std::vector<serve::Request> trace =
       serve::synthetic_trace(kRequests, HUGE_VAL, 16, 64, 8, 32, static_cast<uint64_t>(o.seed));
   for (const serve::Request& r : trace) out.token_slots += r.prompt_tokens + r.output_tokens - 1;
   out.requests = kRequests;
-  // MHA's KV bytes per token of one layer: K and V of every head.
-  const int64_t mha_token = 2 * o.d_model * static_cast<int64_t>(dtype_size(kv));
   const int64_t pages = (out.token_slots * kMhaSequences / kRequests + kPage - 1) / kPage;
   out.budget = pages * kPage * mha_token;
   serve::Options so;
@@ -570,7 +569,7 @@ int run_compare(int argc, char** argv) {
         spec.seed = static_cast<uint64_t>(o.seed);
         specs.emplace_back(p.name, spec);
       }
-      serving = serve_variants(o, specs, kv, run, &progress);
+      serving = serve_variants(o, specs, kv, kv_bytes_per_token(base, kv), run, &progress);
     }
     progress.finish();
 

@@ -466,7 +466,8 @@ int run_serve_bench(int argc, char** argv) {
   f.add_string_list(
       "--variants", &o.variants,
       "as configured, gqa-N, mqa, mla (default: the model's, gqa-8, gqa-4, mqa, mla)");
-  f.add_string_list("--kv-dtypes", &o.kv_dtypes, "KV cache dtypes: f32, bf16 (default bf16)");
+  f.add_string_list("--kv-dtypes", &o.kv_dtypes,
+                    "KV cache dtypes: f32, bf16, int8, fp8_e4m3 (default bf16)");
   f.add_string("--weights", &o.weights, "f32 or bf16 weights (default bf16)");
   f.add_string_list("--memory", &o.memory,
                     "KV pool budgets, all layers, e.g. 64MiB,256MiB (default: the configured "
@@ -505,7 +506,7 @@ int run_serve_bench(int argc, char** argv) {
     throw UsageError{"give at most one of --model NAME or --config PATH"};
   std::vector<DType> kv_types;
   for (const std::string& k : o.kv_dtypes)
-    kv_types.push_back(parse_kv_dtype("--kv-dtypes entries", k));
+    kv_types.push_back(kv_dtype_of(k, "--kv-dtypes entries"));
   for (const std::string& c : o.caches)
     if (c != "paged" && c != "static")
       throw UsageError{"--cache entries must be paged or static, got '" + c + "'"};
@@ -609,7 +610,7 @@ int run_serve_bench(int argc, char** argv) {
       for (size_t v = 0; v < variants.size(); ++v)
         for (size_t k = 0; k < kv_types.size(); ++k)
           for (const std::string& c : o.caches)
-            configs.push_back({v, kv_types[k], o.kv_dtypes[k], c, mem});
+            configs.push_back({v, kv_types[k], kv_dtype_label(kv_types[k]), c, mem});
     const auto options_for = [&](const Config& c) {
       serve::Options so;
       so.cache = c.cache == "static" ? serve::CacheMode::kStatic : serve::CacheMode::kPaged;

@@ -63,8 +63,4 @@ int64_t default_mla_rope_dim(int64_t head_dim);
 // The MLA layer of a shape with MLA fields (as with_mla() makes them).
 MlaConfig mla_layer_config(const ModelShape& mla_shape, double rope_theta = 10000.0);
 
-// A KV-cache dtype by the name the commands take ("f32", "bf16"); throws
-// UsageError "<flag> must be f32 or bf16, got '<name>'".
-DType parse_kv_dtype(const std::string& flag, const std::string& name);
-
 }  // namespace attnkit::cli

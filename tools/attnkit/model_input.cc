@@ -118,12 +118,6 @@ MlaConfig mla_layer_config(const ModelShape& s, double rope_theta) {
   return c;
 }
 
-DType parse_kv_dtype(const std::string& flag, const std::string& name) {
-  if (name == "f32") return DType::kF32;
-  if (name == "bf16") return DType::kBF16;
-  throw UsageError{flag + " must be f32 or bf16, got '" + name + "'"};
-}
-
 std::string variant_label(const ModelShape& m) {
   if (m.mla) return "mla";
   if (m.num_kv_heads == m.num_heads) return "mha";
