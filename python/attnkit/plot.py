@@ -16,7 +16,8 @@ Two from a serve-bench result (its "kind" is "serve-bench"):
 - serve_throughput_vs_memory: measured output tokens/s against the KV
   memory budget, one line per variant (and KV dtype, cache mode);
 - serve_concurrency_vs_memory: the mean number of sequences a step ran
-  (peak dotted) against the budget, the same lines.
+  (the peak thin: dotted paged, dash-dotted static) against the budget,
+  the same lines.
 
 From a shell (this is what `attnkit plot` runs):
 
@@ -308,8 +309,10 @@ def _serve_lines(result):
 
 
 def _serve_plot(result, path, ylabel, title, values):
-    """One line per (variant, KV dtype, cache) of values(row) -> [(y,
-    style)] against the memory budget: paged solid, static dashed."""
+    """One line per (variant, KV dtype, cache) of values(rows) -> [(ys,
+    styles)] against the memory budget, where styles maps the cache mode to
+    its line style: the first series paged solid and static dashed, later
+    ones (the concurrency plot's peaks) thin, in styles of their own."""
     from matplotlib.ticker import FuncFormatter
 
     plt = _plt()
@@ -321,16 +324,19 @@ def _serve_plot(result, path, ylabel, title, values):
     for (variant, kv, cache), rows in lines.items():
         xs = [r["memory_bytes"] for r in rows]
         label = variant + ("" if len(kv_dtypes) == 1 else " " + kv) + ("" if cache == "paged" else " static")
-        for i, (ys, extra) in enumerate(values(rows)):
-            ax.plot(xs, ys, "--" if cache == "static" else "-", color=colors[variant],
-                    marker=markers[kv], markersize=4, label=label if i == 0 else None, **extra)
+        for i, (ys, styles) in enumerate(values(rows)):
+            extra = {} if i == 0 else {"linewidth": 0.8, "alpha": 0.6}
+            ax.plot(xs, ys, linestyle=styles[cache], color=colors[variant], marker=markers[kv],
+                    markersize=4 if i == 0 else 2, label=label if i == 0 else None, **extra)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(_bytes_label))
     ax.set_xlabel("KV memory budget (all layers)")
     ax.set_ylabel(ylabel)
     c = result.get("config", {})
-    ax.set_title("%s\n%s, %s layer(s); %s" % (title, c.get("model", "?"), c.get("layers", "?"),
-                                               result.get("trace", {}).get("source", "")), fontsize=9)
+    # Three lines: a trace's description is wider than the axes.
+    ax.set_title("%s\n%s, %s layer(s)\n%s" % (title, c.get("model", "?"), c.get("layers", "?"),
+                                                result.get("trace", {}).get("source", "")),
+                 fontsize=9)
     ax.grid(True, which="major", alpha=0.3)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
@@ -338,22 +344,26 @@ def _serve_plot(result, path, ylabel, title, values):
     return _save(fig, path)
 
 
+_MEAN_STYLES = {"paged": "-", "static": "--"}
+_PEAK_STYLES = {"paged": ":", "static": "-."}
+
+
 def serve_throughput_vs_memory(result, path):
     """Measured output tokens/s against the KV memory budget, per variant
     (paged solid, static dashed). Writes `path` and returns it."""
     return _serve_plot(result, path, "output tokens/s (measured)",
                        "serving throughput against the KV budget",
-                       lambda rows: [([r["output_tokens_per_s"] for r in rows], {})])
+                       lambda rows: [([r["output_tokens_per_s"] for r in rows], _MEAN_STYLES)])
 
 
 def serve_concurrency_vs_memory(result, path):
-    """Sequences per step (mean, and peak dotted) against the KV memory
-    budget, per variant. Writes `path` and returns it."""
-    return _serve_plot(result, path, "sequences per step (mean; peak dotted)",
+    """Sequences per step (mean; peak thin, dotted paged and dash-dotted
+    static) against the KV memory budget, per variant. Writes `path` and
+    returns it."""
+    return _serve_plot(result, path, "sequences per step (mean; peak thin)",
                        "concurrency the KV budget allows",
-                       lambda rows: [([r["mean_running"] for r in rows], {}),
-                                     ([r["peak_running"] for r in rows],
-                                      {"linestyle": ":", "alpha": 0.6})])
+                       lambda rows: [([r["mean_running"] for r in rows], _MEAN_STYLES),
+                                     ([r["peak_running"] for r in rows], _PEAK_STYLES)])
 
 
 def plot_all(bench, out_dir, formats=("png",), layers=1):

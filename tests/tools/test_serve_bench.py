@@ -257,6 +257,7 @@ def test_plot_draws_throughput_and_concurrency_against_memory(config, tmp_path):
     out = tmp_path / "plots"
     p = run("plot", "--input", str(result), "--out", str(out), "--format", "png,svg", "--json")
     assert p.returncode == 0, p.stderr
+    assert "Warning" not in p.stderr, p.stderr  # matplotlib's, e.g. a line style given twice
     names = {f["plot"] for f in json.loads(p.stdout)["files"]}
     assert names == {"serve_throughput_vs_memory", "serve_concurrency_vs_memory"}
     for name in names:
