@@ -459,7 +459,7 @@ int run_serve_bench(int argc, char** argv) {
        "attnkit serve-bench --model llama-3-8b --layers 1 --memory 256MiB --cache paged,static",
        "attnkit serve-bench --variants mha,gqa-8,mqa,mla --memory 16MiB,32MiB,64MiB --json > "
        "serve.json && attnkit plot --input serve.json",
-       "attnkit serve-bench --trace requests.jsonl --rate 4 --kv-dtypes bf16,f32 --csv"});
+       "attnkit serve-bench --trace requests.jsonl --kv-dtypes bf16,int8 --csv"});
   f.add_string("--model", &o.model, "a built-in preset (see attnkit presets)");
   f.add_string("--config", &o.config, "a Hugging Face config.json");
   f.add_int("--layers", &o.layers, "attention layers in the served stack (default 2)", 1);
