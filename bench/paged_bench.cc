@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -272,32 +273,34 @@ void mixed_step(int threads, int pairs) {
       });
 }
 
-// Bookkeeping only: append 1 token to 64 sequences and truncate back, in a
-// small and a large pool (tiny pages: head_dim 8, one kv head).
-double bookkeeping_seconds(int64_t num_pages, int reps) {
-  attnkit::PagedKVCacheSpec spec;
-  spec.num_pages = num_pages;
-  spec.page_size = 16;
-  spec.num_kv_heads = 1;
-  spec.head_dim = 8;
-  auto pool = PagedKVCache::create(spec);
-  check(pool.status(), "create");
-  std::vector<int64_t> ids, ones(64, 1), lens(64, 0);
-  for (int s = 0; s < 64; ++s) ids.push_back(pool->add_sequence());
-  // 15 tokens each: the next token fills the page, the one after opens a new one.
-  check(pool->append(ids, std::vector<int64_t>(64, 15)), "append");
-  std::vector<double> times;
-  for (int r = 0; r < reps; ++r)
-    times.push_back(seconds([&] {
-                      for (int i = 0; i < 100; ++i) {
-                        check(pool->append(ids, ones), "append");
-                        check(pool->append(ids, ones), "append");
-                        for (int64_t id : ids) check(pool->truncate(id, 15), "truncate");
-                      }
-                    }) /
-                    100);
-  return attnkit::bench::median(times);
-}
+// Bookkeeping only: append 1 token to 64 sequences twice and truncate
+// back, 100 times, in a small and a large pool (tiny pages: head_dim 8, one
+// kv head), the two alternated by report().
+struct Bookkeeping {
+  explicit Bookkeeping(int64_t num_pages) {
+    attnkit::PagedKVCacheSpec spec;
+    spec.num_pages = num_pages;
+    spec.page_size = 16;
+    spec.num_kv_heads = 1;
+    spec.head_dim = 8;
+    auto created = PagedKVCache::create(spec);
+    check(created.status(), "create");
+    pool.emplace(std::move(created).value());
+    for (int s = 0; s < 64; ++s) ids.push_back(pool->add_sequence());
+    // 15 tokens each: the next token fills the page, the one after opens a new one.
+    check(pool->append(ids, std::vector<int64_t>(64, 15)), "append");
+  }
+  void step() {
+    const std::vector<int64_t> ones(64, 1);
+    for (int i = 0; i < 100; ++i) {
+      check(pool->append(ids, ones), "append");
+      check(pool->append(ids, ones), "append");
+      for (int64_t id : ids) check(pool->truncate(id, 15), "truncate");
+    }
+  }
+  std::optional<PagedKVCache> pool;
+  std::vector<int64_t> ids;
+};
 
 }  // namespace
 
@@ -318,11 +321,9 @@ int main(int argc, char** argv) {
       decode_vs_dense("batch 8, 1K-16K keys", ragged, dtype, interleaved, threads, pairs);
   }
   mixed_step(threads, pairs);
-  const double small = bookkeeping_seconds(int64_t{1} << 10, 15);
-  const double large = bookkeeping_seconds(int64_t{1} << 20, 15);
-  std::printf(
-      "  bookkeeping of a 64-sequence step (2 appends + truncate): %.2f us with 2^10 pages, "
-      "%.2f us with 2^20 (ratio %.3f)\n",
-      small * 1e6, large * 1e6, large / small);
+  Bookkeeping small(int64_t{1} << 10), large(int64_t{1} << 20);
+  report(
+      "bookkeeping of a 64-sequence step, 2^20 pages / 2^10", pairs, [&] { large.step(); },
+      [&] { small.step(); });
   return 0;
 }

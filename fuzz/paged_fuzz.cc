@@ -16,7 +16,9 @@
 //     released or foreign page shows as NaN;
 //   - each attend's output rows must equal, within the bound of
 //     tests/common/attention_bounds.h, the reference sdpa over that
-//     sequence's dense history (bottom-right causal, the pool's window).
+//     sequence's dense history (bottom-right causal, the pool's window);
+//   - attend_held (queries over every held token, windowless pools only)
+//     likewise, without the mask, and it must change nothing.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
@@ -33,6 +35,7 @@
 #include "attnkit/paged_kv_cache.h"
 #include "common/attention_bounds.h"
 #include "common/kv_quant_f64.h"
+#include "common/paged_pool_state.h"
 
 namespace {
 
@@ -46,49 +49,9 @@ using attnkit::TensorView;
   std::abort();
 }
 
-struct Snapshot {
-  std::vector<int64_t> ids, lengths, written;
-  std::vector<std::vector<int32_t>> tables;
-  int64_t free_pages = 0;
-  bool operator==(const Snapshot&) const = default;
-};
-
-Snapshot snapshot(const PagedKVCache& pool) {
-  Snapshot s;
-  s.ids = pool.sequence_ids();
-  for (int64_t id : s.ids) {
-    s.lengths.push_back(*pool.length(id));
-    for (int64_t l = 0; l < pool.spec().num_layers; ++l) s.written.push_back(*pool.written(id, l));
-    s.tables.push_back(*pool.page_table(id));
-  }
-  s.free_pages = pool.free_pages();
-  return s;
-}
-
-void poison_free_pages(const PagedKVCache& pool) {
-  const PagedKVCacheSpec& s = pool.spec();
-  std::vector<bool> held(size_t(s.num_pages), false);
-  for (int64_t id : pool.sequence_ids()) {
-    const std::vector<int32_t> table = *pool.page_table(id);
-    for (int32_t p : table)
-      if (p >= 0) held[size_t(p)] = true;
-  }
-  for (int64_t l = 0; l < s.num_layers; ++l)
-    for (const TensorView& t :
-         {*pool.keys(l), *pool.values(l), *pool.key_scales(l), *pool.value_scales(l)})
-      for (int64_t p = 0; p < s.num_pages && t.present(); ++p)
-        for (int64_t r = p * s.page_size; !held[size_t(p)] && r < (p + 1) * s.page_size; ++r)
-          for (int64_t h = 0; h < t.shape[1]; ++h)
-            for (int64_t x = 0; x < t.shape[2]; ++x) {
-              const int64_t at = r * t.strides[0] + h * t.strides[1] + x;
-              if (t.dtype == DType::kBF16)
-                t.ptr<uint16_t>()[at] = 0x7fc0;
-              else if (t.dtype == DType::kF32)
-                t.ptr<float>()[at] = std::numeric_limits<float>::quiet_NaN();
-              else
-                t.ptr<uint8_t>()[at] = 0x7f;
-            }
-}
+using attnkit_test::poison_free_pages;
+using attnkit_test::snapshot;
+using Snapshot = attnkit_test::PoolSnapshot;
 
 class Run {
  public:
@@ -126,7 +89,7 @@ class Run {
         return in_.ConsumeIntegralInRange<int64_t>(-1, 50);  // may not exist
       return ids[in_.ConsumeIntegralInRange<size_t>(0, ids.size() - 1)];
     };
-    switch (in_.ConsumeIntegralInRange(0, 6)) {
+    switch (in_.ConsumeIntegralInRange(0, 7)) {
       case 0: {
         if (pool.num_sequences() < 6) model_[pool.add_sequence()].resize(layers());
         return;
@@ -158,6 +121,9 @@ class Run {
         model_[*child] = model_.at(id);
         return;
       }
+      case 5:
+        attend_held(ids);
+        return;
       case 4: {
         const int64_t id = any_id();
         if (pool.remove(id).ok())
@@ -274,18 +240,61 @@ class Run {
     }
   }
 
-  // Sequence i's rows of `out` against the reference sdpa over its history.
+  // attend_held over every sequence (0-3 queries each) of a random layer:
+  // refused by a window pool, else each sequence's rows against the
+  // reference over its whole history; the pool must not change.
+  void attend_held(const std::vector<int64_t>& ids) {
+    PagedKVCache& pool = *pool_;
+    const PagedKVCacheSpec& s = pool.spec();
+    const int64_t D = s.head_dim, Dv = s.head_dim_v, H = heads_;
+    const int64_t layer = in_.ConsumeIntegralInRange<int64_t>(0, s.num_layers - 1);
+    std::vector<int32_t> cu{0};
+    for (size_t i = 0; i < ids.size(); ++i)
+      cu.push_back(cu.back() + in_.ConsumeIntegralInRange(0, 3));
+    const int64_t total = cu.back();
+    std::vector<float> q(size_t(total * H * D + 1)), out(size_t(total * H * Dv + 1), 7.0f);
+    for (float& e : q) e = next_value();
+    attnkit::AttentionOptions o;
+    o.num_threads = in_.ConsumeIntegralInRange(1, 3);
+    const Snapshot before = snapshot(pool);
+    const attnkit::Status st =
+        pool.attend_held(layer, attnkit::make_view(q.data(), DType::kF32, {total, H, D}), cu, ids,
+                         attnkit::make_view(out.data(), DType::kF32, {total, H, Dv}), o);
+    if (!(snapshot(pool) == before)) fail("attend_held changed the pool");
+    if (s.sliding_window > 0) {
+      if (st.ok()) fail("attend_held accepted a window pool");
+      return;
+    }
+    if (!st.ok()) {
+      std::fprintf(stderr, "%s\n", st.to_string().c_str());
+      fail("a valid attend_held failed");
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const History& h = model_.at(ids[i])[size_t(layer)];
+      if (int64_t(h.k.size()) / (s.num_kv_heads * D) != pool.written(ids[i], layer).value())
+        fail("the model and the pool disagree on the written tokens");
+      check(i, cu, h, q, out, false);
+    }
+  }
+
+  // Sequence i's rows of `out` against the reference sdpa over its history
+  // (causal: the rows are its newest tokens; else they follow all of them).
   void check(size_t i, const std::vector<int32_t>& cu, const History& h, std::vector<float>& q,
-             const std::vector<float>& out) {
+             const std::vector<float>& out, bool causal = true) {
     const PagedKVCacheSpec& s = pool_->spec();
     const int64_t D = s.head_dim, Dv = s.head_dim_v, Hkv = s.num_kv_heads, H = heads_;
     const int64_t n = cu[i + 1] - cu[i], keys = int64_t(h.k.size()) / (Hkv * D);
     if (n == 0) return;
+    if (keys == 0) {  // attend_held of a sequence with nothing written: rows of 0
+      for (int64_t x = 0; x < n * H * Dv; ++x)
+        if (out[size_t(cu[i] * H * Dv + x)] != 0.0f) fail("a row without keys is not 0", x);
+      return;
+    }
     std::vector<float> k = h.k, v = h.v, want(size_t(n * H * Dv));
     attnkit::AttentionOptions o;
-    o.causal = true;
+    o.causal = causal;
     o.backend = attnkit::Backend::kReference;
-    if (s.sliding_window > 0) o.window_size.left = s.sliding_window - 1;
+    if (causal && s.sliding_window > 0) o.window_size.left = s.sliding_window - 1;
     const attnkit::Status st =
         attnkit::sdpa(attnkit::make_view(q.data() + cu[i] * H * D, DType::kF32, {1, n, H, D}),
                       attnkit::make_view(k.data(), DType::kF32, {1, keys, Hkv, D}),

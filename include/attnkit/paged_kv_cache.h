@@ -26,6 +26,9 @@
 //   attend(layer, ...)    writes the K/V of exactly the tokens reserved and
 //                         not yet written in `layer`, then attends their
 //                         queries causally over the whole sequence
+//   attend_held(layer, ...) queries that are not in the pool over the
+//                         tokens it holds (context parallelism's partial
+//                         attention); writes and changes nothing
 //   fork(id)              a new sequence sharing every page of id
 //                         (reference counts); the first append that would
 //                         write into a shared, partly filled last page copies
@@ -169,6 +172,22 @@ class PagedKVCache {
                 std::span<const int64_t> seq_ids, const TensorView& out,
                 const AttentionOptions& options = {}, const TensorView& lse = {});
 
+  // Attention of queries that are not tokens of the pool over the tokens
+  // `layer` has written for each sequence: every query row sees every one
+  // of them (no mask: the queries stand after them), nothing is written and
+  // nothing changes. This is the partial attention of context parallelism
+  // (docs/DISTRIBUTED.md): a rank holding a share of a sequence's tokens
+  // attends the new tokens over its share, and dist::merge_partial_attention
+  // combines the ranks' (out, lse). q, out and lse as in attend(); a
+  // sequence with no written tokens gives out 0 and lse -inf. From options:
+  // softmax_scale, softcap, backend, num_threads; causal, a window, a
+  // sparse pattern, a mask or seqlens_k is an error (the held tokens'
+  // positions are not the pool's to know), and so is a pool with a
+  // sliding_window (it releases pages by position).
+  Status attend_held(int64_t layer, const TensorView& q, std::span<const int32_t> cu_seqlens_q,
+                     std::span<const int64_t> seq_ids, const TensorView& out,
+                     const AttentionOptions& options = {}, const TensorView& lse = {});
+
   // attend() without the attention: writes the K/V of exactly the reserved
   // tokens `layer` has not written (same k_new, v_new and cu_seqlens
   // layout), to restore a saved cache or a prefix computed elsewhere.
@@ -191,6 +210,12 @@ class PagedKVCache {
   void write_step(int64_t layer, const TensorView& k_new, const TensorView& v_new,
                   std::span<const int32_t> cu_seqlens, std::span<const int64_t> seq_ids);
   void finish_step(int64_t layer, std::span<const int64_t> seq_ids);
+  Status check_queries(const char* fn, int64_t layer, const TensorView& q, const TensorView& out,
+                       const TensorView& lse, const AttentionOptions& options,
+                       const TensorView& k_new, const TensorView& v_new) const;
+  void plan_calls(int64_t layer, const TensorView& q, const TensorView& out, const TensorView& lse,
+                  const AttentionOptions& options, std::span<const int32_t> cu_seqlens_q,
+                  std::span<const int64_t> seq_ids, bool held);
   void release_unseen(Sequence* seq);
   void drop_page(int32_t page);
   void copy_page(int32_t from, int32_t to, int64_t tokens);

@@ -32,8 +32,8 @@ except ImportError as e:  # pragma: no cover - depends on the build
     raise ImportError("attnkit.dist: this build of attnkit has no MPI support (CMake found no "
                       "MPI; install libopenmpi-dev and rebuild)") from e
 
-__all__ = ["HeadParallelAttention", "context_parallel_decode", "ring_attention", "ring_chunks",
-           "head_share"]
+__all__ = ["HeadParallelAttention", "context_parallel_decode", "merge_partial_attention",
+           "ring_attention", "ring_chunks", "head_share"]
 
 
 def _handle(comm, fn):
@@ -147,6 +147,26 @@ def context_parallel_decode(comm, q, k_local, v_local, softmax_scale=None, softc
     comm_f = _handle(comm, "context_parallel_decode")
     return _native.context_parallel_decode(comm_f, q, k_local, v_local, softmax_scale, softcap,
                                            return_lse, seqlens_k, merge, backend, num_threads)
+
+
+def merge_partial_attention(comm, out_local, lse_local, return_lse=False, *,
+                            merge="allgather"):
+    """Combines the ranks' partial attentions over disjoint key sets into
+    the attention over all their keys, on every rank.
+
+        out_local  [batch, seqlen_q, num_heads, head_dim_v]  this rank's partial output
+        lse_local  [batch, num_heads, seqlen_q]              its log-sum-exp (-inf: no keys)
+        -> out [batch, seqlen_q, num_heads, head_dim_v] float32
+           (with return_lse: (out, lse [batch, num_heads, seqlen_q]))
+
+    Shapes must match across ranks. Any kernel that returns (out, lse) can
+    be merged: PagedKVCache.attend_held gives a paged pool's share (its
+    out [total_q, H, Dv] and lse [H, total_q] are out[None] and lse[None]
+    here), which is context-parallel decode over paged pools. merge as in
+    context_parallel_decode.
+    """
+    comm_f = _handle(comm, "merge_partial_attention")
+    return _native.merge_partial_attention(comm_f, out_local, lse_local, return_lse, merge)
 
 
 def ring_attention(comm, q_local, k_local, v_local, causal=True, *, softmax_scale=None,

@@ -107,6 +107,30 @@ py::object batch_attention_py(py::object q, py::object k_new, py::object v_new,
   return py::make_tuple(out_a, lse_a);
 }
 
+py::object attend_held_py(PyPagedKVCache& c, int64_t layer, py::object q, py::object cu_seqlens_q,
+                          py::object seq_ids, std::optional<double> softmax_scale, double softcap,
+                          bool return_lse, const std::string& backend, int num_threads) {
+  constexpr const char* kFn = "PagedKVCache.attend_held";
+  const InputArray qi = f32_input(q, {kFn, "q", 3, 3, "[total_q, num_heads, head_dim]"});
+  const std::vector<int32_t> cu = offsets_arg(cu_seqlens_q, kFn, "cu_seqlens_q");
+  const std::vector<int64_t> ids = int64_list(seq_ids, kFn, "seq_ids");
+  AttentionOptions opt;
+  opt.softmax_scale = parse_softmax_scale(softmax_scale, kFn);
+  opt.softcap = static_cast<float>(softcap);
+  opt.backend = parse_backend(backend, kFn);
+  opt.num_threads = num_threads;
+  const int64_t total = qi.view.shape[0], heads = qi.view.shape[1];
+  TensorView out, lse;
+  py::array out_a = new_array(DType::kF32, {total, heads, c.pool.spec().head_dim_v}, &out);
+  py::array lse_a;
+  if (return_lse) lse_a = new_array(DType::kF32, {heads, total}, &lse);
+  const Status st =
+      locked(c.mu, [&] { return c.pool.attend_held(layer, qi.view, cu, ids, out, opt, lse); });
+  throw_if_error(st);
+  if (!return_lse) return out_a;
+  return py::make_tuple(out_a, lse_a);
+}
+
 py::object sdpa_varlen_py(py::object q, py::object k, py::object v, py::object cu_seqlens_q,
                           py::object cu_seqlens_k, py::object max_seqlen_q, py::object max_seqlen_k,
                           std::optional<double> softmax_scale, bool causal, py::object window_size,
@@ -222,6 +246,19 @@ the pool's sliding window and window_size). A sequence's output does not
 depend on the other sequences of the step.
 )doc";
 
+constexpr const char* kAttendHeldDoc = R"doc(
+Attention of queries that are not tokens of the pool over the tokens
+`layer` holds for each sequence: q [total_q, num_heads, head_dim], sequence
+seq_ids[s] owning rows cu_seqlens_q[s] ... cu_seqlens_q[s + 1] - 1, and
+every query sees every token of its sequence that `layer` has written (no
+mask). Nothing is written or changed. -> out [total_q, num_heads,
+head_dim_v] float32 (and lse [num_heads, total_q] with return_lse; -inf
+for a sequence with no tokens). This is a rank's partial attention in
+context parallelism: combine the ranks' (out, lse) with
+attnkit.dist.merge_partial_attention. Pools with a sliding_window are
+rejected.
+)doc";
+
 constexpr const char* kVarlenDoc = R"doc(
 FlashAttention's flash_attn_varlen_func: attention over sequences of
 different lengths packed along one token axis.
@@ -317,6 +354,10 @@ void bind_paged(py::module_& m) {
           py::arg("seq_ids"),
           "Writes the reserved tokens' K/V of `layer` without attending (a restored or shared "
           "prefix); the same layout as batch_attention's k_new and v_new.")
+      .def("attend_held", &attend_held_py, py::arg("layer"), py::arg("q"), py::arg("cu_seqlens_q"),
+           py::arg("seq_ids"), py::kw_only(), py::arg("softmax_scale") = py::none(),
+           py::arg("softcap") = 0.0, py::arg("return_lse") = false, py::arg("backend") = "auto",
+           py::arg("num_threads") = 0, kAttendHeldDoc)
       .def(
           "length",
           [](PyPagedKVCache& c, int64_t id) {

@@ -65,6 +65,24 @@ void extent(const TensorView& v, uintptr_t* lo, uintptr_t* hi) {
 }
 }  // namespace
 
+Status positions(const char* fn, std::span<const int64_t> positions, int64_t seq, int64_t rows,
+                 bool empty_ok) {
+  const std::string f = fn;
+  const int64_t n = static_cast<int64_t>(positions.size());
+  if (!(n == seq || n == rows || (empty_ok && n == 0)))
+    return invalid_argument(f + ": positions has " + std::to_string(n) + " entries, must have " +
+                            (empty_ok ? "0 (default), seq = " : "seq = ") + std::to_string(seq) +
+                            (empty_ok ? "" : " (shared by the batch)") +
+                            " or batch * seq = " + std::to_string(rows));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = positions[static_cast<size_t>(i)];
+    if (p < 0 || p >= kMaxPosition)
+      return invalid_argument(f + ": positions[" + std::to_string(i) + "] = " + std::to_string(p) +
+                              " must be in [0, 2^53)");
+  }
+  return Status::Ok();
+}
+
 bool overlaps(const TensorView& a, const TensorView& b) {
   if (!a.present() || !b.present()) return false;
   uintptr_t alo, ahi, blo, bhi;

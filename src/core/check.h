@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <span>
 #include <string>
 
 #include "attnkit/status.h"
@@ -28,6 +29,22 @@ Status dim(const char* fn, const char* name, const TensorView& v, int axis, cons
 bool overlaps(const TensorView& a, const TensorView& b);
 
 std::string shape_str(const TensorView& v);
+
+// RoPE computes position * inv_freq in double, so positions must be exact
+// there: below 2^53.
+constexpr int64_t kMaxPosition = int64_t{1} << 53;
+
+// `positions` for a [batch, seq] input of rows = batch * seq tokens: seq
+// entries (shared by the batch), one per row, or, where `empty_ok`, none
+// (the caller's default 0, 1, ...); each in [0, kMaxPosition).
+Status positions(const char* fn, std::span<const int64_t> positions, int64_t seq, int64_t rows,
+                 bool empty_ok);
+
+// `st` with "fn: " before its message (Ok stays Ok): a callee's error in
+// the words of the public call that made it.
+inline Status prefixed(const char* fn, const Status& st) {
+  return st.ok() ? st : Status(st.code(), std::string(fn) + ": " + st.message());
+}
 
 inline Status finite_float(const char* fn, const char* name, double value) {
   if (std::isfinite(value)) return Status::Ok();

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "attnkit/dist.h"
+#include "core/check.h"
 #include "dist/common.h"
 
 namespace attnkit::dist {
@@ -61,12 +62,7 @@ constexpr const char* kMlaLoad = "HeadParallelLatentAttention::load_weights";
 constexpr const char* kMlaNewCache = "HeadParallelLatentAttention::new_cache";
 constexpr const char* kMlaForward = "HeadParallelLatentAttention::forward";
 
-// The layers' bound on RoPE positions (exact in double).
-constexpr int64_t kMaxPosition = int64_t{1} << 53;
-
-Status prefixed(const char* fn, const Status& st) {
-  return st.ok() ? st : Status(st.code(), std::string(fn) + ": " + st.message());
-}
+using check::prefixed;
 
 std::string shape_text(const TensorView& v) {
   std::string s = "[";
@@ -189,17 +185,7 @@ Status check_call(const char* fn, const TensorView& x, const TensorView& out, in
     return invalid_argument(f + ": batch * seq * hidden_size = " + std::to_string(x.shape[0]) +
                             " * " + std::to_string(T) + " * " + std::to_string(hidden) +
                             " must fit an int (one MPI message); split the call");
-  const int64_t rows = x.shape[0] * T, npos = static_cast<int64_t>(positions.size());
-  if (npos != 0 && npos != T && npos != rows)
-    return invalid_argument(f + ": positions has " + std::to_string(npos) +
-                            " entries, must have 0 (default), seq = " + std::to_string(T) +
-                            " or batch * seq = " + std::to_string(rows));
-  for (int64_t i = 0; i < npos; ++i) {
-    const int64_t p = positions[static_cast<size_t>(i)];
-    if (p < 0 || p >= kMaxPosition)
-      return invalid_argument(f + ": positions[" + std::to_string(i) + "] = " + std::to_string(p) +
-                              " must be in [0, 2^53)");
-  }
+  ATTNKIT_RETURN_IF_ERROR(check::positions(fn, positions, T, x.shape[0] * T, true));
   if (run.num_threads < 0)
     return invalid_argument(f + ": run.num_threads = " + std::to_string(run.num_threads) +
                             " must be >= 0 (0 = default)");

@@ -35,12 +35,7 @@ constexpr const char* kForwardQkv = "AttentionLayer::forward_qkv";
 constexpr const char* kForwardBatch = "AttentionLayer::forward_batch";
 constexpr const char* kNewPagedCache = "AttentionLayer::new_paged_cache";
 
-// Rope::apply's bound: positions must be exact in double.
-constexpr int64_t kMaxPosition = int64_t{1} << 53;
-
-Status prefixed(const char* fn, const Status& st) {
-  return st.ok() ? st : Status(st.code(), std::string(fn) + ": " + st.message());
-}
+using check::prefixed;
 
 // A rank-3 f32 activation [batch, seq, hidden] whose last dimension is
 // contiguous (kernels::linear reads rows with unit stride); batch and seq
@@ -219,17 +214,7 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& out,
   ATTNKIT_RETURN_IF_ERROR(check_run(kForward, run));
   int64_t rows;
   if (!checked_mul(B, T, &rows)) return invalid_argument(f + ": batch * seq overflows 64 bits");
-  const int64_t npos = static_cast<int64_t>(positions.size());
-  if (npos != 0 && npos != T && npos != rows)
-    return invalid_argument(f + ": positions has " + std::to_string(npos) +
-                            " entries, must have 0 (default), seq = " + std::to_string(T) +
-                            " or batch * seq = " + std::to_string(rows));
-  for (int64_t i = 0; i < npos; ++i) {
-    const int64_t p = positions[static_cast<size_t>(i)];
-    if (p < 0 || p >= kMaxPosition)
-      return invalid_argument(f + ": positions[" + std::to_string(i) + "] = " + std::to_string(p) +
-                              " must be in [0, 2^53)");
-  }
+  ATTNKIT_RETURN_IF_ERROR(check::positions(kForward, positions, T, rows, true));
   const int64_t L = cache ? cache->length() : 0;
   if (cache) {
     const KVCacheSpec& s = cache->spec();
@@ -423,7 +408,7 @@ Status AttentionLayer::forward_qkv(const TensorView& query, const TensorView& ke
   if (check::overlaps(probs, out)) return invalid_argument(f + ": probs overlaps out");
   ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kForwardQkv, "out", out));
   // RoPE positions 0..seqlen-1 on each side must stay exact in double.
-  if (c.use_rope && (Sq > kMaxPosition || Sk > kMaxPosition))
+  if (c.use_rope && (Sq > check::kMaxPosition || Sk > check::kMaxPosition))
     return invalid_argument(f + ": sequence lengths " + std::to_string(Sq) + ", " +
                             std::to_string(Sk) + " exceed RoPE's 2^53 positions");
 

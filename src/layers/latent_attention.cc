@@ -42,9 +42,6 @@ constexpr const char* kForward = "LatentAttention::forward";
 constexpr const char* kForwardBatch = "LatentAttention::forward_batch";
 constexpr const char* kNewPagedCache = "LatentAttention::new_paged_cache";
 
-// Positions must be exact in double (RoPE computes pos * inv_freq there).
-constexpr int64_t kMaxPosition = int64_t{1} << 53;
-
 // What one attention multiply-add costs relative to one multiply-add of the
 // per-head decompression (kernels::linear over d_c inputs), for
 // choose_form(). Measured with bench/mla_form_bench at a DeepSeek-V3-shaped
@@ -79,10 +76,7 @@ kernels::Strides4 strides4(int64_t batch, int64_t row, int64_t head) {
 }  // namespace
 
 Result<LatentAttention> LatentAttention::create(const MlaConfig& config) {
-  {
-    Status st = validate(config);
-    if (!st.ok()) return Status(st.code(), std::string(kCreate) + ": " + st.message());
-  }
+  ATTNKIT_RETURN_IF_ERROR(check::prefixed(kCreate, validate(config)));
   RopeConfig rc;
   rc.head_dim = config.qk_rope_head_dim;
   rc.rotary_dim = config.qk_rope_head_dim;
@@ -310,16 +304,7 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
   int64_t rows;
   if (!checked_mul(B, T, &rows)) return invalid_argument(f + ": batch * seq overflows");
   const int64_t npos = static_cast<int64_t>(positions.size());
-  if (npos != 0 && npos != T && npos != rows)
-    return invalid_argument(f + ": positions has " + std::to_string(npos) +
-                            " entries, must have 0 (default), seq = " + std::to_string(T) +
-                            " or batch * seq = " + std::to_string(rows));
-  for (int64_t i = 0; i < npos; ++i) {
-    const int64_t p = positions[static_cast<size_t>(i)];
-    if (p < 0 || p >= kMaxPosition)
-      return invalid_argument(f + ": positions[" + std::to_string(i) + "] = " + std::to_string(p) +
-                              " must be in [0, 2^53)");
-  }
+  ATTNKIT_RETURN_IF_ERROR(check::positions(kForward, positions, T, rows, true));
   const int64_t L = cache ? cache->length() : 0;
   if (cache) {
     if (cache->kv_lora_rank() != c.kv_lora_rank || cache->qk_rope_head_dim() != c.qk_rope_head_dim)
@@ -580,9 +565,7 @@ Result<PagedKVCache> LatentAttention::new_paged_cache(int64_t num_pages, int64_t
   spec.qk_rope_head_dim = config_.qk_rope_head_dim;
   spec.dtype = dtype;
   auto pool = PagedKVCache::create(spec);
-  if (!pool.ok())
-    return Status(pool.status().code(),
-                  std::string(kNewPagedCache) + ": " + pool.status().message());
+  if (!pool.ok()) return check::prefixed(kNewPagedCache, pool.status());
   return pool;
 }
 

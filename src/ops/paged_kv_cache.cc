@@ -496,26 +496,24 @@ Status PagedKVCache::store(int64_t layer, const TensorView& k_new, const TensorV
   return Status::Ok();
 }
 
-Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView& k_new,
-                            const TensorView& v_new, std::span<const int32_t> cu_seqlens_q,
-                            std::span<const int64_t> seq_ids, const TensorView& out,
-                            const AttentionOptions& options, const TensorView& lse) {
-  constexpr const char* fn = "PagedKVCache::attend";
+// The checks attend() and attend_held() share: q, out, lse and options, and
+// that no output overlaps an input or the pool (k_new and v_new may be
+// absent).
+Status PagedKVCache::check_queries(const char* fn, int64_t layer, const TensorView& q,
+                                   const TensorView& out, const TensorView& lse,
+                                   const AttentionOptions& options, const TensorView& k_new,
+                                   const TensorView& v_new) const {
   const std::string f = fn;
-  ATTNKIT_RETURN_IF_ERROR(check_step(fn, layer, k_new, v_new, cu_seqlens_q, seq_ids));
   ATTNKIT_RETURN_IF_ERROR(check::view(fn, "q", q, 3, {DType::kF32}));
   ATTNKIT_RETURN_IF_ERROR(check::view(fn, "out", out, 3, {DType::kF32}));
-  const bool latent = spec_.latent();
   const int64_t total_q = q.shape[0], num_heads = q.shape[1];
-  const int64_t num_kv_heads = spec_.num_kv_heads, head_dim = spec_.head_dim,
-                head_dim_v = spec_.head_dim_v;
-  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "q", q, 2, "head_dim", head_dim, "spec().head_dim"));
-  ATTNKIT_RETURN_IF_ERROR(check_head_layout(fn, num_heads, num_kv_heads, head_dim, head_dim_v));
-  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "q", q, 0, "total_q", k_new.shape[0], "k_new.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "q", q, 2, "head_dim", spec_.head_dim, "spec().head_dim"));
+  ATTNKIT_RETURN_IF_ERROR(
+      check_head_layout(fn, num_heads, spec_.num_kv_heads, spec_.head_dim, spec_.head_dim_v));
   ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "out", out, 0, "total_q", total_q, "q.shape[0]"));
   ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "out", out, 1, "num_heads", num_heads, "q.shape[1]"));
   ATTNKIT_RETURN_IF_ERROR(
-      check::dim(fn, "out", out, 2, "head_dim_v", head_dim_v, "spec().head_dim_v"));
+      check::dim(fn, "out", out, 2, "head_dim_v", spec_.head_dim_v, "spec().head_dim_v"));
   if (lse.present()) {
     ATTNKIT_RETURN_IF_ERROR(check::view(fn, "lse", lse, 2, {DType::kF32}));
     ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse", lse, 0, "num_heads", num_heads, "q.shape[1]"));
@@ -540,10 +538,19 @@ Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView
     for (const TensorView& st : storage)
       if (check::overlaps(*x.view, st))
         return invalid_argument(f + ": " + x.name + " overlaps the pool's own storage");
+  return Status::Ok();
+}
 
-  // Kernel calls: one per distinct query count, sequences without queries
-  // left out (see the top of the file). Their tables live in members that
-  // only grow.
+// The kernel calls of a step, into scratch_->calls: one per distinct query
+// count, sequences without queries left out (see the top of the file).
+// Their tables live in members that only grow. attend(): each sequence's
+// queries are its newest tokens, causal over its length; held: the queries
+// follow the tokens `layer` has written and see all of them.
+void PagedKVCache::plan_calls(int64_t layer, const TensorView& q, const TensorView& out,
+                              const TensorView& lse, const AttentionOptions& options,
+                              std::span<const int32_t> cu_seqlens_q,
+                              std::span<const int64_t> seq_ids, bool held) {
+  const bool latent = spec_.latent();
   const int64_t ps = spec_.page_size, n = static_cast<int64_t>(seq_ids.size());
   const size_t li = static_cast<size_t>(layer);
   AttendScratch& x = *scratch_;
@@ -559,16 +566,17 @@ Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView
   });
   kernels::AttentionParams base;
   base.seqlen_k = 0;
-  base.num_heads = num_heads;
-  base.num_kv_heads = num_kv_heads;
-  base.head_dim = head_dim;
-  base.head_dim_v = head_dim_v;
+  base.num_heads = q.shape[1];
+  base.num_kv_heads = spec_.num_kv_heads;
+  base.head_dim = spec_.head_dim;
+  base.head_dim_v = spec_.head_dim_v;
   base.q = q.ptr<const float>();
   base.q_stride = {0, q.strides[0], q.strides[1], q.strides[2]};
   base.k = k_[li].data();
-  base.k_stride = {0, k_token_stride_, head_dim, 1};
+  base.k_stride = {0, k_token_stride_, spec_.head_dim, 1};
   base.v = latent ? k_[li].data() : v_[li].data();
-  base.v_stride = latent ? base.k_stride : kernels::Strides4{0, v_token_stride_, head_dim_v, 1};
+  base.v_stride =
+      latent ? base.k_stride : kernels::Strides4{0, v_token_stride_, spec_.head_dim_v, 1};
   base.kv_dtype = spec_.dtype;
   if (is_kv_quantized(spec_.dtype)) {
     const TensorView ks = key_scales(layer).value(), vs = value_scales(layer).value();
@@ -587,9 +595,9 @@ Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView
   }
   base.scale = options.softmax_scale > 0.0f
                    ? options.softmax_scale
-                   : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+                   : static_cast<float>(1.0 / std::sqrt(static_cast<double>(spec_.head_dim)));
   base.softcap = options.softcap;
-  base.causal = true;
+  base.causal = !held;
   base.window_left = options.window_size.left;
   base.window_right = options.window_size.right;
   if (spec_.sliding_window > 0 &&
@@ -618,7 +626,7 @@ Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView
       const Sequence& seq = sequences_.find(seq_ids[s])->second;
       x.q_start.push_back(cu_seqlens_q[s]);
       x.q_len.push_back(static_cast<int32_t>(rows));
-      x.k_len.push_back(static_cast<int32_t>(seq.length));
+      x.k_len.push_back(static_cast<int32_t>(held ? seq.written[li] : seq.length));
       x.table.insert(x.table.end(), seq.pages.begin(), seq.pages.end());
       x.table.resize(x.table.size() + static_cast<size_t>(stride) - seq.pages.size(), -1);
     }
@@ -639,11 +647,60 @@ Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView
     table_at += g.count * static_cast<size_t>(g.stride);
     x.calls.push_back(p);
   }
+}
 
+Status PagedKVCache::attend(int64_t layer, const TensorView& q, const TensorView& k_new,
+                            const TensorView& v_new, std::span<const int32_t> cu_seqlens_q,
+                            std::span<const int64_t> seq_ids, const TensorView& out,
+                            const AttentionOptions& options, const TensorView& lse) {
+  constexpr const char* fn = "PagedKVCache::attend";
+  ATTNKIT_RETURN_IF_ERROR(check_step(fn, layer, k_new, v_new, cu_seqlens_q, seq_ids));
+  ATTNKIT_RETURN_IF_ERROR(check_queries(fn, layer, q, out, lse, options, k_new, v_new));
+  ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "q", q, 0, "total_q", k_new.shape[0], "k_new.shape[0]"));
+  plan_calls(layer, q, out, lse, options, cu_seqlens_q, seq_ids, false);
   write_step(layer, k_new, v_new, cu_seqlens_q, seq_ids);
-  ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(x.calls, options.backend));
+  ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(scratch_->calls, options.backend));
   finish_step(layer, seq_ids);
   return Status::Ok();
+}
+
+Status PagedKVCache::attend_held(int64_t layer, const TensorView& q,
+                                 std::span<const int32_t> cu_seqlens_q,
+                                 std::span<const int64_t> seq_ids, const TensorView& out,
+                                 const AttentionOptions& options, const TensorView& lse) {
+  constexpr const char* fn = "PagedKVCache::attend_held";
+  const std::string f = fn;
+  if (layer < 0 || layer >= spec_.num_layers)
+    return invalid_argument(f + ": layer = " + str(layer) +
+                            " must be in [0, num_layers = " + str(spec_.num_layers) + ")");
+  ATTNKIT_RETURN_IF_ERROR(check_queries(fn, layer, q, out, lse, options, {}, {}));
+  if (options.causal)
+    return invalid_argument(f +
+                            ": options.causal must be false; the queries follow every held "
+                            "token and see all of them");
+  if (options.window_size.left >= 0 || options.window_size.right >= 0 ||
+      options.sparse.kind != SparsePattern::Kind::kNone)
+    return invalid_argument(f +
+                            ": options.window_size must be (-1, -1) and options.sparse off; "
+                            "the held tokens' positions are not known to the pool");
+  if (spec_.sliding_window > 0)
+    return invalid_argument(f + ": the pool's sliding_window = " + str(spec_.sliding_window) +
+                            " must be 0; a window pool releases pages by position");
+  const int64_t total_q = q.shape[0], n = static_cast<int64_t>(seq_ids.size());
+  if (total_q > kMaxInt32)
+    return invalid_argument(f + ": q.shape[0] = " + str(total_q) + " must be <= " + str(kMaxInt32));
+  int32_t longest = 0;
+  ATTNKIT_RETURN_IF_ERROR(
+      check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, n, total_q, "q.shape[0]", &longest));
+  for (int64_t s = 0; s < n; ++s) {
+    ATTNKIT_RETURN_IF_ERROR(find(fn, seq_ids[s]).status());
+    for (int64_t t = 0; t < s; ++t)
+      if (seq_ids[t] == seq_ids[s])
+        return invalid_argument(f + ": seq_ids[" + str(s) + "] = " + str(seq_ids[s]) +
+                                " repeats seq_ids[" + str(t) + "]; each sequence appears once");
+  }
+  plan_calls(layer, q, out, lse, options, cu_seqlens_q, seq_ids, true);
+  return kernels::run_attention(scratch_->calls, options.backend);
 }
 
 }  // namespace attnkit

@@ -22,10 +22,6 @@ namespace {
 constexpr const char* kCreate = "Rope::create";
 constexpr const char* kApply = "Rope::apply";
 
-// Positions must be exactly representable as doubles, since the angle is
-// computed as double(pos) * inv_freq.
-constexpr int64_t kMaxPosition = int64_t{1} << 53;
-
 // Short, round-trippable enough for messages ("0.5", "1e+06", "nan").
 std::string num(double v) {
   char buf[32];
@@ -209,17 +205,8 @@ Status Rope::apply(const TensorView& x, std::span<const int64_t> positions) cons
   int64_t tokens;
   if (!checked_mul(batch, seq, &tokens))
     return bad(kApply, "x " + x.describe() + ": batch * seq overflows 64 bits");
+  ATTNKIT_RETURN_IF_ERROR(check::positions(kApply, positions, seq, tokens, false));
   const int64_t npos = static_cast<int64_t>(positions.size());
-  if (npos != seq && npos != tokens)
-    return bad(kApply, "positions has " + std::to_string(npos) +
-                           " entries, must have seq = " + std::to_string(seq) +
-                           " (shared by the batch) or batch * seq = " + std::to_string(tokens));
-  for (int64_t i = 0; i < npos; ++i) {
-    const int64_t p = positions[static_cast<size_t>(i)];
-    if (p < 0 || p >= kMaxPosition)
-      return bad(kApply, "positions[" + std::to_string(i) + "] = " + std::to_string(p) +
-                             " must be in [0, 2^53)");
-  }
   if (tokens == 0 || heads == 0) return Status::Ok();
 
   const int64_t half = config_.rotary_dim / 2;

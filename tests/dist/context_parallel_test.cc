@@ -13,6 +13,7 @@
 
 #include "attnkit/attention.h"
 #include "attnkit/dist.h"
+#include "attnkit/paged_kv_cache.h"
 #include "dist/dist_testing.h"
 
 namespace {
@@ -214,3 +215,72 @@ TEST(ContextParallelDecode, ErrorsOnOneRankFailEveryRankAndWriteNothing) {
 }
 
 }  // namespace
+
+TEST(ContextParallelDecode, PagedPoolsHoldingSharesAttendWhatTheyHold) {
+  // Each rank's PagedKVCache holds a round-robin share of one sequence's
+  // tokens; the new query attends each share (attend_held) and the
+  // partials merge. Then a decode step: the rank whose turn it is stores
+  // the new token's K/V in its pool, and all attend again.
+  const int rank = world_rank(), ranks = world_size();
+  const int64_t H = 6, K = 2, D = 8, Dv = 12, S = 29;
+  const std::vector<float> q = uniform(size_t(2 * H * D), 31), k = uniform(size_t(S * K * D), 32),
+                           v = uniform(size_t(S * K * Dv), 33);
+  attnkit::PagedKVCacheSpec spec;
+  spec.num_pages = 16;
+  spec.page_size = 3;
+  spec.num_kv_heads = K;
+  spec.head_dim = D;
+  spec.head_dim_v = Dv;
+  auto pool = attnkit::PagedKVCache::create(spec).value();
+  const int64_t id = pool.add_sequence();
+  const std::vector<int64_t> ids{id};
+  // Stores tokens [from, to) that fall to this rank.
+  auto hold = [&](int64_t from, int64_t to) {
+    std::vector<int64_t> mine;
+    for (int64_t t = from; t < to; ++t)
+      if (t % ranks == rank) mine.push_back(t);
+    const int64_t n = int64_t(mine.size());
+    if (n == 0) return;
+    ASSERT_TRUE(pool.append(ids, std::vector<int64_t>{n}).ok());
+    const std::vector<float> kl = take(k, 1, S, K * D, mine), vl = take(v, 1, S, K * Dv, mine);
+    ASSERT_TRUE(pool.store(0, attnkit::make_view(kl.data(), DType::kF32, {n, K, D}),
+                           attnkit::make_view(vl.data(), DType::kF32, {n, K, Dv}),
+                           std::vector<int32_t>{0, int32_t(n)}, ids)
+                    .ok());
+  };
+  // Query row `row` of q over tokens [0, keys): distributed, single-process
+  // and float64.
+  auto check = [&](int64_t row, int64_t keys) {
+    SCOPED_TRACE("keys " + std::to_string(keys));
+    const float* qr = q.data() + row * H * D;
+    std::vector<float> part(size_t(H * Dv)), part_lse(static_cast<size_t>(H)), got(part.size());
+    ASSERT_TRUE(pool.attend_held(0, attnkit::make_view(qr, DType::kF32, {1, H, D}),
+                                 std::vector<int32_t>{0, 1}, ids,
+                                 attnkit::make_view(part.data(), DType::kF32, {1, H, Dv}), {},
+                                 attnkit::make_view(part_lse.data(), DType::kF32, {H, 1}))
+                    .ok());
+    ASSERT_TRUE(attnkit::dist::merge_partial_attention(
+                    MPI_COMM_WORLD, attnkit::make_view(part.data(), DType::kF32, {1, 1, H, Dv}),
+                    attnkit::make_view(part_lse.data(), DType::kF32, {1, H, 1}),
+                    attnkit::make_view(got.data(), DType::kF32, {1, 1, H, Dv}))
+                    .ok());
+    const std::vector<float> qv(qr, qr + H * D), kk(k.begin(), k.begin() + keys * K * D),
+        vv(v.begin(), v.begin() + keys * K * Dv);
+    const attnkit_test::OracleResult ref = oracle({1, 1, keys, H, K, D, Dv}, qv, kk, vv, false, 0);
+    std::vector<float> want(got.size());
+    ASSERT_TRUE(attnkit::sdpa(attnkit::make_view(qr, DType::kF32, {1, 1, H, D}),
+                              attnkit::make_view(kk.data(), DType::kF32, {1, keys, K, D}),
+                              attnkit::make_view(vv.data(), DType::kF32, {1, keys, K, Dv}),
+                              attnkit::make_view(want.data(), DType::kF32, {1, 1, H, Dv}))
+                    .ok());
+    EXPECT_TRUE(within_twice_single("out", got, want, ref.out, std::max(D, keys)));
+    EXPECT_TRUE(same_on_every_rank(got));
+  };
+  hold(0, S - 1);
+  check(0, S - 1);
+  hold(S - 1, S);  // the decode step's token, on rank (S - 1) % ranks
+  check(1, S);
+  int64_t held = 0;
+  for (int64_t t = 0; t < S; ++t) held += t % ranks == rank;
+  EXPECT_EQ(pool.written(id, 0).value(), held);
+}

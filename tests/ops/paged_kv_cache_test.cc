@@ -24,6 +24,7 @@
 #include "common/attention_bounds.h"
 #include "common/attention_f64.h"
 #include "common/kv_quant_f64.h"
+#include "common/paged_pool_state.h"
 #include "common/random.h"
 #include "ops/kv_quant.h"
 
@@ -125,6 +126,21 @@ class DenseModel {
         v.insert(v.end(), vr.begin(), vr.end());
       }
     }
+    return oracle(id, layer, q, n, softcap, true).out;
+  }
+
+  // The oracle for n queries q [n, heads, head_dim] that follow every
+  // token of sequence `id` in `layer` and see all of them (attend_held).
+  attnkit_test::OracleResult held(int64_t id, int64_t layer, const float* q, int64_t n,
+                                  double softcap) const {
+    return oracle(id, layer, q, n, softcap, false);
+  }
+
+ private:
+  attnkit_test::OracleResult oracle(int64_t id, int64_t layer, const float* q, int64_t n,
+                                    double softcap, bool causal) const {
+    const Seq& s = seqs_.at(id);
+    const std::vector<double>& k = s.k[size_t(layer)];
     attnkit_test::OracleOptions o;
     o.seqlen_q = n;
     o.seqlen_k = static_cast<int64_t>(k.size()) / key_width();
@@ -132,14 +148,13 @@ class DenseModel {
     o.num_kv_heads = spec_.num_kv_heads;
     o.head_dim = spec_.head_dim;
     o.head_dim_v = spec_.head_dim_v;
-    o.causal = true;
-    o.window_left = spec_.sliding_window > 0 ? spec_.sliding_window - 1 : -1;
+    o.causal = causal;
+    o.window_left = causal && spec_.sliding_window > 0 ? spec_.sliding_window - 1 : -1;
     o.softcap = softcap;
     std::vector<double> qd(q, q + n * heads_ * spec_.head_dim);
-    return attnkit_test::attention_f64(o, qd, k, v).out;
+    return attnkit_test::attention_f64(o, qd, k, s.v[size_t(layer)]);
   }
 
- private:
   struct Seq {
     std::vector<std::vector<double>> k, v;  // per layer [tokens, kv heads, dim]
   };
@@ -148,62 +163,9 @@ class DenseModel {
   std::map<int64_t, Seq> seqs_;
 };
 
-// Fills every page no sequence holds with NaN, in every layer (8-bit
-// pools: codes 0x7f, fp8's NaN, and NaN scales).
-void poison_free_pages(const PagedKVCache& pool) {
-  const PagedKVCacheSpec& s = pool.spec();
-  std::vector<bool> held(size_t(s.num_pages), false);
-  for (int64_t id : pool.sequence_ids()) {
-    const std::vector<int32_t> table = pool.page_table(id).value();
-    for (int32_t p : table)
-      if (p >= 0) held[size_t(p)] = true;
-  }
-  const bool q8 = s.dtype == DType::kI8 || s.dtype == DType::kFp8E4M3;
-  for (int64_t l = 0; l < s.num_layers; ++l) {
-    std::vector<TensorView> views = {pool.keys(l).value(), pool.values(l).value()};
-    if (q8) {
-      views.push_back(pool.key_scales(l).value());
-      views.push_back(pool.value_scales(l).value());
-    }
-    for (const TensorView& t : views)
-      for (int64_t p = 0; p < s.num_pages; ++p) {
-        if (held[size_t(p)]) continue;
-        for (int64_t r = p * s.page_size; r < (p + 1) * s.page_size; ++r)
-          for (int64_t h = 0; h < t.shape[1]; ++h)
-            for (int64_t x = 0; x < t.shape[2]; ++x) {
-              const int64_t at = r * t.strides[0] + h * t.strides[1] + x;
-              if (t.dtype == DType::kBF16)
-                t.ptr<uint16_t>()[at] = 0x7fc0;
-              else if (t.dtype == DType::kF32)
-                t.ptr<float>()[at] = std::numeric_limits<float>::quiet_NaN();
-              else
-                t.ptr<uint8_t>()[at] = 0x7f;
-            }
-      }
-  }
-}
-
-// Every observable of the pool's bookkeeping, to check that a failed call
-// changed none of it.
-struct Snapshot {
-  std::vector<int64_t> ids, lengths, written;
-  std::vector<std::vector<int32_t>> tables;
-  int64_t free_pages = 0;
-  bool operator==(const Snapshot&) const = default;
-};
-
-Snapshot snapshot(const PagedKVCache& pool) {
-  Snapshot s;
-  s.ids = pool.sequence_ids();
-  for (int64_t id : s.ids) {
-    s.lengths.push_back(pool.length(id).value());
-    for (int64_t l = 0; l < pool.spec().num_layers; ++l)
-      s.written.push_back(pool.written(id, l).value());
-    s.tables.push_back(pool.page_table(id).value());
-  }
-  s.free_pages = pool.free_pages();
-  return s;
-}
+using attnkit_test::poison_free_pages;
+using attnkit_test::snapshot;
+using Snapshot = attnkit_test::PoolSnapshot;
 
 struct TraceOptions {
   Shape shape = kShapes[1];
@@ -218,6 +180,55 @@ struct TraceOptions {
 
 // Runs a random trace and checks every output. Returns every output value
 // in order (for the thread-count comparison).
+// attend_held() for every sequence of the pool, 0-3 queries each, against
+// the oracle over the tokens the model holds; it must change nothing.
+void check_attend_held(PagedKVCache& pool, const DenseModel& model, int64_t H, int64_t layer,
+                       const TraceOptions& t, std::mt19937_64& rng, attnkit_test::Rng& values) {
+  const PagedKVCacheSpec& spec = pool.spec();
+  const int64_t D = spec.head_dim, Dv = spec.head_dim_v;
+  const std::vector<int64_t> ids = pool.sequence_ids();
+  std::vector<int32_t> cu{0};
+  for (size_t s = 0; s < ids.size(); ++s)
+    cu.push_back(cu.back() + static_cast<int32_t>(std::uniform_int_distribution<>(0, 3)(rng)));
+  const int64_t total = cu.back();
+  std::vector<float> q = attnkit_test::uniform_vector(size_t(total * H * D + 1), values);
+  std::vector<float> out(size_t(total * H * Dv + 1), -5.0f), lse(size_t(H * total + 1), -5.0f);
+  AttentionOptions o;
+  o.softcap = t.softcap;
+  o.backend = t.backend;
+  o.num_threads = t.threads;
+  const Snapshot before = snapshot(pool);
+  const attnkit::Status st =
+      pool.attend_held(layer, attnkit::make_view(q.data(), DType::kF32, {total, H, D}), cu, ids,
+                       attnkit::make_view(out.data(), DType::kF32, {total, H, Dv}), o,
+                       attnkit::make_view(lse.data(), DType::kF32, {H, total}));
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  EXPECT_TRUE(snapshot(pool) == before);
+  EXPECT_EQ(out.back(), -5.0f);
+  EXPECT_EQ(lse.back(), -5.0f);
+  for (size_t s = 0; s < ids.size(); ++s) {
+    const int64_t n = cu[s + 1] - cu[s], row0 = cu[s];
+    if (n == 0) continue;
+    const attnkit_test::OracleResult want =
+        model.held(ids[s], layer, q.data() + row0 * H * D, n, t.softcap);
+    const std::vector<float> got(out.begin() + row0 * H * Dv, out.begin() + (row0 + n) * H * Dv);
+    const int64_t keys = pool.written(ids[s], layer).value();
+    const attnkit_test::Tolerance tol =
+        attnkit_test::attention_tolerance(D, keys, t.dtype, t.backend);
+    EXPECT_TRUE(attnkit_test::all_close("attend_held out", got, want.out, tol))
+        << "sequence " << ids[s] << " layer " << layer << " keys " << keys;
+    std::vector<float> got_lse;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < n; ++i) got_lse.push_back(lse[size_t(h * total + row0 + i)]);
+    if (keys == 0) {
+      for (float x : got_lse) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
+    } else {
+      EXPECT_TRUE(attnkit_test::all_close("attend_held lse", got_lse, want.lse, tol))
+          << "sequence " << ids[s] << " layer " << layer;
+    }
+  }
+}
+
 std::vector<float> run_trace(const TraceOptions& t) {
   std::mt19937_64 rng(t.seed);
   attnkit_test::Rng values(t.seed + 1);
@@ -330,6 +341,7 @@ std::vector<float> run_trace(const TraceOptions& t) {
       }
       all_outputs.insert(all_outputs.end(), out.begin(), out.end() - 1);
       poison_free_pages(pool);
+      if (t.window == 0) check_attend_held(pool, model, H, layer, t, rng, values);
     }
     for (int64_t id : pool.sequence_ids())
       for (int64_t l = 0; l < t.layers; ++l)
@@ -598,7 +610,43 @@ TEST(PagedKVCache, RejectsBadArgumentsAndChangesNothing) {
   masked.mask = attnkit::make_view(mask.data(), DType::kBool, {1, 1, 1, 1});
   expect(attend(0, {0, 3, 5}, ab, masked), StatusCode::kInvalidArgument,
          "options.mask is not supported");
+  auto held = [&](int64_t layer, std::vector<int32_t> cu, std::vector<int64_t> ids,
+                  AttentionOptions o = {}, int64_t total = 5) {
+    return pool.attend_held(layer, attnkit::make_view(q.data(), DType::kF32, {total, H, D}), cu,
+                            ids, attnkit::make_view(out.data(), DType::kF32, {total, H, Dv}), o);
+  };
+  expect(held(2, {0, 3, 5}, ab), StatusCode::kInvalidArgument,
+         "PagedKVCache::attend_held: layer = 2 must be in [0, num_layers = 2)");
+  expect(held(0, {0, 3, 4}, ab), StatusCode::kInvalidArgument,
+         "cu_seqlens_q[2] = 4 must equal q.shape[0] = 5");
+  expect(held(0, {0, 3, 5}, {a, 12}), StatusCode::kNotFound, "sequence 12 does not exist");
+  expect(held(0, {0, 3, 5}, {b, b}), StatusCode::kInvalidArgument,
+         "seq_ids[1] = 1 repeats seq_ids[0]");
+  AttentionOptions causal;
+  causal.causal = true;
+  expect(held(0, {0, 3, 5}, ab, causal), StatusCode::kInvalidArgument,
+         "PagedKVCache::attend_held: options.causal must be false");
+  AttentionOptions windowed;
+  windowed.window_size = {4, 0};
+  expect(held(0, {0, 3, 5}, ab, windowed), StatusCode::kInvalidArgument,
+         "options.window_size must be (-1, -1)");
+  expect(held(0, {0, 3, 5}, ab, masked), StatusCode::kInvalidArgument,
+         "PagedKVCache::attend_held: options.mask is not supported");
+  {
+    auto window_pool = PagedKVCache::create(spec_for(sh, 1, 8, 4, DType::kF32, 6)).value();
+    const int64_t w = window_pool.add_sequence();
+    const attnkit::Status st = window_pool.attend_held(
+        0, attnkit::make_view(q.data(), DType::kF32, {1, H, D}), std::vector<int32_t>{0, 1},
+        std::vector<int64_t>{w}, attnkit::make_view(out.data(), DType::kF32, {1, H, Dv}));
+    EXPECT_NE(st.message().find("the pool's sliding_window = 6 must be 0"), std::string::npos)
+        << st.message();
+  }
   for (float x : out) ASSERT_EQ(x, -3.0f);
+  // Nothing written yet: held attention gives 0 (and lse -inf, checked in
+  // the traces), and changes nothing.
+  ASSERT_TRUE(held(0, {0, 3, 5}, ab).ok());
+  for (float x : out) ASSERT_EQ(x, 0.0f);
+  EXPECT_TRUE(snapshot(pool) == before);
   // The same call, unbroken, succeeds (so the checks above were the cause).
   ASSERT_TRUE(attend(0, {0, 3, 5}, ab).ok());
 

@@ -193,6 +193,35 @@ def test_pool_bookkeeping_and_repr():
     np.testing.assert_array_equal(cache.keys(0).shape, (32, 2, 8))
 
 
+def test_attend_held_sees_every_held_token_and_changes_nothing():
+    g = rng(12)
+    cache = attnkit.PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2,
+                                 head_dim=8, head_dim_v=6)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.append([a, b], [7, 3])
+    k, v = randn(g, 10, 2, 8), randn(g, 10, 2, 6)
+    cache.store(1, k, v, [0, 7, 10], [a, b])
+    q = randn(g, 3, 4, 8)
+    out, lse = cache.attend_held(1, q, [0, 2, 3], [a, b], softcap=2.0, return_lse=True)
+    for rows, keys in ((slice(0, 2), slice(0, 7)), (slice(2, 3), slice(7, 10))):
+        want, want_lse, _ = sdpa_ref(q[None, rows], k[None, keys], v[None, keys], softcap=2.0)
+        bound = sdpa_bounds(q[None, rows], k[None, keys], v[None, keys])
+        check_close("out", out[rows], want[0], bound["out"])
+        check_close("lse", lse[:, rows], want_lse[0], bound["lse"])
+    # Layer 0 holds nothing yet: zeros and -inf; nothing was written.
+    out0, lse0 = cache.attend_held(0, q, [0, 2, 3], [a, b], return_lse=True)
+    assert not out0.any() and np.isneginf(lse0).all()
+    assert cache.written(a, 0) == 0 and cache.written(a, 1) == 7 and cache.length(a) == 7
+    with pytest.raises(ValueError, match=r"PagedKVCache.attend_held: cu_seqlens_q\[2\] = 2 must "
+                                         r"equal q.shape\[0\] = 3"):
+        cache.attend_held(1, q, [0, 1, 2], [a, b])
+    window = attnkit.PagedKVCache(num_pages=4, page_size=4, num_kv_heads=2, head_dim=8,
+                                  sliding_window=3)
+    w = window.add_sequence()
+    with pytest.raises(ValueError, match=r"the pool's sliding_window = 3 must be 0"):
+        window.attend_held(0, q[:1], [0, 1], [w])
+
+
 # ---- layers ---------------------------------------------------------------------
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,

@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 import attnkit  # noqa: E402
 import attnkit.dist as dist  # noqa: E402
 import test_mla  # noqa: E402
-from torch_ref import (check_close, hf_attention_ref, layer_tolerance, random_weights,  # noqa: E402
-                       rng, sdpa_bounds, sdpa_ref)
+from torch_ref import (check_close, eight_bit_bound, hf_attention_ref, kv_stored,  # noqa: E402
+                       layer_tolerance, random_weights, rng, sdpa_bounds, sdpa_ref)
 
 torch.set_num_threads(1)
 COMM = MPI.COMM_WORLD
@@ -128,6 +128,47 @@ def test_context_parallel_decode_matches_torch(split, merge):
     check_close("out", out, want, bounds["out"])
     check_close("lse", lse, want_lse, bounds["lse"])
     assert identical
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("merge", ["allreduce", "allgather"])
+def test_context_parallel_decode_over_paged_pools(kv_dtype, merge):
+    # Each rank's PagedKVCache holds a round-robin share of every sequence
+    # (sequence 1 has fewer tokens than ranks, so some ranks hold none of
+    # it); the ranks attend two new queries per sequence over their shares
+    # (attend_held) and merge by log-sum-exp.
+    g = rng(8)
+    H, K, D, Dv, Tq = 6, 2, 8, 12, 2
+    lengths = [21, 1, 9]
+    q = g.standard_normal((len(lengths) * Tq, H, D)).astype(np.float32)
+    k = [g.standard_normal((n, K, D)).astype(np.float32) for n in lengths]
+    v = [g.standard_normal((n, K, Dv)).astype(np.float32) for n in lengths]
+    mine = [[t for t in range(n) if t % SIZE == RANK] for n in lengths]
+    pool = attnkit.PagedKVCache(num_pages=16, page_size=2, num_kv_heads=K, head_dim=D,
+                                head_dim_v=Dv, kv_dtype=kv_dtype)
+    ids = [pool.add_sequence() for _ in lengths]
+    pool.append(ids, [len(m) for m in mine])
+    cu = np.cumsum([0] + [len(m) for m in mine]).astype(np.int32)
+    pool.store(0, np.concatenate([k[s][m] for s, m in enumerate(mine)]).reshape(-1, K, D),
+               np.concatenate([v[s][m] for s, m in enumerate(mine)]).reshape(-1, K, Dv), cu, ids)
+    cu_q = np.arange(0, len(lengths) * Tq + 1, Tq, dtype=np.int32)
+    out_l, lse_l = pool.attend_held(0, q, cu_q, ids, softcap=3.0, return_lse=True)
+    out, lse = dist.merge_partial_attention(COMM, out_l[None], lse_l[None], return_lse=True,
+                                            merge=merge)
+    identical = same_everywhere(out) and same_everywhere(lse)
+    for s in range(len(lengths)):
+        rows = slice(s * Tq, (s + 1) * Tq)
+        ks, vs = kv_stored(k[s], kv_dtype)[None], kv_stored(v[s], kv_dtype)[None]
+        want, want_lse, _ = sdpa_ref(q[None, rows], ks, vs, softcap=3.0)
+        if kv_dtype == "float32":
+            bounds = sdpa_bounds(q[None, rows], ks, vs)
+            check_close(f"lse {s}", lse[:, :, rows], want_lse, bounds["lse"])
+            bound = bounds["out"]
+        else:
+            bound = eight_bit_bound(q[None, rows], ks, vs, kv_dtype)
+        check_close(f"out {s}", out[:, rows], want, bound)
+    assert identical
+    assert [pool.written(i, 0) for i in ids] == [len(m) for m in mine]
 
 
 @pytest.mark.parametrize("causal", [True, False])

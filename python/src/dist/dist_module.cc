@@ -296,6 +296,14 @@ void convert_attention(const char* fn, py::object q, py::object k, py::object v,
     c->lse_array = new_array(DType::kF32, {qv.shape[0], qv.shape[2], qv.shape[1]}, &c->lse);
 }
 
+dist::MergeMethod merge_of(py::handle obj, const char* fn) {
+  const std::string m = str_of(obj, fn, "merge");
+  if (m == "allreduce") return dist::MergeMethod::kAllreduce;
+  if (m != "allgather")
+    raise_value_error(fn, "merge = '" + m + "' must be 'allgather' or 'allreduce'");
+  return dist::MergeMethod::kAllgather;
+}
+
 py::object context_parallel_decode_py(int64_t comm_f, py::object q, py::object k_local,
                                       py::object v_local, py::object softmax_scale,
                                       py::object softcap, py::object return_lse,
@@ -313,11 +321,7 @@ py::object context_parallel_decode_py(int64_t comm_f, py::object q, py::object k
          "[batch, seqlen_k, num_kv_heads, head_dim_v]"},
         softmax_scale, softcap, return_lse, backend, num_threads, &c);
     lens = parse_seqlens_k(seqlens_k, kFn);
-    const std::string m = str_of(merge, kFn, "merge");
-    if (m == "allreduce")
-      opt.merge = dist::MergeMethod::kAllreduce;
-    else if (m != "allgather")
-      raise_value_error(kFn, "merge = '" + m + "' must be 'allgather' or 'allreduce'");
+    opt.merge = merge_of(merge, kFn);
   });
   opt.softmax_scale = c.softmax_scale;
   opt.softcap = c.softcap;
@@ -328,6 +332,30 @@ py::object context_parallel_decode_py(int64_t comm_f, py::object q, py::object k
     return dist::context_parallel_decode(comm, c.q.view, c.k.view, c.v.view, c.out, opt, c.lse);
   });
   return c.result();
+}
+
+py::object merge_partial_attention_py(int64_t comm_f, py::object out_local, py::object lse_local,
+                                      py::object return_lse, py::object merge) {
+  constexpr const char* kFn = "merge_partial_attention";
+  const MPI_Comm comm = comm_of(comm_f);
+  InputArray oi, li;
+  dist::MergeMethod method = dist::MergeMethod::kAllgather;
+  bool want_lse = false;
+  on_every_rank(comm, [&] {
+    oi = f32_input(out_local, {kFn, "out_local", 4, 4, "[batch, seqlen_q, num_heads, head_dim_v]"});
+    li = f32_input(lse_local, {kFn, "lse_local", 3, 3, "[batch, num_heads, seqlen_q]"});
+    method = merge_of(merge, kFn);
+    want_lse = py::bool_(return_lse);
+  });
+  const TensorView& o = oi.view;
+  TensorView out, lse;
+  py::array out_a = new_array(DType::kF32, {o.shape[0], o.shape[1], o.shape[2], o.shape[3]}, &out);
+  py::array lse_a;
+  if (want_lse) lse_a = new_array(DType::kF32, {o.shape[0], o.shape[2], o.shape[1]}, &lse);
+  collective(
+      {}, [&] { return dist::merge_partial_attention(comm, oi.view, li.view, out, lse, method); });
+  if (!want_lse) return out_a;
+  return py::make_tuple(out_a, lse_a);
 }
 
 py::object ring_attention_py(int64_t comm_f, py::object q_local, py::object k_local,
@@ -434,6 +462,7 @@ PYBIND11_MODULE(_attnkit_dist, m) {
 
   m.def("context_parallel_decode", &context_parallel_decode_py);
   m.def("ring_attention", &ring_attention_py);
+  m.def("merge_partial_attention", &merge_partial_attention_py);
   m.def("agree", &agree_py, py::arg("comm_f"), py::arg("error"));
   m.def("ring_chunks", [](int64_t seqlen, int64_t ranks, int64_t rank) {
     const RingChunks c = value_or_throw(attnkit::ring_chunks(seqlen, ranks, rank));
