@@ -26,7 +26,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <functional>
 #include <optional>
 #include <random>
@@ -54,17 +53,6 @@ void check(const attnkit::Status& st, const char* what) {
   if (st.ok()) return;
   std::fprintf(stderr, "paged_bench: %s: %s\n", what, st.to_string().c_str());
   std::exit(1);
-}
-
-std::string cpu_name() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line, model = "unknown CPU", family;
-  while (std::getline(in, line)) {
-    const auto value = [&] { return line.substr(line.find(':') + 2); };
-    if (line.rfind("model name", 0) == 0 && model == "unknown CPU") model = value();
-    if (line.rfind("cpu family", 0) == 0 && family.empty()) family = value();
-  }
-  return model + " (family " + family + ")";
 }
 
 double seconds(const std::function<void()>& f) {
@@ -323,7 +311,7 @@ int main(int argc, char** argv) {
   std::printf(
       "paged_bench: %s, %d threads, %d pairs, pages of %lld tokens; median [quartiles] of paired "
       "ratios\n",
-      cpu_name().c_str(), threads, pairs, static_cast<long long>(g_page_size));
+      attnkit::bench::cpu_name().c_str(), threads, pairs, static_cast<long long>(g_page_size));
   for (DType dtype : {DType::kF32, DType::kBF16}) {
     for (bool interleaved : {false, true})
       decode_vs_dense("batch 1, 16K keys", {16384}, dtype, interleaved, threads, pairs);

@@ -50,12 +50,18 @@ class AttentionLayer {
   // k_proj.bias, v_proj.bias, o_proj.bias, q_norm.weight, k_norm.weight.
   std::vector<std::string> weight_names() const;
 
-  // Copies every expected weight `prefix + name` from `weights` (converting
-  // to f32). Strict: a missing name, a wrong shape or dtype, or an
-  // unexpected name under `prefix` is an error, and then no weight changes.
+  // Copies every expected weight `prefix + name` from `weights`. The four
+  // projection matrices keep a bf16 source as bf16 (no f32 copy: half the
+  // memory, and the projections run as bf16 GEMMs with fp32 accumulation,
+  // their inputs rounded to bf16; see kernels/linear.h); every other source
+  // dtype, and the biases and norms, become f32. Strict: a missing name, a
+  // wrong shape or dtype, or an unexpected name under `prefix` is an error,
+  // and then no weight changes.
   Status load_weights(const WeightMap& weights, std::string_view prefix = "");
 
-  // Views of the layer's own f32 weights by unprefixed name (tests, tools).
+  // Views of the layer's own weights by unprefixed name (tests, tools), in
+  // the dtype they are kept in: f32, or bf16 for projections loaded from
+  // bf16.
   Result<TensorView> weight(std::string_view name) const;
 
   // A cache sized for this layer (its window, kv heads and head dim).
@@ -119,9 +125,9 @@ class AttentionLayer {
 
   AttentionConfig config_;
   Rope rope_;
-  // f32 weights, nn.Linear layout.
+  // Projections in nn.Linear layout, f32 or bf16 (as loaded).
   Tensor wq_, wk_, wv_, wo_;
-  Tensor bq_, bk_, bv_, bo_;  // present when configured
+  Tensor bq_, bk_, bv_, bo_;  // f32, present when configured
   Tensor q_norm_, k_norm_;    // present when qk_norm
 };
 

@@ -169,13 +169,17 @@ class LatentAttention {
   // Names this layer expects, without prefix (see the table above).
   std::vector<std::string> weight_names() const;
 
-  // Copies every expected weight `prefix + name` from `weights` (converting
-  // to f32). Strict: a missing name, a wrong shape or dtype, or an
-  // unexpected name under `prefix` is an error, and then no weight changes.
+  // Copies every expected weight `prefix + name` from `weights`. The
+  // projection matrices (*_proj*) keep a bf16 source as bf16, no f32 copy,
+  // as AttentionLayer::load_weights; every other source dtype, and the two
+  // norms, become f32. Strict: a missing name, a wrong shape or dtype, or
+  // an unexpected name under `prefix` is an error, and then no weight
+  // changes.
   Status load_weights(const WeightMap& weights, std::string_view prefix = "");
   bool has_weights() const { return loaded_; }
 
-  // Views of the layer's own f32 weights by unprefixed name.
+  // Views of the layer's own weights by unprefixed name, in the dtype they
+  // are kept in (f32, or bf16 for projections loaded from bf16).
   Result<TensorView> weight(std::string_view name) const;
 
   // A latent cache for this layer; dtype kF32, kBF16, kI8 or kFp8E4M3.
@@ -229,6 +233,7 @@ class LatentAttention {
                      bool gemv_for_one_row) const;
 
   struct Weights {
+    // Projections f32 or bf16 (as loaded), norms f32.
     Tensor q_a, q_a_norm, q_b, q;  // q_a/q_a_norm/q_b when q_lora_rank > 0, else q
     Tensor kv_a, kv_a_norm, kv_b, o;
   };

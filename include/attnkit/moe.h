@@ -140,7 +140,10 @@ class MoeLayer {
   std::vector<std::string> weight_names() const;
 
   // Copies every name above from `weights` as `prefix + name` (prefix e.g.
-  // "model.layers.3." or "model.layers.3"), converting to f32. Strict: a
+  // "model.layers.3." or "model.layers.3"). Matrices keep a bf16 source as
+  // bf16 (no f32 copy; the experts and router then run as bf16 GEMMs with
+  // fp32 accumulation, see AttentionLayer::load_weights); every other
+  // source dtype, and the correction bias, become f32. Strict: a
   // missing name, a wrong shape or dtype, or any other name under
   // prefix + "mlp." (or "block_sparse_moe.") is an error, and then the
   // layer is unchanged.
@@ -148,7 +151,8 @@ class MoeLayer {
 
   bool loaded() const { return !tensors_.empty(); }
 
-  // The layer's f32 copy of one weight, by a name from weight_names().
+  // The layer's copy of one weight (f32, or bf16 as loaded), by a name from
+  // weight_names().
   Result<TensorView> weight(std::string_view name) const;
 
   // x [batch, seq, hidden] f32, any strides -> out [batch, seq, hidden] f32,
@@ -178,7 +182,8 @@ class MoeLayer {
   std::vector<WeightSpec> weight_specs() const;
 
   MoeConfig config_;
-  std::vector<Tensor> tensors_;  // f32, nn.Linear layout; empty until load_weights()
+  // nn.Linear layout, matrices f32 or bf16 (as loaded); empty until load_weights()
+  std::vector<Tensor> tensors_;
 };
 
 }  // namespace attnkit

@@ -1,4 +1,5 @@
-"""Plots of `attnkit bench --json` results (matplotlib, Agg backend).
+"""Plots of `attnkit bench --json` and `attnkit serve-bench --json` results
+(matplotlib, Agg backend).
 
 Three pictures, each from one bench result (a dict as loaded by load()):
 
@@ -9,6 +10,14 @@ Three pictures, each from one bench result (a dict as loaded by load()):
   seeds' naive PyTorch attention dashed where bench measured it;
 - roofline: this machine's measured fp32 peak and read bandwidth, and
   every measured row at its arithmetic intensity.
+
+Two from a serve-bench result (its "kind" is "serve-bench"):
+
+- serve_throughput_vs_memory: measured output tokens/s against the KV
+  memory budget, one line per variant (and KV dtype, cache mode);
+- serve_concurrency_vs_memory: the mean number of sequences a step ran
+  (the peak thin: dotted paged, dash-dotted static) against the budget,
+  the same lines.
 
 From a shell (this is what `attnkit plot` runs):
 
@@ -25,7 +34,8 @@ import os
 import sys
 
 __all__ = ["load", "kv_memory_vs_context", "decode_latency_vs_context", "roofline", "above_roof",
-           "plot_warnings", "plot_all", "main"]
+           "serve_throughput_vs_memory", "serve_concurrency_vs_memory", "plot_warnings", "plot_all",
+           "main"]
 
 _VARIANT_ORDER = ["mha", "gqa-16", "gqa-8", "gqa-4", "gqa-2", "mqa", "mla"]
 
@@ -39,12 +49,21 @@ def _plt():
     return plt
 
 
+def is_serve(result):
+    """Whether `result` is an `attnkit serve-bench --json` result."""
+    return isinstance(result, dict) and result.get("kind") == "serve-bench"
+
+
 def load(path):
-    """Reads an `attnkit bench --json` file and checks it is one."""
+    """Reads an `attnkit bench --json` or `attnkit serve-bench --json` file
+    and checks it is one."""
     with open(path) as f:
         bench = json.load(f)
+    if is_serve(bench) and isinstance(bench.get("rows"), list):
+        return bench
     if not isinstance(bench, dict) or "rows" not in bench or "machine" not in bench:
-        raise ValueError("%s is not an `attnkit bench --json` result (no 'rows'/'machine')" % path)
+        raise ValueError("%s is not an `attnkit bench --json` result (no 'rows'/'machine'), nor "
+                         "an `attnkit serve-bench --json` one" % path)
     return bench
 
 
@@ -199,6 +218,8 @@ def plot_warnings(bench):
     """What a reader of the plots must know: rows above the roof, and
     machine figures that disagreed before and after the bench run."""
     out = []
+    if is_serve(bench):
+        return out
     above = above_roof(bench)
     if above:
         out.append("%d of %d points lie above the measured roof: the peak or bandwidth was "
@@ -275,15 +296,91 @@ def roofline(bench, path):
     return _save(fig, path)
 
 
+def _serve_lines(result):
+    """The rows of a serve-bench result grouped into lines across budgets:
+    {(variant, kv_dtype, cache): [rows by increasing memory]}, in variant
+    order."""
+    lines = {}
+    for r in result["rows"]:
+        lines.setdefault((r["variant"], r["kv_dtype"], r["cache"]), []).append(r)
+    rank = {v: i for i, v in enumerate(_VARIANT_ORDER)}
+    ordered = sorted(lines, key=lambda k: (rank.get(k[0], len(rank)), k))
+    return {k: sorted(lines[k], key=lambda r: r["memory_bytes"]) for k in ordered}
+
+
+def _serve_plot(result, path, ylabel, title, values):
+    """One line per (variant, KV dtype, cache) of values(rows) -> [(ys,
+    styles)] against the memory budget, where styles maps the cache mode to
+    its line style: the first series paged solid and static dashed, later
+    ones (the concurrency plot's peaks) thin, in styles of their own."""
+    from matplotlib.ticker import FuncFormatter
+
+    plt = _plt()
+    lines = _serve_lines(result)
+    colors = _colors(list(dict.fromkeys(k[0] for k in lines)))
+    kv_dtypes = sorted({k[1] for k in lines})
+    markers = dict(zip(kv_dtypes, "o^sD"))
+    fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    for (variant, kv, cache), rows in lines.items():
+        xs = [r["memory_bytes"] for r in rows]
+        label = variant + ("" if len(kv_dtypes) == 1 else " " + kv) + ("" if cache == "paged" else " static")
+        for i, (ys, styles) in enumerate(values(rows)):
+            extra = {} if i == 0 else {"linewidth": 0.8, "alpha": 0.6}
+            ax.plot(xs, ys, linestyle=styles[cache], color=colors[variant], marker=markers[kv],
+                    markersize=4 if i == 0 else 2, label=label if i == 0 else None, **extra)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(_bytes_label))
+    ax.set_xlabel("KV memory budget (all layers)")
+    ax.set_ylabel(ylabel)
+    c = result.get("config", {})
+    # Three lines: a trace's description is wider than the axes.
+    ax.set_title("%s\n%s, %s layer(s)\n%s" % (title, c.get("model", "?"), c.get("layers", "?"),
+                                                result.get("trace", {}).get("source", "")),
+                 fontsize=9)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+_MEAN_STYLES = {"paged": "-", "static": "--"}
+_PEAK_STYLES = {"paged": ":", "static": "-."}
+
+
+def serve_throughput_vs_memory(result, path):
+    """Measured output tokens/s against the KV memory budget, per variant
+    (paged solid, static dashed). Writes `path` and returns it."""
+    return _serve_plot(result, path, "output tokens/s (measured)",
+                       "serving throughput against the KV budget",
+                       lambda rows: [([r["output_tokens_per_s"] for r in rows], _MEAN_STYLES)])
+
+
+def serve_concurrency_vs_memory(result, path):
+    """Sequences per step (mean; peak thin, dotted paged and dash-dotted
+    static) against the KV memory budget, per variant. Writes `path` and
+    returns it."""
+    return _serve_plot(result, path, "sequences per step (mean; peak thin)",
+                       "concurrency the KV budget allows",
+                       lambda rows: [([r["mean_running"] for r in rows], _MEAN_STYLES),
+                                     ([r["peak_running"] for r in rows], _PEAK_STYLES)])
+
+
 def plot_all(bench, out_dir, formats=("png",), layers=1):
-    """All three plots in every format; returns [{"plot": name, "path": p}]."""
+    """All three plots of a bench result (two of a serve-bench result) in
+    every format; returns [{"plot": name, "path": p}]."""
     files = []
+    if is_serve(bench):
+        plots = (("serve_throughput_vs_memory", serve_throughput_vs_memory, {}),
+                 ("serve_concurrency_vs_memory", serve_concurrency_vs_memory, {}))
+    else:
+        plots = (("kv_memory_vs_context", kv_memory_vs_context, {"layers": layers}),
+                 ("decode_latency_vs_context", decode_latency_vs_context, {}),
+                 ("roofline", roofline, {}))
     for fmt in formats:
         if fmt not in ("png", "svg"):
             raise ValueError("format must be png or svg, got %r" % fmt)
-        for name, fn, kwargs in (("kv_memory_vs_context", kv_memory_vs_context, {"layers": layers}),
-                                 ("decode_latency_vs_context", decode_latency_vs_context, {}),
-                                 ("roofline", roofline, {})):
+        for name, fn, kwargs in plots:
             path = os.path.join(out_dir, "%s.%s" % (name, fmt))
             files.append({"plot": name, "path": fn(bench, path, **kwargs)})
     return files
@@ -291,8 +388,10 @@ def plot_all(bench, out_dir, formats=("png",), layers=1):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python3 -m attnkit.plot",
-                                description="Plots of an `attnkit bench --json` result.")
-    p.add_argument("--input", required=True, help="bench JSON (attnkit bench --json > bench.json)")
+                                description="Plots of an `attnkit bench --json` or "
+                                            "`attnkit serve-bench --json` result.")
+    p.add_argument("--input", required=True,
+                   help="bench or serve-bench JSON (attnkit bench --json > bench.json)")
     p.add_argument("--out", default=".", help="output directory (default .)")
     p.add_argument("--format", default="png", help="png, svg or png,svg (default png)")
     p.add_argument("--layers", type=int, default=1, help="layers for the KV-memory plot (default 1)")

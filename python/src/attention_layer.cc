@@ -314,8 +314,13 @@ py::dict layer_state_dict(PyAttentionLayer& s, const std::string& prefix) {
       if (e.view.ok()) {
         const TensorView& v = *e.view;
         e.copy = Tensor::zeros(DType::kF32, v.shape.data(), v.rank);
-        // The layer's weights are contiguous f32 Tensors.
-        if (e.copy.ok()) std::memcpy(e.copy->data(), v.data, e.copy->nbytes());
+        // The layer's weights are contiguous f32 or bf16 Tensors; numpy
+        // has no bf16, so those widen (exactly).
+        if (e.copy.ok() && v.dtype == DType::kBF16)
+          for (int64_t i = 0; i < v.numel(); ++i)
+            e.copy->ptr<float>()[i] = bf16_to_float(v.ptr<const bf16>()[i]);
+        else if (e.copy.ok())
+          std::memcpy(e.copy->data(), v.data, e.copy->nbytes());
       }
       out.push_back(std::move(e));
     }

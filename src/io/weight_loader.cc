@@ -58,9 +58,13 @@ std::string weight_name(std::string_view prefix, std::string_view name) {
   return s;
 }
 
-Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::string_view name,
-                       std::initializer_list<int64_t> expected_shape,
-                       std::string_view shape_meaning, const char* fn, Tensor* dst) {
+namespace {
+
+// copy_weight_f32 and copy_weight_keep_bf16: a bf16 source is stored as
+// bf16 when keep_bf16, every other source as f32.
+Status copy_weight(const WeightMap& weights, std::string_view prefix, std::string_view name,
+                   std::initializer_list<int64_t> expected_shape, std::string_view shape_meaning,
+                   const char* fn, bool keep_bf16, Tensor* dst) {
   const std::string full = weight_name(prefix, name);
   const std::string where = std::string(fn) + ": weight '" + full + "'";
   const int64_t* want = expected_shape.begin();
@@ -113,11 +117,12 @@ Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::s
       return invalid_argument(where + " " + src.describe() + ": byte offset overflows 64 bits");
   }
 
+  const bool as_bf16 = keep_bf16 && src.dtype == DType::kBF16;
   Tensor out;
   {
     // Tensor::zeros takes a rank-0 shape as a scalar. A shape the config
     // allows may still not fit in memory: say which weight and caller.
-    Result<Tensor> r = Tensor::zeros(DType::kF32, want, want_rank);
+    Result<Tensor> r = Tensor::zeros(as_bf16 ? DType::kBF16 : DType::kF32, want, want_rank);
     if (!r.ok()) return Status(r.status().code(), where + ": " + r.status().message());
     out = std::move(r).value();
   }
@@ -125,6 +130,7 @@ Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::s
     const size_t esize = dtype_size(src.dtype);
     const auto* base = static_cast<const unsigned char*>(src.data);
     float* o = out.ptr<float>();
+    bf16* ob = out.ptr<bf16>();
     // Pad to 4 dims so one loop nest handles every rank; padded dims have
     // size 1 and so never advance.
     int64_t shape[kMaxRank] = {1, 1, 1, 1}, stride[kMaxRank] = {0, 0, 0, 0};
@@ -139,6 +145,10 @@ Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::s
         for (int64_t c = 0; c < shape[2]; ++c)
           for (int64_t d = 0; d < shape[3]; ++d) {
             const int64_t off = a * stride[0] + b * stride[1] + c * stride[2] + d * stride[3];
+            if (as_bf16) {
+              std::memcpy(&ob[n++].bits, base + off * static_cast<int64_t>(esize), sizeof(bf16));
+              continue;
+            }
             const float v = load_element(base + off * static_cast<int64_t>(esize), src.dtype);
             if (src.dtype == DType::kF64 && std::isinf(v)) {
               double dv;
@@ -152,6 +162,20 @@ Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::s
   }
   *dst = std::move(out);
   return Status::Ok();
+}
+
+}  // namespace
+
+Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::string_view name,
+                       std::initializer_list<int64_t> expected_shape,
+                       std::string_view shape_meaning, const char* fn, Tensor* dst) {
+  return copy_weight(weights, prefix, name, expected_shape, shape_meaning, fn, false, dst);
+}
+
+Status copy_weight_keep_bf16(const WeightMap& weights, std::string_view prefix,
+                             std::string_view name, std::initializer_list<int64_t> expected_shape,
+                             std::string_view shape_meaning, const char* fn, Tensor* dst) {
+  return copy_weight(weights, prefix, name, expected_shape, shape_meaning, fn, true, dst);
 }
 
 const std::vector<std::string>& ignored_buffers() {
@@ -197,6 +221,13 @@ Status WeightLoader::load(std::string_view name, std::initializer_list<int64_t> 
                           std::string_view shape_meaning, Tensor* dst) {
   loaded_.emplace_back(name);
   return copy_weight_f32(weights_, prefix_, name, expected_shape, shape_meaning, fn_, dst);
+}
+
+Status WeightLoader::load_matrix(std::string_view name,
+                                 std::initializer_list<int64_t> expected_shape,
+                                 std::string_view shape_meaning, Tensor* dst) {
+  loaded_.emplace_back(name);
+  return copy_weight_keep_bf16(weights_, prefix_, name, expected_shape, shape_meaning, fn_, dst);
 }
 
 bool WeightLoader::contains(std::string_view name) const {

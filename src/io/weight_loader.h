@@ -3,7 +3,9 @@
 // Loading is strict and transactional:
 //   - every expected weight must be present, with exactly the expected
 //     shape; f32, bf16, f16 and f64 sources with any strides are converted
-//     to a fresh contiguous f32 Tensor;
+//     to a fresh contiguous f32 Tensor, except that projection matrices
+//     (load_matrix) keep a bf16 source as bf16, which kernels::linear runs
+//     as it is (half the memory of an f32 copy);
 //   - every name under the layer's prefix must be expected, so a typo in a
 //     checkpoint or a config that disagrees with it (bias present but
 //     qkv_bias false) is an error rather than a silently ignored tensor; the
@@ -56,6 +58,12 @@ Status copy_weight_f32(const WeightMap& weights, std::string_view prefix, std::s
                        std::initializer_list<int64_t> expected_shape,
                        std::string_view shape_meaning, const char* fn, Tensor* dst);
 
+// copy_weight_f32, except that a bf16 source is copied as bf16 (exactly):
+// for projection matrices, which kernels::linear takes in either dtype.
+Status copy_weight_keep_bf16(const WeightMap& weights, std::string_view prefix,
+                             std::string_view name, std::initializer_list<int64_t> expected_shape,
+                             std::string_view shape_meaning, const char* fn, Tensor* dst);
+
 // Names under a layer's prefix that are buffers, not weights, and are
 // skipped by the strict check ("rotary_emb.inv_freq", ...).
 const std::vector<std::string>& ignored_buffers();
@@ -78,6 +86,9 @@ class WeightLoader {
   // the load fails, so a later finish() does not report it twice).
   Status load(std::string_view name, std::initializer_list<int64_t> expected_shape,
               std::string_view shape_meaning, Tensor* dst);
+  // load() for a projection matrix: copy_weight_keep_bf16.
+  Status load_matrix(std::string_view name, std::initializer_list<int64_t> expected_shape,
+                     std::string_view shape_meaning, Tensor* dst);
   // Whether the weight exists (for weights whose presence the config does
   // not determine); does not mark it expected.
   bool contains(std::string_view name) const;

@@ -26,11 +26,18 @@
 // computed into dense per-thread scratch and copied into place. If oneDNN
 // refuses a block (out of memory), dnnl_sgemm, then the loop computes it;
 // each writes the whole block.
+//
+// bf16 weights take the same grid. x is rounded to bf16 once, on the
+// calling thread (the contract: bf16 x times bf16 W, fp32 sums), then each
+// block runs oneDNN's bf16 matmul primitive, or, where oneDNN has only its
+// reference code for bf16 (no AVX-512), widens its block of W into
+// per-thread f32 scratch and runs the f32 path on the rounded x.
 #include "kernels/linear.h"
 
 #include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -40,6 +47,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -138,31 +146,36 @@ struct Matmul {
   dnnl::memory::desc x, w, bias, y, scratch;
 };
 
-using MatmulKey = std::tuple<int64_t, int64_t, int64_t, bool>;  // rows, cols, depth, bias
+// rows, cols, depth, bias, bf16 x and W, W's layout (0: [cols, depth]
+// contiguous, nn.Linear's; else [depth, cols] with this row stride)
+using MatmulKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t>;
 
 const dnnl::engine& cpu_engine() {
   static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   return engine;
 }
 
-// Dense operands only: x [rows, depth], w [cols, depth], y [rows, cols].
-// Shared by all threads. A model has a few projection shapes, but input
-// lengths vary (prefill, tokens per MoE expert), and each new block shape
-// costs ~0.1 ms of JIT compilation, so the cache holds many and starts over
+// x [rows, depth] and y [rows, cols] dense; w [cols, depth] dense, or
+// [depth, cols] with row stride ldw_nn (linear_nn's layout); x and w f32,
+// or both bf16; y f32. Shared by all threads. A model has a few
+// projection shapes, but input lengths vary (prefill, tokens per MoE
+// expert), and each new block shape costs ~0.1 ms of JIT compilation (up
+// to ~10 ms for bf16 AMX kernels), so the cache holds many and starts over
 // when full (entries in use stay alive through their shared_ptr).
 class MatmulCache {
  public:
   static constexpr size_t kMaxEntries = 1024;
 
-  std::shared_ptr<const Matmul> get(int64_t rows, int64_t cols, int64_t depth, bool has_bias) {
+  std::shared_ptr<const Matmul> get(int64_t rows, int64_t cols, int64_t depth, bool has_bias,
+                                    bool bf16, int64_t ldw_nn) {
     // Creation (~0.1 ms of JIT, once per shape) happens under the lock too:
     // oneDNN's own primitive cache synchronises in ways ThreadSanitizer
     // cannot see, so concurrent creations would be reported as races.
     std::lock_guard<std::mutex> lock(mu_);
-    const MatmulKey key{rows, cols, depth, has_bias};
+    const MatmulKey key{rows, cols, depth, has_bias, bf16, ldw_nn};
     auto it = entries_.find(key);
     if (it != entries_.end()) return it->second;
-    auto m = create(rows, cols, depth, has_bias);
+    auto m = create(rows, cols, depth, has_bias, bf16, ldw_nn);
     if (m == nullptr) return nullptr;
     if (entries_.size() >= kMaxEntries) entries_.clear();
     return entries_.emplace(key, std::move(m)).first->second;
@@ -170,12 +183,14 @@ class MatmulCache {
 
  private:
   static std::shared_ptr<const Matmul> create(int64_t rows, int64_t cols, int64_t depth,
-                                              bool has_bias) {
+                                              bool has_bias, bool bf16, int64_t ldw_nn) {
     using dnnl::memory;
+    const memory::data_type in = bf16 ? memory::data_type::bf16 : memory::data_type::f32;
     try {
       auto m = std::make_shared<Matmul>();
-      m->x = memory::desc({rows, depth}, memory::data_type::f32, memory::dims{depth, 1});
-      m->w = memory::desc({depth, cols}, memory::data_type::f32, memory::dims{1, depth});
+      m->x = memory::desc({rows, depth}, in, memory::dims{depth, 1});
+      m->w = memory::desc({depth, cols}, in,
+                          ldw_nn > 0 ? memory::dims{ldw_nn, 1} : memory::dims{1, depth});
       m->y = memory::desc({rows, cols}, memory::data_type::f32, memory::dims{cols, 1});
       if (has_bias)
         m->bias = memory::desc({1, cols}, memory::data_type::f32, memory::dims{cols, 1});
@@ -201,22 +216,25 @@ MatmulCache& matmul_cache() {
 }
 
 // Per-thread buffers that grow to the largest call the thread has made:
-// oneDNN's scratchpad, packed x rows, and a dense y block.
+// oneDNN's scratchpad, packed x rows (f32, or bf16 for bf16 weights), a
+// dense y block, and a block of bf16 W widened to f32.
 struct ThreadScratch {
   std::vector<char> onednn;
-  std::vector<float> x, y;
+  std::vector<float> x, y, w;
+  std::vector<bf16> xb;
 };
 ThreadScratch& thread_scratch() {
   thread_local ThreadScratch s;
   return s;
 }
 
-// One block through the cached matmul primitive: x dense [rows, depth],
-// y [rows, cols] with row stride ldy. false if oneDNN refused.
-bool block_matmul(const float* x, const float* w, const float* bias, float* y, int64_t ldy,
-                  int64_t rows, int64_t cols, int64_t depth) {
+// One block through the cached matmul primitive: x dense [rows, depth]
+// and w (layout as MatmulCache's, ldw_nn), both f32 or both bf16; y [rows,
+// cols] f32 with row stride ldy. false if oneDNN refused.
+bool block_matmul(const void* x, const void* w, bool bf16, const float* bias, float* y, int64_t ldy,
+                  int64_t rows, int64_t cols, int64_t depth, int64_t ldw_nn = 0) {
   try {
-    const auto m = matmul_cache().get(rows, cols, depth, bias != nullptr);
+    const auto m = matmul_cache().get(rows, cols, depth, bias != nullptr, bf16, ldw_nn);
     if (m == nullptr) return false;
     ThreadScratch& s = thread_scratch();
     const size_t bytes = m->scratch.get_size();
@@ -229,8 +247,8 @@ bool block_matmul(const float* x, const float* w, const float* bias, float* y, i
     const dnnl::engine& e = cpu_engine();
     using dnnl::memory;
     std::unordered_map<int, memory> args = {
-        {DNNL_ARG_SRC, memory(m->x, e, const_cast<float*>(x))},
-        {DNNL_ARG_WEIGHTS, memory(m->w, e, const_cast<float*>(w))},
+        {DNNL_ARG_SRC, memory(m->x, e, const_cast<void*>(x))},
+        {DNNL_ARG_WEIGHTS, memory(m->w, e, const_cast<void*>(w))},
         {DNNL_ARG_DST, memory(m->y, e, out)},
         {DNNL_ARG_SCRATCHPAD, memory(m->scratch, e, s.onednn.data())}};
     if (bias != nullptr) args.emplace(DNNL_ARG_BIAS, memory(m->bias, e, const_cast<float*>(bias)));
@@ -252,7 +270,7 @@ bool block_matmul(const float* x, const float* w, const float* bias, float* y, i
 void block_fast(const float* x, int64_t ldx, const float* xd, const float* w, const float* bias,
                 float* y, int64_t ldy, int64_t rows, int64_t cols, int64_t depth, bool gemv) {
   OmpThreadsScope single(1);
-  if (!gemv && xd != nullptr && block_matmul(xd, w, bias, y, ldy, rows, cols, depth)) return;
+  if (!gemv && xd != nullptr && block_matmul(xd, w, false, bias, y, ldy, rows, cols, depth)) return;
   if (block_sgemm(x, ldx, w, bias, y, ldy, rows, cols, depth)) return;
   linear_ref(x, ldx, w, bias, y, ldy, rows, cols, depth);
 }
@@ -292,6 +310,121 @@ void linear_fast(const float* x, int64_t ldx, const float* w, const float* bias,
       });
 }
 
+// The implementation oneDNN picks for the matmul primitive here with f32
+// or bf16 operands (f32 y) for a block of `rows` x `cols` (depth 256),
+// e.g. "brg:avx512_core" or "gemm:jit"; "" if it refuses.
+std::string pick_matmul_impl(bool bf16_operands, int64_t rows, int64_t cols) {
+  using dnnl::memory;
+  constexpr int64_t kDepth = 256;
+  const memory::data_type in = bf16_operands ? memory::data_type::bf16 : memory::data_type::f32;
+  try {
+    const memory::desc x({rows, kDepth}, in, memory::dims{kDepth, 1});
+    const memory::desc w({kDepth, cols}, in, memory::dims{1, kDepth});
+    const memory::desc y({rows, cols}, memory::data_type::f32, memory::dims{cols, 1});
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(x, w, y), cpu_engine());
+    return std::string(pd.impl_info_str());
+  } catch (const dnnl::error&) {
+    return std::string();
+  }
+}
+
+// The implementation for a small dense block (16 x 256), as reported.
+const std::string& matmul_impl(bool bf16_operands) {
+  static const std::string f32 = pick_matmul_impl(false, 16, 256),
+                           bf16 = pick_matmul_impl(true, 16, 256);
+  return bf16_operands ? bf16 : f32;
+}
+
+// Whether a row's result cannot depend on the rows beside it: brgemm, and
+// the same brgemm for one row of a narrow projection as for a long block
+// of a wide one. oneDNN chooses its kernel by the shape; with bf16 on an
+// AMX CPU it runs AMX tiles for large blocks and avx512_core_bf16 for small
+// ones, which sum in another order, so there a row computed alone and the
+// same row among others differ in their last bits.
+bool rows_independent(bool bf16_operands) {
+  static const auto decide = [](bool bf16) {
+    const std::string one = pick_matmul_impl(bf16, 1, 64), many = pick_matmul_impl(bf16, 512, 1024);
+    return one.rfind("brg", 0) == 0 && one == many;
+  };
+  static const bool f32 = decide(false), bf16 = decide(true);
+  return bf16_operands ? bf16 : f32;
+}
+
+// Whether oneDNN has more than its reference code for bf16 matmul here.
+bool bf16_matmul_native() {
+  static const bool native = [] {
+    const std::string& impl = matmul_impl(true);
+    return !impl.empty() && impl.rfind("ref", 0) != 0;
+  }();
+  return native;
+}
+
+// One block of bf16 weights where oneDNN has no bf16 kernel, on the
+// calling thread: W's block widened to f32 (exact) into per-thread scratch,
+// then the f32 path on xr, x already rounded to bf16 (dense, [rows, depth]).
+void block_widened(const float* xr, const bf16* w, const float* bias, float* y, int64_t ldy,
+                   int64_t rows, int64_t cols, int64_t depth) {
+  std::vector<float>& wf = thread_scratch().w;
+  try {
+    if (wf.size() < static_cast<size_t>(cols * depth)) wf.resize(static_cast<size_t>(cols * depth));
+  } catch (const std::bad_alloc&) {
+    linear_ref(xr, depth, Weight{w, DType::kBF16}, bias, y, ldy, rows, cols, depth);
+    return;
+  }
+  for (int64_t i = 0; i < cols * depth; ++i) wf[static_cast<size_t>(i)] = bf16_to_float(w[i]);
+  block_fast(xr, depth, xr, wf.data(), bias, y, ldy, rows, cols, depth, /*gemv=*/false);
+}
+
+void linear_fast_bf16(const float* x, int64_t ldx, const bf16* w, const float* bias, float* y,
+                      int64_t ldy, int64_t rows, int64_t cols, int64_t depth,
+                      const LinearOptions& opt) {
+  if (depth == 0 || (rows > 1 && ldx < depth)) {
+    linear_ref(x, ldx, Weight{w, DType::kBF16}, bias, y, ldy, rows, cols, depth);
+    return;
+  }
+  // x rounded to bf16 once, here on the calling thread: as bf16 for
+  // oneDNN's bf16 kernels, else as f32 values for the widened path.
+  const bool native = bf16_matmul_native();
+  ThreadScratch& s = thread_scratch();
+  const size_t n = static_cast<size_t>(rows * depth);
+  try {
+    if (native && s.xb.size() < n) s.xb.resize(n);
+    if (!native && s.x.size() < n) s.x.resize(n);
+  } catch (const std::bad_alloc&) {
+    linear_ref(x, ldx, Weight{w, DType::kBF16}, bias, y, ldy, rows, cols, depth);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < depth; ++k) {
+      const bf16 v = float_to_bf16(x[r * ldx + k]);
+      if (native)
+        s.xb[static_cast<size_t>(r * depth + k)] = v;
+      else
+        s.x[static_cast<size_t>(r * depth + k)] = bf16_to_float(v);
+    }
+  const bf16* xb = native ? s.xb.data() : nullptr;
+  const float* xr = native ? nullptr : s.x.data();
+  const Grid g = make_grid(rows, cols, depth);
+  parallel_for(
+      g.row_blocks * g.col_blocks, resolve_num_threads(opt.num_threads), [&](int64_t task, int) {
+        const int64_t r0 = task / g.col_blocks * g.row_size;
+        const int64_t c0 = task % g.col_blocks * g.col_size;
+        const int64_t br = std::min(g.row_size, rows - r0), bc = std::min(g.col_size, cols - c0);
+        float* yb = y + r0 * ldy + c0;
+        const float* bb = bias ? bias + c0 : nullptr;
+        if (native) {
+          OmpThreadsScope single(1);
+          if (block_matmul(xb + r0 * depth, w + c0 * depth, true, bb, yb, ldy, br, bc, depth))
+            return;
+          // oneDNN refused (out of memory): the loop, on the caller's x.
+          linear_ref(x + r0 * ldx, ldx, Weight{w + c0 * depth, DType::kBF16}, bb, yb, ldy, br, bc,
+                     depth);
+          return;
+        }
+        block_widened(xr + r0 * depth, w + c0 * depth, bb, yb, ldy, br, bc, depth);
+      });
+}
+
 const char* isa_name(dnnl_cpu_isa_t isa) {
   switch (isa) {
     case dnnl_cpu_isa_sse41:
@@ -321,29 +454,54 @@ const char* isa_name(dnnl_cpu_isa_t isa) {
 
 }  // namespace
 
-void linear(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t ldy,
+void linear(const float* x, int64_t ldx, Weight w, const float* bias, float* y, int64_t ldy,
             int64_t rows, int64_t out_features, int64_t in_features, const LinearOptions& options) {
   if (rows <= 0 || out_features <= 0) return;
   if (resolve_backend(options.backend) == Backend::kReference)
     linear_ref(x, ldx, w, bias, y, ldy, rows, out_features, in_features);
+  else if (w.dtype == DType::kBF16)
+    linear_fast_bf16(x, ldx, static_cast<const bf16*>(w.data), bias, y, ldy, rows, out_features,
+                     in_features, options);
   else
-    linear_fast(x, ldx, w, bias, y, ldy, rows, out_features, in_features, options);
+    linear_fast(x, ldx, static_cast<const float*>(w.data), bias, y, ldy, rows, out_features,
+                in_features, options);
 }
 
-void linear_ref(const float* x, int64_t ldx, const float* w, const float* bias, float* y,
-                int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features) {
+namespace {
+
+// linear_ref's loop for W of element type T (float, or bf16 with x rounded
+// to bf16: both factors then widen exactly, and each product is exact).
+template <typename T>
+void linear_loop(const float* x, int64_t ldx, const T* w, const float* bias, float* y, int64_t ldy,
+                 int64_t rows, int64_t out_features, int64_t in_features) {
+  constexpr bool kBf16 = std::is_same_v<T, bf16>;
+  // float_to_bf16 widened back, without its branch, so the loop vectorises:
+  // round to nearest even in the upper 16 bits; a NaN stays a NaN.
+  const auto xv = [](float v) {
+    if constexpr (!kBf16) return v;
+    const uint32_t u = std::bit_cast<uint32_t>(v);
+    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return std::bit_cast<float>((u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) & 0xffff0000u
+                                                                : r);
+  };
+  const auto wv = [](T v) {
+    if constexpr (kBf16)
+      return bf16_to_float(v);
+    else
+      return v;
+  };
   constexpr int kLanes = 8;  // independent partial sums: lets the compiler vectorise
   for (int64_t m = 0; m < rows; ++m) {
     const float* xr = x + m * ldx;
     float* yr = y + m * ldy;
     for (int64_t n = 0; n < out_features; ++n) {
-      const float* wr = w + n * in_features;
+      const T* wr = w + n * in_features;
       float acc[kLanes] = {};
       int64_t k = 0;
       for (; k + kLanes <= in_features; k += kLanes)
-        for (int l = 0; l < kLanes; ++l) acc[l] += xr[k + l] * wr[k + l];
+        for (int l = 0; l < kLanes; ++l) acc[l] += xv(xr[k + l]) * wv(wr[k + l]);
       float tail = 0.0f;
-      for (; k < in_features; ++k) tail += xr[k] * wr[k];
+      for (; k < in_features; ++k) tail += xv(xr[k]) * wv(wr[k]);
       float sum = tail;
       for (int l = 0; l < kLanes; ++l) sum += acc[l];
       yr[n] = bias ? sum + bias[n] : sum;
@@ -351,59 +509,109 @@ void linear_ref(const float* x, int64_t ldx, const float* w, const float* bias, 
   }
 }
 
-void linear_nn(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+}  // namespace
+
+void linear_ref(const float* x, int64_t ldx, Weight w, const float* bias, float* y, int64_t ldy,
+                int64_t rows, int64_t out_features, int64_t in_features) {
+  if (w.dtype == DType::kBF16)
+    linear_loop(x, ldx, static_cast<const bf16*>(w.data), bias, y, ldy, rows, out_features,
+                in_features);
+  else
+    linear_loop(x, ldx, static_cast<const float*>(w.data), bias, y, ldy, rows, out_features,
+                in_features);
+}
+
+void linear_nn(const float* x, int64_t ldx, Weight w, int64_t ldw, float* y, int64_t ldy,
                int64_t rows, int64_t out_features, int64_t in_features, Backend backend) {
   if (rows <= 0 || out_features <= 0) return;
+  const bool bf16w = w.dtype == DType::kBF16;
   if (resolve_backend(backend) != Backend::kReference && in_features > 0) {
     OmpThreadsScope single(1);
-    // oneDNN checks lda >= K and ldc >= N even for one row (see block_sgemm).
-    const int64_t lda = rows == 1 ? std::max(ldx, in_features) : ldx;
-    const int64_t ldc = rows == 1 ? std::max(ldy, out_features) : ldy;
-    if (ldx >= in_features || rows == 1)
-      if (dnnl_sgemm('N', 'N', rows, out_features, in_features, 1.0f, x, lda, w, ldw, 0.0f, y,
+    if (bf16w && bf16_matmul_native()) {
+      // oneDNN's bf16 matmul on x rounded to bf16 (the contract), dense, in
+      // this thread's scratch, and W in place.
+      std::vector<bf16>& xb = thread_scratch().xb;
+      try {
+        if (xb.size() < static_cast<size_t>(rows * in_features))
+          xb.resize(static_cast<size_t>(rows * in_features));
+        for (int64_t m = 0; m < rows; ++m)
+          for (int64_t k = 0; k < in_features; ++k)
+            xb[static_cast<size_t>(m * in_features + k)] = float_to_bf16(x[m * ldx + k]);
+        if (block_matmul(xb.data(), w.data, true, nullptr, y, ldy, rows, out_features, in_features,
+                         ldw))
+          return;
+      } catch (const std::bad_alloc&) {
+        // the loop below needs no scratch
+      }
+    } else {
+      // f32 W as it is; bf16 W without a bf16 kernel widened to f32 and x
+      // rounded to bf16, both in this thread's scratch (the same exact
+      // products).
+      const float* wf = static_cast<const float*>(w.data);
+      const float* xf = x;
+      int64_t ldwf = ldw, ldxf = ldx;
+      bool ready = true;
+      if (bf16w) {
+        ThreadScratch& s = thread_scratch();
+        try {
+          if (s.w.size() < static_cast<size_t>(in_features * out_features))
+            s.w.resize(static_cast<size_t>(in_features * out_features));
+          if (s.x.size() < static_cast<size_t>(rows * in_features))
+            s.x.resize(static_cast<size_t>(rows * in_features));
+          const bf16* wb = static_cast<const bf16*>(w.data);
+          for (int64_t k = 0; k < in_features; ++k)
+            for (int64_t n = 0; n < out_features; ++n)
+              s.w[static_cast<size_t>(k * out_features + n)] = bf16_to_float(wb[k * ldw + n]);
+          for (int64_t m = 0; m < rows; ++m)
+            for (int64_t k = 0; k < in_features; ++k)
+              s.x[static_cast<size_t>(m * in_features + k)] =
+                  bf16_to_float(float_to_bf16(x[m * ldx + k]));
+          wf = s.w.data();
+          xf = s.x.data();
+          ldwf = out_features;
+          ldxf = in_features;
+        } catch (const std::bad_alloc&) {
+          ready = false;  // the loop below needs no scratch
+        }
+      }
+      // oneDNN checks lda >= K and ldc >= N even for one row (see block_sgemm).
+      const int64_t lda = rows == 1 ? std::max(ldxf, in_features) : ldxf;
+      const int64_t ldc = rows == 1 ? std::max(ldy, out_features) : ldy;
+      if (ready && (ldxf >= in_features || rows == 1) &&
+          dnnl_sgemm('N', 'N', rows, out_features, in_features, 1.0f, xf, lda, wf, ldwf, 0.0f, y,
                      ldc) == dnnl_success)
         return;
+    }
   }
   for (int64_t m = 0; m < rows; ++m) {
     float* yr = y + m * ldy;
     std::fill(yr, yr + out_features, 0.0f);
     for (int64_t k = 0; k < in_features; ++k) {
-      const float a = x[m * ldx + k];
-      const float* wr = w + k * ldw;
-      for (int64_t n = 0; n < out_features; ++n) yr[n] += a * wr[n];
+      float a = x[m * ldx + k];
+      if (bf16w) a = bf16_to_float(float_to_bf16(a));
+      for (int64_t n = 0; n < out_features; ++n) {
+        const int64_t at = k * ldw + n;
+        yr[n] += a * (bf16w ? bf16_to_float(static_cast<const bf16*>(w.data)[at])
+                            : static_cast<const float*>(w.data)[at]);
+      }
     }
   }
 }
 
-// The implementation oneDNN picks for the matmul primitive here, e.g.
-// "brg:avx512_core" or "gemm:jit"; "" if it refuses.
-const std::string& matmul_impl() {
-  static const std::string impl = [] {
-    using dnnl::memory;
-    constexpr int64_t kRows = 16, kCols = 256, kDepth = 256;  // a small dense block
-    try {
-      const memory::desc x({kRows, kDepth}, memory::data_type::f32, memory::dims{kDepth, 1});
-      const memory::desc w({kDepth, kCols}, memory::data_type::f32, memory::dims{1, kDepth});
-      const memory::desc y({kRows, kCols}, memory::data_type::f32, memory::dims{kCols, 1});
-      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(x, w, y), cpu_engine());
-      return std::string(pd.impl_info_str());
-    } catch (const dnnl::error&) {
-      return std::string();
-    }
-  }();
-  return impl;
-}
-
-bool linear_rows_independent(Backend backend) {
-  return resolve_backend(backend) == Backend::kReference || matmul_impl().rfind("brg", 0) == 0;
+bool linear_rows_independent(Backend backend, DType weight_dtype) {
+  if (resolve_backend(backend) == Backend::kReference) return true;
+  // bf16 weights run oneDNN's bf16 matmul, or the f32 one on widened W.
+  return rows_independent(weight_dtype == DType::kBF16 && bf16_matmul_native());
 }
 
 const char* linear_backend_name() {
   static const std::string name = [] {
     const dnnl_version_t* v = dnnl_version();
-    char buf[160];
-    std::snprintf(buf, sizeof buf, "oneDNN %d.%d.%d matmul %s (%s)", v->major, v->minor, v->patch,
-                  matmul_impl().c_str(), isa_name(dnnl_get_effective_cpu_isa()));
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "oneDNN %d.%d.%d matmul %s (%s), bf16 weights %s", v->major,
+                  v->minor, v->patch, matmul_impl(false).c_str(),
+                  isa_name(dnnl_get_effective_cpu_isa()),
+                  bf16_matmul_native() ? matmul_impl(true).c_str() : "widened to f32");
     return std::string(buf);
   }();
   return name.c_str();

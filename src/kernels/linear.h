@@ -27,6 +27,23 @@
 //   kReference    linear_ref: the plain loop, eight fp32 partial sums.
 // Both write every element of y [rows, out_features] and nothing else.
 //
+// bf16 weights (Weight::dtype kBF16, as bf16 checkpoints ship them) are
+// used as they are, never widened into a kept f32 copy: half the memory,
+// and half the bytes a decode step streams. The product is then a bf16
+// GEMM with fp32 accumulation, as bf16 hardware computes it: x is rounded
+// to bf16 (nearest even) first, so
+//   y[m, n] = sum_k bf16(x[m, k]) * w[n, k] (+ bias[n]),
+// each product of two bf16 values is exact in fp32 and the sums are fp32:
+// the f32 bound holds for the rounded x (inputs and products below fp32's
+// normal range may be flushed to zero, as AVX512_BF16's dot product does).
+// kFast runs oneDNN's bf16 matmul (bf16 x and W, f32 bias and y) where
+// oneDNN has an optimised kernel for it (AMX tiles, avx512_core_bf16's
+// vdpbf16ps, or AVX-512 emulation); elsewhere (AVX2) each block's W is
+// widened to f32 in per-thread scratch and runs the f32 kernels on the
+// rounded x, so the weights' memory still halves there but their speed
+// does not improve.
+// bf16 calls never take the one-row GEMV (gemv_for_one_row is ignored).
+//
 // Threads: `options.num_threads` >= 1 is used as given, 0 means the default
 // (core/threads.h: ATTNKIT_NUM_THREADS, else all cores). The default of 1
 // suits callers that already run in parallel (the MoE experts' shards).
@@ -38,8 +55,26 @@
 #include <cstdint>
 
 #include "attnkit/attention.h"
+#include "attnkit/tensor.h"
 
 namespace attnkit::kernels {
+
+// A weight matrix [out_features, in_features], contiguous, in the dtype a
+// layer keeps it: kF32 or kBF16.
+struct Weight {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+
+  // The matrix from element `offset` on (a block of rows: row r starts at
+  // r * in_features), e.g. one head's rows of MLA's kv_b_proj.
+  Weight at(int64_t offset) const {
+    return {static_cast<const char*>(data) + offset * static_cast<int64_t>(dtype_size(dtype)),
+            dtype};
+  }
+};
+
+// A layer's weight Tensor (f32 or bf16) as a Weight.
+inline Weight weight_of(const Tensor& t) { return {t.data(), t.dtype()}; }
 
 struct LinearOptions {
   int num_threads = 1;
@@ -54,19 +89,33 @@ struct LinearOptions {
 };
 
 // Whether a row of linear()'s result depends only on its row of x and on W
-// (not on the other rows of the call) with this backend on this machine:
-// always for kReference; for kFast where oneDNN runs its brgemm kernels
-// (AVX-512), not where it falls back to its jit sgemm (AVX2). Decided once
-// per process, from the implementation oneDNN picks for a small block.
-bool linear_rows_independent(Backend backend);
+// (not on the other rows of the call) with this backend and weight dtype on
+// this machine: always for kReference; for kFast where oneDNN runs the same
+// brgemm kernel for every block shape (f32 on AVX-512; bf16 on
+// avx512_core_bf16 without AMX, or where W is widened, the f32 brgemm);
+// not where it falls back to its jit sgemm (AVX2), nor for bf16 on AMX
+// CPUs, where oneDNN runs AMX tiles on large blocks and avx512_core_bf16
+// on small ones. Decided once per process, from the implementations oneDNN
+// picks for a one-row and a large block.
+bool linear_rows_independent(Backend backend, DType weight_dtype = DType::kF32);
 
-void linear(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t ldy,
+void linear(const float* x, int64_t ldx, Weight w, const float* bias, float* y, int64_t ldy,
             int64_t rows, int64_t out_features, int64_t in_features,
             const LinearOptions& options = {});
+inline void linear(const float* x, int64_t ldx, const float* w, const float* bias, float* y,
+                   int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features,
+                   const LinearOptions& options = {}) {
+  linear(x, ldx, Weight{w, DType::kF32}, bias, y, ldy, rows, out_features, in_features, options);
+}
 
-// The reference twin: the loop, single-threaded; same contract.
-void linear_ref(const float* x, int64_t ldx, const float* w, const float* bias, float* y,
-                int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features);
+// The reference twin: the loop, single-threaded; same contract (bf16
+// weights: x rounded to bf16, exact products, fp32 partial sums).
+void linear_ref(const float* x, int64_t ldx, Weight w, const float* bias, float* y, int64_t ldy,
+                int64_t rows, int64_t out_features, int64_t in_features);
+inline void linear_ref(const float* x, int64_t ldx, const float* w, const float* bias, float* y,
+                       int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features) {
+  linear_ref(x, ldx, Weight{w, DType::kF32}, bias, y, ldy, rows, out_features, in_features);
+}
 
 // y = x W with W stored [in_features, out_features] (row stride ldw >=
 // out_features), i.e. the weight un-transposed: MLA's absorbed queries
@@ -74,15 +123,23 @@ void linear_ref(const float* x, int64_t ldx, const float* w, const float* bias, 
 //   x [rows, in_features] row stride ldx; y [rows, out_features] row stride
 //   ldy, not overlapping x or W.
 // On the calling thread only (callers run many of these in parallel, one
-// per head): kAuto/kFast through dnnl_sgemm, single-threaded, falling back
-// to the loop if oneDNN refuses; kReference the loop (fp32 axpys over the
-// rows of W, so each sum runs in k order).
-void linear_nn(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+// per head): kAuto/kFast through dnnl_sgemm, single-threaded (bf16 W, with
+// x rounded to bf16 as linear's contract: oneDNN's bf16 matmul on W in
+// place, or dnnl_sgemm on W widened where oneDNN has no bf16 kernel),
+// falling back to the loop if oneDNN refuses; kReference the loop (fp32
+// axpys over the rows of W, so each sum runs in k order).
+void linear_nn(const float* x, int64_t ldx, Weight w, int64_t ldw, float* y, int64_t ldy,
                int64_t rows, int64_t out_features, int64_t in_features, Backend backend);
+inline void linear_nn(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+                      int64_t ldy, int64_t rows, int64_t out_features, int64_t in_features,
+                      Backend backend) {
+  linear_nn(x, ldx, Weight{w, DType::kF32}, ldw, y, ldy, rows, out_features, in_features, backend);
+}
 
 // The GEMM behind the fast backend, oneDNN's implementation and the ISA it
-// runs, for reports, e.g. "oneDNN 2.6.3 matmul brg:avx512_core
-// (avx512_core_bf16)". Not affected by ATTNKIT_BACKEND.
+// runs, and what runs bf16 weights, for reports, e.g. "oneDNN 2.6.3 matmul
+// brg:avx512_core (avx512_core_amx), bf16 weights
+// brg:avx512_core_amx_bf16". Not affected by ATTNKIT_BACKEND.
 const char* linear_backend_name();
 
 // RMSNorm over the last dimension, in double:

@@ -89,12 +89,12 @@ void project(const TensorView& x, const Tensor& w, const Tensor& bias, const Ten
   const kernels::LinearOptions opt{
       .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = gemv_for_one_row};
   if (one_call) {
-    kernels::linear(x.ptr<const float>(), ldx, w.ptr<const float>(), bias.ptr<const float>(),
+    kernels::linear(x.ptr<const float>(), ldx, kernels::weight_of(w), bias.ptr<const float>(),
                     y.ptr<float>(), ldy, batch * seq, outf, in, opt);
     return;
   }
   for (int64_t b = 0; b < batch; ++b)
-    kernels::linear(x.ptr<const float>() + b * x.strides[0], x.strides[1], w.ptr<const float>(),
+    kernels::linear(x.ptr<const float>() + b * x.strides[0], x.strides[1], kernels::weight_of(w),
                     bias.ptr<const float>(), y.ptr<float>() + b * y.strides[0], y.strides[1], seq,
                     outf, in, opt);
 }
@@ -138,13 +138,13 @@ Status AttentionLayer::load_weights(const WeightMap& weights, std::string_view p
   // Staged, and moved into the layer only when every weight validated.
   Tensor wq, wk, wv, wo, bq, bk, bv, bo, qn, kn;
   ATTNKIT_RETURN_IF_ERROR(
-      w.load("q_proj.weight", {q_out, hidden}, "num_heads*head_dim, hidden_size", &wq));
+      w.load_matrix("q_proj.weight", {q_out, hidden}, "num_heads*head_dim, hidden_size", &wq));
   ATTNKIT_RETURN_IF_ERROR(
-      w.load("k_proj.weight", {kv_out, hidden}, "num_kv_heads*head_dim, hidden_size", &wk));
+      w.load_matrix("k_proj.weight", {kv_out, hidden}, "num_kv_heads*head_dim, hidden_size", &wk));
   ATTNKIT_RETURN_IF_ERROR(
-      w.load("v_proj.weight", {kv_out, hidden}, "num_kv_heads*head_dim, hidden_size", &wv));
+      w.load_matrix("v_proj.weight", {kv_out, hidden}, "num_kv_heads*head_dim, hidden_size", &wv));
   ATTNKIT_RETURN_IF_ERROR(
-      w.load("o_proj.weight", {hidden, q_out}, "hidden_size, num_heads*head_dim", &wo));
+      w.load_matrix("o_proj.weight", {hidden, q_out}, "hidden_size, num_heads*head_dim", &wo));
   if (c.qkv_bias) {
     ATTNKIT_RETURN_IF_ERROR(w.load("q_proj.bias", {q_out}, "num_heads*head_dim", &bq));
     ATTNKIT_RETURN_IF_ERROR(w.load("k_proj.bias", {kv_out}, "num_kv_heads*head_dim", &bk));

@@ -127,26 +127,27 @@ Status LatentAttention::load_weights(const WeightMap& weights, std::string_view 
   Weights staged;  // swapped in only when everything loaded
   if (dq > 0) {
     ATTNKIT_RETURN_IF_ERROR(
-        loader.load("q_a_proj.weight", {dq, d}, "q_lora_rank, hidden_size", &staged.q_a));
+        loader.load_matrix("q_a_proj.weight", {dq, d}, "q_lora_rank, hidden_size", &staged.q_a));
     ATTNKIT_RETURN_IF_ERROR(
         loader.load("q_a_layernorm.weight", {dq}, "q_lora_rank", &staged.q_a_norm));
-    ATTNKIT_RETURN_IF_ERROR(loader.load(
+    ATTNKIT_RETURN_IF_ERROR(loader.load_matrix(
         "q_b_proj.weight", {H * dqk, dq},
         "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim), q_lora_rank", &staged.q_b));
   } else {
-    ATTNKIT_RETURN_IF_ERROR(loader.load(
+    ATTNKIT_RETURN_IF_ERROR(loader.load_matrix(
         "q_proj.weight", {H * dqk, d},
         "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim), hidden_size", &staged.q));
   }
-  ATTNKIT_RETURN_IF_ERROR(loader.load("kv_a_proj_with_mqa.weight", {dc + dr, d},
-                                      "kv_lora_rank+qk_rope_head_dim, hidden_size", &staged.kv_a));
+  ATTNKIT_RETURN_IF_ERROR(loader.load_matrix("kv_a_proj_with_mqa.weight", {dc + dr, d},
+                                             "kv_lora_rank+qk_rope_head_dim, hidden_size",
+                                             &staged.kv_a));
   ATTNKIT_RETURN_IF_ERROR(
       loader.load("kv_a_layernorm.weight", {dc}, "kv_lora_rank", &staged.kv_a_norm));
-  ATTNKIT_RETURN_IF_ERROR(
-      loader.load("kv_b_proj.weight", {H * (dn + dv), dc},
-                  "num_attention_heads*(qk_nope_head_dim+v_head_dim), kv_lora_rank", &staged.kv_b));
-  ATTNKIT_RETURN_IF_ERROR(loader.load("o_proj.weight", {d, H * dv},
-                                      "hidden_size, num_attention_heads*v_head_dim", &staged.o));
+  ATTNKIT_RETURN_IF_ERROR(loader.load_matrix(
+      "kv_b_proj.weight", {H * (dn + dv), dc},
+      "num_attention_heads*(qk_nope_head_dim+v_head_dim), kv_lora_rank", &staged.kv_b));
+  ATTNKIT_RETURN_IF_ERROR(loader.load_matrix(
+      "o_proj.weight", {d, H * dv}, "hidden_size, num_attention_heads*v_head_dim", &staged.o));
   ATTNKIT_RETURN_IF_ERROR(loader.finish());
   w_ = std::move(staged);
   loaded_ = true;
@@ -400,7 +401,7 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
   prm.scale = static_cast<float>(softmax_scale_);
   prm.causal = true;
   prm.num_threads = run.num_threads;
-  const float* kv_b = w_.kv_b.ptr<float>();
+  const kernels::Weight kv_b = kernels::weight_of(w_.kv_b);
 
   if (chosen == MlaForm::kNaive) {
     // Latent rows as f32, [B, S, d_c + d_r] with batch stride lat_bs.
@@ -430,8 +431,8 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
       const float* lb = latent + b * lat_bs;
       float* kb = kvh.data() + b * S * H * wh;
       for (int64_t h = 0; h < H; ++h) {
-        const float* w_uk = kv_b + h * (dn + dv) * dc;  // [d_n, d_c]
-        const float* w_uv = w_uk + dn * dc;             // [d_v, d_c]
+        const kernels::Weight w_uk = kv_b.at(h * (dn + dv) * dc);  // [d_n, d_c]
+        const kernels::Weight w_uv = w_uk.at(dn * dc);             // [d_v, d_c]
         kernels::linear(lb, dkv, w_uk, nullptr, kb + h * wh, H * wh, S, dn, dc, lin);
         kernels::linear(lb, dkv, w_uv, nullptr, kb + h * wh + dqk, H * wh, S, dv, dc, lin);
       }
@@ -478,7 +479,7 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
     expand_values(oa.data(), rows, o.data(), run, /*gemv_for_one_row=*/true);
   }
 
-  kernels::linear(o.data(), H * dv, w_.o.ptr<float>(), nullptr, out.ptr<float>(), d, rows, d,
+  kernels::linear(o.data(), H * dv, kernels::weight_of(w_.o), nullptr, out.ptr<float>(), d, rows, d,
                   H * dv, lin);
   if (cache) cache->length_ += T;
   return Status::Ok();
@@ -494,13 +495,14 @@ Status LatentAttention::project(const float* x, int64_t B, int64_t T,
   const kernels::LinearOptions lin{
       .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = gemv_for_one_row};
   if (dq > 0) {
-    kernels::linear(x, d, w_.q_a.ptr<float>(), nullptr, cq, dq, rows, dq, d, lin);
+    kernels::linear(x, d, kernels::weight_of(w_.q_a), nullptr, cq, dq, rows, dq, d, lin);
     kernels::rms_norm(cq, dq, w_.q_a_norm.ptr<float>(), cq, dq, rows, dq, c.rms_norm_eps);
-    kernels::linear(cq, dq, w_.q_b.ptr<float>(), nullptr, q, H * dqk, rows, H * dqk, dq, lin);
+    kernels::linear(cq, dq, kernels::weight_of(w_.q_b), nullptr, q, H * dqk, rows, H * dqk, dq,
+                    lin);
   } else {
-    kernels::linear(x, d, w_.q.ptr<float>(), nullptr, q, H * dqk, rows, H * dqk, d, lin);
+    kernels::linear(x, d, kernels::weight_of(w_.q), nullptr, q, H * dqk, rows, H * dqk, d, lin);
   }
-  kernels::linear(x, d, w_.kv_a.ptr<float>(), nullptr, kv_new, dkv, rows, dkv, d, lin);
+  kernels::linear(x, d, kernels::weight_of(w_.kv_a), nullptr, kv_new, dkv, rows, dkv, d, lin);
   // RMSNorm on the latent only; the rope key is not normalised.
   kernels::rms_norm(kv_new, dkv, w_.kv_a_norm.ptr<float>(), kv_new, dkv, rows, dc, c.rms_norm_eps);
 
@@ -526,9 +528,9 @@ void LatentAttention::absorb_queries(const float* q, int64_t rows, float* qa,
   const MlaConfig& c = config_;
   const int64_t H = c.num_attention_heads, dc = c.kv_lora_rank, dn = c.qk_nope_head_dim,
                 dr = c.qk_rope_head_dim, dv = c.v_head_dim, dqk = c.qk_head_dim(), dkv = dc + dr;
-  const float* kv_b = w_.kv_b.ptr<float>();
+  const kernels::Weight kv_b = kernels::weight_of(w_.kv_b);
   parallel_for(H, resolve_num_threads(run.num_threads), [&](int64_t h, int) {
-    const float* w_uk = kv_b + h * (dn + dv) * dc;  // [d_n, d_c]
+    const kernels::Weight w_uk = kv_b.at(h * (dn + dv) * dc);  // [d_n, d_c]
     kernels::linear_nn(q + h * dqk, H * dqk, w_uk, dc, qa + h * dkv, H * dkv, rows, dc, dn,
                        run.backend);
   });
@@ -546,9 +548,9 @@ void LatentAttention::expand_values(const float* oa, int64_t rows, float* o, con
                 dv = c.v_head_dim;
   const kernels::LinearOptions lin{
       .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = gemv_for_one_row};
-  const float* kv_b = w_.kv_b.ptr<float>();
+  const kernels::Weight kv_b = kernels::weight_of(w_.kv_b);
   for (int64_t h = 0; h < H; ++h) {
-    const float* w_uv = kv_b + (h * (dn + dv) + dn) * dc;  // [d_v, d_c]
+    const kernels::Weight w_uv = kv_b.at((h * (dn + dv) + dn) * dc);  // [d_v, d_c]
     kernels::linear(oa + h * dc, H * dc, w_uv, nullptr, o + h * dv, H * dv, rows, dv, dc, lin);
   }
 }
@@ -633,8 +635,8 @@ Status LatentAttention::forward_batch(const TensorView& x, std::span<const int32
   if (!st.ok()) return Status(st.code(), f + ": " + st.message());
   expand_values(oa.data(), total, o.data(), run, /*gemv_for_one_row=*/false);
   const kernels::LinearOptions lin{.num_threads = run.num_threads, .backend = run.backend};
-  kernels::linear(o.data(), H * dv, w_.o.ptr<float>(), nullptr, out.ptr<float>(), d, total, d,
-                  H * dv, lin);
+  kernels::linear(o.data(), H * dv, kernels::weight_of(w_.o), nullptr, out.ptr<float>(), d, total,
+                  d, H * dv, lin);
   return Status::Ok();
 }
 

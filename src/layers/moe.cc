@@ -72,8 +72,12 @@ int resolve_threads(int requested) {
 // any boundaries give the same bits, and there is one shard per thread.
 // Elsewhere (oneDNN's jit sgemm on AVX2) they would change the last bits
 // with the thread count, so they follow the shape alone: kShapeShards.
-int64_t shard_count(int64_t T, int threads, Backend backend) {
-  const int64_t wanted = kernels::linear_rows_independent(backend) ? threads : kShapeShards;
+// `weights` are the layer's, whose dtypes decide which GEMM runs.
+int64_t shard_count(int64_t T, int threads, Backend backend, const std::vector<Tensor>& weights) {
+  bool independent = true;
+  for (const Tensor& w : weights)
+    independent = independent && kernels::linear_rows_independent(backend, w.dtype());
+  const int64_t wanted = independent ? threads : kShapeShards;
   return std::max<int64_t>(1, std::min<int64_t>(wanted, T / kMinTokensPerShard));
 }
 
@@ -242,7 +246,7 @@ Status MoeLayer::load_weights(const WeightMap& weights, std::string_view prefix)
     if (s.cols == 0)
       ATTNKIT_RETURN_IF_ERROR(loader.load(s.name, {s.rows}, s.meaning, &staged[i]));
     else
-      ATTNKIT_RETURN_IF_ERROR(loader.load(s.name, {s.rows, s.cols}, s.meaning, &staged[i]));
+      ATTNKIT_RETURN_IF_ERROR(loader.load_matrix(s.name, {s.rows, s.cols}, s.meaning, &staged[i]));
   }
   ATTNKIT_RETURN_IF_ERROR(loader.finish());
   tensors_ = std::move(staged);
@@ -309,7 +313,7 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
   }
 
   const int threads = resolve_threads(run.num_threads);
-  const int64_t shards = shard_count(T, threads, run.backend);
+  const int64_t shards = shard_count(T, threads, run.backend, tensors_);
   const int64_t per_shard = (T + shards - 1) / shards;
   const int64_t inter_max = std::max(I, S);
 
@@ -361,7 +365,7 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
     ATTNKIT_ASSIGN_OR_RETURN(w, Tensor::zeros(DType::kF32, {work_elems}));
   }
 
-  const float* gate_w = tensors_[kGateIndex].ptr<const float>();
+  const kernels::Weight gate_w = kernels::weight_of(tensors_[kGateIndex]);
   const float* bias = has_score_bias(c) ? tensors_[kScoreBiasIndex].ptr<const float>() : nullptr;
 
   // Every projection runs on its shard's thread (one thread inside), on the
@@ -421,10 +425,10 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
       for (int64_t i = 0; i < n; ++i)
         std::copy_n(xrows + (slots[static_cast<size_t>(begin + i)] / K) * ldx, H, xb + i * H);
       const size_t w = expert_index(c, e);
-      kernels::linear(xb, H, tensors_[w].ptr<const float>(), nullptr, g, I, n, I, H, lin);
-      kernels::linear(xb, H, tensors_[w + 1].ptr<const float>(), nullptr, u, I, n, I, H, lin);
+      kernels::linear(xb, H, kernels::weight_of(tensors_[w]), nullptr, g, I, n, I, H, lin);
+      kernels::linear(xb, H, kernels::weight_of(tensors_[w + 1]), nullptr, u, I, n, I, H, lin);
       swiglu(g, u, n * I);
-      kernels::linear(g, I, tensors_[w + 2].ptr<const float>(), nullptr, y, H, n, H, I, lin);
+      kernels::linear(g, I, kernels::weight_of(tensors_[w + 2]), nullptr, y, H, n, H, I, lin);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t q = slots[static_cast<size_t>(begin + i)];
         const float wt = r.weights[static_cast<size_t>(q)];
@@ -437,10 +441,10 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
     if (S > 0) {
       const size_t w = shared_index(c);
       const float* xs = xrows + t0 * ldx;
-      kernels::linear(xs, ldx, tensors_[w].ptr<const float>(), nullptr, g, S, nt, S, H, lin);
-      kernels::linear(xs, ldx, tensors_[w + 1].ptr<const float>(), nullptr, u, S, nt, S, H, lin);
+      kernels::linear(xs, ldx, kernels::weight_of(tensors_[w]), nullptr, g, S, nt, S, H, lin);
+      kernels::linear(xs, ldx, kernels::weight_of(tensors_[w + 1]), nullptr, u, S, nt, S, H, lin);
       swiglu(g, u, nt * S);
-      kernels::linear(g, S, tensors_[w + 2].ptr<const float>(), nullptr, y, H, nt, H, S, lin);
+      kernels::linear(g, S, kernels::weight_of(tensors_[w + 2]), nullptr, y, H, nt, H, S, lin);
       for (int64_t i = 0; i < nt * H; ++i) acc[i] += y[i];
     }
     float* od = out.ptr<float>();

@@ -153,6 +153,35 @@ TEST(WeightLoader, StridedAndUnalignedSources) {
     for (int j = 0; j < 3; ++j) EXPECT_EQ(t.ptr<float>()[r * 3 + j], want[j]);
 }
 
+// copy_weight_keep_bf16 (projection matrices): a bf16 source, strided and
+// unaligned, is kept as bf16 bit for bit; every other dtype becomes f32 as
+// copy_weight_f32 makes it.
+TEST(WeightLoader, KeepBf16KeepsBf16AndConvertsTheRest) {
+  std::vector<unsigned char> raw(1 + 2 * 6);
+  const uint16_t b[6] = {0x3f80, 0xc000, 0x0001, 0x7fc1, 0xff80, 0x1234};
+  std::memcpy(raw.data() + 1, b, sizeof b);
+  TensorView bv;  // [3, 2] as the transpose of the buffer's [2, 3]
+  bv.data = raw.data() + 1;
+  bv.dtype = DType::kBF16;
+  bv.rank = 2;
+  bv.shape = {3, 2, 0, 0};
+  bv.strides = {1, 3, 0, 0};
+  std::vector<uint16_t> h = {0x3c00, 0xc000};  // f16 1, -2
+  WeightMap w{{"b", bv}, {"h", make_view(h.data(), DType::kF16, {2})}};
+  Tensor t;
+  ASSERT_TRUE(io::copy_weight_keep_bf16(w, "", "b", {3, 2}, "", kFn, &t).ok());
+  ASSERT_EQ(t.dtype(), DType::kBF16);
+  for (int i = 0; i < 3; ++i)
+    for (int j = 0; j < 2; ++j) EXPECT_EQ(t.ptr<bf16>()[i * 2 + j].bits, b[j * 3 + i]);
+  ASSERT_TRUE(io::copy_weight_keep_bf16(w, "", "h", {2}, "", kFn, &t).ok());
+  ASSERT_EQ(t.dtype(), DType::kF32);
+  EXPECT_EQ(t.ptr<float>()[0], 1.0f);
+  EXPECT_EQ(t.ptr<float>()[1], -2.0f);
+  // Rules and messages are copy_weight_f32's.
+  EXPECT_EQ(io::copy_weight_keep_bf16(w, "", "b", {2, 3}, "", kFn, &t).message(),
+            copy_weight_f32(w, "", "b", {2, 3}, "", kFn, &t).message());
+}
+
 TEST(WeightLoader, RankZeroAndEmpty) {
   const float x = 3.0f;
   TensorView scalar;

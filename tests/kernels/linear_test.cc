@@ -11,6 +11,11 @@
 //   gamma(n) = n u / (1 - n u), u = 2^-24,
 // of the exact value, so a correct kernel can never exceed it, and a wrong
 // index or a lost term exceeds it by orders of magnitude.
+//
+// bf16 weights: the contract rounds x to bf16 before the product, and every
+// product of two bf16 values is exact in fp32, so the same bound holds
+// around sum_k bf16(x[m, k]) w[n, k]. A kernel that skipped the rounding
+// would be off by up to 2^-9 sum_k |x w|, hundreds of times the bound.
 #include "kernels/linear.h"
 
 #include <gtest/gtest.h>
@@ -43,11 +48,13 @@ struct Case {
   int64_t offset = 0;            // misaligns x and y by this many floats
   bool bias = false;
   uint64_t seed = 1;
+  DType weight = DType::kF32;  // or kBF16
 
   std::string describe() const {
     std::ostringstream s;
     s << "rows=" << rows << " out=" << out << " in=" << in << " x_pad=" << x_pad
-      << " y_pad=" << y_pad << " offset=" << offset << " bias=" << bias << " seed=" << seed;
+      << " y_pad=" << y_pad << " offset=" << offset << " bias=" << bias << " seed=" << seed
+      << " weight=" << dtype_name(weight);
     return s.str();
   }
 };
@@ -57,16 +64,30 @@ struct Case {
 struct Data {
   Case c;
   int64_t ldx, ldy;
-  std::vector<float> xbuf, w, b, ybuf;
+  std::vector<float> xbuf, w, b, ybuf;  // w: the weights' values (bf16's, widened)
+  std::vector<bf16> wb;                 // the weights as bf16, for kBF16
+  std::vector<double> xused;            // xbuf as the product sees it (rounded for kBF16)
   const float* x() const { return xbuf.data() + c.offset; }
   float* y() { return ybuf.data() + c.offset; }
   const float* bias() const { return c.bias ? b.data() : nullptr; }
+  Weight weight() const {
+    return c.weight == DType::kBF16 ? Weight{wb.data(), DType::kBF16} : Weight{w.data()};
+  }
+  // x[i] as the product sees it: rounded to bf16 for bf16 weights.
+  double x_used(int64_t i) const { return xused[static_cast<size_t>(c.offset + i)]; }
 
   explicit Data(const Case& cs) : c(cs), ldx(cs.in + cs.x_pad), ldy(cs.out + cs.y_pad) {
     attnkit_test::Rng rng(cs.seed);
     xbuf = attnkit_test::uniform_vector(static_cast<size_t>(c.offset + c.rows * ldx), rng);
     w = attnkit_test::uniform_vector(static_cast<size_t>(c.out * c.in), rng);
     b = attnkit_test::uniform_vector(static_cast<size_t>(c.out), rng);
+    if (c.weight == DType::kBF16)
+      for (float& v : w) {
+        wb.push_back(float_to_bf16(v));
+        v = bf16_to_float(wb.back());
+      }
+    for (float v : xbuf)
+      xused.push_back(c.weight == DType::kBF16 ? attnkit_test::round_bf16(v) : v);
     reset_y();
   }
   void reset_y() {
@@ -86,7 +107,7 @@ struct Data {
     for (int64_t n = 0; n < c.out; ++n) {
       double exact = 0.0, magnitude = 0.0;
       for (int64_t k = 0; k < c.in; ++k) {
-        const double p = static_cast<double>(d.x()[m * d.ldx + k]) * d.w[n * c.in + k];
+        const double p = d.x_used(m * d.ldx + k) * d.w[n * c.in + k];
         exact += p;
         magnitude += std::fabs(p);
       }
@@ -122,7 +143,7 @@ struct Data {
 }
 
 void run(Data& d, int threads, Backend backend, bool gemv = false) {
-  linear(d.x(), d.ldx, d.w.data(), d.bias(), d.y(), d.ldy, d.c.rows, d.c.out, d.c.in,
+  linear(d.x(), d.ldx, d.weight(), d.bias(), d.y(), d.ldy, d.c.rows, d.c.out, d.c.in,
          {.num_threads = threads, .backend = backend, .gemv_for_one_row = gemv});
 }
 
@@ -252,6 +273,67 @@ TEST(Linear, RowsDoNotDependOnTheOtherRowsWhereSaid) {
   }
 }
 
+// bf16 weights (kept as bf16 by the layers): both backends at 1-3 threads
+// on edge sizes, strides and misaligned pointers, the block grid's shapes
+// and random ones, within the bound around the bf16-rounded x.
+TEST(LinearBf16, EdgeSizesStridesAndTheBlockGrid) {
+  std::printf("bf16 weights: %s\n", linear_backend_name());
+  uint64_t seed = 2000;
+  std::vector<Case> cases;
+  for (int64_t rows : {1, 2, 7})
+    for (int64_t out : {1, 17, 65})
+      for (int64_t in : {1, 2, 9, 33}) cases.push_back({rows, out, in, 0, 0, 0, in % 2 == 1});
+  for (int64_t rows : {1, 5, 40})
+    for (int64_t x_pad : {0, 13}) cases.push_back({rows, 37, 29, x_pad, 3, 1, true});
+  for (const Case& c : {Case{1, 4099, 1031, 0, 0, 0, true}, Case{16, 2051, 256, 0, 0, 0, true},
+                        Case{13, 1000, 517, 3, 5, 0, false}, Case{600, 300, 67, 0, 0, 0, true},
+                        Case{3, 64, 16384, 0, 0, 0, true}})
+    cases.push_back(c);
+  attnkit_test::Rng pick(78);
+  for (int i = 0; i < 12; ++i)
+    cases.push_back({pick.integer(1, pick.coin(0.3) ? 300 : 20),
+                     pick.integer(1, pick.coin(0.3) ? 600 : 90),
+                     pick.integer(1, pick.coin(0.2) ? 1000 : 150), pick.coin() ? 3 : 0,
+                     pick.coin() ? 2 : 0, pick.integer(0, 1), pick.coin()});
+  for (Case c : cases) {
+    c.seed = seed++;
+    c.weight = DType::kBF16;
+    check_case(c);
+  }
+}
+
+// bf16 weights give the same bits for any thread count, and, where
+// linear_rows_independent(backend, kBF16) says so, for any row grouping.
+TEST(LinearBf16, ThreadCountsAndRowGroupsChangeNoBits) {
+  EXPECT_TRUE(linear_rows_independent(Backend::kReference, DType::kBF16));
+  for (const Case& c : {Case{20, 32, 32, 0, 0, 0, false, 320, DType::kBF16},
+                        Case{1, 3000, 700, 0, 0, 0, true, 321, DType::kBF16},
+                        Case{600, 700, 300, 3, 0, 0, true, 322, DType::kBF16},
+                        Case{40, 2100, 1100, 0, 2, 1, false, 323, DType::kBF16}}) {
+    for (Backend backend : {Backend::kFast, Backend::kReference}) {
+      Data d(c);
+      run(d, 1, backend);
+      const std::vector<float> one = d.ybuf;
+      for (int threads : {2, 3}) {
+        d.reset_y();
+        run(d, threads, backend);
+        EXPECT_EQ(0, std::memcmp(one.data(), d.ybuf.data(), one.size() * sizeof(float)))
+            << c.describe() << " at " << threads << " threads";
+      }
+      if (!linear_rows_independent(backend, DType::kBF16)) continue;
+      for (int64_t group : {1, 7, 257}) {
+        d.reset_y();
+        for (int64_t r0 = 0; r0 < c.rows; r0 += group)
+          linear(d.x() + r0 * d.ldx, d.ldx, d.weight(), d.bias(), d.y() + r0 * d.ldy, d.ldy,
+                 std::min(group, c.rows - r0), c.out, c.in, {.backend = backend});
+        EXPECT_EQ(0, std::memcmp(one.data(), d.ybuf.data(), one.size() * sizeof(float)))
+            << c.describe() << " in groups of " << group
+            << (backend == Backend::kFast ? " fast" : " reference");
+      }
+    }
+  }
+}
+
 // The reference backend is the loop twin, bit for bit.
 TEST(Linear, ReferenceBackendIsTheLoop) {
   Data d({5, 41, 23, 2, 3, 1, true, 401});
@@ -326,17 +408,26 @@ TEST(Linear, BackendNameSaysWhichGemm) {
 // nothing written outside y's [rows, out] elements.
 TEST(LinearNN, RandomShapesAndStrides) {
   attnkit_test::Rng rng(77);
-  for (int trial = 0; trial < 40; ++trial) {
+  for (int trial = 0; trial < 60; ++trial) {
     const int64_t rows = rng.integer(1, 9), out = rng.integer(1, 70), in = rng.integer(1, 150);
     const int64_t ldx = in + rng.integer(0, 3), ldw = out + rng.integer(0, 5),
                   ldy = out + rng.integer(0, 4);
     const std::vector<float> x = attnkit_test::uniform_vector(size_t(rows * ldx), rng);
-    const std::vector<float> w = attnkit_test::uniform_vector(size_t(in * ldw), rng);
+    std::vector<float> w = attnkit_test::uniform_vector(size_t(in * ldw), rng);
+    // Odd trials: bf16 W (x then rounded to bf16 by the contract).
+    const bool bf16w = trial % 2 == 1;
+    std::vector<bf16> wb;
+    if (bf16w)
+      for (float& v : w) {
+        wb.push_back(float_to_bf16(v));
+        v = bf16_to_float(wb.back());
+      }
+    const Weight weight = bf16w ? Weight{wb.data(), DType::kBF16} : Weight{w.data()};
     for (Backend backend : {Backend::kFast, Backend::kReference}) {
       std::vector<float> y(size_t(rows * ldy), kSentinel);
       for (int64_t m = 0; m < rows; ++m)
         for (int64_t n = 0; n < out; ++n) y[size_t(m * ldy + n)] = kNaN;  // beta 0: never read
-      linear_nn(x.data(), ldx, w.data(), ldw, y.data(), ldy, rows, out, in, backend);
+      linear_nn(x.data(), ldx, weight, ldw, y.data(), ldy, rows, out, in, backend);
       for (int64_t m = 0; m < rows; ++m)
         for (int64_t n = 0; n < ldy; ++n) {
           const float got = y[size_t(m * ldy + n)];
@@ -346,15 +437,17 @@ TEST(LinearNN, RandomShapesAndStrides) {
           }
           double exact = 0.0, magnitude = 0.0;
           for (int64_t k = 0; k < in; ++k) {
-            const double p = double(x[size_t(m * ldx + k)]) * w[size_t(k * ldw + n)];
+            const float xv = x[size_t(m * ldx + k)];
+            const double p =
+                double(bf16w ? attnkit_test::round_bf16(xv) : xv) * w[size_t(k * ldw + n)];
             exact += p;
             magnitude += std::fabs(p);
           }
           const double nu = double(in + 1) * kU;
           ASSERT_LE(std::fabs(got - exact), nu / (1.0 - nu) * magnitude)
-              << (backend == Backend::kFast ? "fast" : "reference") << " rows=" << rows
-              << " out=" << out << " in=" << in << " y[" << m << ", " << n << "] = " << got
-              << ", exact " << exact;
+              << (backend == Backend::kFast ? "fast" : "reference") << (bf16w ? " bf16" : "")
+              << " rows=" << rows << " out=" << out << " in=" << in << " y[" << m << ", " << n
+              << "] = " << got << ", exact " << exact;
         }
     }
   }

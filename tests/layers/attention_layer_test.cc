@@ -14,6 +14,9 @@
 //   o_proj      as a projection of o with e_o
 // and the test allows twice the result for second-order terms. A wrong
 // pairing, position, head mapping, bias, norm or mask is off by O(0.1).
+// With bf16 projection weights, each projection rounds its input to bf16
+// first (kernels/linear.h): the reference then adds u_bf16 = 2^-9 of each
+// input's magnitude (and of its carried error) to the input's error.
 #include "attnkit/attention_layer.h"
 
 #include <gtest/gtest.h>
@@ -42,6 +45,7 @@ using attnkit::TensorView;
 using attnkit_test::Rng;
 
 constexpr double kU = 0x1p-24;
+constexpr double kUBf16 = 0x1p-9;  // bf16's unit roundoff
 double gamma(int64_t n) { return double(n) * kU / (1.0 - double(n) * kU); }
 
 // ---- configs, as a checkpoint's config.json would give them -------------
@@ -182,6 +186,13 @@ Stage exact(const std::vector<float>& x) {
   return {attnkit_test::widen(x), std::vector<double>(x.size(), 0.0)};
 }
 
+// The input of a projection with bf16 weights: rounded to bf16, which
+// moves it by at most u_bf16 times its computed magnitude.
+Stage rounded_to_bf16(Stage s) {
+  for (size_t i = 0; i < s.y.size(); ++i) s.err[i] += kUBf16 * (std::fabs(s.y[i]) + s.err[i]);
+  return s;
+}
+
 // Per-head RMSNorm in place, rows of `dim`: n_i = y_i / r * g_i with
 // r = sqrt(mean(y^2) + eps); |dr| <= ||dy||_2 / sqrt(dim), so
 // |dn_i| <= |g_i| (e_i / r + |y_i| |dr| / r^2), plus one f32 rounding.
@@ -243,11 +254,13 @@ struct Reference {
 Reference reference_layer(const AttentionConfig& c, const Weights& w, const std::vector<float>& xq,
                           const std::vector<float>& xk, const std::vector<float>& xv, int64_t B,
                           int64_t Sq, int64_t Sk, const std::vector<int64_t>& pos_q,
-                          const std::vector<int64_t>& pos_k, attnkit_test::OracleOptions attn) {
+                          const std::vector<int64_t>& pos_k, attnkit_test::OracleOptions attn,
+                          bool bf16_weights = false) {
   const int64_t d = c.hidden_size, H = c.num_heads, Hkv = c.num_kv_heads, D = c.head_dim;
-  Stage q = linear_ref(exact(xq), B * Sq, d, w.wq, w.bq, H * D);
-  Stage k = linear_ref(exact(xk), B * Sk, d, w.wk, w.bk, Hkv * D);
-  Stage v = linear_ref(exact(xv), B * Sk, d, w.wv, w.bv, Hkv * D);
+  const auto input = [&](Stage s) { return bf16_weights ? rounded_to_bf16(std::move(s)) : s; };
+  Stage q = linear_ref(input(exact(xq)), B * Sq, d, w.wq, w.bq, H * D);
+  Stage k = linear_ref(input(exact(xk)), B * Sk, d, w.wk, w.bk, Hkv * D);
+  Stage v = linear_ref(input(exact(xv)), B * Sk, d, w.wv, w.bv, Hkv * D);
   if (c.qk_norm) {
     rms_norm_ref(q, D, w.qn, c.rms_norm_eps);
     rms_norm_ref(k, D, w.kn, c.rms_norm_eps);
@@ -324,7 +337,7 @@ Reference reference_layer(const AttentionConfig& c, const Weights& w, const std:
         }
       }
     }
-  Stage y = linear_ref(o, B * Sq, H * D, w.wo, w.bo, d);
+  Stage y = linear_ref(input(std::move(o)), B * Sq, H * D, w.wo, w.bo, d);
   for (double& e : y.err) e *= 2.0;
   return {y.y, y.err, r.probs, probs_bound};
 }
@@ -358,11 +371,12 @@ Reference reference_layer(const AttentionConfig& c, const Weights& w, const std:
 
 // forward(): self-attention with the config's mask.
 Reference reference_forward(const AttentionConfig& c, const Weights& w, const std::vector<float>& x,
-                            int64_t B, int64_t T, const std::vector<int64_t>& pos) {
+                            int64_t B, int64_t T, const std::vector<int64_t>& pos,
+                            bool bf16_weights = false) {
   attnkit_test::OracleOptions o;
   o.causal = c.causal;
   o.window_left = c.sliding_window > 0 ? c.sliding_window - 1 : -1;
-  return reference_layer(c, w, x, x, x, B, T, T, pos, pos, o);
+  return reference_layer(c, w, x, x, x, B, T, T, pos, pos, o, bf16_weights);
 }
 
 std::vector<int64_t> iota_positions(int64_t B, int64_t T, int64_t start = 0) {
@@ -587,6 +601,80 @@ TEST(AttentionLayerPaged, MismatchedPoolsAndStepsAreRejected) {
       << st.message();
   for (float o : out) ASSERT_EQ(o, -2.0f);
   EXPECT_EQ(pool.written(b, 0).value(), 0);
+}
+
+// ---- bf16 weights ----------------------------------------------------------
+
+// The four projections as bf16 (w's matrices rounded to bf16 in place, so
+// the reference uses the values the layer holds); biases and norms f32.
+attnkit::WeightMap bf16_weight_map(Weights& w, const AttentionConfig& c,
+                                   std::vector<std::vector<attnkit::bf16>>* store) {
+  attnkit::WeightMap m = weight_map(w, c, "");
+  const std::pair<const char*, std::vector<float>*> matrices[] = {{"q_proj.weight", &w.wq},
+                                                                  {"k_proj.weight", &w.wk},
+                                                                  {"v_proj.weight", &w.wv},
+                                                                  {"o_proj.weight", &w.wo}};
+  for (const auto& [name, values] : matrices) {
+    store->emplace_back();
+    for (float& v : *values) {
+      store->back().push_back(attnkit::float_to_bf16(v));
+      v = attnkit::bf16_to_float(store->back().back());
+    }
+    TensorView view = m.at(name);
+    view.data = store->back().data();
+    view.dtype = DType::kBF16;
+    m[name] = view;
+  }
+  return m;
+}
+
+TEST(AttentionLayerBf16, KeepsBf16WeightsAndMatchesTheReference) {
+  const int64_t B = 2, T = 9;
+  uint64_t seed = 1300;
+  for (const auto& [name, c] : all_configs()) {
+    SCOPED_TRACE(name);
+    auto layer = AttentionLayer::create(c).value();
+    Rng rng(seed++);
+    Weights w = random_weights(c, rng);
+    std::vector<std::vector<attnkit::bf16>> store;
+    ASSERT_TRUE(layer.load_weights(bf16_weight_map(w, c, &store)).ok());
+    // Kept as loaded: bf16 matrices (half an f32 copy's bytes), f32 vectors.
+    const char* matrices[] = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"};
+    for (size_t i = 0; i < 4; ++i) {
+      const TensorView v = layer.weight(matrices[i]).value();
+      EXPECT_EQ(v.dtype, DType::kBF16) << matrices[i];
+      EXPECT_EQ(0, std::memcmp(v.data, store[i].data(), store[i].size() * sizeof(attnkit::bf16)))
+          << matrices[i];
+    }
+    if (c.qkv_bias) {
+      EXPECT_EQ(layer.weight("q_proj.bias")->dtype, DType::kF32);
+    }
+
+    std::vector<float> x = attnkit_test::uniform_vector(size_t(B * T * c.hidden_size), rng);
+    std::vector<float> out(x.size(), -9.0f);
+    ASSERT_TRUE(layer.forward(view3(x, B, T, c.hidden_size), view3(out, B, T, c.hidden_size)).ok());
+    const Reference ref =
+        reference_forward(c, w, x, B, T, iota_positions(B, T), /*bf16_weights=*/true);
+    EXPECT_TRUE(within("forward", out, ref.out, ref.out_bound));
+
+    // forward_batch over a pool: each sequence against its own reference.
+    std::vector<std::vector<float>> xs(3), outs;
+    std::vector<int64_t> lengths(3, 0);
+    for (const auto& step : kBatchSteps)
+      for (size_t s = 0; s < 3; ++s) lengths[s] += step[s];
+    for (size_t s = 0; s < 3; ++s)
+      xs[s] = attnkit_test::uniform_vector(size_t(lengths[s] * c.hidden_size), rng);
+    auto pool = layer.new_paged_cache(40, 4).value();
+    attnkit_test::run_batch_steps(
+        pool, c.hidden_size, xs, kBatchSteps, &outs,
+        [&](const TensorView& xv, std::span<const int32_t> cu, std::span<const int64_t> ids,
+            const TensorView& ov) { return layer.forward_batch(xv, cu, ids, pool, 0, ov); });
+    for (size_t s = 0; s < 3; ++s) {
+      const Reference r = reference_forward(c, w, xs[s], 1, lengths[s],
+                                            iota_positions(1, lengths[s]), /*bf16_weights=*/true);
+      EXPECT_TRUE(within("forward_batch", outs[s], r.out, r.out_bound)) << "sequence " << s;
+    }
+  }
 }
 
 TEST(AttentionLayerCache, NewCacheMatchesLayer) {

@@ -488,6 +488,72 @@ TEST(LatentAttention, ForwardBatchOverPagesMatchesEachSequenceAlone) {
     }
 }
 
+// bf16 projection weights are kept as bf16 (no f32 copy) and both forms,
+// both backends and forward_batch track the float64 model run with the
+// same bf16 values. Each projection rounds its input to bf16 (2^-9
+// relative, kernels/linear.h); a token's path crosses at most five of them
+// (q_a, q_b, kv_a, kv_b's W_UK or W_UV, o), so its output moves by a few
+// times 5 x 2^-9 ~ 1e-2 of the output scale at most: 2e-2. A wrong weight,
+// split or dtype is off by O(0.1) or more.
+TEST(LatentAttention, Bf16WeightsAreKeptAndTrackReference) {
+  for (bool q_lora : {true, false}) {
+    SCOPED_TRACE(q_lora ? "q_lora" : "q_proj");
+    MlaConfig cfg = small_config(q_lora, true);
+    RefWeights w = random_weights(cfg, 60 + q_lora);
+    WeightMap m = weight_map(cfg, w);
+    std::vector<std::vector<bf16>> store;
+    for (auto& [name, view] : m) {
+      if (view.rank != 2) continue;  // the norms stay f32
+      std::vector<float>* values = name == "q_a_proj.weight"             ? &w.q_a
+                                   : name == "q_b_proj.weight"           ? &w.q_b
+                                   : name == "q_proj.weight"             ? &w.q
+                                   : name == "kv_a_proj_with_mqa.weight" ? &w.kv_a
+                                   : name == "kv_b_proj.weight"          ? &w.kv_b
+                                                                         : &w.o;
+      store.emplace_back();
+      for (float& v : *values) {
+        store.back().push_back(float_to_bf16(v));
+        v = bf16_to_float(store.back().back());  // the reference uses the kept values
+      }
+      view.data = store.back().data();
+      view.dtype = DType::kBF16;
+    }
+    auto layer = LatentAttention::create(cfg).value();
+    ASSERT_TRUE(layer.load_weights(m).ok());
+    EXPECT_EQ(layer.weight("kv_b_proj.weight")->dtype, DType::kBF16);
+    EXPECT_EQ(layer.weight("o_proj.weight")->dtype, DType::kBF16);
+    EXPECT_EQ(layer.weight("kv_a_layernorm.weight")->dtype, DType::kF32);
+
+    const int64_t B = 2, S = 8, d = cfg.hidden_size;
+    Rng rng(61);
+    const std::vector<float> x = attnkit_test::uniform_vector(size_t(B * S * d), rng);
+    const RefOut ref = reference(cfg, w, x, B, S, iota(S));
+    for (Backend backend : {Backend::kReference, Backend::kAuto})
+      for (MlaForm form : {MlaForm::kNaive, MlaForm::kAbsorbed}) {
+        std::vector<float> out(x.size(), 0.0f);
+        RunOptions run;
+        run.backend = backend;
+        auto cache = layer.new_cache(B, S).value();
+        ASSERT_TRUE(layer
+                        .forward(make_view(x.data(), DType::kF32, {B, S, d}),
+                                 make_view(out.data(), DType::kF32, {B, S, d}), {}, &cache, run,
+                                 form)
+                        .ok());
+        EXPECT_TRUE(rel_close(std::string("bf16 weights, ") + mla_form_name(form) +
+                                  (backend == Backend::kReference ? ", reference" : ", auto"),
+                              out.data(), ref.out.data(), out.size(), 2e-2));
+      }
+    auto pool = layer.new_paged_cache(10, 4).value();
+    std::vector<std::vector<float>> xs = {std::vector<float>(x.begin(), x.begin() + S * d)}, outs;
+    attnkit_test::run_batch_steps(
+        pool, d, xs, {{3}, {1}, {4}}, &outs,
+        [&](const TensorView& xv, std::span<const int32_t> cu, std::span<const int64_t> ids,
+            const TensorView& ov) { return layer.forward_batch(xv, cu, ids, pool, 0, ov); });
+    EXPECT_TRUE(rel_close("bf16 weights, forward_batch", outs[0].data(), ref.out.data(),
+                          outs[0].size(), 2e-2));
+  }
+}
+
 // A cache rebuilt from saved rows continues exactly like the original.
 TEST(LatentAttention, AppendedRowsRestoreACache) {
   Fixture fx = make(true, true, 61);

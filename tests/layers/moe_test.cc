@@ -120,11 +120,15 @@ struct Oracle {
   std::vector<double> weights;  // [T, K]
   std::vector<int64_t> counts;  // [E]
   double min_margin = kInf;     // smallest top-k / group decision gap
+  // bf16 weights only: per output element, what rounding the down
+  // projection's input to bf16 may move it by (see oracle()).
+  std::vector<double> bf16_bound;  // [T, H]
 };
 
 // down(silu(gate x) * up x) in double; w_gate/w_up [I, H], w_down [H, I].
+// mag, if given, receives sum_i |w_down[d, i] h_i| per output d.
 std::vector<double> mlp_f64(const double* x, const float* wg, const float* wu, const float* wd,
-                            int64_t H, int64_t I) {
+                            int64_t H, int64_t I, std::vector<double>* mag = nullptr) {
   std::vector<double> h(sz(I)), y(sz(H), 0.0);
   for (int64_t i = 0; i < I; ++i) {
     double g = 0, u = 0;
@@ -136,11 +140,21 @@ std::vector<double> mlp_f64(const double* x, const float* wg, const float* wu, c
   }
   for (int64_t d = 0; d < H; ++d)
     for (int64_t i = 0; i < I; ++i) y[sz(d)] += double(wd[d * I + i]) * h[sz(i)];
+  if (mag) {
+    mag->assign(sz(H), 0.0);
+    for (int64_t d = 0; d < H; ++d)
+      for (int64_t i = 0; i < I; ++i) (*mag)[sz(d)] += std::fabs(double(wd[d * I + i]) * h[sz(i)]);
+  }
   return y;
 }
 
+// bf16: the weights hold bf16 values and the layer keeps them as bf16, so
+// each projection rounds its input to bf16 first (kernels/linear.h). For
+// the router and the experts' gate and up projections that input is x,
+// rounded here exactly as the layer does; the down projection's input h is
+// computed, so its rounding (2^-9 |h_i| at most) goes into bf16_bound.
 Oracle oracle(const MoeConfig& c, const Weights& w, const std::string& prefix,
-              const std::vector<float>& x, int64_t T) {
+              const std::vector<float>& x, int64_t T, bool bf16 = false) {
   const Names n = names_for(c, prefix);
   const int64_t E = c.n_routed_experts, H = c.hidden_size, I = c.moe_intermediate_size,
                 K = c.num_experts_per_tok;
@@ -149,9 +163,12 @@ Oracle oracle(const MoeConfig& c, const Weights& w, const std::string& prefix,
   o.ids.resize(sz(T * K));
   o.weights.resize(sz(T * K));
   o.counts.assign(sz(E), 0);
+  o.bf16_bound.assign(sz(T * H), 0.0);
   const float* gate = w.at(n.gate).data();
   for (int64_t t = 0; t < T; ++t) {
     std::vector<double> xt(x.begin() + t * H, x.begin() + (t + 1) * H);
+    if (bf16)
+      for (double& v : xt) v = attnkit_test::round_bf16(static_cast<float>(v));
     std::vector<double> logit(sz(E)), score(sz(E)), choice(sz(E));
     for (int64_t e = 0; e < E; ++e) {
       double s = 0;
@@ -210,16 +227,24 @@ Oracle oracle(const MoeConfig& c, const Weights& w, const std::string& prefix,
       ++o.counts[sz(e)];
     }
     double* ot = o.out.data() + t * H;
+    double* bt = o.bf16_bound.data() + t * H;
+    std::vector<double> mag;
     for (int64_t e = 0; e < E; ++e) {  // every expert, every token
       const auto y =
           mlp_f64(xt.data(), w.at(n.expert(int(e), 0)).data(), w.at(n.expert(int(e), 1)).data(),
-                  w.at(n.expert(int(e), 2)).data(), H, I);
-      for (int64_t d = 0; d < H; ++d) ot[d] += dense_w[sz(e)] * y[sz(d)];
+                  w.at(n.expert(int(e), 2)).data(), H, I, &mag);
+      for (int64_t d = 0; d < H; ++d) {
+        ot[d] += dense_w[sz(e)] * y[sz(d)];
+        if (bf16) bt[d] += std::fabs(dense_w[sz(e)]) * 0x1p-9 * mag[sz(d)];
+      }
     }
     if (c.n_shared_experts > 0) {
       const auto y = mlp_f64(xt.data(), w.at(n.shared_gate).data(), w.at(n.shared_up).data(),
-                             w.at(n.shared_down).data(), H, I * c.n_shared_experts);
-      for (int64_t d = 0; d < H; ++d) ot[d] += y[sz(d)];
+                             w.at(n.shared_down).data(), H, I * c.n_shared_experts, &mag);
+      for (int64_t d = 0; d < H; ++d) {
+        ot[d] += y[sz(d)];
+        if (bf16) bt[d] += 0x1p-9 * mag[sz(d)];
+      }
     }
   }
   return o;
@@ -560,6 +585,64 @@ TEST(MoeLayer, ThreadsAndStridesDoNotChangeTheResult) {
   os.strides = {L * H * 2, H * 2, 2, 0};
   ASSERT_TRUE(layer.forward(xs, os, nullptr, one).ok());
   for (size_t i = 0; i < ref.size(); ++i) ASSERT_EQ(padded[i * 2], ref[i]) << i;
+}
+
+// bf16 weights are kept as bf16 and the layer computes the oracle with
+// bf16-rounded projection inputs: routing exactly, outputs within fp32's
+// 1e-5 plus what rounding the down projection's computed input may move
+// them by (the oracle's bf16_bound). Skipping the rounding of x would
+// change logits and outputs by up to 2^-9 relative, far beyond 1e-5.
+TEST(MoeLayer, Bf16WeightsAreKeptAndMatchTheOracle) {
+  for (const MoeConfig& c : {mixtral_config(), deepseek_v3_config()}) {
+    SCOPED_TRACE(c.model_type);
+    Rng rng(88);
+    Weights w = random_weights(c, "model.layers.1", rng);
+    WeightMap m = w.views();
+    std::vector<std::vector<attnkit::bf16>> store;
+    for (auto& [name, view] : m) {
+      if (view.rank != 2) continue;  // the correction bias stays f32
+      store.emplace_back();
+      for (float& v : w.at(name)) {
+        store.back().push_back(attnkit::float_to_bf16(v));
+        v = attnkit::bf16_to_float(store.back().back());
+      }
+      view.data = store.back().data();
+      view.dtype = DType::kBF16;
+    }
+    auto layer = MoeLayer::create(c).value();
+    ASSERT_TRUE(layer.load_weights(m, "model.layers.1").ok());
+    const std::string block = c.naming == MoeWeightNaming::kMixtral ? "block_sparse_moe" : "mlp";
+    EXPECT_EQ(layer.weight(block + ".gate.weight")->dtype, DType::kBF16);
+    const int64_t T = 24, H = c.hidden_size, K = c.num_experts_per_tok;
+    const std::vector<float> x = attnkit_test::uniform_vector(sz(T * H), rng);
+    const Oracle o = oracle(c, w, "model.layers.1", x, T, /*bf16=*/true);
+    EXPECT_GT(o.min_margin, 1e-5);
+    for (attnkit::Backend backend : {attnkit::Backend::kAuto, attnkit::Backend::kReference}) {
+      std::vector<float> out(sz(T * H), -7.0f);
+      MoeRouting r;
+      attnkit::RunOptions run;
+      run.backend = backend;
+      ASSERT_TRUE(layer
+                      .forward(attnkit::make_view(x.data(), DType::kF32, {1, T, H}),
+                               attnkit::make_view(out.data(), DType::kF32, {1, T, H}), &r, run)
+                      .ok());
+      EXPECT_EQ(r.expert_ids, o.ids);
+      EXPECT_EQ(int64_t(r.expert_ids.size()), T * K);
+      double scale = 0;
+      for (double v : o.out) scale = std::max(scale, std::fabs(v));
+      double worst = 0;
+      size_t at = 0;
+      for (size_t i = 0; i < out.size(); ++i) {
+        const double ratio = std::fabs(out[i] - o.out[i]) / (1e-5 * scale + o.bf16_bound[i]);
+        if (!(ratio <= worst)) {
+          worst = ratio;
+          at = i;
+        }
+      }
+      EXPECT_LE(worst, 1.0) << "out[" << at << "] = " << out[at] << ", oracle " << o.out[at]
+                            << ", bound " << 1e-5 * scale + o.bf16_bound[at];
+    }
+  }
 }
 
 TEST(MoeLayer, EmptyBatchIsFine) {

@@ -20,6 +20,9 @@
 //   their values, sets the decode time. Each variant is decoded on enough copies of (layer, cache)
 //   that one step's bytes are not still in the last-level cache from the
 //   step before.
+// - The serving section runs the variants' layers under the serving engine
+//   of `attnkit serve-bench` (serve_engine.h) on one small trace and one
+//   KV budget: the concurrency and throughput the seeds' claim is about.
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -27,6 +30,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <sstream>
 #include <vector>
 
 #include "attnkit/analysis.h"
@@ -36,6 +40,7 @@
 #include "cli.h"
 #include "commands.h"
 #include "measure.h"
+#include "serve_engine.h"
 
 namespace attnkit::cli {
 namespace {
@@ -55,7 +60,7 @@ struct Options {
   int64_t mla_rank = 0, mla_rope_dim = 0;
   std::string kv = "f32", backend = "auto";
   std::vector<std::string> variants = {"mha", "gqa-8", "gqa-4", "mqa", "mla"};
-  bool bias = false, no_rope = false, json = false;
+  bool bias = false, no_rope = false, json = false, no_serve = false;
   double peak = 0, bw = 0;
 };
 
@@ -328,6 +333,76 @@ Backend parse_backend(const std::string& s) {
   throw UsageError{"--backend must be auto, fast or reference, got '" + s + "'"};
 }
 
+// The serving section: 16 requests arriving at once (prompts of 16-64
+// tokens, outputs of 8-32, seeded), one layer per variant with bf16
+// weights, served with a KV budget of MHA's cache for 4 of these requests
+// (paged, pages of 16 tokens): the sequences each variant's cache lets run
+// at once, and the output tokens per second that gives here.
+struct Serving {
+  int64_t budget = 0, requests = 0, token_slots = 0;
+  struct Row {
+    std::string variant;
+    int64_t kv_bytes_per_token = 0, peak = 0, preemptions = 0;
+    double mean = 0, tokens_per_s = 0;
+  };
+  std::vector<Row> rows;
+};
+
+// mha_token: MHA's KV bytes per token of one layer in `kv` (scales included).
+Serving serve_variants(const Options& o,
+                       const std::vector<std::pair<std::string, serve::ModelSpec>>& specs, DType kv,
+                       int64_t mha_token, const RunOptions& run, Progress* progress) {
+  constexpr int64_t kRequests = 16, kMhaSequences = 4, kPage = 16;
+  Serving out;
+  const std::vector<serve::Request> trace =
+      serve::synthetic_trace(kRequests, HUGE_VAL, 16, 64, 8, 32, static_cast<uint64_t>(o.seed));
+  for (const serve::Request& r : trace) out.token_slots += r.prompt_tokens + r.output_tokens - 1;
+  out.requests = kRequests;
+  const int64_t pages = (out.token_slots * kMhaSequences / kRequests + kPage - 1) / kPage;
+  out.budget = pages * kPage * mha_token;
+  serve::Options so;
+  so.memory_bytes = out.budget;
+  so.page_size = kPage;
+  so.kv_dtype = kv;
+  so.run = run;
+  for (const auto& [name, spec] : specs) {
+    progress->step("serving " + name);
+    serve::Model model = value_or_throw(serve::Model::create(spec), name + " serving model");
+    const serve::Report r = value_or_throw(serve::run(model, trace, so), name + " serving");
+    int64_t outputs = 0;
+    for (const serve::RequestReport& q : r.requests) outputs += q.output_tokens;
+    out.rows.push_back({name, r.kv_bytes_per_token, r.peak_running, r.preemptions, r.mean_running,
+                        static_cast<double>(outputs) / std::max(r.end_s - r.start_s, 1e-9)});
+  }
+  return out;
+}
+
+// The one sentence under the serving table: what the cache size did to
+// concurrency and throughput, between the largest and smallest cache.
+std::string serving_sentence(const Serving& s) {
+  if (s.rows.size() < 2) return "";
+  const auto by_kv = [](const Serving::Row& a, const Serving::Row& b) {
+    return a.kv_bytes_per_token < b.kv_bytes_per_token;
+  };
+  const Serving::Row& small = *std::min_element(s.rows.begin(), s.rows.end(), by_kv);
+  const Serving::Row& big = *std::max_element(s.rows.begin(), s.rows.end(), by_kv);
+  if (small.kv_bytes_per_token == big.kv_bytes_per_token) return "";
+  char line[600];
+  std::snprintf(
+      line, sizeof line,
+      "With the KV cache capped at %s (MHA's for 4 of these %lld requests), %s (%s per "
+      "token) ran %s sequences per step on average and %s (%s) %s, so %s produced %s %s's "
+      "output tokens per second: a smaller cache per token lets more sequences share a "
+      "step, and a step reads the weights once for all of them.",
+      format_bytes(static_cast<double>(s.budget)).c_str(), (long long)s.requests,
+      small.variant.c_str(), format_bytes(static_cast<double>(small.kv_bytes_per_token)).c_str(),
+      format_sig3(small.mean, "").c_str(), big.variant.c_str(),
+      format_bytes(static_cast<double>(big.kv_bytes_per_token)).c_str(),
+      format_sig3(big.mean, "").c_str(), small.variant.c_str(),
+      format_ratio(small.tokens_per_s / big.tokens_per_s).c_str(), big.variant.c_str());
+  return line;
+}
+
 std::string percent_cell(double rate, double of) { return of > 0 ? roof_percent(rate / of) : "-"; }
 
 }  // namespace
@@ -367,6 +442,7 @@ int run_compare(int argc, char** argv) {
   f.add_int("--seed", &o.seed, "weights and inputs seed (default 1)", 0);
   f.add_double("--peak-gflops", &o.peak, "use this fp32 peak instead of measuring");
   f.add_double("--bandwidth-gbps", &o.bw, "use this read bandwidth instead of measuring");
+  f.add_bool("--no-serve", &o.no_serve, "skip the serving section (continuous batching)");
   f.add_bool("--json", &o.json, "print JSON instead of a table");
   if (!f.parse(argc, argv, 2)) return 0;
 
@@ -385,9 +461,8 @@ int run_compare(int argc, char** argv) {
   if (!o.no_rope && head_dim % 2 != 0)
     throw UsageError{"head_dim = d_model / heads = " + std::to_string(head_dim) +
                      " must be even for RoPE (or give --no-rope)"};
-  if (o.mla_rank == 0) o.mla_rank = 4 * head_dim;
-  if (o.mla_rope_dim == 0)
-    o.mla_rope_dim = std::max<int64_t>(2, std::min<int64_t>(64, head_dim / 2) / 2 * 2);
+  if (o.mla_rank == 0) o.mla_rank = default_mla_rank(head_dim);
+  if (o.mla_rope_dim == 0) o.mla_rope_dim = default_mla_rope_dim(head_dim);
 
   ModelShape base;
   base.name = "d_model " + std::to_string(o.d_model);
@@ -433,7 +508,7 @@ int run_compare(int argc, char** argv) {
     fill_uniform(x.view(), static_cast<uint64_t>(o.seed) + 3, 1.0);
     std::vector<Tensor> outputs;
     std::vector<Measured> rows;
-    Progress progress("compare", static_cast<int64_t>(plans.size()));
+    Progress progress("compare", static_cast<int64_t>(plans.size()) * (o.no_serve ? 1 : 2));
     for (const Plan& p : plans) {
       progress.step(p.name);
       Measured m;
@@ -442,14 +517,7 @@ int run_compare(int argc, char** argv) {
       outputs.push_back(zeros({o.batch, o.prompt, o.d_model}));
       const TensorView y = outputs.back().view();
       if (p.shape.mla) {
-        MlaConfig c;
-        c.model_type = "attnkit-compare";
-        c.hidden_size = o.d_model;
-        c.num_attention_heads = o.heads;
-        c.kv_lora_rank = p.shape.kv_lora_rank;
-        c.qk_nope_head_dim = p.shape.qk_nope_head_dim;
-        c.qk_rope_head_dim = p.shape.qk_rope_head_dim;
-        c.v_head_dim = p.shape.v_head_dim;
+        const MlaConfig c = mla_layer_config(p.shape);
         const Weights w = random_mla_weights(c, static_cast<uint64_t>(o.seed) * 16 + 8);
         measure<LatentAttention, LatentCache>(
             o, p.shape, kv,
@@ -487,6 +555,21 @@ int run_compare(int argc, char** argv) {
             x.view(), y, &m);
       }
       rows.push_back(std::move(m));
+    }
+    Serving serving;
+    if (!o.no_serve) {
+      std::vector<std::pair<std::string, serve::ModelSpec>> specs;
+      for (const Plan& p : plans) {
+        serve::ModelSpec spec;
+        spec.mla = p.shape.mla;
+        if (spec.mla)
+          spec.latent = mla_layer_config(p.shape);
+        else
+          spec.attention = p.config;
+        spec.seed = static_cast<uint64_t>(o.seed);
+        specs.emplace_back(p.name, spec);
+      }
+      serving = serve_variants(o, specs, kv, kv_bytes_per_token(base, kv), run, &progress);
     }
     progress.finish();
 
@@ -584,6 +667,23 @@ int run_compare(int argc, char** argv) {
                           {"summary", conclusions.summary},
                           {"variants", jrows},
                           {"seconds", elapsed}};
+      if (!o.no_serve) {
+        nlohmann::json srows = nlohmann::json::array();
+        for (const Serving::Row& r : serving.rows)
+          srows.push_back({{"variant", r.variant},
+                           {"kv_bytes_per_token", r.kv_bytes_per_token},
+                           {"mean_running", r.mean},
+                           {"peak_running", r.peak},
+                           {"output_tokens_per_s", r.tokens_per_s},
+                           {"preemptions", r.preemptions}});
+        j["serving"] = {{"budget_bytes", serving.budget},
+                        {"requests", serving.requests},
+                        {"token_slots", serving.token_slots},
+                        {"layers", 1},
+                        {"weights", "bf16"},
+                        {"rows", srows},
+                        {"sentence", serving_sentence(serving)}};
+      }
       std::printf("%s\n", j.dump(2).c_str());
       return 0;
     }
@@ -611,6 +711,32 @@ int run_compare(int argc, char** argv) {
     std::printf("\nWhat this means here:\n");
     for (const std::string& l : conclusions.lines) std::printf("- %s\n", l.c_str());
     for (const std::string& w : warnings) std::printf("%s\n", w.c_str());
+    if (!o.no_serve) {
+      std::printf(
+          "\nServing (continuous batching over a paged KV pool of %s; %lld requests at once, "
+          "prompts\n16-64 and outputs 8-32 tokens; one layer, bf16 weights; attnkit serve-bench "
+          "for more):\n\n",
+          format_bytes(static_cast<double>(serving.budget)).c_str(), (long long)serving.requests);
+      Table st({"variant", "KV/token", "seqs/step", "peak", "out tok/s", "preempt"});
+      for (const Serving::Row& r : serving.rows)
+        st.add({r.variant, format_bytes(static_cast<double>(r.kv_bytes_per_token)),
+                format_sig3(r.mean, ""), std::to_string(r.peak), format_sig3(r.tokens_per_s, ""),
+                std::to_string(r.preemptions)});
+      std::fputs(st.str().c_str(), stdout);
+      // The sentence, wrapped at 100 columns.
+      const std::string sentence = serving_sentence(serving);
+      if (!sentence.empty()) std::printf("\n");
+      std::string line;
+      std::istringstream words(sentence);
+      for (std::string w; words >> w;) {
+        if (!line.empty() && line.size() + 1 + w.size() > 100) {
+          std::printf("%s\n", line.c_str());
+          line.clear();
+        }
+        line += (line.empty() ? "" : " ") + w;
+      }
+      if (!line.empty()) std::printf("%s\n", line.c_str());
+    }
     return 0;
   } catch (const RunError& e) {
     std::fprintf(stderr, "attnkit compare: %s\n", e.message.c_str());

@@ -1,10 +1,10 @@
 // attnkit plot: PNG/SVG plots of a bench run — KV memory against context
 // per variant, measured decode latency against context, and a roofline of
-// this machine with the measured points. The drawing is the Python module's
-// attnkit.plot (matplotlib, /usr/bin/python3); this command finds it, runs
-// `attnkit bench --json` first when no --input is given, and lists the
-// files written. Keeping the drawing in one place (Python) means the tool
-// and `python -m attnkit.plot` can never draw different pictures.
+// this machine with the measured points — or of a serve-bench run:
+// throughput and concurrency against the KV memory budget per variant. The drawing is the Python
+// module's attnkit.plot (matplotlib, /usr/bin/python3); this command finds it, runs `attnkit bench
+// --json` first when no --input is given, and lists the files written. Keeping the drawing in one
+// place (Python) means the tool and `python -m attnkit.plot` can never draw different pictures.
 #include <nlohmann/json.hpp>
 
 #include <unistd.h>
@@ -78,12 +78,16 @@ int run_plot(int argc, char** argv) {
       "with the PyTorch baseline dashed where it was measured), and a roofline of this machine\n"
       "(measured fp32 peak and read bandwidth) with every measured point. Without --input it\n"
       "runs `attnkit bench --json --batches 1` first (about a minute) and keeps its result as\n"
-      "bench.json in --out. Drawing is done by the Python module attnkit.plot (matplotlib,\n"
+      "bench.json in --out. From an `attnkit serve-bench --json` result it draws two: output\n"
+      "tokens/s and sequences per step against the KV memory budget, per variant.\n"
+      "Drawing is done by the Python module attnkit.plot (matplotlib,\n"
       "/usr/bin/python3); `python3 -m attnkit.plot --help` is the same thing without this tool.",
       {"attnkit plot --out plots",
        "attnkit bench --json > bench.json && attnkit plot --input bench.json --format png,svg",
-       "attnkit plot --input bench.json --layers 32 --out docs/img   # a 32-layer model's cache"});
-  f.add_string("--input", &input, "a saved `attnkit bench --json` result");
+       "attnkit plot --input bench.json --layers 32 --out docs/img   # a 32-layer model's cache",
+       "attnkit serve-bench --memory 16MiB,32MiB,64MiB --json > serve.json && attnkit plot --input "
+       "serve.json"});
+  f.add_string("--input", &input, "a saved `attnkit bench --json` or `serve-bench --json` result");
   f.add_string("--out", &out_dir, "directory for the files (default .; created)");
   f.add_string_list("--format", &formats, "png, svg or both (default png)");
   f.add_int("--layers", &layers, "layers for the KV-memory plot (default 1)", 1);
@@ -98,8 +102,11 @@ int run_plot(int argc, char** argv) {
   if (!input.empty()) {
     std::ifstream in(input);
     const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object() || !j.contains("rows") || !j.contains("machine"))
-      throw UsageError{"--input '" + input + "' is not an `attnkit bench --json` result"};
+    const bool serve = j.is_object() && j.contains("kind") && j["kind"] == "serve-bench";
+    if (j.is_discarded() || !j.is_object() || !j.contains("rows") ||
+        !(serve || j.contains("machine")))
+      throw UsageError{"--input '" + input +
+                       "' is not an `attnkit bench --json` or `serve-bench --json` result"};
   }
 
   // Where the files go is the user's choice, so a place that cannot take

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "attnkit/analysis.h"
+#include "attnkit/latent_attention.h"
 #include "attnkit/machine.h"
 
 namespace attnkit::cli {
@@ -16,6 +17,7 @@ int run_plan(int argc, char** argv);
 int run_compare(int argc, char** argv);
 int run_bench(int argc, char** argv);
 int run_plot(int argc, char** argv);
+int run_serve_bench(int argc, char** argv);
 
 // --model NAME or --config PATH (exactly one) -> the model's shape.
 // Throws UsageError with a one-line reason.
@@ -52,5 +54,13 @@ std::string above_roof_warning(int count, const std::string& what);
 
 // "mha" / "gqa-4" / "mqa" / "mla" for a shape.
 std::string variant_label(const ModelShape& m);
+
+// MLA of matching size for a model without it, as compare and serve-bench
+// build it: kv_lora_rank 4 x head_dim (DeepSeek's 512 = 4 x 128) and
+// qk_rope_head_dim min(64, head_dim / 2), even and >= 2.
+int64_t default_mla_rank(int64_t head_dim);
+int64_t default_mla_rope_dim(int64_t head_dim);
+// The MLA layer of a shape with MLA fields (as with_mla() makes them).
+MlaConfig mla_layer_config(const ModelShape& mla_shape, double rope_theta = 10000.0);
 
 }  // namespace attnkit::cli

@@ -35,12 +35,14 @@ const Command kCommands[] = {
      "sdpa kernel sweeps: variants x context x batch x KV dtype, vs reference and torch"},
     {"plot", attnkit::cli::run_plot,
      "PNG/SVG plots: KV memory, decode latency vs context, roofline"},
+    {"serve-bench", attnkit::cli::run_serve_bench,
+     "continuous batching over a paged KV pool: tokens/s, TTFT, TPOT, concurrency per variant"},
     {"presets", run_presets, "list the built-in model presets"},
 };
 
 void usage(FILE* out) {
   std::fprintf(out, "usage: attnkit <command> [flags]\n\ncommands:\n");
-  for (const Command& c : kCommands) std::fprintf(out, "  %-10s %s\n", c.name, c.summary);
+  for (const Command& c : kCommands) std::fprintf(out, "  %-12s %s\n", c.name, c.summary);
   std::fprintf(out,
                "\n'attnkit <command> --help' shows a command's flags and examples;\n"
                "'attnkit --version' prints the version.\n");

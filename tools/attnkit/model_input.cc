@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -96,6 +97,25 @@ std::string above_roof_warning(int count, const std::string& what) {
          " above this machine's measured roof (marked *): % peak over the fp32 peak (for bf16 "
          "K/V the bf16 dot peak where higher) or % BW over the read bandwidth means the machine "
          "figure was measured low (busy machine) or, for % BW, that the data came from cache";
+}
+
+int64_t default_mla_rank(int64_t head_dim) { return 4 * head_dim; }
+
+int64_t default_mla_rope_dim(int64_t head_dim) {
+  return std::max<int64_t>(2, std::min<int64_t>(64, head_dim / 2) / 2 * 2);
+}
+
+MlaConfig mla_layer_config(const ModelShape& s, double rope_theta) {
+  MlaConfig c;
+  c.model_type = "attnkit";
+  c.hidden_size = s.hidden_size;
+  c.num_attention_heads = s.num_heads;
+  c.kv_lora_rank = s.kv_lora_rank;
+  c.qk_nope_head_dim = s.qk_nope_head_dim;
+  c.qk_rope_head_dim = s.qk_rope_head_dim;
+  c.v_head_dim = s.v_head_dim;
+  c.rope_theta = rope_theta;
+  return c;
 }
 
 std::string variant_label(const ModelShape& m) {

@@ -1,0 +1,270 @@
+// The serving engine of `attnkit serve-bench` (tools/attnkit/serve_engine.h)
+// on small models: every request gets exactly its output length; a
+// sequence's outputs do not depend on what shares its steps, on how its
+// prompt is chunked, or on being preempted and recomputed; smaller KV
+// caches admit more sequences at one budget; impossible budgets are
+// refused.
+//
+// The reference for a sequence's outputs is the same sequence served alone
+// (max_seqs = 1: one sequence at a time, its prompt in one chunk). With
+// Backend::kReference every kernel computes each token's row independently
+// of the others (double-accumulated attention per query, the loop GEMM per
+// row), so chunking, batching and recomputation must all give the same
+// bits. The fast kernels are batch-invariant where
+// kernels::linear_rows_independent() (docs/PAGED.md), but a prompt chunked
+// differently rounds differently (docs/RELIABILITY.md), so they are held
+// bit for bit on unchunked prompts.
+#include "serve_engine.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/linear.h"
+
+namespace attnkit::serve {
+namespace {
+
+AttentionConfig gqa_config(int64_t kv_heads) {
+  AttentionConfig c;
+  c.model_type = "llama";
+  c.hidden_size = 32;
+  c.num_heads = 4;
+  c.num_kv_heads = kv_heads;
+  c.head_dim = 8;
+  c.rope.head_dim = 8;
+  c.rope.theta = 10000.0;
+  return c;
+}
+
+MlaConfig mla_config() {
+  MlaConfig c;
+  c.model_type = "deepseek_v3";
+  c.hidden_size = 32;
+  c.num_attention_heads = 4;
+  c.kv_lora_rank = 16;
+  c.qk_nope_head_dim = 8;
+  c.qk_rope_head_dim = 4;
+  c.v_head_dim = 8;
+  return c;
+}
+
+MoeConfig moe_config() {
+  MoeConfig c;
+  c.model_type = "mixtral";
+  c.naming = MoeWeightNaming::kMixtral;
+  c.hidden_size = 32;
+  c.n_routed_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 24;
+  return c;
+}
+
+struct Named {
+  const char* name;
+  ModelSpec spec;
+};
+
+std::vector<Named> models() {
+  ModelSpec gqa;
+  gqa.attention = gqa_config(2);
+  gqa.layers = 2;
+  ModelSpec mla;
+  mla.mla = true;
+  mla.latent = mla_config();
+  mla.layers = 2;
+  ModelSpec moe = gqa;
+  moe.ffn = true;
+  moe.moe = moe_config();
+  moe.weight_dtype = DType::kF32;
+  return {{"gqa", gqa}, {"mla", mla}, {"gqa+moe f32 weights", moe}};
+}
+
+Model make(const ModelSpec& spec) {
+  auto m = Model::create(spec);
+  EXPECT_TRUE(m.ok()) << m.status().to_string();
+  return std::move(m).value();
+}
+
+// Mixed lengths, arrivals spread and repeated.
+std::vector<Request> trace() {
+  return {{0.0, 13, 5},   {0.0, 3, 9}, {0.0, 21, 2}, {0.0, 1, 6}, {0.001, 9, 7},
+          {0.001, 17, 3}, {0.5, 5, 8}, {0.5, 11, 1}, {2.0, 7, 4}, {2.0, 2, 10}};
+}
+
+// The same requests, all arriving at 0: which sequences share a step then
+// depends on the scheduler alone, not on how long this machine's steps take.
+std::vector<Request> at_once(std::vector<Request> reqs) {
+  for (Request& r : reqs) r.arrival_s = 0.0;
+  return reqs;
+}
+
+Report serve(Model& m, const std::vector<Request>& reqs, Options o) {
+  o.keep_outputs = true;
+  auto r = run(m, reqs, o);
+  EXPECT_TRUE(r.ok()) << r.status().to_string();
+  return r.ok() ? std::move(r).value() : Report{};
+}
+
+// One sequence at a time, each prompt in one chunk, room for everything.
+Options alone(Options o) {
+  o.cache = CacheMode::kPaged;
+  o.max_seqs = 1;
+  o.max_tokens_per_step = 1 << 20;
+  o.memory_bytes = int64_t{1} << 24;
+  return o;
+}
+
+void expect_same_outputs(const Report& got, const Report& want, const std::string& what) {
+  ASSERT_EQ(got.requests.size(), want.requests.size());
+  for (size_t i = 0; i < got.requests.size(); ++i) {
+    const auto& a = got.requests[i].outputs;
+    const auto& b = want.requests[i].outputs;
+    ASSERT_EQ(a.size(), b.size()) << what << ", request " << i;
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)))
+        << what << ", request " << i << " (preempted " << got.requests[i].preemptions << "x)";
+  }
+}
+
+TEST(ServeEngine, EveryRequestGetsExactlyItsOutputs) {
+  for (const auto& [name, spec] : models())
+    for (CacheMode cache : {CacheMode::kPaged, CacheMode::kStatic}) {
+      SCOPED_TRACE(std::string(name) + (cache == CacheMode::kPaged ? " paged" : " static"));
+      Model m = make(spec);
+      Options o;
+      o.cache = cache;
+      o.page_size = 4;
+      o.max_tokens_per_step = 16;
+      auto pool = m.new_pool(1, 4, o.kv_dtype).value();
+      o.memory_bytes = static_cast<int64_t>(pool.page_nbytes()) * 12;  // 48 token slots
+      const std::vector<Request> reqs = trace();
+      const Report r = serve(m, reqs, o);
+      ASSERT_EQ(r.requests.size(), reqs.size());
+      int64_t outputs = 0;
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        const RequestReport& q = r.requests[i];
+        EXPECT_EQ(q.output_tokens, reqs[i].output_tokens) << "request " << i;
+        EXPECT_EQ(int64_t(q.outputs.size()), reqs[i].output_tokens * m.hidden_size());
+        EXPECT_GE(q.first_token_s, q.arrival_s);
+        EXPECT_GE(q.finish_s, q.first_token_s);
+        outputs += q.output_tokens;
+      }
+      EXPECT_GE(r.end_s, 2.0);  // the last arrivals come at 2 s
+      EXPECT_GE(r.tokens_computed, outputs);
+      EXPECT_GE(r.peak_reserved_bytes, r.peak_used_bytes);
+      if (cache == CacheMode::kStatic) {
+        EXPECT_EQ(r.preemptions, 0);
+        EXPECT_EQ(r.max_seq_len, 21 + 2 - 1);  // the longest request's slots
+        EXPECT_EQ(r.max_running, 48 / 22);     // slots the budget holds
+        EXPECT_LE(r.peak_running, r.max_running);
+      }
+    }
+}
+
+// The reference kernels: chunked prompts, batching and recompute
+// preemption give the bits of the sequence served alone.
+TEST(ServeEngine, PreemptionChunkingAndBatchingChangeNoBitsWithTheReferenceKernels) {
+  for (const auto& [name, spec] : models()) {
+    SCOPED_TRACE(name);
+    Model m = make(spec);
+    Options o;
+    o.run.backend = Backend::kReference;
+    o.page_size = 2;
+    o.max_tokens_per_step = 7;
+    auto pool = m.new_pool(1, 2, o.kv_dtype).value();
+    // 16 pages of 2: the longest request (22 slots) just fits, so several
+    // running sequences soon run out of pages.
+    o.memory_bytes = static_cast<int64_t>(pool.page_nbytes()) * 16;
+    const std::vector<Request> reqs = at_once(trace());
+    const Report tight = serve(m, reqs, o);
+    EXPECT_GT(tight.preemptions, 0);
+    EXPECT_GT(tight.peak_running, 1);
+    expect_same_outputs(tight, serve(m, reqs, alone(o)), "tight pool vs alone");
+  }
+}
+
+// The fast kernels, for each weight dtype whose GEMM rows do not depend on
+// their neighbours here: sequences batched (every prompt in one chunk)
+// give the bits they give alone.
+TEST(ServeEngine, BatchingChangesNoBitsWithTheFastKernels) {
+  int tested = 0;
+  for (DType w : {DType::kF32, DType::kBF16}) {
+    if (!kernels::linear_rows_independent(Backend::kAuto, w)) continue;
+    for (auto [name, spec] : models()) {
+      spec.weight_dtype = w;
+      SCOPED_TRACE(std::string(name) + ", " + dtype_name(w) + " weights");
+      Model m = make(spec);
+      Options o;
+      o.max_tokens_per_step = 1 << 20;
+      o.memory_bytes = int64_t{1} << 24;
+      const std::vector<Request> reqs = at_once(trace());
+      const Report batched = serve(m, reqs, o);
+      // Room for every prompt in the first step: all run together.
+      EXPECT_EQ(batched.peak_running, static_cast<int64_t>(reqs.size()));
+      expect_same_outputs(batched, serve(m, reqs, alone(o)), "batched vs alone");
+      ++tested;
+    }
+  }
+  if (tested == 0) GTEST_SKIP() << "this GEMM's rows depend on their neighbours (docs/GEMM.md)";
+}
+
+// At one budget a smaller cache per token admits at least as many
+// sequences: MQA >= GQA >= MHA, and paged >= static.
+TEST(ServeEngine, SmallerCachesAdmitMore) {
+  std::vector<Request> reqs;
+  for (int i = 0; i < 24; ++i) reqs.push_back({0.0, 4 + (i * 7) % 19, 2 + (i * 5) % 9});
+  Options o;
+  o.page_size = 4;
+  o.max_tokens_per_step = 64;
+  // MHA (4 kv heads of 8, bf16, 2 layers) holds 64 tokens in this budget.
+  o.memory_bytes = 64 * 4 * (8 + 8) * 2 * 2;
+  int64_t previous = 0;
+  for (int64_t kv_heads : {4, 2, 1}) {
+    ModelSpec spec;
+    spec.attention = gqa_config(kv_heads);
+    spec.layers = 2;
+    Model m = make(spec);
+    Options paged = o, fixed = o;
+    fixed.cache = CacheMode::kStatic;
+    const Report p = serve(m, reqs, paged), s = serve(m, reqs, fixed);
+    SCOPED_TRACE("kv heads " + std::to_string(kv_heads));
+    EXPECT_GE(p.peak_running, previous);
+    EXPECT_GE(p.peak_running, s.peak_running);
+    EXPECT_GE(p.mean_running, s.mean_running);
+    previous = p.peak_running;
+  }
+  EXPECT_GT(previous, 4);  // MQA runs many at once
+}
+
+TEST(ServeEngine, ImpossibleBudgetsAreRefused) {
+  ModelSpec spec;
+  spec.attention = gqa_config(2);
+  Model m = make(spec);
+  Options o;
+  o.page_size = 4;
+  const int64_t page = static_cast<int64_t>(m.new_pool(1, 4, o.kv_dtype)->page_nbytes());
+  o.memory_bytes = 3 * page;  // 12 token slots
+  const std::vector<Request> reqs = {{0.0, 4, 2}, {0.0, 10, 4}};
+  const Status st = check_feasible(m, reqs, o);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("request 1 (10 prompt + 4 output tokens) needs 4 pages"),
+            std::string::npos)
+      << st.message();
+  EXPECT_EQ(run(m, reqs, o).status().code(), StatusCode::kInvalidArgument);
+  o.cache = CacheMode::kStatic;
+  o.memory_bytes = 12 * page / 4;  // 12 slots < the longest request's 13
+  EXPECT_NE(check_feasible(m, reqs, o).message().find("a static cache slot of 13 tokens"),
+            std::string::npos)
+      << check_feasible(m, reqs, o).message();
+  o.max_seq_len = 8;
+  EXPECT_NE(check_feasible(m, reqs, o).message().find("more than the static max_seq_len 8"),
+            std::string::npos);
+  EXPECT_EQ(check_feasible(m, {{{-1.0, 4, 2}}}, o).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(check_feasible(m, {{{0.0, 4, 0}}}, o).code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace attnkit::serve

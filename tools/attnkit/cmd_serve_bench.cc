@@ -1,0 +1,760 @@
+// attnkit serve-bench: the seeds' claim — GQA, MQA and MLA shrink the KV
+// cache, so a server fits more sequences and produces more tokens per
+// second — measured: a stream of requests served by a continuous-batching
+// scheduler over a paged KV pool of a fixed size (serve_engine.h), per
+// attention variant, KV dtype, cache mode and memory budget, reported as
+// vLLM's benchmark scripts report it (throughput, time to first token,
+// time per output token, percentiles) plus the concurrency the budget
+// allowed and the KV memory used and reserved.
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <thread>
+
+#include "attnkit/analysis.h"
+#include "attnkit/config.h"
+#include "attnkit/machine.h"
+#include "cli.h"
+#include "commands.h"
+#include "measure.h"
+#include "serve_engine.h"
+
+namespace attnkit::cli {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+struct Options {
+  std::string model, config, trace, rate = "inf", prompt = "32-256", output = "16-128";
+  std::string weights = "bf16", backend = "auto";
+  std::vector<std::string> variants, kv_dtypes = {"bf16"}, caches = {"paged"}, memory;
+  int64_t layers = 2, requests = 32, page_size = 16, max_tokens = 512, max_seqs = 256;
+  int64_t max_seq_len = 0, threads = 0, seed = 1, repeats = 1;
+  bool mlp = false, json = false, csv = false;
+};
+
+// The model to serve: its shape, and the config.json text its layers
+// come from (empty for the default shape).
+struct Source {
+  ModelShape shape;
+  std::string json;
+  std::string label;
+};
+
+// With neither --model nor --config: compare's layer (d_model 2048, 32
+// query heads of 64, MHA, RoPE).
+Source load_source(const Options& o) {
+  Source s;
+  if (o.model.empty() && o.config.empty()) {
+    s.shape.name = "d_model 2048 (compare's layer)";
+    s.shape.hidden_size = 2048;
+    s.shape.num_heads = s.shape.num_kv_heads = 32;
+    s.shape.head_dim = s.shape.head_dim_v = 64;
+    s.shape.num_layers = 1;
+    s.shape.window_per_layer = {0};
+    s.label = s.shape.name;
+    return s;
+  }
+  s.shape = load_model(o.model, o.config);
+  s.label = s.shape.name;
+  if (!o.model.empty()) {
+    s.json = value_or_throw(preset_config_json(o.model), "preset");
+  } else {
+    std::ifstream in(o.config, std::ios::binary);
+    std::ostringstream text;
+    text << in.rdbuf();
+    s.json = text.str();
+  }
+  return s;
+}
+
+// The configured attention of layer 0 (every served layer is layer 0's
+// shape: one pool holds one window for all layers).
+AttentionConfig base_attention(const Source& src) {
+  if (src.json.empty()) {
+    AttentionConfig c =
+        value_or_throw(attention_config_from_variant("mha", 2048, 32, false), "default layer");
+    c.causal = true;
+    c.use_rope = true;
+    c.rope.head_dim = 64;
+    return c;
+  }
+  auto c = attention_config_from_json(src.json, 0);
+  if (!c.ok()) throw UsageError{src.label + ": " + c.status().message()};
+  if (!c->causal) throw UsageError{src.label + ": serving needs a causal decoder"};
+  return *c;
+}
+
+std::string label_of(const AttentionConfig& c) {
+  if (c.num_kv_heads == c.num_heads) return "mha";
+  if (c.num_kv_heads == 1) return "mqa";
+  return "gqa-" + std::to_string(c.num_kv_heads);
+}
+
+struct Variant {
+  std::string name;
+  serve::ModelSpec spec;
+};
+
+// The feed-forward of the config: its MoE, or its dense SwiGLU MLP
+// (intermediate_size) as a one-expert MoE, which computes exactly
+// down(silu(gate x) * up x).
+MoeConfig feed_forward(const Source& src) {
+  if (src.json.empty())
+    throw UsageError{"--mlp needs --config (the feed-forward's sizes come from config.json)"};
+  const auto j = nlohmann::json::parse(src.json, nullptr, false);
+  if (!j.is_discarded() && (j.contains("num_local_experts") || j.contains("n_routed_experts"))) {
+    auto moe = moe_config_from_json(src.json);
+    if (!moe.ok()) throw UsageError{"--mlp: " + src.label + ": " + moe.status().message()};
+    return *moe;
+  }
+  if (j.is_discarded() || !j.contains("intermediate_size") ||
+      !j["intermediate_size"].is_number_integer())
+    throw UsageError{"--mlp: " + src.label +
+                     " has no intermediate_size and no experts (presets describe attention only; "
+                     "give the model's config.json with --config)"};
+  if (j.contains("hidden_act") && j["hidden_act"] != "silu")
+    throw UsageError{"--mlp: hidden_act " + j["hidden_act"].dump() +
+                     " is not silu; the library's feed-forward is SwiGLU"};
+  MoeConfig c;
+  c.model_type = "dense";
+  c.hidden_size = src.shape.hidden_size;
+  c.n_routed_experts = c.num_experts_per_tok = 1;
+  c.moe_intermediate_size = j["intermediate_size"].get<int64_t>();
+  c.norm_topk_prob = false;  // one expert: softmax weight exactly 1
+  return c;
+}
+
+std::vector<Variant> plan_variants(const Options& o, const Source& src) {
+  std::vector<std::string> names = o.variants;
+  serve::ModelSpec base;
+  base.layers = o.layers;
+  if (o.weights != "f32" && o.weights != "bf16")
+    throw UsageError{"--weights must be f32 or bf16, got '" + o.weights + "'"};
+  base.weight_dtype = o.weights == "bf16" ? DType::kBF16 : DType::kF32;
+  base.seed = static_cast<uint64_t>(o.seed);
+  if (o.mlp) {
+    base.ffn = true;
+    base.moe = feed_forward(src);
+  }
+  std::vector<Variant> out;
+  if (src.shape.mla) {
+    if (names.empty()) names = {"mla"};
+    for (const std::string& n : names)
+      if (n != "mla")
+        throw UsageError{"--variants: " + n + ": " + src.label +
+                         " is MLA; its only variant here is mla"};
+    base.mla = true;
+    auto c = mla_config_from_json(src.json);
+    if (!c.ok()) throw UsageError{src.label + ": " + c.status().message()};
+    base.latent = *c;
+    out.push_back({"mla", base});
+    return out;
+  }
+  const AttentionConfig attn = base_attention(src);
+  const int64_t H = attn.num_heads;
+  if (names.empty()) {
+    names = {label_of(attn)};
+    for (int64_t g : {8, 4})
+      if (H % g == 0 && g < H && g != attn.num_kv_heads && g > 1)
+        names.push_back("gqa-" + std::to_string(g));
+    if (attn.num_kv_heads != 1) names.push_back("mqa");
+    names.push_back("mla");
+  }
+  for (const std::string& n : names) {
+    serve::ModelSpec spec = base;
+    if (n == "mla") {
+      spec.mla = true;
+      ModelShape shape = src.shape;
+      shape.head_dim = shape.head_dim_v = attn.head_dim;
+      const int64_t rope = default_mla_rope_dim(attn.head_dim);
+      auto mla = with_mla(shape, default_mla_rank(attn.head_dim), rope, 0);
+      if (!mla.ok()) throw UsageError{"--variants: mla: " + mla.status().message()};
+      spec.latent = mla_layer_config(*mla, attn.rope.theta);
+    } else {
+      int64_t kv = 0;
+      if (n == "mha") kv = H;
+      if (n == "mqa") kv = 1;
+      if (n.rfind("gqa-", 0) == 0 && n.size() > 4 && n.size() < 12 &&
+          n.find_first_not_of("0123456789", 4) == std::string::npos)
+        kv = std::stoll(n.substr(4));
+      if (kv < 1)
+        throw UsageError{"--variants: unknown variant '" + n + "' (mha, mqa, gqa-N, mla)"};
+      if (H % kv != 0)
+        throw UsageError{"--variants: " + n + ": " + std::to_string(kv) +
+                         " kv heads must divide the model's " + std::to_string(H) + " heads"};
+      spec.attention = attn;
+      spec.attention.num_kv_heads = kv;
+    }
+    out.push_back({n, spec});
+  }
+  return out;
+}
+
+// The bytes a variant's layers will keep, before building them: a
+// feed-forward of hundreds of experts is more than most machines hold.
+double planned_weight_bytes(const serve::ModelSpec& s) {
+  double params = 0;
+  if (s.mla) {
+    const MlaConfig& c = s.latent;
+    const double d = static_cast<double>(c.hidden_size),
+                 H = static_cast<double>(c.num_attention_heads);
+    const double dq = static_cast<double>(c.q_lora_rank),
+                 dqk = static_cast<double>(c.qk_head_dim());
+    const double dc = static_cast<double>(c.kv_lora_rank);
+    params = (dq > 0 ? dq * d + H * dqk * dq : H * dqk * d) +
+             (dc + static_cast<double>(c.qk_rope_head_dim)) * d +
+             H * static_cast<double>(c.qk_nope_head_dim + c.v_head_dim) * dc +
+             d * H * static_cast<double>(c.v_head_dim);
+  } else {
+    const AttentionConfig& c = s.attention;
+    const double d = static_cast<double>(c.hidden_size);
+    params = 2 * d * static_cast<double>(c.num_heads * c.head_dim) +
+             2 * d * static_cast<double>(c.num_kv_heads * c.head_dim);
+  }
+  if (s.ffn) {
+    const MoeConfig& m = s.moe;
+    const double d = static_cast<double>(m.hidden_size),
+                 E = static_cast<double>(m.n_routed_experts);
+    const double I = static_cast<double>(m.moe_intermediate_size);
+    params += E * d + 3 * d * I * (E + static_cast<double>(m.n_shared_experts));
+  }
+  return params * static_cast<double>(s.layers) * static_cast<double>(dtype_size(s.weight_dtype));
+}
+
+// "N" or "A-B" (inclusive), each >= 1.
+std::pair<int64_t, int64_t> parse_range(const std::string& flag, const std::string& text) {
+  const size_t dash = text.find('-');
+  const auto num = [&](const std::string& s) -> int64_t {
+    if (s.empty() || s.size() > 12 || s.find_first_not_of("0123456789") != std::string::npos)
+      throw UsageError{flag + " must be N or A-B (token counts >= 1), got '" + text + "'"};
+    return std::stoll(s);
+  };
+  const int64_t lo = num(text.substr(0, dash));
+  const int64_t hi = dash == std::string::npos ? lo : num(text.substr(dash + 1));
+  if (lo < 1 || hi < lo)
+    throw UsageError{flag + " must be N or A-B with 1 <= A <= B, got '" + text + "'"};
+  return {lo, hi};
+}
+
+// JSON lines {"arrival_s": x, "prompt_tokens": n, "output_tokens": n};
+// blank lines are skipped. Any other line is a usage error naming it.
+std::vector<serve::Request> read_trace(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw UsageError{"--trace '" + path + "' is a directory"};
+  std::ifstream in(path);
+  if (!in) throw UsageError{"cannot read --trace '" + path + "'"};
+  std::vector<serve::Request> out;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = "--trace " + path + " line " + std::to_string(n) + ": ";
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object())
+      throw UsageError{where +
+                       "not a JSON object (want {\"arrival_s\": 0.5, \"prompt_tokens\": "
+                       "128, \"output_tokens\": 64})"};
+    for (auto it = j.begin(); it != j.end(); ++it)
+      if (it.key() != "arrival_s" && it.key() != "prompt_tokens" && it.key() != "output_tokens")
+        throw UsageError{where + "unknown field \"" + it.key() +
+                         "\" (arrival_s, prompt_tokens, output_tokens)"};
+    serve::Request r;
+    if (!j.contains("arrival_s") || !j["arrival_s"].is_number() ||
+        !std::isfinite(j["arrival_s"].get<double>()) || j["arrival_s"].get<double>() < 0)
+      throw UsageError{where + "arrival_s must be a number >= 0 (seconds from the start)"};
+    r.arrival_s = j["arrival_s"].get<double>();
+    for (const char* key : {"prompt_tokens", "output_tokens"}) {
+      if (!j.contains(key) || !j[key].is_number_integer() || j[key].get<int64_t>() < 1 ||
+          j[key].get<int64_t>() > (int64_t{1} << 30))
+        throw UsageError{where + key + " must be an integer in [1, 2^30], got " +
+                         (j.contains(key) ? j[key].dump() : std::string("nothing"))};
+    }
+    r.prompt_tokens = j["prompt_tokens"].get<int64_t>();
+    r.output_tokens = j["output_tokens"].get<int64_t>();
+    out.push_back(r);
+  }
+  if (out.empty()) throw UsageError{"--trace '" + path + "' holds no requests"};
+  return out;
+}
+
+// numpy's default (linear) percentile of `v` (not empty).
+double percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  const double pos = p / 100.0 * static_cast<double>(v.size() - 1);
+  const size_t i = static_cast<size_t>(pos);
+  if (i + 1 >= v.size()) return v.back();
+  return v[i] + (pos - static_cast<double>(i)) * (v[i + 1] - v[i]);
+}
+
+struct Row {
+  std::string variant, kv, cache;
+  int64_t memory = 0;
+  serve::Report r;  // the run of median output tokens/s
+  size_t weight_bytes = 0;
+  std::vector<double> tokens_per_s;  // every run's, in run order
+};
+
+double output_tokens_per_s(const serve::Report& r) {
+  int64_t outputs = 0;
+  for (const serve::RequestReport& q : r.requests) outputs += q.output_tokens;
+  return static_cast<double>(outputs) / std::max(r.end_s - r.start_s, 1e-9);
+}
+
+ojson stats(const std::vector<double>& v) {
+  if (v.empty()) return ojson(nullptr);
+  double sum = 0;
+  for (double x : v) sum += x;
+  return {{"mean", sum / static_cast<double>(v.size())},
+          {"p50", percentile(v, 50)},
+          {"p90", percentile(v, 90)},
+          {"p99", percentile(v, 99)}};
+}
+
+ojson row_json(const Row& row) {
+  const serve::Report& r = row.r;
+  std::vector<double> ttft, tpot;
+  int64_t outputs = 0;
+  for (const serve::RequestReport& q : r.requests) {
+    ttft.push_back(q.first_token_s - q.arrival_s);
+    if (q.output_tokens > 1)
+      tpot.push_back((q.finish_s - q.first_token_s) / static_cast<double>(q.output_tokens - 1));
+    outputs += q.output_tokens;
+  }
+  const double span = std::max(r.end_s - r.start_s, 1e-9);
+  return {{"variant", row.variant},
+          {"kv_dtype", row.kv},
+          {"cache", row.cache},
+          {"memory_bytes", row.memory},
+          {"kv_bytes_per_token", r.kv_bytes_per_token},
+          {"pool_pages", r.pool_pages},
+          {"static_slots", row.cache == "static" ? ojson(r.max_running) : ojson(nullptr)},
+          {"static_max_seq_len", row.cache == "static" ? ojson(r.max_seq_len) : ojson(nullptr)},
+          {"requests", r.requests.size()},
+          {"output_tokens", outputs},
+          {"duration_s", span},
+          {"busy_s", r.busy_s},
+          {"output_tokens_per_s", output_tokens_per_s(r)},
+          {"output_tokens_per_s_runs", row.tokens_per_s},
+          {"requests_per_s", static_cast<double>(r.requests.size()) / span},
+          {"ttft_s", stats(ttft)},
+          {"tpot_s", stats(tpot)},
+          {"peak_running", r.peak_running},
+          {"mean_running", r.mean_running},
+          {"kv_used_bytes", {{"mean", r.mean_used_bytes}, {"peak", r.peak_used_bytes}}},
+          {"kv_reserved_bytes", {{"mean", r.mean_reserved_bytes}, {"peak", r.peak_reserved_bytes}}},
+          {"preemptions", r.preemptions},
+          {"steps", r.steps},
+          {"tokens_computed", r.tokens_computed},
+          {"weight_bytes", row.weight_bytes}};
+}
+
+// CSV cells: nested objects flatten to key_sub columns.
+void flatten(const ojson& j, const std::string& prefix, std::vector<std::string>* keys,
+             std::vector<std::string>* cells) {
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string key = prefix.empty() ? it.key() : prefix + "_" + it.key();
+    if (it->is_object()) {
+      flatten(*it, key, keys, cells);
+      continue;
+    }
+    keys->push_back(key);
+    cells->push_back(it->is_null()     ? ""
+                     : it->is_string() ? "\"" + it->get<std::string>() + "\""
+                                       : it->dump());
+  }
+}
+
+// Lines that say what the rows mean: per group of rows that differ only in
+// variant, whether throughput follows KV bytes per token; per variant, the
+// paged mode's throughput over the static one's.
+std::vector<std::string> conclude(const ojson& rows) {
+  std::vector<std::string> lines;
+  std::vector<std::string> groups;
+  for (const ojson& r : rows) {
+    const std::string g = r["cache"].get<std::string>() + " " + r["kv_dtype"].get<std::string>() +
+                          " " + format_bytes(r["memory_bytes"].get<double>());
+    if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+  }
+  for (const std::string& g : groups) {
+    std::vector<const ojson*> in;
+    for (const ojson& r : rows)
+      if (r["cache"].get<std::string>() + " " + r["kv_dtype"].get<std::string>() + " " +
+              format_bytes(r["memory_bytes"].get<double>()) ==
+          g)
+        in.push_back(&r);
+    if (in.size() < 2) continue;
+    auto by_tps = in, by_kv = in;
+    std::stable_sort(by_tps.begin(), by_tps.end(), [](const ojson* a, const ojson* b) {
+      return (*a)["output_tokens_per_s"].get<double>() > (*b)["output_tokens_per_s"].get<double>();
+    });
+    std::stable_sort(by_kv.begin(), by_kv.end(), [](const ojson* a, const ojson* b) {
+      return (*a)["kv_bytes_per_token"].get<int64_t>() < (*b)["kv_bytes_per_token"].get<int64_t>();
+    });
+    std::string tps, kv;
+    for (const ojson* r : by_tps)
+      tps += (tps.empty() ? "" : " > ") + (*r)["variant"].get<std::string>();
+    for (const ojson* r : by_kv)
+      kv += (kv.empty() ? "" : " < ") + (*r)["variant"].get<std::string>();
+    lines.push_back(g + ": output tokens/s " + tps + "; KV bytes/token " + kv +
+                    (by_tps == by_kv ? " (the same order)" : " (not the same order)") + ".");
+  }
+  for (const ojson& p : rows) {
+    if (p["cache"] != "paged") continue;
+    for (const ojson& s : rows)
+      if (s["cache"] == "static" && s["variant"] == p["variant"] &&
+          s["kv_dtype"] == p["kv_dtype"] && s["memory_bytes"] == p["memory_bytes"])
+        lines.push_back(p["variant"].get<std::string>() + " " + p["kv_dtype"].get<std::string>() +
+                        " " + format_bytes(p["memory_bytes"].get<double>()) + ": paged serves " +
+                        format_ratio(p["output_tokens_per_s"].get<double>() /
+                                     s["output_tokens_per_s"].get<double>()) +
+                        " the static cache's output tokens/s (" +
+                        format_sig3(p["mean_running"].get<double>(), "") + " vs " +
+                        format_sig3(s["mean_running"].get<double>(), "") +
+                        " sequences at a time).");
+  }
+  return lines;
+}
+
+// The threads the layers use by default: ATTNKIT_NUM_THREADS, else every
+// core (core/threads.h's rule).
+int default_threads() {
+  if (const char* env = std::getenv("ATTNKIT_NUM_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+std::string ms(const ojson& stat, const char* key) {
+  return stat.is_null() ? "-" : format_seconds(stat[key].get<double>());
+}
+
+}  // namespace
+
+int run_serve_bench(int argc, char** argv) {
+  Options o;
+  Flags f(
+      "serve-bench",
+      "Serves a stream of requests with continuous batching over a paged KV pool of a fixed\n"
+      "size, on this machine, for each attention variant of a model (as configured, GQA, MQA,\n"
+      "MLA), KV dtype, cache mode and memory budget, and reports what vLLM's benchmarks report:\n"
+      "output tokens/s, requests/s, time to first token (TTFT) and time per output token (TPOT)\n"
+      "as median, p90 and p99, plus the sequences that ran at once, the KV memory used and\n"
+      "reserved, and preemptions. The model is --layers layers of the variant's attention\n"
+      "(+ the config's feed-forward with --mlp) with seeded random weights; nothing is sampled:\n"
+      "each generated token's input is the model's last output. Without --model or --config\n"
+      "the layer is compare's (d_model 2048, 32 heads of 64). docs/TOOL.md says how the\n"
+      "scheduler decides and what the figures include.",
+      {"attnkit serve-bench",
+       "attnkit serve-bench --model llama-3-8b --layers 1 --memory 256MiB --cache paged,static",
+       "attnkit serve-bench --variants mha,gqa-8,mqa,mla --memory 16MiB,32MiB,64MiB --json > "
+       "serve.json && attnkit plot --input serve.json",
+       "attnkit serve-bench --trace requests.jsonl --kv-dtypes bf16,int8 --csv"});
+  f.add_string("--model", &o.model, "a built-in preset (see attnkit presets)");
+  f.add_string("--config", &o.config, "a Hugging Face config.json");
+  f.add_int("--layers", &o.layers, "attention layers in the served stack (default 2)", 1);
+  f.add_string_list(
+      "--variants", &o.variants,
+      "as configured, gqa-N, mqa, mla (default: the model's, gqa-8, gqa-4, mqa, mla)");
+  f.add_string_list("--kv-dtypes", &o.kv_dtypes,
+                    "KV cache dtypes: f32, bf16, int8, fp8_e4m3 (default bf16)");
+  f.add_string("--weights", &o.weights, "f32 or bf16 weights (default bf16)");
+  f.add_string_list("--memory", &o.memory,
+                    "KV pool budgets, all layers, e.g. 64MiB,256MiB (default: the configured "
+                    "variant's cache for a quarter of the trace's tokens)");
+  f.add_int("--page-size", &o.page_size, "tokens per page (default 16)", 1);
+  f.add_string_list("--cache", &o.caches,
+                    "paged, static or both (static reserves --max-seq-len per sequence; default "
+                    "paged)");
+  f.add_int("--max-seq-len", &o.max_seq_len,
+            "static: tokens each sequence reserves (default: the longest request the trace allows)",
+            0);
+  f.add_int("--requests", &o.requests, "synthetic trace: requests (default 32)", 1);
+  f.add_string("--rate", &o.rate,
+               "synthetic trace: Poisson arrivals per second, or inf = all at once (default inf)");
+  f.add_string("--prompt-tokens", &o.prompt,
+               "synthetic trace: prompt length N or uniform A-B (default 32-256)");
+  f.add_string("--output-tokens", &o.output,
+               "synthetic trace: output length N or uniform A-B (default 16-128)");
+  f.add_string("--trace", &o.trace,
+               "JSON lines {\"arrival_s\", \"prompt_tokens\", \"output_tokens\"} instead");
+  f.add_int("--max-tokens-per-step", &o.max_tokens,
+            "tokens per step: decodes + prompt chunks (default 512)", 1);
+  f.add_int("--max-seqs", &o.max_seqs, "sequences per step at most (default 256)", 1);
+  f.add_bool("--mlp", &o.mlp, "add the config's feed-forward (dense SwiGLU or MoE) per layer");
+  f.add_int("--threads", &o.threads, "threads (default 0 = all cores)", 0);
+  f.add_string("--backend", &o.backend, "auto, fast or reference kernels (default auto)");
+  f.add_int("--seed", &o.seed, "weights, prompts and synthetic trace seed (default 1)", 0);
+  f.add_int("--repeats", &o.repeats,
+            "runs of every configuration, in turn; each row is the median by tokens/s (default 1)",
+            1);
+  f.add_bool("--json", &o.json, "print JSON instead of a table");
+  f.add_bool("--csv", &o.csv, "print CSV (one line per configuration) instead of a table");
+  if (!f.parse(argc, argv, 2)) return 0;
+  if (o.json && o.csv) throw UsageError{"give at most one of --json and --csv"};
+  if (!o.model.empty() && !o.config.empty())
+    throw UsageError{"give at most one of --model NAME or --config PATH"};
+  std::vector<DType> kv_types;
+  for (const std::string& k : o.kv_dtypes)
+    kv_types.push_back(kv_dtype_of(k, "--kv-dtypes entries"));
+  for (const std::string& c : o.caches)
+    if (c != "paged" && c != "static")
+      throw UsageError{"--cache entries must be paged or static, got '" + c + "'"};
+  Backend backend = Backend::kAuto;
+  if (o.backend == "fast")
+    backend = Backend::kFast;
+  else if (o.backend == "reference")
+    backend = Backend::kReference;
+  else if (o.backend != "auto")
+    throw UsageError{"--backend must be auto, fast or reference, got '" + o.backend + "'"};
+  if (!o.trace.empty())
+    for (const char* flag : {"--requests", "--rate", "--prompt-tokens", "--output-tokens"})
+      if (f.given(flag))
+        throw UsageError{std::string(flag) +
+                         " describes a synthetic trace; "
+                         "it cannot go with --trace"};
+
+  const Source src = load_source(o);
+  const std::vector<Variant> variants = plan_variants(o, src);
+
+  // ---- the trace --------------------------------------------------------
+  std::vector<serve::Request> trace;
+  std::string trace_label;
+  // What a static slot reserves: --max-seq-len, else the longest request
+  // the trace allows (a synthetic trace: its longest prompt and output;
+  // a file: its longest request), as a static engine is configured.
+  int64_t static_len = o.max_seq_len;
+  if (!o.trace.empty()) {
+    trace = read_trace(o.trace);
+    trace_label = o.trace;
+  } else {
+    double rate = std::numeric_limits<double>::infinity();
+    if (o.rate != "inf") {
+      char* end = nullptr;
+      rate = std::strtod(o.rate.c_str(), &end);
+      if (o.rate.empty() || *end != '\0' || !(rate > 0) || !std::isfinite(rate))
+        throw UsageError{"--rate must be a number > 0 (requests per second) or inf, got '" +
+                         o.rate + "'"};
+    }
+    const auto [p0, p1] = parse_range("--prompt-tokens", o.prompt);
+    const auto [g0, g1] = parse_range("--output-tokens", o.output);
+    if (static_len == 0) static_len = p1 + g1 - 1;
+    trace = serve::synthetic_trace(o.requests, rate, p0, p1, g0, g1, static_cast<uint64_t>(o.seed));
+    trace_label = std::to_string(o.requests) + " requests, " +
+                  (o.rate == "inf" ? std::string("all at once") : "Poisson " + o.rate + "/s") +
+                  ", prompts " + o.prompt + ", outputs " + o.output + " tokens";
+  }
+  int64_t trace_slots = 0;
+  for (const serve::Request& r : trace) trace_slots += r.prompt_tokens + r.output_tokens - 1;
+
+  try {
+    const double t_start = now_seconds();
+    // The models are built first (their weights are the big allocation),
+    // where they fit in this machine's memory.
+    double planned = 0;
+    for (const Variant& v : variants) planned += planned_weight_bytes(v.spec);
+    const double physical =
+        static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+    if (physical > 0 && planned > physical)
+      throw UsageError{"the served layers' weights would take " + format_bytes(planned) + " (" +
+                       std::to_string(variants.size()) + " variant(s) x " +
+                       std::to_string(o.layers) + " layer(s)), more than this machine's " +
+                       format_bytes(physical) + "; give fewer --layers or --variants" +
+                       (o.mlp ? ", or leave out --mlp" : "")};
+    std::vector<serve::Model> models;
+    size_t weights = 0;
+    for (const Variant& v : variants) {
+      models.push_back(value_or_throw(serve::Model::create(v.spec), v.name + " model"));
+      weights += models.back().weight_bytes();
+    }
+    std::vector<int64_t> budgets;
+    for (const std::string& m : o.memory) {
+      int64_t b = 0;
+      try {
+        b = parse_bytes(m);
+      } catch (const UsageError& e) {
+        throw UsageError{"--memory: " + e.message};
+      }
+      if (b <= 0) throw UsageError{"--memory entries must be > 0, got '" + m + "'"};
+      budgets.push_back(b);
+    }
+    if (budgets.empty()) {
+      // The configured variant's cache for a quarter of the trace's
+      // tokens, in whole MiB: it runs about a quarter of the requests at
+      // once, and the smaller caches more.
+      auto probe = value_or_throw(models[0].new_pool(1, o.page_size, kv_types[0]), "pool");
+      const double quarter = static_cast<double>(probe.page_nbytes()) /
+                             static_cast<double>(o.page_size) * static_cast<double>(trace_slots) /
+                             4.0;
+      budgets.push_back(static_cast<int64_t>(std::ceil(quarter / (1 << 20))) << 20);
+    }
+
+    struct Config {
+      size_t variant;
+      DType kv;
+      std::string kv_name, cache;
+      int64_t memory;
+    };
+    std::vector<Config> configs;
+    for (int64_t mem : budgets)
+      for (size_t v = 0; v < variants.size(); ++v)
+        for (size_t k = 0; k < kv_types.size(); ++k)
+          for (const std::string& c : o.caches)
+            configs.push_back({v, kv_types[k], kv_dtype_label(kv_types[k]), c, mem});
+    const auto options_for = [&](const Config& c) {
+      serve::Options so;
+      so.cache = c.cache == "static" ? serve::CacheMode::kStatic : serve::CacheMode::kPaged;
+      so.memory_bytes = c.memory;
+      so.page_size = o.page_size;
+      so.kv_dtype = c.kv;
+      so.max_tokens_per_step = o.max_tokens;
+      so.max_seqs = o.max_seqs;
+      so.max_seq_len = static_len;
+      so.run = {backend, static_cast<int>(o.threads)};
+      return so;
+    };
+    // An impossible budget is the user's to fix: say so before any run.
+    for (const Config& c : configs) {
+      const Status st = serve::check_feasible(models[c.variant], trace, options_for(c));
+      if (!st.ok())
+        throw UsageError{variants[c.variant].name + " " + c.kv_name + " " + c.cache + " --memory " +
+                         format_bytes(static_cast<double>(c.memory)) + ": " + st.message()};
+    }
+
+    Progress progress("serve-bench", static_cast<int64_t>(configs.size()) * o.repeats *
+                                         static_cast<int64_t>(trace.size()));
+    // Every configuration once per round, round after round, so that a
+    // busy spell of the machine falls on all of them alike.
+    std::vector<std::vector<serve::Report>> runs(configs.size());
+    for (int64_t round = 0; round < o.repeats; ++round)
+      for (size_t i = 0; i < configs.size(); ++i) {
+        const Config& c = configs[i];
+        const std::string what = variants[c.variant].name + " " + c.kv_name + " " + c.cache + " " +
+                                 format_bytes(static_cast<double>(c.memory));
+        serve::Options so = options_for(c);
+        int64_t shown = 0;
+        so.on_progress = [&](int64_t done, int64_t) {
+          for (; shown < done; ++shown) progress.step(what);
+        };
+        runs[i].push_back(value_or_throw(serve::run(models[c.variant], trace, so), what));
+      }
+    progress.finish();
+    std::vector<Row> rows;
+    for (size_t i = 0; i < configs.size(); ++i) {
+      const Config& c = configs[i];
+      Row row{variants[c.variant].name,         c.kv_name, c.cache, c.memory, {},
+              models[c.variant].weight_bytes(), {}};
+      for (const serve::Report& r : runs[i]) row.tokens_per_s.push_back(output_tokens_per_s(r));
+      std::vector<size_t> order(runs[i].size());
+      for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+      std::sort(order.begin(), order.end(),
+                [&](size_t a, size_t b) { return row.tokens_per_s[a] < row.tokens_per_s[b]; });
+      row.r = std::move(runs[i][order[order.size() / 2]]);
+      rows.push_back(std::move(row));
+    }
+
+    ojson jrows = ojson::array();
+    for (const Row& r : rows) jrows.push_back(row_json(r));
+    const std::vector<std::string> lines = conclude(jrows);
+    const double elapsed = now_seconds() - t_start;
+    if (o.csv) {
+      for (size_t i = 0; i < jrows.size(); ++i) {
+        std::vector<std::string> keys, cells;
+        flatten(jrows[i], "", &keys, &cells);
+        std::string head, line;
+        for (size_t k = 0; k < keys.size(); ++k) {
+          head += (k ? "," : "") + keys[k];
+          line += (k ? "," : "") + cells[k];
+        }
+        if (i == 0) std::printf("%s\n", head.c_str());
+        std::printf("%s\n", line.c_str());
+      }
+      return 0;
+    }
+    const int threads = o.threads > 0 ? static_cast<int>(o.threads) : default_threads();
+    if (o.json) {
+      int64_t prompt = 0, output = 0;
+      for (const serve::Request& r : trace) {
+        prompt += r.prompt_tokens;
+        output += r.output_tokens;
+      }
+      ojson j = {{"kind", "serve-bench"},
+                 {"config",
+                  {{"model", src.label},
+                   {"layers", o.layers},
+                   {"hidden_size", src.shape.hidden_size},
+                   {"num_heads", src.shape.num_heads},
+                   {"weights", o.weights},
+                   {"mlp", o.mlp},
+                   {"page_size", o.page_size},
+                   {"max_tokens_per_step", o.max_tokens},
+                   {"max_seqs", o.max_seqs},
+                   {"backend", o.backend},
+                   {"threads", threads},
+                   {"gemm", gemm_backend_name()},
+                   {"seed", o.seed},
+                   {"repeats", o.repeats}}},
+                 {"trace",
+                  {{"source", trace_label},
+                   {"requests", trace.size()},
+                   {"prompt_tokens", prompt},
+                   {"output_tokens", output},
+                   {"token_slots", trace_slots}}},
+                 {"weight_bytes", weights},
+                 {"rows", jrows},
+                 {"conclusions", lines},
+                 {"seconds", elapsed}};
+      std::printf("%s\n", j.dump(2).c_str());
+      return 0;
+    }
+
+    std::printf("serving %s: %lld layer%s%s, %s weights (%s); %d threads\n", src.label.c_str(),
+                (long long)o.layers, o.layers == 1 ? "" : "s", o.mlp ? " + feed-forward" : "",
+                o.weights.c_str(), format_bytes(static_cast<double>(weights)).c_str(), threads);
+    std::printf(
+        "trace: %s (%lld token slots); pages of %lld tokens, <= %lld tokens and %lld "
+        "sequences per step\n\n",
+        trace_label.c_str(), (long long)trace_slots, (long long)o.page_size,
+        (long long)o.max_tokens, (long long)o.max_seqs);
+    Table t({"variant", "KV", "cache", "budget", "KV/token", "out tok/s", "req/s", "TTFT p50",
+             "p90", "p99", "TPOT p50", "p90", "p99", "seqs peak", "mean", "KV used", "reserved",
+             "preempt"});
+    for (const ojson& r : jrows) {
+      t.add({r["variant"].get<std::string>(), r["kv_dtype"].get<std::string>(),
+             r["cache"].get<std::string>(), format_bytes(r["memory_bytes"].get<double>()),
+             format_bytes(r["kv_bytes_per_token"].get<double>()),
+             format_sig3(r["output_tokens_per_s"].get<double>(), ""),
+             format_sig3(r["requests_per_s"].get<double>(), ""), ms(r["ttft_s"], "p50"),
+             ms(r["ttft_s"], "p90"), ms(r["ttft_s"], "p99"), ms(r["tpot_s"], "p50"),
+             ms(r["tpot_s"], "p90"), ms(r["tpot_s"], "p99"),
+             std::to_string(r["peak_running"].get<int64_t>()),
+             format_sig3(r["mean_running"].get<double>(), ""),
+             format_bytes(r["kv_used_bytes"]["mean"].get<double>()),
+             format_bytes(r["kv_reserved_bytes"]["mean"].get<double>()),
+             std::to_string(r["preemptions"].get<int64_t>())});
+    }
+    std::fputs(t.str().c_str(), stdout);
+    std::printf(
+        "\nKV/token = all layers; KV used / reserved = step-time means of the tokens held and of "
+        "the pages\n(or static slots) holding them; seqs = sequences in one step. Took %.1f s.\n",
+        elapsed);
+    if (!lines.empty()) std::printf("\nWhat this means here:\n");
+    for (const std::string& l : lines) std::printf("- %s\n", l.c_str());
+    return 0;
+  } catch (const RunError& e) {
+    std::fprintf(stderr, "attnkit serve-bench: %s\n", e.message.c_str());
+    return 1;
+  }
+}
+
+}  // namespace attnkit::cli
