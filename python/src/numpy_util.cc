@@ -432,6 +432,25 @@ float parse_softmax_scale(const std::optional<double>& scale, const char* fn) {
   return s;
 }
 
+AttentionOptions parse_sdpa_options(const char* fn, const std::optional<double>& softmax_scale,
+                                    bool causal, py::handle window_size, double softcap,
+                                    py::handle mask, py::handle sparse, const std::string& backend,
+                                    int num_threads, InputArray* mask_array) {
+  AttentionOptions opt;
+  opt.softmax_scale = parse_softmax_scale(softmax_scale, fn);
+  opt.causal = causal;
+  opt.window_size = parse_window_size(window_size, fn);
+  opt.softcap = static_cast<float>(softcap);
+  if (!mask.is_none()) {
+    *mask_array = mask_input(mask, fn);
+    opt.mask = mask_array->view;
+  }
+  opt.sparse = parse_sparse(sparse, fn);
+  opt.backend = parse_backend(backend, fn);
+  opt.num_threads = num_threads;
+  return opt;
+}
+
 void round_to_bf16(const TensorView& src, bf16* dst) {
   int64_t shape[4] = {1, 1, 1, 1}, strides[4] = {0, 0, 0, 0};
   for (int i = 0; i < src.rank; ++i) {

@@ -133,6 +133,14 @@ std::vector<int64_t> parse_positions(py::handle obj, const char* fn);
 // "1/sqrt(head_dim)"), else a finite value > 0.
 float parse_softmax_scale(const std::optional<double>& scale, const char* fn);
 
+// The options sdpa() and sdpa_varlen() share (FlashAttention's names),
+// parsed in fn's name. A mask's array is kept in *mask_array, which the
+// returned options' mask views.
+AttentionOptions parse_sdpa_options(const char* fn, const std::optional<double>& softmax_scale,
+                                    bool causal, py::handle window_size, double softcap,
+                                    py::handle mask, py::handle sparse, const std::string& backend,
+                                    int num_threads, InputArray* mask_array);
+
 // "float32" | "f32" -> kF32, "bfloat16" | "bf16" -> kBF16, and with
 // `eight_bit` (the caches) "int8" -> kI8, "fp8_e4m3" -> kFp8E4M3; `name` is
 // the argument's name in messages.

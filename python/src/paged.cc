@@ -160,19 +160,9 @@ py::object sdpa_varlen_py(py::object q, py::object k, py::object v, py::object c
                                  " is less than the longest sequence, " +
                                  std::to_string(longest[a]));
   }
-  AttentionOptions opt;
-  opt.softmax_scale = parse_softmax_scale(softmax_scale, kFn);
-  opt.causal = causal;
-  opt.window_size = parse_window_size(window_size, kFn);
-  opt.softcap = static_cast<float>(softcap);
   InputArray mi;
-  if (!mask.is_none()) {
-    mi = mask_input(mask, kFn);
-    opt.mask = mi.view;
-  }
-  opt.sparse = parse_sparse(sparse, kFn);
-  opt.backend = parse_backend(backend, kFn);
-  opt.num_threads = num_threads;
+  const AttentionOptions opt = parse_sdpa_options(kFn, softmax_scale, causal, window_size, softcap,
+                                                  mask, sparse, backend, num_threads, &mi);
   const int64_t total_q = qi.view.shape[0], heads = qi.view.shape[1];
   const int64_t n = cu_q.empty() ? 0 : static_cast<int64_t>(cu_q.size()) - 1;
   TensorView out, lse, probs;

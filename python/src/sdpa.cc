@@ -28,21 +28,11 @@ py::object sdpa_py(py::object q, py::object k, py::object v, std::optional<doubl
       f32_input(v, {kFn, "v", 4, 4, "[batch, seqlen_k, num_kv_heads, head_dim_v]"});
   const DType kv = parse_cache_dtype(kv_dtype, kFn, "kv_dtype");
 
-  AttentionOptions opt;
-  opt.softmax_scale = parse_softmax_scale(softmax_scale, kFn);
-  opt.causal = causal;
-  opt.window_size = parse_window_size(window_size, kFn);
-  opt.softcap = static_cast<float>(softcap);
+  InputArray mi;
+  AttentionOptions opt = parse_sdpa_options(kFn, softmax_scale, causal, window_size, softcap, mask,
+                                            sparse, backend, num_threads, &mi);
   const std::vector<int32_t> lens = parse_seqlens_k(seqlens_k, kFn);
   opt.seqlens_k = lens;
-  InputArray mi;
-  if (!mask.is_none()) {
-    mi = mask_input(mask, kFn);
-    opt.mask = mi.view;
-  }
-  opt.sparse = parse_sparse(sparse, kFn);
-  opt.backend = parse_backend(backend, kFn);
-  opt.num_threads = num_threads;
 
   const TensorView &qv = qi.view, &kv_view = ki.view, &vv = vi.view;
   TensorView out, lse, probs;
