@@ -23,6 +23,7 @@
 //   causal            => j <= p(i)
 //   window.left >= 0  => j >= p(i) - window.left
 //   window.right >= 0 => j <= p(i) + window.right
+//   chunk_size C > 0  => j / C == p(i) / C             (chunked local attention)
 //   sparse pattern    => the pattern admits (p(i), j)   (see SparsePattern)
 //   bool mask         => mask[b, h, i, j] is true
 //
@@ -37,6 +38,15 @@
 // as masked. out[i] = sum_j softmax(s)_j v_j, accumulated in fp32 or wider.
 // A row with no visible key gets out = 0, lse = -inf and probs = 0, never
 // NaN. Masked keys are never read, so NaN or Inf in their K/V cannot leak.
+//
+// Sinks (gpt-oss; FlashAttention's and FlashInfer's `sinks`): with
+// options.sinks, head h's logit sink_h joins every row's denominator and is
+// then dropped: out[i] = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sink_h)),
+// and lse = log(sum_j e^(s_j) + e^(sink_h)), the denominator used (so
+// out * e^lse is still the unnormalised sum: to split keys across calls and
+// merge, pass the sinks to one call only). probs are the row's
+// probabilities without the sink's, so they sum to less than 1. A row with
+// no visible key gets out = 0 and lse = sink_h.
 #pragma once
 
 #include <cstdint>
@@ -92,6 +102,12 @@ struct AttentionOptions {
   // dtype kBool = keep where true; dtype kF32 = additive bias.
   TensorView mask;
   SparsePattern sparse;
+  // Chunked local attention (Llama 4): query position p sees key j only
+  // when j / chunk_size == p / chunk_size. 0 = off, else > 0.
+  int64_t chunk_size = 0;
+  // [num_heads] f32, contiguous or strided: one learned sink logit per query
+  // head, each finite (see the contract above). Absent = no sinks.
+  TensorView sinks;
   // 8-bit K/V (k.dtype int8 or fp8_e4m3; sdpa only): the fp32 scale of
   // every row, [batch, seqlen_k, num_kv_heads, 1] each, any strides: element
   // (b, j, h, c) of k is code * k_scales[b, j, h, 0], the code the int8 or

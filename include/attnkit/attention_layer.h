@@ -33,12 +33,6 @@
 
 namespace attnkit {
 
-// Execution knobs shared by the layers.
-struct RunOptions {
-  Backend backend = Backend::kAuto;
-  int num_threads = 0;  // 0 = ATTNKIT_NUM_THREADS or all cores
-};
-
 class AttentionLayer {
  public:
   static Result<AttentionLayer> create(const AttentionConfig& config);

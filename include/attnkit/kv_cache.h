@@ -44,6 +44,11 @@ struct KVCacheSpec {
   int64_t head_dim_v = 0;      // 0 = head_dim
   DType dtype = DType::kF32;   // kF32, kBF16, kI8 or kFp8E4M3
   int64_t sliding_window = 0;  // 0 = none, else W >= 1
+  // Chunked local attention (Llama 4): 0 = none, else C >= 1; a token sees
+  // only the tokens of its own chunk, so the cache keeps at most the
+  // current chunk (a ring of min(max_seq_len, C) slots). At most one of
+  // sliding_window and chunk_size is set.
+  int64_t chunk_size = 0;
 };
 
 // Elements between consecutive tokens of a [token, num_kv_heads, dim]

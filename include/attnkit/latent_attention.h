@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "attnkit/attention_layer.h"
+#include "attnkit/config.h"
 #include "attnkit/paged_kv_cache.h"
 #include "attnkit/rope.h"
 #include "attnkit/status.h"
@@ -58,31 +59,6 @@
 #include "attnkit/weights.h"
 
 namespace attnkit {
-
-// One MLA layer, field names as in Hugging Face's DeepseekV2/V3 configs.
-struct MlaConfig {
-  std::string model_type;           // "deepseek_v2", "deepseek_v3", "kimi_k2" (informational)
-  int64_t hidden_size = 0;          // d
-  int64_t num_attention_heads = 0;  // H
-  int64_t q_lora_rank = 0;          // d_q; 0 (JSON null or 0) = direct q_proj
-  int64_t kv_lora_rank = 0;         // d_c, >= 1
-  int64_t qk_nope_head_dim = 0;     // d_n, >= 1
-  int64_t qk_rope_head_dim = 0;     // d_r, even, >= 2
-  int64_t v_head_dim = 0;           // d_v, >= 1
-  double rope_theta = 10000.0;
-  // kNone or kYarn. For kYarn: factor, original_max_position_embeddings,
-  // beta_fast, beta_slow, mscale, mscale_all_dim (0 = absent).
-  RopeScaling rope_scaling;
-  double rms_norm_eps = 1e-6;
-  int64_t max_position_embeddings = 0;  // informational; 0 = unknown
-  // The RoPE pairing of the rope features: true = interleaved (2i, 2i+1),
-  // false = half-split (i, i + d_r/2). Hugging Face's rope_interleave.
-  bool rope_interleave = true;
-
-  int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
-  // Values one token occupies in the latent cache: d_c + d_r.
-  int64_t cache_values_per_token() const { return kv_lora_rank + qk_rope_head_dim; }
-};
 
 // Sizes >= 1 (q_lora_rank >= 0), qk_rope_head_dim even, rope_theta > 1,
 // rms_norm_eps > 0, YaRN fields in range. The message names the field.

@@ -34,45 +34,12 @@
 #include <string_view>
 #include <vector>
 
-#include "attnkit/attention_layer.h"  // RunOptions
+#include "attnkit/config.h"
 #include "attnkit/status.h"
 #include "attnkit/tensor.h"
 #include "attnkit/weights.h"
 
 namespace attnkit {
-
-enum class MoeScoringFunc : uint8_t {
-  kSoftmax,  // "softmax": over all routed experts (Mixtral, DeepSeek-V2)
-  kSigmoid,  // "sigmoid": per expert (DeepSeek-V3, Kimi-K2)
-};
-
-enum class MoeTopkMethod : uint8_t {
-  kGreedy,              // "greedy": top-k over all experts
-  kGroupLimitedGreedy,  // "group_limited_greedy": DeepSeek-V2's group limit
-  kNoauxTc,             // "noaux_tc": DeepSeek-V3's bias-corrected group limit
-};
-
-// Which Hugging Face weight names the layer reads (see weight_names()).
-enum class MoeWeightNaming : uint8_t {
-  kDeepseek,  // mlp.gate.*, mlp.experts.{i}.{gate,up,down}_proj, mlp.shared_experts.*
-  kMixtral,   // block_sparse_moe.gate, block_sparse_moe.experts.{i}.w1/w3/w2
-};
-
-struct MoeConfig {
-  std::string model_type;  // "mixtral", "deepseek_v2", "deepseek_v3", "kimi_k2" (informational)
-  MoeWeightNaming naming = MoeWeightNaming::kDeepseek;
-  int64_t hidden_size = 0;
-  int64_t n_routed_experts = 0;       // Mixtral: num_local_experts
-  int64_t num_experts_per_tok = 0;    // top-k
-  int64_t moe_intermediate_size = 0;  // per routed expert; Mixtral: intermediate_size
-  int64_t n_shared_experts = 0;       // shared MLP width = moe_intermediate_size * this; 0 = none
-  bool norm_topk_prob = true;
-  double routed_scaling_factor = 1.0;
-  MoeScoringFunc scoring_func = MoeScoringFunc::kSoftmax;
-  MoeTopkMethod topk_method = MoeTopkMethod::kGreedy;
-  int64_t n_group = 1;
-  int64_t topk_group = 1;
-};
 
 // The rules create() enforces, each reported with the field and its value:
 // sizes > 0, n_shared_experts >= 0, num_experts_per_tok in [1,

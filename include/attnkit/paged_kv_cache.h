@@ -77,6 +77,12 @@ struct PagedKVCacheSpec {
   // include/attnkit/kv_cache.h).
   DType dtype = DType::kF32;
   int64_t sliding_window = 0;  // 0 = none, else W >= 1 for every layer
+  // Chunked local attention on every layer (Llama 4): 0 = none, else C >= 1;
+  // the pages of a finished chunk are released as a window releases pages.
+  // At most one of sliding_window and chunk_size is set. A pool shared by
+  // layers of different kinds leaves both 0 and each attend() call passes
+  // its layer's window_size / chunk_size in its options.
+  int64_t chunk_size = 0;
 
   bool latent() const { return kv_lora_rank > 0; }
 };

@@ -45,6 +45,10 @@ struct RopeScaling {
   double mscale = 0.0;
   double mscale_all_dim = 0.0;
   double attention_factor = 0.0;
+  // yarn: true rounds the correction range [low, high] outward to whole
+  // dimensions (floor / ceil), as transformers' default; false keeps them
+  // fractional (gpt-oss's "truncate": false).
+  bool truncate = true;
 };
 
 struct RopeConfig {

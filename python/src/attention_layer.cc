@@ -41,7 +41,7 @@ py::dict config_to_dict(const AttentionConfig& c) {
   d["head_dim"] = c.head_dim;
   d["qkv_bias"] = c.qkv_bias;
   d["o_bias"] = c.o_bias;
-  d["qk_norm"] = c.qk_norm;
+  d["qk_norm"] = c.qk_norm != attnkit::QkNorm::kNone;
   d["rms_norm_eps"] = c.rms_norm_eps;
   d["use_rope"] = c.use_rope;
   d["rope"] = c.use_rope ? py::object(rope_config_to_dict(c.rope)) : py::object(py::none());
@@ -87,7 +87,7 @@ AttentionConfig config_from_dict(py::handle obj) {
     } else if (key == "o_bias") {
       c.o_bias = flag(v);
     } else if (key == "qk_norm") {
-      c.qk_norm = flag(v);
+      c.qk_norm = flag(v) ? attnkit::QkNorm::kRms : attnkit::QkNorm::kNone;
     } else if (key == "rms_norm_eps") {
       c.rms_norm_eps = checked_float(v, kFn, what);
     } else if (key == "use_rope") {

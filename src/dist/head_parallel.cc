@@ -251,7 +251,7 @@ uint64_t hash_config(const AttentionConfig& c) {
   const RopeConfig& r = c.rope;
   const int64_t fields[] = {c.qkv_bias,
                             c.o_bias,
-                            c.qk_norm,
+                            static_cast<int64_t>(c.qk_norm),
                             bits(c.rms_norm_eps),
                             c.use_rope,
                             r.head_dim,

@@ -252,7 +252,7 @@ Status parse(std::string_view text, int64_t layer_index, AttentionConfig* c) {
   ATTNKIT_RETURN_IF_ERROR(f.boolean("attention_bias", &attention_bias));
   c->qkv_bias = family == Family::kQwen2 ? true : attention_bias;
   c->o_bias = family == Family::kQwen2 ? false : attention_bias;
-  c->qk_norm = family == Family::kQwen3;
+  c->qk_norm = family == Family::kQwen3 ? QkNorm::kRms : QkNorm::kNone;
 
   // Sliding window.
   int64_t window = 0;

@@ -125,7 +125,7 @@ std::vector<std::string> AttentionLayer::weight_names() const {
   if (config_.qkv_bias)
     for (const char* n : {"q_proj.bias", "k_proj.bias", "v_proj.bias"}) names.emplace_back(n);
   if (config_.o_bias) names.emplace_back("o_proj.bias");
-  if (config_.qk_norm)
+  if (config_.qk_norm != QkNorm::kNone)
     for (const char* n : {"q_norm.weight", "k_norm.weight"}) names.emplace_back(n);
   return names;
 }
@@ -151,7 +151,7 @@ Status AttentionLayer::load_weights(const WeightMap& weights, std::string_view p
     ATTNKIT_RETURN_IF_ERROR(w.load("v_proj.bias", {kv_out}, "num_kv_heads*head_dim", &bv));
   }
   if (c.o_bias) ATTNKIT_RETURN_IF_ERROR(w.load("o_proj.bias", {hidden}, "hidden_size", &bo));
-  if (c.qk_norm) {
+  if (c.qk_norm != QkNorm::kNone) {
     ATTNKIT_RETURN_IF_ERROR(w.load("q_norm.weight", {c.head_dim}, "head_dim", &qn));
     ATTNKIT_RETURN_IF_ERROR(w.load("k_norm.weight", {c.head_dim}, "head_dim", &kn));
   }
@@ -285,7 +285,7 @@ Status AttentionLayer::compute(const char* fn, const TensorView& x, const Tensor
   project(x, wq_, bq_, flat(q), run, gemv_for_one_row);
   project(x, wk_, bk_, flat(k), run, gemv_for_one_row);
   project(x, wv_, bv_, flat(v), run, gemv_for_one_row);
-  if (c.qk_norm) {
+  if (c.qk_norm != QkNorm::kNone) {
     kernels::rms_norm(q.ptr<float>(), D, q_norm_.ptr<float>(), q.ptr<float>(), D, rows * H, D,
                       c.rms_norm_eps);
     kernels::rms_norm(k.ptr<float>(), D, k_norm_.ptr<float>(), k.ptr<float>(), D, rows * Hkv, D,
@@ -423,7 +423,7 @@ Status AttentionLayer::forward_qkv(const TensorView& query, const TensorView& ke
   project(query, wq_, bq_, flat(q), run);
   project(key, wk_, bk_, flat(k), run);
   project(value, wv_, bv_, flat(v), run);
-  if (c.qk_norm) {
+  if (c.qk_norm != QkNorm::kNone) {
     kernels::rms_norm(q.ptr<float>(), D, q_norm_.ptr<float>(), q.ptr<float>(), D, B * Sq * H, D,
                       c.rms_norm_eps);
     kernels::rms_norm(k.ptr<float>(), D, k_norm_.ptr<float>(), k.ptr<float>(), D, B * Sk * Hkv, D,

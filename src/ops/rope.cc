@@ -116,15 +116,22 @@ void apply_llama3(const RopeScaling& s, std::vector<double>& inv_freq) {
   }
 }
 
-// Hugging Face's _compute_yarn_parameters (with truncate = true): pair i
-// blends the interpolated frequency f/factor and the original f with a ramp
-// that is 0 below the beta_fast boundary and 1 above the beta_slow one.
+// Hugging Face's _compute_yarn_parameters: pair i blends the interpolated
+// frequency f/factor and the original f with a ramp that is 0 below the
+// beta_fast boundary and 1 above the beta_slow one; truncate rounds the
+// boundaries outward to whole pairs first (gpt-oss sets it false).
 void apply_yarn(const RopeScaling& s, double theta, int64_t rotary_dim,
                 std::vector<double>& inv_freq) {
   const double dim = static_cast<double>(rotary_dim);
   const double orig = static_cast<double>(s.original_max_position_embeddings);
-  const double low = std::max(std::floor(yarn_correction_dim(s.beta_fast, dim, theta, orig)), 0.0);
-  double high = std::min(std::ceil(yarn_correction_dim(s.beta_slow, dim, theta, orig)), dim - 1.0);
+  double low = yarn_correction_dim(s.beta_fast, dim, theta, orig);
+  double high = yarn_correction_dim(s.beta_slow, dim, theta, orig);
+  if (s.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, dim - 1.0);
   if (low == high) high += 0.001;  // the reference's guard against 0/0
   for (size_t i = 0; i < inv_freq.size(); ++i) {
     const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);

@@ -99,7 +99,7 @@ AttentionConfig gqa_config(const GqaCase& g) {
   c.head_dim = g.head_dim;
   c.qkv_bias = g.qkv_bias;
   c.o_bias = g.o_bias;
-  c.qk_norm = g.qk_norm;
+  c.qk_norm = g.qk_norm ? attnkit::QkNorm::kRms : attnkit::QkNorm::kNone;
   c.sliding_window = g.window;
   c.softcap = g.softcap;
   c.rope.head_dim = g.head_dim;
@@ -120,7 +120,7 @@ Weights gqa_weights(const AttentionConfig& c, uint64_t seed) {
     w.add("v_proj.bias", {kv}, seed + 7);
   }
   if (c.o_bias) w.add("o_proj.bias", {d}, seed + 8);
-  if (c.qk_norm) {
+  if (c.qk_norm != attnkit::QkNorm::kNone) {
     w.add("q_norm.weight", {c.head_dim}, seed + 9, true);
     w.add("k_norm.weight", {c.head_dim}, seed + 10, true);
   }
@@ -138,7 +138,7 @@ std::vector<double> gqa_reference(const AttentionConfig& c, const Weights& w,
   std::vector<double> q = linear(xd, B * T, d, w["q_proj.weight"], H * D, bias("q_proj.bias"));
   std::vector<double> k = linear(xd, B * T, d, w["k_proj.weight"], K * D, bias("k_proj.bias"));
   std::vector<double> v = linear(xd, B * T, d, w["v_proj.weight"], K * D, bias("v_proj.bias"));
-  if (c.qk_norm) {
+  if (c.qk_norm != attnkit::QkNorm::kNone) {
     rms_norm(q, D, w["q_norm.weight"], c.rms_norm_eps, D);
     rms_norm(k, D, w["k_norm.weight"], c.rms_norm_eps, D);
   }

@@ -242,7 +242,7 @@ std::string without(std::string_view base, const char* key) {
 void expect_plain_llama_shape(const AttentionConfig& c) {
   EXPECT_FALSE(c.qkv_bias);
   EXPECT_FALSE(c.o_bias);
-  EXPECT_FALSE(c.qk_norm);
+  EXPECT_EQ(c.qk_norm, attnkit::QkNorm::kNone);
   EXPECT_TRUE(c.use_rope);
   EXPECT_TRUE(c.causal);
   EXPECT_EQ(c.rope.head_dim, c.head_dim);
@@ -327,7 +327,7 @@ TEST(HfConfig, Qwen25_7BQkvBiasNoWindow) {
   EXPECT_EQ(c.head_dim, 128);
   EXPECT_TRUE(c.qkv_bias);
   EXPECT_FALSE(c.o_bias);
-  EXPECT_FALSE(c.qk_norm);
+  EXPECT_EQ(c.qk_norm, attnkit::QkNorm::kNone);
   EXPECT_EQ(c.rms_norm_eps, 1e-6);
   EXPECT_EQ(c.rope.theta, 1e6);
   EXPECT_EQ(c.rope.pairing, RopePairing::kHalfSplit);
@@ -357,7 +357,7 @@ TEST(HfConfig, Qwen3_8BQkNorm) {
   EXPECT_EQ(c.num_heads, 32);
   EXPECT_EQ(c.num_kv_heads, 8);
   EXPECT_EQ(c.head_dim, 128);
-  EXPECT_TRUE(c.qk_norm);
+  EXPECT_EQ(c.qk_norm, attnkit::QkNorm::kRms);
   EXPECT_FALSE(c.qkv_bias);
   EXPECT_FALSE(c.o_bias);
   EXPECT_EQ(c.rms_norm_eps, 1e-6);
@@ -412,7 +412,7 @@ TEST(HfConfig, Gemma2_9BAlternatingWindowsSoftcapScale) {
     EXPECT_EQ(c.rope.head_dim, 256);
     EXPECT_FALSE(c.qkv_bias);
     EXPECT_FALSE(c.o_bias);
-    EXPECT_FALSE(c.qk_norm);
+    EXPECT_EQ(c.qk_norm, attnkit::QkNorm::kNone);
     EXPECT_EQ(c.softcap, 50.0f);
     EXPECT_EQ(c.softmax_scale, 1.0f / 16.0f);  // 256^-0.5
     EXPECT_EQ(c.rope.theta, 10000.0);
@@ -719,7 +719,7 @@ TEST(HfConfigVariant, MhaMqaGqa) {
     EXPECT_EQ(r->head_dim, 64);
     EXPECT_TRUE(r->qkv_bias);
     EXPECT_TRUE(r->o_bias);
-    EXPECT_FALSE(r->qk_norm);
+    EXPECT_EQ(r->qk_norm, attnkit::QkNorm::kNone);
     EXPECT_FALSE(r->use_rope);
     EXPECT_FALSE(r->causal);
     EXPECT_EQ(r->sliding_window, 0);

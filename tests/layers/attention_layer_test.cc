@@ -72,7 +72,7 @@ AttentionConfig qwen3_like() {
   // head_dim * num_heads != hidden_size, as in Qwen3; MQA.
   AttentionConfig c = base_config("qwen3", 1);
   c.head_dim = c.rope.head_dim = 16;
-  c.qk_norm = true;
+  c.qk_norm = attnkit::QkNorm::kRms;
   c.rms_norm_eps = 1e-6;
   return c;
 }
@@ -128,7 +128,7 @@ Weights random_weights(const AttentionConfig& c, Rng& rng) {
     r.bv = attnkit_test::uniform_vector(size_t(kvo), rng, -0.5f, 0.5f);
   }
   if (c.o_bias) r.bo = attnkit_test::uniform_vector(size_t(d), rng, -0.5f, 0.5f);
-  if (c.qk_norm) {
+  if (c.qk_norm != attnkit::QkNorm::kNone) {
     r.qn = attnkit_test::uniform_vector(size_t(c.head_dim), rng, 0.5f, 1.5f);
     r.kn = attnkit_test::uniform_vector(size_t(c.head_dim), rng, 0.5f, 1.5f);
   }
@@ -261,7 +261,7 @@ Reference reference_layer(const AttentionConfig& c, const Weights& w, const std:
   Stage q = linear_ref(input(exact(xq)), B * Sq, d, w.wq, w.bq, H * D);
   Stage k = linear_ref(input(exact(xk)), B * Sk, d, w.wk, w.bk, Hkv * D);
   Stage v = linear_ref(input(exact(xv)), B * Sk, d, w.wv, w.bv, Hkv * D);
-  if (c.qk_norm) {
+  if (c.qk_norm != attnkit::QkNorm::kNone) {
     rms_norm_ref(q, D, w.qn, c.rms_norm_eps);
     rms_norm_ref(k, D, w.kn, c.rms_norm_eps);
   }

@@ -56,7 +56,7 @@ inline AttentionConfig gqa_config(int64_t sliding_window) {
   c.num_heads = 6;
   c.num_kv_heads = 2;
   c.head_dim = 16;
-  c.qk_norm = true;
+  c.qk_norm = attnkit::QkNorm::kRms;
   c.rope.head_dim = 16;
   c.sliding_window = sliding_window;
   return c;

@@ -151,7 +151,7 @@ Result<Model> Model::create(const ModelSpec& spec) {
         ATTNKIT_RETURN_IF_ERROR(w.add("v_proj.bias", kv, 0));
       }
       if (c.o_bias) ATTNKIT_RETURN_IF_ERROR(w.add("o_proj.bias", c.hidden_size, 0));
-      if (c.qk_norm) {
+      if (c.qk_norm != attnkit::QkNorm::kNone) {
         ATTNKIT_RETURN_IF_ERROR(w.add("q_norm.weight", c.head_dim, 0));
         ATTNKIT_RETURN_IF_ERROR(w.add("k_norm.weight", c.head_dim, 0));
       }
