@@ -3,7 +3,7 @@
 // is below what 1-token decode reads per thread, so the decode is carried
 // by the L2 streamer as a sequential read is, not by its own prefetches
 // alone (memory_parallelism_bench 512, 2026-11-24 at ba80e07 on a Zen 3:
-// docs/PERFORMANCE-LOG.md, 2026-11-24 · 38d9ab8).
+// docs/PERFORMANCE.md#what-limits-decode).
 //
 // Each thread follows k independent chains of dependent loads through a
 // random cyclic order of the 64-byte lines of its own buffer (>> LLC), so

@@ -57,8 +57,8 @@ struct KVCacheSpec {
 // of a row of codes and scales, above, padded alike). A row that size puts
 // all of a kv head's rows into a few of the L1's sets, which cost 1-token
 // decode 3-11 % (attnkit_bench --benchmark_filter='^decode/gqa32-8/k16384/',
-// 2026-11-24 at 61fcf54 on a Zen 5: docs/PERFORMANCE-LOG.md,
-// 2026-11-24 · 61fcf54); callers that keep their own caches for sdpa() can
+// 2026-11-24 at 61fcf54 on a Zen 5: docs/PERFORMANCE.md#padded-cache-rows);
+// callers that keep their own caches for sdpa() can
 // use the same stride. Returns 0 when an argument is < 1 or the row's
 // element count overflows 64 bits.
 int64_t kv_token_stride(int64_t num_kv_heads, int64_t dim, DType dtype);

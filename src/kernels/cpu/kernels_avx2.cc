@@ -121,7 +121,7 @@ struct V256 {
 // its throughput, so any late load stalled a chain) the 64-key fp32 tile's
 // QK took 1.07-1.27 us; with 3, 1.01-1.02 (decode_tile_bench
 // --benchmark_filter=rows4/padded, 2026-11-24 at 06ff4eb and 2d9f2a5 on a
-// Zen 3: docs/PERFORMANCE-LOG.md, 2026-11-24 · 06ff4eb and · 2d9f2a5).
+// Zen 3: docs/PERFORMANCE.md#decode-microkernels).
 
 // Lane i of the result = the sum of v[i]'s lanes.
 inline __m256 hsum8(const __m256 v[8]) {

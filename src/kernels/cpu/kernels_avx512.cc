@@ -291,7 +291,7 @@ inline void pv2_columns(int64_t cvecs, int64_t rows, const uint16_t* pp, int64_t
 // Tiles of up to this many rows pair V in registers; bigger ones (prefill)
 // pack V pairs once per tile and reuse them across all their row blocks.
 // At 16 rows (4-token GQA decode) the packing pass cost more than the
-// unpacks it saves: see docs/PERFORMANCE-LOG.md, "later" on 2026-11-24.
+// unpacks it saves: docs/PERFORMANCE.md#decode-microkernels.
 constexpr int64_t kPvPairInRegistersMaxRows = 16;
 
 // (x0 = columns 0-15, x1 = 16-31) <-> (lo, hi) as above.
@@ -428,7 +428,7 @@ inline void pv_rows_bf16_any(int64_t rows, const uint32_t* pp, int64_t pp_stride
 // a tile's lines were asked for in a sixth of the product (16 rows), and
 // decode ran 2-8 % slower (GQA 32/8, 16K keys, 2 threads, both placements
 // alternated call by call in one process; 2026-11-24 at d3bb6e7 on a Zen 5:
-// docs/PERFORMANCE-LOG.md, 2026-11-24 · d3bb6e7).
+// docs/PERFORMANCE.md#prefetch).
 void pv_rows_bf16(const float* s, int64_t nk, int64_t m_pad, int64_t ss, int64_t rows,
                   const uint16_t* v, int64_t vs, int64_t dv, float* o, int64_t dv_pad,
                   const float* alpha, uint16_t* pack, int64_t pf) {

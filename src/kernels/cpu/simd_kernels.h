@@ -137,7 +137,7 @@ inline void qk_columns_tail(int64_t vecs, const float* k, int64_t ks, int64_t nk
 // diagonal. With `seen` each column block runs over the keys its rows see:
 // a causal diagonal tile of 64 keys is a triangle, and computing all of it
 // cost 6 % of a causal s1024 prefill's work in each product (32c4094,
-// 2026-11-24, Zen 3: docs/PERFORMANCE-LOG.md, 2026-11-24 · d41a17f).
+// 2026-11-24, Zen 3: docs/PERFORMANCE.md#causal-prefill-skips).
 template <class V>
 void qk_f32(const float* k, int64_t ks, int64_t nk, int64_t d, const float* qt, int64_t m_pad,
             float* s, int64_t ss, int64_t pf, const int64_t* seen) {
@@ -341,7 +341,7 @@ inline void pv_rows(int64_t rows, const float* s, int64_t nk, int64_t ss, const 
 // B): issued by the first block alone, a tile's lines were asked for in a
 // third of the product (16 rows) and 4-token decode ran 5 % slower
 // (GQA 32/8, 16K keys, 2 threads, alternated call by call; 2026-11-24 at
-// d3bb6e7 on a Zen 5: docs/PERFORMANCE-LOG.md, 2026-11-24 · d3bb6e7). With
+// d3bb6e7 on a Zen 5: docs/PERFORMANCE.md#prefetch). With
 // `seen` a block runs over the
 // keys its rows see only, and its share of the hints outside them is lost.
 template <class V, int CV, class Elem>

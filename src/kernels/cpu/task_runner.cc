@@ -113,8 +113,7 @@ void TaskRunner::tile(int64_t j0, int64_t nk, const int64_t* row_lo, const int64
   // during its own phase, left more of the lines to be evicted before use
   // and ran slower: 1-token decode 3-15 %, 4-token 5-17 % (GQA 32/8, 16K
   // keys, 2 threads, the two alternated call by call in one process;
-  // 2026-11-24 at d3bb6e7 on a Zen 5: docs/PERFORMANCE-LOG.md,
-  // 2026-11-24 · d3bb6e7).
+  // 2026-11-24 at d3bb6e7 on a Zen 5: docs/PERFORMANCE.md#prefetch).
   if (heads_ == 1 || !g_.k_then_v) {
     // Head by head. QK fetches this head's V rows, P V the K rows read
     // next: the next head's, or after the last head the first head's in
@@ -156,7 +155,7 @@ void TaskRunner::tile(int64_t j0, int64_t nk, const int64_t* row_lo, const int64
   // 32/8, 16K keys, the two orders alternated call by call) take 0.94-0.96 of
   // the time for 1-token fp32, 0.87-0.96 for bf16, 0.95-0.99 for 4 tokens
   // (decode_read_bench 2 40 and the in-process A/B, 2026-11-24 at 38d9ab8 on
-  // a Zen 3: docs/PERFORMANCE-LOG.md, 2026-11-24 · 38d9ab8). QK prefetches
+  // a Zen 3: docs/PERFORMANCE.md#decode-walk). QK prefetches
   // the next head's K rows, the last head the first head's V rows; P V the
   // next head's V rows, the last head the next tile's first K rows. Those
   // two cross from K to V and need K and V rows equally strided; where not,

@@ -39,8 +39,8 @@ inline constexpr int64_t kKeysPerTile = 64;
 // (decode_tile_bench). 16 rows (4 tokens) lost 2-10 % with short tiles:
 // their phases are long enough already. Measured on AVX2 only
 // (tile sizes alternated call by call in one process, GQA 32/8, 16K keys,
-// 2 threads; 2026-11-24 at 3070e75 on a Zen 3: docs/PERFORMANCE-LOG.md,
-// 2026-11-24 · 3070e75); the AVX-512 targets keep the tile
+// 2 threads; 2026-11-24 at 3070e75 on a Zen 3:
+// docs/PERFORMANCE.md#short-decode-tiles-on-avx2); the AVX-512 targets keep the tile
 // they were tuned with on a Zen 5, whose L1 is 48 KiB.
 inline constexpr int64_t kShortTileKeysF32 = 12;  // four 3-key QK blocks
 inline constexpr int64_t kShortTileKeysBf16 = 24;
@@ -77,8 +77,8 @@ inline constexpr int64_t kSplitKeys = 512;
 // sequential read ran at 35); walked with the other heads, every page is used
 // whole. (Walking a tile in address order, a few keys of every head at a
 // time, read 1.5x faster in a read-only sweep but not in the kernel, whose
-// arithmetic per byte hides the difference; measured 2026-11-22,
-// docs/PERFORMANCE-LOG.md.) Bigger tasks are bound by arithmetic, not by
+// arithmetic per byte hides the difference: docs/PERFORMANCE.md#decode-walk.)
+// Bigger tasks are bound by arithmetic, not by
 // memory, and keep one head each so that their q tiles and accumulators stay
 // in L2.
 inline constexpr int64_t kInterleaveHeadsMaxRows = 16;
@@ -98,7 +98,7 @@ inline constexpr int64_t kInterleaveMaxHeads = 16;
 // 0.91 and 0.92, batch 8 0.92 and 0.95, 4 tokens 1.00. fp32 was even (1
 // token 0.99 and 1.01, 2 and 4 tokens 0.99, batch 8 1.05), and so was the
 // avx512 target's widened bf16 (1.03), so they keep the sweeps
-// (2026-11-26 at c690f90: docs/PERFORMANCE-LOG.md, 2026-11-26 · f8ebe0e).
+// (2026-11-26 at c690f90: docs/PERFORMANCE.md#decode-walk).
 inline bool walks_k_then_v(SimdTarget target, DType kv_dtype) {
   return !(target == SimdTarget::kAvx512Bf16 && kv_dtype == DType::kBF16);
 }
