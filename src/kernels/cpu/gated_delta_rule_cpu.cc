@@ -1,0 +1,187 @@
+#include "kernels/cpu/gated_delta_rule_cpu.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+
+#include "core/threads.h"
+#include "kernels/linear.h"
+
+namespace attnkit::kernels::cpu {
+namespace {
+
+// One recurrent block: columns [c0, c0 + width) of head h of sequence b,
+// every token of the call. kFull: width == kGdrColumns, a constant the
+// compiler vectorises the column loops over.
+template <bool kFull>
+void recurrent_block(const GatedDeltaRuleParams& p, int64_t b, int64_t h, int64_t c0,
+                     int64_t width) {
+  const int64_t n = kFull ? kGdrColumns : width;
+  const int64_t dk = p.key_head_dim, dv = p.value_head_dim;
+  const int64_t kh = h / (p.num_v_heads / p.num_k_heads);
+  float* S = p.state + (b * p.num_v_heads + h) * dk * dv + c0;  // row i at S + i * dv
+  for (int64_t t = 0; t < p.seq; ++t) {
+    const int64_t row = b * p.seq + t;
+    const float* q = p.q + row * p.q_stride + kh * dk;
+    const float* k = p.k + row * p.k_stride + kh * dk;
+    const float* v = p.v + row * p.v_stride + h * dv + c0;
+    const float decay = std::exp(p.g[row * p.num_v_heads + h]);
+    const float beta = p.beta[row * p.num_v_heads + h];
+    float sk[kGdrColumns] = {}, sq[kGdrColumns] = {}, delta[kGdrColumns];
+    float kq = 0.0f;
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* s = S + i * dv;
+      const float ki = k[i], qi = q[i];
+      kq += ki * qi;
+      for (int64_t j = 0; j < n; ++j) {
+        sk[j] += s[j] * ki;
+        sq[j] += s[j] * qi;
+      }
+    }
+    // S_new = decay S + k delta^T, so S_new^T q = decay S^T q + (k.q) delta.
+    float* out = p.out + row * p.out_stride + h * dv + c0;
+    for (int64_t j = 0; j < n; ++j) {
+      delta[j] = beta * (v[j] - decay * sk[j]);
+      out[j] = decay * sq[j] + kq * delta[j];
+    }
+    for (int64_t i = 0; i < dk; ++i) {
+      float* s = S + i * dv;
+      const float ki = k[i];
+      for (int64_t j = 0; j < n; ++j) s[j] = decay * s[j] + ki * delta[j];
+    }
+  }
+}
+
+// The chunked form's scratch, one worker's, carved from one float array.
+struct ChunkScratch {
+  float* sw;   // [dk + C, dv]: the state S, then U (the chunk's deltas)
+  float* kc;   // [C, dk]: the chunk's keys, contiguous
+  float* qx;   // [C, dk + C]: row i = [exp(G_i) q_i | D[i][:] * (q_i . k_:), lower-incl]
+  float* kk;   // [C, C]: K K^T, then Q K^T
+  float* tm;   // [C, C]: T = (I + L)^-1
+  float* rhs;  // [C, dv]: K S0, then beta * (V - exp(G) K S0)
+  float* kwt;  // [dk, C]: (exp(G_n-1 - G_j) k_j)^T
+  float* y;    // [dk, dv]: kwt U
+};
+
+size_t chunk_floats(int64_t dk, int64_t dv, int64_t C, ChunkScratch* s, float* base) {
+  const int64_t sizes[] = {(dk + C) * dv, C * dk, C * (dk + C), C * C,
+                           C * C,         C * dv, dk * C,       dk * dv};
+  float** slots[] = {&s->sw, &s->kc, &s->qx, &s->kk, &s->tm, &s->rhs, &s->kwt, &s->y};
+  size_t total = 0;
+  for (size_t i = 0; i < std::size(sizes); ++i) {
+    // 16-float (64-byte) alignment for every block.
+    if (base) *slots[i] = base + total;
+    total += static_cast<size_t>((sizes[i] + 15) / 16 * 16);
+  }
+  return total;
+}
+
+void chunked_head(const GatedDeltaRuleParams& p, int64_t b, int64_t h, const ChunkScratch& s) {
+  constexpr int64_t C = kGdrChunk;
+  const int64_t dk = p.key_head_dim, dv = p.value_head_dim;
+  const int64_t kh = h / (p.num_v_heads / p.num_k_heads);
+  const int64_t H = p.num_v_heads;
+  float* state = p.state + (b * H + h) * dk * dv;
+  float* S = s.sw;
+  float* U = s.sw + dk * dv;
+  std::copy(state, state + dk * dv, S);
+  std::array<double, C> G;
+  std::array<float, C> eg;
+  LinearOptions one;
+  one.backend = Backend::kFast;
+  for (int64_t c0 = 0; c0 < p.seq; c0 += C) {
+    const int64_t n = std::min(C, p.seq - c0);
+    const int64_t row0 = b * p.seq + c0;
+    const float* q0 = p.q + row0 * p.q_stride + kh * dk;
+    const float* k0 = p.k + row0 * p.k_stride + kh * dk;
+    const float* v0 = p.v + row0 * p.v_stride + h * dv;
+    const float* g0 = p.g + row0 * H + h;
+    const float* beta0 = p.beta + row0 * H + h;
+    double acc = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      acc += g0[i * H];
+      G[i] = acc;
+      eg[i] = static_cast<float>(std::exp(acc));
+    }
+    for (int64_t i = 0; i < n; ++i)
+      std::copy(k0 + i * p.k_stride, k0 + i * p.k_stride + dk, s.kc + i * dk);
+
+    // T = (I + L)^-1, L[i][j] = beta_i D[i][j] k_i.k_j (j < i): row i of T
+    // is e_i - sum_{j<i} L[i][j] T_j, and T_j is zero beyond column j.
+    linear(s.kc, dk, s.kc, nullptr, s.kk, C, n, n, dk, one);
+    for (int64_t i = 0; i < n; ++i) {
+      float* ti = s.tm + i * C;
+      std::fill(ti, ti + n, 0.0f);
+      ti[i] = 1.0f;
+      const double bi = beta0[i * H];
+      for (int64_t j = 0; j < i; ++j) {
+        const float lij = static_cast<float>(bi * std::exp(G[i] - G[j])) * s.kk[i * C + j];
+        const float* tj = s.tm + j * C;
+        for (int64_t c = 0; c <= j; ++c) ti[c] -= lij * tj[c];
+      }
+    }
+
+    // U = T (beta * (V - exp(G) * (K S0))).
+    linear_nn(s.kc, dk, S, dv, s.rhs, dv, n, dv, dk, Backend::kFast);
+    for (int64_t i = 0; i < n; ++i) {
+      const float bi = beta0[i * H], ei = eg[i];
+      const float* vi = v0 + i * p.v_stride;
+      float* ri = s.rhs + i * dv;
+      for (int64_t j = 0; j < dv; ++j) ri[j] = bi * (vi[j] - ei * ri[j]);
+    }
+    linear_nn(s.tm, C, s.rhs, dv, U, dv, n, dv, n, Backend::kFast);
+
+    // O = [exp(G) Q | lower-incl(D * Q K^T)] [S0; U], written in place.
+    linear(q0, p.q_stride, s.kc, nullptr, s.kk, C, n, n, dk, one);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* qi = q0 + i * p.q_stride;
+      float* xi = s.qx + i * (dk + C);
+      for (int64_t d = 0; d < dk; ++d) xi[d] = eg[i] * qi[d];
+      for (int64_t j = 0; j < n; ++j)
+        xi[dk + j] = j <= i ? static_cast<float>(std::exp(G[i] - G[j])) * s.kk[i * C + j] : 0.0f;
+    }
+    linear_nn(s.qx, dk + C, S, dv, p.out + row0 * p.out_stride + h * dv, p.out_stride, n, dv,
+              dk + n, Backend::kFast);
+
+    // S = exp(G_n-1) S0 + (exp(G_n-1 - G) K)^T U.
+    for (int64_t j = 0; j < n; ++j) {
+      const float w = static_cast<float>(std::exp(G[n - 1] - G[j]));
+      const float* kj = s.kc + j * dk;
+      for (int64_t d = 0; d < dk; ++d) s.kwt[d * C + j] = w * kj[d];
+    }
+    linear_nn(s.kwt, C, U, dv, s.y, dv, dk, dv, n, Backend::kFast);
+    const float last = eg[n - 1];
+    for (int64_t i = 0; i < dk * dv; ++i) S[i] = last * S[i] + s.y[i];
+  }
+  std::copy(S, S + dk * dv, state);
+}
+
+}  // namespace
+
+size_t gated_delta_rule_chunked_scratch(const GatedDeltaRuleParams& p) {
+  ChunkScratch unused;
+  return chunk_floats(p.key_head_dim, p.value_head_dim, kGdrChunk, &unused, nullptr);
+}
+
+void gated_delta_rule_recurrent(const GatedDeltaRuleParams& p, int threads) {
+  const int64_t dv = p.value_head_dim;
+  parallel_for(p.batch * p.num_v_heads, threads, [&p, dv](int64_t task, int) {
+    const int64_t b = task / p.num_v_heads, h = task % p.num_v_heads;
+    int64_t c0 = 0;
+    for (; c0 + kGdrColumns <= dv; c0 += kGdrColumns) recurrent_block<true>(p, b, h, c0, 0);
+    if (c0 < dv) recurrent_block<false>(p, b, h, c0, dv - c0);
+  });
+}
+
+void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int threads, float* scratch) {
+  const size_t per_worker = gated_delta_rule_chunked_scratch(p);
+  parallel_for(p.batch * p.num_v_heads, threads, [&](int64_t task, int worker) {
+    ChunkScratch s;
+    chunk_floats(p.key_head_dim, p.value_head_dim, kGdrChunk, &s,
+                 scratch + static_cast<size_t>(worker) * per_worker);
+    chunked_head(p, task / p.num_v_heads, task % p.num_v_heads, s);
+  });
+}
+
+}  // namespace attnkit::kernels::cpu
