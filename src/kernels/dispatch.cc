@@ -119,14 +119,14 @@ Status run_gated_delta_rule(const GatedDeltaRuleParams& params, Backend backend)
   const bool recurrent = params.form == GdrForm::kRecurrent ||
                          (params.form == GdrForm::kAuto && params.seq <= kGdrRecurrentMaxSeq);
   if (recurrent) {
-    cpu::gated_delta_rule_recurrent(params, threads);
+    cpu::gated_delta_rule_recurrent(params, threads, simd_target());
     return Status::Ok();
   }
   thread_local Scratch<float> scratch;
   const size_t per_worker = cpu::gated_delta_rule_chunked_scratch(params);
   ATTNKIT_RETURN_IF_ERROR(scratch.reserve(per_worker * static_cast<size_t>(threads),
                                           "floats of gated delta rule scratch"));
-  cpu::gated_delta_rule_chunked(params, threads, scratch.data.get());
+  cpu::gated_delta_rule_chunked(params, threads, simd_target(), scratch.data.get());
   return Status::Ok();
 }
 

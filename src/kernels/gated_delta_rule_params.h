@@ -20,8 +20,9 @@
 //   chunked    chunks of kGdrChunk tokens: within a chunk the recurrence is
 //              solved with small matrix products (a unit lower-triangular
 //              system for the deltas), the state passes from chunk to
-//              chunk; decays are cumulative sums of g within the chunk, in
-//              double, and only exp(G_i - G_j) with j <= i (<= 1) is formed.
+//              chunk; within a chunk only the decays exp(G_i - G_j) with
+//              j <= i (<= 1; G the cumulative sum of g) are formed, as
+//              products of the factors exp(g_t) in double.
 #pragma once
 
 #include <cstdint>

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/random.h"
+#include "core/cpu_features.h"
 #include "kernels/dispatch.h"
 #include "kernels/gated_delta_rule_params.h"
 
@@ -129,6 +130,29 @@ TEST(GatedDeltaRule, FastFormsMatchReference) {
     EXPECT_EQ(run(pr, Backend::kFast, GdrForm::kRecurrent, 2), rec) << name(c);
     EXPECT_EQ(run(pr, Backend::kFast, GdrForm::kChunked, 3), chk) << name(c);
   }
+}
+
+TEST(GatedDeltaRule, EverySimdTargetMatches) {
+  // The forms are compiled per target with function attributes; targets
+  // with FMA contract multiply-adds, so each target this CPU runs is held
+  // to the scalar build within the kernels' bound, not to its bits.
+  const SimdTarget active = simd_target();
+  const Case cases[] = {{2, 3, 2, 4, 16, 40, -0.5f, 0.0f}, {1, 150, 1, 2, 32, 24, -0.3f, 0.0f}};
+  uint64_t seed = 40;
+  for (const Case& c : cases) {
+    const Problem pr = make_problem(c, seed++);
+    ASSERT_TRUE(set_simd_target(SimdTarget::kScalar));
+    const std::vector<float> rec = run(pr, Backend::kFast, GdrForm::kRecurrent, 2);
+    const std::vector<float> chk = run(pr, Backend::kFast, GdrForm::kChunked, 2);
+    for (SimdTarget t : kAllSimdTargets) {
+      if (!set_simd_target(t)) continue;
+      expect_close(run(pr, Backend::kFast, GdrForm::kRecurrent, 2), rec,
+                   std::string(simd_target_name(t)) + " recurrent, " + name(c));
+      expect_close(run(pr, Backend::kFast, GdrForm::kChunked, 2), chk,
+                   std::string(simd_target_name(t)) + " chunked, " + name(c));
+    }
+  }
+  set_simd_target(active);
 }
 
 TEST(GatedDeltaRule, LongSequenceStaysExact) {

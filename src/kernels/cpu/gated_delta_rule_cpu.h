@@ -14,7 +14,8 @@
 //            state byte once.
 // chunked    Per chunk of n <= kGdrChunk tokens, with G the cumulative sum
 //            of g within the chunk (double), D[i][j] = exp(G_i - G_j) for
-//            j <= i, S0 the state at the chunk's start:
+//            j <= i (formed as products of the factors exp(g_t) <= 1 in
+//            double), S0 the state at the chunk's start:
 //              L  = strictly lower (beta_i D[i][j] k_i.k_j)       [n, n]
 //              T  = (I + L)^-1   (forward substitution, unit lower)
 //              U  = T (beta * (V - exp(G) * (K S0)))              [n, dv]
@@ -27,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/cpu_features.h"
 #include "kernels/gated_delta_rule_params.h"
 
 namespace attnkit::kernels::cpu {
@@ -38,9 +40,11 @@ inline constexpr int64_t kGdrColumns = 16;
 // form needs none).
 size_t gated_delta_rule_chunked_scratch(const GatedDeltaRuleParams& p);
 
-// `threads` resolved (>= 1).
-void gated_delta_rule_recurrent(const GatedDeltaRuleParams& p, int threads);
+// `threads` resolved (>= 1); `target` the SIMD target to run (the same
+// source compiled per target with function attributes, see the .cc).
+void gated_delta_rule_recurrent(const GatedDeltaRuleParams& p, int threads, SimdTarget target);
 // `scratch` holds threads * gated_delta_rule_chunked_scratch(p) floats.
-void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int threads, float* scratch);
+void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int threads, SimdTarget target,
+                              float* scratch);
 
 }  // namespace attnkit::kernels::cpu
