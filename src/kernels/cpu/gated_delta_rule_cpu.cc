@@ -24,6 +24,18 @@ namespace {
 // or four xmm registers by the function's target.
 typedef float V16 __attribute__((vector_size(64), aligned(4)));
 
+// k . q over n values: 16 lanes of partial sums, then the tail.
+ATTNKIT_GDR_INLINE float dot(const float* k, const float* q, int64_t n) {
+  V16 acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    acc += *reinterpret_cast<const V16*>(k + i) * *reinterpret_cast<const V16*>(q + i);
+  float sum = 0.0f;
+  for (int j = 0; j < 16; ++j) sum += acc[j];
+  for (; i < n; ++i) sum += k[i] * q[i];
+  return sum;
+}
+
 // One recurrent block: columns [c0, c0 + width) of head h of sequence b,
 // every token of the call. kFull: width == kGdrColumns, one V16 per row.
 template <bool kFull>
@@ -40,21 +52,31 @@ ATTNKIT_GDR_INLINE void recurrent_block(const GatedDeltaRuleParams& p, int64_t b
     float* out = p.out + row * p.out_stride + h * dv + c0;
     const float decay = std::exp(p.g[row * p.num_v_heads + h]);
     const float beta = p.beta[row * p.num_v_heads + h];
-    float kq = 0.0f;
-    for (int64_t i = 0; i < dk; ++i) kq += k[i] * q[i];
+    const float kq = dot(k, q, dk);
     // S_new = decay S + k delta^T, so S_new^T q = decay S^T q + (k.q) delta.
     if constexpr (kFull) {
-      V16 sk = {}, sq = {};
-      for (int64_t i = 0; i < dk; ++i) {
+      // Four rows at a time into separate sums: eight independent chains
+      // keep both FMA ports busy (one chain would wait on each add).
+      V16 ska[4] = {}, sqa[4] = {};
+      int64_t i = 0;
+      for (; i + 4 <= dk; i += 4)
+        for (int u = 0; u < 4; ++u) {
+          const V16 s = *reinterpret_cast<const V16*>(S + (i + u) * dv);
+          ska[u] += s * k[i + u];
+          sqa[u] += s * q[i + u];
+        }
+      for (; i < dk; ++i) {
         const V16 s = *reinterpret_cast<const V16*>(S + i * dv);
-        sk += s * k[i];
-        sq += s * q[i];
+        ska[0] += s * k[i];
+        sqa[0] += s * q[i];
       }
+      const V16 sk = (ska[0] + ska[1]) + (ska[2] + ska[3]);
+      const V16 sq = (sqa[0] + sqa[1]) + (sqa[2] + sqa[3]);
       const V16 delta = beta * (*reinterpret_cast<const V16*>(v) - decay * sk);
       *reinterpret_cast<V16*>(out) = decay * sq + kq * delta;
-      for (int64_t i = 0; i < dk; ++i) {
-        V16* s = reinterpret_cast<V16*>(S + i * dv);
-        *s = decay * *s + k[i] * delta;
+      for (int64_t r = 0; r < dk; ++r) {
+        V16* s = reinterpret_cast<V16*>(S + r * dv);
+        *s = decay * *s + k[r] * delta;
       }
     } else {
       float sk[kGdrColumns] = {}, sq[kGdrColumns] = {}, delta[kGdrColumns];
