@@ -2,7 +2,7 @@
 // forms against the reference twin (recurrent, double) and against each
 // other, on seeded random inputs laid out as the layer lays them out (q, k
 // and v interleaved in one row per token), across chunk edges (63, 64, 65
-// tokens), value widths below, at and above the recurrent column block,
+// tokens), value widths below, at and above the recurrent column blocks,
 // grouped value heads, decays from none to total, and thread counts (which
 // must not change a bit).
 #include <gtest/gtest.h>
@@ -110,12 +110,18 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
 
 TEST(GatedDeltaRule, FastFormsMatchReference) {
   const Case cases[] = {
-      {1, 1, 1, 1, 16, 16, -0.5f, 0.0f},       {2, 2, 2, 4, 16, 24, -0.5f, 0.0f},
-      {1, 63, 2, 4, 32, 8, -0.3f, 0.0f},       {1, 64, 1, 2, 16, 40, -0.3f, 0.0f},
-      {2, 65, 2, 2, 24, 16, -0.3f, 0.0f},      {1, 200, 2, 4, 32, 32, -0.2f, 0.0f},
+      {1, 1, 1, 1, 16, 16, -0.5f, 0.0f},
+      {2, 2, 2, 4, 16, 24, -0.5f, 0.0f},
+      {1, 63, 2, 4, 32, 8, -0.3f, 0.0f},
+      {1, 64, 1, 2, 16, 40, -0.3f, 0.0f},
+      {2, 65, 2, 2, 24, 16, -0.3f, 0.0f},
+      {1, 200, 2, 4, 32, 32, -0.2f, 0.0f},
       {1, 130, 1, 1, 16, 16, 0.0f, 0.0f},       // no decay at all
       {1, 100, 1, 2, 16, 16, -1000.0f, -5.0f},  // near-total forgetting
       {1, 70, 1, 2, 128, 128, -0.1f, 0.0f},     // Qwen3-Next's head dims
+      // Recurrent column groups of 8, 4, 2 and 1 blocks of 16 and a tail.
+      {1, 5, 1, 2, 16, 88, -0.3f, 0.0f},
+      {2, 3, 2, 2, 16, 152, -0.3f, 0.0f},
   };
   uint64_t seed = 1;
   for (const Case& c : cases) {
@@ -137,7 +143,9 @@ TEST(GatedDeltaRule, EverySimdTargetMatches) {
   // with FMA contract multiply-adds, so each target this CPU runs is held
   // to the scalar build within the kernels' bound, not to its bits.
   const SimdTarget active = simd_target();
-  const Case cases[] = {{2, 3, 2, 4, 16, 40, -0.5f, 0.0f}, {1, 150, 1, 2, 32, 24, -0.3f, 0.0f}};
+  const Case cases[] = {{2, 3, 2, 4, 16, 40, -0.5f, 0.0f},
+                        {1, 150, 1, 2, 32, 24, -0.3f, 0.0f},
+                        {1, 4, 1, 1, 16, 248, -0.3f, 0.0f}};
   uint64_t seed = 40;
   for (const Case& c : cases) {
     const Problem pr = make_problem(c, seed++);

@@ -36,11 +36,14 @@ ATTNKIT_GDR_INLINE float dot(const float* k, const float* q, int64_t n) {
   return sum;
 }
 
-// One recurrent block: columns [c0, c0 + width) of head h of sequence b,
-// every token of the call. kFull: width == kGdrColumns, one V16 per row.
-template <bool kFull>
-ATTNKIT_GDR_INLINE void recurrent_block(const GatedDeltaRuleParams& p, int64_t b, int64_t h,
-                                        int64_t c0, int64_t width) {
+// NB blocks of kGdrColumns columns side by side, [c0, c0 + 16 NB) of head
+// h of sequence b, every token of the call. Each pass walks the rows in
+// address order (NB * 64 contiguous bytes per row, the whole row when NB *
+// 16 == dv), which the hardware prefetchers follow; the 2 NB sums are
+// independent chains, enough to keep both FMA ports busy.
+template <int NB>
+ATTNKIT_GDR_INLINE void recurrent_wide(const GatedDeltaRuleParams& p, int64_t b, int64_t h,
+                                       int64_t c0) {
   const int64_t dk = p.key_head_dim, dv = p.value_head_dim;
   const int64_t kh = h / (p.num_v_heads / p.num_k_heads);
   float* S = p.state + (b * p.num_v_heads + h) * dk * dv + c0;  // row i at S + i * dv
@@ -53,63 +56,89 @@ ATTNKIT_GDR_INLINE void recurrent_block(const GatedDeltaRuleParams& p, int64_t b
     const float decay = std::exp(p.g[row * p.num_v_heads + h]);
     const float beta = p.beta[row * p.num_v_heads + h];
     const float kq = dot(k, q, dk);
+    V16 sk[NB] = {}, sq[NB] = {}, delta[NB];
+    for (int64_t i = 0; i < dk; ++i) {
+      const V16* s = reinterpret_cast<const V16*>(S + i * dv);
+      for (int u = 0; u < NB; ++u) {
+        sk[u] += s[u] * k[i];
+        sq[u] += s[u] * q[i];
+      }
+    }
     // S_new = decay S + k delta^T, so S_new^T q = decay S^T q + (k.q) delta.
-    if constexpr (kFull) {
-      // Four rows at a time into separate sums: eight independent chains
-      // keep both FMA ports busy (one chain would wait on each add).
-      V16 ska[4] = {}, sqa[4] = {};
-      int64_t i = 0;
-      for (; i + 4 <= dk; i += 4)
-        for (int u = 0; u < 4; ++u) {
-          const V16 s = *reinterpret_cast<const V16*>(S + (i + u) * dv);
-          ska[u] += s * k[i + u];
-          sqa[u] += s * q[i + u];
-        }
-      for (; i < dk; ++i) {
-        const V16 s = *reinterpret_cast<const V16*>(S + i * dv);
-        ska[0] += s * k[i];
-        sqa[0] += s * q[i];
-      }
-      const V16 sk = (ska[0] + ska[1]) + (ska[2] + ska[3]);
-      const V16 sq = (sqa[0] + sqa[1]) + (sqa[2] + sqa[3]);
-      const V16 delta = beta * (*reinterpret_cast<const V16*>(v) - decay * sk);
-      *reinterpret_cast<V16*>(out) = decay * sq + kq * delta;
-      for (int64_t r = 0; r < dk; ++r) {
-        V16* s = reinterpret_cast<V16*>(S + r * dv);
-        *s = decay * *s + k[r] * delta;
-      }
-    } else {
-      float sk[kGdrColumns] = {}, sq[kGdrColumns] = {}, delta[kGdrColumns];
-      for (int64_t i = 0; i < dk; ++i)
-        for (int64_t j = 0; j < width; ++j) {
-          sk[j] += S[i * dv + j] * k[i];
-          sq[j] += S[i * dv + j] * q[i];
-        }
-      for (int64_t j = 0; j < width; ++j) {
-        delta[j] = beta * (v[j] - decay * sk[j]);
-        out[j] = decay * sq[j] + kq * delta[j];
-      }
-      for (int64_t i = 0; i < dk; ++i)
-        for (int64_t j = 0; j < width; ++j) S[i * dv + j] = decay * S[i * dv + j] + k[i] * delta[j];
+    for (int u = 0; u < NB; ++u) {
+      delta[u] = beta * (reinterpret_cast<const V16*>(v)[u] - decay * sk[u]);
+      reinterpret_cast<V16*>(out)[u] = decay * sq[u] + kq * delta[u];
+    }
+    for (int64_t i = 0; i < dk; ++i) {
+      V16* s = reinterpret_cast<V16*>(S + i * dv);
+      for (int u = 0; u < NB; ++u) s[u] = decay * s[u] + k[i] * delta[u];
     }
   }
 }
 
+// The last dv % 16 columns, [c0, c0 + width), the same steps in scalars.
+ATTNKIT_GDR_INLINE void recurrent_tail(const GatedDeltaRuleParams& p, int64_t b, int64_t h,
+                                       int64_t c0, int64_t width) {
+  const int64_t dk = p.key_head_dim, dv = p.value_head_dim;
+  const int64_t kh = h / (p.num_v_heads / p.num_k_heads);
+  float* S = p.state + (b * p.num_v_heads + h) * dk * dv + c0;
+  for (int64_t t = 0; t < p.seq; ++t) {
+    const int64_t row = b * p.seq + t;
+    const float* q = p.q + row * p.q_stride + kh * dk;
+    const float* k = p.k + row * p.k_stride + kh * dk;
+    const float* v = p.v + row * p.v_stride + h * dv + c0;
+    float* out = p.out + row * p.out_stride + h * dv + c0;
+    const float decay = std::exp(p.g[row * p.num_v_heads + h]);
+    const float beta = p.beta[row * p.num_v_heads + h];
+    const float kq = dot(k, q, dk);
+    float sk[kGdrColumns] = {}, sq[kGdrColumns] = {}, delta[kGdrColumns];
+    for (int64_t i = 0; i < dk; ++i)
+      for (int64_t j = 0; j < width; ++j) {
+        sk[j] += S[i * dv + j] * k[i];
+        sq[j] += S[i * dv + j] * q[i];
+      }
+    for (int64_t j = 0; j < width; ++j) {
+      delta[j] = beta * (v[j] - decay * sk[j]);
+      out[j] = decay * sq[j] + kq * delta[j];
+    }
+    for (int64_t i = 0; i < dk; ++i)
+      for (int64_t j = 0; j < width; ++j) S[i * dv + j] = decay * S[i * dv + j] + k[i] * delta[j];
+  }
+}
+
+// kMax blocks at a time: 8 on AVX-512 (16 zmm sums of its 32 registers),
+// 4 elsewhere (AVX2's 16 ymm registers hold 4 blocks' sums).
+template <int kMax>
 ATTNKIT_GDR_INLINE void recurrent_head_impl(const GatedDeltaRuleParams& p, int64_t b, int64_t h) {
   const int64_t dv = p.value_head_dim;
   int64_t c0 = 0;
-  for (; c0 + kGdrColumns <= dv; c0 += kGdrColumns) recurrent_block<true>(p, b, h, c0, 0);
-  if (c0 < dv) recurrent_block<false>(p, b, h, c0, dv - c0);
+  for (; c0 + kMax * kGdrColumns <= dv; c0 += kMax * kGdrColumns) recurrent_wide<kMax>(p, b, h, c0);
+  const int64_t rest = (dv - c0) / kGdrColumns;
+  if constexpr (kMax > 4) {
+    if (rest >= 4) {
+      recurrent_wide<4>(p, b, h, c0);
+      c0 += 4 * kGdrColumns;
+    }
+  }
+  if ((dv - c0) / kGdrColumns >= 2) {
+    recurrent_wide<2>(p, b, h, c0);
+    c0 += 2 * kGdrColumns;
+  }
+  if ((dv - c0) / kGdrColumns >= 1) {
+    recurrent_wide<1>(p, b, h, c0);
+    c0 += kGdrColumns;
+  }
+  if (c0 < dv) recurrent_tail(p, b, h, c0, dv - c0);
 }
 
 ATTNKIT_GDR_AVX512 void recurrent_head_avx512(const GatedDeltaRuleParams& p, int64_t b, int64_t h) {
-  recurrent_head_impl(p, b, h);
+  recurrent_head_impl<8>(p, b, h);
 }
 ATTNKIT_GDR_AVX2 void recurrent_head_avx2(const GatedDeltaRuleParams& p, int64_t b, int64_t h) {
-  recurrent_head_impl(p, b, h);
+  recurrent_head_impl<4>(p, b, h);
 }
 void recurrent_head_scalar(const GatedDeltaRuleParams& p, int64_t b, int64_t h) {
-  recurrent_head_impl(p, b, h);
+  recurrent_head_impl<4>(p, b, h);
 }
 
 // The chunked form's scratch, one worker's, carved from one float array.
