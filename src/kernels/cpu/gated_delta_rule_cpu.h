@@ -7,15 +7,16 @@
 // N threads.
 //
 // recurrent  The state's value columns are independent (column j of S only
-//            meets column j of delta), so the state is walked in blocks of
-//            kGdrColumns columns: a block (key_head_dim x 16 values) is read
-//            once, stays in L1 while every token of the call updates it,
-//            and is written once. A decode step thus reads and writes each
-//            state byte once.
+//            meets column j of delta), so a head's state is walked in groups
+//            of up to 8 blocks of kGdrColumns columns (a whole 128-wide row),
+//            rows in address order: one pass gives S^T k and S^T q, a second
+//            updates the group while it is still in L1/L2, and every token of
+//            the call runs on a group before the next. A decode step thus
+//            reads and writes each state byte once from memory.
 // chunked    Per chunk of n <= kGdrChunk tokens, with G the cumulative sum
-//            of g within the chunk (double), D[i][j] = exp(G_i - G_j) for
-//            j <= i (formed as products of the factors exp(g_t) <= 1 in
-//            double), S0 the state at the chunk's start:
+//            of g within the chunk, D[i][j] = exp(G_i - G_j) for j <= i
+//            (formed as products of the factors exp(g_t) <= 1 in double),
+//            S0 the state at the chunk's start:
 //              L  = strictly lower (beta_i D[i][j] k_i.k_j)       [n, n]
 //              T  = (I + L)^-1   (forward substitution, unit lower)
 //              U  = T (beta * (V - exp(G) * (K S0)))              [n, dv]
