@@ -11,8 +11,10 @@
 #include "core/cpu_features.h"
 #include "core/threads.h"
 #include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/gated_delta_rule_cpu.h"
 #include "kernels/cpu/tile_policy.h"
 #include "kernels/ref/attention_ref.h"
+#include "kernels/ref/gated_delta_rule_ref.h"
 
 namespace attnkit::kernels {
 namespace {
@@ -102,6 +104,30 @@ Status run_attention(std::span<const AttentionParams> calls, Backend backend) {
 
 Status run_attention(const AttentionParams& params, Backend backend) {
   return run_attention(std::span<const AttentionParams>(&params, 1), backend);
+}
+
+Status run_gated_delta_rule(const GatedDeltaRuleParams& params, Backend backend) {
+  if (params.batch == 0 || params.seq == 0) return Status::Ok();
+  if (resolve_backend(backend) == Backend::kReference) {
+    thread_local Scratch<double> scratch;
+    ATTNKIT_RETURN_IF_ERROR(scratch.reserve(gated_delta_rule_ref_scratch(params),
+                                            "doubles of gated delta rule scratch"));
+    gated_delta_rule_ref(params, scratch.data.get());
+    return Status::Ok();
+  }
+  const int threads = resolve_num_threads(params.num_threads);
+  const bool recurrent = params.form == GdrForm::kRecurrent ||
+                         (params.form == GdrForm::kAuto && params.seq <= kGdrRecurrentMaxSeq);
+  if (recurrent) {
+    cpu::gated_delta_rule_recurrent(params, threads, simd_target());
+    return Status::Ok();
+  }
+  thread_local Scratch<float> scratch;
+  const size_t per_worker = cpu::gated_delta_rule_chunked_scratch(params);
+  ATTNKIT_RETURN_IF_ERROR(scratch.reserve(per_worker * static_cast<size_t>(threads),
+                                          "floats of gated delta rule scratch"));
+  cpu::gated_delta_rule_chunked(params, threads, simd_target(), scratch.data.get());
+  return Status::Ok();
 }
 
 }  // namespace attnkit::kernels

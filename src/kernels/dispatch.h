@@ -9,6 +9,7 @@
 #include "attnkit/status.h"
 #include "core/cpu_features.h"
 #include "kernels/attention_params.h"
+#include "kernels/gated_delta_rule_params.h"
 
 namespace attnkit::kernels {
 
@@ -26,6 +27,14 @@ Status run_attention(const AttentionParams& params, Backend backend);
 // Runs several calls in order, with scratch for the largest allocated
 // before the first: it fails, if at all, before any call has written.
 Status run_attention(std::span<const AttentionParams> calls, Backend backend);
+
+// Runs the gated delta rule (kernels/gated_delta_rule_params.h) for
+// validated params. kAuto/kFast: the fast CPU forms (params.form, or with
+// kAuto the recurrent form for calls of at most kGdrRecurrentMaxSeq tokens
+// per sequence and the chunked form beyond); kReference: the recurrent
+// reference in double, whatever params.form says. Fails only when scratch
+// cannot be allocated, before anything is written.
+Status run_gated_delta_rule(const GatedDeltaRuleParams& params, Backend backend);
 
 // Tests and fuzzers only. While `kernels` is set, fast calls run it under
 // `target`'s name and tiling (cpu::Plan::kernels) instead of the active

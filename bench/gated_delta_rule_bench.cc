@@ -1,0 +1,260 @@
+// Benchmarks of the gated delta rule kernels (Gated DeltaNet's recurrence,
+// src/kernels/gated_delta_rule_params.h) at one linear-attention layer of
+// Qwen3-Next-80B-A3B: 16 key heads, 32 value heads, key and value head dims
+// 128 (a 2 MiB f32 state per sequence). Against this machine's own limits,
+// measured in-process (attnkit::measure_machine):
+//   decode   one token per sequence, the recurrent form. Calls rotate over
+//            copies of the states totalling >= 512 MiB, so every call finds
+//            its state in DRAM; each call alternates with a plain read of
+//            another copy of the same bytes, and `frac_paired_read` is the
+//            median of read time / call time over the pairs (the call also
+//            writes the state back, which the read does not).
+//   prefill  one sequence of 2K / 8K / 32K tokens, the chunked form: time
+//            per token (linear in length: 32K / 8K near 4) and the rate of
+//            its matrix products' FMAs (executed, the triangular ones
+//            whole) as `frac_fma_peak`.
+// The summary at the end prints the ratios.
+//
+//   build/bench/gated_delta_rule_bench                     # everything
+//   build/bench/gated_delta_rule_bench --benchmark_filter=decode
+// ATTNKIT_BENCH_THREADS sets the thread count (default 2).
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "attnkit/machine.h"
+#include "bench_stats.h"
+#include "kernels/dispatch.h"
+#include "kernels/gated_delta_rule_params.h"
+
+namespace attnkit {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using kernels::GatedDeltaRuleParams;
+using kernels::GdrForm;
+
+constexpr int64_t kHk = 16, kHv = 32, kDk = 128, kDv = 128;
+constexpr int64_t kWidth = 2 * kHk * kDk + kHv * kDv;  // floats per token row: q | k | v
+constexpr int64_t kStateFloats = kHv * kDk * kDv;      // per sequence
+// The decode rotation: as large as measure_machine's DRAM probe, since this
+// VM reports a 480 MiB L3 and a 128 MiB rotation left the paired reads of
+// the larger batches partly in it (they ran faster than the DRAM probe).
+constexpr size_t kRotateBytes = size_t{512} << 20;
+
+int threads() {
+  static const int n = [] {
+    const char* env = std::getenv("ATTNKIT_BENCH_THREADS");
+    return env ? std::max(1, std::atoi(env)) : 2;
+  }();
+  return n;
+}
+
+const MachineProfile& machine() {
+  static const MachineProfile m = measure_machine(threads());
+  return m;
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// 64-byte aligned floats (the layer's Tensors are aligned the same way).
+struct Floats {
+  explicit Floats(size_t n)
+      : p(static_cast<float*>(std::aligned_alloc(64, (n * 4 + 63) / 64 * 64))), size(n) {}
+  struct Free {
+    void operator()(float* f) const { std::free(f); }
+  };
+  std::unique_ptr<float, Free> p;
+  size_t size;
+  float* data() const { return p.get(); }
+};
+
+// Values in [lo, hi) from a 32-bit LCG (fast enough for the 512 MiB of
+// decode states; any values do, the kernels' time does not depend on them).
+void fill(Floats& f, float lo, float hi, uint32_t seed) {
+  uint32_t x = seed;
+  for (size_t i = 0; i < f.size; ++i) {
+    x = x * 1664525u + 1013904223u;
+    f.data()[i] = lo + (hi - lo) * static_cast<float>(x >> 8) * 0x1p-24f;
+  }
+}
+
+// A sequential read of n floats (the paired read), summed so it is not elided.
+float read_all(const float* p, size_t n) {
+  float s[16] = {};
+  for (size_t i = 0; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) s[j] += p[i + j];
+  return s[0] + s[15];
+}
+
+GatedDeltaRuleParams params(int64_t batch, int64_t seq, const Floats& rows, const Floats& g,
+                            const Floats& beta, float* state, Floats& out, GdrForm form) {
+  GatedDeltaRuleParams p;
+  p.batch = batch;
+  p.seq = seq;
+  p.num_k_heads = kHk;
+  p.num_v_heads = kHv;
+  p.key_head_dim = kDk;
+  p.value_head_dim = kDv;
+  p.q = rows.data();
+  p.k = p.q + kHk * kDk;
+  p.v = p.q + 2 * kHk * kDk;
+  p.q_stride = p.k_stride = p.v_stride = kWidth;
+  p.g = g.data();
+  p.beta = beta.data();
+  p.state = state;
+  p.out = out.data();
+  p.out_stride = kHv * kDv;
+  p.num_threads = threads();
+  p.form = form;
+  return p;
+}
+
+struct Summary {
+  std::map<int64_t, double> decode_paired, decode_gbs;  // by batch
+  std::map<int64_t, double> prefill_s, prefill_frac;    // by seq (best repetition)
+};
+Summary& summary() {
+  static Summary s;
+  return s;
+}
+
+void BM_Decode(benchmark::State& st) {
+  const int64_t batch = st.range(0);
+  const size_t set_floats = static_cast<size_t>(batch * kStateFloats);
+  const size_t sets = std::max<size_t>(2, (kRotateBytes + set_floats * 4 - 1) / (set_floats * 4));
+  Floats states(set_floats * sets), rows(batch * kWidth), g(batch * kHv), beta(batch * kHv),
+      out(batch * kHv * kDv);
+  fill(states, -0.5f, 0.5f, 1);
+  fill(rows, -0.1f, 0.1f, 2);
+  fill(g, -0.1f, 0.0f, 3);
+  fill(beta, 0.0f, 1.0f, 4);
+  (void)machine();
+  std::vector<double> paired;
+  double step_total = 0;
+  size_t i = 0;
+  float sink = 0;
+  for (auto _ : st) {
+    const size_t s = i++ % sets;
+    const GatedDeltaRuleParams p =
+        params(batch, 1, rows, g, beta, states.data() + s * set_floats, out, GdrForm::kRecurrent);
+    const auto t0 = Clock::now();
+    const Status ok = kernels::run_gated_delta_rule(p, Backend::kFast);
+    const double step = seconds_since(t0);
+    if (!ok.ok()) st.SkipWithError(ok.message().c_str());
+    st.SetIterationTime(step);
+    step_total += step;
+    // The paired read: another copy, as cold as the one the call read.
+    const auto t1 = Clock::now();
+    sink += read_all(states.data() + ((s + sets / 2) % sets) * set_floats, set_floats);
+    paired.push_back(seconds_since(t1) / step);
+  }
+  benchmark::DoNotOptimize(sink);
+  const double bytes = static_cast<double>(set_floats) * 4;
+  const double gbs = bytes * static_cast<double>(st.iterations()) / step_total / 1e9;
+  st.counters["state_MiB"] = bytes / (1 << 20);
+  st.counters["state_GBps"] = gbs;
+  st.counters["frac_dram_bw"] = gbs / machine().dram_read_gbps;
+  st.counters["frac_paired_read"] = bench::median(paired);
+  summary().decode_paired[batch] = bench::median(paired);
+  summary().decode_gbs[batch] = gbs;
+}
+BENCHMARK(BM_Decode)
+    ->Name("decode/qwen3next80b/recurrent")
+    ->Arg(1)
+    ->Arg(8)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.3);
+
+// FMAs of the chunked form's products for one sequence of `seq` tokens,
+// every value head (kernels/cpu/gated_delta_rule_cpu.h): per chunk of n,
+// K K^T, Q K^T (n n dk each), K S, Y (n dk dv each), U (n n dv), O (n (dk
+// + n) dv).
+double chunked_fmas(int64_t seq) {
+  double f = 0;
+  for (int64_t c0 = 0; c0 < seq; c0 += kernels::kGdrChunk) {
+    const double n = static_cast<double>(std::min(kernels::kGdrChunk, seq - c0));
+    f += 2 * n * n * kDk + 3 * n * kDk * kDv + 2 * n * n * kDv;
+  }
+  return f * kHv;
+}
+
+void BM_Prefill(benchmark::State& st) {
+  const int64_t seq = st.range(0);
+  Floats rows(seq * kWidth), g(seq * kHv), beta(seq * kHv), out(seq * kHv * kDv),
+      state(kStateFloats);
+  fill(rows, -0.1f, 0.1f, 5);
+  fill(g, -0.1f, 0.0f, 6);
+  fill(beta, 0.0f, 1.0f, 7);
+  (void)machine();
+  double best = 1e30;
+  for (auto _ : st) {
+    std::fill_n(state.data(), kStateFloats, 0.0f);
+    const GatedDeltaRuleParams p =
+        params(1, seq, rows, g, beta, state.data(), out, GdrForm::kChunked);
+    const auto t0 = Clock::now();
+    const Status ok = kernels::run_gated_delta_rule(p, Backend::kFast);
+    const double s = seconds_since(t0);
+    if (!ok.ok()) st.SkipWithError(ok.message().c_str());
+    st.SetIterationTime(s);
+    best = std::min(best, s);
+  }
+  const double gflops = 2 * chunked_fmas(seq) / best / 1e9;
+  st.counters["best_ms"] = best * 1e3;
+  st.counters["us_per_token"] = best / static_cast<double>(seq) * 1e6;
+  st.counters["GFLOPs"] = gflops;
+  st.counters["frac_fma_peak"] = gflops / machine().fp32_peak_gflops;
+  summary().prefill_s[seq] = best;
+  summary().prefill_frac[seq] = gflops / machine().fp32_peak_gflops;
+}
+BENCHMARK(BM_Prefill)
+    ->Name("prefill/qwen3next80b/chunked")
+    ->Arg(2048)
+    ->Arg(8192)
+    ->Arg(32768)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
+
+void print_summary() {
+  const Summary& s = summary();
+  const MachineProfile& m = machine();
+  std::printf("\n%s, %d threads: fp32 FMA peak %.0f GFLOP/s (%s), DRAM read %.1f GB/s\n",
+              bench::cpu_name().c_str(), threads(), m.fp32_peak_gflops, m.simd.c_str(),
+              m.dram_read_gbps);
+  for (auto [batch, frac] : s.decode_paired)
+    std::printf("decode, batch %lld: state %.1f GB/s, %.2f of the paired read\n",
+                static_cast<long long>(batch), s.decode_gbs.at(batch), frac);
+  for (auto [seq, sec] : s.prefill_s)
+    std::printf("prefill %lld tokens: %.3f s, %.2f us/token, %.2f of FMA peak\n",
+                static_cast<long long>(seq), sec, sec / static_cast<double>(seq) * 1e6,
+                s.prefill_frac.at(seq));
+  if (s.prefill_s.count(8192) && s.prefill_s.count(32768))
+    std::printf("prefill 32K / 8K time: %.2f (linear: 4)\n",
+                s.prefill_s.at(32768) / s.prefill_s.at(8192));
+  if (s.prefill_s.count(2048) && s.prefill_s.count(8192))
+    std::printf("prefill 8K / 2K time: %.2f (linear: 4)\n",
+                s.prefill_s.at(8192) / s.prefill_s.at(2048));
+}
+
+}  // namespace
+}  // namespace attnkit
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  attnkit::print_summary();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,51 @@
+// Fast CPU forms of the gated delta rule (kernels/gated_delta_rule_params.h
+// has the contract; ref/gated_delta_rule_ref.h is the reference twin).
+//
+// Work is one task per (sequence, value head), run on attnkit's pool; a
+// task's results do not depend on the thread count (each task owns its
+// state, outputs and scratch slot), so the output is the same bits for 1 or
+// N threads.
+//
+// recurrent  The state's value columns are independent (column j of S only
+//            meets column j of delta), so a head's state is walked in groups
+//            of up to 8 blocks of kGdrColumns columns (a whole 128-wide row),
+//            rows in address order: one pass gives S^T k and S^T q, a second
+//            updates the group while it is still in L1/L2, and every token of
+//            the call runs on a group before the next. A decode step thus
+//            reads and writes each state byte once from memory.
+// chunked    Per chunk of n <= kGdrChunk tokens, with G the cumulative sum
+//            of g within the chunk, D[i][j] = exp(G_i - G_j) for j <= i
+//            (formed as products of the factors exp(g_t) <= 1 in double),
+//            S0 the state at the chunk's start:
+//              L  = strictly lower (beta_i D[i][j] k_i.k_j)       [n, n]
+//              T  = (I + L)^-1   (forward substitution, unit lower)
+//              U  = T (beta * (V - exp(G) * (K S0)))              [n, dv]
+//              O  = exp(G) * (Q S0) + (lower-incl (D * Q K^T)) U  [n, dv]
+//              S  = exp(G_n-1) S0 + (exp(G_n-1 - G) * K)^T U      [dk, dv]
+//            U holds the deltas of the recurrent form. The products run on
+//            kernels::linear / linear_nn (oneDNN, one thread per task).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/cpu_features.h"
+#include "kernels/gated_delta_rule_params.h"
+
+namespace attnkit::kernels::cpu {
+
+// Value columns of one recurrent block: one AVX-512 vector of f32.
+inline constexpr int64_t kGdrColumns = 16;
+
+// Floats of scratch one worker of the chunked form needs (the recurrent
+// form needs none).
+size_t gated_delta_rule_chunked_scratch(const GatedDeltaRuleParams& p);
+
+// `threads` resolved (>= 1); `target` the SIMD target to run (the same
+// source compiled per target with function attributes, see the .cc).
+void gated_delta_rule_recurrent(const GatedDeltaRuleParams& p, int threads, SimdTarget target);
+// `scratch` holds threads * gated_delta_rule_chunked_scratch(p) floats.
+void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int threads, SimdTarget target,
+                              float* scratch);
+
+}  // namespace attnkit::kernels::cpu

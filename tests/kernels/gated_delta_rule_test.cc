@@ -1,0 +1,176 @@
+// The gated delta rule's kernels held equal: the fast recurrent and chunked
+// forms against the reference twin (recurrent, double) and against each
+// other, on seeded random inputs laid out as the layer lays them out (q, k
+// and v interleaved in one row per token), across chunk edges (63, 64, 65
+// tokens), value widths below, at and above the recurrent column blocks,
+// grouped value heads, decays from none to total, and thread counts (which
+// must not change a bit).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "common/random.h"
+#include "core/cpu_features.h"
+#include "kernels/dispatch.h"
+#include "kernels/gated_delta_rule_params.h"
+
+namespace attnkit::kernels {
+namespace {
+
+using attnkit_test::Rng;
+
+struct Case {
+  int64_t batch, seq, hk, hv, dk, dv;
+  float g_lo, g_hi;  // log-decays drawn uniformly in [g_lo, g_hi]
+};
+
+struct Problem {
+  Case c;
+  int64_t width;  // floats per token row: q | k | v
+  std::vector<float> rows, g, beta, state0;
+};
+
+Problem make_problem(const Case& c, uint64_t seed) {
+  Rng rng(seed);
+  Problem p{c, 2 * c.hk * c.dk + c.hv * c.dv, {}, {}, {}, {}};
+  const int64_t T = c.batch * c.seq;
+  p.rows = attnkit_test::uniform_vector(T * p.width, rng);
+  // q and k unit vectors (the layer's L2 norm), q scaled by dk^-0.5.
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t hh = 0; hh < 2 * c.hk; ++hh) {
+      float* v = p.rows.data() + t * p.width + hh * c.dk;
+      double ss = 0;
+      for (int64_t d = 0; d < c.dk; ++d) ss += double{v[d]} * v[d];
+      const double f = (hh < c.hk ? 1.0 / std::sqrt(double(c.dk)) : 1.0) / std::sqrt(ss);
+      for (int64_t d = 0; d < c.dk; ++d) v[d] = static_cast<float>(v[d] * f);
+    }
+  p.g = attnkit_test::uniform_vector(T * c.hv, rng, c.g_lo, c.g_hi);
+  p.beta = attnkit_test::uniform_vector(T * c.hv, rng, 0.0f, 1.0f);
+  p.state0 = attnkit_test::uniform_vector(c.batch * c.hv * c.dk * c.dv, rng, -0.5f, 0.5f);
+  return p;
+}
+
+// Runs one form; returns out [T, hv * dv] followed by the final state.
+std::vector<float> run(const Problem& pr, Backend backend, GdrForm form, int threads) {
+  const Case& c = pr.c;
+  const int64_t T = c.batch * c.seq;
+  std::vector<float> out(T * c.hv * c.dv, -9.0f), state = pr.state0;
+  GatedDeltaRuleParams p;
+  p.batch = c.batch;
+  p.seq = c.seq;
+  p.num_k_heads = c.hk;
+  p.num_v_heads = c.hv;
+  p.key_head_dim = c.dk;
+  p.value_head_dim = c.dv;
+  p.q = pr.rows.data();
+  p.k = p.q + c.hk * c.dk;
+  p.v = p.q + 2 * c.hk * c.dk;
+  p.q_stride = p.k_stride = p.v_stride = pr.width;
+  p.g = pr.g.data();
+  p.beta = pr.beta.data();
+  p.state = state.data();
+  p.out = out.data();
+  p.out_stride = c.hv * c.dv;
+  p.num_threads = threads;
+  p.form = form;
+  EXPECT_TRUE(run_gated_delta_rule(p, backend).ok());
+  out.insert(out.end(), state.begin(), state.end());
+  return out;
+}
+
+std::string name(const Case& c) {
+  return "batch " + std::to_string(c.batch) + " seq " + std::to_string(c.seq) + " heads " +
+         std::to_string(c.hk) + "/" + std::to_string(c.hv) + " dims " + std::to_string(c.dk) + "/" +
+         std::to_string(c.dv) + " g in [" + std::to_string(c.g_lo) + ", " + std::to_string(c.g_hi) +
+         "]";
+}
+
+// max |got - want| <= 1e-4 * max |want| over outputs and state together:
+// f32 sums of dk or 64 terms round at ~1e-6 of that scale; the bound is the
+// layer's target.
+void expect_close(const std::vector<float>& got, const std::vector<float>& want,
+                  const std::string& what) {
+  ASSERT_EQ(got.size(), want.size());
+  double scale = 0, worst = -1;
+  size_t at = 0;
+  for (float v : want) scale = std::max(scale, std::fabs(double{v}));
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double e = std::fabs(double{got[i]} - want[i]);
+    if (!(e <= worst)) {
+      worst = e;
+      at = i;
+    }
+  }
+  EXPECT_LE(worst, 1e-4 * scale) << what << ": element " << at << " got " << got[at] << " want "
+                                 << want[at] << " bound " << 1e-4 * scale;
+}
+
+TEST(GatedDeltaRule, FastFormsMatchReference) {
+  const Case cases[] = {
+      {1, 1, 1, 1, 16, 16, -0.5f, 0.0f},
+      {2, 2, 2, 4, 16, 24, -0.5f, 0.0f},
+      {1, 63, 2, 4, 32, 8, -0.3f, 0.0f},
+      {1, 64, 1, 2, 16, 40, -0.3f, 0.0f},
+      {2, 65, 2, 2, 24, 16, -0.3f, 0.0f},
+      {1, 200, 2, 4, 32, 32, -0.2f, 0.0f},
+      {1, 130, 1, 1, 16, 16, 0.0f, 0.0f},       // no decay at all
+      {1, 100, 1, 2, 16, 16, -1000.0f, -5.0f},  // near-total forgetting
+      {1, 70, 1, 2, 128, 128, -0.1f, 0.0f},     // Qwen3-Next's head dims
+      // Recurrent column groups of 8, 4, 2 and 1 blocks of 16 and a tail.
+      {1, 5, 1, 2, 16, 88, -0.3f, 0.0f},
+      {2, 3, 2, 2, 16, 152, -0.3f, 0.0f},
+  };
+  uint64_t seed = 1;
+  for (const Case& c : cases) {
+    const Problem pr = make_problem(c, seed++);
+    const std::vector<float> want = run(pr, Backend::kReference, GdrForm::kAuto, 1);
+    const std::vector<float> rec = run(pr, Backend::kFast, GdrForm::kRecurrent, 1);
+    const std::vector<float> chk = run(pr, Backend::kFast, GdrForm::kChunked, 1);
+    expect_close(rec, want, "recurrent, " + name(c));
+    expect_close(chk, want, "chunked, " + name(c));
+    expect_close(chk, rec, "chunked vs recurrent, " + name(c));
+    // Any thread count, the same bits.
+    EXPECT_EQ(run(pr, Backend::kFast, GdrForm::kRecurrent, 2), rec) << name(c);
+    EXPECT_EQ(run(pr, Backend::kFast, GdrForm::kChunked, 3), chk) << name(c);
+  }
+}
+
+TEST(GatedDeltaRule, EverySimdTargetMatches) {
+  // The forms are compiled per target with function attributes; targets
+  // with FMA contract multiply-adds, so each target this CPU runs is held
+  // to the scalar build within the kernels' bound, not to its bits.
+  const SimdTarget active = simd_target();
+  const Case cases[] = {{2, 3, 2, 4, 16, 40, -0.5f, 0.0f},
+                        {1, 150, 1, 2, 32, 24, -0.3f, 0.0f},
+                        {1, 4, 1, 1, 16, 248, -0.3f, 0.0f}};
+  uint64_t seed = 40;
+  for (const Case& c : cases) {
+    const Problem pr = make_problem(c, seed++);
+    ASSERT_TRUE(set_simd_target(SimdTarget::kScalar));
+    const std::vector<float> rec = run(pr, Backend::kFast, GdrForm::kRecurrent, 2);
+    const std::vector<float> chk = run(pr, Backend::kFast, GdrForm::kChunked, 2);
+    for (SimdTarget t : kAllSimdTargets) {
+      if (!set_simd_target(t)) continue;
+      expect_close(run(pr, Backend::kFast, GdrForm::kRecurrent, 2), rec,
+                   std::string(simd_target_name(t)) + " recurrent, " + name(c));
+      expect_close(run(pr, Backend::kFast, GdrForm::kChunked, 2), chk,
+                   std::string(simd_target_name(t)) + " chunked, " + name(c));
+    }
+  }
+  set_simd_target(active);
+}
+
+TEST(GatedDeltaRule, LongSequenceStaysExact) {
+  // 2000 tokens: 32 chunks of state passing, slow decay.
+  const Case c{1, 2000, 1, 2, 32, 32, -0.05f, 0.0f};
+  const Problem pr = make_problem(c, 77);
+  const std::vector<float> want = run(pr, Backend::kReference, GdrForm::kAuto, 1);
+  expect_close(run(pr, Backend::kFast, GdrForm::kChunked, 2), want, "chunked, " + name(c));
+  expect_close(run(pr, Backend::kFast, GdrForm::kRecurrent, 2), want, "recurrent, " + name(c));
+}
+
+}  // namespace
+}  // namespace attnkit::kernels
