@@ -126,6 +126,8 @@ std::string python_message(std::string msg) {
       {"LatentAttention::load_weights", "LatentAttention.load_state_dict"},
       {"LatentAttention::weight", "LatentAttention.state_dict"},
       {"LatentAttention::create", "LatentAttention"},
+      {"GatedDeltaNet::load_weights", "GatedDeltaNet.load_state_dict"},
+      {"GatedDeltaNet::create", "GatedDeltaNet"},
       {"KVCache::create", "KVCache"},
       {"Rope::create", "Rope"},
       {"MoeLayer::", "MoE."},
