@@ -70,10 +70,11 @@ Status check_scaling(const RopeScaling& s) {
     if (!std::isfinite(s.low_freq_factor) || s.low_freq_factor <= 0.0)
       return bad(kCreate,
                  "scaling.low_freq_factor = " + num(s.low_freq_factor) + " must be finite and > 0");
-    if (!std::isfinite(s.high_freq_factor) || !(s.low_freq_factor < s.high_freq_factor))
+    // Equal factors (Llama 4 Scout publishes 1 and 1) leave no blend band.
+    if (!std::isfinite(s.high_freq_factor) || !(s.low_freq_factor <= s.high_freq_factor))
       return bad(kCreate,
                  "scaling.high_freq_factor = " + num(s.high_freq_factor) +
-                     " must be finite and > scaling.low_freq_factor = " + num(s.low_freq_factor));
+                     " must be finite and >= scaling.low_freq_factor = " + num(s.low_freq_factor));
     return Status::Ok();
   }
 
@@ -98,18 +99,20 @@ Status check_scaling(const RopeScaling& s) {
 // Hugging Face's _compute_llama3_parameters: pairs whose wavelength is
 // shorter than orig/high_freq_factor keep their frequency, those longer than
 // orig/low_freq_factor are divided by factor, and the band between is a
-// linear blend in orig/wavelength.
+// linear blend in orig/wavelength. With equal factors the band is a single
+// wavelength, where transformers divides 0 by 0; such a pair keeps its
+// frequency here.
 void apply_llama3(const RopeScaling& s, std::vector<double>& inv_freq) {
   const double orig = static_cast<double>(s.original_max_position_embeddings);
   const double low_wavelen = orig / s.low_freq_factor;
   const double high_wavelen = orig / s.high_freq_factor;
   for (double& f : inv_freq) {
     const double wavelen = 2.0 * std::numbers::pi / f;
-    if (wavelen < high_wavelen) continue;
     if (wavelen > low_wavelen) {
       f /= s.factor;
       continue;
     }
+    if (wavelen < high_wavelen || s.high_freq_factor == s.low_freq_factor) continue;
     const double smooth =
         (orig / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
     f = (1.0 - smooth) * f / s.factor + smooth * f;

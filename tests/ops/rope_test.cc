@@ -463,6 +463,25 @@ TEST(RopeFreq, Llama31MatchesHandComputedBands) {
   EXPECT_EQ(rope.attention_factor(), 1.0);
 }
 
+TEST(RopeFreq, Llama3WithEqualFactorsHasNoBlendBand) {
+  // Llama-4-Scout: theta 500000, rotary 128, llama3 {factor 16,
+  // low_freq_factor 1, high_freq_factor 1, original 8192}: pairs whose
+  // wavelength passes 8192 are divided by 16, the others kept; nothing
+  // blends (transformers would divide 0 by 0 only at exactly 8192).
+  RopeConfig cfg = cfg_of(128, 500000.0);
+  cfg.scaling = llama3_scaling(16.0, 1.0, 1.0, 8192);
+  const Rope rope = make_rope(cfg);
+  const auto base = ref_inv_freq(500000.0, 128);
+  int divided = 0;
+  for (size_t i = 0; i < base.size(); ++i) {
+    const double wavelen = 2 * std::numbers::pi / base[i];
+    const double want = wavelen > 8192.0 ? base[i] / 16.0 : base[i];
+    divided += wavelen > 8192.0;
+    EXPECT_NEAR(rope.inv_freq()[i], want, 64 * kEps64 * want) << "pair " << i;
+  }
+  EXPECT_EQ(divided, 29);  // pairs 35..63
+}
+
 RopeConfig deepseek_v3_rope() {
   RopeConfig cfg = cfg_of(64, 10000.0, RopePairing::kInterleaved);
   cfg.scaling = yarn_scaling(40.0, 4096, 1.0, 1.0);
@@ -632,7 +651,7 @@ TEST(RopeErrors, CreateRejectsEveryBadField) {
   l.original_max_position_embeddings = 0;
   expect_create_error(with(l), "scaling.original_max_position_embeddings");
   l = llama3;
-  l.high_freq_factor = 1.0;
+  l.high_freq_factor = 0.5;  // below low_freq_factor = 1
   expect_create_error(with(l), "scaling.high_freq_factor");
   l = llama3;
   l.low_freq_factor = 0.0;
