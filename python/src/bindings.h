@@ -14,6 +14,7 @@ void bind_safetensors(pybind11::module_& m);      // safetensors.cc: load/save_s
 void bind_mla(pybind11::module_& m);              // mla.cc: LatentAttention and its cache
 void bind_moe(pybind11::module_& m);              // moe.cc: the MoE feed-forward
 void bind_gated_deltanet(pybind11::module_& m);   // gated_deltanet.cc: GatedDeltaNet, its state
-void bind_paged(pybind11::module_& m);  // paged.cc: PagedKVCache, batch_attention, sdpa_varlen
+void bind_paged(pybind11::module_& m);       // paged.cc: PagedKVCache, batch_attention, sdpa_varlen
+void bind_model_spec(pybind11::module_& m);  // model_spec.cc: the model description
 
 }  // namespace attnkit::python
