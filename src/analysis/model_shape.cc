@@ -67,7 +67,7 @@ Status get_bool(const json& j, const char* field, bool* out) {
 }
 
 Status parse_windows(const json& j, ModelShape* m) {
-  m->window_per_layer.assign(static_cast<size_t>(m->num_layers), 0);
+  m->layers.assign(static_cast<size_t>(m->num_layers), LayerShape{});
   int64_t window = 0;
   auto sw = j.find("sliding_window");
   if (sw != j.end() && !sw->is_null()) {
@@ -85,7 +85,7 @@ Status parse_windows(const json& j, ModelShape* m) {
       const json& t = (*types)[l];
       if (!t.is_string())
         return field_error("layer_types[" + std::to_string(l) + "]", "must be a string", t);
-      if (t.get<std::string>() == "sliding_attention") m->window_per_layer[l] = window;
+      if (t.get<std::string>() == "sliding_attention") m->layers[l].sliding_window = window;
     }
     return Status::Ok();
   }
@@ -94,7 +94,7 @@ Status parse_windows(const json& j, ModelShape* m) {
   if (type == "gemma2" || type == "gemma3") {
     // Gemma-2 alternates local (even layer index) and global layers.
     for (int64_t l = 0; l < m->num_layers; l += 2)
-      m->window_per_layer[static_cast<size_t>(l)] = window;
+      m->layers[static_cast<size_t>(l)].sliding_window = window;
   } else if (type == "qwen2" || type == "qwen3" || type == "qwen2_moe" || type == "qwen3_moe") {
     bool use = false;
     ATTNKIT_RETURN_IF_ERROR(get_bool(j, "use_sliding_window", &use));
@@ -102,9 +102,9 @@ Status parse_windows(const json& j, ModelShape* m) {
     int64_t first = 0;
     ATTNKIT_RETURN_IF_ERROR(get_int(j, "max_window_layers", false, &first, 0));
     for (int64_t l = first; l < m->num_layers; ++l)
-      m->window_per_layer[static_cast<size_t>(l)] = window;
+      m->layers[static_cast<size_t>(l)].sliding_window = window;
   } else {
-    for (auto& w : m->window_per_layer) w = window;  // mistral and llama-shaped configs
+    for (auto& l : m->layers) l.sliding_window = window;  // mistral and llama-shaped configs
   }
   return Status::Ok();
 }

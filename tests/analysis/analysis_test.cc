@@ -246,3 +246,239 @@ TEST(Analysis, CacheBytesPastInt64AreTheTrueValueNotCapped) {
 
 }  // namespace
 }  // namespace attnkit
+
+// Layer by layer: ModelSpec values built by hand from the published configs
+// (docs/ANALYSIS.md names them), every expected figure worked out here from
+// the config's numbers, not from the code under test.
+namespace attnkit {
+namespace {
+
+LayerSpec attention_layer(int64_t d, int64_t h, int64_t kv, int64_t hd) {
+  LayerSpec l;
+  l.kind = LayerKind::kAttention;
+  l.attention.hidden_size = d;
+  l.attention.num_heads = h;
+  l.attention.num_kv_heads = kv;
+  l.attention.head_dim = hd;
+  return l;
+}
+
+ModelSpec spec_of(std::vector<LayerSpec> layers, int64_t d) {
+  ModelSpec s;
+  s.num_layers = static_cast<int64_t>(layers.size());
+  s.hidden_size = d;
+  s.layers = std::move(layers);
+  return s;
+}
+
+// openai/gpt-oss-20b: 24 layers alternating sliding (128) and full, 64 heads,
+// 8 kv heads of 64, hidden 2880, q/k/v/o biases, sinks.
+ModelSpec gpt_oss_20b() {
+  std::vector<LayerSpec> layers;
+  for (int i = 0; i < 24; ++i) {
+    LayerSpec l = attention_layer(2880, 64, 8, 64);
+    l.attention.qkv_bias = l.attention.o_bias = l.attention.sinks = true;
+    if (i % 2 == 0) l.attention.sliding_window = 128;
+    layers.push_back(l);
+  }
+  return spec_of(layers, 2880);
+}
+
+// google/gemma-3-4b-it's text_config: 34 layers, sliding_window 1024, the
+// pattern (6) left to its default, 8 heads, 4 kv heads of 256.
+ModelSpec gemma3_4b() {
+  std::vector<LayerSpec> layers;
+  for (int i = 0; i < 34; ++i) {
+    LayerSpec l = attention_layer(2560, 8, 4, 256);
+    l.attention.qk_norm = QkNorm::kRmsOnePlus;
+    if ((i + 1) % 6 != 0) l.attention.sliding_window = 1024;
+    layers.push_back(l);
+  }
+  return spec_of(layers, 2560);
+}
+
+// meta-llama/Llama-4-Scout-17B-16E: 48 layers, every 4th NoPE and global,
+// the others chunked (attention_chunk_size 8192) with the L2 qk-norm; 40
+// heads, 8 kv heads of 128.
+ModelSpec llama4_scout() {
+  std::vector<LayerSpec> layers;
+  for (int i = 0; i < 48; ++i) {
+    LayerSpec l = attention_layer(5120, 40, 8, 128);
+    if ((i + 1) % 4 == 0) {
+      l.attention.use_rope = false;
+    } else {
+      l.attention.chunk_size = 8192;
+      l.attention.qk_norm = QkNorm::kL2;
+    }
+    layers.push_back(l);
+  }
+  return spec_of(layers, 5120);
+}
+
+// Qwen/Qwen3-Next-80B-A3B: 48 layers, every 4th full gated attention (16
+// heads, 2 kv heads of 256), the rest Gated DeltaNet (16 key heads, 32
+// value heads, 128 x 128, conv kernel 4).
+ModelSpec qwen3_next() {
+  std::vector<LayerSpec> layers;
+  for (int i = 0; i < 48; ++i) {
+    if ((i + 1) % 4 == 0) {
+      LayerSpec l = attention_layer(2048, 16, 2, 256);
+      l.attention.qk_norm = QkNorm::kRmsOnePlus;
+      l.attention.output_gate = true;
+      layers.push_back(l);
+    } else {
+      LayerSpec l;
+      l.kind = LayerKind::kLinearAttention;
+      l.linear = {2048, 16, 32, 128, 128, 4, 1e-6};
+      layers.push_back(l);
+    }
+  }
+  return spec_of(layers, 2048);
+}
+
+ModelShape shape_of(const ModelSpec& s) {
+  auto m = model_shape_from_spec(s);
+  EXPECT_TRUE(m.ok()) << m.status().to_string();
+  return m.ok() ? *m : ModelShape{};
+}
+
+TEST(LayerAnalysis, GptOssHalfTheLayersHold128Tokens) {
+  const ModelShape m = shape_of(gpt_oss_20b());
+  EXPECT_EQ(layer_mix(m), "24 layers: 12 sliding 128, 12 full");
+  // K+V: 8 kv heads x (64 + 64) values x 2 B = 2048 B per token and layer.
+  EXPECT_EQ(kv_bytes_per_token(m, DType::kBF16), 24 * 2048);
+  EXPECT_EQ(kv_cache_bytes(m, DType::kBF16, 32768, 1), 12.0 * 128 * 2048 + 12.0 * 32768 * 2048);
+  EXPECT_EQ(kv_cache_bytes(m, DType::kBF16, 100, 3), 3 * 24.0 * 100 * 2048);
+  // q 4096x2880, k and v 512x2880, o 2880x4096, biases 4096+512+512+2880,
+  // one sink per head.
+  EXPECT_EQ(attention_params_per_layer(m), 2 * 4096 * 2880 + 2 * 512 * 2880 + 8000 + 64);
+  EXPECT_EQ(attention_params_total(m), 24 * attention_params_per_layer(m));
+  EXPECT_EQ(linear_state_bytes(m, 1), 0.0);
+}
+
+TEST(LayerAnalysis, Gemma3AsReleasedHasFiveFullLayers) {
+  const ModelShape m = shape_of(gemma3_4b());
+  EXPECT_EQ(layer_mix(m), "34 layers: 29 sliding 1024, 5 full");
+  // 4 kv heads x 512 values x 2 B = 4096 B per token and layer.
+  EXPECT_EQ(kv_cache_bytes(m, DType::kBF16, 32768, 1),
+            29.0 * 1024 * 4096 + 5.0 * 32768 * 4096);  // 756 MiB, not 136 MiB
+  // qk-norm gains: 2 x 256.
+  EXPECT_EQ(attention_params_per_layer(m), 2 * 2048 * 2560 + 2 * 1024 * 2560 + 512);
+}
+
+TEST(LayerAnalysis, Llama4ChunkedLayersHoldAtMostOneChunk) {
+  const ModelShape m = shape_of(llama4_scout());
+  EXPECT_EQ(layer_mix(m), "48 layers: 36 chunked 8192, 12 full NoPE");
+  // 8 kv heads x 256 values x 2 B = 4096 B per token and layer.
+  EXPECT_EQ(kv_cache_bytes(m, DType::kBF16, 32768, 1), 36.0 * 8192 * 4096 + 12.0 * 32768 * 4096);
+  EXPECT_EQ(kv_cache_bytes(m, DType::kBF16, 5000, 1), 48.0 * 5000 * 4096);
+  EXPECT_EQ(tokens_held(m, 0, 20000), 8192);
+  EXPECT_EQ(tokens_held(m, 3, 20000), 20000);
+  // The L2 qk-norm has no weight: q 5120x5120, k and v 1024x5120, o 5120x5120.
+  const int64_t params = 2 * 5120 * 5120 + 2 * 1024 * 5120;
+  EXPECT_EQ(attention_params_per_layer(m), params);
+  // Prefill of 20000 tokens in a chunked layer: two whole chunks of 8192
+  // and one of 3616, each a causal triangle.
+  const double pairs = 2 * (8192.0 * 8193 / 2) + 3616.0 * 3617 / 2;
+  const double per_pair = 2.0 * 40 * 256;
+  EXPECT_DOUBLE_EQ(prefill_flops_per_layer(m, 20000, 0), 20000 * 2.0 * params + per_pair * pairs);
+  EXPECT_DOUBLE_EQ(prefill_flops_per_layer(m, 20000, 3),
+                   20000 * 2.0 * params + per_pair * 20000.0 * 20001 / 2);
+  // Decode over the chunk's upper bound (8192), or all 20000 in a global layer.
+  EXPECT_DOUBLE_EQ(decode_flops_per_layer(m, 20000, 0), 2.0 * params + per_pair * 8192);
+  EXPECT_DOUBLE_EQ(decode_flops_per_layer(m, 20000, 3), 2.0 * params + per_pair * 20000);
+}
+
+TEST(LayerAnalysis, Qwen3NextHoldsTwelveLayersOfKvAndAConstantState) {
+  const ModelShape m = shape_of(qwen3_next());
+  EXPECT_EQ(layer_mix(m), "48 layers: 36 Gated DeltaNet, 12 full (gated)");
+  // 2 kv heads x 512 values x 2 B = 2048 B per token, in 12 layers only.
+  EXPECT_EQ(kv_bytes_per_token(m, DType::kBF16), 12 * 2048);
+  EXPECT_EQ(kv_cache_bytes(m, DType::kBF16, 32768, 1), 768.0 * 1024 * 1024);
+  // Per Gated DeltaNet layer and sequence: the state 32 x 128 x 128 and
+  // the conv's last 3 inputs of 2 x 16 x 128 + 32 x 128 channels, f32.
+  const int64_t state = (32 * 128 * 128 + 3 * (2 * 16 * 128 + 32 * 128)) * 4;
+  EXPECT_EQ(state, 2195456);
+  EXPECT_EQ(linear_state_bytes_per_layer(m, 0), state);
+  EXPECT_EQ(linear_state_bytes_per_layer(m, 3), 0);
+  EXPECT_EQ(linear_state_bytes(m, 2), 2.0 * 36 * state);
+  EXPECT_EQ(cache_bytes(m, DType::kBF16, 32768, 2), 2 * 768.0 * 1024 * 1024 + 2.0 * 36 * state);
+  // Full layer: q_proj 2 x 4096 rows (query and gate), k, v 512 rows, o,
+  // q/k norm gains 2 x 256.
+  EXPECT_EQ(layer_params(m, 3), 2 * 4096 * 2048 + 2 * 512 * 2048 + 2048 * 4096 + 512);
+  EXPECT_EQ(attention_params_per_layer(m), layer_params(m, 3));
+  // Gated DeltaNet layer: in_proj_qkvz (2 x 2048 + 2 x 4096) x 2048,
+  // in_proj_ba 64 x 2048, conv 8192 x 4, dt_bias and A_log 32 each, norm
+  // 128, out_proj 2048 x 4096.
+  const int64_t projections = (12288 + 64 + 4096) * int64_t{2048};
+  EXPECT_EQ(layer_params(m, 0), projections + 8192 * 4 + 64 + 128);
+  // Its FLOPs per token, in prefill and decode alike: the projections,
+  // the conv, and 7 x 32 x 128 x 128 for the state.
+  const double per_token = 2.0 * projections + 2.0 * 8192 * 4 + 7.0 * 32 * 128 * 128;
+  EXPECT_DOUBLE_EQ(decode_flops_per_layer(m, 32768, 0), per_token);
+  EXPECT_DOUBLE_EQ(decode_flops_per_layer(m, 10, 0), per_token);
+  EXPECT_DOUBLE_EQ(prefill_flops_per_layer(m, 1000, 0), 1000 * per_token);
+  // A decode step reads the state (f32) once per sequence.
+  EXPECT_DOUBLE_EQ(decode_bytes_per_layer(m, 32768, 3, DType::kBF16, DType::kBF16, 0),
+                   2.0 * static_cast<double>(layer_params(m, 0)) + 3.0 * state);
+
+  // One row per layer kind, summing to the model's totals.
+  const auto groups = layer_group_figures(m, DType::kBF16, 32768, 1);
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0].label, "Gated DeltaNet");
+  EXPECT_EQ(groups[0].count, 36);
+  EXPECT_EQ(groups[0].tokens_held, 0);
+  EXPECT_EQ(groups[0].kv_bytes, 0.0);
+  EXPECT_EQ(groups[0].state_bytes, 36.0 * state);
+  EXPECT_EQ(groups[1].label, "full (gated)");
+  EXPECT_EQ(groups[1].tokens_held, 32768);
+  EXPECT_EQ(groups[1].kv_bytes, 768.0 * 1024 * 1024);
+  const ModelTotals t = model_totals(m, 32768, 1, DType::kBF16, DType::kBF16);
+  EXPECT_DOUBLE_EQ(groups[0].prefill_flops + groups[1].prefill_flops, t.prefill_flops);
+  EXPECT_DOUBLE_EQ(groups[0].decode_flops + groups[1].decode_flops, t.decode_flops);
+}
+
+TEST(LayerAnalysis, WhatIfVariantsKeepTheLayerKinds) {
+  const ModelShape m = shape_of(qwen3_next());
+  auto mqa = with_kv_heads(m, 1);
+  ASSERT_TRUE(mqa.ok()) << mqa.status().to_string();
+  EXPECT_EQ(layer_mix(*mqa), layer_mix(m));
+  EXPECT_EQ(kv_cache_bytes(*mqa, DType::kBF16, 32768, 1), 384.0 * 1024 * 1024);
+  EXPECT_EQ(linear_state_bytes(*mqa, 1), linear_state_bytes(m, 1));
+  auto mla = with_mla(m, 512, 64);
+  ASSERT_TRUE(mla.ok()) << mla.status().to_string();
+  // The gate belonged to the softmax attention MLA replaces.
+  EXPECT_EQ(layer_mix(*mla), "48 layers: 36 Gated DeltaNet, 12 full");
+  EXPECT_EQ(kv_bytes_per_token(*mla, DType::kBF16), 12 * 576 * 2);
+  const ModelShape scout = shape_of(llama4_scout());
+  auto scout_mla = with_mla(scout, 512, 64);
+  ASSERT_TRUE(scout_mla.ok());
+  EXPECT_EQ(kv_cache_bytes(*scout_mla, DType::kBF16, 32768, 1),
+            (36.0 * 8192 + 12.0 * 32768) * 576 * 2);
+}
+
+TEST(LayerAnalysis, SpecWithUnequalAttentionSizesIsRefused) {
+  ModelSpec s = gpt_oss_20b();
+  s.layers[5].attention.num_kv_heads = 4;
+  auto m = model_shape_from_spec(s);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("model_shape_from_spec: layer 5"), std::string::npos)
+      << m.status().message();
+  s.layers.pop_back();
+  auto short_list = model_shape_from_spec(s);
+  ASSERT_FALSE(short_list.ok());
+  EXPECT_NE(short_list.status().message().find("layers.size() = 23"), std::string::npos);
+}
+
+TEST(LayerAnalysis, HandBuiltShapesWithoutLayersAreFullAttention) {
+  ModelShape m;
+  m.num_layers = 3;
+  m.hidden_size = 64;
+  m.num_heads = m.num_kv_heads = 4;
+  m.head_dim = m.head_dim_v = 16;
+  EXPECT_EQ(layer_mix(m), "3 layers: 3 full");
+  EXPECT_EQ(kv_cache_bytes(m, DType::kF32, 10, 1), 3.0 * 10 * 4 * 32 * 4);
+}
+
+}  // namespace
+}  // namespace attnkit

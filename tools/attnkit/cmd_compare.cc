@@ -471,7 +471,6 @@ int run_compare(int argc, char** argv) {
   base.num_heads = base.num_kv_heads = o.heads;
   base.head_dim = base.head_dim_v = head_dim;
   base.q_bias = base.k_bias = base.v_bias = base.o_bias = o.bias;
-  base.window_per_layer = {0};
   base.source = "attnkit compare";
 
   // Parse every variant before anything runs, so a bad name costs nothing.

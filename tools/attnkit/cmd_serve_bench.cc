@@ -60,7 +60,6 @@ Source load_source(const Options& o) {
     s.shape.num_heads = s.shape.num_kv_heads = 32;
     s.shape.head_dim = s.shape.head_dim_v = 64;
     s.shape.num_layers = 1;
-    s.shape.window_per_layer = {0};
     s.label = s.shape.name;
     return s;
   }
