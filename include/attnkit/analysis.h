@@ -193,6 +193,9 @@ struct LayerGroup {
 std::vector<LayerGroup> layer_groups(const ModelShape& m);
 // "24 layers: 12 sliding 128, 12 full" (layer_groups' labels and counts).
 std::string layer_mix(const ModelShape& m);
+// A stack of the first n layers of m (n >= 1), the model's pattern repeated
+// past its last layer: what a benchmark of n layers runs.
+ModelShape first_layers(const ModelShape& m, int64_t n);
 
 // One layer group's figures at a context and batch.
 struct LayerGroupFigures {

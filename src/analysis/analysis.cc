@@ -278,12 +278,21 @@ std::vector<LayerGroup> layer_groups(const ModelShape& m) {
 }
 
 std::string layer_mix(const ModelShape& m) {
-  std::string out = std::to_string(m.num_layers) + " layers: ";
+  std::string out = std::to_string(m.num_layers) + (m.num_layers == 1 ? " layer: " : " layers: ");
   bool first = true;
   for (const LayerGroup& g : layer_groups(m)) {
     out += (first ? "" : ", ") + std::to_string(g.layers.size()) + " " + g.label;
     first = false;
   }
+  return out;
+}
+
+ModelShape first_layers(const ModelShape& m, int64_t n) {
+  ModelShape out = m;
+  out.num_layers = n;
+  out.layers.clear();
+  if (!m.layers.empty())
+    for (int64_t l = 0; l < n; ++l) out.layers.push_back(layer_shape(m, l % m.num_layers));
   return out;
 }
 

@@ -36,7 +36,8 @@ Table per_layer_table(const std::vector<LayerGroupFigures>& groups, const std::s
            "prefill FLOPs", "decode FLOPs / step"});
   for (const LayerGroupFigures& g : groups)
     t.add({g.label, std::to_string(g.count), std::to_string(g.tokens_held),
-           format_bytes(g.kv_bytes), format_bytes(g.state_bytes), format_flops(g.prefill_flops),
+           g.kv_bytes > 0 ? format_bytes(g.kv_bytes) : "-",
+           g.state_bytes > 0 ? format_bytes(g.state_bytes) : "-", format_flops(g.prefill_flops),
            format_flops(g.decode_flops)});
   return t;
 }

@@ -19,6 +19,10 @@ int run_presets(int argc, char** argv) {
   if (!f.parse(argc, argv, 2)) return 0;
   for (const std::string& n : attnkit::preset_names()) {
     auto m = attnkit::model_preset(n);
+    if (!m.ok()) {
+      std::fprintf(stderr, "attnkit presets: %s\n", m.status().message().c_str());
+      return 1;
+    }
     std::printf("%-18s %-12s %s\n", n.c_str(), attnkit::cli::variant_label(*m).c_str(),
                 m->source.c_str());
   }
