@@ -485,3 +485,104 @@ TEST(LayerAnalysis, HandBuiltShapesWithoutLayersAreFullAttention) {
 
 }  // namespace
 }  // namespace attnkit
+
+// The published configs (the presets carry them as released; sources in
+// docs/ANALYSIS.md) read by the one reader: each layer's kind from the
+// family's rule, and the bytes worked out here from the config's numbers.
+namespace attnkit {
+namespace {
+
+struct Published {
+  const char* preset;
+  const char* mix;
+  double kv_bytes_32k;  // bf16, one sequence of 32768 tokens
+  double state_bytes;   // f32, one sequence
+};
+
+// bf16 K+V per token and layer: kv heads x 2 x head_dim x 2 B.
+constexpr double kGptOss = 8 * 2 * 64 * 2, kGemma4b = 4 * 2 * 256 * 2, kGemma27b = 16 * 2 * 128 * 2,
+                 kScout = 8 * 2 * 128 * 2, kQwenNext = 2 * 2 * 256 * 2;
+// A Qwen3-Next Gated DeltaNet layer: 32 x 128 x 128 state values and 3
+// conv inputs of 2 x 16 x 128 + 32 x 128 channels, f32.
+constexpr double kDeltaNetState = (32 * 128 * 128 + 3 * (2 * 16 * 128 + 32 * 128)) * 4.0;
+
+const Published kPublished[] = {
+    // layer_types: sliding, full, ... (window 128).
+    {"gpt-oss-20b", "24 layers: 12 sliding 128, 12 full", 12 * 128 * kGptOss + 12 * 32768 * kGptOss,
+     0},
+    {"gpt-oss-120b", "36 layers: 18 sliding 128, 18 full",
+     18 * 128 * kGptOss + 18 * 32768 * kGptOss, 0},
+    // No layer_types, no sliding_window_pattern: the default 6, so layers
+    // 5, 11, 17, 23, 29 (and 35, ..., 59 in 27B) are global.
+    {"Gemma-3-4B", "34 layers: 29 sliding 1024, 5 full",
+     29 * 1024 * kGemma4b + 5 * 32768 * kGemma4b, 0},
+    {"Gemma-3-27B", "62 layers: 52 sliding 1024, 10 full",
+     52 * 1024 * kGemma27b + 10 * 32768 * kGemma27b, 0},
+    // no_rope_layers: NoPE (global) every 4th layer, the others chunked.
+    {"Llama-4-Scout", "48 layers: 36 chunked 8192, 12 full NoPE",
+     36 * 8192 * kScout + 12 * 32768 * kScout, 0},
+    // full_attention_interval 4: 12 gated full layers, 36 Gated DeltaNet.
+    {"Qwen3-Next-80B-A3B", "48 layers: 36 Gated DeltaNet, 12 full (gated)", 12 * 32768 * kQwenNext,
+     36 * kDeltaNetState},
+};
+
+TEST(PublishedConfigs, KvBytesLayerByLayer) {
+  for (const Published& p : kPublished) {
+    SCOPED_TRACE(p.preset);
+    auto m = model_preset(p.preset);
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    EXPECT_EQ(layer_mix(*m), p.mix);
+    EXPECT_EQ(kv_cache_bytes(*m, DType::kBF16, 32768, 1), p.kv_bytes_32k);
+    EXPECT_EQ(kv_cache_bytes(*m, DType::kBF16, 32768, 3), 3 * p.kv_bytes_32k);
+    EXPECT_EQ(linear_state_bytes(*m, 1), p.state_bytes);
+  }
+  // Qwen3-Next at 32K: 768 MiB of K/V (not 3 GiB for 48 full layers).
+  EXPECT_EQ(kPublished[5].kv_bytes_32k, 768.0 * (1 << 20));
+}
+
+// Qwen2 with use_sliding_window and no max_window_layers: the window
+// starts at layer max_window_layers, whose default is 28, so none of the
+// 28 layers slides (Qwen2Config).
+TEST(PublishedConfigs, Qwen2SlidingWindowWithoutMaxWindowLayers) {
+  auto m = model_shape_from_json(R"({"architectures": ["Qwen2ForCausalLM"],
+      "hidden_size": 3584, "intermediate_size": 18944, "max_position_embeddings": 131072,
+      "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
+      "num_key_value_heads": 4, "rope_theta": 1000000.0, "sliding_window": 131072,
+      "use_sliding_window": true, "vocab_size": 152064})");
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_EQ(layer_mix(*m), "28 layers: 28 full");
+  // 4 kv heads x 2 x 128 x 2 B = 2048 B per token and layer; past the
+  // window (131072) every layer still holds every token.
+  EXPECT_EQ(kv_cache_bytes(*m, DType::kBF16, 200000, 1), 28.0 * 200000 * 2048);
+}
+
+// The analysis, the layer config read for layer i and the layer shape
+// agree on every layer's window and chunk (one reader behind both).
+TEST(PublishedConfigs, AnalysisAndLayerConfigsAgreeLayerByLayer) {
+  for (const Published& p : kPublished) {
+    SCOPED_TRACE(p.preset);
+    const std::string text = *preset_config_json(p.preset);
+    auto m = model_preset(p.preset);
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    for (int64_t i = 0; i < m->num_layers; ++i) {
+      SCOPED_TRACE(i);
+      const LayerShape l = layer_shape(*m, i);
+      auto c = attention_config_from_json(text, i);
+      if (l.kind == MixerKind::kGatedDeltaNet) {
+        EXPECT_FALSE(c.ok());  // not a softmax-attention layer
+        continue;
+      }
+      ASSERT_TRUE(c.ok()) << c.status().to_string();
+      EXPECT_EQ(c->sliding_window, l.sliding_window);
+      EXPECT_EQ(c->chunk_size, l.chunk_size);
+      EXPECT_EQ(c->use_rope, l.use_rope);
+      EXPECT_EQ(c->sinks, l.sinks);
+      EXPECT_EQ(c->output_gate, l.output_gate);
+      EXPECT_EQ(c->num_kv_heads, m->num_kv_heads);
+      EXPECT_EQ(c->head_dim, m->head_dim);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attnkit

@@ -31,6 +31,14 @@ nlohmann::json per_layer_json(const std::vector<LayerGroupFigures>& groups) {
   return out;
 }
 
+// Each layer's kind, layer 0 first ("sliding 128", "full", ...).
+std::vector<std::string> layer_kind_labels(const ModelShape& m) {
+  std::vector<std::string> out(static_cast<size_t>(m.num_layers));
+  for (const LayerGroup& g : layer_groups(m))
+    for (int64_t l : g.layers) out[static_cast<size_t>(l)] = g.label;
+  return out;
+}
+
 Table per_layer_table(const std::vector<LayerGroupFigures>& groups, const std::string& kv_name) {
   Table t({"layer kind", "layers", "tokens held", "KV (" + kv_name + ")", "state (f32)",
            "prefill FLOPs", "decode FLOPs / step"});
@@ -129,6 +137,7 @@ int run_analyze(int argc, char** argv) {
   j["linear_state_bytes"] = linear_state_bytes(m, batch);
   j["cache_bytes"] = cache_bytes(m, kv, context, batch);
   j["per_layer"] = per_layer_json(groups);
+  j["layer_kinds"] = layer_kind_labels(m);
   if (m.mla) {
     j["mla_naive_kv_bytes_per_token"] = {{"bf16", kv_bytes_per_token(m, DType::kBF16, false)},
                                          {"f32", kv_bytes_per_token(m, DType::kF32, false)}};
