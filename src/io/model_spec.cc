@@ -330,6 +330,11 @@ Status read(const json& top, const SpecRequest& r, ModelSpec* spec) {
   }
   ATTNKIT_RETURN_IF_ERROR(c.f.required(hidden_key, "every layer's projections are that wide"));
   ATTNKIT_RETURN_IF_ERROR(c.f.integer(hidden_key, &c.hidden_size));
+  if (c.family == Family::kGemma3) {
+    // Gemma3TextConfig's defaults, which the released text_configs rely on.
+    c.max_position_embeddings = 131072;
+    spec->vocab_size = 262208;
+  }
   ATTNKIT_RETURN_IF_ERROR(c.f.integer(positions_key, &c.max_position_embeddings));
   if (c.max_position_embeddings < 0)
     return c.f.error(c.f.path(positions_key) + " = " + std::to_string(c.max_position_embeddings) +

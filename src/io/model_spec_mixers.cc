@@ -142,11 +142,18 @@ Status read_attention_base(const SpecContext& c, AttentionConfig* a) {
   a->model_type = c.model_type;
   a->hidden_size = c.hidden_size;
   ATTNKIT_RETURN_IF_ERROR(in_range(c, hidden_key, a->hidden_size, 1));
-  ATTNKIT_RETURN_IF_ERROR(
-      c.f.required(heads_key, "an attention config needs hidden_size and num_attention_heads"));
+  // Gemma 3's released text_configs leave the head counts to
+  // Gemma3TextConfig (8 heads, 4 kv heads); every other family must say.
+  const bool gemma3 = fam == Family::kGemma3;
+  if (gemma3) {
+    a->num_heads = 8;
+  } else {
+    ATTNKIT_RETURN_IF_ERROR(
+        c.f.required(heads_key, "an attention config needs hidden_size and num_attention_heads"));
+  }
   ATTNKIT_RETURN_IF_ERROR(c.f.integer(heads_key, &a->num_heads));
   ATTNKIT_RETURN_IF_ERROR(in_range(c, heads_key, a->num_heads, 1));
-  a->num_kv_heads = a->num_heads;
+  a->num_kv_heads = gemma3 && !c.f.has("num_key_value_heads") ? 4 : a->num_heads;
   if (fam == Family::kFalcon) {
     // FalconAttention: num_kv_heads when new_decoder_architecture (or not
     // multi_query), else one.
@@ -227,7 +234,13 @@ Status read_attention_base(const SpecContext& c, AttentionConfig* a) {
     a->rope.rotary_dim = static_cast<int64_t>(rotary);
   }
   if (fam == Family::kLlama4) {
-    ATTNKIT_RETURN_IF_ERROR(c.f.boolean("attn_temperature_tuning", &a->temperature_tuning));
+    a->temperature_tuning = true;  // Llama4TextConfig's default
+    // Llama4TextConfig declares a bool but the released Scout config says 4;
+    // transformers tests its truth, and so does this reader.
+    if (const json* v = c.f.get("attn_temperature_tuning"); v != nullptr && v->is_number_integer())
+      a->temperature_tuning = v->get<int64_t>() != 0;
+    else
+      ATTNKIT_RETURN_IF_ERROR(c.f.boolean("attn_temperature_tuning", &a->temperature_tuning));
     ATTNKIT_RETURN_IF_ERROR(c.f.number("floor_scale", &a->floor_scale));
     ATTNKIT_RETURN_IF_ERROR(c.f.number("attn_scale", &a->attn_scale));
     if (!(a->floor_scale > 0.0))
