@@ -212,7 +212,8 @@ int run_analyze(int argc, char** argv) {
   std::printf("\n");
   Table main({"quantity", "value"}, /*numbers_right=*/false);
   main.add({"attention params / layer", format_count(static_cast<double>(params))});
-  main.add({"attention params, all layers",
+  main.add({linear_state_bytes(m, 1) > 0 ? "params, all layers (attention + Gated DeltaNet)"
+                                         : "attention params, all layers",
             format_count(static_cast<double>(attention_params_total(m)))});
   main.add({"KV values / token / layer", std::to_string(kv_values_per_token_per_layer(m))});
   main.add({"KV / token, all layers (bf16 | f32 | 8-bit)",
@@ -232,9 +233,10 @@ int run_analyze(int argc, char** argv) {
                 format_bytes(kv_cache_bytes(m, DType::kF32, context, batch)) + " | " +
                 format_bytes(kv_cache_bytes(m, DType::kI8, context, batch))});
   for (const LayerGroupFigures& g : groups)
-    main.add({"  KV cache in the " + std::to_string(g.count) + " " + g.label + " layers (" +
-                  kv_name + ")",
-              format_bytes(g.kv_bytes)});
+    if (g.tokens_held > 0)
+      main.add({"  KV cache in the " + std::to_string(g.count) + " " + g.label + " layers (" +
+                    kv_name + ")",
+                format_bytes(g.kv_bytes)});
   if (linear_state_bytes(m, batch) > 0)
     main.add({"linear-attention state x " + std::to_string(batch) + " (f32, any context)",
               format_bytes(linear_state_bytes(m, batch))});
