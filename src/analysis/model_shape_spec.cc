@@ -54,6 +54,23 @@ bool same_sizes(const ModelShape& a, const ModelShape& b) {
          a.kv_lora_rank == b.kv_lora_rank && a.qk_rope_head_dim == b.qk_rope_head_dim;
 }
 
+// The Gated DeltaNet sizes multiply three at a time (state, projections);
+// each is capped by the reader at 2^20, which bounds two-factor products
+// but not these: a layer whose weights or f32 state pass 2^60 (no model
+// comes near) is refused so that the analysis' int64 sums cannot overflow.
+bool delta_net_fits(const GatedDeltaNetConfig& g) {
+  using i128 = __int128;
+  const i128 key_dim = i128{g.num_k_heads} * g.key_head_dim,
+             value_dim = i128{g.num_v_heads} * g.value_head_dim;
+  const i128 weights = (3 * key_dim + 4 * value_dim + 2 * g.num_v_heads) * g.hidden_size +
+                       (2 * key_dim + value_dim) * g.conv_kernel;
+  const i128 state = (i128{g.num_v_heads} * g.key_head_dim * g.value_head_dim +
+                      i128{g.conv_kernel} * (2 * key_dim + value_dim)) *
+                     4;
+  constexpr i128 kLimit = i128{1} << 60;
+  return weights < kLimit && state < kLimit;
+}
+
 }  // namespace
 
 Result<ModelShape> model_shape_from_spec(const ModelSpec& spec) {
@@ -68,6 +85,8 @@ Result<ModelShape> model_shape_from_spec(const ModelSpec& spec) {
     const LayerSpec& l = spec.layers[i];
     LayerShape s;
     if (l.kind == LayerKind::kLinearAttention) {
+      if (!delta_net_fits(l.linear))
+        return layer_error(i, "(Gated DeltaNet) has weights or a state past 2^60 bytes");
       s.kind = MixerKind::kGatedDeltaNet;
       s.linear = l.linear;
       layers.push_back(s);

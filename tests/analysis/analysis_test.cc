@@ -489,6 +489,12 @@ TEST(LayerAnalysis, SpecWithUnequalAttentionSizesIsRefused) {
   ASSERT_FALSE(m.ok());
   EXPECT_NE(m.status().message().find("model_shape_from_spec: layer 5"), std::string::npos)
       << m.status().message();
+  ModelSpec huge = qwen3_next();
+  huge.layers[0].linear = {1 << 20, 1 << 20, 1 << 20, 1 << 20, 1 << 20, 4, 1e-6};
+  auto overflow = model_shape_from_spec(huge);
+  ASSERT_FALSE(overflow.ok());
+  EXPECT_NE(overflow.status().message().find("layer 0 (Gated DeltaNet)"), std::string::npos)
+      << overflow.status().message();
   s.layers.pop_back();
   auto short_list = model_shape_from_spec(s);
   ASSERT_FALSE(short_list.ok());
