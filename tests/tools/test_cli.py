@@ -706,7 +706,7 @@ def test_plan_counts_the_linear_state():
 
 @pytest.mark.parametrize("preset,layers,why", [
     ("qwen3-next-80b-a3b", "1", "has Gated DeltaNet layers"),
-    ("gpt-oss-20b", "2", "(its first 2 layers: 2 layers: 1 sliding 128, 1 full) mixes layer kinds"),
+    ("gpt-oss-20b", "2", "gpt-oss-20b's first 2 layers (1 sliding 128, 1 full) mix layer kinds"),
     ("llama-4-scout", "1", "uses chunked attention"),
 ])
 def test_serve_bench_refuses_what_its_engine_cannot_run(preset, layers, why):
@@ -750,4 +750,4 @@ def test_analyze_layer_configs_and_serve_bench_agree_on_the_layer_mix(tmp_path):
     assert json.loads(s.stdout)["config"]["layer_mix"] == "2 layers: 2 full"
     s3 = run("serve-bench", "--config", str(p), "--layers", "3", "--requests", "2")
     assert s3.returncode == 2
-    assert "3 layers: 2 full, 1 sliding 8" in s3.stderr
+    assert "first 3 layers (2 full, 1 sliding 8) mix layer kinds" in s3.stderr

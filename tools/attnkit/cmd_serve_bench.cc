@@ -86,15 +86,17 @@ void check_servable(const Source& src, int64_t layers) {
   if (src.json.empty()) return;
   const ModelShape stack = first_layers(src.shape, layers);
   const std::vector<LayerGroup> groups = layer_groups(stack);
-  const std::string where = src.label + " (its first " + std::to_string(layers) + " layer" +
-                            (layers == 1 ? "" : "s") + ": " + layer_mix(stack) + ")";
+  const std::string mix = layer_mix(stack);
+  const std::string where = src.label + "'s first " +
+                            (layers == 1 ? "layer" : std::to_string(layers) + " layers") + " (" +
+                            mix.substr(mix.find(": ") + 2) + ")";
   for (const LayerGroup& g : groups)
     if (g.shape.kind == MixerKind::kGatedDeltaNet)
-      throw UsageError{"serve-bench: " + where +
+      throw UsageError{where +
                        " has Gated DeltaNet layers, which the serving engine cannot run yet"};
   if (groups.size() > 1)
-    throw UsageError{"serve-bench: " + where +
-                     " mixes layer kinds; the serving engine runs one layer shape for the whole "
+    throw UsageError{where +
+                     " mix layer kinds; the serving engine runs one layer shape for the whole "
                      "stack (one pool, one window); give --layers to serve layers of one kind"};
   const LayerShape& l = groups.front().shape;
   const std::pair<bool, const char*> unsupported[] = {{l.chunk_size > 0, "chunked attention"},
@@ -102,7 +104,7 @@ void check_servable(const Source& src, int64_t layers) {
                                                       {l.output_gate, "a gated attention output"}};
   for (const auto& [has, what] : unsupported)
     if (has)
-      throw UsageError{"serve-bench: " + where + " uses " + what +
+      throw UsageError{where + (layers == 1 ? " uses " : " use ") + what +
                        ", which the serving engine does not run yet"};
 }
 
