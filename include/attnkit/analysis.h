@@ -106,12 +106,10 @@ LayerShape layer_shape(const ModelShape& m, int64_t layer);
 // layer.
 Result<ModelShape> model_shape_from_spec(const ModelSpec& spec);
 
-// Reads a Hugging Face config.json: llama, mistral, qwen2, qwen3, gemma,
-// gemma2, falcon, gpt2, bert, deepseek_v2, deepseek_v3, kimi_k2 and configs of
-// the llama shape. MLA configs (model_type deepseek_v2 / deepseek_v3 /
-// kimi_k2, or any config with kv_lora_rank) are read by
-// mla_config_from_json, whose errors are returned unchanged; their
-// misleading num_key_value_heads / head_dim fields are ignored.
+// Reads a Hugging Face config.json through the one reader
+// (model_spec_from_json; docs/MODELS.md lists the families and their
+// per-layer rules) and returns model_shape_from_spec of it. Errors name
+// model_shape_from_json, the field, its value and the rule.
 Result<ModelShape> model_shape_from_json(std::string_view json_text);
 
 // Built-in presets (facts and sources in docs/ANALYSIS.md). Names are

@@ -741,6 +741,8 @@ def test_analyze_layer_configs_and_serve_bench_agree_on_the_layer_mix(tmp_path):
     assert a["layer_kinds"] == ["full", "full", "sliding 8", "sliding 8"]
     windows = [attnkit.from_config(cfg, i).config["sliding_window"] for i in range(4)]
     assert [f"sliding {w}" if w else "full" for w in windows] == a["layer_kinds"]
+    spec = attnkit.model_spec_from_config(cfg)["layers"]
+    assert [f"sliding {l['window']}" if l["window"] else "full" for l in spec] == a["layer_kinds"]
     # serve-bench serves the first --layers layers: two full ones run, three
     # (2 full, 1 sliding 8) are refused, naming that mix.
     s = run("serve-bench", "--config", str(p), "--layers", "2", "--requests", "2",
