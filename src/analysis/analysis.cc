@@ -8,32 +8,89 @@
 #include "attnkit/kv_cache.h"
 
 namespace attnkit {
+bool LayerShape::operator==(const LayerShape& o) const {
+  const GatedDeltaNetConfig &a = linear, &b = o.linear;
+  return kind == o.kind && sliding_window == o.sliding_window && chunk_size == o.chunk_size &&
+         use_rope == o.use_rope && sinks == o.sinks && output_gate == o.output_gate &&
+         a.hidden_size == b.hidden_size && a.num_k_heads == b.num_k_heads &&
+         a.num_v_heads == b.num_v_heads && a.key_head_dim == b.key_head_dim &&
+         a.value_head_dim == b.value_head_dim && a.conv_kernel == b.conv_kernel;
+}
+
+LayerShape layer_shape(const ModelShape& m, int64_t layer) {
+  if (layer < 0 || layer >= static_cast<int64_t>(m.layers.size())) return LayerShape{};
+  return m.layers[static_cast<size_t>(layer)];
+}
+
+int64_t tokens_held(const ModelShape& m, int64_t layer, int64_t context) {
+  const LayerShape l = layer_shape(m, layer);
+  if (l.kind == MixerKind::kGatedDeltaNet) return 0;
+  if (l.sliding_window > 0) return std::min(context, l.sliding_window);
+  if (l.chunk_size > 0) return std::min(context, l.chunk_size);
+  return context;
+}
+
 namespace {
 
-int64_t window_of(const ModelShape& m, int64_t layer) {
-  if (layer < 0 || layer >= static_cast<int64_t>(m.window_per_layer.size())) return 0;
-  return m.window_per_layer[static_cast<size_t>(layer)];
-}
+double sq_pairs(double n) { return n * (n + 1.0) / 2.0; }
 
-int64_t tokens_held(const ModelShape& m, int64_t context, int64_t layer) {
-  const int64_t w = window_of(m, layer);
-  return w > 0 ? std::min(context, w) : context;
-}
-
-// Query-key pairs a causal (or bidirectional) prefill of S tokens scores
-// when each query sees at most W keys (W = 0: unlimited).
-double visible_pairs(const ModelShape& m, int64_t s, int64_t w) {
+// Query-key pairs a causal (or bidirectional) prefill of S tokens scores in
+// one layer: each query sees at most W keys (sliding), or only the keys
+// of its own chunk of C (chunked).
+double visible_pairs(const ModelShape& m, int64_t s, const LayerShape& l) {
   const double S = static_cast<double>(s);
+  if (l.chunk_size > 0) {
+    const int64_t c = l.chunk_size;
+    const double full = static_cast<double>(s / c), C = static_cast<double>(c),
+                 rest = static_cast<double>(s % c);
+    if (!m.causal) return full * C * C + rest * rest;
+    return full * sq_pairs(C) + sq_pairs(rest);
+  }
+  const int64_t w = l.sliding_window;
   if (!m.causal) return w > 0 ? S * std::min<double>(S, 2.0 * w - 1.0) : S * S;
-  if (w <= 0 || w >= s) return S * (S + 1.0) / 2.0;
+  if (w <= 0 || w >= s) return sq_pairs(S);
   const double W = static_cast<double>(w);
-  return W * (W + 1.0) / 2.0 + (S - W) * W;
+  return sq_pairs(W) + (S - W) * W;
+}
+
+// A Gated DeltaNet layer's weights (Hugging Face's linear_attn.* modules):
+// in_proj_qkvz [2 key_dim + 2 value_dim, d], in_proj_ba [2 nv, d],
+// conv1d [conv channels, 1, K] (no bias), dt_bias [nv], A_log [nv],
+// norm [value_head_dim], out_proj [d, value_dim].
+int64_t delta_net_params(const GatedDeltaNetConfig& g) {
+  const int64_t key_dim = g.num_k_heads * g.key_head_dim,
+                value_dim = g.num_v_heads * g.value_head_dim;
+  const int64_t conv_channels = 2 * key_dim + value_dim;
+  return (2 * key_dim + 2 * value_dim) * g.hidden_size + 2 * g.num_v_heads * g.hidden_size +
+         conv_channels * g.conv_kernel + 2 * g.num_v_heads + g.value_head_dim +
+         value_dim * g.hidden_size;
+}
+
+// Its FLOPs for one token (header: projections, the conv, the state).
+double delta_net_flops_per_token(const GatedDeltaNetConfig& g) {
+  const int64_t key_dim = g.num_k_heads * g.key_head_dim,
+                value_dim = g.num_v_heads * g.value_head_dim;
+  const double projections = static_cast<double>(
+      (2 * key_dim + 2 * value_dim + 2 * g.num_v_heads + value_dim) * g.hidden_size);
+  const double conv = static_cast<double>((2 * key_dim + value_dim) * g.conv_kernel);
+  return 2.0 * projections + 2.0 * conv + 7.0 * static_cast<double>(g.state_values());
+}
+
+// The first attention layer: what "the model's attention layer" means.
+int64_t first_attention_layer(const ModelShape& m) {
+  for (int64_t l = 0; l < m.num_layers; ++l)
+    if (layer_shape(m, l).kind == MixerKind::kAttention) return l;
+  return -1;
 }
 
 }  // namespace
 
-int64_t attention_params_per_layer(const ModelShape& m) {
+namespace {
+
+// One attention layer's weights with the layer's own extras.
+int64_t attention_layer_params(const ModelShape& m, const LayerShape& l) {
   const int64_t d = m.hidden_size, h = m.num_heads;
+  const int64_t extras = (l.sinks ? h : 0) + (l.output_gate && !m.mla ? h * m.head_dim * d : 0);
   if (m.mla) {
     const int64_t qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
     int64_t p = 0;
@@ -45,7 +102,7 @@ int64_t attention_params_per_layer(const ModelShape& m) {
     p += m.kv_lora_rank;                                            // kv_a_layernorm
     p += h * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank;  // kv_b_proj
     p += d * h * m.v_head_dim;                                      // o_proj
-    return p;
+    return p + extras;
   }
   const int64_t q_out = h * m.head_dim, k_out = m.num_kv_heads * m.head_dim,
                 v_out = m.num_kv_heads * m.head_dim_v;
@@ -55,7 +112,26 @@ int64_t attention_params_per_layer(const ModelShape& m) {
   if (m.v_bias) p += v_out;
   if (m.o_bias) p += d;
   if (m.qk_norm) p += 2 * m.head_dim;
-  return p;
+  return p + extras;
+}
+
+}  // namespace
+
+int64_t layer_params(const ModelShape& m, int64_t layer) {
+  const LayerShape l = layer_shape(m, layer);
+  if (l.kind == MixerKind::kGatedDeltaNet) return delta_net_params(l.linear);
+  return attention_layer_params(m, l);
+}
+
+int64_t attention_params_per_layer(const ModelShape& m) {
+  const int64_t first = first_attention_layer(m);
+  return attention_layer_params(m, first < 0 ? LayerShape{} : layer_shape(m, first));
+}
+
+int64_t attention_params_total(const ModelShape& m) {
+  int64_t total = 0;
+  for (int64_t l = 0; l < m.num_layers; ++l) total += layer_params(m, l);
+  return total;
 }
 
 int64_t kv_values_per_token_per_layer(const ModelShape& m, bool mla_latent) {
@@ -87,7 +163,10 @@ int64_t kv_token_layer_bytes(const ModelShape& m, DType kv_dtype, bool mla_laten
 }  // namespace
 
 int64_t kv_bytes_per_token(const ModelShape& m, DType kv_dtype, bool mla_latent) {
-  return kv_token_layer_bytes(m, kv_dtype, mla_latent) * m.num_layers;
+  int64_t layers = 0;
+  for (int64_t l = 0; l < m.num_layers; ++l)
+    layers += layer_shape(m, l).kind == MixerKind::kAttention ? 1 : 0;
+  return kv_token_layer_bytes(m, kv_dtype, mla_latent) * layers;
 }
 
 double kv_cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int64_t batch,
@@ -99,21 +178,46 @@ double kv_cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int6
   const __int128 per_token_layer = kv_token_layer_bytes(m, kv_dtype, mla_latent);
   __int128 per_sequence = 0;
   for (int64_t l = 0; l < m.num_layers; ++l)
-    per_sequence += per_token_layer * tokens_held(m, context, l);
+    per_sequence += per_token_layer * tokens_held(m, l, context);
   return static_cast<double>(per_sequence) * static_cast<double>(batch);
 }
 
+int64_t linear_state_bytes_per_layer(const ModelShape& m, int64_t layer, DType state_dtype) {
+  const LayerShape l = layer_shape(m, layer);
+  if (l.kind != MixerKind::kGatedDeltaNet) return 0;
+  return (l.linear.state_values() + l.linear.conv_state_values()) *
+         static_cast<int64_t>(dtype_size(state_dtype));
+}
+
+double linear_state_bytes(const ModelShape& m, int64_t batch, DType state_dtype) {
+  int64_t per_sequence = 0;
+  for (int64_t l = 0; l < m.num_layers; ++l)
+    per_sequence += linear_state_bytes_per_layer(m, l, state_dtype);
+  return static_cast<double>(per_sequence) * static_cast<double>(batch);
+}
+
+double cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int64_t batch,
+                   bool mla_latent) {
+  return kv_cache_bytes(m, kv_dtype, context, batch, mla_latent) +
+         linear_state_bytes(m, batch, DType::kF32);
+}
+
 double prefill_flops_per_layer(const ModelShape& m, int64_t seq, int64_t layer) {
-  const double pairs = visible_pairs(m, seq, window_of(m, layer));
-  return 2.0 * static_cast<double>(seq) * static_cast<double>(attention_params_per_layer(m)) +
+  const LayerShape l = layer_shape(m, layer);
+  if (l.kind == MixerKind::kGatedDeltaNet)
+    return static_cast<double>(seq) * delta_net_flops_per_token(l.linear);
+  const double pairs = visible_pairs(m, seq, l);
+  return 2.0 * static_cast<double>(seq) * static_cast<double>(attention_layer_params(m, l)) +
          2.0 * static_cast<double>(m.num_heads) * static_cast<double>(m.head_dim + m.head_dim_v) *
              pairs;
 }
 
 double decode_flops_per_layer(const ModelShape& m, int64_t context, int64_t layer,
                               bool mla_absorbed) {
-  const double L = static_cast<double>(tokens_held(m, context, layer));
-  const double proj = 2.0 * static_cast<double>(attention_params_per_layer(m));
+  const LayerShape l = layer_shape(m, layer);
+  if (l.kind == MixerKind::kGatedDeltaNet) return delta_net_flops_per_token(l.linear);
+  const double L = static_cast<double>(tokens_held(m, layer, context));
+  const double proj = 2.0 * static_cast<double>(attention_layer_params(m, l));
   const double h = static_cast<double>(m.num_heads);
   if (m.mla && mla_absorbed) {
     const double dc = static_cast<double>(m.kv_lora_rank),
@@ -125,11 +229,95 @@ double decode_flops_per_layer(const ModelShape& m, int64_t context, int64_t laye
 
 double decode_bytes_per_layer(const ModelShape& m, int64_t context, int64_t batch, DType kv_dtype,
                               DType weight_dtype, int64_t layer) {
-  const double weights = static_cast<double>(attention_params_per_layer(m)) *
-                         static_cast<double>(dtype_size(weight_dtype));
-  const double kv = static_cast<double>(kv_token_layer_bytes(m, kv_dtype, true)) *
-                    static_cast<double>(tokens_held(m, context, layer));
-  return weights + static_cast<double>(batch) * kv;
+  const double weights =
+      static_cast<double>(layer_params(m, layer)) * static_cast<double>(dtype_size(weight_dtype));
+  const double per_sequence =
+      layer_shape(m, layer).kind == MixerKind::kGatedDeltaNet
+          ? static_cast<double>(linear_state_bytes_per_layer(m, layer, DType::kF32))
+          : static_cast<double>(kv_token_layer_bytes(m, kv_dtype, true)) *
+                static_cast<double>(tokens_held(m, layer, context));
+  return weights + static_cast<double>(batch) * per_sequence;
+}
+
+ModelTotals model_totals(const ModelShape& m, int64_t context, int64_t batch, DType kv_dtype,
+                         DType weight_dtype) {
+  ModelTotals t;
+  const double b = static_cast<double>(batch);
+  for (int64_t l = 0; l < m.num_layers; ++l) {
+    t.prefill_flops += prefill_flops_per_layer(m, context, l) * b;
+    t.decode_flops += decode_flops_per_layer(m, context, l) * b;
+    t.decode_bytes += decode_bytes_per_layer(m, context, batch, kv_dtype, weight_dtype, l);
+  }
+  return t;
+}
+
+namespace {
+
+std::string group_label(const LayerShape& l) {
+  if (l.kind == MixerKind::kGatedDeltaNet) return "Gated DeltaNet";
+  std::string s = l.sliding_window > 0 ? "sliding " + std::to_string(l.sliding_window)
+                  : l.chunk_size > 0   ? "chunked " + std::to_string(l.chunk_size)
+                                       : "full";
+  if (!l.use_rope) s += " NoPE";
+  if (l.output_gate) s += " (gated)";
+  return s;
+}
+
+}  // namespace
+
+std::vector<LayerGroup> layer_groups(const ModelShape& m) {
+  std::vector<LayerGroup> out;
+  for (int64_t l = 0; l < m.num_layers; ++l) {
+    const LayerShape s = layer_shape(m, l);
+    auto it =
+        std::find_if(out.begin(), out.end(), [&](const LayerGroup& g) { return g.shape == s; });
+    if (it == out.end()) it = out.insert(out.end(), LayerGroup{s, group_label(s), {}});
+    it->layers.push_back(l);
+  }
+  return out;
+}
+
+std::string layer_mix(const ModelShape& m) {
+  std::string out = std::to_string(m.num_layers) + (m.num_layers == 1 ? " layer: " : " layers: ");
+  bool first = true;
+  for (const LayerGroup& g : layer_groups(m)) {
+    out += (first ? "" : ", ") + std::to_string(g.layers.size()) + " " + g.label;
+    first = false;
+  }
+  return out;
+}
+
+ModelShape first_layers(const ModelShape& m, int64_t n) {
+  ModelShape out = m;
+  out.num_layers = n;
+  out.layers.clear();
+  if (!m.layers.empty())
+    for (int64_t l = 0; l < n; ++l) out.layers.push_back(layer_shape(m, l % m.num_layers));
+  return out;
+}
+
+std::vector<LayerGroupFigures> layer_group_figures(const ModelShape& m, DType kv_dtype,
+                                                   int64_t context, int64_t batch) {
+  std::vector<LayerGroupFigures> out;
+  const double b = static_cast<double>(batch);
+  const double per_token = static_cast<double>(kv_token_layer_bytes(m, kv_dtype, true));
+  for (const LayerGroup& g : layer_groups(m)) {
+    LayerGroupFigures f;
+    f.label = g.label;
+    f.count = static_cast<int64_t>(g.layers.size());
+    const int64_t first = g.layers.front();
+    f.params_per_layer = layer_params(m, first);
+    f.tokens_held = tokens_held(m, first, context);
+    for (int64_t l : g.layers) {
+      if (g.shape.kind == MixerKind::kAttention)
+        f.kv_bytes += per_token * static_cast<double>(tokens_held(m, l, context)) * b;
+      f.state_bytes += static_cast<double>(linear_state_bytes_per_layer(m, l, DType::kF32)) * b;
+      f.prefill_flops += prefill_flops_per_layer(m, context, l) * b;
+      f.decode_flops += decode_flops_per_layer(m, context, l) * b;
+    }
+    out.push_back(f);
+  }
+  return out;
 }
 
 std::vector<int64_t> valid_kv_head_counts(int64_t num_heads) {
@@ -174,6 +362,7 @@ Result<ModelShape> with_mla(const ModelShape& m, int64_t kv_lora_rank, int64_t q
   out.num_kv_heads = m.num_heads;
   out.q_bias = out.k_bias = out.v_bias = out.o_bias = false;
   out.qk_norm = false;
+  for (LayerShape& l : out.layers) l.sinks = l.output_gate = false;
   out.name = m.name + " [mla r=" + std::to_string(kv_lora_rank) + "]";
   return out;
 }

@@ -27,10 +27,11 @@ Status check_rank(const char* fn, int64_t ranks, int64_t rank) {
   return Status::Ok();
 }
 
-// The model as the cost model sees it: windows dropped (not modelled).
+// The model as the cost model sees it: every layer costed as the model's
+// full attention (windows, chunks and linear layers are not modelled).
 ModelShape full_attention(const ModelShape& m) {
   ModelShape out = m;
-  out.window_per_layer.clear();
+  out.layers.clear();
   return out;
 }
 

@@ -372,7 +372,7 @@ TEST(ModelSpec, Qwen2SlidingWindowWithoutMaxWindowLayers) {
   for (const LayerSpec& l : s.layers) EXPECT_EQ(l.attention.sliding_window, 0);
   auto shape = model_shape_from_json(j.dump());
   ASSERT_TRUE(shape.ok()) << shape.status().to_string();
-  for (int64_t w : shape->window_per_layer) EXPECT_EQ(w, 0);
+  for (const LayerShape& l : shape->layers) EXPECT_EQ(l.sliding_window, 0);
   j["max_window_layers"] = 20;
   const ModelSpec twenty = spec_ok(j);
   for (int64_t i = 0; i < 28; ++i)
@@ -711,9 +711,9 @@ TEST(ModelSpecDerived, OlderReadersAnswerFromTheSpec) {
   EXPECT_TRUE(validate(*experts).ok());
   auto shape = model_shape_from_json(oss);
   ASSERT_TRUE(shape.ok()) << shape.status().to_string();
-  ASSERT_EQ(shape->window_per_layer.size(), 24u);
-  EXPECT_EQ(shape->window_per_layer[0], 128);
-  EXPECT_EQ(shape->window_per_layer[1], 0);
+  ASSERT_EQ(shape->layers.size(), 24u);
+  EXPECT_EQ(shape->layers[0].sliding_window, 128);
+  EXPECT_EQ(shape->layers[1].sliding_window, 0);
 
   auto dense = moe_config_from_json(load("Meta-Llama-3-8B.json").dump());
   ASSERT_FALSE(dense.ok());

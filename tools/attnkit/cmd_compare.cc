@@ -56,6 +56,8 @@ constexpr const char* kDriftHeader = "pooling drift";
 
 struct Options {
   int64_t d_model = 2048, heads = 32, prompt = 256, context = 4096, batch = 1;
+  int64_t head_dim = 0;  // 0 = d_model / heads; --model sets the model's
+  std::string model, config;
   int64_t steps = 8, repeats = 3, threads = 0, seed = 1;
   int64_t mla_rank = 0, mla_rope_dim = 0;
   std::string kv = "f32", backend = "auto";
@@ -93,17 +95,19 @@ class Weights {
   WeightMap views_;
 };
 
-Weights random_mha_weights(const Options& o) {
-  const int64_t d = o.d_model;
-  const double s = 1.0 / std::sqrt(static_cast<double>(d));
+// q/k/v_proj [heads * head_dim, d_model], o_proj [d_model, heads * head_dim].
+Weights random_mha_weights(const Options& o, int64_t head_dim) {
+  const int64_t d = o.d_model, inner = o.heads * head_dim;
   Weights w;
   uint64_t seed = static_cast<uint64_t>(o.seed) * 16;
   for (const char* n : {"q_proj", "k_proj", "v_proj", "o_proj"}) {
-    Tensor t = zeros({d, d});
-    fill_uniform(t.view(), seed++, s);
+    const bool out = n[0] == 'o';
+    const int64_t rows = out ? d : inner, cols = out ? inner : d;
+    Tensor t = zeros({rows, cols});
+    fill_uniform(t.view(), seed++, 1.0 / std::sqrt(static_cast<double>(cols)));
     w.add(std::string(n) + ".weight", std::move(t));
     if (o.bias) {
-      Tensor b = zeros({d});
+      Tensor b = zeros({rows});
       fill_uniform(b.view(), seed++, 0.1);
       w.add(std::string(n) + ".bias", std::move(b));
     }
@@ -405,6 +409,61 @@ std::string serving_sentence(const Serving& s) {
 
 std::string percent_cell(double rate, double of) { return of > 0 ? roof_percent(rate / of) : "-"; }
 
+// --model / --config: the layer compare builds takes the model's attention
+// sizes (its hidden size, heads and head_dim); the model itself is kept
+// for the whole-model section.
+ModelShape adopt_model(Options* o, const Flags& f) {
+  ModelShape m = load_model(o->model, o->config);
+  if (f.given("--d-model") || f.given("--heads"))
+    throw UsageError{"--model and --config set the sizes; drop --d-model and --heads"};
+  if (m.mla)
+    throw UsageError{"compare --model: " + m.name +
+                     " is MLA, whose q·k and v widths differ; compare builds MHA, GQA and MQA "
+                     "layers of one head_dim (attnkit analyze gives its figures)"};
+  if (attention_params_per_layer(m) == 0 || m.num_heads < 1)
+    throw UsageError{"compare --model: " + m.name + " has no attention layer"};
+  o->d_model = m.hidden_size;
+  o->heads = m.num_heads;
+  o->head_dim = m.head_dim;
+  return m;
+}
+
+// The whole model under each variant: per-layer sums (analysis.h).
+nlohmann::json model_json(const ModelShape& m, const std::vector<ModelShape>& variants,
+                          const std::vector<std::string>& names, const Options& o, DType kv) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (size_t i = 0; i < variants.size(); ++i) {
+    const ModelShape& v = variants[i];
+    const ModelTotals t = model_totals(v, o.context, o.batch, kv, DType::kF32);
+    rows.push_back(
+        {{"variant", names[i]},
+         {"params", attention_params_total(v)},
+         {"kv_bytes_per_token", kv_bytes_per_token(v, kv)},
+         {"kv_cache_bytes", kv_cache_bytes(v, kv, o.context, o.batch)},
+         {"linear_state_bytes", linear_state_bytes(v, o.batch)},
+         {"prefill_flops", model_totals(v, o.prompt, o.batch, kv, DType::kF32).prefill_flops},
+         {"decode_flops", t.decode_flops},
+         {"decode_bytes", t.decode_bytes}});
+  }
+  return {{"name", m.name}, {"source", m.source}, {"layer_mix", layer_mix(m)}, {"variants", rows}};
+}
+
+Table model_table(const nlohmann::json& jm, const std::string& ctx) {
+  Table t({"variant", "params", "KV/token", "KV @ " + ctx, "state", "prefill FLOPs", "decode FLOPs",
+           "decode bytes"});
+  for (const auto& r : jm["variants"])
+    t.add({r["variant"].get<std::string>(), format_count(r["params"].get<double>()),
+           format_bytes(r["kv_bytes_per_token"].get<double>()),
+           format_bytes(r["kv_cache_bytes"].get<double>()),
+           r["linear_state_bytes"].get<double>() > 0
+               ? format_bytes(r["linear_state_bytes"].get<double>())
+               : "-",
+           format_flops(r["prefill_flops"].get<double>()),
+           format_flops(r["decode_flops"].get<double>()),
+           format_bytes(r["decode_bytes"].get<double>())});
+  return t;
+}
+
 }  // namespace
 
 int run_compare(int argc, char** argv) {
@@ -420,7 +479,11 @@ int run_compare(int argc, char** argv) {
           {"attnkit compare",
            "attnkit compare --context 16384 --kv-dtype bf16 --variants mha,gqa-8,mla",
            "attnkit compare --d-model 4096 --heads 32 --batch 4 --json",
-           "attnkit compare --d-model 64 --heads 4 --prompt 16 --context 64   # seconds"});
+           "attnkit compare --d-model 64 --heads 4 --prompt 16 --context 64   # seconds",
+           "attnkit compare --model gpt-oss-20b --variants gqa-8,mqa --context 8192"});
+  f.add_string("--model", &o.model,
+               "a preset: layers of its attention sizes, plus the whole model's per-layer sums");
+  f.add_string("--config", &o.config, "a Hugging Face config.json, as --model");
   f.add_int("--d-model", &o.d_model, "hidden size (default 2048)", 1);
   f.add_int("--heads", &o.heads, "query heads (default 32); head_dim = d_model / heads", 1);
   f.add_string_list("--variants", &o.variants,
@@ -445,6 +508,8 @@ int run_compare(int argc, char** argv) {
   f.add_bool("--no-serve", &o.no_serve, "skip the serving section (continuous batching)");
   f.add_bool("--json", &o.json, "print JSON instead of a table");
   if (!f.parse(argc, argv, 2)) return 0;
+  const bool whole_model = !o.model.empty() || !o.config.empty();
+  const ModelShape model = whole_model ? adopt_model(&o, f) : ModelShape{};
 
   // The default list drops the GQA sizes a smaller --heads cannot have.
   if (o.variants == Options{}.variants)
@@ -454,10 +519,10 @@ int run_compare(int argc, char** argv) {
     });
   const DType kv = kv_dtype_of(o.kv);
   const RunOptions run{parse_backend(o.backend), static_cast<int>(o.threads)};
-  if (o.d_model % o.heads != 0)
+  if (!whole_model && o.d_model % o.heads != 0)
     throw UsageError{"--d-model " + std::to_string(o.d_model) + " must be divisible by --heads " +
                      std::to_string(o.heads)};
-  const int64_t head_dim = o.d_model / o.heads;
+  const int64_t head_dim = o.head_dim > 0 ? o.head_dim : o.d_model / o.heads;
   if (!o.no_rope && head_dim % 2 != 0)
     throw UsageError{"head_dim = d_model / heads = " + std::to_string(head_dim) +
                      " must be even for RoPE (or give --no-rope)"};
@@ -471,7 +536,6 @@ int run_compare(int argc, char** argv) {
   base.num_heads = base.num_kv_heads = o.heads;
   base.head_dim = base.head_dim_v = head_dim;
   base.q_bias = base.k_bias = base.v_bias = base.o_bias = o.bias;
-  base.window_per_layer = {0};
   base.source = "attnkit compare";
 
   // Parse every variant before anything runs, so a bad name costs nothing.
@@ -479,23 +543,31 @@ int run_compare(int argc, char** argv) {
     std::string name;
     ModelShape shape;
     AttentionConfig config;  // not MLA
+    ModelShape model;        // the whole model as this variant (--model)
   };
   std::vector<Plan> plans;
   for (const std::string& v : o.variants) {
-    Plan p{v, base, {}};
+    Plan p;
+    p.name = v;
+    p.shape = base;
+    p.model = model;
     if (v == "mla") {
       auto s = with_mla(base, o.mla_rank, o.mla_rope_dim, 0);
       if (!s.ok()) throw UsageError{"mla: " + s.status().message()};
       if (o.mla_rope_dim < 2) throw UsageError{"--mla-rope-dim must be >= 2"};
       p.shape = *s;
+      if (whole_model)
+        p.model = value_or_throw(with_mla(model, o.mla_rank, o.mla_rope_dim, 0), "mla");
     } else {
       auto c = attention_config_from_variant(v, o.d_model, o.heads, o.bias);
       if (!c.ok()) throw UsageError{"--variants: " + c.status().message()};
       p.config = *c;
       p.config.causal = true;
       p.config.use_rope = !o.no_rope;
+      p.config.head_dim = head_dim;
       p.config.rope.head_dim = head_dim;
       p.shape = *with_kv_heads(base, p.config.num_kv_heads);
+      if (whole_model) p.model = value_or_throw(with_kv_heads(model, p.config.num_kv_heads), v);
     }
     plans.push_back(p);
   }
@@ -503,7 +575,7 @@ int run_compare(int argc, char** argv) {
   try {
     const double t_start = now_seconds();
     const MachineProfile before = machine_profile(o.peak, o.bw);
-    const Weights mha = random_mha_weights(o);
+    const Weights mha = random_mha_weights(o, head_dim);
     Tensor x = zeros({o.batch, o.prompt, o.d_model});
     fill_uniform(x.view(), static_cast<uint64_t>(o.seed) + 3, 1.0);
     std::vector<Tensor> outputs;
@@ -645,6 +717,16 @@ int run_compare(int argc, char** argv) {
     if (above > 0) warnings.push_back(above_roof_warning(above, "variant(s)"));
     const Conclusions conclusions = conclude(rows, kv, o.context);
     const double elapsed = now_seconds() - t_start;
+    nlohmann::json jmodel;
+    if (whole_model) {
+      std::vector<ModelShape> shapes;
+      std::vector<std::string> names;
+      for (const Plan& p : plans) {
+        shapes.push_back(p.model);
+        names.push_back(p.name);
+      }
+      jmodel = model_json(model, shapes, names, o, kv);
+    }
     if (o.json) {
       nlohmann::json j = {{"config",
                            {{"d_model", o.d_model},
@@ -667,6 +749,7 @@ int run_compare(int argc, char** argv) {
                           {"summary", conclusions.summary},
                           {"variants", jrows},
                           {"seconds", elapsed}};
+      if (whole_model) j["model"] = jmodel;
       if (!o.no_serve) {
         nlohmann::json srows = nlohmann::json::array();
         for (const Serving::Row& r : serving.rows)
@@ -708,6 +791,14 @@ int run_compare(int argc, char** argv) {
         "0.9 to 1.0 is expected: it is the starting point a conversion is uptrained from, not an\n"
         "error of attnkit. MLA has its own weights (n/a).\n",
         elapsed);
+    if (whole_model) {
+      std::printf(
+          "\nThe whole model, %s (%s), as each variant: summed layer by layer at %lld tokens "
+          "x %lld (prefill of %lld):\n",
+          model.name.c_str(), layer_mix(model).c_str(), (long long)o.context, (long long)o.batch,
+          (long long)o.prompt);
+      std::fputs(model_table(jmodel, ctx).str().c_str(), stdout);
+    }
     std::printf("\nWhat this means here:\n");
     for (const std::string& l : conclusions.lines) std::printf("- %s\n", l.c_str());
     for (const std::string& w : warnings) std::printf("%s\n", w.c_str());

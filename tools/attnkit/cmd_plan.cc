@@ -23,24 +23,21 @@ struct Step {
 // peak (a roofline estimate; `attnkit bench` measures the real thing).
 Step decode_step(const ModelShape& m, int64_t context, int64_t batch, DType kv,
                  const MachineProfile& mp) {
-  Step s{0, 0, 0};
-  for (int64_t l = 0; l < m.num_layers; ++l) {
-    s.flops += decode_flops_per_layer(m, context, l) * static_cast<double>(batch);
-    s.bytes += decode_bytes_per_layer(m, context, batch, kv, DType::kBF16, l);
-  }
+  const ModelTotals t = model_totals(m, context, batch, kv, DType::kBF16);
+  Step s{0, t.decode_flops, t.decode_bytes};
   s.seconds = std::max(s.bytes / (mp.dram_read_gbps * 1e9), s.flops / (mp.fp32_peak_gflops * 1e9));
   return s;
 }
 
-// Largest context whose cache fits; -1 = any context fits (every layer is
-// window-capped).
+// Largest context whose cache (K/V and linear-attention state) fits; -1 =
+// any context fits (every layer is window- or chunk-capped, or linear).
 int64_t max_context(const ModelShape& m, DType kv, int64_t batch, int64_t budget) {
   constexpr int64_t kHuge = int64_t{1} << 40;
-  if (kv_cache_bytes(m, kv, kHuge, batch) <= static_cast<double>(budget)) return -1;
+  if (cache_bytes(m, kv, kHuge, batch) <= static_cast<double>(budget)) return -1;
   int64_t lo = 0, hi = kHuge;  // fits(lo), !fits(hi)
   while (hi - lo > 1) {
     const int64_t mid = lo + (hi - lo) / 2;
-    (kv_cache_bytes(m, kv, mid, batch) <= static_cast<double>(budget) ? lo : hi) = mid;
+    (cache_bytes(m, kv, mid, batch) <= static_cast<double>(budget) ? lo : hi) = mid;
   }
   return lo;
 }
@@ -192,7 +189,7 @@ int run_plan(int argc, char** argv) {
       bool capped = false;
       int64_t memory_context = 0;  // the longest context memory allows; -1 = any
       if (context > 0) {
-        const double per_sequence = kv_cache_bytes(v, kv, context, 1);
+        const double per_sequence = cache_bytes(v, kv, context, 1);
         b = per_sequence > static_cast<double>(budget)
                 ? 0
                 : static_cast<int64_t>(static_cast<double>(budget) / std::max(1.0, per_sequence));
@@ -205,7 +202,7 @@ int run_plan(int argc, char** argv) {
           capped = true;
           c = limit;
         } else {
-          fit = c < 0 ? "any (window-capped)" : std::to_string(c);
+          fit = c < 0 ? "any (every layer capped)" : std::to_string(c);
           if (c < 0) c = 4096;  // for the decode estimate only
         }
       }
@@ -226,7 +223,7 @@ int run_plan(int argc, char** argv) {
       }
       const Step s = decode_step(v, c, b, kv, mp);
       const bool mem = s.bytes / (mp.dram_read_gbps * 1e9) >= s.flops / (mp.fp32_peak_gflops * 1e9);
-      const double cache = kv_cache_bytes(v, kv, c, b);
+      const double cache = cache_bytes(v, kv, c, b);
       char tps[32];
       std::snprintf(tps, sizeof tps, "%.1f", static_cast<double>(b) / s.seconds);
       table.add({label, kv_label, fit, format_bytes(cache), format_seconds(s.seconds), tps,
@@ -240,7 +237,9 @@ int run_plan(int argc, char** argv) {
         row["memory_max_context"] =
             memory_context < 0 ? nlohmann::json(nullptr) : nlohmann::json(memory_context);
       }
-      row["kv_cache_bytes"] = cache;
+      row["kv_cache_bytes"] = kv_cache_bytes(v, kv, c, b);
+      row["linear_state_bytes"] = linear_state_bytes(v, b);
+      row["cache_bytes"] = cache;
       row["decode_step_seconds"] = s.seconds;
       row["decode_tokens_per_second"] = static_cast<double>(b) / s.seconds;
       row["bound"] = mem ? "memory" : "compute";

@@ -60,7 +60,6 @@ Source load_source(const Options& o) {
     s.shape.num_heads = s.shape.num_kv_heads = 32;
     s.shape.head_dim = s.shape.head_dim_v = 64;
     s.shape.num_layers = 1;
-    s.shape.window_per_layer = {0};
     s.label = s.shape.name;
     return s;
   }
@@ -77,8 +76,40 @@ Source load_source(const Options& o) {
   return s;
 }
 
-// The configured attention of layer 0 (every served layer is layer 0's
-// shape: one pool holds one window for all layers).
+// The engine serves a stack of one layer shape (one pool: one window or
+// chunk for every layer) of softmax attention or MLA. The stack is the
+// model's first --layers layers; a stack it cannot run as configured is
+// refused, naming what it cannot run, never replaced by something else.
+// The attention features listed go when AttentionLayer and the pool run
+// them.
+void check_servable(const Source& src, int64_t layers) {
+  if (src.json.empty()) return;
+  const ModelShape stack = first_layers(src.shape, layers);
+  const std::vector<LayerGroup> groups = layer_groups(stack);
+  const std::string mix = layer_mix(stack);
+  const std::string where = src.label + "'s first " +
+                            (layers == 1 ? "layer" : std::to_string(layers) + " layers") + " (" +
+                            mix.substr(mix.find(": ") + 2) + ")";
+  for (const LayerGroup& g : groups)
+    if (g.shape.kind == MixerKind::kGatedDeltaNet)
+      throw UsageError{where +
+                       " has Gated DeltaNet layers, which the serving engine cannot run yet"};
+  if (groups.size() > 1)
+    throw UsageError{where +
+                     " mix layer kinds; the serving engine runs one layer shape for the whole "
+                     "stack (one pool, one window); give --layers to serve layers of one kind"};
+  const LayerShape& l = groups.front().shape;
+  const std::pair<bool, const char*> unsupported[] = {{l.chunk_size > 0, "chunked attention"},
+                                                      {l.sinks, "attention sinks"},
+                                                      {l.output_gate, "a gated attention output"}};
+  for (const auto& [has, what] : unsupported)
+    if (has)
+      throw UsageError{where + (layers == 1 ? " uses " : " use ") + what +
+                       ", which the serving engine does not run yet"};
+}
+
+// The configured attention of layer 0 (every served layer has layer 0's
+// shape: check_servable refused any other stack).
 AttentionConfig base_attention(const Source& src) {
   if (src.json.empty()) {
     AttentionConfig c =
@@ -525,6 +556,7 @@ int run_serve_bench(int argc, char** argv) {
                          "it cannot go with --trace"};
 
   const Source src = load_source(o);
+  check_servable(src, o.layers);
   const std::vector<Variant> variants = plan_variants(o, src);
 
   // ---- the trace --------------------------------------------------------
@@ -692,6 +724,7 @@ int run_serve_bench(int argc, char** argv) {
                  {"config",
                   {{"model", src.label},
                    {"layers", o.layers},
+                   {"layer_mix", layer_mix(first_layers(src.shape, o.layers))},
                    {"hidden_size", src.shape.hidden_size},
                    {"num_heads", src.shape.num_heads},
                    {"weights", o.weights},

@@ -17,12 +17,18 @@ struct Command {
 int run_presets(int argc, char** argv) {
   attnkit::cli::Flags f("presets", "List the built-in model presets.", {"attnkit presets"});
   if (!f.parse(argc, argv, 2)) return 0;
+  int rc = 0;
   for (const std::string& n : attnkit::preset_names()) {
     auto m = attnkit::model_preset(n);
+    if (!m.ok()) {  // listed, and the exit code says one could not be read
+      std::fprintf(stderr, "attnkit presets: %s: %s\n", n.c_str(), m.status().message().c_str());
+      rc = 1;
+      continue;
+    }
     std::printf("%-18s %-12s %s\n", n.c_str(), attnkit::cli::variant_label(*m).c_str(),
                 m->source.c_str());
   }
-  return 0;
+  return rc;
 }
 
 const Command kCommands[] = {
