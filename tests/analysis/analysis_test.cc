@@ -201,29 +201,8 @@ TEST(Analysis, BadConfigsNameTheField) {
   EXPECT_NE(unknown.status().message().find("Llama-3-8B"), std::string::npos);
 }
 
-// Llama 4 Scout's llama3 RoPE scaling has low_freq_factor == high_freq_factor
-// (1 and 1; transformers' middle band is then empty), which Rope::create
-// refused when these tests were written: its preset is checked once it
-// accepts them.
-bool rope_accepts_scout() {
-  RopeConfig r;
-  r.head_dim = 128;
-  r.scaling.type = RopeScaling::Type::kLlama3;
-  r.scaling.factor = 16.0;
-  r.scaling.low_freq_factor = r.scaling.high_freq_factor = 1.0;
-  r.scaling.original_max_position_embeddings = 8192;
-  return Rope::create(r).ok();
-}
-
-bool skip_preset(const std::string& name) {
-  return name == "Llama-4-Scout" && !rope_accepts_scout();
-}
-
 TEST(Analysis, PresetNamesResolveCaseInsensitively) {
-  for (const std::string& name : preset_names())
-    if (!skip_preset(name)) {
-      EXPECT_TRUE(model_preset(name).ok()) << name;
-    }
+  for (const std::string& name : preset_names()) EXPECT_TRUE(model_preset(name).ok()) << name;
   EXPECT_TRUE(model_preset("llama-3-8b").ok());
   EXPECT_TRUE(model_preset("Mistral-7B-v0.1").ok());
   EXPECT_TRUE(model_preset("deepseek_v3").ok());
@@ -557,7 +536,6 @@ const Published kPublished[] = {
 TEST(PublishedConfigs, KvBytesLayerByLayer) {
   for (const Published& p : kPublished) {
     SCOPED_TRACE(p.preset);
-    if (skip_preset(p.preset)) continue;
     auto m = model_preset(p.preset);
     ASSERT_TRUE(m.ok()) << m.status().to_string();
     EXPECT_EQ(layer_mix(*m), p.mix);
@@ -590,7 +568,6 @@ TEST(PublishedConfigs, Qwen2SlidingWindowWithoutMaxWindowLayers) {
 TEST(PublishedConfigs, AnalysisAndLayerConfigsAgreeLayerByLayer) {
   for (const Published& p : kPublished) {
     SCOPED_TRACE(p.preset);
-    if (skip_preset(p.preset)) continue;
     const std::string text = *preset_config_json(p.preset);
     auto m = model_preset(p.preset);
     ASSERT_TRUE(m.ok()) << m.status().to_string();

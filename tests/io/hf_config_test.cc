@@ -618,7 +618,7 @@ TEST(HfConfigErrors, BadRopeScaling) {
                      {"low_freq_factor", 4.0},
                      {"high_freq_factor", 1.0},
                      {"original_max_position_embeddings", 8192}}),
-               "scaling.high_freq_factor = 1 must be finite and > scaling.low_freq_factor = 4");
+               "scaling.high_freq_factor = 1 must be finite and >= scaling.low_freq_factor = 4");
   expect_error(with({{"rope_type", "llama3"},
                      {"factor", 0.5},
                      {"low_freq_factor", 1.0},

@@ -31,28 +31,9 @@ json load(const std::string& name) {
   return json::parse(text.str());
 }
 
-// Llama 4 Scout's llama3 RoPE scaling has low_freq_factor == high_freq_factor
-// (1 and 1): transformers' middle band is then empty. Rope::create refused
-// equal factors when this test was written (src/ops/rope.cc); the published
-// Scout config is read once it accepts them, and the Llama 4 rules are
-// tested meanwhile on Scout with high_freq_factor 4 (Llama 3.1's).
-bool rope_accepts_equal_llama3_bands() {
-  RopeConfig r;
-  r.head_dim = 128;
-  r.scaling.type = RopeScaling::Type::kLlama3;
-  r.scaling.factor = 16.0;
-  r.scaling.low_freq_factor = 1.0;
-  r.scaling.high_freq_factor = 1.0;
-  r.scaling.original_max_position_embeddings = 8192;
-  return Rope::create(r).ok();
-}
-
-json scout() {
-  json j = load("Llama-4-Scout-17B-16E.json");
-  if (!rope_accepts_equal_llama3_bands())
-    j["text_config"]["rope_scaling"]["high_freq_factor"] = 4.0;
-  return j;
-}
+// Llama 4 Scout as published (its llama3 RoPE scaling has equal band
+// factors, 1 and 1).
+json scout() { return load("Llama-4-Scout-17B-16E.json"); }
 
 ModelSpec spec_ok(const json& j) {
   auto r = model_spec_from_json(j.dump());
@@ -240,9 +221,6 @@ void expect_scout_layers(const ModelSpec& s) {
 }
 
 TEST(ModelSpec, Llama4ScoutWrapper) {
-  if (!rope_accepts_equal_llama3_bands())
-    GTEST_SKIP() << "Rope::create refuses llama3 scaling with low_freq_factor == "
-                    "high_freq_factor, which the published Scout config has";
   const ModelSpec s = spec_ok(load("Llama-4-Scout-17B-16E.json"));
   EXPECT_EQ(s.wrapper_model_type, "llama4");
   EXPECT_EQ(s.model_type, "llama4_text");

@@ -206,7 +206,7 @@ def test_analyze_what_if_bytes_follow_kv_dtype():
 ])
 def test_tables_have_no_trailing_spaces(args):
     r = run(*args, *([] if args[0] == "presets" else FIXED))
-    assert r.returncode == 0 or (args[0] == "presets" and presets_ok(r)), r.stderr
+    assert r.returncode == 0, r.stderr
     assert [l for l in r.stdout.splitlines() if l != l.rstrip()] == []
 
 
@@ -326,19 +326,9 @@ def test_plan_context_for_batch_window_capped():
     assert row["context_unbounded"]
 
 
-def presets_ok(r):
-    """presets exits 0, or 1 with Scout alone unreadable for its RoPE bands
-    (skip_if_rope_refuses_scout)."""
-    if r.returncode == 0:
-        return True
-    lines = r.stderr.splitlines()
-    return (r.returncode == 1 and len(lines) == 1 and "Llama-4-Scout" in lines[0]
-            and "high_freq_factor" in lines[0])
-
-
 def test_presets_lists_all_required_models():
     r = run("presets")
-    assert presets_ok(r), r.stderr
+    assert r.returncode == 0, r.stderr
     for name in ["GPT-2", "BERT-base", "Llama-2-7B", "Llama-2-70B", "Llama-3-8B", "Llama-3-70B",
                  "Mistral-7B", "Falcon-7B", "Qwen2.5-7B", "Qwen3-8B", "Gemma-2-9B",
                  "DeepSeek-V2-Lite", "DeepSeek-V2", "DeepSeek-V3", "Kimi-K2"]:
@@ -636,18 +626,8 @@ KV_32K = {  # bf16 K/V of one sequence of 32768 tokens; kv heads x 2 x head_dim 
 DELTANET_STATE = (32 * 128 * 128 + 3 * (2 * 16 * 128 + 32 * 128)) * 4
 
 
-def skip_if_rope_refuses_scout(preset):
-    """Scout's llama3 RoPE scaling has low_freq_factor == high_freq_factor (1
-    and 1), which Rope::create refused when these tests were written."""
-    if preset == "llama-4-scout":
-        r = run("analyze", "--model", preset, *FIXED)
-        if r.returncode != 0 and "high_freq_factor" in r.stderr:
-            pytest.skip("Rope::create refuses Scout's equal llama3 band factors")
-
-
 @pytest.mark.parametrize("preset", sorted(KV_32K))
 def test_analyze_new_presets_kv_layer_by_layer(preset):
-    skip_if_rope_refuses_scout(preset)
     mix, kv = KV_32K[preset]
     r = run("analyze", "--model", preset, "--context", "32768", "--json", *FIXED)
     assert r.returncode == 0, r.stderr
@@ -684,7 +664,7 @@ def test_analyze_per_layer_rows():
 
 def test_presets_list_the_2025_families():
     r = run("presets")
-    assert presets_ok(r), r.stderr
+    assert r.returncode == 0, r.stderr
     for name in ("gpt-oss-20b", "gpt-oss-120b", "Gemma-3-4B", "Gemma-3-27B", "Llama-4-Scout",
                  "Qwen3-Next-80B-A3B"):
         assert name in r.stdout + r.stderr
@@ -709,7 +689,6 @@ def test_plan_counts_the_linear_state():
     ("llama-4-scout", "1", "uses chunked attention"),
 ])
 def test_serve_bench_refuses_what_its_engine_cannot_run(preset, layers, why):
-    skip_if_rope_refuses_scout(preset)
     r = run("serve-bench", "--model", preset, "--layers", layers, "--requests", "2")
     assert r.returncode == 2
     assert why in r.stderr and r.stderr.count("\n") == 1
