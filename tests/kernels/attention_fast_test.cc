@@ -1431,5 +1431,31 @@ TEST(AttentionFast, DispatchRunsKernelsSetForTesting) {
 #endif
 }
 
+// Key tiles wholly outside a query block's chunk are never computed: with
+// chunks of one tile, causal, each query block's task visits one tile per
+// kv head (against 1 + 2 + ... + blocks without chunks).
+TEST(AttentionFast, TilesOutsideTheChunkAreSkipped) {
+  Case c;
+  c.seqlen_q = c.seqlen_k = 64;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.d = c.dv = 8;
+  c.causal = true;
+  cpu::KernelTable counting = *cpu::scalar_kernel_table();
+  counting.softmax = counting_softmax;
+  for (int64_t chunk : {0, 16, 32}) {
+    c.chunk_size = chunk;
+    const Problem pr(c);
+    cpu::Plan plan = tiled(16, 16, 0, 1);
+    plan.kernels = &counting;
+    g_softmax_calls = 0;
+    const Outputs fast = run_fast(pr, plan);
+    // 4 query blocks of 16 rows; block q sees tiles [q - q % (chunk / 16), q].
+    const int64_t per_head = chunk == 0 ? 1 + 2 + 3 + 4 : chunk == 16 ? 4 : 1 + 2 + 1 + 2;
+    EXPECT_EQ(g_softmax_calls, per_head * c.kv_heads) << "chunk " << chunk;
+    expect_close(pr, run_reference(pr), fast, plan);
+  }
+}
+
 }  // namespace
 }  // namespace attnkit::kernels
