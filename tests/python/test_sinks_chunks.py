@@ -195,3 +195,24 @@ def test_bad_sinks_and_chunks_raise_value_error_naming_them():
     with pytest.raises(ValueError, match="options.chunk_size = 3 must be 0 or spec.chunk_size"):
         cache.attend(q, k[:, :2], v[:, :2], chunk_size=3)
     assert cache.length == 0
+
+
+def test_attend_held_takes_sinks_and_refuses_chunks():
+    g = rng(31)
+    h, hkv, d = 4, 2, 8
+    pool = attnkit.PagedKVCache(num_pages=8, page_size=4, num_kv_heads=hkv, head_dim=d)
+    a = pool.add_sequence()
+    pool.append([a], [6])
+    k, v = randn(g, 6, hkv, d), randn(g, 6, hkv, d)
+    attnkit.batch_attention(randn(g, 6, h, d), k, v, [0, 6], [a], pool, 0)
+    q = randn(g, 3, h, d)
+    sinks = np.array([0.0, 1.0, -1.0, 5.0], dtype=np.float32)
+    out, lse = pool.attend_held(0, q, [0, 3], [a], sinks=sinks, return_lse=True)
+    # The queries follow every held token and see all of them.
+    want, want_lse = ref_attention(q, k, v, sinks=sinks, positions=[6, 7, 8])
+    check_close("out", out, want, bound_for(want, 6))
+    check_close("lse", lse, want_lse, bound_for(want_lse, 6))
+    chunked = attnkit.PagedKVCache(num_pages=8, page_size=4, num_kv_heads=hkv, head_dim=d,
+                                   chunk_size=4)
+    with pytest.raises(ValueError, match="chunk_size = 4 must be 0"):
+        chunked.attend_held(0, q, [0, 0], [chunked.add_sequence()])
