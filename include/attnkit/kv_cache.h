@@ -23,6 +23,11 @@
 // only W-1 past tokens can ever be seen again, so slots = min(max_seq_len,
 // W-1) and token t lives in slot t mod slots (a ring buffer).
 //
+// With chunks of C (spec.chunk_size), slots = min(max_seq_len, C) and
+// token t lives in slot t mod C: the current chunk's length() mod C tokens
+// fill slots [0, length() mod C); the slots after them hold older chunks'
+// tokens, which no query sees again.
+//
 // All sequences of a batch advance together: length() tokens have been
 // appended to each, and the next token's position is length().
 #pragma once
@@ -127,15 +132,19 @@ class KVCache {
   //   k_new [batch, T, num_kv_heads, head_dim]   f32
   //   v_new [batch, T, num_kv_heads, head_dim_v] f32
   //   out   [batch, T, num_heads, head_dim_v]    f32
-  // From `options` only softmax_scale, softcap, sparse, backend and
-  // num_threads apply; causal is implied, the window is the cache's, and a
-  // mask, seqlens_k, a window_size or (with a sliding window, whose ring
-  // keeps no absolute positions) a sparse pattern is an error. Fails with
-  // kOutOfRange, changing nothing, when length() + T > max_seq_len.
+  // From `options` only softmax_scale, softcap, sinks, sparse, backend and
+  // num_threads apply; causal is implied, the window and the chunk are the
+  // cache's (options.chunk_size must be 0 or spec.chunk_size), and a mask,
+  // seqlens_k, a window_size or (with a sliding window or chunks, whose
+  // ring keeps no absolute positions) a sparse pattern is an error. Fails
+  // with kOutOfRange, changing nothing, when length() + T > max_seq_len.
   Status attend(const TensorView& q, const TensorView& k_new, const TensorView& v_new,
                 const TensorView& out, const AttentionOptions& options = {});
 
  private:
+  Status attend_chunked(const TensorView& q, const TensorView& k_new, const TensorView& v_new,
+                        const TensorView& out, const AttentionOptions& options);
+
   KVCacheSpec spec_;
   int64_t slots_ = 0;
   int64_t length_ = 0;

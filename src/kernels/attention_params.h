@@ -71,6 +71,14 @@ struct AttentionParams {
   int64_t window_left = -1;   // -1 = unlimited
   int64_t window_right = -1;  // -1 = unlimited
   SparsePattern sparse;
+  // Chunked local attention: key j is visible from position p only when
+  // floor(j / chunk_size) == floor(p / chunk_size). 0 = off.
+  int64_t chunk_size = 0;
+
+  // Attention sinks: query head h's logit sinks[h * sinks_stride] joins
+  // every row's softmax denominator (and no numerator). nullptr = none.
+  const float* sinks = nullptr;  // [num_heads]
+  int64_t sinks_stride = 1;
 
   // Explicit mask, broadcast strides (0 on broadcast dims): batch, row =
   // query, head, dim = key.

@@ -33,7 +33,7 @@ inline bool sparse_admits(const SparsePattern& sp, int64_t p, int64_t j) {
   return true;
 }
 
-// The half-open key range [lo, hi) that causal, window and k_len leave
+// The half-open key range [lo, hi) that causal, window, chunk and k_len leave
 // visible for a query at position p (the sparse pattern and explicit masks
 // are checked per key on top). Empty when lo >= hi.
 inline void key_range(const AttentionParams& prm, int64_t b, int64_t p, int64_t* lo, int64_t* hi) {
@@ -46,6 +46,13 @@ inline void key_range(const AttentionParams& prm, int64_t b, int64_t p, int64_t*
     end = bound + 1;
   if (prm.window_left >= 0 && !__builtin_sub_overflow(p, prm.window_left, &bound) && bound > begin)
     begin = bound;
+  if (prm.chunk_size > 0) {
+    // The chunk of p: [first, first + chunk_size). A query before key 0
+    // (p < 0) sits in a chunk of negative keys only, so it sees none.
+    const int64_t first = floor_div(p, prm.chunk_size) * prm.chunk_size;
+    begin = std::max(begin, first);
+    if (__builtin_add_overflow(first, prm.chunk_size, &bound) == 0) end = std::min(end, bound);
+  }
   *lo = begin;
   *hi = std::max(begin, end);
 }

@@ -35,10 +35,14 @@ inline Status check_head_layout(const char* fn, int64_t num_heads, int64_t num_k
 // another); never rejects a layout that does not overlap itself.
 Status check_no_self_overlap(const char* fn, const char* name, const TensorView& v);
 
-// softmax_scale, softcap, window, sparse, num_threads, backend; k_scales
+// softmax_scale, softcap, window, chunk_size, sparse, num_threads, backend; k_scales
 // and v_scales absent unless `kv_scales` (sdpa checks them itself).
 Status check_attention_options(const char* fn, const AttentionOptions& options,
                                bool kv_scales = false);
+
+// options.sinks, where present: f32, rank 1, [num_heads], any stride, every
+// value finite.
+Status check_sinks(const char* fn, const TensorView& sinks, int64_t num_heads);
 
 // cu_seqlens-style offsets: `count` + 1 entries, 0 first, never decreasing,
 // `total` last (total_src names where total comes from). Sets *max_len to

@@ -12,6 +12,15 @@
 //   A: the T queries over the held ring tokens (oldest -> newest),
 //   B: the T queries over the new chunk itself,
 // and only then are the newest min(T, slots) tokens written into the ring.
+//
+// With chunks of C tokens (chunked local attention) token t lives in slot
+// t mod C, so the current chunk's tokens fill slots [0, length mod C) in
+// order and the slots after them hold only older chunks' tokens, which no
+// query will see again. The new tokens that continue the current chunk are
+// written there first and attend with one call over slots [0, ...); those
+// that start later chunks (which see only new tokens) attend the new tokens
+// themselves, with the chunk rule, and are written into the ring only after
+// every call succeeded, since they overwrite the current chunk's slots.
 #include "attnkit/kv_cache.h"
 
 #include <algorithm>
@@ -103,6 +112,10 @@ kernels::AttentionParams base_params(const TensorView& q, int64_t num_kv_heads, 
   prm.causal = true;
   prm.sparse = options.sparse;
   prm.num_threads = options.num_threads;
+  if (options.sinks.present()) {
+    prm.sinks = options.sinks.ptr<const float>();
+    prm.sinks_stride = options.sinks.strides[0];
+  }
   return prm;
 }
 
@@ -251,13 +264,22 @@ Result<KVCache> KVCache::create(const KVCacheSpec& spec) {
   if (spec.sliding_window < 0)
     return invalid_argument(f + ": spec.sliding_window = " + std::to_string(spec.sliding_window) +
                             " must be >= 1 (or 0 for none)");
+  if (spec.chunk_size < 0)
+    return invalid_argument(f + ": spec.chunk_size = " + std::to_string(spec.chunk_size) +
+                            " must be >= 1 (or 0 for none)");
+  if (spec.chunk_size > 0 && spec.sliding_window > 0)
+    return invalid_argument(f + ": spec.sliding_window = " + std::to_string(spec.sliding_window) +
+                            " and spec.chunk_size = " + std::to_string(spec.chunk_size) +
+                            " are both set; a cache has at most one of them");
 
   KVCache cache;
   cache.spec_ = spec;
   if (cache.spec_.head_dim_v == 0) cache.spec_.head_dim_v = spec.head_dim;
   // A window W sees at most W-1 earlier tokens, so W == 1 keeps none.
-  cache.slots_ = spec.sliding_window == 0 ? spec.max_seq_len
-                                          : std::min(spec.max_seq_len, spec.sliding_window - 1);
+  // A chunk of C sees at most its own C tokens.
+  cache.slots_ = spec.sliding_window > 0 ? std::min(spec.max_seq_len, spec.sliding_window - 1)
+                 : spec.chunk_size > 0   ? std::min(spec.max_seq_len, spec.chunk_size)
+                                         : spec.max_seq_len;
   // Tensor::zeros checks the element and byte counts for overflow.
   Rows k, v;
   Status st = make_storage(spec.dtype, spec.batch_size, cache.slots_, spec.num_kv_heads,
@@ -329,7 +351,7 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
                             std::to_string(options.window_size.left) + ", " +
                             std::to_string(options.window_size.right) +
                             ") must be (-1, -1); the window is the cache's spec.sliding_window");
-  const int64_t W = spec_.sliding_window;
+  const int64_t W = spec_.sliding_window, C = spec_.chunk_size;
   if (W > 0 && options.sparse.kind != SparsePattern::Kind::kNone)
     return invalid_argument(f +
                             ": options.sparse cannot be combined with a sliding-window "
@@ -337,6 +359,18 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
                             std::to_string(W) +
                             "): the pattern is defined on absolute positions, which the ring "
                             "does not keep");
+  if (C > 0 && options.sparse.kind != SparsePattern::Kind::kNone)
+    return invalid_argument(f +
+                            ": options.sparse cannot be combined with a chunked cache "
+                            "(spec.chunk_size = " +
+                            std::to_string(C) +
+                            "): the pattern is defined on absolute positions, which the ring "
+                            "does not keep");
+  if (options.chunk_size != 0 && options.chunk_size != C)
+    return invalid_argument(f + ": options.chunk_size = " + std::to_string(options.chunk_size) +
+                            " must be 0 or spec.chunk_size = " + std::to_string(C) +
+                            "; the chunk is the cache's");
+  ATTNKIT_RETURN_IF_ERROR(check_sinks(kAttend, options.sinks, num_heads));
 
   const TensorView* inputs[] = {&q, &k_new, &v_new};
   const char* in_names[] = {"q", "k_new", "v_new"};
@@ -345,6 +379,9 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
       return invalid_argument(f + ": out overlaps input " + in_names[i] +
                               "; outputs must not alias inputs");
   }
+  if (check::overlaps(out, options.sinks))
+    return invalid_argument(f +
+                            ": out overlaps input options.sinks; outputs must not alias inputs");
   const TensorView* all[] = {&q, &k_new, &v_new, &out};
   const char* all_names[] = {"q", "k_new", "v_new", "out"};
   for (int i = 0; i < 4; ++i)
@@ -361,6 +398,7 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
   const Rows keys{keys_, key_scales_}, values{values_, value_scales_};
   const Rows k_in{k_new, {}}, v_in{v_new, {}};
 
+  if (C > 0) return attend_chunked(q, k_new, v_new, out, options);
   if (W == 0) {
     // Slots [length, length + T) hold no token yet, so writing them before
     // attending changes nothing observable if the kernel call fails.
@@ -411,7 +449,9 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
     }
   }
 
-  // B: the chunk over itself, causal (q_offset = 0) within the window.
+  // B: the chunk over itself, causal (q_offset = 0) within the window. It
+  // alone carries the sinks (prm's): merged with A, the sink then counts
+  // once in the denominator.
   kernels::AttentionParams pb = prm;
   pb.seqlen_k = T;
   pb.window_left = W - 1;
@@ -425,6 +465,7 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
     // at absolute length + t, i.e. at held + t relative to the held keys;
     // the window then keeps j >= held + t - (W - 1), and causal admits all.
     kernels::AttentionParams pa = prm;
+    pa.sinks = nullptr;
     pa.seqlen_k = held;
     pa.ring_capacity = slots_;
     pa.ring_start = (length_ - held) % slots_;
@@ -457,6 +498,86 @@ Status KVCache::attend(const TensorView& q, const TensorView& k_new, const Tenso
     store_token(v_src, t, values, slot);
   }
   length_ = new_length;
+  return Status::Ok();
+}
+
+// The chunked cache's attend (the file's header says how), after
+// attend() validated every argument: C = spec.chunk_size, slots = min(C,
+// max_seq_len), length() + T <= max_seq_len.
+Status KVCache::attend_chunked(const TensorView& q, const TensorView& k_new,
+                               const TensorView& v_new, const TensorView& out,
+                               const AttentionOptions& options) {
+  const std::string f = kAttend;
+  const int64_t batch = spec_.batch_size, num_kv_heads = spec_.num_kv_heads;
+  const int64_t head_dim_v = spec_.head_dim_v, C = spec_.chunk_size;
+  const int64_t T = q.shape[1];
+  const int64_t held = length_ % C;             // the current chunk's tokens, slots [0, held)
+  const int64_t first = std::min(T, C - held);  // new tokens that continue that chunk
+  const Rows keys{keys_, key_scales_}, values{values_, value_scales_};
+  const Rows k_in{k_new, {}}, v_in{v_new, {}};
+
+  // The later chunks' tokens, as the cache would store them (bf16 rounded,
+  // 8-bit quantized), so that they are seen exactly as tokens read back from
+  // the cache are. Allocated before anything is written.
+  Rows k_src = k_in, v_src = v_in;
+  Tensor k_copy, v_copy;
+  if (T > first && spec_.dtype != DType::kF32) {
+    auto copy = [&](int64_t dim, Tensor* t, Rows* rows) -> Status {
+      const Status st = make_storage(spec_.dtype, batch, T, num_kv_heads, dim, t, rows);
+      if (!st.ok()) return Status(st.code(), f + ": scratch: " + st.message());
+      return Status::Ok();
+    };
+    ATTNKIT_RETURN_IF_ERROR(copy(spec_.head_dim, &k_copy, &k_src));
+    ATTNKIT_RETURN_IF_ERROR(copy(head_dim_v, &v_copy, &v_src));
+    for (int64_t t = first; t < T; ++t) {
+      store_token(k_in, t, k_src, t);
+      store_token(v_in, t, v_src, t);
+    }
+  }
+
+  // Slots [held, held + first) hold only older chunks' tokens: writing the
+  // first tokens there before attending changes nothing observable.
+  for (int64_t t = 0; t < first; ++t) {
+    store_token(k_in, t, keys, held + t);
+    store_token(v_in, t, values, held + t);
+  }
+  const kernels::AttentionParams prm = base_params(q, num_kv_heads, head_dim_v, options);
+  // Queries [0, first) over slots [0, held + first), bottom-right causal.
+  kernels::AttentionParams pa = prm;
+  pa.seqlen_q = first;
+  pa.seqlen_k = held + first;
+  set_kv(keys, values, &pa);
+  set_out(out, {}, &pa);
+  ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(pa, options.backend));
+
+  if (T > first) {
+    // Queries [first, T) over new tokens [first, T): token first starts a
+    // chunk, so positions counted from it keep the chunks' boundaries.
+    kernels::AttentionParams pb = prm;
+    pb.seqlen_q = pb.seqlen_k = T - first;
+    pb.q = q.ptr<const float>() + first * q.strides[1];
+    pb.chunk_size = C;
+    Rows k_rest = k_src, v_rest = v_src;
+    for (Rows* r : {&k_rest, &v_rest}) {
+      const int64_t elem = static_cast<int64_t>(dtype_size(r->data.dtype));
+      r->data.data = static_cast<char*>(r->data.data) + first * r->data.strides[1] * elem;
+      if (r->scales.present())
+        r->scales.data = r->scales.ptr<float>() + first * r->scales.strides[1];
+    }
+    set_kv(k_rest, v_rest, &pb);
+    TensorView out_rest = out;
+    out_rest.data = out.ptr<float>() + first * out.strides[1];
+    set_out(out_rest, {}, &pb);
+    // A failure here leaves slots [held, held + first) written, which only
+    // older chunks' tokens occupied: nothing observable has changed yet.
+    ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(pb, options.backend));
+    // The last chunk's tokens into their slots (from 0).
+    for (int64_t t = first + (T - first - 1) / C * C; t < T; ++t) {
+      store_token(k_src, t, keys, (length_ + t) % C);
+      store_token(v_src, t, values, (length_ + t) % C);
+    }
+  }
+  length_ += T;
   return Status::Ok();
 }
 

@@ -21,7 +21,8 @@ kernels::Strides4 strides_of(const TensorView& v) {
   return {v.strides[0], v.strides[1], v.strides[2], v.strides[3]};
 }
 
-// scale, softcap, causal, window, sparse pattern and threads from `o`.
+// scale, softcap, causal, window, chunk, sinks, sparse pattern and
+// threads from `o` (checked by check_attention_options and check_sinks).
 void fill_options(const AttentionOptions& o, int64_t head_dim, kernels::AttentionParams* prm) {
   prm->scale = o.softmax_scale > 0.0f
                    ? o.softmax_scale
@@ -31,6 +32,11 @@ void fill_options(const AttentionOptions& o, int64_t head_dim, kernels::Attentio
   prm->window_left = o.window_size.left;
   prm->window_right = o.window_size.right;
   prm->sparse = o.sparse;
+  prm->chunk_size = o.chunk_size;
+  if (o.sinks.present()) {
+    prm->sinks = o.sinks.ptr<const float>();
+    prm->sinks_stride = o.sinks.strides[0];
+  }
   prm->num_threads = o.num_threads;
 }
 
@@ -96,6 +102,9 @@ Status check_attention_options(const char* fn, const AttentionOptions& o, bool k
   if (o.window_size.right < -1)
     return invalid_argument(f + ": window_size.right = " + std::to_string(o.window_size.right) +
                             " must be >= 0, or -1 for unlimited");
+  if (o.chunk_size < 0)
+    return invalid_argument(f + ": chunk_size = " + std::to_string(o.chunk_size) +
+                            " must be >= 0 (0 = off)");
   if (o.num_threads < 0)
     return invalid_argument(f + ": num_threads = " + std::to_string(o.num_threads) +
                             " must be >= 0 (0 = default)");
@@ -143,6 +152,23 @@ Status fill_mask(const char* fn, const TensorView& mask, int64_t batch, int64_t 
     prm->bool_mask = mask.ptr<const uint8_t>();
   else
     prm->add_mask = mask.ptr<const float>();
+  return Status::Ok();
+}
+
+Status check_sinks(const char* fn, const TensorView& sinks, int64_t num_heads) {
+  if (!sinks.present()) return Status::Ok();
+  ATTNKIT_RETURN_IF_ERROR(check::view(fn, "options.sinks", sinks, 1, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(fn, "options.sinks", sinks, 0, "num_heads", num_heads, "the query heads"));
+  const float* x = sinks.ptr<const float>();
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float value = x[h * sinks.strides[0]];
+    // A sink of +inf would zero every output; -inf is no sink at all, and
+    // NaN would poison every row: none is a logit a model learns.
+    if (!std::isfinite(value))
+      return invalid_argument(std::string(fn) + ": options.sinks[" + std::to_string(h) +
+                              "] = " + std::to_string(value) + " must be finite");
+  }
   return Status::Ok();
 }
 
@@ -199,6 +225,7 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
   ATTNKIT_RETURN_IF_ERROR(check::dim(kFn, "out", out, 3, "head_dim_v", head_dim_v, "v.shape[3]"));
   ATTNKIT_RETURN_IF_ERROR(check_attention_options(kFn, options, true));
   ATTNKIT_RETURN_IF_ERROR(check_kv_scales(k, options));
+  ATTNKIT_RETURN_IF_ERROR(check_sinks(kFn, options.sinks, num_heads));
 
   if (lse.present()) {
     ATTNKIT_RETURN_IF_ERROR(check::view(kFn, "lse", lse, 3, {DType::kF32}));
@@ -223,7 +250,8 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
                               {"v", &v},
                               {"mask", &options.mask},
                               {"options.k_scales", &options.k_scales},
-                              {"options.v_scales", &options.v_scales}};
+                              {"options.v_scales", &options.v_scales},
+                              {"options.sinks", &options.sinks}};
   ATTNKIT_RETURN_IF_ERROR(check_outputs_apart(kFn, outputs, inputs));
 
   if (!options.seqlens_k.empty()) {
@@ -334,6 +362,7 @@ Status sdpa_varlen(const TensorView& q, const TensorView& k, const TensorView& v
   ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "out", out, 1, "num_heads", num_heads, "q.shape[1]"));
   ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "out", out, 2, "head_dim_v", head_dim_v, "v.shape[2]"));
   ATTNKIT_RETURN_IF_ERROR(check_attention_options(fn, options));
+  ATTNKIT_RETURN_IF_ERROR(check_sinks(fn, options.sinks, num_heads));
   if (!options.seqlens_k.empty())
     return invalid_argument(std::string(fn) +
                             ": options.seqlens_k must be empty; cu_seqlens_k gives every "
@@ -372,7 +401,8 @@ Status sdpa_varlen(const TensorView& q, const TensorView& k, const TensorView& v
   if (lse.present()) ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "lse", lse));
   if (probs.present()) ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "probs", probs));
   const NamedView outputs[] = {{"out", &out}, {"lse", &lse}, {"probs", &probs}};
-  const NamedView inputs[] = {{"q", &q}, {"k", &k}, {"v", &v}, {"mask", &options.mask}};
+  const NamedView inputs[] = {
+      {"q", &q}, {"k", &k}, {"v", &v}, {"mask", &options.mask}, {"options.sinks", &options.sinks}};
   ATTNKIT_RETURN_IF_ERROR(check_outputs_apart(fn, outputs, inputs));
 
   kernels::AttentionParams prm;

@@ -20,6 +20,7 @@
 //         [batch, num_heads, seqlen_q, seqlen_k] size.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -57,6 +58,9 @@ struct OracleOptions {
   std::vector<double> add_mask;    // added to the score
 
   attnkit::SparsePattern sparse;
+
+  int64_t chunk_size = 0;     // > 0: key j visible from p only if j, p share a chunk
+  std::vector<double> sinks;  // [num_heads] sink logits; empty = none
 };
 
 struct OracleResult {
@@ -134,6 +138,9 @@ inline OracleResult attention_f64(const OracleOptions& o, std::span<const double
           if (o.causal && j > p) vis = false;
           if (o.window_left >= 0 && j < p - o.window_left) vis = false;
           if (o.window_right >= 0 && j > p + o.window_right) vis = false;
+          if (o.chunk_size > 0 && oracle_detail::div_floor(j, o.chunk_size) !=
+                                      oracle_detail::div_floor(p, o.chunk_size))
+            vis = false;
           if (!oracle_detail::pattern_admits(o.sparse, p, j)) vis = false;
           if (!o.bool_mask.empty() && o.bool_mask[size_t(mask_index(b, h, i, j))] == 0) vis = false;
           // A -inf bias masks like a false entry: the key's K is never read.
@@ -174,8 +181,14 @@ inline OracleResult attention_f64(const OracleOptions& o, std::span<const double
           else if (scores[ij] > m)
             m = scores[ij];
         }
-        if (!any) continue;  // out 0, lse -inf, probs 0 (already set)
         const size_t lse_at = size_t((b * H + h) * Sq + i);
+        // A sink is one more logit in the softmax whose column is dropped
+        // afterwards (the way gpt-oss writes it).
+        const bool sink = !o.sinks.empty();
+        if (!any) {  // out 0, probs 0 (already set); lse -inf, or the sink
+          if (sink) r.lse[lse_at] = o.sinks[size_t(h)];
+          continue;
+        }
         double* orow = &r.out[size_t(((b * Sq + i) * H + h) * Dv)];
         double* prow = &r.probs[size_t(((b * H + h) * Sq + i) * Sk)];
         if (nan) {
@@ -186,7 +199,8 @@ inline OracleResult attention_f64(const OracleOptions& o, std::span<const double
             if (visible[size_t(i * Sk + j)]) prow[j] = qnan;
           continue;
         }
-        double denom = 0.0;
+        if (sink) m = std::max(m, o.sinks[size_t(h)]);
+        double denom = sink ? std::exp(o.sinks[size_t(h)] - m) : 0.0;
         for (int64_t j = 0; j < Sk; ++j)
           if (visible[size_t(i * Sk + j)]) denom += std::exp(scores[size_t(i * Sk + j)] - m);
         r.lse[lse_at] = m + std::log(denom);

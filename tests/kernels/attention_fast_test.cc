@@ -50,6 +50,8 @@ struct Case {
   MaskKind mask = MaskKind::kNone;
   bool mask_broadcast = false;
   SparsePattern sparse;
+  int64_t chunk_size = 0;  // chunked local attention, 0 = off
+  float sink = 0.0f;       // != 0: head h's sink logit is sink + h / 4 (strided when strided)
   bool ring = false;
   int64_t page_size = 0;    // > 0: K/V rows in shuffled pages behind a block table
   bool ragged = false;      // each batch item has 0..seqlen_q query rows, packed
@@ -67,7 +69,8 @@ struct Case {
       << " window=(" << window_left << "," << window_right << ") softcap=" << softcap
       << " seqlens=" << seqlens << " q_offsets=" << q_offsets << " mask=" << static_cast<int>(mask)
       << (mask_broadcast ? "b" : "") << " sparse=" << static_cast<int>(sparse.kind) << "/"
-      << sparse.block_size << "/" << sparse.stride << "/" << sparse.summary << " ring=" << ring
+      << sparse.block_size << "/" << sparse.stride << "/" << sparse.summary
+      << " chunk=" << chunk_size << " sink=" << sink << " ring=" << ring
       << " page_size=" << page_size << " ragged=" << ragged << " strided=" << strided
       << " mla_view=" << mla_view << " poison=" << poison << " scale_block=" << scale_block
       << " seed=" << seed;
@@ -188,6 +191,14 @@ class Problem {
     if (c.ring) {
       std::uniform_int_distribution<int64_t> start(0, c.seqlen_k - 1);
       ring_start_ = start(rng_);
+    }
+
+    if (c.sink != 0.0f) {
+      // Strided sinks leave NaN between them: reading a neighbour shows.
+      sinks_stride_ = c.strided ? 2 : 1;
+      sinks_.assign(static_cast<size_t>(c.heads * sinks_stride_), kNaN);
+      for (int64_t h = 0; h < c.heads; ++h)
+        sinks_[h * sinks_stride_] = c.sink + 0.25f * static_cast<float>(h);
     }
 
     if (c.mask != MaskKind::kNone) {
@@ -314,6 +325,9 @@ class Problem {
     p.window_left = c_.window_left;
     p.window_right = c_.window_right;
     p.sparse = c_.sparse;
+    p.chunk_size = c_.chunk_size;
+    p.sinks = sinks_.empty() ? nullptr : sinks_.data();
+    p.sinks_stride = sinks_stride_;
     p.bool_mask = bool_mask_.empty() ? nullptr : bool_mask_.data();
     p.add_mask = add_mask_.empty() ? nullptr : add_mask_.data();
     p.mask_stride = ms_;
@@ -529,6 +543,8 @@ class Problem {
   std::vector<uint8_t> bool_mask_, poisoned_;
   std::vector<int32_t> k_len_;
   std::vector<int64_t> q_off_;
+  std::vector<float> sinks_;
+  int64_t sinks_stride_ = 1;
   mutable std::vector<double> s_max_, v_max_, q_amax_, k1_max_;
 };
 
@@ -792,6 +808,63 @@ TEST(AttentionFast, EveryMask) {
       check_case(k, [&](const Problem&) { return tiled(4, 8, 0, 2); });
       check_case(k, [&](const Problem&) { return tiled(19, 16, 8, 3, 2); });
     }
+}
+
+// Chunked local attention at chunk sizes 1, tile - 1, tile, tile + 1 and
+// beyond the keys, with and without causal, GQA, seqlen_q above and below
+// seqlen_k, on whole-key tiles and on split keys; some with sinks.
+TEST(AttentionFast, ChunksAroundTiles) {
+  uint64_t seed = 700;
+  for (int64_t tile : {4, 16})
+    for (int64_t chunk : {int64_t{1}, tile - 1, tile, tile + 1, int64_t{1000}})
+      for (auto [sq, sk] : {std::pair<int64_t, int64_t>{1, 3 * tile + 2},
+                            {tile + 1, 3 * tile + 2},
+                            {2 * tile + 3, tile + 1}})
+        for (bool causal : {false, true}) {
+          Case c;
+          c.batch = 2;
+          c.seqlen_q = sq;
+          c.seqlen_k = sk;
+          c.heads = 6;
+          c.kv_heads = 2;
+          c.d = tile == 4 ? 7 : 16;
+          c.dv = tile == 4 ? 5 : 17;
+          c.causal = causal;
+          c.chunk_size = chunk;
+          c.sink = seed % 3 == 0 ? 1.5f : 0.0f;
+          c.seqlens = seed % 4 == 0;
+          c.seed = ++seed;
+          check_case(c, [&](const Problem&) { return tiled(tile, tile, 0, 2); });
+          check_case(c, [&](const Problem&) { return tiled(tile, tile, 2 * tile, 3, 2); });
+        }
+}
+
+// Sinks from far below to far above the scores (e^200 overflows fp32): on
+// whole tasks and on split keys merged afterwards, with rows that see no
+// key (lse = the sink), decode and prefill, fp32, bf16 and 8-bit K/V.
+TEST(AttentionFast, SinksOfEveryMagnitude) {
+  uint64_t seed = 800;
+  for (float sink : {-30.0f, -1.0f, 0.5f, 3.0f, 30.0f, 200.0f})
+    for (DType kv : {DType::kF32, DType::kBF16, DType::kI8})
+      for (int64_t sq : {1, 4, 19}) {
+        Case c;
+        c.batch = 3;
+        c.seqlen_q = sq;
+        c.seqlen_k = 70;
+        c.heads = 8;
+        c.kv_heads = 2;
+        c.d = 16;
+        c.dv = 16;
+        c.kv = kv;
+        c.causal = true;
+        c.seqlens = true;  // some items may have no key at all
+        c.sink = sink;
+        c.strided = seed % 2 == 0;
+        c.seed = ++seed;
+        check_case(c, [&](const Problem&) { return tiled(4, 16, 0, 2); });
+        check_case(c, [&](const Problem&) { return tiled(sq, 8, 16, 3, 2); });
+        check_case(c, [&](const Problem& p, SimdTarget t) { return default_plan(p, 2, t); });
+      }
 }
 
 // NaN in keys a row may not see (beyond seqlens_k, in the future, outside
@@ -1153,6 +1226,8 @@ Case random_case(uint64_t seed) {
   c.ragged = chance(0.25);
   c.strided = chance(0.3);
   c.poison = chance(0.15) ? 0.1 : 0.0;
+  if (chance(0.2)) c.chunk_size = pick({1, 3, 8, 16, 17, 100});
+  if (chance(0.2)) c.sink = static_cast<float>(pick({-20, -1, 1, 4, 50}));
   return c;
 }
 
@@ -1354,6 +1429,32 @@ TEST(AttentionFast, DispatchRunsKernelsSetForTesting) {
     EXPECT_LT(worst, 1e-5);
   }
 #endif
+}
+
+// Key tiles wholly outside a query block's chunk are never computed: with
+// chunks of one tile, causal, each query block's task visits one tile per
+// kv head (against 1 + 2 + ... + blocks without chunks).
+TEST(AttentionFast, TilesOutsideTheChunkAreSkipped) {
+  Case c;
+  c.seqlen_q = c.seqlen_k = 64;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.d = c.dv = 8;
+  c.causal = true;
+  cpu::KernelTable counting = *cpu::scalar_kernel_table();
+  counting.softmax = counting_softmax;
+  for (int64_t chunk : {0, 16, 32}) {
+    c.chunk_size = chunk;
+    const Problem pr(c);
+    cpu::Plan plan = tiled(16, 16, 0, 1);
+    plan.kernels = &counting;
+    g_softmax_calls = 0;
+    const Outputs fast = run_fast(pr, plan);
+    // 4 query blocks of 16 rows; block q sees tiles [q - q % (chunk / 16), q].
+    const int64_t per_head = chunk == 0 ? 1 + 2 + 3 + 4 : chunk == 16 ? 4 : 1 + 2 + 1 + 2;
+    EXPECT_EQ(g_softmax_calls, per_head * c.kv_heads) << "chunk " << chunk;
+    expect_close(pr, run_reference(pr), fast, plan);
+  }
 }
 
 }  // namespace

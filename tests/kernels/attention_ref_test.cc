@@ -173,6 +173,8 @@ struct Case {
   double mask_keep = 0.75;                                // bool: P(true); additive: P(not -inf)
   bool mask_expanded = false;  // broadcast dims given as full size with stride 0
   SparsePattern sparse;
+  int64_t chunk_size = 0;
+  std::vector<float> sinks;  // [num_heads]; empty = none
   bool bf16_kv = false;
   bool strided = false;
   bool want_lse = true, want_probs = true;
@@ -190,9 +192,11 @@ struct Case {
     for (int32_t n : seqlens_k) s << n << ",";
     s << "] mask" << int(mask) << "(" << mask_full[0] << mask_full[1] << mask_full[2]
       << mask_full[3] << (mask_expanded ? "e" : "") << ") sparse" << int(sparse.kind) << "/"
-      << sparse.block_size << "/" << sparse.stride << "/" << sparse.summary
-      << (bf16_kv ? " bf16" : "") << (strided ? " strided" : "") << " thr" << num_threads << " seed"
-      << seed;
+      << sparse.block_size << "/" << sparse.stride << "/" << sparse.summary << " chunk"
+      << chunk_size << " sinks[";
+    for (float x : sinks) s << x << ",";
+    s << "]" << (bf16_kv ? " bf16" : "") << (strided ? " strided" : "") << " thr" << num_threads
+      << " seed" << seed;
     return s.str();
   }
 };
@@ -235,6 +239,8 @@ OracleOptions oracle_options(const Case& c) {
   o.softcap = c.softcap;
   o.seqlens_k = c.seqlens_k;
   o.sparse = c.sparse;
+  o.chunk_size = c.chunk_size;
+  for (float x : c.sinks) o.sinks.push_back(x);
   return o;
 }
 
@@ -369,6 +375,20 @@ Outcome run(const Case& c) {
     }
   }
 
+  // Sinks: contiguous, or every third float of a NaN-padded buffer.
+  std::vector<float> sinks_buf;
+  TensorView sinks_view;
+  if (!c.sinks.empty()) {
+    const int64_t stride = c.strided ? 3 : 1;
+    sinks_buf.assign(size_t(H * stride), kNaN);
+    for (int64_t h = 0; h < H; ++h) sinks_buf[size_t(h * stride)] = c.sinks[size_t(h)];
+    sinks_view.dtype = DType::kF32;
+    sinks_view.rank = 1;
+    sinks_view.shape[0] = H;
+    sinks_view.strides[0] = stride;
+    sinks_view.data = sinks_buf.data();
+  }
+
   attnkit::AttentionOptions opt;
   opt.softmax_scale = c.softmax_scale;
   opt.causal = c.causal;
@@ -377,6 +397,8 @@ Outcome run(const Case& c) {
   opt.seqlens_k = c.seqlens_k;
   opt.mask = mask_view;
   opt.sparse = c.sparse;
+  opt.chunk_size = c.chunk_size;
+  opt.sinks = sinks_view;
   opt.backend = Backend::kReference;
   opt.num_threads = c.num_threads;
   const attnkit::Status st =
@@ -448,6 +470,29 @@ TEST(SdpaRefOracle, HandComputedSoftmax) {
   EXPECT_DOUBLE_EQ(r.out[1], w * 2 + (1 - w) * 4);
   EXPECT_DOUBLE_EQ(r.lse[0], std::log(std::exp(1.0) + 1.0));
   EXPECT_DOUBLE_EQ(r.probs[1], 1 - w);
+}
+
+TEST(SdpaRefOracle, HandComputedSink) {
+  // Scores 1 and 0 and a sink of 0.5: the denominator is e + 1 + e^0.5,
+  // and the sink's share belongs to no value.
+  OracleOptions o;
+  o.head_dim = 2;
+  o.head_dim_v = 2;
+  o.seqlen_k = 2;
+  o.softmax_scale = 1.0;
+  o.sinks = {0.5};
+  const std::vector<double> q{1, 0}, k{1, 0, 0, 0}, v{1, 2, 3, 4};
+  const OracleResult r = attnkit_test::attention_f64(o, q, k, v);
+  const double denom = std::exp(1.0) + 1.0 + std::exp(0.5);
+  EXPECT_DOUBLE_EQ(r.out[0], (std::exp(1.0) * 1 + 3) / denom);
+  EXPECT_DOUBLE_EQ(r.out[1], (std::exp(1.0) * 2 + 4) / denom);
+  EXPECT_DOUBLE_EQ(r.lse[0], std::log(denom));
+  EXPECT_DOUBLE_EQ(r.probs[0] + r.probs[1], (std::exp(1.0) + 1.0) / denom);
+  // No visible key: out 0, lse = the sink.
+  o.seqlens_k = {0};
+  const OracleResult e = attnkit_test::attention_f64(o, q, k, v);
+  EXPECT_EQ(e.out[0], 0.0);
+  EXPECT_EQ(e.lse[0], 0.5);
 }
 
 TEST(SdpaRefOracle, BF16RoundingMatchesLibrary) {
@@ -532,6 +577,35 @@ TEST(SdpaRefPictures, WindowInclusive) {
   EXPECT_EQ(picture(c), (Rows{"..x..", "...x.", "....x"}));
   c.window = {2, -1};
   EXPECT_EQ(picture(c), (Rows{"xxxxx", ".xxxx", "..xxx"}));
+}
+
+// Chunks of 3 keys: a query sees only the keys of its own chunk (causal:
+// up to itself), wherever the bottom-right alignment puts it.
+TEST(SdpaRefPictures, ChunkedCausal) {
+  Case c;
+  c.seqlen_q = 7;
+  c.seqlen_k = 7;
+  c.causal = true;
+  c.chunk_size = 3;
+  EXPECT_EQ(picture(c),
+            (Rows{"x......", "xx.....", "xxx....", "...x...", "...xx..", "...xxx.", "......x"}));
+  c.seqlen_q = 2;  // p = 5, 6
+  EXPECT_EQ(picture(c), (Rows{"...xxx.", "......x"}));
+  c.causal = false;
+  EXPECT_EQ(picture(c), (Rows{"...xxx.", "......x"}));
+  c.seqlen_q = 9;  // p = -2 .. 6: rows before key 0 see nothing
+  EXPECT_EQ(picture(c), (Rows{".......", ".......", "xxx....", "xxx....", "xxx....", "...xxx.",
+                              "...xxx.", "...xxx.", "......x"}));
+}
+
+// Chunks compose with a window: both rules must hold.
+TEST(SdpaRefPictures, ChunkAndWindow) {
+  Case c;
+  c.seqlen_q = 6;
+  c.seqlen_k = 6;
+  c.chunk_size = 4;
+  c.window = {1, 1};
+  EXPECT_EQ(picture(c), (Rows{"xx....", "xxx...", ".xxx..", "..xx..", "....xx", "....xx"}));
 }
 
 TEST(SdpaRefPictures, SeqlensKMovesTheAlignment) {
@@ -878,10 +952,45 @@ TEST(SdpaRefRandom, EverythingCombined) {
     c.want_lse = pick.coin(0.8);
     c.want_probs = pick.coin(0.8);
     c.num_threads = int(pick.integer(0, 4));
+    if (pick.coin(0.25)) c.chunk_size = pick.integer(1, 6);
+    if (pick.coin(0.25))
+      for (int64_t h = 0; h < c.num_heads; ++h) c.sinks.push_back(pick.uniform(-3.0f, 3.0f));
     c.seed = 20000 + uint64_t(n);
     nonempty += visible_row_fraction(run(c)) > 0.0 ? 1 : 0;
   }
   EXPECT_GT(nonempty, 200);  // most draws must exercise real softmaxes
+}
+
+// Sinks of every magnitude (small, large enough to swamp the keys, large
+// enough to overflow e^sink in fp32) with chunks of 1, 2, 3 and more than
+// the keys, causal or not, GQA, seqlen_q above and below seqlen_k.
+TEST(SdpaRefRandom, SinksAndChunks) {
+  const std::pair<int64_t, int64_t> lengths[] = {{1, 9}, {5, 5}, {3, 11}, {9, 4}};
+  uint64_t seed = 14000;
+  int nonempty = 0, cases = 0;
+  for (auto [sq, sk] : lengths)
+    for (int64_t chunk : {0, 1, 2, 3, 100})
+      for (float sink : {0.0f, -40.0f, 1.5f, 30.0f, 200.0f}) {
+        if (chunk == 0 && sink == 0.0f) continue;
+        Case c;
+        c.batch = 2;
+        c.num_heads = 6;
+        c.num_kv_heads = 2;
+        c.seqlen_q = sq;
+        c.seqlen_k = sk;
+        c.head_dim = 5;
+        c.head_dim_v = 3;
+        c.causal = (seed % 2) == 0;
+        c.chunk_size = chunk;
+        if (sink != 0.0f)
+          for (int64_t h = 0; h < c.num_heads; ++h)
+            c.sinks.push_back(sink + 0.5f * float(h) - 1.0f);
+        c.strided = seed % 3 == 0;
+        c.seed = seed++;
+        nonempty += visible_row_fraction(run(c)) > 0.0 ? 1 : 0;
+        ++cases;
+      }
+  EXPECT_GT(nonempty, cases / 2);
 }
 
 // ---------------------------------------------------------------------------
@@ -948,6 +1057,65 @@ TEST(SdpaRefEdge, FullyMaskedRowsAreZero) {
     e.seed = seed++;
     expect_empty_rows_exact(run(e), e);
   }
+}
+
+// A row that sees no key gets out = 0, probs = 0 and lse = its head's sink.
+TEST(SdpaRefEdge, EmptyRowsWithSinksGiveTheSink) {
+  Case c;
+  c.batch = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 3;
+  c.head_dim_v = 4;
+  c.seqlen_q = 6;
+  c.seqlen_k = 3;
+  c.causal = true;  // rows 0..2 sit before key 0
+  c.seqlens_k = {3, 0};
+  c.sinks = {-2.0f, 0.0f, 3.0f, 80.0f};
+  c.seed = 9100;
+  const Outcome r = run(c);
+  int empty = 0;
+  for (int64_t b = 0; b < c.batch; ++b)
+    for (int64_t h = 0; h < c.num_heads; ++h)
+      for (int64_t i = 0; i < c.seqlen_q; ++i) {
+        const int64_t p = i + c.seqlens_k[size_t(b)] - c.seqlen_q;
+        if (p >= 0) continue;
+        ++empty;
+        const size_t li = size_t((b * c.num_heads + h) * c.seqlen_q + i);
+        EXPECT_EQ(r.lse[li], c.sinks[size_t(h)]);
+        for (int64_t d = 0; d < c.head_dim_v; ++d)
+          EXPECT_EQ(r.out[size_t(((b * c.seqlen_q + i) * c.num_heads + h) * c.head_dim_v + d)],
+                    0.0f);
+        for (int64_t j = 0; j < c.seqlen_k; ++j)
+          EXPECT_EQ(r.probs[li * size_t(c.seqlen_k) + size_t(j)], 0.0f);
+      }
+  EXPECT_EQ(empty, 4 * 3 + 4 * 6);
+}
+
+// A sink far above every score (e^sink overflows fp32 and double alike)
+// leaves out ~ 0 and lse = the sink, never Inf or NaN; one far below
+// changes nothing.
+TEST(SdpaRefEdge, HugeSinksStayFinite) {
+  Case c;
+  c.num_heads = 2;
+  c.seqlen_q = 3;
+  c.seqlen_k = 5;
+  c.causal = true;
+  c.sinks = {1e30f, -1e30f};
+  c.seed = 9200;
+  const Outcome r = run(c);
+  for (float x : r.out) EXPECT_TRUE(std::isfinite(x));
+  for (int64_t i = 0; i < c.seqlen_q; ++i) {
+    EXPECT_EQ(r.lse[size_t(i)], 1e30f);
+    EXPECT_TRUE(std::isfinite(r.lse[size_t(c.seqlen_q + i)]));
+  }
+  Case plain = c;
+  plain.sinks = {};
+  const Outcome p = run(plain);
+  for (size_t x = 0; x < r.out.size(); ++x)
+    if ((x / size_t(c.head_dim_v)) % 2 == 1) {
+      EXPECT_EQ(r.out[x], p.out[x]);
+    }
 }
 
 // NaN and Inf in every K/V row that no visible pair uses must not reach any

@@ -11,8 +11,10 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/attention_bounds.h"
@@ -72,7 +74,8 @@ std::vector<double> as_stored(const std::vector<float>& x, int64_t dim, DType st
 // Full causal attention over the problem's n tokens with window W (0 = none),
 // in float64, over K/V as a cache of `stored` holds them.
 std::vector<double> oracle(const Problem& p, int64_t W, DType stored, double scale = 0.0,
-                           double softcap = 0.0, attnkit::SparsePattern sparse = {}) {
+                           double softcap = 0.0, attnkit::SparsePattern sparse = {},
+                           int64_t chunk = 0, const std::vector<float>& sinks = {}) {
   attnkit_test::OracleOptions o;
   o.batch = p.batch;
   o.seqlen_q = o.seqlen_k = p.n;
@@ -85,6 +88,8 @@ std::vector<double> oracle(const Problem& p, int64_t W, DType stored, double sca
   o.softmax_scale = scale;
   o.softcap = softcap;
   o.sparse = sparse;
+  o.chunk_size = chunk;
+  o.sinks.assign(sinks.begin(), sinks.end());
   return attnkit_test::attention_f64(o, attnkit_test::widen(p.q),
                                      as_stored(p.k, p.head_dim, stored),
                                      as_stored(p.v, p.head_dim_v, stored))
@@ -702,6 +707,123 @@ TEST(KVCacheErrors, AttendRejectsBadInputsAndChangesNothing) {
       EXPECT_EQ(out, out_before);
     }
   }
+}
+
+// A chunked cache (chunk_size C) decoding any schedule of prompt chunks
+// and single tokens gives full causal attention with chunks of C, in
+// float64; with sinks (passed per call) too, on chunked, windowed and
+// plain caches.
+TEST(KVCacheChunk, DecodeMatchesFullChunkedAttentionWithSinks) {
+  std::vector<int64_t> singles(6, 1);
+  auto cat = [](std::vector<int64_t> a, const std::vector<int64_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  const std::vector<std::vector<int64_t>> schedules = {
+      cat({11}, singles),    // prefill over several chunks, then decode
+      cat({4, 7}, singles),  // prefill in two calls, then decode
+      {3, 5, 2, 4, 3},       // multi-token calls across chunk boundaries
+      {1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
+  };
+  uint64_t seed = 500;
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8})
+    for (attnkit::Backend backend : {attnkit::Backend::kReference, attnkit::Backend::kAuto})
+      for (int64_t C : {1, 3, 4, 100})
+        for (const auto& chunks : schedules)
+          for (bool with_sinks : {false, true}) {
+            Problem p;
+            p.num_heads = 4;
+            p.num_kv_heads = 2;
+            p.head_dim_v = 6;
+            p.n = std::accumulate(chunks.begin(), chunks.end(), int64_t{0});
+            Rng rng(seed++);
+            p.fill(rng);
+            const std::vector<float> sinks = {-1.0f, 0.5f, 2.0f, 40.0f};
+            KVCacheSpec spec{p.batch, p.n + 1, p.num_kv_heads, p.head_dim, p.head_dim_v, dtype,
+                             0,       C};
+            SCOPED_TRACE(std::string(attnkit::dtype_name(dtype)) + " chunk " + std::to_string(C) +
+                         " calls " + join(chunks) + (with_sinks ? " sinks" : "") +
+                         (backend == attnkit::Backend::kReference ? " reference" : " auto"));
+            attnkit::AttentionOptions opt;
+            opt.backend = backend;
+            if (with_sinks) opt.sinks = attnkit::make_view(sinks.data(), DType::kF32, {4});
+            if (C == 3) opt.chunk_size = 3;  // the cache's own: accepted
+            const std::vector<float> out = decode(p, spec, chunks, opt);
+            EXPECT_TRUE(attnkit_test::all_close(
+                "out", out,
+                oracle(p, 0, dtype, 0.0, 0.0, {}, C, with_sinks ? sinks : std::vector<float>{}),
+                tolerance(p, dtype, backend)));
+            auto cache = KVCache::create(spec);
+            ASSERT_TRUE(cache.ok());
+            EXPECT_EQ(cache->slots(), std::min(C, p.n + 1));
+            // The window's two merged halves count the sink once.
+            if (C == 4 && with_sinks && dtype == DType::kF32) {
+              for (int64_t W : {0, 3}) {
+                KVCacheSpec ws = spec;
+                ws.chunk_size = 0;
+                ws.sliding_window = W;
+                opt.chunk_size = 0;
+                EXPECT_TRUE(attnkit_test::all_close("windowed out", decode(p, ws, chunks, opt),
+                                                    oracle(p, W, dtype, 0.0, 0.0, {}, 0, sinks),
+                                                    tolerance(p, dtype, backend)));
+              }
+            }
+          }
+}
+
+// Bad chunk specs and per-call options are rejected; a chunked cache's
+// failed attend changes nothing.
+TEST(KVCacheChunk, RejectsBadChunksAndSinksAndChangesNothing) {
+  for (auto [W, C, needle] :
+       {std::tuple<int64_t, int64_t, const char*>{0, -1, "spec.chunk_size = -1 must be >= 1"},
+        {4, 8, "spec.sliding_window = 4 and spec.chunk_size = 8 are both set"}}) {
+    auto r = KVCache::create({2, 16, 2, 8, 0, DType::kF32, W, C});
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().message();
+  }
+  auto cache = KVCache::create({2, 16, 2, 8, 6, DType::kBF16, 0, 4});
+  ASSERT_TRUE(cache.ok());
+  Rng rng(9);
+  std::vector<float> q = attnkit_test::uniform_vector(2 * 6 * 4 * 8, rng);
+  std::vector<float> k = attnkit_test::uniform_vector(2 * 6 * 2 * 8, rng);
+  std::vector<float> v = attnkit_test::uniform_vector(2 * 6 * 2 * 6, rng);
+  std::vector<float> out(2 * 6 * 4 * 6, 0.0f);
+  auto Q = attnkit::make_view(q.data(), DType::kF32, {2, 6, 4, 8});
+  auto K = attnkit::make_view(k.data(), DType::kF32, {2, 6, 2, 8});
+  auto V = attnkit::make_view(v.data(), DType::kF32, {2, 6, 2, 6});
+  auto O = attnkit::make_view(out.data(), DType::kF32, {2, 6, 4, 6});
+  ASSERT_TRUE(cache->attend(Q, K, V, O).ok());  // 6 tokens: chunk 1 half held
+  const Snapshot before(*cache);
+  const std::vector<float> out_before = out;
+  std::vector<float> sinks = {1.0f, 2.0f, std::numeric_limits<float>::infinity(), 0.0f};
+  std::vector<attnkit::AttentionOptions> bad(4);
+  std::vector<const char*> needles = {"options.chunk_size = 5 must be 0 or spec.chunk_size = 4",
+                                      "options.sinks[2] = inf must be finite",
+                                      "options.sinks.shape[0]",
+                                      "options.sparse cannot be combined"};
+  bad[0].chunk_size = 5;
+  bad[1].sinks = attnkit::make_view(sinks.data(), DType::kF32, {4});
+  bad[2].sinks = attnkit::make_view(sinks.data(), DType::kF32, {2});
+  bad[3].sparse.kind = attnkit::SparsePattern::Kind::kStrided;
+  bad[3].sparse.stride = 2;
+  for (size_t i = 0; i < bad.size(); ++i) {
+    SCOPED_TRACE(needles[i]);
+    const auto st = cache->attend(Q, K, V, O, bad[i]);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find(needles[i]), std::string::npos) << st.message();
+    EXPECT_TRUE(Snapshot(*cache) == before);
+    EXPECT_EQ(out, out_before);
+  }
+  // Past max_seq_len: out of range, nothing changed.
+  std::vector<float> q2(2 * 11 * 4 * 8), k2(2 * 11 * 2 * 8), v2(2 * 11 * 2 * 6), o2(2 * 11 * 4 * 6);
+  EXPECT_EQ(cache
+                ->attend(attnkit::make_view(q2.data(), DType::kF32, {2, 11, 4, 8}),
+                         attnkit::make_view(k2.data(), DType::kF32, {2, 11, 2, 8}),
+                         attnkit::make_view(v2.data(), DType::kF32, {2, 11, 2, 6}),
+                         attnkit::make_view(o2.data(), DType::kF32, {2, 11, 4, 6}))
+                .code(),
+            StatusCode::kOutOfRange);
+  EXPECT_TRUE(Snapshot(*cache) == before);
 }
 
 }  // namespace

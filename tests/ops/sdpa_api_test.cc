@@ -303,6 +303,7 @@ TEST(SdpaApi, WindowSoftmaxScaleSoftcapThreadsBackend) {
       {[](AttentionOptions& o) { o.softcap = kNaN; }, {"softcap = nan"}},
       {[](AttentionOptions& o) { o.softcap = kInf; }, {"softcap = inf"}},
       {[](AttentionOptions& o) { o.num_threads = -1; }, {"num_threads = -1"}},
+      {[](AttentionOptions& o) { o.chunk_size = -3; }, {"chunk_size = -3", ">= 0"}},
       {[](AttentionOptions& o) { o.backend = static_cast<Backend>(9); }, {"backend = 9"}},
   };
   for (size_t i = 0; i < edits.size(); ++i) {
@@ -311,6 +312,48 @@ TEST(SdpaApi, WindowSoftmaxScaleSoftcapThreadsBackend) {
     edits[i].apply(c.opt);
     expect_sdpa_rejected(c, edits[i].needles);
   }
+}
+
+// options.sinks: f32, rank 1, [num_heads], every value finite; any stride.
+TEST(SdpaApi, Sinks) {
+  std::vector<float> sinks(16, 0.5f);
+  std::vector<int32_t> ints(16, 0);
+  struct Bad {
+    TensorView view;
+    std::vector<std::string> needles;
+  };
+  const int64_t H = SdpaCall::H;
+  std::vector<Bad> bad = {
+      {attnkit::make_view(sinks.data(), DType::kF32, {H - 1}),
+       {"options.sinks.shape[0]", "= 3", "num_heads", "4"}},
+      {attnkit::make_view(sinks.data(), DType::kF32, {1, H}), {"options.sinks has rank 2"}},
+      {attnkit::make_view(ints.data(), DType::kI32, {H}), {"options.sinks.dtype"}},
+  };
+  std::vector<std::vector<float>> nonfinite(3, std::vector<float>(16, 0.5f));
+  const float values[3] = {kNaN, kInf, -kInf};
+  for (int x = 0; x < 3; ++x) {
+    nonfinite[x][6] = values[x];
+    TensorView v = attnkit::make_view(nonfinite[x].data(), DType::kF32, {H});
+    v.strides[0] = 2;  // element 3 is nonfinite[x][6]
+    bad.push_back({v, {"options.sinks[3] = ", "must be finite"}});
+  }
+  for (size_t i = 0; i < bad.size(); ++i) {
+    SCOPED_TRACE(i);
+    SdpaCall c;
+    c.opt.sinks = bad[i].view;
+    expect_sdpa_rejected(c, bad[i].needles);
+  }
+  // Sinks inside an output alias it.
+  SdpaCall d;
+  d.opt.sinks = attnkit::make_view(d.out.data() + 4, DType::kF32, {H});
+  expect_rejected(d.call(), {"sdpa: ", "out overlaps input options.sinks"}, {&d.lse, &d.probs});
+  // Strided, finite sinks are accepted (sdpa_varlen too: tests/ops).
+  SdpaCall e;
+  TensorView strided = attnkit::make_view(sinks.data(), DType::kF32, {H});
+  strided.strides[0] = 3;
+  e.opt.sinks = strided;
+  e.opt.chunk_size = 2;
+  EXPECT_TRUE(e.call().ok());
 }
 
 TEST(SdpaApi, SeqlensK) {

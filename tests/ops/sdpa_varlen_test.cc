@@ -40,6 +40,8 @@ struct VarlenCase {
   attnkit::WindowSize window;
   float softcap = 0.0f;
   SparsePattern sparse;
+  int64_t chunk_size = 0;
+  std::vector<float> sinks;  // [heads]; empty = none
   Mask mask = Mask::kNone;
   bool mask_broadcast = false;  // [1, 1, 1, max_seqlen_k] instead of the full shape
   Backend backend = Backend::kAuto;
@@ -56,6 +58,7 @@ struct VarlenCase {
            " causal=" + std::to_string(causal) + " window=(" + std::to_string(window.left) + "," +
            std::to_string(window.right) + ") softcap=" + std::to_string(softcap) +
            " sparse=" + std::to_string(static_cast<int>(sparse.kind)) +
+           " chunk=" + std::to_string(chunk_size) + " sinks=" + std::to_string(sinks.size()) +
            " mask=" + std::to_string(static_cast<int>(mask)) + (mask_broadcast ? "b" : "") +
            " backend=" + std::to_string(static_cast<int>(backend)) +
            " threads=" + std::to_string(threads) + " seed=" + std::to_string(seed);
@@ -129,6 +132,8 @@ struct Varlen {
     o.window_size = c.window;
     o.softcap = c.softcap;
     o.sparse = c.sparse;
+    o.chunk_size = c.chunk_size;
+    if (!c.sinks.empty()) o.sinks = attnkit::make_view(c.sinks.data(), DType::kF32, {c.heads});
     o.mask = mask_view();
     o.backend = c.backend;
     o.num_threads = c.threads;
@@ -162,6 +167,8 @@ struct Varlen {
     o.window_right = c.window.right;
     o.softcap = c.softcap;
     o.sparse = c.sparse;
+    o.chunk_size = c.chunk_size;
+    for (float x : c.sinks) o.sinks.push_back(x);
     if (c.mask != Mask::kNone) {
       // The sequence's [heads, sq, sk] corner of the padded mask.
       o.mask_shape = c.mask_broadcast ? std::array<int64_t, 4>{1, 1, 1, sk}
@@ -256,6 +263,10 @@ VarlenCase random_case(uint64_t seed) {
   c.mask_broadcast = chance(0.4);
   c.backend = chance(0.25) ? Backend::kReference : Backend::kAuto;
   c.threads = static_cast<int>(pick({1, 2, 3}));
+  if (chance(0.25)) c.chunk_size = pick({1, 5, 16, 17});
+  if (chance(0.25))
+    for (int64_t x = 0; x < c.heads; ++x)
+      c.sinks.push_back(static_cast<float>(pick({-10, 0, 1, 3, 40})));
   return c;
 }
 

@@ -8,9 +8,11 @@
 // walks the key tiles its rows can see (decode tasks take several kv heads
 // and visit them tile by tile, so that the cache is read in address order
 // rather than one 4 KiB-strided head at a time): tiles outside every row's visible
-// range (causal, window, seqlens_k) or rejected by the sparse pattern are
+// range (causal, window, chunk, seqlens_k) or rejected by the sparse pattern are
 // skipped, per-key masking runs only on tiles that need it. Per tile:
 //   S = K Q^T (key-major), softcap, masks, online softmax, O = alpha O + P V.
+// Attention sinks join the denominator when a row is written (or its split
+// partials merged), never the online softmax (stage_merge.cc).
 // Nothing seqlen_q x seqlen_k is ever stored.
 //
 // Decode-shaped calls (few tasks) split their keys into splits of a fixed

@@ -8,25 +8,49 @@
 #include <cstring>
 
 namespace attnkit::kernels::cpu {
+namespace {
+
+// How a row's unnormalised output o (weights e^(s - max), summing to sum)
+// becomes out = o * scale, and its lse.
+struct Normalizer {
+  float scale, lse;
+};
+
+// Without a sink: scale = 1 / sum, lse = max + log(sum). Head h's sink
+// adds e^sink to the denominator; with m = max(max, sink) it is
+// sum e^(max - m) + e^(sink - m), so a large sink or large scores cannot
+// overflow. Empty rows (sum = 0): scale 0, lse -inf, or the sink. NaN in
+// max (a row that saw a NaN score) stays NaN.
+Normalizer normalize(const AttentionParams& p, int64_t h, float max, float sum) {
+  if (p.sinks == nullptr) {
+    if (sum == 0.0f) return {0.0f, kNegInf};
+    return {1.0f / sum, max + std::log(sum)};
+  }
+  const float sink = p.sinks[h * p.sinks_stride];
+  if (sum == 0.0f) return {0.0f, sink};
+  const float m = std::isnan(max) || max > sink ? max : sink;
+  const float rescale = std::exp(max - m);
+  const float denom = sum * rescale + std::exp(sink - m);
+  return {rescale / denom, m + std::log(denom)};
+}
+
+}  // namespace
 
 void TaskRunner::write_rows() const {
   const float* o = o_;
   for (int64_t m = 0; m < m_; ++m) {
-    const float sum = row_sum_[m], max = row_max_[m];
     const int64_t h = head_of(m), i = p_.q_row(b_, row_of(m));
+    const Normalizer n = normalize(p_, h, row_max_[m], row_sum_[m]);
     float* out = p_.out + b_ * p_.out_stride.batch + i * p_.out_stride.row + h * p_.out_stride.head;
-    const bool empty = sum == 0.0f;  // no visible key: 0, never NaN
-    const float inv = empty ? 0.0f : 1.0f / sum;
     const float* row = o + m * g_.dv_pad;
-    if (empty)
+    if (row_sum_[m] == 0.0f)  // no visible key: 0, never NaN
       for (int64_t c = 0; c < g_.dv; ++c) out[c * p_.out_stride.dim] = 0.0f;
     else if (p_.out_stride.dim == 1)
-      for (int64_t c = 0; c < g_.dv; ++c) out[c] = row[c] * inv;  // vectorised by the compiler
+      for (int64_t c = 0; c < g_.dv; ++c) out[c] = row[c] * n.scale;  // vectorised by the compiler
     else
-      for (int64_t c = 0; c < g_.dv; ++c) out[c * p_.out_stride.dim] = row[c] * inv;
+      for (int64_t c = 0; c < g_.dv; ++c) out[c * p_.out_stride.dim] = row[c] * n.scale;
     if (p_.lse)
-      p_.lse[b_ * p_.lse_stride_batch + h * p_.lse_stride_head + i * p_.lse_stride_row] =
-          empty ? kNegInf : max + std::log(sum);
+      p_.lse[b_ * p_.lse_stride_batch + h * p_.lse_stride_head + i * p_.lse_stride_row] = n.lse;
   }
 }
 
@@ -64,13 +88,11 @@ void merge(const Call& call, const Base& base, int64_t hh, int64_t m0, int64_t m
       for (int64_t c = 0; c < g.dv; ++c) acc[c] += w * part[m * g.dv + c];
     }
     const int64_t h = (base.g + hh) * g.group + m % g.group, i = p.q_row(base.b, i0 + m / g.group);
+    const Normalizer n = normalize(p, h, max, total);
     float* out = p.out + base.b * p.out_stride.batch + i * p.out_stride.row + h * p.out_stride.head;
-    const bool empty = total == 0.0f;
-    const float inv = 1.0f / total;
-    for (int64_t c = 0; c < g.dv; ++c) out[c * p.out_stride.dim] = empty ? 0.0f : acc[c] * inv;
+    for (int64_t c = 0; c < g.dv; ++c) out[c * p.out_stride.dim] = acc[c] * n.scale;
     if (p.lse)
-      p.lse[base.b * p.lse_stride_batch + h * p.lse_stride_head + i * p.lse_stride_row] =
-          empty ? kNegInf : max + std::log(total);
+      p.lse[base.b * p.lse_stride_batch + h * p.lse_stride_head + i * p.lse_stride_row] = n.lse;
   }
 }
 }  // namespace attnkit::kernels::cpu

@@ -89,22 +89,42 @@ void attention_ref(const AttentionParams& prm, double* scratch) {
           }
         }
 
+        // The row's denominator is sum * e^max_s; a sink adds e^sink. Both
+        // are taken relative to m = max(max_s, sink), so that neither a
+        // large sink nor large scores overflow: weights are scaled by
+        // e^(max_s - m) / denom, lse = m + log(denom).
+        double m = max_s, denom = sum, rescale = 1.0;
+        if (prm.sinks != nullptr) {
+          const double sink = prm.sinks[h * prm.sinks_stride];
+          if (empty) {
+            m = sink;
+            denom = 1.0;
+          } else if (!std::isnan(max_s)) {
+            m = std::max(max_s, sink);
+            rescale = std::exp(max_s - m);
+            denom = sum * rescale + std::exp(sink - m);
+          }
+        }
         const int64_t row = prm.q_row(b, i);
         float* orow =
             prm.out + b * prm.out_stride.batch + row * prm.out_stride.row + h * prm.out_stride.head;
         for (int64_t d = 0; d < prm.head_dim_v; ++d)
-          orow[d * prm.out_stride.dim] = empty ? 0.0f : static_cast<float>(acc[d] / sum);
+          orow[d * prm.out_stride.dim] =
+              empty ? 0.0f : static_cast<float>(acc[d] * rescale / denom);
         if (prm.lse) {
+          // Without a sink an empty row's denominator is 0: lse = -inf.
+          const bool none = empty && prm.sinks == nullptr;
           prm.lse[b * prm.lse_stride_batch + h * prm.lse_stride_head + row * prm.lse_stride_row] =
-              empty ? -std::numeric_limits<float>::infinity()
-                    : static_cast<float>(max_s + std::log(sum));
+              none ? -std::numeric_limits<float>::infinity()
+                   : static_cast<float>(m + std::log(denom));
         }
         if (prm.probs) {
           float* prow = prm.probs + b * prm.probs_stride.batch + h * prm.probs_stride.head +
                         i * prm.probs_stride.row;
           for (int64_t j = 0; j < prm.seqlen_k; ++j) {
             const bool seen = !empty && j >= lo && j < hi && scores[j] != kNegInf;
-            prow[j * prm.probs_stride.dim] = seen ? static_cast<float>(scores[j] / sum) : 0.0f;
+            prow[j * prm.probs_stride.dim] =
+                seen ? static_cast<float>(scores[j] * rescale / denom) : 0.0f;
           }
         }
       }
