@@ -461,15 +461,12 @@ void check_paged(const Kind& kind, uint64_t seed) {
     EXPECT_TRUE(close(out[i], reference(c, w, x[i], lengths[i]))) << "sequence " << i;
 }
 
-// The kinds whose features the attention kernels already take.
+// Every layer kind of the four families.
 std::vector<Kind> kinds() {
-  return {{"gpt_oss sliding (no sinks)", gpt_oss(true, false)},
-          {"gpt_oss full (no sinks)", gpt_oss(false, false)},
-          {"gemma3 local", gemma3(true)},
-          {"gemma3 global", gemma3(false)},
-          {"llama4 rope (no chunk)", llama4_rope(0)},
-          {"llama4 nope", llama4_nope()},
-          {"qwen3_next full attention", qwen3_next()}};
+  return {{"gpt_oss sliding", gpt_oss(true, true)}, {"gpt_oss full", gpt_oss(false, true)},
+          {"gemma3 local", gemma3(true)},           {"gemma3 global", gemma3(false)},
+          {"llama4 rope, chunk 4", llama4_rope(4)}, {"llama4 rope, chunk 5", llama4_rope(5)},
+          {"llama4 nope", llama4_nope()},           {"qwen3_next full attention", qwen3_next()}};
 }
 
 TEST(AttentionFamilies, PrefillMatchesFloat64Reference) {
@@ -484,7 +481,11 @@ TEST(AttentionFamilies, PrefillThenDecodeThroughKVCache) {
 
 TEST(AttentionFamilies, ContinuousBatchingThroughPagedKVCache) {
   uint64_t seed = 400;
-  for (const Kind& k : kinds()) check_paged(k, seed += 10);
+  for (const Kind& k : kinds()) {
+    // PENDING: the paged pool takes sinks and chunks in a later commit.
+    if (k.config.sinks || k.config.chunk_size > 0) continue;
+    check_paged(k, seed += 10);
+  }
 }
 
 // The reference is sensitive to each feature: dropping any one of them, or
@@ -501,6 +502,8 @@ TEST(AttentionFamilies, ReferenceSeesEveryFeature) {
       {"window", gemma3(true), [](AttentionConfig& c, Weights&) { c.sliding_window = 0; }},
       {"yarn truncate", gpt_oss(false, false),
        [](AttentionConfig& c, Weights&) { c.rope.scaling.truncate = true; }},
+      {"sinks", gpt_oss(true, true), [](AttentionConfig& c, Weights&) { c.sinks = false; }},
+      {"chunk", llama4_rope(4), [](AttentionConfig& c, Weights&) { c.chunk_size = 0; }},
       {"L2 norm", llama4_rope(0), [](AttentionConfig& c, Weights&) { c.qk_norm = QkNorm::kNone; }},
       {"pairing", llama4_rope(0),
        [](AttentionConfig& c, Weights&) { c.rope.pairing = RopePairing::kHalfSplit; }},
