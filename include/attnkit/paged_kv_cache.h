@@ -37,8 +37,9 @@
 //   remove(id)            returns the pages whose count drops to zero
 //   truncate(id, n)       forgets tokens n ... (rejected speculative tokens)
 // With a sliding window of W (each token sees itself and the W - 1 before
-// it), pages whose tokens no later query can see are released as soon as
-// every layer has written past them. Freed pages are reused; a page is
+// it), or chunks of C (each token sees its own chunk's tokens up to
+// itself), pages whose tokens no later query can see are released as soon
+// as every layer has written past them. Freed pages are reused; a page is
 // never visible to two sequences unless one was forked from the other.
 //
 // A pool is not thread-safe; attend() itself runs on num_threads threads.
@@ -117,7 +118,9 @@ class PagedKVCache {
   // tokens, a rolled-back step): pages past it return to the pool, and
   // every layer's written count is clamped to it. new_length <= length,
   // and after a window has released pages, the next query (at position
-  // new_length) must not need them: new_length >= first held token + W - 1.
+  // new_length) must not need them: new_length >= first held token + W - 1
+  // (chunks of C: new_length >= the first held token rounded up to a
+  // multiple of C).
   Status truncate(int64_t seq_id, int64_t new_length);
 
   Result<int64_t> length(int64_t seq_id) const;
@@ -169,10 +172,11 @@ class PagedKVCache {
   // of its sequence and the new ones up to itself (within the pool's window
   // and options.window_size, whichever is narrower). One call may mix whole
   // prompts, prompt chunks, single decode tokens and multi-token steps.
-  // From options: softmax_scale, softcap, window_size, sparse (absolute
+  // From options: softmax_scale, softcap, window_size, chunk_size (0 or,
+  // in a pool with chunks, the pool's), sinks, sparse (absolute
   // positions), backend, num_threads; a mask or seqlens_k is an error and
-  // causal is implied. A failed call changes nothing (no length, page or
-  // written count; the slots it may have filled were unwritten).
+  // causal is implied. The pool's chunk_size applies to every call. A failed call changes nothing
+  // (no length, page or written count; the slots it may have filled were unwritten).
   Status attend(int64_t layer, const TensorView& q, const TensorView& k_new,
                 const TensorView& v_new, std::span<const int32_t> cu_seqlens_q,
                 std::span<const int64_t> seq_ids, const TensorView& out,
@@ -186,10 +190,11 @@ class PagedKVCache {
   // attends the new tokens over its share, and dist::merge_partial_attention
   // combines the ranks' (out, lse). q, out and lse as in attend(); a
   // sequence with no written tokens gives out 0 and lse -inf. From options:
-  // softmax_scale, softcap, backend, num_threads; causal, a window, a
-  // sparse pattern, a mask or seqlens_k is an error (the held tokens'
-  // positions are not the pool's to know), and so is a pool with a
-  // sliding_window (it releases pages by position).
+  // softmax_scale, softcap, sinks (pass them to one rank's call only, as
+  // the merge counts every call's), backend, num_threads; causal, a window,
+  // a chunk, a sparse pattern, a mask or seqlens_k is an error (the held
+  // tokens' positions are not the pool's to know), and so is a pool with a
+  // sliding_window or chunk_size (it releases pages by position).
   Status attend_held(int64_t layer, const TensorView& q, std::span<const int32_t> cu_seqlens_q,
                      std::span<const int64_t> seq_ids, const TensorView& out,
                      const AttentionOptions& options = {}, const TensorView& lse = {});

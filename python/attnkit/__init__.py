@@ -7,6 +7,8 @@ are converted. Every invalid argument raises ValueError with a message that
 names it (I/O failures: OSError).
 
     out = attnkit.sdpa(q, k, v, causal=True)
+    # gpt-oss's sinks (one logit per query head), Llama 4's chunked layers:
+    out = attnkit.sdpa(q, k, v, causal=True, sinks=sinks, chunk_size=8192)
     layer = attnkit.from_config(json.load(open("config.json")))
     layer.load_state_dict(attnkit.load_safetensors("model.safetensors"),
                           prefix="model.layers.0.self_attn.")

@@ -64,7 +64,8 @@ py::array cache_tokens(PyKVCache& c, bool keys) {
 
 py::array cache_attend(PyKVCache& c, py::object q, py::object k_new, py::object v_new,
                        std::optional<double> softmax_scale, double softcap, py::object sparse,
-                       const std::string& backend, int num_threads) {
+                       const std::string& backend, int num_threads, py::object sinks,
+                       int64_t chunk_size) {
   constexpr const char* kFn = "KVCache.attend";
   const InputArray qi = f32_input(q, {kFn, "q", 4, 4, "[batch, T, num_heads, head_dim]"});
   const InputArray ki =
@@ -77,6 +78,8 @@ py::array cache_attend(PyKVCache& c, py::object q, py::object k_new, py::object 
   opt.sparse = parse_sparse(sparse, kFn);
   opt.backend = parse_backend(backend, kFn);
   opt.num_threads = num_threads;
+  InputArray si;
+  parse_sinks_and_chunk(sinks, chunk_size, kFn, &opt, &si);
   TensorView out;
   py::array out_a = new_array(
       DType::kF32, {qi.view.shape[0], qi.view.shape[1], qi.view.shape[2], vi.view.shape[3]}, &out);
@@ -88,7 +91,7 @@ constexpr const char* kKVCacheDoc = R"doc(
 Key/value cache of one MHA/MQA/GQA layer for incremental decoding.
 
     KVCache(batch_size, max_seq_len, num_kv_heads, head_dim, head_dim_v=None,
-            dtype="float32", sliding_window=0)
+            dtype="float32", sliding_window=0, chunk_size=0)
 
 Stores K [batch, slots, num_kv_heads, head_dim] and V [..., head_dim_v] as
 float32, bfloat16, int8 or fp8_e4m3. The 8-bit types quantize each token's
@@ -97,7 +100,9 @@ row of each kv head once, when it is written, with one float32 scale
 keys() and values() return the values they hold (code * scale), as float32.
 Without a window slots = max_seq_len; with a sliding
 window W (each token sees itself and W-1 before it) slots = min(max_seq_len,
-W-1), a ring buffer. All sequences advance together. Usually made by
+W-1), a ring buffer; with chunks of C (chunked local attention, Llama 4:
+a token sees only its own chunk's tokens) slots = min(max_seq_len, C),
+token t in slot t mod C. All sequences advance together. Usually made by
 AttentionLayer.new_cache.
 )doc";
 
@@ -110,6 +115,10 @@ causal sequence (query t sits at position length + t).
     v_new  [batch, T, num_kv_heads, head_dim_v]
     -> out [batch, T, num_heads, head_dim_v] float32
 
+Keyword arguments: softmax_scale, softcap, sparse, backend, num_threads as
+in sdpa; sinks (float [num_heads], as in sdpa); chunk_size (0 or the
+cache's own; the chunk is the cache's).
+
 On success length grows by T; on any error (including overflowing
 max_seq_len) the cache is unchanged.
 )doc";
@@ -120,7 +129,7 @@ void bind_kv_cache(py::module_& m) {
   py::class_<PyKVCache>(m, "KVCache", kKVCacheDoc)
       .def(py::init([](int64_t batch_size, int64_t max_seq_len, int64_t num_kv_heads,
                        int64_t head_dim, std::optional<int64_t> head_dim_v,
-                       const std::string& dtype, int64_t sliding_window) {
+                       const std::string& dtype, int64_t sliding_window, int64_t chunk_size) {
              KVCacheSpec spec;
              spec.batch_size = batch_size;
              spec.max_seq_len = max_seq_len;
@@ -129,11 +138,12 @@ void bind_kv_cache(py::module_& m) {
              spec.head_dim_v = head_dim_v.value_or(head_dim);
              spec.dtype = parse_cache_dtype(dtype, "KVCache");
              spec.sliding_window = sliding_window;
+             spec.chunk_size = chunk_size;
              return std::make_unique<PyKVCache>(value_or_throw(KVCache::create(spec)));
            }),
            py::arg("batch_size"), py::arg("max_seq_len"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("head_dim_v") = py::none(), py::arg("dtype") = "float32",
-           py::arg("sliding_window") = 0)
+           py::arg("sliding_window") = 0, py::arg("chunk_size") = 0)
       .def_property_readonly(
           "length", [](PyKVCache& c) { return locked(c.mu, [&] { return c.cache.length(); }); },
           "tokens appended so far (the next token's position)")
@@ -164,6 +174,7 @@ void bind_kv_cache(py::module_& m) {
                              })
       .def_property_readonly("sliding_window",
                              [](PyKVCache& c) { return c.cache.spec().sliding_window; })
+      .def_property_readonly("chunk_size", [](PyKVCache& c) { return c.cache.spec().chunk_size; })
       .def(
           "reset", [](PyKVCache& c) { locked(c.mu, [&] { c.cache.reset(); }); },
           "Forgets every token (storage is kept).")
@@ -177,7 +188,7 @@ void bind_kv_cache(py::module_& m) {
       .def("attend", &cache_attend, py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::kw_only(),
            py::arg("softmax_scale") = py::none(), py::arg("softcap") = 0.0,
            py::arg("sparse") = py::none(), py::arg("backend") = "auto", py::arg("num_threads") = 0,
-           kAttendDoc)
+           py::arg("sinks") = py::none(), py::arg("chunk_size") = 0, kAttendDoc)
       .def("__repr__", [](PyKVCache& c) {
         const KVCacheSpec& s = c.cache.spec();
         const int64_t length = locked(c.mu, [&] { return c.cache.length(); });
@@ -187,7 +198,7 @@ void bind_kv_cache(py::module_& m) {
                ", num_kv_heads=" + std::to_string(s.num_kv_heads) +
                ", head_dim=" + std::to_string(s.head_dim) + ", dtype='" +
                cache_dtype_name(s.dtype) + "', sliding_window=" + std::to_string(s.sliding_window) +
-               ")";
+               (s.chunk_size > 0 ? ", chunk_size=" + std::to_string(s.chunk_size) : "") + ")";
       });
 }
 

@@ -451,6 +451,14 @@ AttentionOptions parse_sdpa_options(const char* fn, const std::optional<double>&
   return opt;
 }
 
+void parse_sinks_and_chunk(py::handle sinks, int64_t chunk_size, const char* fn,
+                           AttentionOptions* opt, InputArray* sinks_array) {
+  opt->chunk_size = chunk_size;
+  if (sinks.is_none()) return;
+  *sinks_array = f32_input(sinks, {fn, "sinks", 1, 1, "[num_heads]"});
+  opt->sinks = sinks_array->view;
+}
+
 void round_to_bf16(const TensorView& src, bf16* dst) {
   int64_t shape[4] = {1, 1, 1, 1}, strides[4] = {0, 0, 0, 0};
   for (int i = 0; i < src.rank; ++i) {

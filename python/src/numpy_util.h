@@ -141,6 +141,12 @@ AttentionOptions parse_sdpa_options(const char* fn, const std::optional<double>&
                                     py::handle mask, py::handle sparse, const std::string& backend,
                                     int num_threads, InputArray* mask_array);
 
+// Attention sinks and chunked local attention as every attention binding
+// takes them: sinks None, or one float logit per query head ([num_heads],
+// kept in *sinks_array, which opt->sinks views), and chunk_size (0 = off).
+void parse_sinks_and_chunk(py::handle sinks, int64_t chunk_size, const char* fn,
+                           AttentionOptions* opt, InputArray* sinks_array);
+
 // "float32" | "f32" -> kF32, "bfloat16" | "bf16" -> kBF16, and with
 // `eight_bit` (the caches) "int8" -> kI8, "fp8_e4m3" -> kFp8E4M3; `name` is
 // the argument's name in messages.

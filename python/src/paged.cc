@@ -74,7 +74,8 @@ py::object batch_attention_py(py::object q, py::object k_new, py::object v_new,
                               py::object cu_seqlens_q, py::object seq_ids, py::object cache,
                               int64_t layer, std::optional<double> softmax_scale, double softcap,
                               py::object window_size, py::object sparse, bool return_lse,
-                              const std::string& backend, int num_threads) {
+                              const std::string& backend, int num_threads, py::object sinks,
+                              int64_t chunk_size) {
   constexpr const char* kFn = "batch_attention";
   PyPagedKVCache& c = paged_cache_arg(cache, kFn);
   const bool latent = c.pool.spec().latent();
@@ -94,6 +95,8 @@ py::object batch_attention_py(py::object q, py::object k_new, py::object v_new,
   opt.sparse = parse_sparse(sparse, kFn);
   opt.backend = parse_backend(backend, kFn);
   opt.num_threads = num_threads;
+  InputArray si;
+  parse_sinks_and_chunk(sinks, chunk_size, kFn, &opt, &si);
   const int64_t total = qi.view.shape[0], heads = qi.view.shape[1];
   TensorView out, lse;
   py::array out_a = new_array(DType::kF32, {total, heads, c.pool.spec().head_dim_v}, &out);
@@ -109,7 +112,8 @@ py::object batch_attention_py(py::object q, py::object k_new, py::object v_new,
 
 py::object attend_held_py(PyPagedKVCache& c, int64_t layer, py::object q, py::object cu_seqlens_q,
                           py::object seq_ids, std::optional<double> softmax_scale, double softcap,
-                          bool return_lse, const std::string& backend, int num_threads) {
+                          bool return_lse, const std::string& backend, int num_threads,
+                          py::object sinks) {
   constexpr const char* kFn = "PagedKVCache.attend_held";
   const InputArray qi = f32_input(q, {kFn, "q", 3, 3, "[total_q, num_heads, head_dim]"});
   const std::vector<int32_t> cu = offsets_arg(cu_seqlens_q, kFn, "cu_seqlens_q");
@@ -119,6 +123,8 @@ py::object attend_held_py(PyPagedKVCache& c, int64_t layer, py::object q, py::ob
   opt.softcap = static_cast<float>(softcap);
   opt.backend = parse_backend(backend, kFn);
   opt.num_threads = num_threads;
+  InputArray si;
+  parse_sinks_and_chunk(sinks, 0, kFn, &opt, &si);
   const int64_t total = qi.view.shape[0], heads = qi.view.shape[1];
   TensorView out, lse;
   py::array out_a = new_array(DType::kF32, {total, heads, c.pool.spec().head_dim_v}, &out);
@@ -136,7 +142,8 @@ py::object sdpa_varlen_py(py::object q, py::object k, py::object v, py::object c
                           std::optional<double> softmax_scale, bool causal, py::object window_size,
                           double softcap, bool return_lse, py::object mask, py::object sparse,
                           bool return_probs, const std::string& kv_dtype,
-                          const std::string& backend, int num_threads) {
+                          const std::string& backend, int num_threads, py::object sinks,
+                          int64_t chunk_size) {
   constexpr const char* kFn = "sdpa_varlen";
   const InputArray qi = f32_input(q, {kFn, "q", 3, 3, "[total_q, num_heads, head_dim]"});
   const InputArray ki = f32_input(k, {kFn, "k", 3, 3, "[total_k, num_kv_heads, head_dim]"});
@@ -161,8 +168,10 @@ py::object sdpa_varlen_py(py::object q, py::object k, py::object v, py::object c
                                  std::to_string(longest[a]));
   }
   InputArray mi;
-  const AttentionOptions opt = parse_sdpa_options(kFn, softmax_scale, causal, window_size, softcap,
-                                                  mask, sparse, backend, num_threads, &mi);
+  AttentionOptions opt = parse_sdpa_options(kFn, softmax_scale, causal, window_size, softcap, mask,
+                                            sparse, backend, num_threads, &mi);
+  InputArray si;
+  parse_sinks_and_chunk(sinks, chunk_size, kFn, &opt, &si);
   const int64_t total_q = qi.view.shape[0], heads = qi.view.shape[1];
   const int64_t n = cu_q.empty() ? 0 : static_cast<int64_t>(cu_q.size()) - 1;
   TensorView out, lse, probs;
@@ -213,7 +222,11 @@ append() is all or nothing: when the free pages do not suffice it raises
 MemoryError ("out of pages ...") and reserves nothing. fork() shares every
 page (the partly filled last page is copied on the first append that
 writes into it). With sliding_window W, pages no later query can see are
-released. docs/PAGED.md has the layout, the lifecycle and the formulas.
+released; with chunk_size C (chunked local attention on every layer),
+the pages of finished chunks. A pool shared by layers of different kinds
+leaves both 0 and passes each layer's window_size / chunk_size to
+batch_attention. docs/PAGED.md has the layout, the lifecycle and the
+formulas.
 )doc";
 
 constexpr const char* kBatchAttentionDoc = R"doc(
@@ -232,8 +245,10 @@ Sequence seq_ids[s] owns rows cu_seqlens_q[s] ... cu_seqlens_q[s + 1] - 1:
 the tokens it reserved with cache.append() that `layer` has not written yet.
 Their K/V are written into the pool, then each query attends causally to
 every earlier token of its sequence and the new ones up to itself (within
-the pool's sliding window and window_size). A sequence's output does not
-depend on the other sequences of the step.
+the pool's sliding window and window_size, and the chunk: the pool's
+chunk_size or, in a pool without one, chunk_size). sinks: float
+[num_heads], as in sdpa. A sequence's output does not depend on the other
+sequences of the step.
 )doc";
 
 constexpr const char* kAttendHeldDoc = R"doc(
@@ -245,8 +260,9 @@ mask). Nothing is written or changed. -> out [total_q, num_heads,
 head_dim_v] float32 (and lse [num_heads, total_q] with return_lse; -inf
 for a sequence with no tokens). This is a rank's partial attention in
 context parallelism: combine the ranks' (out, lse) with
-attnkit.dist.merge_partial_attention. Pools with a sliding_window are
-rejected.
+attnkit.dist.merge_partial_attention (pass sinks, float [num_heads], to
+one rank only: the merge counts every rank's). Pools with a
+sliding_window or chunk_size are rejected.
 )doc";
 
 constexpr const char* kVarlenDoc = R"doc(
@@ -261,8 +277,9 @@ different lengths packed along one token axis.
         + probs [n, num_heads, max_seqlen_q, max_seqlen_k] with return_probs)
 
 Each sequence is an sdpa() batch item of its own lengths: bottom-right
-causal alignment, window_size, softcap, sparse, and masks broadcast to
-[n, num_heads, max_seqlen_q, max_seqlen_k]. max_seqlen_q / max_seqlen_k are
+causal alignment, window_size, chunk_size, sinks, softcap, sparse, and
+masks broadcast to [n, num_heads, max_seqlen_q, max_seqlen_k] (as in
+sdpa). max_seqlen_q / max_seqlen_k are
 accepted for FlashAttention compatibility and checked against the offsets.
 )doc";
 
@@ -273,7 +290,7 @@ void bind_paged(py::module_& m) {
       .def(py::init([](int64_t num_layers, int64_t num_pages, int64_t page_size,
                        int64_t num_kv_heads, int64_t head_dim, std::optional<int64_t> head_dim_v,
                        const std::string& kv_dtype, int64_t sliding_window, int64_t kv_lora_rank,
-                       int64_t qk_rope_head_dim) {
+                       int64_t qk_rope_head_dim, int64_t chunk_size) {
              PagedKVCacheSpec spec;
              spec.num_layers = num_layers;
              spec.num_pages = num_pages;
@@ -285,13 +302,14 @@ void bind_paged(py::module_& m) {
              spec.qk_rope_head_dim = qk_rope_head_dim;
              spec.dtype = parse_cache_dtype(kv_dtype, "PagedKVCache", "kv_dtype");
              spec.sliding_window = sliding_window;
+             spec.chunk_size = chunk_size;
              return std::make_unique<PyPagedKVCache>(value_or_throw(PagedKVCache::create(spec)));
            }),
            py::kw_only(), py::arg("num_layers") = 1, py::arg("num_pages"),
            py::arg("page_size") = 16, py::arg("num_kv_heads") = 0, py::arg("head_dim") = 0,
            py::arg("head_dim_v") = py::none(), py::arg("kv_dtype") = "float32",
            py::arg("sliding_window") = 0, py::arg("kv_lora_rank") = 0,
-           py::arg("qk_rope_head_dim") = 0)
+           py::arg("qk_rope_head_dim") = 0, py::arg("chunk_size") = 0)
       .def(
           "add_sequence",
           [](PyPagedKVCache& c) { return locked(c.mu, [&] { return c.pool.add_sequence(); }); },
@@ -347,7 +365,7 @@ void bind_paged(py::module_& m) {
       .def("attend_held", &attend_held_py, py::arg("layer"), py::arg("q"), py::arg("cu_seqlens_q"),
            py::arg("seq_ids"), py::kw_only(), py::arg("softmax_scale") = py::none(),
            py::arg("softcap") = 0.0, py::arg("return_lse") = false, py::arg("backend") = "auto",
-           py::arg("num_threads") = 0, kAttendHeldDoc)
+           py::arg("num_threads") = 0, py::arg("sinks") = py::none(), kAttendHeldDoc)
       .def(
           "length",
           [](PyPagedKVCache& c, int64_t id) {
@@ -396,6 +414,8 @@ void bind_paged(py::module_& m) {
                              [](PyPagedKVCache& c) { return c.pool.spec().qk_rope_head_dim; })
       .def_property_readonly("sliding_window",
                              [](PyPagedKVCache& c) { return c.pool.spec().sliding_window; })
+      .def_property_readonly("chunk_size",
+                             [](PyPagedKVCache& c) { return c.pool.spec().chunk_size; })
       .def_property_readonly(
           "kv_dtype", [](PyPagedKVCache& c) { return cache_dtype_name(c.pool.spec().dtype); })
       .def_property_readonly(
@@ -419,7 +439,7 @@ void bind_paged(py::module_& m) {
                  ", kv_dtype='" + cache_dtype_name(s.dtype) + "'" +
                  (s.sliding_window > 0 ? ", sliding_window=" + std::to_string(s.sliding_window)
                                        : "") +
-                 ")";
+                 (s.chunk_size > 0 ? ", chunk_size=" + std::to_string(s.chunk_size) : "") + ")";
         });
       });
 
@@ -428,7 +448,7 @@ void bind_paged(py::module_& m) {
         py::kw_only(), py::arg("softmax_scale") = py::none(), py::arg("softcap") = 0.0,
         py::arg("window_size") = py::make_tuple(-1, -1), py::arg("sparse") = py::none(),
         py::arg("return_lse") = false, py::arg("backend") = "auto", py::arg("num_threads") = 0,
-        kBatchAttentionDoc);
+        py::arg("sinks") = py::none(), py::arg("chunk_size") = 0, kBatchAttentionDoc);
   m.def("sdpa_varlen", &sdpa_varlen_py, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q") = py::none(),
         py::arg("max_seqlen_k") = py::none(), py::kw_only(), py::arg("softmax_scale") = py::none(),
@@ -436,7 +456,7 @@ void bind_paged(py::module_& m) {
         py::arg("softcap") = 0.0, py::arg("return_lse") = false, py::arg("mask") = py::none(),
         py::arg("sparse") = py::none(), py::arg("return_probs") = false,
         py::arg("kv_dtype") = "float32", py::arg("backend") = "auto", py::arg("num_threads") = 0,
-        kVarlenDoc);
+        py::arg("sinks") = py::none(), py::arg("chunk_size") = 0, kVarlenDoc);
 }
 
 }  // namespace attnkit::python

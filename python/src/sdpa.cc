@@ -20,7 +20,8 @@ namespace {
 py::object sdpa_py(py::object q, py::object k, py::object v, std::optional<double> softmax_scale,
                    bool causal, py::object window_size, double softcap, py::object seqlens_k,
                    bool return_lse, py::object mask, py::object sparse, bool return_probs,
-                   const std::string& kv_dtype, const std::string& backend, int num_threads) {
+                   const std::string& kv_dtype, const std::string& backend, int num_threads,
+                   py::object sinks, int64_t chunk_size) {
   constexpr const char* kFn = "sdpa";
   const InputArray qi = f32_input(q, {kFn, "q", 4, 4, "[batch, seqlen_q, num_heads, head_dim]"});
   const InputArray ki = f32_input(k, {kFn, "k", 4, 4, "[batch, seqlen_k, num_kv_heads, head_dim]"});
@@ -33,6 +34,8 @@ py::object sdpa_py(py::object q, py::object k, py::object v, std::optional<doubl
                                             sparse, backend, num_threads, &mi);
   const std::vector<int32_t> lens = parse_seqlens_k(seqlens_k, kFn);
   opt.seqlens_k = lens;
+  InputArray si;
+  parse_sinks_and_chunk(sinks, chunk_size, kFn, &opt, &si);
 
   const TensorView &qv = qi.view, &kv_view = ki.view, &vv = vi.view;
   TensorView out, lse, probs;
@@ -138,9 +141,17 @@ Keyword arguments:
         (numpy has no bfloat16; this exercises the bf16 K/V kernels).
     backend: "auto" | "reference" | "fast".
     num_threads: 0 = ATTNKIT_NUM_THREADS or all cores.
+    sinks: float [num_heads], one learned logit per query head (gpt-oss;
+        FlashAttention's and FlashInfer's `sinks`): it joins every row's
+        softmax denominator and is dropped, out = sum_j e^s_j v_j /
+        (sum_j e^s_j + e^sink); lse includes it; probs exclude it (a row
+        sums to less than 1). Each value finite.
+    chunk_size: chunked local attention (Llama 4): a query at key position
+        p sees key j only when j // chunk_size == p // chunk_size; 0 = off.
 
 Returns out; (out, lse) or (out, probs) with one flag; (out, lse, probs)
-with both. A row that sees no key gets out = 0, lse = -inf, probs = 0.
+with both. A row that sees no key gets out = 0, lse = -inf (with sinks:
+lse = the head's sink), probs = 0.
 Raises ValueError naming the argument on any invalid input.
 )doc";
 
@@ -163,7 +174,8 @@ void bind_sdpa(py::module_& m) {
         py::arg("seqlens_k") = py::none(), py::arg("return_lse") = false,
         py::arg("mask") = py::none(), py::arg("sparse") = py::none(),
         py::arg("return_probs") = false, py::arg("kv_dtype") = "float32",
-        py::arg("backend") = "auto", py::arg("num_threads") = 0, kSdpaDoc);
+        py::arg("backend") = "auto", py::arg("num_threads") = 0, py::arg("sinks") = py::none(),
+        py::arg("chunk_size") = 0, kSdpaDoc);
   m.def("merge_attention_states", &merge_py, py::arg("out_a"), py::arg("lse_a"), py::arg("out_b"),
         py::arg("lse_b"), kMergeDoc);
 }

@@ -76,6 +76,13 @@ Result<PagedKVCache> PagedKVCache::create(const PagedKVCacheSpec& spec) {
   ATTNKIT_RETURN_IF_ERROR(at_least("num_pages", spec.num_pages, 1));
   ATTNKIT_RETURN_IF_ERROR(at_least("page_size", spec.page_size, 1));
   ATTNKIT_RETURN_IF_ERROR(at_least("sliding_window", spec.sliding_window, 0));
+  ATTNKIT_RETURN_IF_ERROR(at_least("chunk_size", spec.chunk_size, 0));
+  if (spec.sliding_window > 0 && spec.chunk_size > 0)
+    return invalid_argument(f + "sliding_window = " + str(spec.sliding_window) +
+                            " and spec.chunk_size = " + str(spec.chunk_size) +
+                            " are both set; a pool has at most one of them (a pool shared by "
+                            "layers of different kinds leaves both 0 and passes each layer's "
+                            "in the options)");
   if (spec.num_pages > kMaxInt32)
     return invalid_argument(f + "num_pages = " + str(spec.num_pages) + " must be <= " +
                             str(kMaxInt32) + " (page ids are int32, as in block tables)");
@@ -349,16 +356,18 @@ Status PagedKVCache::truncate(int64_t seq_id, int64_t new_length) {
   constexpr const char* fn = "PagedKVCache::truncate";
   ATTNKIT_ASSIGN_OR_RETURN(Sequence * seq, find(fn, seq_id));
   // The next query, at position new_length, must still find every token
-  // its window sees.
-  const int64_t lowest =
-      seq->released > 0 ? seq->released * spec_.page_size + spec_.sliding_window - 1 : 0;
+  // its window (or its chunk, from the chunk's first token on) sees.
+  const int64_t released_to = seq->released * spec_.page_size, C = spec_.chunk_size;
+  const int64_t lowest = seq->released == 0 ? 0
+                         : C > 0            ? (released_to + C - 1) / C * C
+                                            : released_to + spec_.sliding_window - 1;
   if (new_length < lowest || new_length > seq->length)
-    return invalid_argument(std::string(fn) + ": new_length = " + str(new_length) +
-                            " must be in [" + str(lowest) + ", length = " + str(seq->length) +
-                            "] for sequence " + str(seq_id) +
-                            (lowest > 0 ? " (its window has released the tokens before " +
-                                              str(seq->released * spec_.page_size) + ")"
-                                        : ""));
+    return invalid_argument(
+        std::string(fn) + ": new_length = " + str(new_length) + " must be in [" + str(lowest) +
+        ", length = " + str(seq->length) + "] for sequence " + str(seq_id) +
+        (lowest > 0 ? std::string(C > 0 ? " (its chunks have" : " (its window has") +
+                          " released the tokens before " + str(released_to) + ")"
+                    : ""));
   const size_t keep = static_cast<size_t>((new_length + spec_.page_size - 1) / spec_.page_size);
   for (size_t p = keep; p < seq->pages.size(); ++p) drop_page(seq->pages[p]);
   seq->pages.resize(keep);
@@ -369,12 +378,13 @@ Status PagedKVCache::truncate(int64_t seq_id, int64_t new_length) {
 
 // Pages whose tokens no later query of any layer can see: a query sits at a
 // position >= the fewest tokens a layer has written, and sees W - 1 tokens
-// back.
+// back, or (chunks of C) back to the first token of its chunk.
 void PagedKVCache::release_unseen(Sequence* seq) {
-  const int64_t W = spec_.sliding_window;
-  if (W == 0) return;
+  const int64_t W = spec_.sliding_window, C = spec_.chunk_size;
+  if (W == 0 && C == 0) return;
   const int64_t first_query = *std::min_element(seq->written.begin(), seq->written.end());
-  const int64_t first_seen = std::max<int64_t>(0, first_query - (W - 1));
+  const int64_t first_seen =
+      C > 0 ? first_query / C * C : std::max<int64_t>(0, first_query - (W - 1));
   const int64_t release = first_seen / spec_.page_size;
   for (int64_t p = seq->released; p < release; ++p) {
     drop_page(seq->pages[static_cast<size_t>(p)]);
@@ -520,6 +530,11 @@ Status PagedKVCache::check_queries(const char* fn, int64_t layer, const TensorVi
     ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "lse", lse, 1, "total_q", total_q, "q.shape[0]"));
   }
   ATTNKIT_RETURN_IF_ERROR(check_attention_options(fn, options));
+  ATTNKIT_RETURN_IF_ERROR(check_sinks(fn, options.sinks, num_heads));
+  if (spec_.chunk_size > 0 && options.chunk_size != 0 && options.chunk_size != spec_.chunk_size)
+    return invalid_argument(f + ": options.chunk_size = " + str(options.chunk_size) +
+                            " must be 0 or the pool's chunk_size = " + str(spec_.chunk_size) +
+                            " (two chunk sizes do not make one chunk rule)");
   if (options.mask.present())
     return invalid_argument(f +
                             ": options.mask is not supported; attention over the pool is "
@@ -531,7 +546,8 @@ Status PagedKVCache::check_queries(const char* fn, int64_t layer, const TensorVi
   ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "out", out));
   if (lse.present()) ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(fn, "lse", lse));
   const NamedView outputs[] = {{"out", &out}, {"lse", &lse}};
-  const NamedView inputs[] = {{"q", &q}, {"k_new", &k_new}, {"v_new", &v_new}};
+  const NamedView inputs[] = {
+      {"q", &q}, {"k_new", &k_new}, {"v_new", &v_new}, {"options.sinks", &options.sinks}};
   ATTNKIT_RETURN_IF_ERROR(check_outputs_apart(fn, outputs, inputs));
   const TensorView storage[] = {keys(layer).value(), values(layer).value()};
   for (const NamedView& x : {outputs[0], outputs[1], inputs[0]})
@@ -604,6 +620,11 @@ void PagedKVCache::plan_calls(int64_t layer, const TensorView& q, const TensorVi
       (base.window_left < 0 || base.window_left > spec_.sliding_window - 1))
     base.window_left = spec_.sliding_window - 1;
   base.sparse = options.sparse;
+  base.chunk_size = spec_.chunk_size > 0 ? spec_.chunk_size : options.chunk_size;
+  if (options.sinks.present()) {
+    base.sinks = options.sinks.ptr<const float>();
+    base.sinks_stride = options.sinks.strides[0];
+  }
   base.page_size = ps;
   base.batch_invariant = true;
   base.num_threads = options.num_threads;
@@ -679,13 +700,17 @@ Status PagedKVCache::attend_held(int64_t layer, const TensorView& q,
                             ": options.causal must be false; the queries follow every held "
                             "token and see all of them");
   if (options.window_size.left >= 0 || options.window_size.right >= 0 ||
-      options.sparse.kind != SparsePattern::Kind::kNone)
+      options.sparse.kind != SparsePattern::Kind::kNone || options.chunk_size != 0)
     return invalid_argument(f +
-                            ": options.window_size must be (-1, -1) and options.sparse off; "
-                            "the held tokens' positions are not known to the pool");
-  if (spec_.sliding_window > 0)
-    return invalid_argument(f + ": the pool's sliding_window = " + str(spec_.sliding_window) +
-                            " must be 0; a window pool releases pages by position");
+                            ": options.window_size must be (-1, -1), options.sparse off and "
+                            "options.chunk_size 0; the held tokens' positions are not known to "
+                            "the pool");
+  if (spec_.sliding_window > 0 || spec_.chunk_size > 0)
+    return invalid_argument(f + ": the pool's " +
+                            (spec_.chunk_size > 0
+                                 ? "chunk_size = " + str(spec_.chunk_size)
+                                 : "sliding_window = " + str(spec_.sliding_window)) +
+                            " must be 0; such a pool releases pages by position");
   const int64_t total_q = q.shape[0], n = static_cast<int64_t>(seq_ids.size());
   if (total_q > kMaxInt32)
     return invalid_argument(f + ": q.shape[0] = " + str(total_q) + " must be <= " + str(kMaxInt32));

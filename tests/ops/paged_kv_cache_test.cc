@@ -49,7 +49,7 @@ const Shape kShapes[] = {
 
 // A pool's spec for `shape`.
 PagedKVCacheSpec spec_for(const Shape& sh, int64_t layers, int64_t pages, int64_t page_size,
-                          DType dtype, int64_t window) {
+                          DType dtype, int64_t window, int64_t chunk = 0) {
   PagedKVCacheSpec s;
   s.num_layers = layers;
   s.num_pages = pages;
@@ -61,6 +61,7 @@ PagedKVCacheSpec spec_for(const Shape& sh, int64_t layers, int64_t pages, int64_
   s.qk_rope_head_dim = sh.qk_rope_head_dim;
   s.dtype = dtype;
   s.sliding_window = window;
+  s.chunk_size = chunk;
   return s;
 }
 
@@ -88,6 +89,12 @@ class DenseModel {
     for (auto& v : s.v) v.resize(size_t(tokens * value_width_stored()));
   }
   bool has(int64_t id) const { return seqs_.count(id) != 0; }
+  // The options of the attend() calls that follow: a per-call chunk (the
+  // pool's, if it has one, wins) and sinks ([num_heads]; empty = none).
+  void set_call(int64_t chunk, const std::vector<float>& sinks) {
+    call_chunk_ = chunk;
+    sinks_.assign(sinks.begin(), sinks.end());
+  }
 
   // Records n new tokens of sequence `id` in `layer` (k_new, v_new rows in
   // the attend() layout) and returns the oracle's output rows for their
@@ -150,6 +157,10 @@ class DenseModel {
     o.head_dim_v = spec_.head_dim_v;
     o.causal = causal;
     o.window_left = causal && spec_.sliding_window > 0 ? spec_.sliding_window - 1 : -1;
+    if (causal) {
+      o.chunk_size = spec_.chunk_size > 0 ? spec_.chunk_size : call_chunk_;
+      o.sinks = sinks_;
+    }
     o.softcap = softcap;
     std::vector<double> qd(q, q + n * heads_ * spec_.head_dim);
     return attnkit_test::attention_f64(o, qd, k, s.v[size_t(layer)]);
@@ -161,6 +172,8 @@ class DenseModel {
   PagedKVCacheSpec spec_;
   int64_t heads_;
   std::map<int64_t, Seq> seqs_;
+  int64_t call_chunk_ = 0;
+  std::vector<double> sinks_;
 };
 
 using attnkit_test::poison_free_pages;
@@ -170,6 +183,9 @@ using Snapshot = attnkit_test::PoolSnapshot;
 struct TraceOptions {
   Shape shape = kShapes[1];
   int64_t page_size = 16, num_pages = 40, layers = 2, window = 0;
+  int64_t chunk = 0;       // the pool's chunk_size
+  int64_t call_chunk = 0;  // options.chunk_size of every attend()
+  bool sinks = false;      // options.sinks on every attend()
   DType dtype = DType::kF32;
   float softcap = 0.0f;
   Backend backend = Backend::kAuto;
@@ -236,18 +252,23 @@ std::vector<float> run_trace(const TraceOptions& t) {
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
   };
   const Shape& sh = t.shape;
-  auto created =
-      PagedKVCache::create(spec_for(sh, t.layers, t.num_pages, t.page_size, t.dtype, t.window));
+  auto created = PagedKVCache::create(
+      spec_for(sh, t.layers, t.num_pages, t.page_size, t.dtype, t.window, t.chunk));
   EXPECT_TRUE(created.ok()) << created.status().to_string();
   if (!created.ok()) return {};
   PagedKVCache pool = std::move(created).value();
   const PagedKVCacheSpec& spec = pool.spec();
   DenseModel model(pool, sh.num_heads);
   const int64_t D = spec.head_dim, Dv = spec.head_dim_v, Hkv = spec.num_kv_heads, H = sh.num_heads;
+  std::vector<float> sinks;
+  for (int64_t h = 0; t.sinks && h < H; ++h) sinks.push_back(0.75f * float(h) - 1.0f);
+  model.set_call(t.call_chunk, sinks);
   std::vector<float> all_outputs;
   const std::string where = std::string(sh.name) + " page_size " + std::to_string(t.page_size) +
-                            " window " + std::to_string(t.window) + " " +
-                            attnkit::dtype_name(t.dtype) + " seed " + std::to_string(t.seed);
+                            " window " + std::to_string(t.window) + " chunk " +
+                            std::to_string(t.chunk) + "/" + std::to_string(t.call_chunk) +
+                            (t.sinks ? " sinks " : " ") + attnkit::dtype_name(t.dtype) + " seed " +
+                            std::to_string(t.seed);
   for (int step = 0; step < t.steps; ++step) {
     SCOPED_TRACE(where + " step " + std::to_string(step));
     // Lifecycle operations.
@@ -267,7 +288,10 @@ std::vector<float> run_trace(const TraceOptions& t) {
       const std::vector<int32_t> table = pool.page_table(id).value();
       const int64_t released = std::count(table.begin(), table.end(), -1);
       const int64_t len = pool.length(id).value();
-      const int64_t lowest = released > 0 ? released * t.page_size + t.window - 1 : 0;
+      const int64_t released_to = released * t.page_size;
+      const int64_t lowest = released == 0 ? 0
+                             : t.chunk > 0 ? (released_to + t.chunk - 1) / t.chunk * t.chunk
+                                           : released_to + t.window - 1;
       const int64_t to = std::min(len, std::max(lowest, len - pick(0, 5)));
       EXPECT_TRUE(pool.truncate(id, to).ok());
       model.truncate(id, to);
@@ -318,6 +342,8 @@ std::vector<float> run_trace(const TraceOptions& t) {
       o.softcap = t.softcap;
       o.backend = t.backend;
       o.num_threads = t.threads;
+      o.chunk_size = t.call_chunk;
+      if (t.sinks) o.sinks = attnkit::make_view(sinks.data(), DType::kF32, {H});
       const attnkit::Status st =
           pool.attend(layer, attnkit::make_view(q.data(), DType::kF32, {total, H, D}),
                       attnkit::make_view(k.data(), DType::kF32, {total, Hkv, D}),
@@ -341,7 +367,7 @@ std::vector<float> run_trace(const TraceOptions& t) {
       }
       all_outputs.insert(all_outputs.end(), out.begin(), out.end() - 1);
       poison_free_pages(pool);
-      if (t.window == 0) check_attend_held(pool, model, H, layer, t, rng, values);
+      if (t.window == 0 && t.chunk == 0) check_attend_held(pool, model, H, layer, t, rng, values);
     }
     for (int64_t id : pool.sequence_ids())
       for (int64_t l = 0; l < t.layers; ++l)
@@ -552,6 +578,93 @@ TEST(PagedKVCache, SlidingWindowReleasesPagesNoQueryCanSee) {
     for (int64_t p = 0; p < int64_t(table.size()); ++p)
       EXPECT_EQ(table[size_t(p)] < 0, (p + 1) * ps <= first_seen) << "token " << t << " page " << p;
     EXPECT_LE(pool.pages_in_use(), (W + ps - 1) / ps + 1);
+  }
+}
+
+// Chunked pools (pages of finished chunks released, truncation bounded by
+// them) and per-call chunks in a pool without one, with and without sinks,
+// against the float64 history of every sequence.
+TEST(PagedKVCache, RandomTracesWithChunksAndSinks) {
+  uint64_t seed = 900;
+  for (const Shape& sh : kShapes)
+    for (int64_t page_size : {1, 3, 16})
+      for (auto [chunk, call_chunk] : {std::pair<int64_t, int64_t>{5, 0}, {16, 16}, {0, 7}})
+        for (bool sinks : {false, true}) {
+          TraceOptions t;
+          t.shape = sh;
+          t.page_size = page_size;
+          t.num_pages = std::max<int64_t>(6, 160 / page_size);
+          t.chunk = chunk;
+          t.call_chunk = call_chunk;
+          t.sinks = sinks;
+          const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kI8};
+          t.dtype = dtypes[seed % 3];
+          t.backend = seed % 4 == 1 ? Backend::kReference : Backend::kAuto;
+          t.steps = 15;
+          t.seed = ++seed;
+          run_trace(t);
+        }
+}
+
+// 200 decode steps with chunks of 6 in a pool of 4 pages of 4 tokens: a
+// page is released once the next query's chunk starts after it.
+TEST(PagedKVCache, ChunksReleasePagesOfFinishedChunks) {
+  const Shape& sh = kShapes[2];
+  const int64_t C = 6, ps = 4;
+  auto pool = PagedKVCache::create(spec_for(sh, 1, 4, ps, DType::kF32, 0, C)).value();
+  const int64_t a = pool.add_sequence();
+  const int64_t H = sh.num_heads, D = sh.head_dim;
+  std::vector<float> q(size_t(H * D), 0.5f), kv(size_t(D), 0.25f), out(size_t(H * D));
+  for (int t = 0; t < 200; ++t) {
+    ASSERT_TRUE(pool.append(std::vector<int64_t>{a}, std::vector<int64_t>{1}).ok()) << t;
+    ASSERT_TRUE(pool.attend(0, attnkit::make_view(q.data(), DType::kF32, {1, H, D}),
+                            attnkit::make_view(kv.data(), DType::kF32, {1, 1, D}),
+                            attnkit::make_view(kv.data(), DType::kF32, {1, 1, D}),
+                            std::vector<int32_t>{0, 1}, std::vector<int64_t>{a},
+                            attnkit::make_view(out.data(), DType::kF32, {1, H, D}))
+                    .ok());
+    // The next query (position t + 1) sees its chunk from (t + 1) / C * C.
+    const int64_t first_seen = (t + 1) / C * C;
+    const std::vector<int32_t> table = pool.page_table(a).value();
+    for (int64_t p = 0; p < int64_t(table.size()); ++p)
+      EXPECT_EQ(table[size_t(p)] < 0, (p + 1) * ps <= first_seen) << "token " << t << " page " << p;
+    // Truncating into a released chunk would need released tokens.
+    if (first_seen >= ps && (t + 1) % C != 0) {
+      const auto st = pool.truncate(a, first_seen - 1);
+      EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+      EXPECT_NE(st.message().find("its chunks have released"), std::string::npos) << st.message();
+    }
+  }
+  // Bad chunk specs and per-call chunks and sinks.
+  EXPECT_NE(PagedKVCache::create(spec_for(sh, 1, 4, ps, DType::kF32, 0, -2))
+                .status()
+                .message()
+                .find("spec.chunk_size = -2 must be >= 0"),
+            std::string::npos);
+  EXPECT_NE(PagedKVCache::create(spec_for(sh, 1, 4, ps, DType::kF32, 3, 4))
+                .status()
+                .message()
+                .find("are both set"),
+            std::string::npos);
+  ASSERT_TRUE(pool.append(std::vector<int64_t>{a}, std::vector<int64_t>{1}).ok());
+  const Snapshot before = snapshot(pool);
+  std::vector<float> bad_sinks(size_t(H), 0.0f);
+  bad_sinks[1] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<AttentionOptions> bad(3);
+  bad[0].chunk_size = 5;
+  bad[1].sinks = attnkit::make_view(bad_sinks.data(), DType::kF32, {H});
+  bad[2].sinks = attnkit::make_view(bad_sinks.data(), DType::kF32, {H - 1});
+  const char* needles[] = {"options.chunk_size = 5 must be 0 or the pool's chunk_size = 6",
+                           "options.sinks[1] = nan must be finite", "options.sinks.shape[0]"};
+  for (size_t i = 0; i < bad.size(); ++i) {
+    const auto st = pool.attend(0, attnkit::make_view(q.data(), DType::kF32, {1, H, D}),
+                                attnkit::make_view(kv.data(), DType::kF32, {1, 1, D}),
+                                attnkit::make_view(kv.data(), DType::kF32, {1, 1, D}),
+                                std::vector<int32_t>{0, 1}, std::vector<int64_t>{a},
+                                attnkit::make_view(out.data(), DType::kF32, {1, H, D}), bad[i]);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find(needles[i]), std::string::npos) << st.message();
+    EXPECT_TRUE(snapshot(pool) == before);
   }
 }
 
