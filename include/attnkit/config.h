@@ -100,6 +100,27 @@ struct MlaConfig {
   int64_t cache_values_per_token() const { return kv_lora_rank + qk_rope_head_dim; }
 };
 
+// Sizes >= 1 (q_lora_rank >= 0), qk_rope_head_dim even, rope_theta > 1,
+// rms_norm_eps > 0, YaRN fields in range. The message names the field.
+Status validate(const MlaConfig& config);
+
+// sigma = qk_head_dim^-1/2 * m^2 (attnkit/latent_attention.h).
+double mla_softmax_scale(const MlaConfig& config);
+
+// The MLA layer of a Hugging Face config.json (deepseek_v2, deepseek_v3,
+// kimi_k2), read by model_spec_from_json (attnkit/model_spec.h). Required:
+// hidden_size, num_attention_heads, q_lora_rank (may be null),
+// kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim; a config
+// without num_hidden_layers is read as one layer. Errors name the field and
+// its value; a config whose layers are not MLA is an error naming its kind.
+Result<MlaConfig> mla_config_from_json(std::string_view json_text);
+
+// How LatentAttention computes (attnkit/latent_attention.h).
+enum class MlaForm : uint8_t { kAuto, kNaive, kAbsorbed };
+
+// "auto", "naive", "absorbed".
+const char* mla_form_name(MlaForm form);
+
 enum class MoeScoringFunc : uint8_t {
   kSoftmax,  // "softmax": over all routed experts (Mixtral, DeepSeek-V2)
   kSigmoid,  // "sigmoid": per expert (DeepSeek-V3, Kimi-K2)
@@ -116,6 +137,10 @@ enum class MoeWeightNaming : uint8_t {
   kDeepseek,  // mlp.gate.*, mlp.experts.{i}.{gate,up,down}_proj, mlp.shared_experts.*
   kMixtral,   // block_sparse_moe.gate, block_sparse_moe.experts.{i}.w1/w3/w2
   kGptOss,    // mlp.router.{weight,bias}, mlp.experts.{gate_up_proj,down_proj}[_bias] (fused)
+  // Llama 4: feed_forward.router, feed_forward.experts.{gate_up_proj,down_proj}
+  // (fused), feed_forward.shared_expert.{gate,up,down}_proj. Llama4TextMoe
+  // scales each chosen expert's input (not its output) by the router weight.
+  kLlama4,
 };
 
 // The expert's activation.
@@ -147,12 +172,33 @@ struct MoeConfig {
   bool expert_bias = false;   // every expert projection has a bias (gpt-oss)
 };
 
-// Reads the attention fields of a Hugging Face config.json: model_type
-// llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe or gemma2 (a
-// config without model_type is read as llama's shape; any other model_type
-// is an error naming it). `layer_index` picks
-// the per-layer settings where a model alternates them (Gemma-2's sliding
-// layers, Qwen2's max_window_layers, an explicit layer_types list).
+// The rules MoeLayer::create() enforces, each reported with the field and
+// its value: sizes > 0, n_shared_experts >= 0, num_experts_per_tok in [1,
+// n_routed_experts], n_group divides n_routed_experts, topk_group in [1,
+// n_group], for the group-limited methods topk_group * (experts per group)
+// >= num_experts_per_tok and, for noaux_tc with topk_group < n_group, at
+// least 2 experts per group; routed_scaling_factor finite and > 0;
+// swiglu_limit finite and > 0 for kGptOssSwiGlu; enums in range.
+Status validate(const MoeConfig& config);
+
+// The first MoE layer of a Hugging Face config.json, read by
+// model_spec_from_json (attnkit/model_spec.h): mixtral, deepseek_v2,
+// deepseek_v3, kimi_k2, qwen3_moe, gpt_oss; without model_type the
+// expert-count field decides the family. A config without MoE layers, or
+// whose experts MoeLayer does not run (qwen2_moe's and qwen3_next's gated
+// shared expert, llama4's input-scaled routing), is an error naming it.
+Result<MoeConfig> moe_config_from_json(std::string_view json_text);
+
+// "softmax", "noaux_tc", ... (the config.json spelling).
+const char* moe_scoring_func_name(MoeScoringFunc f);
+const char* moe_topk_method_name(MoeTopkMethod m);
+
+// Softmax-attention layer `layer_index` of a Hugging Face config.json, read
+// by model_spec_from_json (attnkit/model_spec.h; docs/MODELS.md has every
+// family's rules). An error when that layer is another kind (MLA, linear
+// attention), or when model_type is a family read for the analysis only
+// (gpt2, bert, falcon, gemma); a config without num_hidden_layers describes
+// layers 0..layer_index.
 Result<AttentionConfig> attention_config_from_json(std::string_view json_text,
                                                    int64_t layer_index = 0);
 

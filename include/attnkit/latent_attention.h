@@ -60,27 +60,8 @@
 
 namespace attnkit {
 
-// Sizes >= 1 (q_lora_rank >= 0), qk_rope_head_dim even, rope_theta > 1,
-// rms_norm_eps > 0, YaRN fields in range. The message names the field.
-Status validate(const MlaConfig& config);
-
-// sigma = qk_head_dim^-1/2 * m^2 (see the header comment).
-double mla_softmax_scale(const MlaConfig& config);
-
-// Reads a Hugging Face config.json of an MLA model (deepseek_v2,
-// deepseek_v3, kimi_k2). Required: hidden_size, num_attention_heads,
-// q_lora_rank (may be null), kv_lora_rank, qk_nope_head_dim,
-// qk_rope_head_dim, v_head_dim. Optional: rope_theta (10000), rms_norm_eps
-// (1e-6), max_position_embeddings, rope_scaling (null or YaRN; Hugging
-// Face's newer "rope_parameters" is read the same way), rope_interleave
-// (true), attention_bias (must be false). Errors name the field and its
-// value.
-Result<MlaConfig> mla_config_from_json(std::string_view json_text);
-
-enum class MlaForm : uint8_t { kAuto, kNaive, kAbsorbed };
-
-// "auto", "naive", "absorbed".
-const char* mla_form_name(MlaForm form);
+// validate(MlaConfig), mla_softmax_scale, mla_config_from_json and MlaForm
+// live in attnkit/config.h.
 
 // The per-layer latent cache: for every token only the RMS-normed latent
 // c (d_c) and the rotated shared rope key (d_r), contiguous per token:

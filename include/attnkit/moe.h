@@ -41,26 +41,8 @@
 
 namespace attnkit {
 
-// The rules create() enforces, each reported with the field and its value:
-// sizes > 0, n_shared_experts >= 0, num_experts_per_tok in [1,
-// n_routed_experts], n_group divides n_routed_experts, topk_group in [1,
-// n_group], for the group-limited methods topk_group * (experts per group)
-// >= num_experts_per_tok and, for noaux_tc with topk_group < n_group, at
-// least 2 experts per group; routed_scaling_factor finite and > 0; enums
-// in range.
-Status validate(const MoeConfig& config);
-
-// Reads a Hugging Face config.json (model_type mixtral, deepseek_v2,
-// deepseek_v3 or kimi_k2; without model_type the expert-count field decides
-// the family). Size fields are required; the routing fields default as the
-// family's transformers config class does (docs/MOE.md). A wrong JSON type,
-// an unknown scoring_func / topk_method, hidden_act other than "silu", or a
-// config without experts is an error naming the field.
-Result<MoeConfig> moe_config_from_json(std::string_view json_text);
-
-// "softmax", "noaux_tc", ... (the config.json spelling).
-const char* moe_scoring_func_name(MoeScoringFunc f);
-const char* moe_topk_method_name(MoeTopkMethod m);
+// validate(MoeConfig), moe_config_from_json and the enum names live in
+// attnkit/config.h.
 
 // What the router decided in one forward call.
 struct MoeRouting {

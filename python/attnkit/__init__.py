@@ -23,6 +23,7 @@ from . import _attnkit
 from ._attnkit import (AttentionLayer, KVCache, PagedKVCache, Rope, apply_rope,
                        batch_attention, load_safetensors, merge_attention_states,
                        save_safetensors, sdpa, sdpa_varlen)
+from .model_spec import model_spec_from_config
 from .moe import moe_from_config
 
 __version__ = "0.1.0"
@@ -97,7 +98,8 @@ def attention_from_variant(variant, d_model, num_heads, bias=True):
 __all__ = [
     "__version__", "AttentionLayer", "KVCache", "MLA_MODEL_TYPES", "PagedKVCache", "Rope",
     "apply_rope", "attention_from_variant", "batch_attention", "from_config", "load_safetensors",
-    "merge_attention_states", "moe_from_config", "save_safetensors", "sdpa", "sdpa_varlen",
+    "merge_attention_states", "model_spec_from_config", "moe_from_config", "save_safetensors",
+    "sdpa", "sdpa_varlen",
 ]
 
 # Classes and functions bound by the other areas (MLA, MoE) are public too.

@@ -13,6 +13,7 @@ void bind_attention_layer(pybind11::module_& m);  // attention_layer.cc: Attenti
 void bind_safetensors(pybind11::module_& m);      // safetensors.cc: load/save_safetensors
 void bind_mla(pybind11::module_& m);              // mla.cc: LatentAttention and its cache
 void bind_moe(pybind11::module_& m);              // moe.cc: the MoE feed-forward
-void bind_paged(pybind11::module_& m);  // paged.cc: PagedKVCache, batch_attention, sdpa_varlen
+void bind_paged(pybind11::module_& m);       // paged.cc: PagedKVCache, batch_attention, sdpa_varlen
+void bind_model_spec(pybind11::module_& m);  // model_spec.cc: the model description
 
 }  // namespace attnkit::python

@@ -14,4 +14,5 @@ PYBIND11_MODULE(_attnkit, m) {
   attnkit::python::bind_safetensors(m);
   attnkit::python::bind_mla(m);
   attnkit::python::bind_moe(m);
+  attnkit::python::bind_model_spec(m);
 }

@@ -1,126 +1,17 @@
-// MoeConfig: validation and parsing from a Hugging Face config.json
-// (mixtral, deepseek_v2, deepseek_v3, kimi_k2).
+// MoeConfig: validation and moe_config_from_json, the first MoE layer of the
+// ModelSpec that model_spec_from_json reads (model_spec_ffn.cc).
 #include <cmath>
 #include <string>
 
-#include <nlohmann/json.hpp>
-
-#include "attnkit/moe.h"
+#include "attnkit/config.h"
+#include "attnkit/model_spec.h"
+#include "io/model_spec_reader.h"
 
 namespace attnkit {
 namespace {
 
 constexpr const char* kParse = "moe_config_from_json";
 constexpr const char* kValidate = "MoeConfig";
-
-using json = nlohmann::json;
-
-std::string dump(const json& v) {
-  std::string s = v.dump();
-  return s.size() > 80 ? s.substr(0, 77) + "..." : s;
-}
-
-std::string fail(const std::string& what) { return std::string(kParse) + ": " + what; }
-
-// The routing defaults of each family's transformers config class (for a
-// field the config.json leaves out) and its weight naming.
-struct Family {
-  const char* model_type;
-  MoeWeightNaming naming;
-  const char* expert_count_field;
-  const char* inter_field;
-  MoeScoringFunc scoring_func;
-  MoeTopkMethod topk_method;
-  bool norm_topk_prob;
-  double routed_scaling_factor;
-  int64_t n_shared_experts;
-  int64_t n_group;
-  int64_t topk_group;
-};
-
-constexpr Family kMixtral = {
-    .model_type = "mixtral",
-    .naming = MoeWeightNaming::kMixtral,
-    .expert_count_field = "num_local_experts",
-    .inter_field = "intermediate_size",
-    .scoring_func = MoeScoringFunc::kSoftmax,
-    .topk_method = MoeTopkMethod::kGreedy,
-    .norm_topk_prob = true,
-    .routed_scaling_factor = 1.0,
-    .n_shared_experts = 0,
-    .n_group = 1,
-    .topk_group = 1,
-};
-constexpr Family kDeepseekV2 = {
-    .model_type = "deepseek_v2",
-    .naming = MoeWeightNaming::kDeepseek,
-    .expert_count_field = "n_routed_experts",
-    .inter_field = "moe_intermediate_size",
-    .scoring_func = MoeScoringFunc::kSoftmax,
-    .topk_method = MoeTopkMethod::kGreedy,
-    .norm_topk_prob = false,
-    .routed_scaling_factor = 1.0,
-    .n_shared_experts = 2,
-    .n_group = 1,
-    .topk_group = 1,
-};
-constexpr Family kDeepseekV3 = {
-    .model_type = "deepseek_v3",
-    .naming = MoeWeightNaming::kDeepseek,
-    .expert_count_field = "n_routed_experts",
-    .inter_field = "moe_intermediate_size",
-    .scoring_func = MoeScoringFunc::kSigmoid,
-    .topk_method = MoeTopkMethod::kNoauxTc,
-    .norm_topk_prob = true,
-    .routed_scaling_factor = 2.5,
-    .n_shared_experts = 1,
-    .n_group = 8,
-    .topk_group = 4,
-};
-
-// nullopt-like: a missing field leaves *out as is.
-Status read_int(const json& obj, const char* name, bool required, int64_t* out) {
-  const auto it = obj.find(name);
-  if (it == obj.end() || it->is_null()) {
-    if (!required) return Status::Ok();
-    return invalid_argument(fail(std::string("required field ") + name +
-                                 (it == obj.end() ? " is missing" : " is null")));
-  }
-  if (!it->is_number_integer())
-    return invalid_argument(fail(std::string(name) + " = " + dump(*it) + " must be an integer"));
-  *out = it->get<int64_t>();
-  return Status::Ok();
-}
-
-Status read_double(const json& obj, const char* name, double* out) {
-  const auto it = obj.find(name);
-  if (it == obj.end() || it->is_null()) return Status::Ok();
-  if (!it->is_number())
-    return invalid_argument(fail(std::string(name) + " = " + dump(*it) + " must be a number"));
-  *out = it->get<double>();
-  return Status::Ok();
-}
-
-Status read_bool(const json& obj, const char* name, bool* out) {
-  const auto it = obj.find(name);
-  if (it == obj.end() || it->is_null()) return Status::Ok();
-  if (!it->is_boolean())
-    return invalid_argument(fail(std::string(name) + " = " + dump(*it) + " must be true or false"));
-  *out = it->get<bool>();
-  return Status::Ok();
-}
-
-// Returns false (and leaves *out) when the field is absent or null.
-Status read_string(const json& obj, const char* name, std::string* out, bool* present) {
-  *present = false;
-  const auto it = obj.find(name);
-  if (it == obj.end() || it->is_null()) return Status::Ok();
-  if (!it->is_string())
-    return invalid_argument(fail(std::string(name) + " = " + dump(*it) + " must be a string"));
-  *out = it->get<std::string>();
-  *present = true;
-  return Status::Ok();
-}
 
 }  // namespace
 
@@ -179,9 +70,17 @@ Status validate(const MoeConfig& c) {
   if (c.scoring_func != MoeScoringFunc::kSoftmax && c.scoring_func != MoeScoringFunc::kSigmoid)
     return invalid_argument(f + "scoring_func = " + std::to_string(int(c.scoring_func)) +
                             " is not a MoeScoringFunc value");
-  if (c.naming != MoeWeightNaming::kDeepseek && c.naming != MoeWeightNaming::kMixtral)
+  if (c.naming != MoeWeightNaming::kDeepseek && c.naming != MoeWeightNaming::kMixtral &&
+      c.naming != MoeWeightNaming::kGptOss && c.naming != MoeWeightNaming::kLlama4)
     return invalid_argument(f + "naming = " + std::to_string(int(c.naming)) +
                             " is not a MoeWeightNaming value");
+  if (c.activation != MoeActivation::kSwiGlu && c.activation != MoeActivation::kGptOssSwiGlu)
+    return invalid_argument(f + "activation = " + std::to_string(int(c.activation)) +
+                            " is not a MoeActivation value");
+  if (c.activation == MoeActivation::kGptOssSwiGlu &&
+      (!std::isfinite(c.swiglu_limit) || c.swiglu_limit <= 0.0))
+    return invalid_argument(f + "swiglu_limit = " + std::to_string(c.swiglu_limit) +
+                            " must be finite and > 0 for the gpt-oss activation");
   if (c.naming == MoeWeightNaming::kMixtral && c.n_shared_experts != 0)
     return invalid_argument(f + "n_shared_experts = " + std::to_string(c.n_shared_experts) +
                             " must be 0 with Mixtral weight names (they have no shared experts)");
@@ -217,132 +116,35 @@ Status validate(const MoeConfig& c) {
 }
 
 Result<MoeConfig> moe_config_from_json(std::string_view json_text) {
-  json j = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return invalid_argument(fail("the text is not valid JSON"));
-  if (!j.is_object()) return invalid_argument(fail("the JSON must be an object, got " + dump(j)));
-
-  std::string model_type;
-  bool has_model_type = false;
-  ATTNKIT_RETURN_IF_ERROR(read_string(j, "model_type", &model_type, &has_model_type));
-  const Family* fam = nullptr;
-  if (has_model_type) {
-    if (model_type == "mixtral")
-      fam = &kMixtral;
-    else if (model_type == "deepseek_v2")
-      fam = &kDeepseekV2;
-    else if (model_type == "deepseek_v3" || model_type == "kimi_k2")
-      fam = &kDeepseekV3;
-    else
-      return invalid_argument(fail("model_type = \"" + model_type +
-                                   "\" is not an MoE family attnkit reads (mixtral, deepseek_v2, "
-                                   "deepseek_v3, kimi_k2)"));
-  } else {
-    const bool mixtral = j.contains("num_local_experts");
-    const bool deepseek = j.contains("n_routed_experts");
-    if (mixtral == deepseek)
+  io::SpecRequest request;
+  request.fn = kParse;
+  request.mixers = false;
+  // Without num_hidden_layers: enough layers to reach the first MoE layer of
+  // any family rule (DeepSeek-V3's first three layers are dense).
+  request.layers_if_absent = 256;
+  ModelSpec spec;
+  ATTNKIT_RETURN_IF_ERROR(io::read_model_spec(json_text, request, &spec));
+  const std::string fn = kParse;
+  for (const LayerSpec& layer : spec.layers) {
+    if (layer.ffn.kind != FeedForwardKind::kMoe) continue;
+    const MoeConfig& c = layer.ffn.moe;
+    const bool gated_shared = c.n_shared_experts > 0 &&
+                              (spec.model_type == "qwen2_moe" || spec.model_type == "qwen3_next");
+    if (c.naming == MoeWeightNaming::kLlama4 || gated_shared)
       return invalid_argument(
-          fail(mixtral ? "without model_type, num_local_experts and n_routed_experts are both set; "
-                         "give model_type"
-                       : "no expert count: need num_local_experts (Mixtral) or n_routed_experts "
-                         "(DeepSeek), or a model_type"));
-    // Without a model_type a DeepSeek-named config gets the neutral
-    // defaults (softmax, greedy, no renormalisation, scale 1, no shared).
-    static constexpr Family kGeneric = {
-        .model_type = "",
-        .naming = MoeWeightNaming::kDeepseek,
-        .expert_count_field = "n_routed_experts",
-        .inter_field = "moe_intermediate_size",
-        .scoring_func = MoeScoringFunc::kSoftmax,
-        .topk_method = MoeTopkMethod::kGreedy,
-        .norm_topk_prob = false,
-        .routed_scaling_factor = 1.0,
-        .n_shared_experts = 0,
-        .n_group = 1,
-        .topk_group = 1,
-    };
-    fam = mixtral ? &kMixtral : &kGeneric;
+          fn + ": model_type = \"" + spec.model_type + "\": MoeLayer does not run its experts (" +
+          (c.naming == MoeWeightNaming::kLlama4 ? "the router weight scales each expert's input"
+                                                : "the shared expert is sigmoid-gated") +
+          "); model_spec_from_json describes it");
+    return c;
   }
-
-  MoeConfig c;
-  c.model_type = model_type;
-  c.naming = fam->naming;
-  c.scoring_func = fam->scoring_func;
-  c.topk_method = fam->topk_method;
-  c.norm_topk_prob = fam->norm_topk_prob;
-  c.routed_scaling_factor = fam->routed_scaling_factor;
-  c.n_shared_experts = fam->n_shared_experts;
-  c.n_group = fam->n_group;
-  c.topk_group = fam->topk_group;
-
-  ATTNKIT_RETURN_IF_ERROR(read_int(j, "hidden_size", true, &c.hidden_size));
-  ATTNKIT_RETURN_IF_ERROR(read_int(j, fam->expert_count_field, true, &c.n_routed_experts));
-  {
-    const auto it = j.find("num_experts_per_tok");
-    if (it == j.end() || it->is_null())
-      return invalid_argument(fail("num_experts_per_tok is " +
-                                   std::string(it == j.end() ? "missing" : "null") +
-                                   ": a dense model, not an MoE layer"));
-  }
-  ATTNKIT_RETURN_IF_ERROR(read_int(j, "num_experts_per_tok", true, &c.num_experts_per_tok));
-  ATTNKIT_RETURN_IF_ERROR(read_int(j, fam->inter_field, true, &c.moe_intermediate_size));
-
-  if (fam->naming == MoeWeightNaming::kMixtral) {
-    // Mixtral always renormalises and has no routing knobs; a config that
-    // says otherwise describes a model this block would silently misrun.
-    bool norm = true;
-    ATTNKIT_RETURN_IF_ERROR(read_bool(j, "norm_topk_prob", &norm));
-    if (!norm)
-      return invalid_argument(
-          fail("norm_topk_prob = false: mixtral always renormalises the "
-               "top-k weights"));
-  } else {
-    // HF: n_shared_experts = null means none.
-    const auto it = j.find("n_shared_experts");
-    if (it != j.end() && it->is_null()) c.n_shared_experts = 0;
-    ATTNKIT_RETURN_IF_ERROR(read_int(j, "n_shared_experts", false, &c.n_shared_experts));
-    ATTNKIT_RETURN_IF_ERROR(read_bool(j, "norm_topk_prob", &c.norm_topk_prob));
-    ATTNKIT_RETURN_IF_ERROR(read_double(j, "routed_scaling_factor", &c.routed_scaling_factor));
-    ATTNKIT_RETURN_IF_ERROR(read_int(j, "n_group", false, &c.n_group));
-    ATTNKIT_RETURN_IF_ERROR(read_int(j, "topk_group", false, &c.topk_group));
-    std::string s;
-    bool present = false;
-    ATTNKIT_RETURN_IF_ERROR(read_string(j, "scoring_func", &s, &present));
-    if (present) {
-      if (s == "softmax")
-        c.scoring_func = MoeScoringFunc::kSoftmax;
-      else if (s == "sigmoid")
-        c.scoring_func = MoeScoringFunc::kSigmoid;
-      else
-        return invalid_argument(
-            fail("scoring_func = \"" + s + "\" must be \"softmax\" or \"sigmoid\""));
-    }
-    ATTNKIT_RETURN_IF_ERROR(read_string(j, "topk_method", &s, &present));
-    if (present) {
-      if (s == "greedy")
-        c.topk_method = MoeTopkMethod::kGreedy;
-      else if (s == "group_limited_greedy")
-        c.topk_method = MoeTopkMethod::kGroupLimitedGreedy;
-      else if (s == "noaux_tc")
-        c.topk_method = MoeTopkMethod::kNoauxTc;
-      else
-        return invalid_argument(fail("topk_method = \"" + s +
-                                     "\" must be \"greedy\", \"group_limited_greedy\" or "
-                                     "\"noaux_tc\""));
-    }
-  }
-  {
-    std::string act;
-    bool present = false;
-    ATTNKIT_RETURN_IF_ERROR(read_string(j, "hidden_act", &act, &present));
-    if (present && act != "silu")
-      return invalid_argument(
-          fail("hidden_act = \"" + act + "\" is not supported; the experts are SwiGLU (\"silu\")"));
-  }
-  const Status st = validate(c);
-  if (!st.ok())  // Same rule, reported under the parser's name.
-    return Status(st.code(),
-                  std::string(kParse) + st.message().substr(std::string(kValidate).size()));
-  return c;
+  if (spec.model_type.empty())
+    return invalid_argument(fn +
+                            ": no expert count: need num_local_experts (Mixtral) or "
+                            "n_routed_experts (DeepSeek), or a model_type");
+  return invalid_argument(fn + ": model_type = \"" + spec.model_type +
+                          "\" has no MoE layer (num_experts_per_tok and the expert count are "
+                          "not set, or every layer is dense)");
 }
 
 }  // namespace attnkit

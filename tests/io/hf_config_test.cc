@@ -312,10 +312,11 @@ TEST(HfConfig, Mistral7BSlidingOnEveryLayer) {
     EXPECT_EQ(c.sliding_window, 4096) << "layer " << layer;
     expect_plain_llama_shape(c);
   }
-  // Mistral-7B-v0.2 removed the window with an explicit null.
+  // Mistral-7B-v0.2 removed the window with an explicit null; an absent key
+  // is MistralConfig's default, 4096.
   const AttentionConfig v2 = parse_ok(patched(kMistral7B, {{"sliding_window", nullptr}}));
   EXPECT_EQ(v2.sliding_window, 0);
-  EXPECT_EQ(parse_ok(without(kMistral7B, "sliding_window")).sliding_window, 0);
+  EXPECT_EQ(parse_ok(without(kMistral7B, "sliding_window")).sliding_window, 4096);
 }
 
 TEST(HfConfig, Qwen25_7BQkvBiasNoWindow) {
@@ -401,6 +402,18 @@ TEST(HfConfig, Qwen3YarnWithoutMscale) {
   EXPECT_EQ(legacy.rope.scaling.original_max_position_embeddings, 40960);
 }
 
+TEST(HfConfig, YarnTruncateFalseIsKept) {
+  // gpt-oss's "truncate": false keeps YaRN's correction range fractional.
+  const AttentionConfig c = parse_ok(
+      patched(kQwen3_8B,
+              {{"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}, {"truncate", false}}}}));
+  EXPECT_EQ(c.rope.scaling.type, RopeScaling::Type::kYarn);
+  EXPECT_FALSE(c.rope.scaling.truncate);
+  EXPECT_TRUE(
+      parse_ok(patched(kQwen3_8B, {{"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}}}))
+          .rope.scaling.truncate);
+}
+
 TEST(HfConfig, Gemma2_9BAlternatingWindowsSoftcapScale) {
   for (int64_t layer = 0; layer < 42; ++layer) {
     const AttentionConfig c = parse_ok(kGemma2_9B, layer);
@@ -443,7 +456,7 @@ TEST(HfConfig, LayerTypesTakePrecedence) {
 TEST(HfConfig, UnsupportedModelTypesAreRejectedByName) {
   // Families the layer does not implement must not be read through the
   // llama rules into a layer that is not theirs.
-  for (const char* type : {"gpt2", "bert", "falcon", "granite_like", "gemma3"}) {
+  for (const char* type : {"gpt2", "bert", "falcon", "gemma", "granite_like"}) {
     auto r = attnkit::attention_config_from_json(patched(kLlama3_8B, {{"model_type", type}}));
     ASSERT_FALSE(r.ok()) << type;
     EXPECT_NE(r.status().message().find("model_type = \"" + std::string(type) +
@@ -451,6 +464,12 @@ TEST(HfConfig, UnsupportedModelTypesAreRejectedByName) {
               std::string::npos)
         << r.status().message();
   }
+  // A multimodal wrapper is read through its text_config, which must be there.
+  auto wrapper =
+      attnkit::attention_config_from_json(patched(kLlama3_8B, {{"model_type", "gemma3"}}));
+  ASSERT_FALSE(wrapper.ok());
+  EXPECT_NE(wrapper.status().message().find("text_config is missing"), std::string::npos)
+      << wrapper.status().message();
   for (const char* type :
        {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma2"})
     EXPECT_EQ(parse_ok(patched(kLlama3_8B, {{"model_type", type}})).model_type, type);
@@ -607,8 +626,8 @@ TEST(HfConfigErrors, BadRopeScaling) {
                      {"original_max_position_embeddings", 8192}}),
                "scaling.factor = 0.5");
   expect_error(with({{"rope_type", "linear"}, {"factor", -2}}), "scaling.factor = -2");
-  expect_error(with({{"rope_type", "yarn"}, {"factor", 4.0}, {"truncate", false}}),
-               "rope_scaling.truncate = false is not supported");
+  expect_error(with({{"rope_type", "yarn"}, {"factor", 4.0}, {"truncate", "no"}}),
+               "rope_scaling.truncate = \"no\" must be true or false");
   expect_error(with({{"rope_type", "yarn"}, {"factor", 4.0}, {"beta_fast", 0.5}, {"beta_slow", 2}}),
                "scaling.beta_fast = 0.5");
   expect_error(patched(without(kLlama3_8B, "max_position_embeddings"),
@@ -629,10 +648,13 @@ TEST(HfConfigErrors, BadWindows) {
   types.erase(types.begin());
   expect_error(patched(kMistral7B, {{"layer_types", types}}),
                "layer_types has 31 entries, must have num_hidden_layers = 32");
-  expect_error(patched(kQwen25_7B, {{"use_sliding_window", true},
-                                    {"sliding_window", nullptr},
-                                    {"max_window_layers", 0}}),
-               "sliding_window is null");
+  // Qwen2Config: use_sliding_window with a null window slides nowhere.
+  EXPECT_EQ(parse_ok(patched(kQwen25_7B, {{"use_sliding_window", true},
+                                          {"sliding_window", nullptr},
+                                          {"max_window_layers", 0}}),
+                     5)
+                .sliding_window,
+            0);
 }
 
 TEST(HfConfigErrors, MlaConfigIsRedirected) {

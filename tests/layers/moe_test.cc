@@ -908,7 +908,7 @@ TEST(MoeConfig, BadConfigsNameTheField) {
       {R"({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2})",
        "num_local_experts is missing"},
       {"{not json", "not valid JSON"},
-      {"[1, 2]", "must be an object"},
+      {"[1, 2]", "must be a JSON object"},
   };
   for (const Case& k : cases) {
     const auto r = attnkit::moe_config_from_json(k.json);
