@@ -481,11 +481,7 @@ TEST(AttentionFamilies, PrefillThenDecodeThroughKVCache) {
 
 TEST(AttentionFamilies, ContinuousBatchingThroughPagedKVCache) {
   uint64_t seed = 400;
-  for (const Kind& k : kinds()) {
-    // PENDING: the paged pool takes sinks and chunks in a later commit.
-    if (k.config.sinks || k.config.chunk_size > 0) continue;
-    check_paged(k, seed += 10);
-  }
+  for (const Kind& k : kinds()) check_paged(k, seed += 10);
 }
 
 // The reference is sensitive to each feature: dropping any one of them, or

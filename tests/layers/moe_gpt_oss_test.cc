@@ -131,14 +131,7 @@ std::vector<double> reference(const MoeConfig& c, const GptOssWeights& w,
   return y;
 }
 
-// validate(MoeConfig) learns kGptOss with the config reader's update; until
-// that is merged these tests cannot build the layer.
-#define SKIP_UNTIL_VALIDATE_ACCEPTS_GPT_OSS()                                                    \
-  if (MoeLayer::create(gpt_oss_config()).status().message().find("naming") != std::string::npos) \
-  GTEST_SKIP() << "validate(MoeConfig) does not accept MoeWeightNaming::kGptOss yet"
-
 TEST(MoeGptOss, MatchesFloat64PortOfTheAuthorsCode) {
-  SKIP_UNTIL_VALIDATE_ACCEPTS_GPT_OSS();
   const MoeConfig c = gpt_oss_config();
   Rng rng(31);
   GptOssWeights w = random_weights(c, rng);
@@ -174,7 +167,6 @@ TEST(MoeGptOss, MatchesFloat64PortOfTheAuthorsCode) {
 }
 
 TEST(MoeGptOss, MisShapedFusedWeightsAreRejectedAndChangeNothing) {
-  SKIP_UNTIL_VALIDATE_ACCEPTS_GPT_OSS();
   const MoeConfig c = gpt_oss_config();
   Rng rng(5);
   GptOssWeights w = random_weights(c, rng);
