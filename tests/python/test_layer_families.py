@@ -308,3 +308,15 @@ def test_from_config_against_torch(family, layer_index):
     want = port(cfg, sd, x, layer_index)
     check_close(f"from_config {family} layer {layer_index}", layer.forward(x), want,
                 1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("outer,inner", [("gemma3", "gemma3_text"), ("llama4", "llama4_text")])
+@pytest.mark.parametrize("layer_index", [0, 1])
+def test_from_config_reads_the_multimodal_wrappers(outer, inner, layer_index):
+    """gemma3 / llama4 configs nest the text model's fields in text_config."""
+    wrapped = attnkit.from_config({"model_type": outer, "text_config": CONFIGS[inner]},
+                                  layer_index=layer_index).config
+    plain = attnkit.from_config(CONFIGS[inner], layer_index=layer_index).config
+    wrapped.pop("model_type")
+    plain.pop("model_type")
+    assert wrapped == plain
