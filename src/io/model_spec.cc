@@ -322,9 +322,11 @@ Status read(const json& top, const SpecRequest& r, ModelSpec* spec) {
   if (c.f.has(layers_key)) {
     ATTNKIT_RETURN_IF_ERROR(in_range(c, layers_key, c.num_layers, 1));
   } else if (r.layers_if_absent > 0) {
-    c.num_layers = r.layers_if_absent;
-    if (const json* types = c.f.get("layer_types"); types != nullptr && types->is_array())
-      c.num_layers = std::max<int64_t>(c.num_layers, static_cast<int64_t>(types->size()));
+    // A layer_types list says how many layers there are.
+    const json* types = c.f.get("layer_types");
+    c.num_layers = types != nullptr && types->is_array() && !types->empty()
+                       ? static_cast<int64_t>(types->size())
+                       : r.layers_if_absent;
   } else {
     ATTNKIT_RETURN_IF_ERROR(c.f.required(layers_key, "the number of decoder layers"));
   }

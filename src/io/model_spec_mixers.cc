@@ -84,23 +84,16 @@ Status read_rope_block(const SpecContext& c, const json& block, const std::strin
     s.type = RopeScaling::Type::kYarn;
     ATTNKIT_RETURN_IF_ERROR(
         f.integer("original_max_position_embeddings", &s.original_max_position_embeddings));
-    // transformers falls back to the model's context length for the
-    // pre-extension one and derives a missing factor from the two.
+    // transformers requires factor (rope_config_validation) and falls back
+    // to the model's context length for the pre-extension one.
+    ATTNKIT_RETURN_IF_ERROR(f.required("factor", "YaRN scales the frequencies by it"));
+    ATTNKIT_RETURN_IF_ERROR(f.number("factor", &s.factor));
     if (!f.has("original_max_position_embeddings")) {
       if (c.max_position_embeddings <= 0)
         return f.error(f.path("original_max_position_embeddings") +
                        " is missing and so is max_position_embeddings (YaRN needs the "
                        "pre-extension context length)");
       s.original_max_position_embeddings = c.max_position_embeddings;
-    }
-    if (f.has("factor")) {
-      ATTNKIT_RETURN_IF_ERROR(f.number("factor", &s.factor));
-    } else if (c.max_position_embeddings > 0 && s.original_max_position_embeddings > 0) {
-      s.factor = static_cast<double>(c.max_position_embeddings) /
-                 static_cast<double>(s.original_max_position_embeddings);
-    } else {
-      return f.error("required field " + f.path("factor") +
-                     " is missing (and max_position_embeddings is not there to derive it)");
     }
     // As in transformers (`get("beta_fast") or 32`), 0 means the default.
     double beta_fast = 0.0, beta_slow = 0.0;

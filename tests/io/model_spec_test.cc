@@ -449,6 +449,78 @@ TEST(ModelSpec, Gemma2AndMistralDefaults) {
   EXPECT_EQ(spec_ok(mistral).layers[1].attention.sliding_window, 4096);
 }
 
+TEST(ModelSpec, RemainingFamilyDefaults) {
+  // The config classes' defaults for fields a config leaves out.
+  auto base = [](const char* type) {
+    return json{{"model_type", type},       {"hidden_size", 1024},
+                {"num_hidden_layers", 30},  {"num_attention_heads", 16},
+                {"num_key_value_heads", 4}, {"intermediate_size", 2048},
+                {"num_experts_per_tok", 2}, {"num_local_experts", 8},
+                {"num_experts", 8},         {"moe_intermediate_size", 256}};
+  };
+  const ModelSpec llama = spec_ok(base("llama"));
+  EXPECT_EQ(llama.rms_norm_eps, 1e-6);
+  EXPECT_EQ(llama.layers[0].attention.rope.theta, 10000.0);
+  EXPECT_EQ(llama.layers[0].attention.head_dim, 64);  // hidden_size / heads
+  EXPECT_EQ(llama.layers[0].ffn.kind, FeedForwardKind::kDense);
+  const ModelSpec mixtral = spec_ok(base("mixtral"));
+  EXPECT_EQ(mixtral.rms_norm_eps, 1e-5);
+  EXPECT_EQ(mixtral.layers[0].attention.rope.theta, 1e6);
+  EXPECT_EQ(mixtral.layers[0].attention.sliding_window, 0);
+  EXPECT_EQ(mixtral.layers[29].ffn.moe.naming, MoeWeightNaming::kMixtral);
+  // qwen3: head_dim 128, q/k RMSNorm; with use_sliding_window, layers from
+  // max_window_layers = 28 on slide with the 4096 default window.
+  json qwen3 = base("qwen3");
+  qwen3["use_sliding_window"] = true;
+  const ModelSpec q3 = spec_ok(qwen3);
+  EXPECT_EQ(q3.layers[0].attention.head_dim, 128);
+  EXPECT_EQ(q3.layers[0].attention.qk_norm, QkNorm::kRms);
+  EXPECT_EQ(q3.layers[27].attention.sliding_window, 0);
+  EXPECT_EQ(q3.layers[28].attention.sliding_window, 4096);
+  // qwen2_moe: every layer MoE (decoder_sparse_step 1), no renormalising;
+  // qwen3_moe the same; decoder_sparse_step 2 makes odd layers MoE.
+  const ModelSpec q2m = spec_ok(base("qwen2_moe"));
+  EXPECT_EQ(q2m.layers[0].ffn.kind, FeedForwardKind::kMoe);
+  EXPECT_FALSE(q2m.layers[0].ffn.moe.norm_topk_prob);
+  EXPECT_TRUE(q2m.layers[0].attention.qkv_bias);
+  EXPECT_FALSE(q2m.layers[0].attention.o_bias);
+  json q3m = base("qwen3_moe");
+  q3m["decoder_sparse_step"] = 2;
+  const ModelSpec sparse = spec_ok(q3m);
+  EXPECT_EQ(sparse.layers[0].ffn.kind, FeedForwardKind::kDense);
+  EXPECT_EQ(sparse.layers[1].ffn.kind, FeedForwardKind::kMoe);
+  auto q3m_moe = moe_config_from_json(q3m.dump());
+  ASSERT_TRUE(q3m_moe.ok()) << q3m_moe.status().to_string();
+  EXPECT_EQ(q3m_moe->naming, MoeWeightNaming::kDeepseek);
+  // gpt-oss: rms_norm_eps 1e-5, rope_theta 150000, head_dim 64.
+  json oss = load("gpt-oss-20b.json");
+  for (const char* key : {"rms_norm_eps", "rope_theta", "head_dim"}) oss.erase(key);
+  const ModelSpec o = spec_ok(oss);
+  EXPECT_EQ(o.rms_norm_eps, 1e-5);
+  EXPECT_EQ(o.layers[0].attention.rope.theta, 150000.0);
+  EXPECT_EQ(o.layers[0].attention.head_dim, 64);
+  // Llama 4: rope_theta 500000, rms_norm_eps 1e-5, head_dim 128.
+  json l4 = scout();
+  for (const char* key : {"rope_theta", "rms_norm_eps", "head_dim"}) l4["text_config"].erase(key);
+  const ModelSpec s = spec_ok(l4);
+  EXPECT_EQ(s.layers[0].attention.rope.theta, 500000.0);
+  EXPECT_EQ(s.rms_norm_eps, 1e-5);
+  EXPECT_EQ(s.layers[0].attention.head_dim, 128);
+  // DeepSeek-V2: first_k_dense_replace 0, 2 shared experts, softmax greedy.
+  json v2 = load("DeepSeek-V3.json");
+  v2["model_type"] = "deepseek_v2";
+  for (const char* key :
+       {"first_k_dense_replace", "n_shared_experts", "scoring_func", "topk_method",
+        "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group"})
+    v2.erase(key);
+  const ModelSpec d2 = spec_ok(v2);
+  EXPECT_EQ(d2.layers[0].ffn.kind, FeedForwardKind::kMoe);
+  EXPECT_EQ(d2.layers[0].ffn.moe.n_shared_experts, 2);
+  EXPECT_EQ(d2.layers[0].ffn.moe.scoring_func, MoeScoringFunc::kSoftmax);
+  EXPECT_EQ(d2.layers[0].ffn.moe.topk_method, MoeTopkMethod::kGreedy);
+  EXPECT_FALSE(d2.layers[0].ffn.moe.norm_topk_prob);
+}
+
 // ---------------------------------------------------------------- one integer rule
 
 TEST(ModelSpec, IntegralFloatsAreAcceptedEverywhere) {

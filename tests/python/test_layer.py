@@ -424,18 +424,21 @@ def test_from_config_dispatches_mla(model_type):
     assert type(attnkit.from_config(FAMILIES["llama"])) is attnkit.AttentionLayer
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "bert", "falcon", "gemma3"])
+@pytest.mark.parametrize("model_type", ["gpt2", "bert", "falcon", "gemma"])
 def test_from_config_rejects_families_it_does_not_implement(model_type):
     with pytest.raises(ValueError, match=rf'model_type = "{model_type}" is not supported; '
                                          r'accepted: "llama", "mistral"'):
         attnkit.from_config(dict(FAMILIES["llama"], model_type=model_type))
+    # A multimodal wrapper is read through its text_config, which must be there.
+    with pytest.raises(ValueError, match="text_config is missing"):
+        attnkit.from_config(dict(FAMILIES["llama"], model_type="gemma3"))
 
 
 def test_dir_lists_the_api_only():
     # The modules the package uses are imported under private names.
     public = {n for n in dir(attnkit) if not n.startswith("_")}
     assert not public & {"json", "os", "sys"}
-    assert public - set(attnkit.__all__) <= {"moe", "plot"}     # its own submodules
+    assert public - set(attnkit.__all__) <= {"model_spec", "moe", "plot"}  # its own submodules
 
 
 def test_cache_reprs_show_their_length():
