@@ -7,15 +7,18 @@
 //   sdpa     a valid call, run with Backend::kFast and Backend::kReference;
 //            every output row that sees no non-finite input must agree
 //            within the bound derived below, fully masked rows must be
-//            exactly 0 with lse -inf, and nothing outside the output views
-//            may change.
+//            exactly 0 with lse -inf (with sinks: lse = the head's sink),
+//            and nothing outside the output views may change. Chunks and
+//            sinks (from -1e30 to 1e30) are drawn like the other options.
 //   bad      the same call with exactly one rule broken (rank, dtype, shape,
 //            head divisibility, stride, window, seqlens_k, scale, softcap,
-//            mask, sparse pattern, backend, threads, overlap, overflow):
+//            mask, sparse pattern, backend, threads, overlap, overflow,
+//            chunk_size, sinks):
 //            it must fail with a message and leave every output byte as it
 //            was.
 //   cache    a KVCache fed in random chunks (f32, bf16, int8 or fp8_e4m3,
-//            with or without a sliding window, one bad call in between)
+//            with a sliding window, chunks or neither, sinks or not, one
+//            bad call in between)
 //            against the reference sdpa over the whole history as the cache
 //            stores it (8-bit: dequantized by tests/common/kv_quant_f64.h's
 //            rule); a failed call must leave the cache and `out` untouched.
@@ -231,6 +234,7 @@ struct Problem {
   DType kv = DType::kF32;
   AttentionOptions opt;
   std::vector<int32_t> seqlens;
+  std::vector<float> sinks;  // [heads] behind opt.sinks, or empty
   MaskKind mask = MaskKind::kNone;
   std::array<int64_t, 4> mask_shape{1, 1, 1, 1};
   Layout ql, kl, vl, ol, ml;
@@ -259,6 +263,21 @@ int64_t pick_size(FuzzedDataProvider& fdp, int64_t small_max, int64_t large_max)
   return fdp.ConsumeIntegralInRange<int>(0, 7) == 0
              ? fdp.ConsumeIntegralInRange<int64_t>(0, large_max)
              : fdp.ConsumeIntegralInRange<int64_t>(0, small_max);
+}
+
+int64_t pick_chunk(FuzzedDataProvider& fdp) {
+  static constexpr int64_t kChunks[] = {1,  2,  3,  7,    16,
+                                        63, 64, 65, 1000, std::numeric_limits<int64_t>::max()};
+  return kChunks[fdp.ConsumeIntegralInRange<size_t>(0, std::size(kChunks) - 1)];
+}
+
+// One sink logit per query head, from far below to far above any score
+// (e^88.8 overflows fp32; 1e30 overflows everything).
+std::vector<float> pick_sinks(FuzzedDataProvider& fdp, int64_t heads) {
+  static constexpr float kSinks[] = {0.0f, -1.0f, 2.5f, -30.0f, 40.0f, 88.8f, 1e30f, -1e30f};
+  std::vector<float> sinks(static_cast<size_t>(heads));
+  for (float& x : sinks) x = kSinks[fdp.ConsumeIntegralInRange<size_t>(0, std::size(kSinks) - 1)];
+  return sinks;
 }
 
 int64_t pick_window(FuzzedDataProvider& fdp) {
@@ -309,6 +328,11 @@ Problem make_problem(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
     p.opt.sparse.summary = fdp.ConsumeIntegralInRange<int64_t>(1, p.opt.sparse.stride);
   }
   p.opt.num_threads = fdp.ConsumeIntegralInRange<int>(0, 4);
+  if (fdp.ConsumeIntegralInRange<int>(0, 3) == 0) p.opt.chunk_size = pick_chunk(fdp);
+  if (fdp.ConsumeIntegralInRange<int>(0, 3) == 0) {
+    p.sinks = pick_sinks(fdp, p.heads);
+    p.opt.sinks = attnkit::make_view(p.sinks.data(), DType::kF32, {p.heads});
+  }
   p.want_lse = fdp.ConsumeBool();
   p.want_probs = fdp.ConsumeIntegralInRange<int>(0, 7) == 0;
 
@@ -392,13 +416,13 @@ Problem make_problem(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
     m.shape = p.mask_shape;
     p.opt.mask = m;
   }
-  char buf[512];
+  char buf[600];
   std::snprintf(
       buf, sizeof buf,
       "batch=%lld sq=%lld sk=%lld heads=%lld/%lld d=%lld dv=%lld kv=%s scale=%g "
       "softcap=%g causal=%d window=(%lld,%lld) seqlens=%zu mask=%d(%lld,%lld,%lld,%lld) "
-      "sparse=%d/%lld/%lld/%lld threads=%d lse=%d probs=%d magnitudes=%g/%g/%g "
-      "specials=%d",
+      "sparse=%d/%lld/%lld/%lld chunk=%lld sinks=%g.. threads=%d lse=%d probs=%d "
+      "magnitudes=%g/%g/%g specials=%d",
       static_cast<long long>(p.batch), static_cast<long long>(p.sq), static_cast<long long>(p.sk),
       static_cast<long long>(p.heads), static_cast<long long>(p.kv_heads),
       static_cast<long long>(p.d), static_cast<long long>(p.dv), attnkit::dtype_name(p.kv),
@@ -409,8 +433,10 @@ Problem make_problem(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
       static_cast<long long>(p.mask_shape[2]), static_cast<long long>(p.mask_shape[3]),
       static_cast<int>(p.opt.sparse.kind), static_cast<long long>(p.opt.sparse.block_size),
       static_cast<long long>(p.opt.sparse.stride), static_cast<long long>(p.opt.sparse.summary),
-      p.opt.num_threads, p.want_lse, p.want_probs, static_cast<double>(qr), static_cast<double>(kr),
-      static_cast<double>(vr), specials);
+      static_cast<long long>(p.opt.chunk_size),
+      p.sinks.empty() ? 0.0 : static_cast<double>(p.sinks[0]), p.opt.num_threads, p.want_lse,
+      p.want_probs, static_cast<double>(qr), static_cast<double>(kr), static_cast<double>(vr),
+      specials);
   g_case = buf;
   return p;
 }
@@ -418,7 +444,8 @@ Problem make_problem(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
 // ---- the visibility rules of attention.h, restated ----------------------
 
 int64_t floor_div(int64_t a, int64_t m) {
-  const int64_t r = ((a % m) + m) % m;
+  int64_t r = a % m;
+  if (r < 0) r += m;  // (a % m + m) % m would overflow for m near INT64_MAX
   return (a - r) / m;
 }
 
@@ -441,6 +468,9 @@ bool visible(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (p.opt.causal && j > pos) return false;
   if (p.opt.window_size.left >= 0 && j < pos - p.opt.window_size.left) return false;
   if (p.opt.window_size.right >= 0 && j > pos + p.opt.window_size.right) return false;
+  if (p.opt.chunk_size > 0 &&
+      floor_div(j, p.opt.chunk_size) != floor_div(static_cast<int64_t>(pos), p.opt.chunk_size))
+    return false;
   if (!pattern_admits(p.opt.sparse, static_cast<int64_t>(pos), j)) return false;
   if (p.mask == MaskKind::kBool && p.mask_bool[static_cast<size_t>(p.mask_index(b, h, i, j))] == 0)
     return false;
@@ -534,14 +564,16 @@ void compare(const Problem& p, const Outputs& fast, const Outputs& ref, const ch
           s_max = std::max(s_max, scale * dot);
         }
         if (!any) {
-          // No visible key: exactly 0 and lse -inf, from both backends.
+          // No visible key: exactly 0 and lse -inf (or the head's sink),
+          // from both backends.
           for (const Outputs* o : {&fast, &ref})
             for (int64_t c = 0; c < p.dv; ++c)
               if (!bits_equal(o->out[static_cast<size_t>(p.ol.at(b, i, h, c))], 0.0f))
                 fail(std::string(what) + ": a row without visible keys is not +0 (" +
                      (o == &fast ? "fast" : "reference") + ")");
-          if (p.want_lse && (fast.lse[lse_at] != -kInf || ref.lse[lse_at] != -kInf))
-            fail(std::string(what) + ": a row without visible keys has lse != -inf");
+          const float want = p.sinks.empty() ? -kInf : p.sinks[static_cast<size_t>(h)];
+          if (p.want_lse && (fast.lse[lse_at] != want || ref.lse[lse_at] != want))
+            fail(std::string(what) + ": a row without visible keys has lse != -inf (the sink)");
           continue;
         }
         if (poisoned) continue;  // touches NaN/Inf: may be NaN (docs/RELIABILITY.md)
@@ -626,7 +658,8 @@ void fuzz_bad(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
   std::vector<int32_t> seqlens = p.seqlens;
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
 
-  const int rule = fdp.ConsumeIntegralInRange<int>(0, 29);
+  const int rule = fdp.ConsumeIntegralInRange<int>(0, 31);
+  std::vector<float> bad_sinks(static_cast<size_t>(p.heads + 1), 0.5f);
   switch (rule) {
     case 0:
       q.rank = 3;
@@ -785,6 +818,19 @@ void fuzz_bad(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
         opt.mask = view(p.q.data(), DType::kBool, p.ql, 2);
       }
       break;
+    case 29:
+      opt.chunk_size = -fdp.ConsumeIntegralInRange<int64_t>(1, kMax);
+      break;
+    case 30: {
+      // A non-finite sink, a wrong count, or a wrong dtype.
+      const int which = fdp.ConsumeIntegralInRange<int>(0, 2);
+      const int64_t n = which == 1 ? p.heads + 1 : p.heads;
+      opt.sinks = attnkit::make_view(bad_sinks.data(), which == 2 ? DType::kI32 : DType::kF32, {n});
+      if (which == 0)
+        bad_sinks[fdp.ConsumeIntegralInRange<size_t>(0, static_cast<size_t>(p.heads - 1))] =
+            special_value(fdp.ConsumeIntegralInRange<int>(0, 2));
+      break;
+    }
     default:
       opt.window_size.left = -1 - fdp.ConsumeIntegralInRange<int64_t>(1, 5);
       break;
@@ -815,6 +861,8 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
   static constexpr DType kCacheTypes[] = {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3};
   spec.dtype = kCacheTypes[fdp.ConsumeIntegralInRange<size_t>(0, 3)];
   spec.sliding_window = fdp.ConsumeBool() ? 0 : fdp.ConsumeIntegralInRange<int64_t>(1, 20);
+  if (spec.sliding_window == 0 && fdp.ConsumeBool())
+    spec.chunk_size = fdp.ConsumeIntegralInRange<int64_t>(1, 20);
   // Sometimes K rows of whole 2 KiB, which the cache stores padded.
   if (spec.num_kv_heads != 3 && fdp.ConsumeIntegralInRange<int>(0, 7) == 0)
     spec.head_dim = (spec.dtype == DType::kBF16 ? 1024 : 512) / spec.num_kv_heads;
@@ -830,13 +878,19 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
   static constexpr float kScales[] = {0.0f, 0.5f, 2.0f};
   opt.softmax_scale = kScales[fdp.ConsumeIntegralInRange<size_t>(0, 2)];
   opt.softcap = fdp.ConsumeBool() ? 0.0f : 3.0f;
-  if (spec.sliding_window == 0 && fdp.ConsumeIntegralInRange<int>(0, 3) == 0) {
+  if (spec.sliding_window == 0 && spec.chunk_size == 0 &&
+      fdp.ConsumeIntegralInRange<int>(0, 3) == 0) {
     opt.sparse.kind = SparsePattern::Kind::kStrided;
     opt.sparse.block_size = fdp.ConsumeIntegralInRange<int64_t>(1, 4);
     opt.sparse.stride = fdp.ConsumeIntegralInRange<int64_t>(1, 4);
   }
   opt.backend = pick_backend(fdp);
   opt.num_threads = fdp.ConsumeIntegralInRange<int>(0, 3);
+  std::vector<float> sinks;
+  if (fdp.ConsumeBool()) {
+    sinks = pick_sinks(fdp, heads);
+    opt.sinks = attnkit::make_view(sinks.data(), DType::kF32, {heads});
+  }
 
   // The whole history, as the cache stores it (rounded to bf16, or each
   // token's row of each head quantized and dequantized): [B, max_seq_len,
@@ -878,7 +932,7 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
     const TensorView ov = attnkit::make_view(out.data(), DType::kF32, {B, T, heads, Dv});
 
     // Sometimes a bad call first: it must change nothing.
-    const int bad = fdp.ConsumeIntegralInRange<int>(0, 6);
+    const int bad = fdp.ConsumeIntegralInRange<int>(0, 7);
     if (bad > 0) {
       // Every byte the strided keys view spans, row padding included.
       const std::vector<unsigned char> keys_before = attnkit_test::span_bytes(cache.keys());
@@ -905,6 +959,9 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
         }
         case 5:
           bad_opt.mask = attnkit::make_view(q.data(), DType::kBool, {1, 1, 1, 1});
+          break;
+        case 6:
+          bad_opt.chunk_size = spec.chunk_size + 1;  // not the cache's chunk
           break;
         default:
           // An out whose rows share memory (threads would race on them).
@@ -973,6 +1030,8 @@ void fuzz_cache(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
     p.opt = opt;
     p.opt.causal = true;
     if (spec.sliding_window > 0) p.opt.window_size.left = spec.sliding_window - 1;
+    p.opt.chunk_size = spec.chunk_size;
+    p.sinks = sinks;
     p.ql.shape = {B, T, heads, D};
     p.ql.strides = {T * heads * D, heads * D, D, 1};
     p.kl.shape = {B, len + T, Hkv, D};

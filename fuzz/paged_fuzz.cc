@@ -2,7 +2,8 @@
 // sequences against a dense model of every sequence's history.
 //
 // The input picks a pool (MHA/GQA/MQA or MLA's latent layout, page size
-// 1-9, 1-40 pages, 1-3 layers, f32, bf16, int8 or fp8_e4m3, window 0-9)
+// 1-9, 1-40 pages, 1-3 layers, f32, bf16, int8 or fp8_e4m3, window 0-9 or
+// chunks of 1-9 (the pool's, or per call in a plain pool), sinks or none)
 // and then a sequence
 // of operations: add_sequence, append (valid, or with an unknown id, a
 // repeated id, a negative count, or more tokens than the pool holds),
@@ -16,8 +17,10 @@
 //     released or foreign page shows as NaN;
 //   - each attend's output rows must equal, within the bound of
 //     tests/common/attention_bounds.h, the reference sdpa over that
-//     sequence's dense history (bottom-right causal, the pool's window);
-//   - attend_held (queries over every held token, windowless pools only)
+//     sequence's dense history (bottom-right causal, the pool's window,
+//     the chunk, the sinks);
+//   - attend_held (queries over every held token, pools without windows
+//     or chunks only)
 //     likewise, without the mask, and it must change nothing.
 #include <fuzzer/FuzzedDataProvider.h>
 
@@ -73,6 +76,15 @@ class Run {
     static constexpr DType kTypes[] = {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3};
     s.dtype = kTypes[in_.ConsumeIntegralInRange<size_t>(0, 3)];
     s.sliding_window = in_.ConsumeBool() ? in_.ConsumeIntegralInRange(1, 9) : 0;
+    // Chunks: the pool's (releasing pages), or given per call to a plain
+    // pool; sinks on every call, or none.
+    if (s.sliding_window == 0 && in_.ConsumeBool()) s.chunk_size = in_.ConsumeIntegralInRange(1, 9);
+    if (s.chunk_size == 0 && in_.ConsumeBool()) call_chunk_ = in_.ConsumeIntegralInRange(1, 9);
+    if (in_.ConsumeBool()) {
+      static constexpr float kSinks[] = {-20.0f, -1.0f, 0.0f, 1.5f, 30.0f, 1e30f};
+      for (int64_t h = 0; h < heads_; ++h)
+        sinks_.push_back(kSinks[in_.ConsumeIntegralInRange<size_t>(0, std::size(kSinks) - 1)]);
+    }
     auto pool = PagedKVCache::create(s);
     if (!pool.ok()) fail("create failed on a valid spec");
     pool_.emplace(std::move(pool).value());
@@ -193,6 +205,8 @@ class Run {
       for (float& e : *buf) e = next_value();
     attnkit::AttentionOptions o;
     o.num_threads = in_.ConsumeIntegralInRange(1, 3);
+    o.chunk_size = call_chunk_;
+    if (!sinks_.empty()) o.sinks = attnkit::make_view(sinks_.data(), DType::kF32, {H});
     const bool latent = s.latent();
     auto call = [&](int64_t which_layer, const std::vector<int32_t>& offsets,
                     const std::vector<int64_t>& which) {
@@ -261,8 +275,8 @@ class Run {
         pool.attend_held(layer, attnkit::make_view(q.data(), DType::kF32, {total, H, D}), cu, ids,
                          attnkit::make_view(out.data(), DType::kF32, {total, H, Dv}), o);
     if (!(snapshot(pool) == before)) fail("attend_held changed the pool");
-    if (s.sliding_window > 0) {
-      if (st.ok()) fail("attend_held accepted a window pool");
+    if (s.sliding_window > 0 || s.chunk_size > 0) {
+      if (st.ok()) fail("attend_held accepted a window or chunked pool");
       return;
     }
     if (!st.ok()) {
@@ -286,6 +300,7 @@ class Run {
     const int64_t n = cu[i + 1] - cu[i], keys = int64_t(h.k.size()) / (Hkv * D);
     if (n == 0) return;
     if (keys == 0) {  // attend_held of a sequence with nothing written: rows of 0
+      // (attend() always has keys: its queries are written first)
       for (int64_t x = 0; x < n * H * Dv; ++x)
         if (out[size_t(cu[i] * H * Dv + x)] != 0.0f) fail("a row without keys is not 0", x);
       return;
@@ -295,6 +310,10 @@ class Run {
     o.causal = causal;
     o.backend = attnkit::Backend::kReference;
     if (causal && s.sliding_window > 0) o.window_size.left = s.sliding_window - 1;
+    if (causal) {
+      o.chunk_size = s.chunk_size > 0 ? s.chunk_size : call_chunk_;
+      if (!sinks_.empty()) o.sinks = attnkit::make_view(sinks_.data(), DType::kF32, {H});
+    }
     const attnkit::Status st =
         attnkit::sdpa(attnkit::make_view(q.data() + cu[i] * H * D, DType::kF32, {1, n, H, D}),
                       attnkit::make_view(k.data(), DType::kF32, {1, keys, Hkv, D}),
@@ -313,6 +332,8 @@ class Run {
   FuzzedDataProvider& in_;
   std::optional<PagedKVCache> pool_;
   int64_t heads_ = 2;
+  int64_t call_chunk_ = 0;    // options.chunk_size of every attend()
+  std::vector<float> sinks_;  // [heads_] options.sinks of every attend(), or none
   uint64_t rng_state_ = 1;
   std::map<int64_t, std::vector<History>> model_;
 };
