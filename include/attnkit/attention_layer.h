@@ -115,7 +115,10 @@ class AttentionLayer {
   // (RoPE). Each projection is one GEMM over all rows (never the one-row
   // GEMV, so that batching changes no bits where
   // kernels::linear_rows_independent()); attention is cache.attend(). The
-  // layer must be causal and the pool's shape and window this layer's.
+  // layer must be causal and the pool's shape this layer's; the pool's
+  // sliding_window and chunk_size are this layer's, or 0 in a pool shared
+  // by layers of several kinds (gpt-oss's, Gemma 3's, Llama 4's), where
+  // the layer passes its own window and chunk with each call.
   // A failed call changes neither out nor the pool.
   Status forward_batch(const TensorView& x, std::span<const int32_t> cu_seqlens_q,
                        std::span<const int64_t> seq_ids, PagedKVCache& cache, int64_t layer_index,

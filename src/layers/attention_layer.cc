@@ -490,14 +490,25 @@ Status AttentionLayer::forward_batch(const TensorView& x, std::span<const int32_
   } match[] = {{"kv_lora_rank", s.kv_lora_rank, 0, "0 (not MLA's latent layout)"},
                {"num_kv_heads", s.num_kv_heads, c.num_kv_heads, "config().num_kv_heads"},
                {"head_dim", s.head_dim, c.head_dim, "config().head_dim"},
-               {"head_dim_v", s.head_dim_v, c.head_dim, "config().head_dim"},
-               {"sliding_window", s.sliding_window, c.sliding_window, "config().sliding_window"},
-               {"chunk_size", s.chunk_size, c.chunk_size, "config().chunk_size"}};
+               {"head_dim_v", s.head_dim_v, c.head_dim, "config().head_dim"}};
   for (const auto& m : match)
     if (m.have != m.want)
       return invalid_argument(f + ": cache spec." + m.name + " = " + std::to_string(m.have) +
                               " must equal " + m.source + " = " + std::to_string(m.want) +
                               " (a pool shaped for another layer?)");
+  // A pool of this layer's kind (window or chunk, which it releases pages
+  // by), or one shared by layers of several kinds (both 0), where the
+  // layer's own window and chunk go with each attend() call.
+  const struct {
+    const char* name;
+    int64_t have, want;
+  } kind[] = {{"sliding_window", s.sliding_window, c.sliding_window},
+              {"chunk_size", s.chunk_size, c.chunk_size}};
+  for (const auto& m : kind)
+    if (m.have != 0 && m.have != m.want)
+      return invalid_argument(f + ": cache spec." + m.name + " = " + std::to_string(m.have) +
+                              " must equal config()." + m.name + " = " + std::to_string(m.want) +
+                              ", or be 0 in a pool shared by layers of several kinds");
   ATTNKIT_ASSIGN_OR_RETURN(
       std::vector<int64_t> positions,
       paged_positions(kForwardBatch, cu_seqlens_q, seq_ids, cache, layer_index, total));
@@ -510,8 +521,11 @@ Status AttentionLayer::forward_batch(const TensorView& x, std::span<const int32_
                    const auto rows = [&](const Tensor& t) {
                      return make_view(t.data(), DType::kF32, {total, t.dim(2), t.dim(3)});
                    };
+                   AttentionOptions opt = attention_options(run);
+                   if (c.sliding_window > 0) opt.window_size.left = c.sliding_window - 1;
+                   opt.chunk_size = c.chunk_size;
                    return cache.attend(layer_index, rows(q), rows(k), rows(v), cu_seqlens_q,
-                                       seq_ids, rows(o), attention_options(run));
+                                       seq_ids, rows(o), opt);
                  });
 }
 

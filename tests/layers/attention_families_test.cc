@@ -484,6 +484,64 @@ TEST(AttentionFamilies, ContinuousBatchingThroughPagedKVCache) {
   for (const Kind& k : kinds()) check_paged(k, seed += 10);
 }
 
+// One pool shared by layers of different kinds (its window and chunk 0):
+// a gpt-oss sliding layer on pool layer 0, a Llama 4 chunked layer on pool
+// layer 1 and a gpt-oss full layer on pool layer 2, each passing its own
+// window or chunk, each matching its float64 port.
+TEST(AttentionFamilies, OnePoolSharedByLayersOfDifferentKinds) {
+  const AttentionConfig configs[] = {gpt_oss(true, true), llama4_rope(4), gpt_oss(false, true)};
+  std::vector<Built> layers;
+  for (size_t l = 0; l < 3; ++l) layers.push_back(build(configs[l], 600 + l));
+  auto pool = layers[2].layer.new_paged_cache(60, 4, 3);
+  ASSERT_TRUE(pool.ok()) << pool.status().to_string();
+  ASSERT_EQ(pool->spec().sliding_window, 0);
+  ASSERT_EQ(pool->spec().chunk_size, 0);
+  const std::vector<std::vector<int64_t>> steps = {{6, 3}, {1, 2}, {1, 1}, {3, 0}, {1, 5}, {1, 1}};
+  std::vector<int64_t> lengths(2, 0);
+  for (const auto& st : steps)
+    for (size_t i = 0; i < 2; ++i) lengths[i] += st[i];
+  const int64_t d = configs[0].hidden_size;
+  Rng rng(9);
+  std::vector<std::vector<float>> x(2), out_last;
+  for (size_t i = 0; i < 2; ++i) x[i] = attnkit_test::uniform_vector(size_t(lengths[i] * d), rng);
+  // Layers 0 and 1 write their outputs here, per sequence, as they run.
+  std::vector<std::vector<std::vector<float>>> outs(2, std::vector<std::vector<float>>(2));
+  attnkit_test::run_batch_steps(
+      *pool, d, x, steps, &out_last,
+      [&](const TensorView& xv, std::span<const int32_t> cu, std::span<const int64_t> ids,
+          const TensorView& ov) {
+        std::vector<float> tmp(size_t(xv.shape[0] * d) + 1);
+        const TensorView tv = attnkit::make_view(tmp.data(), DType::kF32, {xv.shape[0], d});
+        for (int64_t l = 0; l < 2; ++l) {
+          ATTNKIT_RETURN_IF_ERROR(layers[size_t(l)].layer.forward_batch(xv, cu, ids, *pool, l, tv));
+          for (size_t i = 0; i < 2; ++i)
+            outs[size_t(l)][i].insert(outs[size_t(l)][i].end(), tmp.begin() + cu[i] * d,
+                                      tmp.begin() + cu[i + 1] * d);
+        }
+        return layers[2].layer.forward_batch(xv, cu, ids, *pool, 2, ov);
+      });
+  for (size_t i = 0; i < 2; ++i) {
+    for (size_t l = 0; l < 2; ++l)
+      EXPECT_TRUE(close(outs[l][i], reference(configs[l], layers[l].w, x[i], lengths[i])))
+          << "pool layer " << l << ", sequence " << i;
+    EXPECT_TRUE(close(out_last[i], reference(configs[2], layers[2].w, x[i], lengths[i])))
+        << "pool layer 2, sequence " << i;
+  }
+  // A pool that releases by another window is refused, naming the field.
+  auto windowed = layers[0].layer.new_paged_cache(8, 4).value();
+  std::vector<float> xs(size_t(d), 0.1f), os(size_t(d), -4.0f);
+  const int64_t id = windowed.add_sequence();
+  ASSERT_TRUE(windowed.append(std::vector<int64_t>{id}, std::vector<int64_t>{1}).ok());
+  const attnkit::Status st = layers[2].layer.forward_batch(
+      attnkit::make_view(xs.data(), DType::kF32, {1, d}), std::vector<int32_t>{0, 1},
+      std::vector<int64_t>{id}, windowed, 0, attnkit::make_view(os.data(), DType::kF32, {1, d}));
+  EXPECT_NE(
+      st.message().find("cache spec.sliding_window = 4 must equal config().sliding_window = 0"),
+      std::string::npos)
+      << st.message();
+  for (float o : os) EXPECT_EQ(o, -4.0f);
+}
+
 // The reference is sensitive to each feature: dropping any one of them, or
 // splitting q_proj's rows the other way round, moves the output beyond the
 // tolerance (so the checks above can fail).
