@@ -484,6 +484,30 @@ TEST(AttentionFamilies, ContinuousBatchingThroughPagedKVCache) {
   for (const Kind& k : kinds()) check_paged(k, seed += 10);
 }
 
+// forward_qkv(x, x, x) with causal set computes forward(x): the same
+// norms, RoPE, temperature, gate, and the layer's chunk and sinks by
+// default (its window is the caller's to pass, so the sliding kinds pass
+// it too).
+TEST(AttentionFamilies, ForwardQkvTakesTheLayersFeatures) {
+  uint64_t seed = 700;
+  for (const Kind& k : kinds()) {
+    SCOPED_TRACE(k.name);
+    const AttentionConfig& c = k.config;
+    auto [layer, w] = build(c, seed += 10);
+    const int64_t T = 13, d = c.hidden_size;
+    Rng rng(seed + 1);
+    std::vector<float> x = attnkit_test::uniform_vector(size_t(T * d), rng);
+    std::vector<float> out(x.size(), -9.0f);
+    attnkit::AttentionOptions opt;
+    opt.causal = true;
+    if (c.sliding_window > 0) opt.window_size.left = c.sliding_window - 1;
+    const TensorView xv = view3(x.data(), 1, T, d);
+    const auto st = layer.forward_qkv(xv, xv, xv, view3(out.data(), 1, T, d), opt);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    EXPECT_TRUE(close(out, reference(c, w, x, T)));
+  }
+}
+
 // One pool shared by layers of different kinds (its window and chunk 0):
 // a gpt-oss sliding layer on pool layer 0, a Llama 4 chunked layer on pool
 // layer 1 and a gpt-oss full layer on pool layer 2, each passing its own
