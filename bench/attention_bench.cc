@@ -17,7 +17,11 @@
 // from 4K to 64K keys, GQA/MQA vs MHA per query head, 1 thread vs the
 // default, fast vs reference) are printed in the summary at the end, from
 // each benchmark's best repetition; the 4-token and per-query-head ratios
-// also from calls of the two shapes alternated ("paired").
+// also from calls of the two shapes alternated ("paired"), as are decode
+// with sinks against without, and a 32K-token chunked prefill (chunks of
+// 8K) against a sliding window of 8K (also per visible pair, since chunks
+// see about half the pairs):
+//   build/bench/attnkit_bench --benchmark_filter='sinks_over_plain|chunk8192'
 //
 //   build/bench/attnkit_bench --benchmark_repetitions=5      # everything
 //   build/bench/attnkit_bench --benchmark_filter=decode
@@ -121,6 +125,9 @@ struct Shape {
   bool mla_view = false;  // V = the first dv columns of K's rows
   bool ragged = false;    // batch items of seqlen_k / 16 ... seqlen_k keys, evenly spread
   int threads = 0;        // 0 = bench_threads()
+  bool sinks = false;     // one sink logit per query head (gpt-oss)
+  int64_t chunk = 0;      // chunked local attention (Llama 4), 0 = off
+  int64_t window_left = -1;
 };
 
 bool eight_bit(DType kv) { return kv == DType::kI8 || kv == DType::kFp8E4M3; }
@@ -230,6 +237,7 @@ class Problem {
       if (!s.mla_view) scales(v_, vn_ / v_row, vl, v_row);
     }
     for (int64_t b = 0; b < s.batch; ++b) k_len_.push_back(static_cast<int32_t>(keys_of(s, b)));
+    for (int64_t h = 0; s.sinks && h < s.heads; ++h) sinks_.push_back(u(rng));
     out_.resize(static_cast<size_t>(s.batch * s.seqlen_q * s.heads * s.dv));
   }
 
@@ -273,6 +281,9 @@ class Problem {
     o.backend = backend;
     o.num_threads = threads;
     if (s_.ragged) o.seqlens_k = k_len_;
+    if (s_.sinks) o.sinks = make_view(sinks_.data(), DType::kF32, {s_.heads});
+    o.chunk_size = s_.chunk;
+    o.window_size.left = s_.window_left;
     const size_t set = next_set_;
     next_set_ = (next_set_ + 1) % sets_;
     const size_t k_at = k_.size() / sets_ * set, v_at = v_.size() / sets_ * set;
@@ -298,9 +309,16 @@ class Problem {
     double pairs = 0;
     for (int64_t b = 0; b < s_.batch; ++b) {
       const int64_t keys = keys_of(s_, b);
-      for (int64_t i = 0; i < s_.seqlen_q; ++i)
-        pairs += s_.causal ? static_cast<double>(std::min(keys, i + keys - s_.seqlen_q + 1))
-                           : static_cast<double>(keys);
+      for (int64_t i = 0; i < s_.seqlen_q; ++i) {
+        const int64_t p = i + keys - s_.seqlen_q;  // bottom-right aligned
+        int64_t lo = 0, hi = s_.causal ? std::min(keys, p + 1) : keys;
+        if (s_.window_left >= 0) lo = std::max(lo, p - s_.window_left);
+        if (s_.chunk > 0) {
+          lo = std::max(lo, p / s_.chunk * s_.chunk);
+          hi = std::min(hi, p / s_.chunk * s_.chunk + s_.chunk);
+        }
+        pairs += static_cast<double>(std::max<int64_t>(0, hi - lo));
+      }
     }
     return 2.0 * (s_.d + s_.dv) * pairs * s_.heads;
   }
@@ -345,12 +363,15 @@ class Problem {
     p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s_.d)));
     p.causal = s_.causal;
     if (s_.ragged) p.k_len = k_len_.data();
+    if (s_.sinks) p.sinks = sinks_.data();
+    p.chunk_size = s_.chunk;
+    p.window_left = s_.window_left;
     p.num_threads = threads;
     return kernels::run_attention(p, backend);
   }
 
   Shape s_;
-  std::vector<float> q_, out_;
+  std::vector<float> q_, out_, sinks_;
   std::vector<int32_t> k_len_;
   KvRowLayout k_layout_, v_layout_;
   int64_t k_row_ = 0, v_row_ = 0;  // elements (8-bit: bytes) between token rows
@@ -471,13 +492,20 @@ void run_ratio_benchmark(benchmark::State& state, const std::string& name, const
   std::vector<double>& all = paired_ratios()[name];
   all.insert(all.end(), ratios.begin(), ratios.end());
   state.counters["ratio_median"] = bench::median(ratios);
+  // Shapes of different work (chunks against a window of the same size):
+  // the ratio of time per visible (query, key) pair too.
+  if (a.flops() != b.flops()) {
+    std::vector<double>& per_pair = paired_ratios()[name + "/per_visible_pair"];
+    for (double r : ratios) per_pair.push_back(r * b.flops() / a.flops());
+    state.counters["ratio_per_pair_median"] = bench::median(ratios) * b.flops() / a.flops();
+  }
 }
 
-void add_ratio(const std::string& name, const Shape& num, const Shape& den) {
+void add_ratio(const std::string& name, const Shape& num, const Shape& den, int pairs = 15) {
   benchmark::RegisterBenchmark(
       name.c_str(), [=](benchmark::State& st) { run_ratio_benchmark(st, name, num, den); })
       ->UseRealTime()
-      ->Iterations(15)
+      ->Iterations(pairs)
       ->Unit(benchmark::kMillisecond);
 }
 
@@ -508,6 +536,27 @@ Shape gqa_decode(int64_t tokens, DType kv, int64_t batch = 1, int64_t keys = 163
   s.kv_heads = 8;
   s.kv = kv;
   s.causal = true;
+  return s;
+}
+
+Shape with_sinks(Shape s) {
+  s.sinks = true;
+  return s;
+}
+
+// 32K-token causal prefill, GQA 8/2, head_dim 64 (a Llama 4 layer's
+// chunk and a sliding-window layer's window at a smaller head count, so
+// that a pair of calls takes seconds, not minutes): chunks of C, or a
+// window of C (each query sees itself and C - 1 keys before it).
+Shape long_prefill(int64_t chunk, int64_t window) {
+  Shape s;
+  s.seqlen_q = s.seqlen_k = 32768;
+  s.heads = 8;
+  s.kv_heads = 2;
+  s.d = s.dv = 64;
+  s.causal = true;
+  s.chunk = chunk;
+  s.window_left = window > 0 ? window - 1 : -1;
   return s;
 }
 
@@ -572,6 +621,17 @@ void register_all() {
     for (DType wide : {DType::kBF16, DType::kF32})
       add_ratio("paired/decode/gqa32-8/k16384/q1/" + kv_name(kv) + "_over_" + kv_name(wide),
                 gqa_decode(1, kv), gqa_decode(1, wide));
+  // Sinks on decode: the same call with and without them (their cost is
+  // one exp per row where the row is written or its splits merged).
+  for (DType kv : {DType::kF32, DType::kBF16})
+    add_ratio("paired/decode/gqa32-8/k16384/q1/sinks_over_plain/" + kv_name(kv),
+              with_sinks(gqa_decode(1, kv)), gqa_decode(1, kv), 31);
+  // Chunked prefill against a sliding window of the same size: key tiles
+  // outside a query block's chunk are skipped as tiles outside a window
+  // are. Chunks see about half the (query, key) pairs of such a window, so
+  // the summary gives the ratio per visible pair too.
+  add_ratio("paired/prefill/causal/gqa8-2/d64/s32768/chunk8192_over_window8192/f32",
+            long_prefill(8192, 0), long_prefill(0, 8192), 5);
   add_ratio("paired/prefill/causal/s1024/gqa32-8_over_mha32/f32", gqa_prefill(8, DType::kF32, 1024),
             gqa_prefill(32, DType::kF32, 1024));
   add_ratio("paired/prefill/causal/s1024/mqa32-1_over_mha32/f32", gqa_prefill(1, DType::kF32, 1024),
