@@ -10,6 +10,7 @@
 #include "attnkit/analysis.h"
 #include "attnkit/config.h"
 #include "attnkit/latent_attention.h"
+#include "attnkit/model_spec.h"
 #include "attnkit/moe.h"
 
 namespace {
@@ -55,5 +56,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
 
   check_error("model_shape_from_json", attnkit::model_shape_from_json(text));
+
+  // The one reader: every layer it describes is valid for its kind.
+  attnkit::Result<attnkit::ModelSpec> spec = attnkit::model_spec_from_json(text);
+  check_error("model_spec_from_json", spec);
+  if (spec.ok()) {
+    if (static_cast<int64_t>(spec->layers.size()) != spec->num_layers)
+      fail("model_spec_from_json", "layer count differs from num_layers", "");
+    for (const attnkit::LayerSpec& l : spec->layers) {
+      attnkit::Status v = attnkit::Status::Ok();
+      if (l.kind == attnkit::LayerKind::kAttention) v = attnkit::validate(l.attention);
+      if (l.kind == attnkit::LayerKind::kLatentAttention) v = attnkit::validate(l.mla);
+      if (v.ok() && l.ffn.kind == attnkit::FeedForwardKind::kMoe) v = attnkit::validate(l.ffn.moe);
+      if (!v.ok())
+        fail("model_spec_from_json", "described a layer validate() rejects", v.message());
+    }
+  }
   return 0;
 }

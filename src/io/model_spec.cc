@@ -320,13 +320,21 @@ Status read(const json& top, const SpecRequest& r, ModelSpec* spec) {
 
   ATTNKIT_RETURN_IF_ERROR(c.f.integer(layers_key, &c.num_layers));
   if (c.f.has(layers_key)) {
-    ATTNKIT_RETURN_IF_ERROR(in_range(c, layers_key, c.num_layers, 1));
+    // Each layer costs a LayerSpec (about a kilobyte with its RoPE tables):
+    // 2^16 layers, far past any model (Llama 3.1 405B has 126), bounds what
+    // a hostile config can make the reader allocate.
+    if (c.num_layers < 1 || c.num_layers > kMaxLayers)
+      return c.f.error(c.f.path(layers_key) + " = " + std::to_string(c.num_layers) +
+                       " must be in [1, " + std::to_string(kMaxLayers) + "]");
   } else if (r.layers_if_absent > 0) {
     // A layer_types list says how many layers there are.
     const json* types = c.f.get("layer_types");
     c.num_layers = types != nullptr && types->is_array() && !types->empty()
                        ? static_cast<int64_t>(types->size())
                        : r.layers_if_absent;
+    if (c.num_layers > kMaxLayers)
+      return c.f.error(c.f.path("layer_types") + " has " + std::to_string(c.num_layers) +
+                       " entries, more than " + std::to_string(kMaxLayers) + " layers");
   } else {
     ATTNKIT_RETURN_IF_ERROR(c.f.required(layers_key, "the number of decoder layers"));
   }

@@ -278,14 +278,17 @@ Status read_attention_layer(const SpecContext& c, const AttentionConfig& base, i
   }
   if (fam == Family::kQwen3Next) a->output_gate = true;
   if (a->use_rope) {
-    if (fam == Family::kGemma3 && sliding) {
-      // Local layers: rope_local_base_freq, never scaled.
+    std::string name;
+    const json* block = rope_block(c, sliding, &name);
+    const bool keyed = name.ends_with(".sliding_attention");
+    if (fam == Family::kGemma3 && sliding && !keyed) {
+      // Local layers: rope_local_base_freq, never scaled (unless HF v5's
+      // rope_parameters gives the sliding layers a block of their own).
       a->rope.theta = 10000.0;
       ATTNKIT_RETURN_IF_ERROR(c.f.number("rope_local_base_freq", &a->rope.theta));
       a->rope.scaling = RopeScaling{};
     } else {
-      std::string name;
-      if (const json* block = rope_block(c, sliding, &name)) {
+      if (block != nullptr) {
         a->rope.scaling = RopeScaling{};
         ATTNKIT_RETURN_IF_ERROR(read_rope_block(c, *block, name, &a->rope));
       }

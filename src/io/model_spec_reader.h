@@ -75,6 +75,7 @@ struct SpecContext {
 };
 
 constexpr int64_t kMaxDim = int64_t{1} << 20;
+constexpr int64_t kMaxLayers = int64_t{1} << 16;
 
 // "[lo, 2^20]" range check naming the field.
 Status in_range(const SpecContext& c, const char* key, int64_t value, int64_t lo);

@@ -209,6 +209,16 @@ TEST(ModelSpec, Gemma3_27bAndTheTextModelAlone) {
   const ModelSpec listed = spec_ok(text);
   EXPECT_EQ(listed.layers[59].attention.sliding_window, 1024);
   EXPECT_EQ(listed.layers[60].attention.sliding_window, 0);
+  // Hugging Face v5 writes one rope block per layer type.
+  text.erase("rope_scaling");
+  text["rope_parameters"] = {
+      {"full_attention", {{"rope_type", "linear"}, {"factor", 8.0}, {"rope_theta", 1e6}}},
+      {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 20000.0}}}};
+  const ModelSpec v5 = spec_ok(text);
+  EXPECT_EQ(v5.layers[0].attention.rope.theta, 20000.0);
+  EXPECT_EQ(v5.layers[0].attention.rope.scaling.type, RopeScaling::Type::kNone);
+  EXPECT_EQ(v5.layers[60].attention.rope.theta, 1e6);
+  EXPECT_EQ(v5.layers[60].attention.rope.scaling.type, RopeScaling::Type::kLinear);
 }
 
 // ---------------------------------------------------------------- Llama 4
