@@ -86,6 +86,16 @@ class MoeLayer {
   //             block_sparse_moe.experts.{i}.w1.weight [I, H]  (gate)
   //             block_sparse_moe.experts.{i}.w3.weight [I, H]  (up)
   //             block_sparse_moe.experts.{i}.w2.weight [H, I]  (down)
+  //   gpt-oss:  mlp.router.weight [E, H], mlp.router.bias [E]     (router_bias)
+  //             mlp.experts.gate_up_proj [E, H, 2I]   x @ W: gate in the even
+  //                                                   columns, up in the odd
+  //             mlp.experts.gate_up_proj_bias [E, 2I] (expert_bias), interleaved
+  //             mlp.experts.down_proj [E, I, H]       x @ W (not nn.Linear's)
+  //             mlp.experts.down_proj_bias [E, H]     (expert_bias)
+  //             repacked at load into per-expert nn.Linear matrices, so the
+  //             fused expert tensors are not kept (weight() names them as
+  //             such); routing is the softmax over the top-k router logits,
+  //             which scoring_func kSoftmax with norm_topk_prob computes.
   std::vector<std::string> weight_names() const;
 
   // Copies every name above from `weights` as `prefix + name` (prefix e.g.
@@ -118,12 +128,13 @@ class MoeLayer {
   MoeLayer() = default;
 
   // One weight: its name after the block prefix ("gate.weight",
-  // "experts.3.w1.weight"), shape [rows, cols] (cols == 0: [rows]) and what
-  // the dims mean, for error messages.
+  // "experts.3.w1.weight"), shape [rows, cols] (cols == 0: [rows]; depth >
+  // 0: [rows, cols, depth]) and what the dims mean, for error messages.
   struct WeightSpec {
     std::string name;
     int64_t rows = 0, cols = 0;
     const char* meaning = "";
+    int64_t depth = 0;
   };
   // Every weight in load order; tensors_ follows it: gate, the correction
   // bias (noaux_tc), then gate/up/down of expert 0, 1, ..., then gate/up/down
@@ -131,8 +142,13 @@ class MoeLayer {
   std::vector<WeightSpec> weight_specs() const;
 
   MoeConfig config_;
-  // nn.Linear layout, matrices f32 or bf16 (as loaded); empty until load_weights()
+  // nn.Linear layout, matrices f32 or bf16 (as loaded); empty until
+  // load_weights(). gpt-oss: the router, then each expert's repacked gate,
+  // up and down.
   std::vector<Tensor> tensors_;
+  // gpt-oss's biases, f32: router [E], gate and up [E, I] (de-interleaved),
+  // down [E, H]; empty otherwise.
+  Tensor router_bias_, gate_bias_, up_bias_, down_bias_;
 };
 
 }  // namespace attnkit

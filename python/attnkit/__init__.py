@@ -52,13 +52,19 @@ def from_config(config, layer_index=0):
     config: a config.json as a dict (or a transformers config object, or the
         path of a config.json).
     layer_index: which layer's settings to use where they differ per layer
-        (Mistral/Gemma-2/Qwen2 sliding-window layers, layer_types).
+        (Mistral/Gemma-2/Gemma 3/gpt-oss/Qwen2 sliding-window layers,
+        Llama 4's chunked RoPE and global NoPE layers, Qwen3-Next's
+        full-attention layers, layer_types).
 
-    Returns an AttentionLayer for model_type llama, mistral, mixtral, qwen2,
-    qwen2_moe, qwen3, qwen3_moe, gemma2 (or no model_type: llama's shape)
-    or, for deepseek_v2 / deepseek_v3 / kimi_k2, a LatentAttention (MLA).
-    Any other model_type raises ValueError naming it. The layer expects Hugging Face weight
-    names (q_proj.weight, ...); load them with
+    Returns an AttentionLayer for the softmax-attention families the C++
+    config reader knows (attention_config_from_json: llama, mistral,
+    mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma2, and where it reads
+    them gpt_oss, gemma3_text / gemma3, llama4_text / llama4 and
+    qwen3_next's full-attention layers; no model_type: llama's shape) or,
+    for deepseek_v2 / deepseek_v3 / kimi_k2, a LatentAttention (MLA).
+    Any other model_type, or a layer that is not softmax attention, raises
+    ValueError naming it. The layer expects Hugging Face weight names
+    (q_proj.weight, ..., q_norm.weight, sinks); load them with
     layer.load_state_dict(state_dict, prefix="model.layers.N.self_attn.").
     forward(x [batch, seq, hidden]) -> [batch, seq, hidden].
     Raises ValueError naming the offending field.

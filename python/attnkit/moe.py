@@ -10,7 +10,10 @@ def moe_from_config(config):
 
     config: a config.json as a dict, a transformers config object (anything
         with to_dict()), or the path of a config.json. Families: mixtral,
-        deepseek_v2, deepseek_v3, kimi_k2.
+        deepseek_v2, deepseek_v3, kimi_k2, and gpt_oss where the C++ reader
+        (moe_config_from_json) reads it: its fused experts
+        (mlp.experts.gate_up_proj [E, H, 2I], down_proj [E, I, H] and their
+        biases, mlp.router.weight/bias) are repacked at load.
 
     Raises ValueError naming the offending field. Then:
 

@@ -32,6 +32,38 @@ struct PyAttentionLayer {
   std::mutex mu;
 };
 
+// The Python spelling of a QkNorm: None, "rms", "rms_one_plus", "l2".
+py::object qk_norm_name(attnkit::QkNorm n) {
+  switch (n) {
+    case attnkit::QkNorm::kRms:
+      return py::str("rms");
+    case attnkit::QkNorm::kRmsOnePlus:
+      return py::str("rms_one_plus");
+    case attnkit::QkNorm::kL2:
+      return py::str("l2");
+    case attnkit::QkNorm::kNone:
+      break;
+  }
+  return py::none();
+}
+
+// config['qk_norm']: None / False, True (= "rms", as before the kinds),
+// "rms", "rms_one_plus" or "l2".
+attnkit::QkNorm parse_qk_norm(py::handle v, const char* fn) {
+  if (v.is_none()) return attnkit::QkNorm::kNone;
+  if (py::isinstance<py::bool_>(v))
+    return v.cast<bool>() ? attnkit::QkNorm::kRms : attnkit::QkNorm::kNone;
+  if (py::isinstance<py::str>(v)) {
+    const std::string s = v.cast<std::string>();
+    if (s == "rms") return attnkit::QkNorm::kRms;
+    if (s == "rms_one_plus") return attnkit::QkNorm::kRmsOnePlus;
+    if (s == "l2") return attnkit::QkNorm::kL2;
+  }
+  raise_value_error(fn, "config['qk_norm'] = " + py::repr(v).cast<std::string>() +
+                            " must be None, \"rms\" (Qwen3; True means it too), "
+                            "\"rms_one_plus\" (Gemma 3, Qwen3-Next) or \"l2\" (Llama 4)");
+}
+
 py::dict config_to_dict(const AttentionConfig& c) {
   py::dict d;
   d["model_type"] = c.model_type;
@@ -41,7 +73,7 @@ py::dict config_to_dict(const AttentionConfig& c) {
   d["head_dim"] = c.head_dim;
   d["qkv_bias"] = c.qkv_bias;
   d["o_bias"] = c.o_bias;
-  d["qk_norm"] = c.qk_norm != attnkit::QkNorm::kNone;
+  d["qk_norm"] = qk_norm_name(c.qk_norm);
   d["rms_norm_eps"] = c.rms_norm_eps;
   d["use_rope"] = c.use_rope;
   d["rope"] = c.use_rope ? py::object(rope_config_to_dict(c.rope)) : py::object(py::none());
@@ -50,6 +82,12 @@ py::dict config_to_dict(const AttentionConfig& c) {
   d["softmax_scale"] =
       c.softmax_scale == 0.0f ? py::object(py::none()) : py::object(py::float_(c.softmax_scale));
   d["causal"] = c.causal;
+  d["chunk_size"] = c.chunk_size == 0 ? py::object(py::none()) : py::object(py::int_(c.chunk_size));
+  d["sinks"] = c.sinks;
+  d["output_gate"] = c.output_gate;
+  d["temperature_tuning"] = c.temperature_tuning;
+  d["floor_scale"] = c.floor_scale;
+  d["attn_scale"] = c.attn_scale;
   return d;
 }
 
@@ -87,7 +125,7 @@ AttentionConfig config_from_dict(py::handle obj) {
     } else if (key == "o_bias") {
       c.o_bias = flag(v);
     } else if (key == "qk_norm") {
-      c.qk_norm = flag(v) ? attnkit::QkNorm::kRms : attnkit::QkNorm::kNone;
+      c.qk_norm = parse_qk_norm(v, kFn);
     } else if (key == "rms_norm_eps") {
       c.rms_norm_eps = checked_float(v, kFn, what);
     } else if (key == "use_rope") {
@@ -103,11 +141,31 @@ AttentionConfig config_from_dict(py::handle obj) {
           v.is_none() ? std::nullopt : std::optional<double>(checked_float(v, kFn, what)), kFn);
     } else if (key == "causal") {
       c.causal = flag(v);
+    } else if (key == "chunk_size") {
+      // Hugging Face's attention_chunk_size: null or a positive size.
+      if (!v.is_none()) {
+        c.chunk_size = checked_int(v, kFn, what);
+        if (c.chunk_size <= 0)
+          raise_value_error(kFn, what + " = " + std::to_string(c.chunk_size) +
+                                     " must be > 0, or None for no chunked attention");
+      }
+    } else if (key == "sinks") {
+      c.sinks = flag(v);
+    } else if (key == "output_gate") {
+      c.output_gate = flag(v);
+    } else if (key == "temperature_tuning") {
+      c.temperature_tuning = flag(v);
+    } else if (key == "floor_scale") {
+      c.floor_scale = checked_float(v, kFn, what);
+    } else if (key == "attn_scale") {
+      c.attn_scale = checked_float(v, kFn, what);
     } else {
       raise_value_error(kFn, "config has unknown key '" + key +
                                  "'; known: model_type, hidden_size, num_heads, num_kv_heads, "
                                  "head_dim, qkv_bias, o_bias, qk_norm, rms_norm_eps, use_rope, "
-                                 "rope, sliding_window, softcap, softmax_scale, causal");
+                                 "rope, sliding_window, softcap, softmax_scale, causal, "
+                                 "chunk_size, sinks, output_gate, temperature_tuning, "
+                                 "floor_scale, attn_scale");
     }
   }
   if (!has_kv) c.num_kv_heads = c.num_heads;
@@ -402,7 +460,9 @@ void bind_attention_layer(py::module_& m) {
       .def_property_readonly(
           "config", [](PyAttentionLayer& s) { return config_to_dict(s.layer.config()); },
           "dict: model_type, hidden_size, num_heads, num_kv_heads, head_dim, qkv_bias, o_bias, "
-          "qk_norm, rms_norm_eps, use_rope, rope, sliding_window, softcap, softmax_scale, causal")
+          "qk_norm (None, 'rms', 'rms_one_plus' or 'l2'), rms_norm_eps, use_rope, rope, "
+          "sliding_window, softcap, softmax_scale, causal, chunk_size (None or > 0), sinks, "
+          "output_gate, temperature_tuning, floor_scale, attn_scale")
       .def(
           "weight_names", [](PyAttentionLayer& s) { return s.layer.weight_names(); },
           "The weight names this layer expects, without prefix.")

@@ -15,10 +15,24 @@
 namespace attnkit::python {
 namespace {
 
+const char* naming_name(MoeWeightNaming n) {
+  switch (n) {
+    case MoeWeightNaming::kMixtral:
+      return "mixtral";
+    case MoeWeightNaming::kGptOss:
+      return "gpt_oss";
+    case MoeWeightNaming::kLlama4:
+      return "llama4";
+    case MoeWeightNaming::kDeepseek:
+      break;
+  }
+  return "deepseek";
+}
+
 py::dict config_dict(const MoeConfig& c) {
   py::dict d;
   d["model_type"] = c.model_type;
-  d["naming"] = c.naming == MoeWeightNaming::kMixtral ? "mixtral" : "deepseek";
+  d["naming"] = naming_name(c.naming);
   d["hidden_size"] = c.hidden_size;
   d["n_routed_experts"] = c.n_routed_experts;
   d["num_experts_per_tok"] = c.num_experts_per_tok;
@@ -30,6 +44,10 @@ py::dict config_dict(const MoeConfig& c) {
   d["topk_method"] = moe_topk_method_name(c.topk_method);
   d["n_group"] = c.n_group;
   d["topk_group"] = c.topk_group;
+  d["activation"] = c.activation == MoeActivation::kGptOssSwiGlu ? "gpt_oss_swiglu" : "swiglu";
+  d["swiglu_limit"] = c.swiglu_limit;
+  d["router_bias"] = c.router_bias;
+  d["expert_bias"] = c.expert_bias;
   return d;
 }
 
@@ -74,13 +92,16 @@ py::object forward_py(const MoeLayer& layer, py::handle x, bool return_routing, 
 
 void bind_moe(py::module_& m) {
   py::class_<MoeLayer>(m, "MoE", R"doc(
-Mixture-of-experts feed-forward (Mixtral, DeepSeek-V2, DeepSeek-V3 / Kimi-K2).
+Mixture-of-experts feed-forward (Mixtral, DeepSeek-V2, DeepSeek-V3 / Kimi-K2,
+Qwen3-MoE, gpt-oss).
 
 Build it with attnkit.moe_from_config(dict) or MoE.from_config_json(text),
 load weights with Hugging Face names, then call forward(x). Routing: softmax
 or sigmoid scores, optional group limit, top-k (ties: lower expert id),
-optional renormalisation, routed_scaling_factor; SwiGLU experts; shared
-experts added. Only the chosen experts run. See docs/MOE.md.
+optional renormalisation, routed_scaling_factor; SwiGLU experts (gpt-oss:
+clamped, with biases; its fused gate_up_proj / down_proj are repacked at
+load); shared experts added. Only the chosen experts run. See docs/MOE.md
+and docs/LAYERS.md.
 )doc")
       .def_static(
           "from_config_json",

@@ -45,6 +45,7 @@ py::object scaling_to_dict(const RopeScaling& s) {
     d["mscale"] = s.mscale;
     d["mscale_all_dim"] = s.mscale_all_dim;
     d["attention_factor"] = s.attention_factor;
+    d["truncate"] = s.truncate;
   }
   return d;
 }
@@ -101,9 +102,8 @@ RopeScaling parse_rope_scaling(py::handle obj, const char* fn) {
     } else if (key == "attention_factor") {
       s.attention_factor = checked_float(val, fn, what);
     } else if (key == "truncate") {
-      // Hugging Face's default; the untruncated YaRN ramp is not implemented.
-      if (PyObject_IsTrue(val.ptr()) != 1)
-        raise_value_error(fn, "scaling['truncate'] = False is not supported (only True)");
+      // YaRN: False keeps the ramp's boundaries fractional (gpt-oss).
+      s.truncate = PyObject_IsTrue(val.ptr()) == 1;
     } else {
       raise_value_error(fn, "scaling has unknown key '" + key +
                                 "'; known: rope_type (or type), factor, low_freq_factor, "

@@ -2,8 +2,10 @@
 // (AttentionLayer, LatentAttention) on its shard of heads, and the ranks sum
 // the shards' o_proj outputs with one MPI_Allreduce.
 //
-// A shard is an ordinary layer config with fewer heads, so biases, qk-norm,
-// RoPE, windows, softcap, both MLA forms and the caches work unchanged. Its
+// A shard is an ordinary layer config with fewer heads, so biases, every
+// qk-norm kind, RoPE / NoPE with temperature tuning, windows, chunks,
+// softcap, both MLA forms and the caches work unchanged; sinks and the
+// output gate are per head and cut with the heads. Its
 // weights are views into the caller's full weights (row blocks of q/k/v and
 // kv_b, a column block of o_proj), which the shard's own strict loader
 // copies; nothing here reads weight values.
@@ -268,10 +270,17 @@ uint64_t hash_config(const AttentionConfig& c) {
                             bits(r.scaling.mscale),
                             bits(r.scaling.mscale_all_dim),
                             bits(r.scaling.attention_factor),
+                            r.scaling.truncate,
                             c.sliding_window,
+                            c.chunk_size,
                             bits(c.softcap),
                             bits(c.softmax_scale),
-                            c.causal};
+                            c.causal,
+                            c.sinks,
+                            c.output_gate,
+                            c.temperature_tuning,
+                            bits(c.floor_scale),
+                            bits(c.attn_scale)};
   return internal::hash_values(fields);
 }
 
@@ -389,16 +398,28 @@ Status HeadParallelAttention::load_weights(const WeightMap& weights, std::string
   const int64_t D = c.head_dim, d = c.hidden_size, H = c.num_heads, K = c.num_kv_heads;
   const int64_t q0 = share_.q_begin * D, q1 = share_.q_end * D, k0 = share_.kv_begin * D,
                 k1 = share_.kv_end * D;
+  // Under output_gate each head owns 2 * head_dim rows of q_proj
+  // ([query | gate]), so a block of heads is still one block of rows.
+  const int64_t g = c.output_gate ? 2 : 1;
+  const char* q_meaning =
+      c.output_gate ? "num_heads*2*head_dim, hidden_size" : "num_heads*head_dim, hidden_size";
   std::vector<Cut> cuts = {
-      {"q_proj.weight", 0, q0, q1, {H * D, d}, "num_heads*head_dim, hidden_size"},
+      {"q_proj.weight", 0, g * q0, g * q1, {g * H * D, d}, q_meaning},
       {"k_proj.weight", 0, k0, k1, {K * D, d}, "num_kv_heads*head_dim, hidden_size"},
       {"v_proj.weight", 0, k0, k1, {K * D, d}, "num_kv_heads*head_dim, hidden_size"},
       {"o_proj.weight", 1, q0, q1, {d, H * D}, "hidden_size, num_heads*head_dim"}};
   if (c.qkv_bias) {
-    cuts.push_back({"q_proj.bias", 0, q0, q1, {H * D}, "num_heads*head_dim"});
+    cuts.push_back({"q_proj.bias",
+                    0,
+                    g * q0,
+                    g * q1,
+                    {g * H * D},
+                    c.output_gate ? "num_heads*2*head_dim" : "num_heads*head_dim"});
     cuts.push_back({"k_proj.bias", 0, k0, k1, {K * D}, "num_kv_heads*head_dim"});
     cuts.push_back({"v_proj.bias", 0, k0, k1, {K * D}, "num_kv_heads*head_dim"});
   }
+  // gpt-oss's sinks are one logit per query head: this rank's heads.
+  if (c.sinks) cuts.push_back({"sinks", 0, share_.q_begin, share_.q_end, {H}, "num_heads"});
   std::vector<const char*> dropped;
   if (c.o_bias && rank_ != 0) dropped.push_back("o_proj.bias");
   const AttentionConfig shard = local_.config();
@@ -430,14 +451,16 @@ Status HeadParallelAttention::forward(const TensorView& x, const TensorView& out
       local = invalid_argument(f + ": a cache needs a causal layer; config().causal is false");
     else if (s.num_kv_heads != lc.num_kv_heads || s.head_dim != lc.head_dim ||
              (s.head_dim_v != 0 && s.head_dim_v != lc.head_dim) ||
-             s.sliding_window != lc.sliding_window || s.batch_size != x.shape[0])
-      local = invalid_argument(f + ": cache spec (batch_size " + std::to_string(s.batch_size) +
-                               ", num_kv_heads " + std::to_string(s.num_kv_heads) + ", head_dim " +
-                               std::to_string(s.head_dim) + ", sliding_window " +
-                               std::to_string(s.sliding_window) + ") must be this rank's (" +
-                               std::to_string(x.shape[0]) + ", " + std::to_string(lc.num_kv_heads) +
-                               ", " + std::to_string(lc.head_dim) + ", " +
-                               std::to_string(lc.sliding_window) + "); make it with new_cache()");
+             s.sliding_window != lc.sliding_window || s.chunk_size != lc.chunk_size ||
+             s.batch_size != x.shape[0])
+      local = invalid_argument(
+          f + ": cache spec (batch_size " + std::to_string(s.batch_size) + ", num_kv_heads " +
+          std::to_string(s.num_kv_heads) + ", head_dim " + std::to_string(s.head_dim) +
+          ", sliding_window " + std::to_string(s.sliding_window) + ", chunk_size " +
+          std::to_string(s.chunk_size) + ") must be this rank's (" + std::to_string(x.shape[0]) +
+          ", " + std::to_string(lc.num_kv_heads) + ", " + std::to_string(lc.head_dim) + ", " +
+          std::to_string(lc.sliding_window) + ", " + std::to_string(lc.chunk_size) +
+          "); make it with new_cache()");
     else if (T > s.max_seq_len - cache->length())
       local = out_of_range(f + ": cache length " + std::to_string(cache->length()) + " + " +
                            std::to_string(T) +

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <string>
 #include <system_error>
@@ -52,6 +53,59 @@ size_t shared_index(const MoeConfig& c) { return expert_index(c, c.n_routed_expe
 
 const char* block_name(const MoeConfig& c) {
   return c.naming == MoeWeightNaming::kMixtral ? "block_sparse_moe" : "mlp";
+}
+
+bool gpt_oss(const MoeConfig& c) { return c.naming == MoeWeightNaming::kGptOss; }
+
+// The fields the layer itself checks beyond validate(): which namings
+// carry biases, and what each naming's checkpoints can hold.
+Status check_layer_fields(const MoeConfig& c) {
+  const std::string f = "MoeLayer::create: ";
+  if (!gpt_oss(c) && (c.router_bias || c.expert_bias))
+    return invalid_argument(f + "router_bias / expert_bias = " + std::to_string(c.router_bias) +
+                            " / " + std::to_string(c.expert_bias) +
+                            " need gpt-oss weight names (MoeWeightNaming::kGptOss); the other "
+                            "namings have no biases");
+  if (gpt_oss(c) && c.n_shared_experts != 0)
+    return invalid_argument(f + "n_shared_experts = " + std::to_string(c.n_shared_experts) +
+                            " must be 0 with gpt-oss weight names (they have no shared experts)");
+  if (c.activation == MoeActivation::kGptOssSwiGlu &&
+      (!std::isfinite(c.swiglu_limit) || !(c.swiglu_limit > 0.0)))
+    return invalid_argument(f + "swiglu_limit = " + std::to_string(c.swiglu_limit) +
+                            " must be finite and > 0 for the gpt-oss activation");
+  return Status::Ok();
+}
+
+// gpt-oss's fused expert weights, repacked per expert into the layout the
+// other namings load (nn.Linear, [out, in]): from gate_up_proj [E, H, 2I]
+// (x @ W; gate in the even columns, up in the odd ones) the gate [I, H]
+// and up [I, H] of expert e; from down_proj [E, I, H] (x @ W) the down
+// [H, I]. Element bytes are copied as they are (f32 or bf16).
+Status repack_gpt_oss(const Tensor& gate_up, const Tensor& down, int64_t E, int64_t H, int64_t I,
+                      std::vector<Tensor>* experts) {
+  const size_t es = dtype_size(gate_up.dtype());
+  const char* gu = static_cast<const char*>(gate_up.data());
+  const char* dn = static_cast<const char*>(down.data());
+  for (int64_t e = 0; e < E; ++e) {
+    ATTNKIT_ASSIGN_OR_RETURN(Tensor g, Tensor::zeros(gate_up.dtype(), {I, H}));
+    ATTNKIT_ASSIGN_OR_RETURN(Tensor u, Tensor::zeros(gate_up.dtype(), {I, H}));
+    ATTNKIT_ASSIGN_OR_RETURN(Tensor d, Tensor::zeros(down.dtype(), {H, I}));
+    char* gd = static_cast<char*>(g.data());
+    char* ud = static_cast<char*>(u.data());
+    char* dd = static_cast<char*>(d.data());
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < I; ++i) {
+        const char* row = gu + ((e * H + h) * 2 * I) * static_cast<int64_t>(es);
+        std::memcpy(gd + (i * H + h) * static_cast<int64_t>(es), row + (2 * i) * es, es);
+        std::memcpy(ud + (i * H + h) * static_cast<int64_t>(es), row + (2 * i + 1) * es, es);
+        std::memcpy(dd + (h * I + i) * static_cast<int64_t>(es),
+                    dn + ((e * I + i) * H + h) * static_cast<int64_t>(es), es);
+      }
+    experts->push_back(std::move(g));
+    experts->push_back(std::move(u));
+    experts->push_back(std::move(d));
+  }
+  return Status::Ok();
 }
 
 int resolve_threads(int requested) {
@@ -109,9 +163,20 @@ void run_shards(int64_t n, int64_t workers, const Fn& fn) {
   for (auto& t : threads) t.join();
 }
 
-// silu(g) * u, in place in g. [rows, n] both, contiguous.
-void swiglu(float* g, const float* u, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+// The expert's activation, in place in g; g and u [rows, n], contiguous.
+//   kSwiGlu:       silu(g) * u
+//   kGptOssSwiGlu: g' = min(g, limit), u' = clamp(u, -limit, limit),
+//                  (u' + 1) * g' * sigmoid(1.702 g')   (gpt-oss's alpha)
+void activate(const MoeConfig& c, float* g, const float* u, int64_t count) {
+  if (c.activation == MoeActivation::kSwiGlu) {
+    for (int64_t i = 0; i < count; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    return;
+  }
+  const float limit = static_cast<float>(c.swiglu_limit);
+  for (int64_t i = 0; i < count; ++i) {
+    const float gi = std::min(g[i], limit), ui = std::clamp(u[i], -limit, limit);
+    g[i] = (ui + 1.0f) * (gi / (1.0f + std::exp(-1.702f * gi)));
+  }
 }
 
 // Routing scratch for one shard, sized by the config.
@@ -196,6 +261,7 @@ bool route_token(const MoeConfig& c, const float* logits, const float* bias, Rou
 
 Result<MoeLayer> MoeLayer::create(const MoeConfig& config) {
   ATTNKIT_RETURN_IF_ERROR(validate(config));
+  ATTNKIT_RETURN_IF_ERROR(check_layer_fields(config));
   MoeLayer layer;
   layer.config_ = config;
   return layer;
@@ -206,6 +272,18 @@ std::vector<MoeLayer::WeightSpec> MoeLayer::weight_specs() const {
   const int64_t E = c.n_routed_experts, H = c.hidden_size, I = c.moe_intermediate_size;
   const bool mix = c.naming == MoeWeightNaming::kMixtral;
   std::vector<WeightSpec> specs;
+  if (gpt_oss(c)) {
+    specs.push_back({"router.weight", E, H, "n_routed_experts, hidden_size"});
+    if (c.router_bias) specs.push_back({"router.bias", E, 0, "n_routed_experts"});
+    specs.push_back(
+        {"experts.gate_up_proj", E, H, "n_routed_experts, hidden_size, 2*intermediate", 2 * I});
+    if (c.expert_bias)
+      specs.push_back({"experts.gate_up_proj_bias", E, 2 * I, "n_routed_experts, 2*intermediate"});
+    specs.push_back({"experts.down_proj", E, I, "n_routed_experts, intermediate, hidden_size", H});
+    if (c.expert_bias)
+      specs.push_back({"experts.down_proj_bias", E, H, "n_routed_experts, hidden_size"});
+    return specs;
+  }
   specs.push_back({"gate.weight", E, H, "n_routed_experts, hidden_size"});
   if (has_score_bias(c))
     specs.push_back({"gate.e_score_correction_bias", E, 0, "n_routed_experts"});
@@ -245,11 +323,60 @@ Status MoeLayer::load_weights(const WeightMap& weights, std::string_view prefix)
     const WeightSpec& s = specs[i];
     if (s.cols == 0)
       ATTNKIT_RETURN_IF_ERROR(loader.load(s.name, {s.rows}, s.meaning, &staged[i]));
+    else if (s.depth > 0)
+      ATTNKIT_RETURN_IF_ERROR(
+          loader.load_matrix(s.name, {s.rows, s.cols, s.depth}, s.meaning, &staged[i]));
+    else if (s.name.ends_with("_bias"))  // gpt-oss's expert biases stay f32
+      ATTNKIT_RETURN_IF_ERROR(loader.load(s.name, {s.rows, s.cols}, s.meaning, &staged[i]));
     else
       ATTNKIT_RETURN_IF_ERROR(loader.load_matrix(s.name, {s.rows, s.cols}, s.meaning, &staged[i]));
   }
   ATTNKIT_RETURN_IF_ERROR(loader.finish());
-  tensors_ = std::move(staged);
+  if (!gpt_oss(config_)) {
+    tensors_ = std::move(staged);
+    return Status::Ok();
+  }
+  // gpt-oss: router (and its bias), then the repacked experts in the
+  // other namings' order, then the expert biases [E, 2I] and [E, H].
+  const MoeConfig& c = config_;
+  const int64_t E = c.n_routed_experts, H = c.hidden_size, I = c.moe_intermediate_size;
+  size_t next = 0;
+  std::vector<Tensor> repacked;
+  Tensor router = std::move(staged[next++]), router_bias, gate_up_bias, down_bias;
+  if (c.router_bias) router_bias = std::move(staged[next++]);
+  const Tensor& gate_up = staged[next++];
+  if (c.expert_bias) gate_up_bias = std::move(staged[next++]);
+  const Tensor& down = staged[next++];
+  if (c.expert_bias) down_bias = std::move(staged[next++]);
+  if (gate_up.dtype() != down.dtype())
+    return invalid_argument(
+        std::string(kLoad) + ": " + io::weight_name(block, "experts.gate_up_proj") + " is " +
+        dtype_name(gate_up.dtype()) + " but " + io::weight_name(block, "experts.down_proj") +
+        " is " + dtype_name(down.dtype()) + "; the experts must share one dtype");
+  try {
+    repacked.reserve(static_cast<size_t>(1 + 3 * E));
+  } catch (const std::bad_alloc&) {
+    return resource_exhausted(std::string(kLoad) + ": cannot allocate the repacked experts");
+  }
+  repacked.push_back(std::move(router));
+  ATTNKIT_RETURN_IF_ERROR(repack_gpt_oss(gate_up, down, E, H, I, &repacked));
+  // Biases as the kernels take them: gate [E, I], up [E, I] from the
+  // interleaved [E, 2I], down [E, H] as it is.
+  Tensor gate_b, up_b;
+  if (c.expert_bias) {
+    ATTNKIT_ASSIGN_OR_RETURN(gate_b, Tensor::zeros(DType::kF32, {E, I}));
+    ATTNKIT_ASSIGN_OR_RETURN(up_b, Tensor::zeros(DType::kF32, {E, I}));
+    const float* src = gate_up_bias.ptr<const float>();
+    for (int64_t j = 0; j < E * I; ++j) {
+      gate_b.ptr<float>()[j] = src[2 * j];
+      up_b.ptr<float>()[j] = src[2 * j + 1];
+    }
+  }
+  tensors_ = std::move(repacked);
+  router_bias_ = std::move(router_bias);
+  gate_bias_ = std::move(gate_b);
+  up_bias_ = std::move(up_b);
+  down_bias_ = std::move(down_bias);
   return Status::Ok();
 }
 
@@ -257,7 +384,16 @@ Result<TensorView> MoeLayer::weight(std::string_view name) const {
   const std::string block = std::string(block_name(config_)) + ".";
   if (!loaded())
     return invalid_argument("MoeLayer::weight: weights are not loaded (call load_weights first)");
-  if (name.substr(0, block.size()) == block) {
+  if (name.substr(0, block.size()) == block && gpt_oss(config_)) {
+    const std::string_view rest = name.substr(block.size());
+    if (rest == "router.weight") return tensors_[kGateIndex].view();
+    if (rest == "router.bias" && config_.router_bias) return router_bias_.view();
+    if (rest == "experts.down_proj_bias" && config_.expert_bias) return down_bias_.view();
+    if (rest.starts_with("experts."))
+      return not_found("MoeLayer::weight: \"" + std::string(name) +
+                       "\" is repacked at load into per-expert gate, up and down matrices "
+                       "(nn.Linear layout); the fused checkpoint layout is not kept");
+  } else if (name.substr(0, block.size()) == block) {
     const std::string_view rest = name.substr(block.size());
     const std::vector<WeightSpec> specs = weight_specs();
     for (size_t i = 0; i < specs.size(); ++i)
@@ -379,7 +515,8 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
     const int64_t t0 = std::min(T, s * per_shard), t1 = std::min(T, t0 + per_shard);
     if (t0 == t1) return;
     float* lg = logits.ptr<float>() + t0 * E;
-    kernels::linear(xrows + t0 * ldx, ldx, gate_w, nullptr, lg, E, t1 - t0, E, H, lin);
+    kernels::linear(xrows + t0 * ldx, ldx, gate_w, router_bias_.ptr<const float>(), lg, E, t1 - t0,
+                    E, H, lin);
     for (int64_t t = t0; t < t1; ++t) {
       if (!route_token(c, lg + (t - t0) * E, bias, route[static_cast<size_t>(s)],
                        r.expert_ids.data() + t * K, r.weights.data() + t * K)) {
@@ -425,10 +562,14 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
       for (int64_t i = 0; i < n; ++i)
         std::copy_n(xrows + (slots[static_cast<size_t>(begin + i)] / K) * ldx, H, xb + i * H);
       const size_t w = expert_index(c, e);
-      kernels::linear(xb, H, kernels::weight_of(tensors_[w]), nullptr, g, I, n, I, H, lin);
-      kernels::linear(xb, H, kernels::weight_of(tensors_[w + 1]), nullptr, u, I, n, I, H, lin);
-      swiglu(g, u, n * I);
-      kernels::linear(g, I, kernels::weight_of(tensors_[w + 2]), nullptr, y, H, n, H, I, lin);
+      // gpt-oss's per-expert biases (null elsewhere).
+      const float* gb = gate_bias_.data() ? gate_bias_.ptr<const float>() + e * I : nullptr;
+      const float* ub = up_bias_.data() ? up_bias_.ptr<const float>() + e * I : nullptr;
+      const float* db = down_bias_.data() ? down_bias_.ptr<const float>() + e * H : nullptr;
+      kernels::linear(xb, H, kernels::weight_of(tensors_[w]), gb, g, I, n, I, H, lin);
+      kernels::linear(xb, H, kernels::weight_of(tensors_[w + 1]), ub, u, I, n, I, H, lin);
+      activate(c, g, u, n * I);
+      kernels::linear(g, I, kernels::weight_of(tensors_[w + 2]), db, y, H, n, H, I, lin);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t q = slots[static_cast<size_t>(begin + i)];
         const float wt = r.weights[static_cast<size_t>(q)];
@@ -443,7 +584,7 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
       const float* xs = xrows + t0 * ldx;
       kernels::linear(xs, ldx, kernels::weight_of(tensors_[w]), nullptr, g, S, nt, S, H, lin);
       kernels::linear(xs, ldx, kernels::weight_of(tensors_[w + 1]), nullptr, u, S, nt, S, H, lin);
-      swiglu(g, u, nt * S);
+      activate(c, g, u, nt * S);
       kernels::linear(g, S, kernels::weight_of(tensors_[w + 2]), nullptr, y, H, nt, H, S, lin);
       for (int64_t i = 0; i < nt * H; ++i) acc[i] += y[i];
     }

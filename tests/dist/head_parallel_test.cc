@@ -219,6 +219,97 @@ TEST(HeadParallel, GqaShapesMatchTheReferenceWithAndWithoutCache) {
   }
 }
 
+// The per-layer features of gpt-oss, Gemma 3, Llama 4 and Qwen3-Next: the
+// shards must compute what the single layer computes (itself held to a
+// float64 reference in tests/layers/attention_families_test.cc). Sinks and
+// the gate rows are cut per head; norms, NoPE temperature and chunks are
+// per token.
+TEST(HeadParallel, PerLayerFeaturesMatchTheSingleLayer) {
+  struct Kind {
+    const char* name;
+    void (*set)(AttentionConfig&);
+  };
+  const Kind kinds[] = {
+      {"gpt_oss sinks, yarn, window",
+       [](AttentionConfig& c) {
+         c.sinks = true;
+         c.rope.scaling.type = attnkit::RopeScaling::Type::kYarn;
+         c.rope.scaling.factor = 32.0;
+         c.rope.scaling.original_max_position_embeddings = 4096;
+         c.rope.scaling.truncate = false;
+         c.sliding_window = 3;
+       }},
+      {"qwen3_next gate, 1 + w norms, partial rope",
+       [](AttentionConfig& c) {
+         c.output_gate = true;
+         c.qk_norm = attnkit::QkNorm::kRmsOnePlus;
+         c.rope.rotary_dim = 4;
+       }},
+      {"llama4 nope, temperature",
+       [](AttentionConfig& c) {
+         c.use_rope = false;
+         c.temperature_tuning = true;
+         c.floor_scale = 2.0;
+       }},
+      {"llama4 rope, l2 norm, chunk",
+       [](AttentionConfig& c) {
+         c.rope.pairing = attnkit::RopePairing::kInterleaved;
+         c.qk_norm = attnkit::QkNorm::kL2;
+         c.chunk_size = 3;
+       }},
+  };
+  for (const Kind& k : kinds) {
+    SCOPED_TRACE(k.name);
+    AttentionConfig c = gqa_config(kGqaCases[0]);  // 8 heads, 2 kv heads, biases
+    k.set(c);
+    Weights w;
+    const int64_t g = c.output_gate ? 2 : 1, q = c.num_heads * c.head_dim,
+                  kv = c.num_kv_heads * c.head_dim, d = c.hidden_size;
+    w.add("q_proj.weight", {g * q, d}, 1);
+    w.add("k_proj.weight", {kv, d}, 2);
+    w.add("v_proj.weight", {kv, d}, 3);
+    w.add("o_proj.weight", {d, q}, 4);
+    w.add("q_proj.bias", {g * q}, 5);
+    w.add("k_proj.bias", {kv}, 6);
+    w.add("v_proj.bias", {kv}, 7);
+    w.add("o_proj.bias", {d}, 8);
+    if (c.qk_norm == attnkit::QkNorm::kRmsOnePlus) {
+      w.add("q_norm.weight", {c.head_dim}, 9);
+      w.add("k_norm.weight", {c.head_dim}, 10);
+    }
+    if (c.sinks) w.add("sinks", {c.num_heads}, 11);
+    const WeightMap map = w.build(kPrefix);
+    auto dist = HeadParallelAttention::create(MPI_COMM_WORLD, c);
+    ASSERT_TRUE(dist.ok()) << dist.status().to_string();
+    const Status loaded = dist->load_weights(map, kPrefix);
+    ASSERT_TRUE(loaded.ok()) << loaded.to_string();
+    auto single = AttentionLayer::create(c);
+    ASSERT_TRUE(single.ok());
+    ASSERT_TRUE(single->load_weights(map, kPrefix).ok());
+
+    const int64_t B = 2, T = 7;
+    const std::vector<float> x = uniform(size_t(B * T * d), 7);
+    const TensorView xv = attnkit::make_view(x.data(), DType::kF32, {B, T, d});
+    std::vector<float> got(x.size()), want(x.size());
+    ASSERT_TRUE(dist->forward(xv, attnkit::make_view(got.data(), DType::kF32, {B, T, d})).ok());
+    ASSERT_TRUE(single->forward(xv, attnkit::make_view(want.data(), DType::kF32, {B, T, d})).ok());
+    auto cache = dist->new_cache(B, T);
+    ASSERT_TRUE(cache.ok()) << cache.status().to_string();
+    EXPECT_EQ(cache->spec().chunk_size, c.chunk_size);
+    const std::vector<float> got_c = in_steps(
+        x, B, T, d, 4, [&](auto xs, auto os) { return dist->forward(xs, os, {}, &*cache); });
+    // The shards' o_proj partial sums are added in another order than the
+    // single layer's one GEMM: f32 rounding of a 64-term sum of O(1) terms.
+    double mag = 0.0;
+    for (float v : want) mag = std::max(mag, double(std::fabs(v)));
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_NEAR(got[i], want[i], 1e-5 * mag) << "element " << i;
+      ASSERT_NEAR(got_c[i], want[i], 1e-5 * mag) << "element " << i << " (through the cache)";
+    }
+    EXPECT_TRUE(same_on_every_rank(got));
+  }
+}
+
 // ---- MLA -----------------------------------------------------------------
 
 MlaConfig mla_config(int64_t q_lora) {

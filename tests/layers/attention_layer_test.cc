@@ -579,7 +579,9 @@ TEST(AttentionLayerPaged, MismatchedPoolsAndStepsAreRejected) {
   std::vector<float> x(size_t(4 * d), 0.1f), out(size_t(4 * d), -2.0f);
   const TensorView xv = attnkit::make_view(x.data(), DType::kF32, {4, d});
   const TensorView ov = attnkit::make_view(out.data(), DType::kF32, {4, d});
-  auto other = build(llama_like(), 4).layer.new_paged_cache(8, 4).value();
+  AttentionConfig wider = mistral_like();
+  wider.sliding_window = 7;  // a pool that releases pages this layer still sees
+  auto other = build(wider, 4).layer.new_paged_cache(8, 4).value();
   const int64_t a = other.add_sequence();
   ASSERT_TRUE(other.append(std::vector<int64_t>{a}, std::vector<int64_t>{4}).ok());
   const std::vector<int32_t> cu{0, 4};

@@ -84,8 +84,6 @@ def test_merge_errors():
     (dict(scaling={"rope_type": "linear", "factor": -2.0}), r"scaling.factor = -2"),
     (dict(scaling={"rope_type": "yarn", "factor": 2.0}),
      r"scaling.original_max_position_embeddings = 0 must be > 0"),
-    (dict(scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8,
-                   "truncate": False}), r"scaling\['truncate'\] = False is not supported"),
     (dict(scaling="llama3"), r"apply_rope: scaling must be None or a Hugging Face rope_scaling"),
     (dict(positions=np.array([0, 1, -1])),
      r"Rope.apply: positions\[2\] = -1 must be in \[0, 2\^53\)"),

@@ -298,3 +298,60 @@ def test_config_from_a_path_and_the_parsed_fields(tmp_path):
                          "mlp.experts.0.gate_proj.weight"]
     assert names[-1] == "mlp.shared_experts.down_proj.weight"
     assert len(names) == 2 + 3 * 16 + 3
+
+
+# gpt-oss: a torch float64 port of transformers' GptOssMLP (modeling_gpt_oss.py).
+GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 16, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 4, "num_local_experts": 6,
+           "num_experts_per_tok": 2, "intermediate_size": 12, "num_hidden_layers": 2,
+           "swiglu_limit": 0.6}  # gpt-oss: 7.0; small here so the clamps engage
+
+
+def gpt_oss_reference(x, sd, prefix, k, limit):
+    x = t64(x).reshape(-1, x.shape[-1])
+    logits = x @ t64(sd[prefix + "mlp.router.weight"]).T + t64(sd[prefix + "mlp.router.bias"])
+    top, idx = torch.topk(logits, k, dim=-1)
+    weights = torch.softmax(top, dim=-1)
+    out = torch.zeros_like(x)
+    gu_w, gu_b = t64(sd[prefix + "mlp.experts.gate_up_proj"]), t64(
+        sd[prefix + "mlp.experts.gate_up_proj_bias"])
+    dn_w, dn_b = t64(sd[prefix + "mlp.experts.down_proj"]), t64(
+        sd[prefix + "mlp.experts.down_proj_bias"])
+    for t in range(x.shape[0]):
+        for j in range(k):
+            e = int(idx[t, j])
+            gate_up = x[t] @ gu_w[e] + gu_b[e]
+            gate, up = gate_up[::2].clamp(max=limit), gate_up[1::2].clamp(-limit, limit)
+            glu = gate * torch.sigmoid(gate * 1.702)
+            out[t] += weights[t, j] * (((up + 1) * glu) @ dn_w[e] + dn_b[e])
+    return out.numpy(), idx.numpy()
+
+
+def test_gpt_oss_block_matches_the_torch_port():
+    moe = attnkit.moe_from_config(GPT_OSS)
+    c = moe.config
+    assert c["naming"] == "gpt_oss" and c["activation"] == "gpt_oss_swiglu"
+    assert c["router_bias"] and c["expert_bias"] and c["swiglu_limit"] == 0.6
+    g = np.random.default_rng(3)
+    E, H, I = 6, 16, 12
+    prefix = "model.layers.0."
+    sd = {prefix + "mlp.router.weight": g.standard_normal((E, H)),
+          prefix + "mlp.router.bias": 0.5 * g.standard_normal(E),
+          prefix + "mlp.experts.gate_up_proj": g.standard_normal((E, H, 2 * I)) / 2,
+          prefix + "mlp.experts.gate_up_proj_bias": 0.5 * g.standard_normal((E, 2 * I)),
+          prefix + "mlp.experts.down_proj": g.standard_normal((E, I, H)) / 4,
+          prefix + "mlp.experts.down_proj_bias": 0.5 * g.standard_normal((E, H))}
+    sd = {n: v.astype(np.float32) for n, v in sd.items()}
+    assert sorted(prefix + n for n in moe.weight_names()) == sorted(sd)
+    moe.load_weights(sd, prefix)
+    x = g.standard_normal((2, 7, H)).astype(np.float32)
+    out, routing = moe.forward(x, return_routing=True)
+    want, idx = gpt_oss_reference(x, sd, prefix, 2, 0.6)
+    np.testing.assert_array_equal(routing["expert_ids"].reshape(-1, 2), idx)
+    assert np.abs(out.reshape(-1, H) - want).max() <= 1e-5 * np.abs(want).max()
+    # nn.Linear's layout for gate_up_proj is refused by name.
+    bad = dict(sd, **{prefix + "mlp.experts.gate_up_proj":
+                      np.zeros((E, 2 * I, H), np.float32)})
+    with pytest.raises(ValueError, match=r"mlp.experts.gate_up_proj"):
+        moe.load_weights(bad, prefix)
+    np.testing.assert_array_equal(moe.forward(x), out)

@@ -266,5 +266,46 @@ TEST(ServeEngine, ImpossibleBudgetsAreRefused) {
   EXPECT_EQ(check_feasible(m, {{{0.0, 4, 0}}}, o).code(), StatusCode::kInvalidArgument);
 }
 
+// The engine serves the per-layer features its layers compute alone (gate,
+// sinks, every qk-norm, NoPE with temperature tuning), batched or not to
+// the same bits with the reference kernels, and refuses the ones its page
+// accounting does not model, by name.
+TEST(ServeEngine, PerLayerFeaturesServeAndUnsupportedOnesAreRefused) {
+  ModelSpec spec;
+  spec.attention = gqa_config(2);
+  spec.attention.output_gate = true;
+  spec.attention.sinks = true;
+  spec.attention.qk_norm = QkNorm::kRmsOnePlus;
+  spec.layers = 2;
+  ModelSpec nope = spec;
+  nope.attention.qk_norm = QkNorm::kL2;
+  nope.attention.use_rope = false;
+  nope.attention.temperature_tuning = true;
+  nope.attention.floor_scale = 4.0;
+  for (const ModelSpec& s : {spec, nope}) {
+    Model m = make(s);
+    Options o;
+    o.run.backend = Backend::kReference;
+    o.page_size = 2;
+    o.max_tokens_per_step = 7;
+    o.memory_bytes = static_cast<int64_t>(m.new_pool(1, 2, o.kv_dtype)->page_nbytes()) * 64;
+    const Report batched = serve(m, at_once(trace()), o);
+    const Report one_by_one = serve(m, at_once(trace()), alone(o));
+    expect_same_outputs(batched, one_by_one, "batched vs alone");
+  }
+  ModelSpec chunked = spec;
+  chunked.attention.chunk_size = 8;
+  auto m = Model::create(chunked);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("chunk_size = 8"), std::string::npos) << m.status().message();
+  ModelSpec gpt_oss_moe = spec;
+  gpt_oss_moe.ffn = true;
+  gpt_oss_moe.moe = moe_config();
+  gpt_oss_moe.moe.naming = MoeWeightNaming::kGptOss;
+  m = Model::create(gpt_oss_moe);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("kGptOss"), std::string::npos) << m.status().message();
+}
+
 }  // namespace
 }  // namespace attnkit::serve

@@ -138,31 +138,46 @@ Result<Model> Model::create(const ModelSpec& spec) {
         m.weight_bytes_ += view_bytes(layer.weight(n));
       m.latent_.push_back(std::move(layer));
     } else {
-      ATTNKIT_ASSIGN_OR_RETURN(AttentionLayer layer, AttentionLayer::create(spec.attention));
       const AttentionConfig& c = spec.attention;
+      // The pool's page accounting here assumes every written token stays
+      // visible or leaves through a window; a chunk releases pages by
+      // chunk, which the feasibility and static-cache comparisons do not
+      // model.
+      if (c.chunk_size > 0)
+        return invalid_argument("serve: chunk_size = " + std::to_string(c.chunk_size) +
+                                " (chunked attention) is not supported by the serving engine");
+      ATTNKIT_ASSIGN_OR_RETURN(AttentionLayer layer, AttentionLayer::create(spec.attention));
       const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
-      ATTNKIT_RETURN_IF_ERROR(w.add("q_proj.weight", q, c.hidden_size));
+      // Under output_gate q_proj also emits the gate rows.
+      const int64_t q_rows = c.output_gate ? 2 * q : q;
+      ATTNKIT_RETURN_IF_ERROR(w.add("q_proj.weight", q_rows, c.hidden_size));
       ATTNKIT_RETURN_IF_ERROR(w.add("k_proj.weight", kv, c.hidden_size));
       ATTNKIT_RETURN_IF_ERROR(w.add("v_proj.weight", kv, c.hidden_size));
       ATTNKIT_RETURN_IF_ERROR(w.add("o_proj.weight", c.hidden_size, q));
       if (c.qkv_bias) {
-        ATTNKIT_RETURN_IF_ERROR(w.add("q_proj.bias", q, 0));
+        ATTNKIT_RETURN_IF_ERROR(w.add("q_proj.bias", q_rows, 0));
         ATTNKIT_RETURN_IF_ERROR(w.add("k_proj.bias", kv, 0));
         ATTNKIT_RETURN_IF_ERROR(w.add("v_proj.bias", kv, 0));
       }
       if (c.o_bias) ATTNKIT_RETURN_IF_ERROR(w.add("o_proj.bias", c.hidden_size, 0));
-      if (c.qk_norm != attnkit::QkNorm::kNone) {
+      // kL2 has no weight; kRmsOnePlus's ones make gains of 2, harmless.
+      if (c.qk_norm == attnkit::QkNorm::kRms || c.qk_norm == attnkit::QkNorm::kRmsOnePlus) {
         ATTNKIT_RETURN_IF_ERROR(w.add("q_norm.weight", c.head_dim, 0));
         ATTNKIT_RETURN_IF_ERROR(w.add("k_norm.weight", c.head_dim, 0));
       }
+      if (c.sinks) ATTNKIT_RETURN_IF_ERROR(w.add("sinks", c.num_heads, 0));
       ATTNKIT_RETURN_IF_ERROR(layer.load_weights(w.map()));
       for (const std::string& n : layer.weight_names())
         m.weight_bytes_ += view_bytes(layer.weight(n));
       m.attention_.push_back(std::move(layer));
     }
     if (spec.ffn) {
-      ATTNKIT_ASSIGN_OR_RETURN(MoeLayer ffn, MoeLayer::create(spec.moe));
       const MoeConfig& c = spec.moe;
+      if (c.naming == MoeWeightNaming::kGptOss)
+        return invalid_argument(
+            "serve: gpt-oss's fused expert weights (MoeWeightNaming::kGptOss) are not "
+            "supported by the serving engine");
+      ATTNKIT_ASSIGN_OR_RETURN(MoeLayer ffn, MoeLayer::create(spec.moe));
       const int64_t E = c.n_routed_experts, H = c.hidden_size, I = c.moe_intermediate_size;
       const bool mixtral = c.naming == MoeWeightNaming::kMixtral;
       const std::string block = mixtral ? "block_sparse_moe." : "mlp.";
