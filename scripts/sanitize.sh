@@ -6,15 +6,27 @@
 #         the first finding aborts), the whole suite
 #   tsan  ThreadSanitizer, the tests that run threads (the thread pool, the
 #         fast kernels at several thread counts, layers called from several
-#         threads, MoE shards); halt_on_error, so a race fails the run
+#         threads, MoE shards); halt_on_error, so a race fails the run. Its
+#         test binary is built from the test files that hold those tests
+#         only (the library is whole).
+#
+# Both run as gtest shards side by side, one per core.
 #
 #   scripts/sanitize.sh [asan] [tsan]      # default: both
 #
-# Compiler: GCC (Debian's libgtest is built with it; GCC's libasan/libtsan
-# come with build-essential). Environment: ATTNKIT_SANITIZE_JOBS (build jobs,
-# default nproc), ATTNKIT_ASAN_BUILD_DIR (default build-asan),
-# ATTNKIT_TSAN_BUILD_DIR (default build-tsan), ATTNKIT_TSAN_FILTER (a gtest
-# filter replacing the default one below).
+# Compilers: the ASan + UBSan build is clang's, configured exactly as
+# fuzz/run.sh configures the libFuzzer build (ATTNKIT_BUILD_FUZZERS: the
+# library also carries coverage instrumentation, which costs the tests
+# little), so that CI's fuzz step builds only the fuzzers in the same
+# directory; clang compiles the sanitized code in half GCC's time
+# (docs/RELIABILITY.md). TSan is GCC's (libtsan from build-essential).
+# Debian's libgtest, built by GCC, links with either.
+#
+# Environment: ATTNKIT_SANITIZE_JOBS (build jobs, default nproc),
+# ATTNKIT_SANITIZE_SHARDS (test processes, default nproc),
+# ATTNKIT_ASAN_BUILD_DIR (default build-asan), ATTNKIT_TSAN_BUILD_DIR
+# (default build-tsan), ATTNKIT_TSAN_FILTER (a gtest filter replacing the
+# default one below).
 #
 # Uninstrumented libraries: libgtest, libstdc++, libdnnl and libgomp are
 # Debian's plain builds. ASan/UBSan need nothing for them. TSan cannot see
@@ -33,31 +45,73 @@ modes=("$@")
 # MoE shards, and the reliability suite's concurrency/determinism tests.
 tsan_filter=${ATTNKIT_TSAN_FILTER:-'Threads.*:ReliabilityConcurrency.*:ReliabilityDeterminism.*:AttentionFast.DecodeIsBitIdenticalAcrossThreadCounts:AttentionFast.RandomCasesEveryTargetTilingAndThreadCount:MoeLayer.ThreadsAndStridesDoNotChangeTheResult:PagedKVCache.OutputsAreTheSameBitsForAnyThreadCount:SdpaVarlen.BitIdenticalForAnyThreadCount'}
 
+shards=${ATTNKIT_SANITIZE_SHARDS:-$(nproc)}
+
+# The test files that hold the filter's suites, ';'-separated, for a TSan
+# build of only those (tests/CMakeLists.txt, ATTNKIT_TEST_FILES); empty, so
+# the whole suite, when the filter has wildcards in suite names or negative
+# patterns, which cannot be mapped to files this way.
+filter_files() {  # filter
+  local suite files=()
+  if [[ $1 == *-* ]]; then return; fi
+  for suite in $(tr ':' '\n' <<<"$1" | sed 's/\..*//' | sort -u); do
+    if [[ $suite == *[*?]* ]]; then return; fi
+    local found
+    found=$(cd "$root/tests" && grep -rlE "^(TEST|TEST_F|TEST_P)\($suite," --include='*_test.cc' . |
+      grep -v '^./dist/' | sed 's#^\./##' || true)
+    if [[ -z $found ]]; then
+      echo "sanitize.sh: no test file defines suite '$suite' of the TSan filter" >&2
+      exit 2
+    fi
+    files+=($found)
+  done
+  printf '%s\n' "${files[@]}" | sort -u | paste -sd';'
+}
+
 declare -a summary=()
 status=0
 
-configure_and_build() {  # dir sanitizers
-  local t0=$SECONDS
-  cmake -S "$root" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=g++ \
-    -DATTNKIT_SANITIZE="$2" -DATTNKIT_BUILD_PYTHON=OFF -DATTNKIT_BUILD_TOOLS=OFF \
-    -DATTNKIT_BUILD_BENCH=OFF >/dev/null
-  cmake --build "$1" -j "$jobs" --target attnkit_tests
+# The optimisation level is the build's: the sanitizers' checks are the
+# same at any level, the compile and run times are not (docs/RELIABILITY.md).
+configure_and_build() {  # dir sanitizers compiler opt [cmake args...]
+  local t0=$SECONDS dir=$1 san=$2 cxx=$3 opt=$4
+  shift 4
+  cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER="$cxx" \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$opt -g -DNDEBUG" \
+    -DATTNKIT_SANITIZE="$san" -DATTNKIT_BUILD_PYTHON=OFF -DATTNKIT_BUILD_TOOLS=OFF \
+    -DATTNKIT_BUILD_BENCH=OFF -DATTNKIT_BUILD_DIST=OFF "$@" >/dev/null
+  cmake --build "$dir" -j "$jobs" --target attnkit_tests
   echo "   build: $((SECONDS - t0)) s"
 }
 
+# Runs the suite as `shards` gtest shards side by side (each test runs in
+# exactly one), one log per shard.
 run_suite() {  # name dir log [gtest args...]
   local name=$1 dir=$2 log=$3
   shift 3
-  local t0=$SECONDS
-  if "$dir/tests/attnkit_tests" --gtest_brief=1 "$@" >"$log" 2>&1; then
-    local passed
-    passed=$(grep -Eo '\[  PASSED  \] [0-9]+ tests?' "$log" | grep -Eo '[0-9]+' || echo "?")
-    summary+=("$name: ok, $passed tests in $((SECONDS - t0)) s")
-  else
+  local t0=$SECONDS i failed=0 passed=0 n
+  local -a pids=()
+  for ((i = 0; i < shards; ++i)); do
+    GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i \
+      "$dir/tests/attnkit_tests" --gtest_brief=1 "$@" >"$log.$i" 2>&1 &
+    pids+=($!)
+  done
+  for ((i = 0; i < shards; ++i)); do
+    if wait "${pids[i]}"; then
+      n=$(grep -Eo '\[  PASSED  \] [0-9]+ tests?' "$log.$i" | grep -Eo '[0-9]+' || echo 0)
+      passed=$((passed + n))
+    else
+      failed=1
+      echo "   $name shard $i failed (log: $log.$i):"
+      grep -E 'ERROR: (Address|Thread|Leak)Sanitizer|runtime error|WARNING: ThreadSanitizer|SUMMARY|\[  FAILED  \]' \
+        "$log.$i" | head -30 || true
+    fi
+  done
+  if ((failed)); then
     status=1
-    summary+=("$name: FAILED after $((SECONDS - t0)) s (log: $log)")
-    grep -E 'ERROR: (Address|Thread|Leak)Sanitizer|runtime error|WARNING: ThreadSanitizer|SUMMARY|\[  FAILED  \]' \
-      "$log" | head -30 || true
+    summary+=("$name: FAILED after $((SECONDS - t0)) s (logs: $log.*)")
+  else
+    summary+=("$name: ok, $passed tests in $((SECONDS - t0)) s ($shards shards)")
   fi
 }
 
@@ -66,7 +120,9 @@ for mode in "${modes[@]}"; do
     asan)
       dir=${ATTNKIT_ASAN_BUILD_DIR:-$root/build-asan}
       echo "== ASan + UBSan ($dir)"
-      configure_and_build "$dir" address,undefined
+      # -O1: what libFuzzer recommends, and the fuzzers share this build.
+      configure_and_build "$dir" address,undefined clang++ -O1 -DATTNKIT_BUILD_FUZZERS=ON \
+        -DATTNKIT_TEST_FILES=
       ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:allocator_may_return_null=1:abort_on_error=1} \
       UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
         run_suite "asan+ubsan" "$dir" "$dir/sanitize.log"
@@ -74,7 +130,11 @@ for mode in "${modes[@]}"; do
     tsan)
       dir=${ATTNKIT_TSAN_BUILD_DIR:-$root/build-tsan}
       echo "== TSan ($dir)"
-      configure_and_build "$dir" thread
+      files=$(filter_files "$tsan_filter")
+      # -O2: the threaded tests are most of this step's time, and TSan's
+      # instrumentation of every call makes them sensitive to inlining;
+      # the build is small once it holds only their files.
+      configure_and_build "$dir" thread g++ -O2 -DATTNKIT_TEST_FILES="$files"
       TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:allocator_may_return_null=1:suppressions=$root/scripts/tsan.supp} \
         run_suite "tsan" "$dir" "$dir/sanitize.log" --gtest_filter="$tsan_filter"
       ;;

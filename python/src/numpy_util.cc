@@ -238,6 +238,57 @@ InputArray typed_input(py::handle obj, const ArgSpec& spec, DType want, const ch
   return in;
 }
 
+namespace {
+
+// Raises for the first Python int in the (nested) list or tuple `obj` that
+// int64 cannot hold, naming it as the caller wrote it ("seq_ids[1] =
+// 9223372036854775808"). numpy would make such a list uint64 (wrapped
+// below), float64 or object, and the message would show another value.
+void check_list_ints(py::handle obj, const ArgSpec& spec, const std::string& index) {
+  if (!py::isinstance<py::list>(obj) && !py::isinstance<py::tuple>(obj)) return;
+  const py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
+  for (size_t i = 0; i < seq.size(); ++i) {
+    const py::object item = seq[i];
+    const std::string at = index + "[" + std::to_string(i) + "]";
+    if (py::isinstance<py::int_>(item))
+      checked_int(item, spec.fn, spec.name + at);
+    else
+      check_list_ints(item, spec, at);
+  }
+}
+
+}  // namespace
+
+std::vector<int64_t> int64_values(py::handle obj, const ArgSpec& spec) {
+  check_list_ints(obj, spec, "");
+  // A 64-bit unsigned array can hold values beyond int64, which the int64
+  // conversion below would wrap: they are read as uint64 first.
+  const py::array probe = py::array::ensure(obj);
+  if (probe && probe.dtype().kind() == 'u' && probe.itemsize() == 8) {
+    const auto u = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(probe);
+    const uint64_t* p = u.data();
+    const py::ssize_t cols = u.ndim() == 2 ? u.shape(1) : u.size();
+    for (py::ssize_t i = 0; i < u.size(); ++i) {
+      if (p[i] <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) continue;
+      const std::string at =
+          u.ndim() == 2 ? "[" + std::to_string(i / cols) + ", " + std::to_string(i % cols) + "]"
+                        : "[" + std::to_string(i) + "]";
+      raise_value_error(spec.fn, std::string(spec.name) + at + " = " + std::to_string(p[i]) +
+                                     " does not fit a 64-bit integer");
+    }
+  }
+  const InputArray in = typed_input(obj, spec, DType::kI64, "iu");
+  const TensorView& v = in.view;
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(v.numel()));
+  const int64_t rows = v.rank == 2 ? v.shape[0] : 1, cols = v.shape[v.rank - 1];
+  const int64_t row_stride = v.rank == 2 ? v.strides[0] : 0, col_stride = v.strides[v.rank - 1];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      out.push_back(v.ptr<const int64_t>()[r * row_stride + c * col_stride]);
+  return out;
+}
+
 InputArray f32_input(py::handle obj, const ArgSpec& spec) {
   return typed_input(obj, spec, DType::kF32, "fiu");
 }
@@ -399,10 +450,9 @@ SparsePattern parse_sparse(py::handle obj, const char* fn) {
 std::vector<int32_t> parse_seqlens_k(py::handle obj, const char* fn) {
   std::vector<int32_t> out;
   if (obj.is_none()) return out;
-  const InputArray in = typed_input(obj, {fn, "seqlens_k", 1, 1, "[batch]"}, DType::kI64, "iu");
-  const int64_t* p = in.view.ptr<const int64_t>();
-  for (int64_t b = 0; b < in.view.shape[0]; ++b) {
-    const int64_t n = p[b * in.view.strides[0]];
+  const std::vector<int64_t> lens = int64_values(obj, {fn, "seqlens_k", 1, 1, "[batch]"});
+  for (size_t b = 0; b < lens.size(); ++b) {
+    const int64_t n = lens[b];
     if (n < 0 || n > std::numeric_limits<int32_t>::max())
       raise_value_error(fn, "seqlens_k[" + std::to_string(b) + "] = " + std::to_string(n) +
                                 " must be in [0, seqlen_k]");
@@ -412,18 +462,8 @@ std::vector<int32_t> parse_seqlens_k(py::handle obj, const char* fn) {
 }
 
 std::vector<int64_t> parse_positions(py::handle obj, const char* fn) {
-  std::vector<int64_t> out;
-  if (obj.is_none()) return out;
-  const InputArray in =
-      typed_input(obj, {fn, "positions", 1, 2, "[seq] or [batch, seq]"}, DType::kI64, "iu");
-  const TensorView& v = in.view;
-  const int64_t rows = v.rank == 2 ? v.shape[0] : 1, cols = v.shape[v.rank - 1];
-  const int64_t row_stride = v.rank == 2 ? v.strides[0] : 0, col_stride = v.strides[v.rank - 1];
-  out.reserve(static_cast<size_t>(rows * cols));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      out.push_back(v.ptr<const int64_t>()[r * row_stride + c * col_stride]);
-  return out;
+  if (obj.is_none()) return {};
+  return int64_values(obj, {fn, "positions", 1, 2, "[seq] or [batch, seq]"});
 }
 
 float parse_softmax_scale(const std::optional<double>& scale, const char* fn) {

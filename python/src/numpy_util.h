@@ -85,6 +85,14 @@ InputArray f32_input(py::handle obj, const ArgSpec& spec);
 // 'b') that may be converted.
 InputArray typed_input(py::handle obj, const ArgSpec& spec, DType want, const char* accept);
 
+// Every integer array argument (counts, ids, offsets, lengths, positions):
+// `obj` as int64 values, flattened row-major, of rank spec.min_rank ..
+// spec.max_rank and an integer dtype (else ValueError, as typed_input).
+// Never wraps: an element beyond int64 (a uint64 array, or a Python int in
+// [2^63, 2^64) in a list) raises "<fn>: <name>[i] = <value as passed> does
+// not fit a 64-bit integer". Scalars go through checked_int.
+std::vector<int64_t> int64_values(py::handle obj, const ArgSpec& spec);
+
 // An attention mask, numpy-broadcastable to [batch, num_heads, seqlen_q,
 // seqlen_k]: bool (keep where True) is kept as bool, any real float dtype
 // becomes an f32 additive mask. Rank 1..4; lower ranks are right-aligned as

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <limits>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -35,11 +36,7 @@ std::vector<int64_t> int64_list(py::handle obj, const char* fn, const char* name
   // [] is a valid empty step (numpy would make it float64).
   if (py::isinstance<py::sequence>(obj) && !py::isinstance<py::str>(obj) && py::len(obj) == 0)
     return {};
-  const InputArray in = typed_input(obj, {fn, name, 1, 1, "[n]"}, DType::kI64, "iu");
-  std::vector<int64_t> out(static_cast<size_t>(in.view.shape[0]));
-  for (size_t i = 0; i < out.size(); ++i)
-    out[i] = in.view.ptr<const int64_t>()[static_cast<int64_t>(i) * in.view.strides[0]];
-  return out;
+  return int64_values(obj, {fn, name, 1, 1, "[n]"});
 }
 
 std::vector<int32_t> offsets_arg(py::handle obj, const char* fn, const char* name) {
@@ -151,15 +148,26 @@ py::object sdpa_varlen_py(py::object q, py::object k, py::object v, py::object c
   const std::vector<int32_t> cu_q = offsets_arg(cu_seqlens_q, kFn, "cu_seqlens_q");
   const std::vector<int32_t> cu_k = offsets_arg(cu_seqlens_k, kFn, "cu_seqlens_k");
   const DType kv = parse_cache_dtype(kv_dtype, kFn, "kv_dtype", false);
+  // Offsets the library will reject size nothing here: probs and the
+  // max_seqlen bounds wait for offsets that start at 0, never decrease and
+  // end at the row count (the rule sdpa_varlen states), so that bad offsets
+  // get the library's message naming them rather than numpy's "array is too
+  // big" or a complaint about max_seqlen.
+  const int64_t totals[2] = {qi.view.shape[0], ki.view.shape[0]};
+  const std::vector<int32_t>* cus[2] = {&cu_q, &cu_k};
+  bool in_order = !cu_q.empty() && cu_k.size() == cu_q.size();
+  for (int a = 0; a < 2 && in_order; ++a) {
+    const std::vector<int32_t>& cu = *cus[a];
+    in_order = cu.front() == 0 && cu.back() == totals[a] && std::is_sorted(cu.begin(), cu.end());
+  }
   // The longest sequences, and FlashAttention's max_seqlen bounds checked
   // against them (they only size buffers there).
   int64_t longest[2] = {0, 0};
-  const std::vector<int32_t>* cus[2] = {&cu_q, &cu_k};
   py::object given[2] = {max_seqlen_q, max_seqlen_k};
   const char* names[2] = {"max_seqlen_q", "max_seqlen_k"};
-  for (int a = 0; a < 2; ++a) {
+  for (int a = 0; a < 2 && in_order; ++a) {
     for (size_t s = 1; s < cus[a]->size(); ++s)
-      longest[a] = std::max<int64_t>(longest[a], (*cus[a])[s] - (*cus[a])[s - 1]);
+      longest[a] = std::max<int64_t>(longest[a], int64_t{(*cus[a])[s]} - (*cus[a])[s - 1]);
     if (given[a].is_none()) continue;
     const int64_t bound = checked_int(given[a], kFn, names[a]);
     if (bound < longest[a])
@@ -178,7 +186,8 @@ py::object sdpa_varlen_py(py::object q, py::object k, py::object v, py::object c
   py::array out_a = new_array(DType::kF32, {total_q, heads, vi.view.shape[2]}, &out);
   py::array lse_a, probs_a;
   if (return_lse) lse_a = new_array(DType::kF32, {heads, total_q}, &lse);
-  if (return_probs) probs_a = new_array(DType::kF32, {n, heads, longest[0], longest[1]}, &probs);
+  if (return_probs && in_order)
+    probs_a = new_array(DType::kF32, {n, heads, longest[0], longest[1]}, &probs);
   Status st;
   {
     py::gil_scoped_release nogil;
@@ -196,6 +205,8 @@ py::object sdpa_varlen_py(py::object q, py::object k, py::object v, py::object c
     }
   }
   throw_if_error(st);
+  if (return_probs && !in_order)  // sdpa_varlen accepted offsets the check above did not
+    throw std::logic_error("sdpa_varlen: probs were not sized; report this as a bug");
   if (!return_lse && !return_probs) return out_a;
   if (return_lse && return_probs) return py::make_tuple(out_a, lse_a, probs_a);
   return py::make_tuple(out_a, return_lse ? lse_a : probs_a);

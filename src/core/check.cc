@@ -6,7 +6,39 @@
 
 namespace attnkit::check {
 
-std::string shape_str(const TensorView& v) { return v.describe(); }
+std::string shape_text(std::span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+std::string shape_text(const TensorView& v) {
+  return shape_text(std::span<const int64_t>(v.shape.data(), static_cast<size_t>(v.rank)));
+}
+
+Status activation(const char* fn, const char* name, const TensorView& v, int64_t hidden,
+                  bool contiguous) {
+  ATTNKIT_RETURN_IF_ERROR(view(fn, name, v, 3, {DType::kF32}));
+  ATTNKIT_RETURN_IF_ERROR(dim(fn, name, v, 2, "hidden_size", hidden, "config().hidden_size"));
+  const std::string f = std::string(fn) + ": " + name;
+  if (contiguous && !v.is_contiguous())
+    return invalid_argument(f + " " + v.describe() + " must be contiguous (row-major)");
+  if (v.shape[2] > 1 && v.strides[2] != 1)
+    return invalid_argument(f + ".strides[2] = " + std::to_string(v.strides[2]) +
+                            " must be 1 (the hidden dimension must be contiguous)");
+  return Status::Ok();
+}
+
+Status run_options(const char* fn, int num_threads, Backend backend, const char* prefix) {
+  const std::string f = std::string(fn) + ": " + prefix;
+  if (num_threads < 0)
+    return invalid_argument(f + "num_threads = " + std::to_string(num_threads) +
+                            " must be >= 0 (0 = default)");
+  if (backend != Backend::kAuto && backend != Backend::kReference && backend != Backend::kFast)
+    return invalid_argument(f + "backend = " + std::to_string(static_cast<int>(backend)) +
+                            " is not a Backend value");
+  return Status::Ok();
+}
 
 Status view(const char* fn, const char* name, const TensorView& v, int rank,
             std::initializer_list<DType> dtypes) {

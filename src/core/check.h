@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 
+#include "attnkit/config.h"
 #include "attnkit/status.h"
 #include "attnkit/tensor.h"
 
@@ -28,7 +29,27 @@ Status dim(const char* fn, const char* name, const TensorView& v, int axis, cons
 // when one is written. Conservative: compares address extents.
 bool overlaps(const TensorView& a, const TensorView& b);
 
-std::string shape_str(const TensorView& v);
+// "[2, 3, 4]": a shape for messages; the view's form prints its first
+// v.rank sizes.
+std::string shape_text(std::span<const int64_t> dims);
+std::string shape_text(const TensorView& v);
+
+// An f32 [batch, seq, hidden] activation as the layers read or write it:
+// a valid rank-3 view (check::view), shape[2] == hidden (the layer's
+// config().hidden_size), the hidden dimension contiguous (projections read
+// rows with unit stride; batch and seq strides are free), and where
+// `contiguous` the whole view row-major.
+Status activation(const char* fn, const char* name, const TensorView& v, int64_t hidden,
+                  bool contiguous = false);
+
+// num_threads >= 0 (0 = the default) and backend one of Backend's values.
+// `prefix` is how fn's caller reaches the two fields: "run." for a
+// RunOptions argument, "" where they are fields of fn's own options
+// (AttentionOptions).
+Status run_options(const char* fn, int num_threads, Backend backend, const char* prefix);
+inline Status run_options(const char* fn, const RunOptions& run) {
+  return run_options(fn, run.num_threads, run.backend, "run.");
+}
 
 // RoPE computes position * inv_freq in double, so positions must be exact
 // there: below 2^53.

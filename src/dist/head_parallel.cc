@@ -66,12 +66,6 @@ constexpr const char* kMlaForward = "HeadParallelLatentAttention::forward";
 
 using check::prefixed;
 
-std::string shape_text(const TensorView& v) {
-  std::string s = "[";
-  for (int i = 0; i < v.rank; ++i) s += (i ? ", " : "") + std::to_string(v.shape[i]);
-  return s + "]";
-}
-
 // The layers' rule for joining a prefix and a weight name (attention_layer.h).
 std::string full_name(std::string_view prefix, std::string_view name) {
   std::string s(prefix);
@@ -102,13 +96,10 @@ Status shard_weights(const char* fn, const WeightMap& weights, std::string_view 
     TensorView& v = it->second;
     bool shape_ok = v.rank == static_cast<int>(c.full.size());
     for (int i = 0; shape_ok && i < v.rank; ++i) shape_ok = v.shape[i] == c.full[size_t(i)];
-    if (!shape_ok) {
-      std::string want = "[";
-      for (size_t i = 0; i < c.full.size(); ++i)
-        want += (i ? ", " : "") + std::to_string(c.full[i]);
-      return invalid_argument(std::string(fn) + ": " + it->first + " has shape " + shape_text(v) +
-                              ", expected [" + c.meaning + "] = " + want + "]");
-    }
+    if (!shape_ok)
+      return invalid_argument(std::string(fn) + ": " + it->first + " has shape " +
+                              check::shape_text(v) + ", expected [" + c.meaning +
+                              "] = " + check::shape_text(c.full));
     if (v.data != nullptr) {
       const int64_t offset = c.begin * v.strides[c.dim] * static_cast<int64_t>(dtype_size(v.dtype));
       v.data = static_cast<char*>(v.data) + offset;
@@ -120,67 +111,20 @@ Status shard_weights(const char* fn, const WeightMap& weights, std::string_view 
   return Status::Ok();
 }
 
-// [lo, hi) byte extent of a view (non-negative strides).
-void extent(const TensorView& v, uintptr_t* lo, uintptr_t* hi) {
-  int64_t last = 0;
-  for (int i = 0; i < v.rank; ++i) {
-    if (v.shape[i] == 0) {
-      *lo = *hi = reinterpret_cast<uintptr_t>(v.data);
-      return;
-    }
-    last += (v.shape[i] - 1) * v.strides[i];
-  }
-  *lo = reinterpret_cast<uintptr_t>(v.data);
-  *hi = *lo + static_cast<uintptr_t>((last + 1) * static_cast<int64_t>(dtype_size(v.dtype)));
-}
-
-bool overlaps(const TensorView& a, const TensorView& b) {
-  if (!a.present() || !b.present()) return false;
-  uintptr_t alo, ahi, blo, bhi;
-  extent(a, &alo, &ahi);
-  extent(b, &blo, &bhi);
-  return alo < ahi && blo < bhi && alo < bhi && blo < ahi;
-}
-
-// An f32 [batch, seq, hidden] activation as the layers read or write it:
-// hidden contiguous, or the whole view contiguous when `contiguous`.
-Status check_activation(const char* fn, const char* name, const TensorView& v, int64_t hidden,
-                        bool contiguous) {
-  const std::string f = std::string(fn) + ": " + name;
-  if (!v.present()) return invalid_argument(f + " is absent (data is null)");
-  if (v.dtype != DType::kF32)
-    return invalid_argument(f + ".dtype = " + dtype_name(v.dtype) + " must be f32");
-  if (v.rank != 3)
-    return invalid_argument(f + ".rank = " + std::to_string(v.rank) +
-                            " must be 3 ([batch, seq, hidden])");
-  for (int i = 0; i < 3; ++i)
-    if (v.shape[i] < 0 || v.strides[i] < 0)
-      return invalid_argument(f + " " + v.describe() + " has a negative size or stride");
-  if (v.shape[2] != hidden)
-    return invalid_argument(f + ".shape[2] (hidden_size) = " + std::to_string(v.shape[2]) +
-                            " must equal config().hidden_size = " + std::to_string(hidden));
-  if (contiguous && !v.is_contiguous())
-    return invalid_argument(f + " " + v.describe() + " must be contiguous (row-major)");
-  if (v.shape[2] > 1 && v.strides[2] != 1)
-    return invalid_argument(f + ".strides[2] = " + std::to_string(v.strides[2]) +
-                            " must be 1 (the hidden dimension must be contiguous)");
-  return Status::Ok();
-}
-
 // What both layers check before the agreement: x, out, positions and run
 // options as the local layer will; out contiguous and small enough for one
 // MPI message (it is the all-reduce's receive buffer).
 Status check_call(const char* fn, const TensorView& x, const TensorView& out, int64_t hidden,
                   bool x_contiguous, std::span<const int64_t> positions, const RunOptions& run) {
   const std::string f = fn;
-  ATTNKIT_RETURN_IF_ERROR(check_activation(fn, "x", x, hidden, x_contiguous));
-  ATTNKIT_RETURN_IF_ERROR(check_activation(fn, "out", out, hidden, true));
+  ATTNKIT_RETURN_IF_ERROR(check::activation(fn, "x", x, hidden, x_contiguous));
+  ATTNKIT_RETURN_IF_ERROR(check::activation(fn, "out", out, hidden, true));
   for (int i = 0; i < 2; ++i)
     if (out.shape[i] != x.shape[i])
       return invalid_argument(f + ": out.shape[" + std::to_string(i) +
                               "] = " + std::to_string(out.shape[i]) + " must equal x.shape[" +
                               std::to_string(i) + "] = " + std::to_string(x.shape[i]));
-  if (overlaps(out, x)) return invalid_argument(f + ": out overlaps x; it must not alias");
+  if (check::overlaps(out, x)) return invalid_argument(f + ": out overlaps x; it must not alias");
   const int64_t T = x.shape[1];
   if (x.shape[0] > 0 &&
       T > std::numeric_limits<int>::max() / x.shape[0] / std::max<int64_t>(hidden, 1))
@@ -188,14 +132,7 @@ Status check_call(const char* fn, const TensorView& x, const TensorView& out, in
                             " * " + std::to_string(T) + " * " + std::to_string(hidden) +
                             " must fit an int (one MPI message); split the call");
   ATTNKIT_RETURN_IF_ERROR(check::positions(fn, positions, T, x.shape[0] * T, true));
-  if (run.num_threads < 0)
-    return invalid_argument(f + ": run.num_threads = " + std::to_string(run.num_threads) +
-                            " must be >= 0 (0 = default)");
-  if (run.backend != Backend::kAuto && run.backend != Backend::kReference &&
-      run.backend != Backend::kFast)
-    return invalid_argument(f + ": run.backend = " + std::to_string(static_cast<int>(run.backend)) +
-                            " is not a Backend value");
-  return Status::Ok();
+  return check::run_options(fn, run);
 }
 
 // The facts every rank's forward() must agree on, in run_collective_forward's order.
@@ -465,7 +402,7 @@ Status HeadParallelAttention::forward(const TensorView& x, const TensorView& out
       local = out_of_range(f + ": cache length " + std::to_string(cache->length()) + " + " +
                            std::to_string(T) +
                            " new tokens exceeds max_seq_len = " + std::to_string(s.max_seq_len));
-    else if (overlaps(out, cache->keys()) || overlaps(out, cache->values()))
+    else if (check::overlaps(out, cache->keys()) || check::overlaps(out, cache->values()))
       local = invalid_argument(f + ": out overlaps the cache's storage");
   }
   return run_collective_forward(
@@ -595,7 +532,7 @@ Status HeadParallelLatentAttention::forward(const TensorView& x, const TensorVie
       local = out_of_range(f + ": cache overflow: length " + std::to_string(cache->length()) +
                            " + " + std::to_string(T) +
                            " new tokens > max_seq_len = " + std::to_string(cache->max_seq_len()));
-    else if (overlaps(out, cache->storage()))
+    else if (check::overlaps(out, cache->storage()))
       local = invalid_argument(f + ": out overlaps the cache storage");
   }
   return run_collective_forward(comm_.get(), kMlaForward, local, x, out, c.hidden_size, positions,

@@ -39,32 +39,6 @@ constexpr const char* kNewPagedCache = "AttentionLayer::new_paged_cache";
 
 using check::prefixed;
 
-// A rank-3 f32 activation [batch, seq, hidden] whose last dimension is
-// contiguous (kernels::linear reads rows with unit stride); batch and seq
-// strides are free.
-Status check_activation(const char* fn, const char* name, const TensorView& v, int64_t hidden) {
-  ATTNKIT_RETURN_IF_ERROR(check::view(fn, name, v, 3, {DType::kF32}));
-  ATTNKIT_RETURN_IF_ERROR(
-      check::dim(fn, name, v, 2, "hidden_size", hidden, "config().hidden_size"));
-  if (v.shape[2] > 1 && v.strides[2] != 1)
-    return invalid_argument(std::string(fn) + ": " + name +
-                            ".strides[2] = " + std::to_string(v.strides[2]) +
-                            " must be 1 (the hidden dimension must be contiguous)");
-  return Status::Ok();
-}
-
-Status check_run(const char* fn, const RunOptions& run) {
-  if (run.num_threads < 0)
-    return invalid_argument(std::string(fn) + ": run.num_threads = " +
-                            std::to_string(run.num_threads) + " must be >= 0 (0 = default)");
-  if (run.backend != Backend::kAuto && run.backend != Backend::kReference &&
-      run.backend != Backend::kFast)
-    return invalid_argument(std::string(fn) +
-                            ": run.backend = " + std::to_string(static_cast<int>(run.backend)) +
-                            " is not a Backend value");
-  return Status::Ok();
-}
-
 // Zeroed contiguous f32 scratch [batch, seq, heads, dim].
 Status scratch(const char* fn, const char* what, int64_t batch, int64_t seq, int64_t heads,
                int64_t dim, Tensor* t) {
@@ -271,14 +245,14 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& out,
   const AttentionConfig& c = config_;
   if (wq_.data() == nullptr)
     return invalid_argument(f + ": no weights loaded (call load_weights first)");
-  ATTNKIT_RETURN_IF_ERROR(check_activation(kForward, "x", x, c.hidden_size));
-  ATTNKIT_RETURN_IF_ERROR(check_activation(kForward, "out", out, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(check::activation(kForward, "x", x, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(check::activation(kForward, "out", out, c.hidden_size));
   const int64_t B = x.shape[0], T = x.shape[1];
   ATTNKIT_RETURN_IF_ERROR(check::dim(kForward, "out", out, 0, "batch", B, "x.shape[0]"));
   ATTNKIT_RETURN_IF_ERROR(check::dim(kForward, "out", out, 1, "seq", T, "x.shape[1]"));
   if (check::overlaps(out, x)) return invalid_argument(f + ": out overlaps x; it must not alias");
   ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kForward, "out", out));
-  ATTNKIT_RETURN_IF_ERROR(check_run(kForward, run));
+  ATTNKIT_RETURN_IF_ERROR(check::run_options(kForward, run));
   int64_t rows;
   if (!checked_mul(B, T, &rows)) return invalid_argument(f + ": batch * seq overflows 64 bits");
   ATTNKIT_RETURN_IF_ERROR(check::positions(kForward, positions, T, rows, true));
@@ -475,13 +449,13 @@ Status AttentionLayer::forward_batch(const TensorView& x, std::span<const int32_
     return r;
   };
   const TensorView x3 = as3(x), out3 = as3(out);
-  ATTNKIT_RETURN_IF_ERROR(check_activation(kForwardBatch, "x", x3, c.hidden_size));
-  ATTNKIT_RETURN_IF_ERROR(check_activation(kForwardBatch, "out", out3, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(check::activation(kForwardBatch, "x", x3, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(check::activation(kForwardBatch, "out", out3, c.hidden_size));
   ATTNKIT_RETURN_IF_ERROR(
       check::dim(kForwardBatch, "out", out, 0, "total_tokens", total, "x.shape[0]"));
   if (check::overlaps(out, x)) return invalid_argument(f + ": out overlaps x; it must not alias");
   ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kForwardBatch, "out", out));
-  ATTNKIT_RETURN_IF_ERROR(check_run(kForwardBatch, run));
+  ATTNKIT_RETURN_IF_ERROR(check::run_options(kForwardBatch, run));
   const PagedKVCacheSpec& s = cache.spec();
   const struct {
     const char* name;
@@ -536,10 +510,10 @@ Status AttentionLayer::forward_qkv(const TensorView& query, const TensorView& ke
   const AttentionConfig& c = config_;
   if (wq_.data() == nullptr)
     return invalid_argument(f + ": no weights loaded (call load_weights first)");
-  ATTNKIT_RETURN_IF_ERROR(check_activation(kForwardQkv, "query", query, c.hidden_size));
-  ATTNKIT_RETURN_IF_ERROR(check_activation(kForwardQkv, "key", key, c.hidden_size));
-  ATTNKIT_RETURN_IF_ERROR(check_activation(kForwardQkv, "value", value, c.hidden_size));
-  ATTNKIT_RETURN_IF_ERROR(check_activation(kForwardQkv, "out", out, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(check::activation(kForwardQkv, "query", query, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(check::activation(kForwardQkv, "key", key, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(check::activation(kForwardQkv, "value", value, c.hidden_size));
+  ATTNKIT_RETURN_IF_ERROR(check::activation(kForwardQkv, "out", out, c.hidden_size));
   const int64_t B = query.shape[0], Sq = query.shape[1], Sk = key.shape[1];
   ATTNKIT_RETURN_IF_ERROR(check::dim(kForwardQkv, "key", key, 0, "batch", B, "query.shape[0]"));
   ATTNKIT_RETURN_IF_ERROR(check::dim(kForwardQkv, "value", value, 0, "batch", B, "query.shape[0]"));

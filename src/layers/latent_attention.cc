@@ -291,13 +291,7 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
   if (!out.is_contiguous())
     return invalid_argument(f + ": out " + out.describe() + " must be contiguous (row-major)");
   if (check::overlaps(out, x)) return invalid_argument(f + ": out overlaps x");
-  if (run.num_threads < 0)
-    return invalid_argument(f + ": run.num_threads = " + std::to_string(run.num_threads) +
-                            " must be >= 0 (0 = default)");
-  if (run.backend != Backend::kAuto && run.backend != Backend::kReference &&
-      run.backend != Backend::kFast)
-    return invalid_argument(f + ": run.backend = " + std::to_string(static_cast<int>(run.backend)) +
-                            " is not a Backend value");
+  ATTNKIT_RETURN_IF_ERROR(check::run_options(kForward, run));
   if (form != MlaForm::kAuto && form != MlaForm::kNaive && form != MlaForm::kAbsorbed)
     return invalid_argument(f + ": form = " + std::to_string(static_cast<int>(form)) +
                             " is not an MlaForm value");
@@ -591,9 +585,7 @@ Status LatentAttention::forward_batch(const TensorView& x, std::span<const int32
   if (!out.is_contiguous())
     return invalid_argument(f + ": out " + out.describe() + " must be contiguous (row-major)");
   if (check::overlaps(out, x)) return invalid_argument(f + ": out overlaps x");
-  if (run.num_threads < 0)
-    return invalid_argument(f + ": run.num_threads = " + std::to_string(run.num_threads) +
-                            " must be >= 0 (0 = default)");
+  ATTNKIT_RETURN_IF_ERROR(check::run_options(kForwardBatch, run));
   const PagedKVCacheSpec& s = cache.spec();
   if (s.kv_lora_rank != c.kv_lora_rank || s.qk_rope_head_dim != c.qk_rope_head_dim)
     return invalid_argument(

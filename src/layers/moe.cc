@@ -418,14 +418,7 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
   if (check::overlaps(out, x))
     return invalid_argument(std::string(kFwd) + ": out overlaps x; out must not alias x");
   ATTNKIT_RETURN_IF_ERROR(check_no_self_overlap(kFwd, "out", out));
-  if (run.num_threads < 0)
-    return invalid_argument(std::string(kFwd) + ": num_threads = " +
-                            std::to_string(run.num_threads) + " must be >= 0 (0 = default)");
-  if (run.backend != Backend::kAuto && run.backend != Backend::kReference &&
-      run.backend != Backend::kFast)
-    return invalid_argument(std::string(kFwd) +
-                            ": backend = " + std::to_string(static_cast<int>(run.backend)) +
-                            " is not a Backend value");
+  ATTNKIT_RETURN_IF_ERROR(check::run_options(kFwd, run));
   if (!loaded())
     return invalid_argument(std::string(kFwd) +
                             ": weights are not loaded (call load_weights first)");

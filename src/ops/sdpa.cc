@@ -105,9 +105,7 @@ Status check_attention_options(const char* fn, const AttentionOptions& o, bool k
   if (o.chunk_size < 0)
     return invalid_argument(f + ": chunk_size = " + std::to_string(o.chunk_size) +
                             " must be >= 0 (0 = off)");
-  if (o.num_threads < 0)
-    return invalid_argument(f + ": num_threads = " + std::to_string(o.num_threads) +
-                            " must be >= 0 (0 = default)");
+  ATTNKIT_RETURN_IF_ERROR(check::run_options(fn, o.num_threads, o.backend, ""));
   const SparsePattern& sp = o.sparse;
   if (sp.kind != SparsePattern::Kind::kNone && sp.kind != SparsePattern::Kind::kStrided &&
       sp.kind != SparsePattern::Kind::kFixed)
@@ -124,10 +122,6 @@ Status check_attention_options(const char* fn, const AttentionOptions& o, bool k
       return invalid_argument(f + ": sparse.summary = " + std::to_string(sp.summary) +
                               " must be in [1, sparse.stride = " + std::to_string(sp.stride) + "]");
   }
-  if (o.backend != Backend::kAuto && o.backend != Backend::kReference &&
-      o.backend != Backend::kFast)
-    return invalid_argument(f + ": backend = " + std::to_string(static_cast<int>(o.backend)) +
-                            " is not a Backend value");
   return Status::Ok();
 }
 

@@ -531,8 +531,10 @@ TEST(AttentionLayerPaged, ForwardBatchMatchesEachSequenceAlone) {
       // Layer index 1 of the pool: the first layer's slots stay unwritten.
       attnkit_test::run_batch_steps(
           *pool, c.hidden_size, x, kBatchSteps, &out,
-          [&](const TensorView& xv, std::span<const int32_t> cu, std::span<const int64_t> ids,
-              const TensorView& ov) { return layer.forward_batch(xv, cu, ids, *pool, 1, ov); });
+          [&, &l = layer](const TensorView& xv, std::span<const int32_t> cu,
+                          std::span<const int64_t> ids, const TensorView& ov) {
+            return l.forward_batch(xv, cu, ids, *pool, 1, ov);
+          });
       for (size_t s = 0; s < 3; ++s) {
         const Reference ref =
             reference_forward(c, w, x[s], 1, lengths[s], iota_positions(1, lengths[s]));
@@ -557,9 +559,10 @@ TEST(AttentionLayerPaged, BatchingChangesNoBits) {
   for (size_t s = 0; s < 3; ++s) x[s].resize(size_t(lengths[s] * d));
   auto batched = layer.new_paged_cache(40, 4).value();
   std::vector<std::vector<float>> out, alone_out;
-  auto forward = [&](attnkit::PagedKVCache& pool) {
+  // Named through l: clang 14 cannot capture a structured binding.
+  auto forward = [&, &l = layer](attnkit::PagedKVCache& pool) {
     return [&](const TensorView& xv, std::span<const int32_t> cu, std::span<const int64_t> ids,
-               const TensorView& ov) { return layer.forward_batch(xv, cu, ids, pool, 0, ov); };
+               const TensorView& ov) { return l.forward_batch(xv, cu, ids, pool, 0, ov); };
   };
   attnkit_test::run_batch_steps(batched, d, x, kBatchSteps, &out, forward(batched));
   for (size_t s = 0; s < 3; ++s) {

@@ -345,3 +345,72 @@ def test_io_error_is_oserror(tmp_path):
     with pytest.raises(OSError):
         attnkit.save_safetensors(tmp_path / "no" / "such" / "dir.safetensors",
                                  {"a": np.zeros(2, np.float32)})
+
+
+@pytest.mark.parametrize("cu_q,pattern", [
+    ([0, 2**31 - 1], r"sdpa_varlen: cu_seqlens_q\[1\] = 2147483647 must equal q.shape\[0\] = 4"),
+    ([0, -2**31, 4], r"sdpa_varlen: cu_seqlens_q\[1\] = -2147483648 must be >= "
+                     r"cu_seqlens_q\[0\] = 0"),
+    ([0, 3, 1, 4], r"sdpa_varlen: cu_seqlens_q\[2\] = 1 must be >= cu_seqlens_q\[1\] = 3"),
+    ([2, 4], r"sdpa_varlen: cu_seqlens_q\[0\] = 2 must be 0"),
+])
+@pytest.mark.parametrize("return_probs", [False, True])
+@pytest.mark.parametrize("max_seqlen_q", [None, 1])
+def test_sdpa_varlen_checks_offsets_before_sizing_probs(cu_q, pattern, return_probs,
+                                                        max_seqlen_q):
+    # With return_probs the probabilities' shape comes from cu_seqlens_q: the
+    # offsets are judged first, with the message that names them.
+    q = np.zeros((4, 2, 8), np.float32)
+    cu_k = [0] * (len(cu_q) - 1) + [4]
+    with pytest.raises(ValueError, match=pattern):
+        attnkit.sdpa_varlen(q, q, q, cu_q, cu_k, max_seqlen_q=max_seqlen_q,
+                            return_probs=return_probs)
+
+
+def _paged_pool():
+    cache = attnkit.PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=2,
+                                 head_dim=8)
+    return cache, cache.add_sequence()
+
+
+BIG = 2**63  # a Python int in [2^63, 2^64): numpy makes it uint64; it must not wrap
+
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda c, a: c.append([BIG], [1]),
+     r"PagedKVCache.append: seq_ids\[0\] = 9223372036854775808 does not fit a 64-bit integer"),
+    (lambda c, a: c.append([a], [2**64 - 1]),
+     r"PagedKVCache.append: num_new_tokens\[0\] = 18446744073709551615 does not fit a 64-bit "
+     r"integer"),
+    (lambda c, a: c.append(np.array([a, BIG], np.uint64), [1, 1]),
+     r"PagedKVCache.append: seq_ids\[1\] = 9223372036854775808 does not fit"),
+    (lambda c, a: attnkit.batch_attention(np.zeros((1, 2, 8), np.float32),
+                                          np.zeros((1, 2, 8), np.float32),
+                                          np.zeros((1, 2, 8), np.float32), [0, 1], [BIG + 5], c, 0),
+     r"batch_attention: seq_ids\[0\] = 9223372036854775813 does not fit a 64-bit integer"),
+    (lambda c, a: attnkit.batch_attention(np.zeros((1, 2, 8), np.float32),
+                                          np.zeros((1, 2, 8), np.float32),
+                                          np.zeros((1, 2, 8), np.float32), [0, BIG], [a], c, 0),
+     r"batch_attention: cu_seqlens_q\[1\] = 9223372036854775808 does not fit a 64-bit integer"),
+])
+def test_paged_integers_beyond_int64_are_reported_as_passed(call, pattern):
+    cache, a = _paged_pool()
+    with pytest.raises(ValueError, match=pattern):
+        call(cache, a)
+    assert cache.length(a) == 0 and cache.pages_in_use() == 0
+
+
+def test_sdpa_integers_beyond_int64_are_reported_as_passed():
+    q = np.zeros((1, 2, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"sdpa: seqlens_k\[1\] = 9223372036854775808 does not "
+                                         r"fit a 64-bit integer"):
+        attnkit.sdpa(q, q, q, seqlens_k=np.array([1, BIG], np.uint64))
+    with pytest.raises(ValueError, match=r"sdpa: seqlens_k\[0\] = 9223372036854775808 does not"):
+        attnkit.sdpa(q[:1], q, q, seqlens_k=[BIG])
+    with pytest.raises(ValueError, match=r"sdpa: seqlens_k\[1\] = 1180591620717411303424 does not"):
+        attnkit.sdpa(q, q, q, seqlens_k=(1, 2**70))
+    qv = q[0]
+    for name, args in [("cu_seqlens_q", ([0, BIG], [0, 2])), ("cu_seqlens_k", ([0, 2], [0, BIG]))]:
+        with pytest.raises(ValueError, match=r"sdpa_varlen: " + name + r"\[1\] = "
+                                             r"9223372036854775808 does not fit"):
+            attnkit.sdpa_varlen(qv, qv, qv, *args, return_probs=True)
