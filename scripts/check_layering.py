@@ -37,8 +37,9 @@ FLOORS = [
      "attention params, masks, dispatch, reference twins, fast kernels, linear.h; see "
      "neither configs nor layers"),
     ("io", ["src/io"], ["core"], [], "safetensors, Hugging Face config parsing, weight loading"),
-    ("analysis", ["src/analysis"], ["core"], [],
-     "cost models and presets over the public config structs"),
+    ("analysis", ["src/analysis"], ["core", "io"], [],
+     "cost models and presets over the model description io reads (its reader is "
+     "asked for the analysis-only families too)"),
     ("ops", ["src/ops"], ["core", "kernels"], [],
      "public entry points that are not layers: sdpa, rope, KV caches, paged pool"),
     ("layers", ["src/layers"], ["core", "kernels", "io", "ops"], [],
