@@ -1,6 +1,7 @@
 #include "kernels/dispatch.h"
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -30,6 +31,11 @@ struct Scratch {
     if (n <= count) return Status::Ok();
     data.reset();
     count = 0;
+    // No machine holds more than PTRDIFF_MAX bytes; asking operator new[]
+    // for more aborts under some compilers' sanitizers instead of throwing.
+    if (n > static_cast<size_t>(PTRDIFF_MAX) / sizeof(T))
+      return resource_exhausted(std::string("sdpa: cannot allocate ") + std::to_string(n) + " " +
+                                what);
     try {
       data.reset(new T[n]);
     } catch (const std::bad_alloc&) {

@@ -111,7 +111,8 @@ inline bool walks_k_then_v(SimdTarget target, DType kv_dtype) {
 // its pairs: absorbed MLA decode (128 heads, 576/512, 4096 keys, 2 threads,
 // the two alternated call by call, 20 pairs) took 0.60 (int8) and 0.64
 // (fp8) of the bf16 copies' time with fp32 ones on an Intel Xeon (family
-// 6, model 207; 2026-11-26, through a temporary switch before 9967d71). On AMD's Zen 4 and
+// 6, model 207; 2026-11-26; to repeat, build with this function returning
+// each answer in turn). On AMD's Zen 4 and
 // Zen 5 vdpbf16ps runs at the FMA's rate (bf16 prefill reached 1.25-1.38x
 // the fp32 peak on a Zen 5: docs/PERFORMANCE.md), so there they stay bf16;
 // that side is unmeasured for 8-bit K/V.
