@@ -4,6 +4,8 @@
 
 #include <cstdio>
 
+#include "attnkit/report.h"
+
 #include "cli.h"
 #include "commands.h"
 
@@ -50,153 +52,203 @@ Table per_layer_table(const std::vector<LayerGroupFigures>& groups, const std::s
   return t;
 }
 
-}  // namespace
-
-int run_analyze(int argc, char** argv) {
+struct Options {
   std::string model, config;
   int64_t context = 4096, batch = 1;
   std::string kv_name = "bf16", weight_name = "bf16";
   std::vector<int64_t> mla_ranks = {64, 128, 256, 512};
   double peak = 0, bw = 0;
-  bool json_out = false, per_layer = false;
-  Flags f("analyze",
-          "Exact attention arithmetic for a model: parameters, KV-cache bytes (per token and at a\n"
-          "context and batch, summed layer by layer: sliding windows, attention chunks and\n"
-          "linear-attention state applied), prefill and decode FLOPs, arithmetic intensity and\n"
-          "whether this machine is compute- or memory-bound for decoding; then the same model\n"
-          "with every valid number of kv heads and with MLA at several latent ranks.",
-          {"attnkit analyze --model llama-3-8b --context 32768",
-           "attnkit analyze --config path/to/config.json --batch 16 --kv-dtype f32 --json",
-           "attnkit analyze --model deepseek-v3 --context 131072",
-           "attnkit analyze --model qwen3-next-80b-a3b --context 32768 --per-layer"});
-  f.add_string("--model", &model, "a built-in preset (see attnkit presets)");
-  f.add_string("--config", &config, "a Hugging Face config.json");
-  f.add_int("--context", &context, "tokens per sequence (default 4096)", 1);
-  f.add_int("--batch", &batch, "sequences (default 1)", 1);
-  f.add_string("--kv-dtype", &kv_name,
-               "bf16, f32, int8 or fp8_e4m3 for the decode figures (default bf16)");
-  f.add_string("--weight-dtype", &weight_name,
-               "bf16 or f32 weights for decode bytes (default bf16)");
-  f.add_int_list("--mla-ranks", &mla_ranks, "kv_lora_rank values for the MLA sweep");
-  f.add_double("--peak-gflops", &peak, "use this fp32 peak instead of measuring");
-  f.add_double("--bandwidth-gbps", &bw, "use this read bandwidth instead of measuring");
-  f.add_bool("--per-layer", &per_layer,
-             "one row per layer kind: layers, tokens held, KV and state bytes, FLOPs");
-  f.add_bool("--json", &json_out, "print JSON instead of tables (per-layer figures included)");
-  if (!f.parse(argc, argv, 2)) return 0;
+  bool json = false, per_layer = false;
+};
+
+// The model and the figures every part of the report reads.
+struct Analysis {
+  ModelShape m;
+  DType kv = DType::kBF16, weights = DType::kBF16;
+  MachineProfile mp;
+  double balance = 0;  // the machine's FLOPs per byte
+  ModelTotals totals;
+  std::vector<LayerGroupFigures> groups;
+  double intensity = 0;  // decode FLOPs per byte
+  bool memory_bound = false;
+  std::vector<ModelShape> sweep;  // what_if_variants
+};
+
+Analysis analyze(const Options& o) {
   auto dtype_of = [](const std::string& flag, const std::string& s) {
     if (s == "bf16") return DType::kBF16;
     if (s == "f32") return DType::kF32;
     throw UsageError{flag + " must be bf16 or f32, got '" + s + "'"};
   };
-  const DType kv = kv_dtype_of(kv_name), wdt = dtype_of("--weight-dtype", weight_name);
-  const ModelShape m = load_model(model, config);
-  const MachineProfile mp = machine_profile(peak, bw);
-  const double balance = mp.fp32_peak_gflops / mp.dram_read_gbps;  // FLOPs per byte
+  Analysis a;
+  a.kv = kv_dtype_of(o.kv_name);
+  a.weights = dtype_of("--weight-dtype", o.weight_name);
+  a.m = load_model(o.model, o.config);
+  a.mp = machine_profile(o.peak, o.bw);
+  a.balance = a.mp.fp32_peak_gflops / a.mp.dram_read_gbps;
+  a.totals = model_totals(a.m, o.context, o.batch, a.kv, a.weights);
+  a.groups = layer_group_figures(a.m, a.kv, o.context, o.batch);
+  a.intensity = a.totals.decode_flops / a.totals.decode_bytes;
+  a.memory_bound = a.intensity < a.balance;
+  a.sweep = what_if_variants(a.m, o.mla_ranks);
+  return a;
+}
 
-  const ModelTotals t = model_totals(m, context, batch, kv, wdt);
-  const std::vector<LayerGroupFigures> groups = layer_group_figures(m, kv, context, batch);
-  const double intensity = t.decode_flops / t.decode_bytes;
-  const bool memory_bound = intensity < balance;
-  const int64_t params = attention_params_per_layer(m);
+// A figure in every KV dtype the report lists.
+template <typename F>
+nlohmann::json per_dtype(const F& f, bool eight_bit = true) {
+  nlohmann::json j = {{"bf16", f(DType::kBF16)}, {"f32", f(DType::kF32)}};
+  if (eight_bit) {
+    j["int8"] = f(DType::kI8);
+    j["fp8_e4m3"] = f(DType::kFp8E4M3);
+  }
+  return j;
+}
 
-  nlohmann::json j;
-  j["model"] = {{"name", m.name},
-                {"model_type", m.model_type},
-                {"source", m.source},
-                {"variant", variant_label(m)},
-                {"num_layers", m.num_layers},
-                {"hidden_size", m.hidden_size},
-                {"num_heads", m.num_heads},
-                {"num_kv_heads", m.num_kv_heads},
-                {"head_dim", m.head_dim},
-                {"head_dim_v", m.head_dim_v},
-                {"layer_mix", layer_mix(m)}};
+nlohmann::json model_json(const ModelShape& m) {
+  nlohmann::json j = {{"name", m.name},
+                      {"model_type", m.model_type},
+                      {"source", m.source},
+                      {"variant", variant_label(m)},
+                      {"num_layers", m.num_layers},
+                      {"hidden_size", m.hidden_size},
+                      {"num_heads", m.num_heads},
+                      {"num_kv_heads", m.num_kv_heads},
+                      {"head_dim", m.head_dim},
+                      {"head_dim_v", m.head_dim_v},
+                      {"layer_mix", layer_mix(m)}};
   if (m.mla)
-    j["model"]["mla"] = {{"q_lora_rank", m.q_lora_rank},
-                         {"kv_lora_rank", m.kv_lora_rank},
-                         {"qk_nope_head_dim", m.qk_nope_head_dim},
-                         {"qk_rope_head_dim", m.qk_rope_head_dim},
-                         {"v_head_dim", m.v_head_dim},
-                         {"rope_interleave", m.rope_interleave}};
-  j["context"] = context;
-  j["batch"] = batch;
-  j["kv_dtype"] = kv_name;
-  j["attention_params_per_layer"] = params;
+    j["mla"] = {{"q_lora_rank", m.q_lora_rank},
+                {"kv_lora_rank", m.kv_lora_rank},
+                {"qk_nope_head_dim", m.qk_nope_head_dim},
+                {"qk_rope_head_dim", m.qk_rope_head_dim},
+                {"v_head_dim", m.v_head_dim},
+                {"rope_interleave", m.rope_interleave}};
+  return j;
+}
+
+nlohmann::json sweep_json(const Analysis& a, const Options& o) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const ModelShape& v : a.sweep) {
+    const ModelTotals tv = model_totals(v, o.context, o.batch, a.kv, a.weights);
+    out.push_back({{"variant", variant_label(v)},
+                   {"num_kv_heads", v.num_kv_heads},
+                   {"kv_lora_rank", v.kv_lora_rank},
+                   {"kv_bytes_per_token_bf16", kv_bytes_per_token(v, DType::kBF16)},
+                   {"kv_bytes_per_token", kv_bytes_per_token(v, a.kv)},
+                   {"kv_cache_bytes", kv_cache_bytes(v, a.kv, o.context, o.batch)},
+                   {"attention_params_per_layer", attention_params_per_layer(v)},
+                   {"decode_arithmetic_intensity", tv.decode_flops / tv.decode_bytes}});
+  }
+  return out;
+}
+
+nlohmann::json analysis_json(const Analysis& a, const Options& o) {
+  const ModelShape& m = a.m;
+  const int64_t c = o.context, b = o.batch;
+  nlohmann::json j;
+  j["model"] = model_json(m);
+  j["context"] = c;
+  j["batch"] = b;
+  j["kv_dtype"] = o.kv_name;
+  j["attention_params_per_layer"] = attention_params_per_layer(m);
   j["attention_params_total"] = attention_params_total(m);
   j["kv_values_per_token_per_layer"] = kv_values_per_token_per_layer(m);
   // int8 and fp8_e4m3 take the same bytes (codes and fp32 scales).
-  j["kv_bytes_per_token"] = {{"bf16", kv_bytes_per_token(m, DType::kBF16)},
-                             {"f32", kv_bytes_per_token(m, DType::kF32)},
-                             {"int8", kv_bytes_per_token(m, DType::kI8)},
-                             {"fp8_e4m3", kv_bytes_per_token(m, DType::kFp8E4M3)}};
-  j["kv_cache_bytes"] = {{"bf16", kv_cache_bytes(m, DType::kBF16, context, batch)},
-                         {"f32", kv_cache_bytes(m, DType::kF32, context, batch)},
-                         {"int8", kv_cache_bytes(m, DType::kI8, context, batch)},
-                         {"fp8_e4m3", kv_cache_bytes(m, DType::kFp8E4M3, context, batch)}};
-  j["linear_state_bytes"] = linear_state_bytes(m, batch);
-  j["cache_bytes"] = cache_bytes(m, kv, context, batch);
-  j["per_layer"] = per_layer_json(groups);
+  j["kv_bytes_per_token"] = per_dtype([&](DType d) { return kv_bytes_per_token(m, d); });
+  j["kv_cache_bytes"] = per_dtype([&](DType d) { return kv_cache_bytes(m, d, c, b); });
+  j["linear_state_bytes"] = linear_state_bytes(m, b);
+  j["cache_bytes"] = cache_bytes(m, a.kv, c, b);
+  j["per_layer"] = per_layer_json(a.groups);
   j["layer_kinds"] = layer_kind_labels(m);
   if (m.mla) {
-    j["mla_naive_kv_bytes_per_token"] = {{"bf16", kv_bytes_per_token(m, DType::kBF16, false)},
-                                         {"f32", kv_bytes_per_token(m, DType::kF32, false)}};
-    j["mla_naive_kv_cache_bytes"] = {
-        {"bf16", kv_cache_bytes(m, DType::kBF16, context, batch, false)},
-        {"f32", kv_cache_bytes(m, DType::kF32, context, batch, false)}};
+    j["mla_naive_kv_bytes_per_token"] =
+        per_dtype([&](DType d) { return kv_bytes_per_token(m, d, false); }, false);
+    j["mla_naive_kv_cache_bytes"] =
+        per_dtype([&](DType d) { return kv_cache_bytes(m, d, c, b, false); }, false);
   }
-  j["prefill_flops"] = t.prefill_flops;
-  j["decode_flops_per_step"] = t.decode_flops;
-  j["decode_bytes_per_step"] = t.decode_bytes;
-  j["decode_arithmetic_intensity"] = intensity;
-  j["machine"] = {{"simd", mp.simd},
-                  {"fp32_peak_gflops", mp.fp32_peak_gflops},
-                  {"dram_read_gbps", mp.dram_read_gbps},
-                  {"balance_flops_per_byte", balance},
-                  {"threads", mp.threads}};
-  j["decode_bound"] = memory_bound ? "memory" : "compute";
+  j["prefill_flops"] = a.totals.prefill_flops;
+  j["decode_flops_per_step"] = a.totals.decode_flops;
+  j["decode_bytes_per_step"] = a.totals.decode_bytes;
+  j["decode_arithmetic_intensity"] = a.intensity;
+  j["machine"] = {{"simd", a.mp.simd},
+                  {"fp32_peak_gflops", a.mp.fp32_peak_gflops},
+                  {"dram_read_gbps", a.mp.dram_read_gbps},
+                  {"balance_flops_per_byte", a.balance},
+                  {"threads", a.mp.threads}};
+  j["decode_bound"] = a.memory_bound ? "memory" : "compute";
+  j["sweep"] = sweep_json(a, o);
+  return j;
+}
 
-  // Every byte figure in the sweep is in --kv-dtype, so the columns agree.
-  Table sweep({"variant", "kv heads", "KV/token (" + kv_name + ")",
-               "cache @ ctx x batch (" + kv_name + ")", "attn params/layer", "decode intensity"});
-  nlohmann::json jsweep = nlohmann::json::array();
-  auto sweep_row = [&](const ModelShape& v) {
-    const ModelTotals tv = model_totals(v, context, batch, kv, wdt);
-    const double bytes = kv_cache_bytes(v, kv, context, batch);
-    sweep.add({variant_label(v) + (v.mla ? " r=" + std::to_string(v.kv_lora_rank) : ""),
-               v.mla ? "latent" : std::to_string(v.num_kv_heads),
-               format_bytes(static_cast<double>(kv_bytes_per_token(v, kv))), format_bytes(bytes),
-               format_count(static_cast<double>(attention_params_per_layer(v))),
-               intensity_str(tv.decode_flops / tv.decode_bytes)});
-    jsweep.push_back({{"variant", variant_label(v)},
-                      {"num_kv_heads", v.num_kv_heads},
-                      {"kv_lora_rank", v.kv_lora_rank},
-                      {"kv_bytes_per_token_bf16", kv_bytes_per_token(v, DType::kBF16)},
-                      {"kv_bytes_per_token", kv_bytes_per_token(v, kv)},
-                      {"kv_cache_bytes", bytes},
-                      {"attention_params_per_layer", attention_params_per_layer(v)},
-                      {"decode_arithmetic_intensity", tv.decode_flops / tv.decode_bytes}});
-  };
-  if (!m.mla)
-    for (int64_t n : valid_kv_head_counts(m.num_heads)) sweep_row(*with_kv_heads(m, n));
-  const int64_t rope_dim =
-      m.mla ? m.qk_rope_head_dim : std::min<int64_t>(64, m.head_dim / 2) / 2 * 2;
-  for (int64_t r : mla_ranks) {
-    ModelShape base = m;
-    if (m.mla) {
-      base.kv_lora_rank = r;
-      base.name = m.name + " [mla r=" + std::to_string(r) + "]";
-      sweep_row(base);
-    } else if (auto v = with_mla(m, r, rope_dim, 0); v.ok()) {
-      sweep_row(*v);
-    }
-  }
-  j["sweep"] = jsweep;
+// "x | y | z" of a byte figure in bf16, f32 and 8-bit.
+template <typename F>
+std::string three_dtypes(const F& f) {
+  return format_bytes(static_cast<double>(f(DType::kBF16))) + " | " +
+         format_bytes(static_cast<double>(f(DType::kF32))) + " | " +
+         format_bytes(static_cast<double>(f(DType::kI8)));
+}
 
-  if (json_out) {
-    std::printf("%s\n", j.dump(2).c_str());
-    return 0;
+Table main_table(const Analysis& a, const Options& o) {
+  const ModelShape& m = a.m;
+  const int64_t c = o.context, b = o.batch;
+  Table t({"quantity", "value"}, /*numbers_right=*/false);
+  t.add({"attention params / layer",
+         format_count(static_cast<double>(attention_params_per_layer(m)))});
+  t.add({linear_state_bytes(m, 1) > 0 ? "params, all layers (attention + Gated DeltaNet)"
+                                      : "attention params, all layers",
+         format_count(static_cast<double>(attention_params_total(m)))});
+  t.add({"KV values / token / layer", std::to_string(kv_values_per_token_per_layer(m))});
+  t.add({"KV / token, all layers (bf16 | f32 | 8-bit)",
+         three_dtypes([&](DType d) { return kv_bytes_per_token(m, d); })});
+  if (m.mla)
+    t.add({"naive MLA KV / token (bf16)",
+           format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kBF16, false))) + "  (" +
+               std::to_string(kv_values_per_token_per_layer(m, false) /
+                              kv_values_per_token_per_layer(m)) +
+               "x the latent)"});
+  const std::string at = " @ " + std::to_string(c) + " tok x " + std::to_string(b);
+  t.add({"KV cache" + at + " (bf16 | f32 | 8-bit)",
+         three_dtypes([&](DType d) { return kv_cache_bytes(m, d, c, b); })});
+  for (const LayerGroupFigures& g : a.groups)
+    if (g.tokens_held > 0)
+      t.add({"  KV cache in the " + std::to_string(g.count) + " " + g.label + " layers (" +
+                 o.kv_name + ")",
+             format_bytes(g.kv_bytes)});
+  if (linear_state_bytes(m, b) > 0)
+    t.add({"linear-attention state x " + std::to_string(b) + " (f32, any context)",
+           format_bytes(linear_state_bytes(m, b))});
+  t.add({"prefill FLOPs" + at, format_flops(a.totals.prefill_flops)});
+  t.add({"decode FLOPs / step" + at, format_flops(a.totals.decode_flops)});
+  t.add({"decode bytes / step (" + o.kv_name + " KV, " + o.weight_name + " weights)",
+         format_bytes(a.totals.decode_bytes)});
+  char buf[160];
+  std::snprintf(buf, sizeof buf,
+                "%.2f FLOP/B vs machine balance %.2f (%.0f GFLOP/s / %.1f GB/s, %s)", a.intensity,
+                a.balance, a.mp.fp32_peak_gflops, a.mp.dram_read_gbps, a.mp.simd.c_str());
+  t.add({"decode arithmetic intensity", buf});
+  t.add({"decode on this machine", a.memory_bound ? "memory-bound" : "compute-bound"});
+  return t;
+}
+
+// Every byte figure in the sweep is in --kv-dtype, so the columns agree.
+Table sweep_table(const Analysis& a, const Options& o) {
+  Table t({"variant", "kv heads", "KV/token (" + o.kv_name + ")",
+           "cache @ ctx x batch (" + o.kv_name + ")", "attn params/layer", "decode intensity"});
+  for (const ModelShape& v : a.sweep) {
+    const ModelTotals tv = model_totals(v, o.context, o.batch, a.kv, a.weights);
+    t.add({variant_label(v) + (v.mla ? " r=" + std::to_string(v.kv_lora_rank) : ""),
+           v.mla ? "latent" : std::to_string(v.num_kv_heads),
+           format_bytes(static_cast<double>(kv_bytes_per_token(v, a.kv))),
+           format_bytes(kv_cache_bytes(v, a.kv, o.context, o.batch)),
+           format_count(static_cast<double>(attention_params_per_layer(v))),
+           intensity_str(tv.decode_flops / tv.decode_bytes)});
   }
+  return t;
+}
+
+void print_text(const Analysis& a, const Options& o) {
+  const ModelShape& m = a.m;
   std::printf("%s (%s, %s) — %s\n", m.name.c_str(), m.model_type.c_str(), variant_label(m).c_str(),
               m.source.c_str());
   std::printf("%s\nhidden %lld, heads %lld, kv heads %lld, head_dim %lld/%lld (q·k / v)\n",
@@ -210,55 +262,57 @@ int run_analyze(int argc, char** argv) {
         (long long)m.qk_rope_head_dim, m.rope_interleave ? "interleaved" : "half-split",
         (long long)m.v_head_dim);
   std::printf("\n");
-  Table main({"quantity", "value"}, /*numbers_right=*/false);
-  main.add({"attention params / layer", format_count(static_cast<double>(params))});
-  main.add({linear_state_bytes(m, 1) > 0 ? "params, all layers (attention + Gated DeltaNet)"
-                                         : "attention params, all layers",
-            format_count(static_cast<double>(attention_params_total(m)))});
-  main.add({"KV values / token / layer", std::to_string(kv_values_per_token_per_layer(m))});
-  main.add({"KV / token, all layers (bf16 | f32 | 8-bit)",
-            format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kBF16))) + " | " +
-                format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kF32))) + " | " +
-                format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kI8)))});
-  if (m.mla)
-    main.add({"naive MLA KV / token (bf16)",
-              format_bytes(static_cast<double>(kv_bytes_per_token(m, DType::kBF16, false))) +
-                  "  (" +
-                  std::to_string(kv_values_per_token_per_layer(m, false) /
-                                 kv_values_per_token_per_layer(m)) +
-                  "x the latent)"});
-  const std::string at = " @ " + std::to_string(context) + " tok x " + std::to_string(batch);
-  main.add({"KV cache" + at + " (bf16 | f32 | 8-bit)",
-            format_bytes(kv_cache_bytes(m, DType::kBF16, context, batch)) + " | " +
-                format_bytes(kv_cache_bytes(m, DType::kF32, context, batch)) + " | " +
-                format_bytes(kv_cache_bytes(m, DType::kI8, context, batch))});
-  for (const LayerGroupFigures& g : groups)
-    if (g.tokens_held > 0)
-      main.add({"  KV cache in the " + std::to_string(g.count) + " " + g.label + " layers (" +
-                    kv_name + ")",
-                format_bytes(g.kv_bytes)});
-  if (linear_state_bytes(m, batch) > 0)
-    main.add({"linear-attention state x " + std::to_string(batch) + " (f32, any context)",
-              format_bytes(linear_state_bytes(m, batch))});
-  main.add({"prefill FLOPs" + at, format_flops(t.prefill_flops)});
-  main.add({"decode FLOPs / step" + at, format_flops(t.decode_flops)});
-  main.add({"decode bytes / step (" + kv_name + " KV, " + weight_name + " weights)",
-            format_bytes(t.decode_bytes)});
-  char buf[160];
-  std::snprintf(buf, sizeof buf,
-                "%.2f FLOP/B vs machine balance %.2f (%.0f GFLOP/s / %.1f GB/s, %s)", intensity,
-                balance, mp.fp32_peak_gflops, mp.dram_read_gbps, mp.simd.c_str());
-  main.add({"decode arithmetic intensity", buf});
-  main.add({"decode on this machine", memory_bound ? "memory-bound" : "compute-bound"});
-  std::fputs(main.str().c_str(), stdout);
-  if (per_layer) {
-    std::printf("\nPer layer kind (context %lld, batch %lld):\n", (long long)context,
-                (long long)batch);
-    std::fputs(per_layer_table(groups, kv_name).str().c_str(), stdout);
+  std::fputs(main_table(a, o).str().c_str(), stdout);
+  if (o.per_layer) {
+    std::printf("\nPer layer kind (context %lld, batch %lld):\n", (long long)o.context,
+                (long long)o.batch);
+    std::fputs(per_layer_table(a.groups, o.kv_name).str().c_str(), stdout);
   }
   std::printf("\nWhat if (same model, other attention; context %lld, batch %lld, %s KV):\n",
-              (long long)context, (long long)batch, kv_name.c_str());
-  std::fputs(sweep.str().c_str(), stdout);
+              (long long)o.context, (long long)o.batch, o.kv_name.c_str());
+  std::fputs(sweep_table(a, o).str().c_str(), stdout);
+}
+
+// The flags, described; false when --help was given.
+bool parse_options(int argc, char** argv, Options* po) {
+  Options& o = *po;
+  Flags f("analyze",
+          "Exact attention arithmetic for a model: parameters, KV-cache bytes (per token and at a\n"
+          "context and batch, summed layer by layer: sliding windows, attention chunks and\n"
+          "linear-attention state applied), prefill and decode FLOPs, arithmetic intensity and\n"
+          "whether this machine is compute- or memory-bound for decoding; then the same model\n"
+          "with every valid number of kv heads and with MLA at several latent ranks.",
+          {"attnkit analyze --model llama-3-8b --context 32768",
+           "attnkit analyze --config path/to/config.json --batch 16 --kv-dtype f32 --json",
+           "attnkit analyze --model deepseek-v3 --context 131072",
+           "attnkit analyze --model qwen3-next-80b-a3b --context 32768 --per-layer"});
+  f.add_string("--model", &o.model, "a built-in preset (see attnkit presets)");
+  f.add_string("--config", &o.config, "a Hugging Face config.json");
+  f.add_int("--context", &o.context, "tokens per sequence (default 4096)", 1);
+  f.add_int("--batch", &o.batch, "sequences (default 1)", 1);
+  f.add_string("--kv-dtype", &o.kv_name,
+               "bf16, f32, int8 or fp8_e4m3 for the decode figures (default bf16)");
+  f.add_string("--weight-dtype", &o.weight_name,
+               "bf16 or f32 weights for decode bytes (default bf16)");
+  f.add_int_list("--mla-ranks", &o.mla_ranks, "kv_lora_rank values for the MLA sweep");
+  f.add_double("--peak-gflops", &o.peak, "use this fp32 peak instead of measuring");
+  f.add_double("--bandwidth-gbps", &o.bw, "use this read bandwidth instead of measuring");
+  f.add_bool("--per-layer", &o.per_layer,
+             "one row per layer kind: layers, tokens held, KV and state bytes, FLOPs");
+  f.add_bool("--json", &o.json, "print JSON instead of tables (per-layer figures included)");
+  return f.parse(argc, argv, 2);
+}
+
+}  // namespace
+
+int run_analyze(int argc, char** argv) {
+  Options o;
+  if (!parse_options(argc, argv, &o)) return 0;
+  const Analysis a = analyze(o);
+  if (o.json)
+    std::printf("%s\n", analysis_json(a, o).dump(2).c_str());
+  else
+    print_text(a, o);
   return 0;
 }
 

@@ -388,10 +388,11 @@ std::string csv_cell(const nlohmann::ordered_json& v) {
   return v.dump();
 }
 
-}  // namespace
+using ojson = nlohmann::ordered_json;
 
-int run_bench(int argc, char** argv) {
-  Options o;
+// The flags, described; false when --help was given.
+bool parse_options(int argc, char** argv, Options* po) {
+  Options& o = *po;
   Flags f(
       "bench",
       "Times the attention kernel (sdpa) over variants x contexts x batches x KV dtypes: decode\n"
@@ -430,7 +431,13 @@ int run_bench(int argc, char** argv) {
   f.add_double("--bandwidth-gbps", &o.bw, "use this read bandwidth instead of measuring");
   f.add_bool("--json", &o.json, "print JSON instead of a table");
   f.add_bool("--csv", &o.csv, "print CSV (one line per row) instead of a table");
-  if (!f.parse(argc, argv, 2)) return 0;
+  return f.parse(argc, argv, 2);
+}
+
+// Checks what the flags ask for (exit 2 on anything wrong) and returns the
+// shapes to time.
+std::vector<Shape> check_options(Options* po) {
+  Options& o = *po;
   if (o.json && o.csv) throw UsageError{"give at most one of --json and --csv"};
   if (o.d_model % o.heads != 0)
     throw UsageError{"--d-model " + std::to_string(o.d_model) + " must be divisible by --heads " +
@@ -449,171 +456,213 @@ int run_bench(int argc, char** argv) {
   for (const std::string& m : o.modes)
     if (m != "decode" && m != "prefill")
       throw UsageError{"--modes entries must be decode or prefill, got '" + m + "'"};
-  std::vector<Shape> shapes = plan_shapes(o);
+  return plan_shapes(o);
+}
 
+// Times one shape: the fast kernel, and the reference where it is cheap
+// enough or asked for; a row that needs more than --max-memory says so.
+Row time_shape(const Shape& s, const Options& o) {
+  Row r;
+  r.s = s;
+  const int n = s.buffers();
+  const double need = s.kv_bytes() * n;
+  if (need > static_cast<double>(o.max_memory)) {
+    r.note = "skipped: K/V " + format_bytes(need) + " > --max-memory " +
+             format_bytes(static_cast<double>(o.max_memory));
+    return r;
+  }
+  const Buffers buf = make_buffers(s, n);
+  r.fast = time_sdpa(s, buf, n, Backend::kFast, static_cast<int>(o.threads), o.budget, 5);
+  if (o.reference || s.flops() <= kReferenceMaxFlops)
+    r.ref = time_sdpa(s, buf, n, Backend::kReference, static_cast<int>(o.threads), o.budget, 3);
+  return r;
+}
+
+// Everything the sweep measured, and the machine's figures to judge it by.
+struct Sweep {
+  std::vector<Row> rows;
+  std::string torch_note;
+  MachineCheck check;
+  int threads = 0;
+  double seconds = 0;
+};
+
+Sweep run_sweep(const Options& o, const std::vector<Shape>& shapes) {
+  Sweep sw;
+  const double t_start = now_seconds();
+  MachineProfile mp;
+  if (o.peak > 0 && o.bw > 0) {
+    mp = machine_profile(o.peak, o.bw);
+  } else {
+    mp = measure_machine(static_cast<int>(o.threads), /*quick=*/false);
+    if (o.peak > 0) mp.fp32_peak_gflops = o.peak;
+    if (o.bw > 0) mp.dram_read_gbps = o.bw;
+  }
+  sw.threads = o.threads > 0 ? static_cast<int>(o.threads) : mp.threads;
+  Progress progress("bench", static_cast<int64_t>(shapes.size()));
+  for (const Shape& s : shapes) {
+    char what[96];
+    std::snprintf(what, sizeof what, "%s %s ctx %lld b%lld %s", s.mode.c_str(), s.variant.c_str(),
+                  (long long)s.seqlen_k, (long long)s.batch, s.kv_name.c_str());
+    progress.step(what);
+    sw.rows.push_back(time_shape(s, o));
+  }
+  progress.finish();
+  sw.torch_note =
+      o.no_torch ? "torch baseline skipped (--no-torch)" : run_torch(sw.rows, o, sw.threads);
+  // The yardstick again, after the sweep: a busy spell during either
+  // measurement shows as a disagreement, and the fractions use the
+  // better figures.
+  sw.check = remeasure_machine(mp, o.peak, o.bw, static_cast<int>(o.threads), /*quick=*/false);
+  sw.seconds = now_seconds() - t_start;
+  return sw;
+}
+
+// A row's compute roof as a fraction of the fp32 peak: bf16 K/V, and 8-bit
+// K/V dequantized for prefill, may run on the bf16 dot product
+// (vdpbf16ps), whose peak is higher.
+double compute_roof(const Shape& s, const MachineProfile& mp) {
+  const double bf16_roof = std::max(1.0, mp.bf16_dot_peak_gflops / mp.fp32_peak_gflops);
+  return s.kv != DType::kF32 ? bf16_roof : 1.0;
+}
+
+ojson row_json(const Row& r, const MachineProfile& mp) {
+  const Shape& s = r.s;
+  const double peak = mp.fp32_peak_gflops * 1e9, bw = mp.dram_read_gbps * 1e9;
+  ojson j = {{"mode", s.mode},           {"variant", s.variant},
+             {"batch", s.batch},         {"context", s.seqlen_k},
+             {"q_tokens", s.seqlen_q},   {"kv_dtype", s.kv_name},
+             {"num_heads", s.heads},     {"num_kv_heads", s.kv_heads},
+             {"head_dim", s.head_dim},   {"head_dim_v", s.head_dim_v},
+             {"flops", s.flops()},       {"bytes", s.bytes()},
+             {"kv_buffers", s.buffers()}};
+  const auto opt = [](bool has, double v) { return has ? ojson(v) : ojson(nullptr); };
+  const bool fast = r.fast.has_value();
+  const double t = fast ? r.fast->median : 0;
+  j["seconds"] = opt(fast, t);
+  j["gflops"] = opt(fast, fast ? s.flops() / t / 1e9 : 0);
+  j["gbps"] = opt(fast, fast ? s.bytes() / t / 1e9 : 0);
+  j["peak_fraction"] = opt(fast, fast ? s.flops() / t / peak : 0);
+  j["bandwidth_fraction"] = opt(fast, fast ? s.bytes() / t / bw : 0);
+  j["above_roof"] =
+      fast && (s.flops() / t / peak > compute_roof(s, mp) || s.bytes() / t / bw > 1.0);
+  j["arithmetic_intensity"] = s.flops() / s.bytes();
+  j["reference_seconds"] = opt(r.ref.has_value(), r.ref ? r.ref->median : 0);
+  j["speedup_vs_reference"] = opt(fast && r.ref.has_value(), r.ref && fast ? r.ref->median / t : 0);
+  j["torch_seconds"] = opt(r.torch_seconds.has_value(), r.torch_seconds.value_or(0));
+  j["speedup_vs_torch"] =
+      opt(fast && r.torch_seconds.has_value(), fast ? r.torch_seconds.value_or(0) / t : 0);
+  j["samples"] = fast ? r.fast->samples : 0;
+  j["note"] = r.note;
+  return j;
+}
+
+void print_csv(const ojson& jrows) {
+  for (const ojson& j : jrows) {
+    if (&j == &jrows[0]) {
+      for (auto it = j.begin(); it != j.end(); ++it)
+        std::printf("%s%s", it == j.begin() ? "" : ",", it.key().c_str());
+      std::printf("\n");
+    }
+    for (auto it = j.begin(); it != j.end(); ++it)
+      std::printf("%s%s", it == j.begin() ? "" : ",", csv_cell(*it).c_str());
+    std::printf("\n");
+  }
+}
+
+void print_json(const Options& o, const Sweep& sw, const ojson& jrows,
+                const std::vector<std::string>& warnings) {
+  // KV bytes per token of one layer, per variant, for plots of memory
+  // against context.
+  Options one = o;
+  one.modes = {"decode"};
+  one.contexts = one.batches = {1};
+  one.kv_dtypes = {"f32", "bf16", "int8"};
+  ojson per_token = ojson::object();
+  for (const Shape& s : plan_shapes(one)) per_token[s.variant][s.kv_name] = s.kv_bytes();
+  ojson j = {{"config",
+              {{"d_model", o.d_model},
+               {"num_heads", o.heads},
+               {"head_dim", o.d_model / o.heads},
+               {"q_tokens", o.q_tokens},
+               {"threads", sw.threads},
+               {"budget_s", o.budget},
+               {"rotate_bytes", o.rotate}}},
+             {"machine", machine_json(sw.check)},
+             {"warnings", warnings},
+             {"torch", sw.torch_note},
+             {"kv_bytes_per_token", per_token},
+             {"rows", jrows},
+             {"seconds", sw.seconds}};
+  std::printf("%s\n", j.dump(2).c_str());
+}
+
+std::vector<std::string> row_cells(const Row& r, const ojson& j, const MachineProfile& mp) {
+  const bool fast = r.fast.has_value();
+  auto cell = [&](const char* key, auto fmt) {
+    return j[key].is_null() ? std::string("-") : fmt(j[key].get<double>());
+  };
+  const Shape& s = r.s;
+  return {
+      s.mode,
+      s.variant,
+      std::to_string(s.batch),
+      std::to_string(s.seqlen_k) +
+          (s.mode == "decode" && s.seqlen_q > 1 ? " (q " + std::to_string(s.seqlen_q) + ")" : ""),
+      s.kv_name,
+      fast ? format_seconds(r.fast->median) : "-",
+      cell("gflops", [](double v) { return format_rate(v * 1e9); }),
+      cell("gbps", [](double v) { return format_bandwidth(v * 1e9); }),
+      cell("peak_fraction", [&](double v) { return roof_percent(v, compute_roof(s, mp)); }),
+      cell("bandwidth_fraction", [](double v) { return roof_percent(v); }),
+      cell("speedup_vs_reference", format_ratio),
+      cell("speedup_vs_torch", format_ratio),
+      r.note};
+}
+
+void print_text(const Options& o, const Sweep& sw, const ojson& jrows,
+                const std::vector<std::string>& warnings) {
+  const MachineProfile& mp = sw.check.best;
+  Table table({"mode", "variant", "batch", "context", "KV", "time", "GFLOP/s", "GB/s", "% peak",
+               "% BW", "vs ref", "vs torch", "note"});
+  for (size_t i = 0; i < sw.rows.size(); ++i) table.add(row_cells(sw.rows[i], jrows[i], mp));
+  std::printf(
+      "sdpa kernels: d_model %lld, %lld query heads of %lld; MLA decode = absorbed (1 latent kv "
+      "head), "
+      "prefill = naive\n\n",
+      (long long)o.d_model, (long long)o.heads, (long long)(o.d_model / o.heads));
+  std::fputs(table.str().c_str(), stdout);
+  std::printf("\nmachine (%s): %s%d threads, fp32 peak %.0f GFLOP/s, read bandwidth %.1f GB/s\n",
+              mp.simd == "given" ? "given" : "measured before and after, the better of the two",
+              mp.simd == "given" ? "" : (mp.simd + ", ").c_str(), mp.threads, mp.fp32_peak_gflops,
+              mp.dram_read_gbps);
+  std::printf("time = median; vs ref / vs torch = their time / ours; %s. Took %.0f s.\n",
+              sw.torch_note.c_str(), sw.seconds);
+  for (const std::string& w : warnings) std::printf("%s\n", w.c_str());
+}
+
+}  // namespace
+
+int run_bench(int argc, char** argv) {
+  Options o;
+  if (!parse_options(argc, argv, &o)) return 0;
+  const std::vector<Shape> shapes = check_options(&o);
   try {
-    const double t_start = now_seconds();
-    MachineProfile mp;
-    if (o.peak > 0 && o.bw > 0) {
-      mp = machine_profile(o.peak, o.bw);
-    } else {
-      mp = measure_machine(static_cast<int>(o.threads), /*quick=*/false);
-      if (o.peak > 0) mp.fp32_peak_gflops = o.peak;
-      if (o.bw > 0) mp.dram_read_gbps = o.bw;
-    }
-    const int threads = o.threads > 0 ? static_cast<int>(o.threads) : mp.threads;
-
-    std::vector<Row> rows;
-    Progress progress("bench", static_cast<int64_t>(shapes.size()));
-    for (const Shape& s : shapes) {
-      char what[96];
-      std::snprintf(what, sizeof what, "%s %s ctx %lld b%lld %s", s.mode.c_str(), s.variant.c_str(),
-                    (long long)s.seqlen_k, (long long)s.batch, s.kv_name.c_str());
-      progress.step(what);
-      Row r;
-      r.s = s;
-      const int n = s.buffers();
-      const double need = s.kv_bytes() * n;
-      if (need > static_cast<double>(o.max_memory)) {
-        r.note = "skipped: K/V " + format_bytes(need) + " > --max-memory " +
-                 format_bytes(static_cast<double>(o.max_memory));
-        rows.push_back(r);
-        continue;
-      }
-      const Buffers buf = make_buffers(s, n);
-      r.fast = time_sdpa(s, buf, n, Backend::kFast, static_cast<int>(o.threads), o.budget, 5);
-      if (o.reference || s.flops() <= kReferenceMaxFlops)
-        r.ref = time_sdpa(s, buf, n, Backend::kReference, static_cast<int>(o.threads), o.budget, 3);
-      rows.push_back(r);
-    }
-    progress.finish();
-    const std::string torch_note =
-        o.no_torch ? "torch baseline skipped (--no-torch)" : run_torch(rows, o, threads);
-    // The yardstick again, after the sweep: a busy spell during either
-    // measurement shows as a disagreement, and the fractions use the
-    // better figures.
-    const MachineCheck check =
-        remeasure_machine(mp, o.peak, o.bw, static_cast<int>(o.threads), /*quick=*/false);
-    mp = check.best;
-    std::vector<std::string> warnings = machine_warnings(check);
-
-    const double peak = mp.fp32_peak_gflops * 1e9, bw = mp.dram_read_gbps * 1e9;
-    // A row's compute roof as a fraction of the fp32 peak: bf16 K/V, and
-    // 8-bit K/V dequantized for prefill, may run on the bf16 dot product
-    // (vdpbf16ps), whose peak is higher.
-    const double bf16_roof = std::max(1.0, mp.bf16_dot_peak_gflops / mp.fp32_peak_gflops);
-    int above = 0;
-    using ojson = nlohmann::ordered_json;
+    const Sweep sw = run_sweep(o, shapes);
+    std::vector<std::string> warnings = machine_warnings(sw.check);
     ojson jrows = ojson::array();
-    for (const Row& r : rows) {
-      const Shape& s = r.s;
-      ojson j = {{"mode", s.mode},           {"variant", s.variant},
-                 {"batch", s.batch},         {"context", s.seqlen_k},
-                 {"q_tokens", s.seqlen_q},   {"kv_dtype", s.kv_name},
-                 {"num_heads", s.heads},     {"num_kv_heads", s.kv_heads},
-                 {"head_dim", s.head_dim},   {"head_dim_v", s.head_dim_v},
-                 {"flops", s.flops()},       {"bytes", s.bytes()},
-                 {"kv_buffers", s.buffers()}};
-      const auto opt = [](bool has, double v) { return has ? ojson(v) : ojson(nullptr); };
-      const bool fast = r.fast.has_value();
-      const double t = fast ? r.fast->median : 0;
-      j["seconds"] = opt(fast, t);
-      j["gflops"] = opt(fast, fast ? s.flops() / t / 1e9 : 0);
-      j["gbps"] = opt(fast, fast ? s.bytes() / t / 1e9 : 0);
-      j["peak_fraction"] = opt(fast, fast ? s.flops() / t / peak : 0);
-      j["bandwidth_fraction"] = opt(fast, fast ? s.bytes() / t / bw : 0);
-      const double roof = s.kv != DType::kF32 ? bf16_roof : 1.0;
-      const bool over = fast && (s.flops() / t / peak > roof || s.bytes() / t / bw > 1.0);
-      j["above_roof"] = over;
-      above += over;
-      j["arithmetic_intensity"] = s.flops() / s.bytes();
-      j["reference_seconds"] = opt(r.ref.has_value(), r.ref ? r.ref->median : 0);
-      j["speedup_vs_reference"] =
-          opt(fast && r.ref.has_value(), r.ref && fast ? r.ref->median / t : 0);
-      j["torch_seconds"] = opt(r.torch_seconds.has_value(), r.torch_seconds.value_or(0));
-      j["speedup_vs_torch"] =
-          opt(fast && r.torch_seconds.has_value(), fast ? r.torch_seconds.value_or(0) / t : 0);
-      j["samples"] = fast ? r.fast->samples : 0;
-      j["note"] = r.note;
-      jrows.push_back(j);
+    int above = 0;
+    for (const Row& r : sw.rows) {
+      jrows.push_back(row_json(r, sw.check.best));
+      above += jrows.back()["above_roof"].get<bool>();
     }
     if (above > 0) warnings.push_back(above_roof_warning(above, "row(s)"));
-    const double elapsed = now_seconds() - t_start;
-    if (o.csv) {
-      for (const ojson& j : jrows) {
-        if (&j == &jrows[0]) {
-          for (auto it = j.begin(); it != j.end(); ++it)
-            std::printf("%s%s", it == j.begin() ? "" : ",", it.key().c_str());
-          std::printf("\n");
-        }
-        for (auto it = j.begin(); it != j.end(); ++it)
-          std::printf("%s%s", it == j.begin() ? "" : ",", csv_cell(*it).c_str());
-        std::printf("\n");
-      }
-      return 0;
-    }
-    if (o.json) {
-      // KV bytes per token of one layer, per variant, for plots of memory
-      // against context.
-      Options one = o;
-      one.modes = {"decode"};
-      one.contexts = one.batches = {1};
-      one.kv_dtypes = {"f32", "bf16", "int8"};
-      ojson per_token = ojson::object();
-      for (const Shape& s : plan_shapes(one)) per_token[s.variant][s.kv_name] = s.kv_bytes();
-      ojson j = {{"config",
-                  {{"d_model", o.d_model},
-                   {"num_heads", o.heads},
-                   {"head_dim", o.d_model / o.heads},
-                   {"q_tokens", o.q_tokens},
-                   {"threads", threads},
-                   {"budget_s", o.budget},
-                   {"rotate_bytes", o.rotate}}},
-                 {"machine", machine_json(check)},
-                 {"warnings", warnings},
-                 {"torch", torch_note},
-                 {"kv_bytes_per_token", per_token},
-                 {"rows", jrows},
-                 {"seconds", elapsed}};
-      std::printf("%s\n", j.dump(2).c_str());
-      return 0;
-    }
-    Table table({"mode", "variant", "batch", "context", "KV", "time", "GFLOP/s", "GB/s", "% peak",
-                 "% BW", "vs ref", "vs torch", "note"});
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const Row& r = rows[i];
-      const ojson& j = jrows[i];
-      const bool fast = r.fast.has_value();
-      auto cell = [&](const char* key, auto fmt) {
-        return j[key].is_null() ? std::string("-") : fmt(j[key].get<double>());
-      };
-      table.add(
-          {r.s.mode, r.s.variant, std::to_string(r.s.batch),
-           std::to_string(r.s.seqlen_k) + (r.s.mode == "decode" && r.s.seqlen_q > 1
-                                               ? " (q " + std::to_string(r.s.seqlen_q) + ")"
-                                               : ""),
-           r.s.kv_name, fast ? format_seconds(r.fast->median) : "-",
-           cell("gflops", [](double v) { return format_rate(v * 1e9); }),
-           cell("gbps", [](double v) { return format_bandwidth(v * 1e9); }),
-           cell("peak_fraction",
-                [&](double v) { return roof_percent(v, r.s.kv != DType::kF32 ? bf16_roof : 1.0); }),
-           cell("bandwidth_fraction", [](double v) { return roof_percent(v); }),
-           cell("speedup_vs_reference", format_ratio), cell("speedup_vs_torch", format_ratio),
-           r.note});
-    }
-    std::printf(
-        "sdpa kernels: d_model %lld, %lld query heads of %lld; MLA decode = absorbed (1 latent kv "
-        "head), "
-        "prefill = naive\n\n",
-        (long long)o.d_model, (long long)o.heads, (long long)(o.d_model / o.heads));
-    std::fputs(table.str().c_str(), stdout);
-    std::printf("\nmachine (%s): %s%d threads, fp32 peak %.0f GFLOP/s, read bandwidth %.1f GB/s\n",
-                mp.simd == "given" ? "given" : "measured before and after, the better of the two",
-                mp.simd == "given" ? "" : (mp.simd + ", ").c_str(), mp.threads, mp.fp32_peak_gflops,
-                mp.dram_read_gbps);
-    std::printf("time = median; vs ref / vs torch = their time / ours; %s. Took %.0f s.\n",
-                torch_note.c_str(), elapsed);
-    for (const std::string& w : warnings) std::printf("%s\n", w.c_str());
+    if (o.csv)
+      print_csv(jrows);
+    else if (o.json)
+      print_json(o, sw, jrows, warnings);
+    else
+      print_text(o, sw, jrows, warnings);
     return 0;
   } catch (const RunError& e) {
     std::fprintf(stderr, "attnkit bench: %s\n", e.message.c_str());

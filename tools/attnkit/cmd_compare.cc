@@ -37,6 +37,7 @@
 #include "attnkit/attention_layer.h"
 #include "attnkit/config.h"
 #include "attnkit/latent_attention.h"
+#include "attnkit/report.h"
 #include "cli.h"
 #include "commands.h"
 #include "measure.h"
@@ -264,72 +265,6 @@ double relative_l2(const TensorView& a, const TensorView& ref) {
   return den > 0 ? std::sqrt(num / den) : 0.0;
 }
 
-// What the table means for a reader choosing a variant, in a few
-// sentences computed from the measured rows: which variant decodes a token
-// fastest, which caches least, and what MLA trades.
-struct Conclusions {
-  std::vector<std::string> lines;
-  nlohmann::json summary = nlohmann::json::object();
-};
-
-Conclusions conclude(const std::vector<Measured>& rows, DType kv, int64_t context) {
-  Conclusions c;
-  if (rows.empty()) return c;
-  const Measured* mha = nullptr;
-  for (const Measured& m : rows)
-    if (!m.shape.mla && m.shape.num_kv_heads == m.shape.num_heads) mha = &m;
-  auto per_token = [kv](const Measured& m) {
-    return static_cast<double>(kv_bytes_per_token(m.shape, kv));
-  };
-  auto decode_flops = [context](const Measured& m) {
-    return decode_flops_per_layer(m.shape, context);
-  };
-  char line[320];
-
-  const Measured& fastest = *std::min_element(
-      rows.begin(), rows.end(),
-      [](const Measured& a, const Measured& b) { return a.decode.median < b.decode.median; });
-  std::snprintf(
-      line, sizeof line,
-      "Fastest decode: %s, %s per token over %lld cached tokens (%s per 1K cached "
-      "tokens)",
-      fastest.variant.c_str(), format_seconds(fastest.decode.median).c_str(), (long long)context,
-      format_seconds(fastest.decode.median * 1024.0 / static_cast<double>(context)).c_str());
-  std::string text = line;
-  if (mha && mha != &fastest)
-    text += ", " + format_ratio(mha->decode.median / fastest.decode.median) + " faster than mha";
-  c.lines.push_back(text + ".");
-  c.summary["fastest_decode"] = fastest.variant;
-
-  const Measured& smallest = *std::min_element(
-      rows.begin(), rows.end(),
-      [&](const Measured& a, const Measured& b) { return per_token(a) < per_token(b); });
-  text = "Smallest cache: " + smallest.variant + ", " + format_bytes(per_token(smallest)) +
-         " per token per layer";
-  if (mha && mha != &smallest)
-    text += "; mha caches " + format_ratio(per_token(*mha) / per_token(smallest)) + " as much (" +
-            format_bytes(per_token(*mha)) + ")";
-  c.lines.push_back(text + ".");
-  c.summary["smallest_kv_cache"] = smallest.variant;
-
-  for (const Measured& m : rows) {
-    if (!m.shape.mla || !mha) continue;
-    const double bytes = per_token(m) / per_token(*mha),
-                 flops = decode_flops(m) / decode_flops(*mha);
-    std::snprintf(line, sizeof line,
-                  "MLA trades arithmetic for bytes: its cache is %s of mha's per token, while a "
-                  "decode step does %s mha's FLOPs (%s vs %s); here it decodes in %s (mha %s).",
-                  format_ratio(bytes).c_str(), format_ratio(flops).c_str(),
-                  format_flops(decode_flops(m)).c_str(), format_flops(decode_flops(*mha)).c_str(),
-                  format_seconds(m.decode.median).c_str(),
-                  format_seconds(mha->decode.median).c_str());
-    c.lines.push_back(line);
-    c.summary["mla_kv_bytes_vs_mha"] = bytes;
-    c.summary["mla_decode_flops_vs_mha"] = flops;
-  }
-  return c;
-}
-
 Backend parse_backend(const std::string& s) {
   if (s == "auto") return Backend::kAuto;
   if (s == "fast") return Backend::kFast;
@@ -429,58 +364,516 @@ ModelShape adopt_model(Options* o, const Flags& f) {
 }
 
 // The whole model under each variant: per-layer sums (analysis.h).
-nlohmann::json model_json(const ModelShape& m, const std::vector<ModelShape>& variants,
-                          const std::vector<std::string>& names, const Options& o, DType kv) {
-  nlohmann::json rows = nlohmann::json::array();
-  for (size_t i = 0; i < variants.size(); ++i) {
-    const ModelShape& v = variants[i];
-    const ModelTotals t = model_totals(v, o.context, o.batch, kv, DType::kF32);
-    rows.push_back(
-        {{"variant", names[i]},
-         {"params", attention_params_total(v)},
-         {"kv_bytes_per_token", kv_bytes_per_token(v, kv)},
-         {"kv_cache_bytes", kv_cache_bytes(v, kv, o.context, o.batch)},
-         {"linear_state_bytes", linear_state_bytes(v, o.batch)},
-         {"prefill_flops", model_totals(v, o.prompt, o.batch, kv, DType::kF32).prefill_flops},
-         {"decode_flops", t.decode_flops},
-         {"decode_bytes", t.decode_bytes}});
+// The variants to run, parsed before anything runs so a bad name costs
+// nothing: each with its one-layer shape, its layer config (not MLA) and,
+// with --model, the whole model as that variant.
+struct Plan {
+  std::string name;
+  ModelShape shape;
+  AttentionConfig config;  // not MLA
+  ModelShape model;        // the whole model as this variant (--model)
+};
+
+// What the command line asks for, resolved: the sizes, the base layer
+// shape and the variants' plans.
+struct Setup {
+  bool whole_model = false;
+  ModelShape model;  // --model / --config
+  ModelShape base;   // one MHA layer of the compared size
+  int64_t head_dim = 0;
+  DType kv = DType::kF32;
+  RunOptions run;
+  std::vector<Plan> plans;
+};
+
+Plan plan_variant(const std::string& v, const Options& o, const Setup& s) {
+  Plan p;
+  p.name = v;
+  p.shape = s.base;
+  p.model = s.model;
+  if (v == "mla") {
+    auto m = with_mla(s.base, o.mla_rank, o.mla_rope_dim, 0);
+    if (!m.ok()) throw UsageError{"mla: " + m.status().message()};
+    if (o.mla_rope_dim < 2) throw UsageError{"--mla-rope-dim must be >= 2"};
+    p.shape = *m;
+    if (s.whole_model)
+      p.model = value_or_throw(with_mla(s.model, o.mla_rank, o.mla_rope_dim, 0), "mla");
+    return p;
   }
+  auto c = attention_config_from_variant(v, o.d_model, o.heads, o.bias);
+  if (!c.ok()) throw UsageError{"--variants: " + c.status().message()};
+  p.config = *c;
+  p.config.causal = true;
+  p.config.use_rope = !o.no_rope;
+  p.config.head_dim = s.head_dim;
+  p.config.rope.head_dim = s.head_dim;
+  p.shape = *with_kv_heads(s.base, p.config.num_kv_heads);
+  if (s.whole_model) p.model = value_or_throw(with_kv_heads(s.model, p.config.num_kv_heads), v);
+  return p;
+}
+
+// Checks the sizes and fills in what the flags left to defaults.
+Setup resolve(Options* po, const Flags& f) {
+  Options& o = *po;
+  Setup s;
+  s.whole_model = !o.model.empty() || !o.config.empty();
+  if (s.whole_model) s.model = adopt_model(&o, f);
+  // The default list drops the GQA sizes a smaller --heads cannot have.
+  if (o.variants == Options{}.variants)
+    std::erase_if(o.variants, [&](const std::string& v) {
+      return v.rfind("gqa-", 0) == 0 &&
+             (o.heads <= std::stoll(v.substr(4)) || o.heads % std::stoll(v.substr(4)));
+    });
+  s.kv = kv_dtype_of(o.kv);
+  s.run = RunOptions{parse_backend(o.backend), static_cast<int>(o.threads)};
+  if (!s.whole_model && o.d_model % o.heads != 0)
+    throw UsageError{"--d-model " + std::to_string(o.d_model) + " must be divisible by --heads " +
+                     std::to_string(o.heads)};
+  s.head_dim = o.head_dim > 0 ? o.head_dim : o.d_model / o.heads;
+  if (!o.no_rope && s.head_dim % 2 != 0)
+    throw UsageError{"head_dim = d_model / heads = " + std::to_string(s.head_dim) +
+                     " must be even for RoPE (or give --no-rope)"};
+  if (o.mla_rank == 0) o.mla_rank = default_mla_rank(s.head_dim);
+  if (o.mla_rope_dim == 0) o.mla_rope_dim = default_mla_rope_dim(s.head_dim);
+  ModelShape& b = s.base;
+  b.name = "d_model " + std::to_string(o.d_model);
+  b.num_layers = 1;
+  b.hidden_size = o.d_model;
+  b.num_heads = b.num_kv_heads = o.heads;
+  b.head_dim = b.head_dim_v = s.head_dim;
+  b.q_bias = b.k_bias = b.v_bias = b.o_bias = o.bias;
+  b.source = "attnkit compare";
+  for (const std::string& v : o.variants) s.plans.push_back(plan_variant(v, o, s));
+  return s;
+}
+
+// Builds one variant's layer(s), times them and returns the row; its
+// prefill output lands in *y.
+Measured measure_variant(const Options& o, const Setup& s, const Plan& p, const Weights& mha,
+                         const TensorView& x, const TensorView& y) {
+  Measured m;
+  m.variant = p.name;
+  m.shape = p.shape;
+  const DType kv = s.kv;
+  const RunOptions& run = s.run;
+  if (p.shape.mla) {
+    const MlaConfig c = mla_layer_config(p.shape);
+    const Weights w = random_mla_weights(c, static_cast<uint64_t>(o.seed) * 16 + 8);
+    measure<LatentAttention, LatentCache>(
+        o, p.shape, kv,
+        [&] {
+          LatentAttention l = value_or_throw(LatentAttention::create(c), "mla");
+          ok_or_throw(l.load_weights(w.map()), "mla weights");
+          return l;
+        },
+        [&](LatentAttention& l, int64_t len) {
+          return value_or_throw(l.new_cache(o.batch, len, kv), "mla cache");
+        },
+        [&](LatentCache* cache, uint64_t seed) { fill_latent_cache(cache, o.context, seed); },
+        [&](LatentAttention& l, const TensorView& in, const TensorView& out, LatentCache* cache) {
+          return l.forward(in, out, {}, cache, run);
+        },
+        x, y, &m);
+    return m;
+  }
+  const bool is_mha = p.config.num_kv_heads == o.heads;
+  const Weights derived = is_mha ? Weights{} : derived_weights(mha, o, p.config.num_kv_heads);
+  const Weights& w = is_mha ? mha : derived;
+  m.derived = true;
+  measure<AttentionLayer, KVCache>(
+      o, p.shape, kv,
+      [&] {
+        AttentionLayer l = value_or_throw(AttentionLayer::create(p.config), p.name);
+        ok_or_throw(l.load_weights(w.map()), p.name + " weights");
+        return l;
+      },
+      [&](AttentionLayer& l, int64_t len) {
+        return value_or_throw(l.new_cache(o.batch, len, kv), p.name + " cache");
+      },
+      [&](KVCache* cache, uint64_t seed) { fill_kv_cache(cache, o.context, run, seed); },
+      [&](AttentionLayer& l, const TensorView& in, const TensorView& out, KVCache* cache) {
+        return l.forward(in, out, {}, cache, run);
+      },
+      x, y, &m);
+  return m;
+}
+
+// The serving section's variants under the serving engine.
+Serving serve_plans(const Options& o, const Setup& s, Progress* progress) {
+  std::vector<std::pair<std::string, serve::ModelSpec>> specs;
+  for (const Plan& p : s.plans) {
+    serve::ModelSpec spec;
+    spec.mla = p.shape.mla;
+    if (spec.mla)
+      spec.latent = mla_layer_config(p.shape);
+    else
+      spec.attention = p.config;
+    spec.seed = static_cast<uint64_t>(o.seed);
+    specs.emplace_back(p.name, spec);
+  }
+  return serve_variants(o, specs, s.kv, kv_bytes_per_token(s.base, s.kv), s.run, progress);
+}
+
+// Everything compare measured, and the machine's figures to judge it by.
+struct Results {
+  std::vector<Measured> rows;
+  std::vector<VariantTiming> timings;  // the rows as the library reads them
+  Serving serving;
+  MachineCheck check;
+  double seconds = 0;  // the whole run
+};
+
+Results run_all(const Options& o, const Setup& s) {
+  const double t_start = now_seconds();
+  const MachineProfile before = machine_profile(o.peak, o.bw);
+  const Weights mha = random_mha_weights(o, s.head_dim);
+  Tensor x = zeros({o.batch, o.prompt, o.d_model});
+  fill_uniform(x.view(), static_cast<uint64_t>(o.seed) + 3, 1.0);
+  std::vector<Tensor> outputs;
+  Results r;
+  Progress progress("compare", static_cast<int64_t>(s.plans.size()) * (o.no_serve ? 1 : 2));
+  for (const Plan& p : s.plans) {
+    progress.step(p.name);
+    outputs.push_back(zeros({o.batch, o.prompt, o.d_model}));
+    r.rows.push_back(measure_variant(o, s, p, mha, x.view(), outputs.back().view()));
+  }
+  if (!o.no_serve) r.serving = serve_plans(o, s, &progress);
+  progress.finish();
+
+  // Diff vs the MHA row, when there is one.
+  const Tensor* ref = nullptr;
+  for (size_t i = 0; i < r.rows.size(); ++i)
+    if (!r.rows[i].shape.mla && r.rows[i].shape.num_kv_heads == o.heads) ref = &outputs[i];
+  for (size_t i = 0; i < r.rows.size(); ++i)
+    if (ref && r.rows[i].derived) r.rows[i].diff = relative_l2(outputs[i].view(), ref->view());
+  for (const Measured& m : r.rows)
+    r.timings.push_back({m.variant, m.shape, m.prefill.median, m.decode.median});
+
+  // The yardstick again, after the runs; fractions use the better figures.
+  r.check = remeasure_machine(before, o.peak, o.bw, 0, /*quick=*/true);
+  r.seconds = now_seconds() - t_start;
+  return r;
+}
+
+// What the table means for a reader choosing a variant, in a few sentences
+// from the library's conclusions (report.h): which variant decodes a token
+// fastest, which caches least, and what MLA trades.
+struct Conclusions {
+  std::vector<std::string> lines;
+  nlohmann::json summary = nlohmann::json::object();
+};
+
+Conclusions conclusion_text(const std::vector<VariantTiming>& rows, DType kv, int64_t context) {
+  Conclusions c;
+  const CompareConclusions cc = conclude_comparison(rows, kv);
+  if (cc.fastest_decode < 0) return c;
+  const VariantTiming* mha = cc.mha >= 0 ? &rows[static_cast<size_t>(cc.mha)] : nullptr;
+  const auto per_token = [kv](const VariantTiming& m) {
+    return static_cast<double>(kv_bytes_per_token(m.shape, kv));
+  };
+  const auto decode_flops = [context](const VariantTiming& m) {
+    return decode_flops_per_layer(m.shape, context);
+  };
+  char line[320];
+  const VariantTiming& fastest = rows[static_cast<size_t>(cc.fastest_decode)];
+  std::snprintf(
+      line, sizeof line,
+      "Fastest decode: %s, %s per token over %lld cached tokens (%s per 1K cached "
+      "tokens)",
+      fastest.variant.c_str(), format_seconds(fastest.decode_seconds).c_str(), (long long)context,
+      format_seconds(fastest.decode_seconds * 1024.0 / static_cast<double>(context)).c_str());
+  std::string text = line;
+  if (mha && mha != &fastest)
+    text += ", " + format_ratio(mha->decode_seconds / fastest.decode_seconds) + " faster than mha";
+  c.lines.push_back(text + ".");
+  c.summary["fastest_decode"] = fastest.variant;
+
+  const VariantTiming& smallest = rows[static_cast<size_t>(cc.smallest_cache)];
+  text = "Smallest cache: " + smallest.variant + ", " + format_bytes(per_token(smallest)) +
+         " per token per layer";
+  if (mha && mha != &smallest)
+    text += "; mha caches " + format_ratio(per_token(*mha) / per_token(smallest)) + " as much (" +
+            format_bytes(per_token(*mha)) + ")";
+  c.lines.push_back(text + ".");
+  c.summary["smallest_kv_cache"] = smallest.variant;
+
+  for (int i : cc.mla) {
+    const VariantTiming& m = rows[static_cast<size_t>(i)];
+    const double bytes = per_token(m) / per_token(*mha),
+                 flops = decode_flops(m) / decode_flops(*mha);
+    std::snprintf(line, sizeof line,
+                  "MLA trades arithmetic for bytes: its cache is %s of mha's per token, while a "
+                  "decode step does %s mha's FLOPs (%s vs %s); here it decodes in %s (mha %s).",
+                  format_ratio(bytes).c_str(), format_ratio(flops).c_str(),
+                  format_flops(decode_flops(m)).c_str(), format_flops(decode_flops(*mha)).c_str(),
+                  format_seconds(m.decode_seconds).c_str(),
+                  format_seconds(mha->decode_seconds).c_str());
+    c.lines.push_back(line);
+    c.summary["mla_kv_bytes_vs_mha"] = bytes;
+    c.summary["mla_decode_flops_vs_mha"] = flops;
+  }
+  return c;
+}
+
+// The figures to judge the run by, as FLOP/s and bytes/s.
+struct Roofs {
+  double peak = 0, bw = 0;
+};
+Roofs roofs_of(const MachineCheck& check) {
+  return {check.best.fp32_peak_gflops * 1e9, check.best.dram_read_gbps * 1e9};
+}
+
+nlohmann::json variant_json(const Measured& m, const VariantRates& r, const Roofs& roofs) {
+  const ModelShape& s = m.shape;
+  const LayerFigures& f = r.figures;
+  nlohmann::json j = {
+      {"variant", m.variant},
+      {"num_kv_heads", s.mla ? 0 : s.num_kv_heads},
+      {"params", f.params},
+      {"kv_bytes_per_token", f.kv_bytes_per_token},
+      {"kv_cache_bytes", f.kv_cache_bytes},
+      {"prefill_flops", f.prefill_flops},
+      {"prefill_seconds", m.prefill.median},
+      {"prefill_gflops", r.prefill_flops_per_s / 1e9},
+      {"prefill_peak_fraction", r.prefill_flops_per_s / roofs.peak},
+      {"decode_flops", f.decode_flops},
+      {"decode_bytes", f.decode_bytes},
+      {"decode_seconds", m.decode.median},
+      {"decode_gflops", r.decode_flops_per_s / 1e9},
+      {"decode_gbps", r.decode_bytes_per_s / 1e9},
+      {"decode_bandwidth_fraction", r.decode_bytes_per_s / roofs.bw},
+      {"decode_instances", m.instances},
+      {"weights_derived_from_mha", m.derived},
+      {"diff_vs_mha", m.diff >= 0 ? nlohmann::json(m.diff) : nlohmann::json(nullptr)},
+      {"above_roof", r.above_roof}};
+  if (s.mla)
+    j["mla"] = {{"kv_lora_rank", s.kv_lora_rank},
+                {"qk_rope_head_dim", s.qk_rope_head_dim},
+                {"qk_nope_head_dim", s.qk_nope_head_dim},
+                {"v_head_dim", s.v_head_dim}};
+  return j;
+}
+
+std::vector<std::string> variant_cells(const Measured& m, const VariantRates& r,
+                                       const Roofs& roofs) {
+  const ModelShape& s = m.shape;
+  const LayerFigures& f = r.figures;
+  // "n/a" padded to the header's width reads as right-aligned with the numbers.
+  std::string diff = std::string(std::strlen(kDriftHeader) - 3, ' ') + "n/a";
+  if (m.diff >= 0) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.4f", m.diff);
+    diff = buf;
+  }
+  return {m.variant,
+          s.mla ? "latent" : std::to_string(s.num_kv_heads),
+          format_count(f.params),
+          format_bytes(f.kv_bytes_per_token),
+          format_bytes(f.kv_cache_bytes),
+          format_flops(f.prefill_flops),
+          format_seconds(m.prefill.median),
+          format_rate(r.prefill_flops_per_s),
+          percent_cell(r.prefill_flops_per_s, roofs.peak),
+          format_flops(f.decode_flops),
+          format_seconds(m.decode.median),
+          format_bandwidth(r.decode_bytes_per_s),
+          percent_cell(r.decode_bytes_per_s, roofs.bw),
+          diff};
+}
+
+// The report, rendered from the results: the variants' table and JSON
+// rows, the warnings and the conclusions.
+struct Report {
+  Table table{{}};
+  nlohmann::json rows = nlohmann::json::array();
+  std::vector<std::string> warnings;
+  Conclusions conclusions;
+};
+
+Report build_report(const Options& o, const Setup& s, const Results& res) {
+  const Roofs roofs = roofs_of(res.check);
+  Report rep;
+  rep.table = Table({"variant", "KV heads", "params", "KV/token",
+                     "KV @ " + std::to_string(o.context), "prefill FLOPs", "prefill", "GFLOP/s",
+                     "% peak", "decode FLOPs", "decode/token", "GB/s", "% BW", kDriftHeader});
+  rep.warnings = machine_warnings(res.check);
+  int above = 0;
+  for (size_t i = 0; i < res.rows.size(); ++i) {
+    const VariantRates r =
+        variant_rates(res.timings[i], s.kv, o.prompt, o.context, o.batch, roofs.peak, roofs.bw);
+    rep.table.add(variant_cells(res.rows[i], r, roofs));
+    rep.rows.push_back(variant_json(res.rows[i], r, roofs));
+    above += r.above_roof;
+  }
+  if (above > 0) rep.warnings.push_back(above_roof_warning(above, "variant(s)"));
+  rep.conclusions = conclusion_text(res.timings, s.kv, o.context);
+  return rep;
+}
+
+// The whole model under each variant: per-layer sums (report.h).
+nlohmann::json model_json(const Options& o, const Setup& s) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (const Plan& p : s.plans) {
+    const ModelFigures f = model_figures(p.model, s.kv, o.prompt, o.context, o.batch);
+    rows.push_back({{"variant", p.name},
+                    {"params", f.params},
+                    {"kv_bytes_per_token", f.kv_bytes_per_token},
+                    {"kv_cache_bytes", f.kv_cache_bytes},
+                    {"linear_state_bytes", f.linear_state_bytes},
+                    {"prefill_flops", f.prefill_flops},
+                    {"decode_flops", f.decode_flops},
+                    {"decode_bytes", f.decode_bytes}});
+  }
+  const ModelShape& m = s.model;
   return {{"name", m.name}, {"source", m.source}, {"layer_mix", layer_mix(m)}, {"variants", rows}};
 }
 
-Table model_table(const nlohmann::json& jm, const std::string& ctx) {
-  Table t({"variant", "params", "KV/token", "KV @ " + ctx, "state", "prefill FLOPs", "decode FLOPs",
-           "decode bytes"});
-  for (const auto& r : jm["variants"])
-    t.add({r["variant"].get<std::string>(), format_count(r["params"].get<double>()),
-           format_bytes(r["kv_bytes_per_token"].get<double>()),
-           format_bytes(r["kv_cache_bytes"].get<double>()),
-           r["linear_state_bytes"].get<double>() > 0
-               ? format_bytes(r["linear_state_bytes"].get<double>())
-               : "-",
-           format_flops(r["prefill_flops"].get<double>()),
-           format_flops(r["decode_flops"].get<double>()),
-           format_bytes(r["decode_bytes"].get<double>())});
+Table model_table(const Options& o, const Setup& s) {
+  Table t({"variant", "params", "KV/token", "KV @ " + std::to_string(o.context), "state",
+           "prefill FLOPs", "decode FLOPs", "decode bytes"});
+  for (const Plan& p : s.plans) {
+    const ModelFigures f = model_figures(p.model, s.kv, o.prompt, o.context, o.batch);
+    t.add({p.name, format_count(static_cast<double>(f.params)),
+           format_bytes(static_cast<double>(f.kv_bytes_per_token)), format_bytes(f.kv_cache_bytes),
+           f.linear_state_bytes > 0 ? format_bytes(f.linear_state_bytes) : "-",
+           format_flops(f.prefill_flops), format_flops(f.decode_flops),
+           format_bytes(f.decode_bytes)});
+  }
   return t;
 }
 
-}  // namespace
+nlohmann::json serving_json(const Serving& serving) {
+  nlohmann::json srows = nlohmann::json::array();
+  for (const Serving::Row& r : serving.rows)
+    srows.push_back({{"variant", r.variant},
+                     {"kv_bytes_per_token", r.kv_bytes_per_token},
+                     {"mean_running", r.mean},
+                     {"peak_running", r.peak},
+                     {"output_tokens_per_s", r.tokens_per_s},
+                     {"preemptions", r.preemptions}});
+  return {{"budget_bytes", serving.budget},
+          {"requests", serving.requests},
+          {"token_slots", serving.token_slots},
+          {"layers", 1},
+          {"weights", "bf16"},
+          {"rows", srows},
+          {"sentence", serving_sentence(serving)}};
+}
 
-int run_compare(int argc, char** argv) {
-  Options o;
-  Flags f("compare",
-          "Builds MHA, GQA, MQA and MLA attention layers of one size (default: the seeds'\n"
-          "comparison, d_model 2048 with 32 query heads), runs a causal prefill and decode steps\n"
-          "over a filled KV cache on this machine, and prints one table: parameters, KV-cache\n"
-          "bytes, FLOPs, measured latencies, achieved GFLOP/s and GB/s (also as a fraction of the\n"
-          "fp32 peak and read bandwidth measured in the same process), and each variant's output\n"
-          "difference from MHA with GQA/MQA weights mean-pooled from MHA's (the GQA paper's\n"
-          "checkpoint conversion). Figures are medians of several runs.",
-          {"attnkit compare",
-           "attnkit compare --context 16384 --kv-dtype bf16 --variants mha,gqa-8,mla",
-           "attnkit compare --d-model 4096 --heads 32 --batch 4 --json",
-           "attnkit compare --d-model 64 --heads 4 --prompt 16 --context 64   # seconds",
-           "attnkit compare --model gpt-oss-20b --variants gqa-8,mqa --context 8192"});
+void print_json(const Options& o, const Setup& s, const Results& res, const Report& rep) {
+  nlohmann::json j = {{"config",
+                       {{"d_model", o.d_model},
+                        {"num_heads", o.heads},
+                        {"head_dim", s.head_dim},
+                        {"prompt", o.prompt},
+                        {"context", o.context},
+                        {"batch", o.batch},
+                        {"kv_dtype", o.kv},
+                        {"rope", !o.no_rope},
+                        {"bias", o.bias},
+                        {"backend", o.backend},
+                        {"threads", o.threads},
+                        {"steps", o.steps},
+                        {"repeats", o.repeats},
+                        {"seed", o.seed}}},
+                      {"machine", machine_json(res.check)},
+                      {"warnings", rep.warnings},
+                      {"conclusions", rep.conclusions.lines},
+                      {"summary", rep.conclusions.summary},
+                      {"variants", rep.rows},
+                      {"seconds", res.seconds}};
+  if (s.whole_model) j["model"] = model_json(o, s);
+  if (!o.no_serve) j["serving"] = serving_json(res.serving);
+  std::printf("%s\n", j.dump(2).c_str());
+}
+
+// `text` wrapped at 100 columns, one printed line each.
+void print_wrapped(const std::string& text) {
+  std::string line;
+  std::istringstream words(text);
+  for (std::string w; words >> w;) {
+    if (!line.empty() && line.size() + 1 + w.size() > 100) {
+      std::printf("%s\n", line.c_str());
+      line.clear();
+    }
+    line += (line.empty() ? "" : " ") + w;
+  }
+  if (!line.empty()) std::printf("%s\n", line.c_str());
+}
+
+void print_serving(const Serving& serving) {
+  std::printf(
+      "\nServing (continuous batching over a paged KV pool of %s; %lld requests at once, "
+      "prompts\n16-64 and outputs 8-32 tokens; one layer, bf16 weights; attnkit serve-bench "
+      "for more):\n\n",
+      format_bytes(static_cast<double>(serving.budget)).c_str(), (long long)serving.requests);
+  Table st({"variant", "KV/token", "seqs/step", "peak", "out tok/s", "preempt"});
+  for (const Serving::Row& r : serving.rows)
+    st.add({r.variant, format_bytes(static_cast<double>(r.kv_bytes_per_token)),
+            format_sig3(r.mean, ""), std::to_string(r.peak), format_sig3(r.tokens_per_s, ""),
+            std::to_string(r.preemptions)});
+  std::fputs(st.str().c_str(), stdout);
+  const std::string sentence = serving_sentence(serving);
+  if (!sentence.empty()) std::printf("\n");
+  print_wrapped(sentence);
+}
+
+void print_text(const Options& o, const Setup& s, const Results& res, const Report& rep) {
+  const MachineProfile& mp = res.check.best;
+  std::printf(
+      "attention layers: d_model %lld, %lld query heads of %lld, %s; batch %lld, %s KV cache\n",
+      (long long)o.d_model, (long long)o.heads, (long long)s.head_dim,
+      o.no_rope ? "causal, no RoPE" : "causal, RoPE", (long long)o.batch, o.kv.c_str());
+  std::printf(
+      "prefill: %lld tokens, one forward (median of %lld); decode: 1 token over %lld cached "
+      "(median of %lld steps)\n\n",
+      (long long)o.prompt, (long long)o.repeats, (long long)o.context, (long long)o.steps);
+  std::fputs(rep.table.str().c_str(), stdout);
+  std::printf("\nmachine (%s): %s%d threads, fp32 peak %.0f GFLOP/s, read bandwidth %.1f GB/s\n",
+              mp.simd == "given" ? "given" : "measured before and after, the better of the two",
+              mp.simd == "given" ? "" : (mp.simd + ", ").c_str(), mp.threads, mp.fp32_peak_gflops,
+              mp.dram_read_gbps);
+  std::printf(
+      "GB/s = weights (f32) + KV read per decode step / its time. Took %.1f s.\n"
+      "pooling drift = how far the prefill output moves from MHA's (relative L2) when the\n"
+      "variant's K/V weights are MHA's mean-pooled per group, the GQA paper's conversion. The\n"
+      "weights here are random and share no structure, so pooling loses most of the signal and\n"
+      "0.9 to 1.0 is expected: it is the starting point a conversion is uptrained from, not an\n"
+      "error of attnkit. MLA has its own weights (n/a).\n",
+      res.seconds);
+  if (s.whole_model) {
+    std::printf(
+        "\nThe whole model, %s (%s), as each variant: summed layer by layer at %lld tokens "
+        "x %lld (prefill of %lld):\n",
+        s.model.name.c_str(), layer_mix(s.model).c_str(), (long long)o.context, (long long)o.batch,
+        (long long)o.prompt);
+    std::fputs(model_table(o, s).str().c_str(), stdout);
+  }
+  std::printf("\nWhat this means here:\n");
+  for (const std::string& l : rep.conclusions.lines) std::printf("- %s\n", l.c_str());
+  for (const std::string& w : rep.warnings) std::printf("%s\n", w.c_str());
+  if (!o.no_serve) print_serving(res.serving);
+}
+
+// The flags, described; false when --help was given.
+bool parse_options(int argc, char** argv, Options* po, std::unique_ptr<Flags>* flags) {
+  Options& o = *po;
+  *flags = std::make_unique<Flags>(
+      "compare",
+      "Builds MHA, GQA, MQA and MLA attention layers of one size (default: the seeds'\n"
+      "comparison, d_model 2048 with 32 query heads), runs a causal prefill and decode steps\n"
+      "over a filled KV cache on this machine, and prints one table: parameters, KV-cache\n"
+      "bytes, FLOPs, measured latencies, achieved GFLOP/s and GB/s (also as a fraction of the\n"
+      "fp32 peak and read bandwidth measured in the same process), and each variant's output\n"
+      "difference from MHA with GQA/MQA weights mean-pooled from MHA's (the GQA paper's\n"
+      "checkpoint conversion). Figures are medians of several runs.",
+      std::vector<std::string>{
+          "attnkit compare",
+          "attnkit compare --context 16384 --kv-dtype bf16 --variants mha,gqa-8,mla",
+          "attnkit compare --d-model 4096 --heads 32 --batch 4 --json",
+          "attnkit compare --d-model 64 --heads 4 --prompt 16 --context 64   # seconds",
+          "attnkit compare --model gpt-oss-20b --variants gqa-8,mqa --context 8192"});
+  Flags& f = **flags;
   f.add_string("--model", &o.model,
                "a preset: layers of its attention sizes, plus the whole model's per-layer sums");
   f.add_string("--config", &o.config, "a Hugging Face config.json, as --model");
@@ -507,327 +900,23 @@ int run_compare(int argc, char** argv) {
   f.add_double("--bandwidth-gbps", &o.bw, "use this read bandwidth instead of measuring");
   f.add_bool("--no-serve", &o.no_serve, "skip the serving section (continuous batching)");
   f.add_bool("--json", &o.json, "print JSON instead of a table");
-  if (!f.parse(argc, argv, 2)) return 0;
-  const bool whole_model = !o.model.empty() || !o.config.empty();
-  const ModelShape model = whole_model ? adopt_model(&o, f) : ModelShape{};
+  return f.parse(argc, argv, 2);
+}
 
-  // The default list drops the GQA sizes a smaller --heads cannot have.
-  if (o.variants == Options{}.variants)
-    std::erase_if(o.variants, [&](const std::string& v) {
-      return v.rfind("gqa-", 0) == 0 &&
-             (o.heads <= std::stoll(v.substr(4)) || o.heads % std::stoll(v.substr(4)));
-    });
-  const DType kv = kv_dtype_of(o.kv);
-  const RunOptions run{parse_backend(o.backend), static_cast<int>(o.threads)};
-  if (!whole_model && o.d_model % o.heads != 0)
-    throw UsageError{"--d-model " + std::to_string(o.d_model) + " must be divisible by --heads " +
-                     std::to_string(o.heads)};
-  const int64_t head_dim = o.head_dim > 0 ? o.head_dim : o.d_model / o.heads;
-  if (!o.no_rope && head_dim % 2 != 0)
-    throw UsageError{"head_dim = d_model / heads = " + std::to_string(head_dim) +
-                     " must be even for RoPE (or give --no-rope)"};
-  if (o.mla_rank == 0) o.mla_rank = default_mla_rank(head_dim);
-  if (o.mla_rope_dim == 0) o.mla_rope_dim = default_mla_rope_dim(head_dim);
+}  // namespace
 
-  ModelShape base;
-  base.name = "d_model " + std::to_string(o.d_model);
-  base.num_layers = 1;
-  base.hidden_size = o.d_model;
-  base.num_heads = base.num_kv_heads = o.heads;
-  base.head_dim = base.head_dim_v = head_dim;
-  base.q_bias = base.k_bias = base.v_bias = base.o_bias = o.bias;
-  base.source = "attnkit compare";
-
-  // Parse every variant before anything runs, so a bad name costs nothing.
-  struct Plan {
-    std::string name;
-    ModelShape shape;
-    AttentionConfig config;  // not MLA
-    ModelShape model;        // the whole model as this variant (--model)
-  };
-  std::vector<Plan> plans;
-  for (const std::string& v : o.variants) {
-    Plan p;
-    p.name = v;
-    p.shape = base;
-    p.model = model;
-    if (v == "mla") {
-      auto s = with_mla(base, o.mla_rank, o.mla_rope_dim, 0);
-      if (!s.ok()) throw UsageError{"mla: " + s.status().message()};
-      if (o.mla_rope_dim < 2) throw UsageError{"--mla-rope-dim must be >= 2"};
-      p.shape = *s;
-      if (whole_model)
-        p.model = value_or_throw(with_mla(model, o.mla_rank, o.mla_rope_dim, 0), "mla");
-    } else {
-      auto c = attention_config_from_variant(v, o.d_model, o.heads, o.bias);
-      if (!c.ok()) throw UsageError{"--variants: " + c.status().message()};
-      p.config = *c;
-      p.config.causal = true;
-      p.config.use_rope = !o.no_rope;
-      p.config.head_dim = head_dim;
-      p.config.rope.head_dim = head_dim;
-      p.shape = *with_kv_heads(base, p.config.num_kv_heads);
-      if (whole_model) p.model = value_or_throw(with_kv_heads(model, p.config.num_kv_heads), v);
-    }
-    plans.push_back(p);
-  }
-
+int run_compare(int argc, char** argv) {
+  Options o;
+  std::unique_ptr<Flags> flags;
+  if (!parse_options(argc, argv, &o, &flags)) return 0;
+  const Setup s = resolve(&o, *flags);
   try {
-    const double t_start = now_seconds();
-    const MachineProfile before = machine_profile(o.peak, o.bw);
-    const Weights mha = random_mha_weights(o, head_dim);
-    Tensor x = zeros({o.batch, o.prompt, o.d_model});
-    fill_uniform(x.view(), static_cast<uint64_t>(o.seed) + 3, 1.0);
-    std::vector<Tensor> outputs;
-    std::vector<Measured> rows;
-    Progress progress("compare", static_cast<int64_t>(plans.size()) * (o.no_serve ? 1 : 2));
-    for (const Plan& p : plans) {
-      progress.step(p.name);
-      Measured m;
-      m.variant = p.name;
-      m.shape = p.shape;
-      outputs.push_back(zeros({o.batch, o.prompt, o.d_model}));
-      const TensorView y = outputs.back().view();
-      if (p.shape.mla) {
-        const MlaConfig c = mla_layer_config(p.shape);
-        const Weights w = random_mla_weights(c, static_cast<uint64_t>(o.seed) * 16 + 8);
-        measure<LatentAttention, LatentCache>(
-            o, p.shape, kv,
-            [&] {
-              LatentAttention l = value_or_throw(LatentAttention::create(c), "mla");
-              ok_or_throw(l.load_weights(w.map()), "mla weights");
-              return l;
-            },
-            [&](LatentAttention& l, int64_t len) {
-              return value_or_throw(l.new_cache(o.batch, len, kv), "mla cache");
-            },
-            [&](LatentCache* cache, uint64_t seed) { fill_latent_cache(cache, o.context, seed); },
-            [&](LatentAttention& l, const TensorView& in, const TensorView& out,
-                LatentCache* cache) { return l.forward(in, out, {}, cache, run); },
-            x.view(), y, &m);
-      } else {
-        const bool is_mha = p.config.num_kv_heads == o.heads;
-        const Weights derived = is_mha ? Weights{} : derived_weights(mha, o, p.config.num_kv_heads);
-        const Weights& w = is_mha ? mha : derived;
-        m.derived = true;
-        measure<AttentionLayer, KVCache>(
-            o, p.shape, kv,
-            [&] {
-              AttentionLayer l = value_or_throw(AttentionLayer::create(p.config), p.name);
-              ok_or_throw(l.load_weights(w.map()), p.name + " weights");
-              return l;
-            },
-            [&](AttentionLayer& l, int64_t len) {
-              return value_or_throw(l.new_cache(o.batch, len, kv), p.name + " cache");
-            },
-            [&](KVCache* cache, uint64_t seed) { fill_kv_cache(cache, o.context, run, seed); },
-            [&](AttentionLayer& l, const TensorView& in, const TensorView& out, KVCache* cache) {
-              return l.forward(in, out, {}, cache, run);
-            },
-            x.view(), y, &m);
-      }
-      rows.push_back(std::move(m));
-    }
-    Serving serving;
-    if (!o.no_serve) {
-      std::vector<std::pair<std::string, serve::ModelSpec>> specs;
-      for (const Plan& p : plans) {
-        serve::ModelSpec spec;
-        spec.mla = p.shape.mla;
-        if (spec.mla)
-          spec.latent = mla_layer_config(p.shape);
-        else
-          spec.attention = p.config;
-        spec.seed = static_cast<uint64_t>(o.seed);
-        specs.emplace_back(p.name, spec);
-      }
-      serving = serve_variants(o, specs, kv, kv_bytes_per_token(base, kv), run, &progress);
-    }
-    progress.finish();
-
-    // Diff vs the MHA row, when there is one.
-    const Tensor* ref = nullptr;
-    for (size_t i = 0; i < rows.size(); ++i)
-      if (!rows[i].shape.mla && rows[i].shape.num_kv_heads == o.heads) ref = &outputs[i];
-    for (size_t i = 0; i < rows.size(); ++i)
-      if (ref && rows[i].derived) rows[i].diff = relative_l2(outputs[i].view(), ref->view());
-
-    // The yardstick again, after the runs; fractions use the better figures.
-    const MachineCheck check = remeasure_machine(before, o.peak, o.bw, 0, /*quick=*/true);
-    const MachineProfile& mp = check.best;
-    std::vector<std::string> warnings = machine_warnings(check);
-    int above = 0;
-    const double peak = mp.fp32_peak_gflops * 1e9, bw = mp.dram_read_gbps * 1e9;
-    const std::string ctx = std::to_string(o.context);
-    nlohmann::json jrows = nlohmann::json::array();
-    Table table({"variant", "KV heads", "params", "KV/token", "KV @ " + ctx, "prefill FLOPs",
-                 "prefill", "GFLOP/s", "% peak", "decode FLOPs", "decode/token", "GB/s", "% BW",
-                 kDriftHeader});
-    for (const Measured& m : rows) {
-      const ModelShape& s = m.shape;
-      const double params = static_cast<double>(attention_params_per_layer(s));
-      const double per_token = static_cast<double>(kv_bytes_per_token(s, kv));
-      const double cache = kv_cache_bytes(s, kv, o.context, o.batch);
-      const double pf = prefill_flops_per_layer(s, o.prompt) * static_cast<double>(o.batch);
-      const double df = decode_flops_per_layer(s, o.context) * static_cast<double>(o.batch);
-      const double db = decode_bytes_per_layer(s, o.context, o.batch, kv, DType::kF32);
-      const double prate = pf / m.prefill.median, drate = df / m.decode.median;
-      const double dbw = db / m.decode.median;
-      // "n/a" padded to the header's width reads as right-aligned with the numbers.
-      std::string diff = std::string(std::strlen(kDriftHeader) - 3, ' ') + "n/a";
-      if (m.diff >= 0) {
-        char buf[32];
-        std::snprintf(buf, sizeof buf, "%.4f", m.diff);
-        diff = buf;
-      }
-      table.add({m.variant, s.mla ? "latent" : std::to_string(s.num_kv_heads), format_count(params),
-                 format_bytes(per_token), format_bytes(cache), format_flops(pf),
-                 format_seconds(m.prefill.median), format_rate(prate), percent_cell(prate, peak),
-                 format_flops(df), format_seconds(m.decode.median), format_bandwidth(dbw),
-                 percent_cell(dbw, bw), diff});
-      const bool over = prate > peak || dbw > bw;
-      above += over;
-      nlohmann::json r = {
-          {"variant", m.variant},
-          {"num_kv_heads", s.mla ? 0 : s.num_kv_heads},
-          {"params", params},
-          {"kv_bytes_per_token", per_token},
-          {"kv_cache_bytes", cache},
-          {"prefill_flops", pf},
-          {"prefill_seconds", m.prefill.median},
-          {"prefill_gflops", prate / 1e9},
-          {"prefill_peak_fraction", prate / peak},
-          {"decode_flops", df},
-          {"decode_bytes", db},
-          {"decode_seconds", m.decode.median},
-          {"decode_gflops", drate / 1e9},
-          {"decode_gbps", dbw / 1e9},
-          {"decode_bandwidth_fraction", dbw / bw},
-          {"decode_instances", m.instances},
-          {"weights_derived_from_mha", m.derived},
-          {"diff_vs_mha", m.diff >= 0 ? nlohmann::json(m.diff) : nlohmann::json(nullptr)},
-          {"above_roof", over}};
-      if (s.mla)
-        r["mla"] = {{"kv_lora_rank", s.kv_lora_rank},
-                    {"qk_rope_head_dim", s.qk_rope_head_dim},
-                    {"qk_nope_head_dim", s.qk_nope_head_dim},
-                    {"v_head_dim", s.v_head_dim}};
-      jrows.push_back(r);
-    }
-    if (above > 0) warnings.push_back(above_roof_warning(above, "variant(s)"));
-    const Conclusions conclusions = conclude(rows, kv, o.context);
-    const double elapsed = now_seconds() - t_start;
-    nlohmann::json jmodel;
-    if (whole_model) {
-      std::vector<ModelShape> shapes;
-      std::vector<std::string> names;
-      for (const Plan& p : plans) {
-        shapes.push_back(p.model);
-        names.push_back(p.name);
-      }
-      jmodel = model_json(model, shapes, names, o, kv);
-    }
-    if (o.json) {
-      nlohmann::json j = {{"config",
-                           {{"d_model", o.d_model},
-                            {"num_heads", o.heads},
-                            {"head_dim", head_dim},
-                            {"prompt", o.prompt},
-                            {"context", o.context},
-                            {"batch", o.batch},
-                            {"kv_dtype", o.kv},
-                            {"rope", !o.no_rope},
-                            {"bias", o.bias},
-                            {"backend", o.backend},
-                            {"threads", o.threads},
-                            {"steps", o.steps},
-                            {"repeats", o.repeats},
-                            {"seed", o.seed}}},
-                          {"machine", machine_json(check)},
-                          {"warnings", warnings},
-                          {"conclusions", conclusions.lines},
-                          {"summary", conclusions.summary},
-                          {"variants", jrows},
-                          {"seconds", elapsed}};
-      if (whole_model) j["model"] = jmodel;
-      if (!o.no_serve) {
-        nlohmann::json srows = nlohmann::json::array();
-        for (const Serving::Row& r : serving.rows)
-          srows.push_back({{"variant", r.variant},
-                           {"kv_bytes_per_token", r.kv_bytes_per_token},
-                           {"mean_running", r.mean},
-                           {"peak_running", r.peak},
-                           {"output_tokens_per_s", r.tokens_per_s},
-                           {"preemptions", r.preemptions}});
-        j["serving"] = {{"budget_bytes", serving.budget},
-                        {"requests", serving.requests},
-                        {"token_slots", serving.token_slots},
-                        {"layers", 1},
-                        {"weights", "bf16"},
-                        {"rows", srows},
-                        {"sentence", serving_sentence(serving)}};
-      }
-      std::printf("%s\n", j.dump(2).c_str());
-      return 0;
-    }
-    std::printf(
-        "attention layers: d_model %lld, %lld query heads of %lld, %s; batch %lld, %s KV cache\n",
-        (long long)o.d_model, (long long)o.heads, (long long)head_dim,
-        o.no_rope ? "causal, no RoPE" : "causal, RoPE", (long long)o.batch, o.kv.c_str());
-    std::printf(
-        "prefill: %lld tokens, one forward (median of %lld); decode: 1 token over %lld cached "
-        "(median of %lld steps)\n\n",
-        (long long)o.prompt, (long long)o.repeats, (long long)o.context, (long long)o.steps);
-    std::fputs(table.str().c_str(), stdout);
-    std::printf("\nmachine (%s): %s%d threads, fp32 peak %.0f GFLOP/s, read bandwidth %.1f GB/s\n",
-                mp.simd == "given" ? "given" : "measured before and after, the better of the two",
-                mp.simd == "given" ? "" : (mp.simd + ", ").c_str(), mp.threads, mp.fp32_peak_gflops,
-                mp.dram_read_gbps);
-    std::printf(
-        "GB/s = weights (f32) + KV read per decode step / its time. Took %.1f s.\n"
-        "pooling drift = how far the prefill output moves from MHA's (relative L2) when the\n"
-        "variant's K/V weights are MHA's mean-pooled per group, the GQA paper's conversion. The\n"
-        "weights here are random and share no structure, so pooling loses most of the signal and\n"
-        "0.9 to 1.0 is expected: it is the starting point a conversion is uptrained from, not an\n"
-        "error of attnkit. MLA has its own weights (n/a).\n",
-        elapsed);
-    if (whole_model) {
-      std::printf(
-          "\nThe whole model, %s (%s), as each variant: summed layer by layer at %lld tokens "
-          "x %lld (prefill of %lld):\n",
-          model.name.c_str(), layer_mix(model).c_str(), (long long)o.context, (long long)o.batch,
-          (long long)o.prompt);
-      std::fputs(model_table(jmodel, ctx).str().c_str(), stdout);
-    }
-    std::printf("\nWhat this means here:\n");
-    for (const std::string& l : conclusions.lines) std::printf("- %s\n", l.c_str());
-    for (const std::string& w : warnings) std::printf("%s\n", w.c_str());
-    if (!o.no_serve) {
-      std::printf(
-          "\nServing (continuous batching over a paged KV pool of %s; %lld requests at once, "
-          "prompts\n16-64 and outputs 8-32 tokens; one layer, bf16 weights; attnkit serve-bench "
-          "for more):\n\n",
-          format_bytes(static_cast<double>(serving.budget)).c_str(), (long long)serving.requests);
-      Table st({"variant", "KV/token", "seqs/step", "peak", "out tok/s", "preempt"});
-      for (const Serving::Row& r : serving.rows)
-        st.add({r.variant, format_bytes(static_cast<double>(r.kv_bytes_per_token)),
-                format_sig3(r.mean, ""), std::to_string(r.peak), format_sig3(r.tokens_per_s, ""),
-                std::to_string(r.preemptions)});
-      std::fputs(st.str().c_str(), stdout);
-      // The sentence, wrapped at 100 columns.
-      const std::string sentence = serving_sentence(serving);
-      if (!sentence.empty()) std::printf("\n");
-      std::string line;
-      std::istringstream words(sentence);
-      for (std::string w; words >> w;) {
-        if (!line.empty() && line.size() + 1 + w.size() > 100) {
-          std::printf("%s\n", line.c_str());
-          line.clear();
-        }
-        line += (line.empty() ? "" : " ") + w;
-      }
-      if (!line.empty()) std::printf("%s\n", line.c_str());
-    }
+    const Results res = run_all(o, s);
+    const Report rep = build_report(o, s, res);
+    if (o.json)
+      print_json(o, s, res, rep);
+    else
+      print_text(o, s, res, rep);
     return 0;
   } catch (const RunError& e) {
     std::fprintf(stderr, "attnkit compare: %s\n", e.message.c_str());

@@ -64,13 +64,16 @@ std::pair<std::string, int> capture(const std::string& cmd) {
   return {text, WIFEXITED(st) ? WEXITSTATUS(st) : -1};
 }
 
-}  // namespace
-
-int run_plot(int argc, char** argv) {
+struct Options {
   std::string input, out_dir = ".";
   std::vector<std::string> formats = {"png"};
   int64_t layers = 1;
-  bool json_out = false;
+  bool json = false;
+};
+
+// The flags, described; false when --help was given.
+bool parse_options(int argc, char** argv, Options* po) {
+  Options& o = *po;
   Flags f(
       "plot",
       "Draws three plots from an `attnkit bench --json` result: KV-cache memory against context\n"
@@ -87,37 +90,76 @@ int run_plot(int argc, char** argv) {
        "attnkit plot --input bench.json --layers 32 --out docs/img   # a 32-layer model's cache",
        "attnkit serve-bench --memory 16MiB,32MiB,64MiB --json > serve.json && attnkit plot --input "
        "serve.json"});
-  f.add_string("--input", &input, "a saved `attnkit bench --json` or `serve-bench --json` result");
-  f.add_string("--out", &out_dir, "directory for the files (default .; created)");
-  f.add_string_list("--format", &formats, "png, svg or both (default png)");
-  f.add_int("--layers", &layers, "layers for the KV-memory plot (default 1)", 1);
-  f.add_bool("--json", &json_out, "print the files written as JSON");
-  if (!f.parse(argc, argv, 2)) return 0;
-  for (const std::string& fmt : formats)
+  f.add_string("--input", &o.input,
+               "a saved `attnkit bench --json` or `serve-bench --json` result");
+  f.add_string("--out", &o.out_dir, "directory for the files (default .; created)");
+  f.add_string_list("--format", &o.formats, "png, svg or both (default png)");
+  f.add_int("--layers", &o.layers, "layers for the KV-memory plot (default 1)", 1);
+  f.add_bool("--json", &o.json, "print the files written as JSON");
+  return f.parse(argc, argv, 2);
+}
+
+// The formats, the input and the output directory, checked before anything
+// runs: where the files go is the user's choice, so a place that cannot
+// take them is a usage error (exit 2).
+void check_options(const Options& o) {
+  for (const std::string& fmt : o.formats)
     if (fmt != "png" && fmt != "svg")
       throw UsageError{"--format entries must be png or svg, got '" + fmt + "'"};
   std::error_code ec;
-  if (!input.empty() && !fs::is_regular_file(input, ec))
-    throw UsageError{"cannot read --input '" + input + "'"};
-  if (!input.empty()) {
-    std::ifstream in(input);
+  if (!o.input.empty() && !fs::is_regular_file(o.input, ec))
+    throw UsageError{"cannot read --input '" + o.input + "'"};
+  if (!o.input.empty()) {
+    std::ifstream in(o.input);
     const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
     const bool serve = j.is_object() && j.contains("kind") && j["kind"] == "serve-bench";
     if (j.is_discarded() || !j.is_object() || !j.contains("rows") ||
         !(serve || j.contains("machine")))
-      throw UsageError{"--input '" + input +
+      throw UsageError{"--input '" + o.input +
                        "' is not an `attnkit bench --json` or `serve-bench --json` result"};
   }
+  fs::create_directories(o.out_dir, ec);
+  if (ec) throw UsageError{"cannot create --out '" + o.out_dir + "': " + ec.message()};
+  if (!fs::is_directory(o.out_dir, ec))
+    throw UsageError{"--out '" + o.out_dir + "' is not a directory"};
+  if (access(o.out_dir.c_str(), W_OK | X_OK) != 0)
+    throw UsageError{"cannot write into --out '" + o.out_dir + "'"};
+}
 
-  // Where the files go is the user's choice, so a place that cannot take
-  // them is a usage error (exit 2), found before anything runs.
-  fs::create_directories(out_dir, ec);
-  if (ec) throw UsageError{"cannot create --out '" + out_dir + "': " + ec.message()};
-  if (!fs::is_directory(out_dir, ec))
-    throw UsageError{"--out '" + out_dir + "' is not a directory"};
-  if (access(out_dir.c_str(), W_OK | X_OK) != 0)
-    throw UsageError{"cannot write into --out '" + out_dir + "'"};
+// Without --input: runs `attnkit bench --json --batches 1` and keeps its
+// result as bench.json in the output directory; returns that path.
+std::string run_bench_for_input(const std::string& out_dir) {
+  const std::string input = (fs::path(out_dir) / "bench.json").string();
+  const fs::path exe = self_exe();
+  if (exe.empty()) throw RunError{"cannot find this program to run `attnkit bench`"};
+  std::fprintf(stderr,
+               "attnkit plot: running `attnkit bench --json --batches 1` (save it and use --input "
+               "to skip this)\n");
+  auto [text, rc] = capture(quote(exe.string()) + " bench --json --batches 1");
+  if (rc != 0) throw RunError{"`attnkit bench` failed (exit " + std::to_string(rc) + ")"};
+  std::ofstream(input) << text;
+  return input;
+}
 
+void print_files(const nlohmann::json& j, const std::string& input) {
+  std::error_code ec;
+  Table t({"plot", "file", "size"}, /*numbers_right=*/false);
+  for (const auto& fl : j["files"])
+    t.add({fl["plot"].get<std::string>(), fl["path"].get<std::string>(),
+           format_bytes(static_cast<double>(fs::file_size(fl["path"].get<std::string>(), ec)))});
+  std::fputs(t.str().c_str(), stdout);
+  std::printf("\nfrom %s\n", input.c_str());
+  for (const auto& w : j.value("warnings", nlohmann::json::array()))
+    std::printf("warning: %s\n", w.get<std::string>().c_str());
+}
+
+}  // namespace
+
+int run_plot(int argc, char** argv) {
+  Options o;
+  if (!parse_options(argc, argv, &o)) return 0;
+  check_options(o);
+  std::string input = o.input;
   const char* py_env = std::getenv("ATTNKIT_PYTHON");
   const std::string py = py_env ? py_env : "/usr/bin/python3";
   try {
@@ -126,39 +168,21 @@ int run_plot(int argc, char** argv) {
     const std::string script = find_plot_script();
     if (script.empty())
       throw RunError{"python/attnkit/plot.py not found (set ATTNKIT_PLOT_SCRIPT)"};
-    if (input.empty()) {
-      input = (fs::path(out_dir) / "bench.json").string();
-      const fs::path exe = self_exe();
-      if (exe.empty()) throw RunError{"cannot find this program to run `attnkit bench`"};
-      std::fprintf(
-          stderr,
-          "attnkit plot: running `attnkit bench --json --batches 1` (save it and use --input "
-          "to skip this)\n");
-      auto [text, rc] = capture(quote(exe.string()) + " bench --json --batches 1");
-      if (rc != 0) throw RunError{"`attnkit bench` failed (exit " + std::to_string(rc) + ")"};
-      std::ofstream(input) << text;
-    }
+    if (input.empty()) input = run_bench_for_input(o.out_dir);
     std::string fmt_list;
-    for (const std::string& fm : formats) fmt_list += (fmt_list.empty() ? "" : ",") + fm;
+    for (const std::string& fm : o.formats) fmt_list += (fmt_list.empty() ? "" : ",") + fm;
     auto [text, rc] = capture(quote(py) + " " + quote(script) + " --input " + quote(input) +
-                              " --out " + quote(out_dir) + " --format " + fmt_list + " --layers " +
-                              std::to_string(layers) + " --json");
+                              " --out " + quote(o.out_dir) + " --format " + fmt_list +
+                              " --layers " + std::to_string(o.layers) + " --json");
     const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (rc != 0 || j.is_discarded() || !j.contains("files"))
       throw RunError{"plot.py failed (exit " + std::to_string(rc) + "); run " + py + " " + script +
                      " --input " + input + " to see why"};
-    if (json_out) {
+    if (o.json) {
       std::printf("%s\n", j.dump(2).c_str());
       return 0;
     }
-    Table t({"plot", "file", "size"}, /*numbers_right=*/false);
-    for (const auto& fl : j["files"])
-      t.add({fl["plot"].get<std::string>(), fl["path"].get<std::string>(),
-             format_bytes(static_cast<double>(fs::file_size(fl["path"].get<std::string>(), ec)))});
-    std::fputs(t.str().c_str(), stdout);
-    std::printf("\nfrom %s\n", input.c_str());
-    for (const auto& w : j.value("warnings", nlohmann::json::array()))
-      std::printf("warning: %s\n", w.get<std::string>().c_str());
+    print_files(j, input);
     return 0;
   } catch (const RunError& e) {
     std::fprintf(stderr, "attnkit plot: %s\n", e.message.c_str());

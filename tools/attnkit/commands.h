@@ -1,4 +1,9 @@
-// One function per subcommand; each returns the process exit code.
+// One function per subcommand; each returns the process exit code. Each
+// command translates: flags into an options struct, library calls that
+// return result structs (figures and conclusions: attnkit/report.h,
+// analysis.h), then short renderers for the table, JSON or CSV.
+// scripts/check_function_length.py keeps every function in tools/attnkit/
+// under 80 lines.
 #pragma once
 
 #include <nlohmann/json.hpp>
