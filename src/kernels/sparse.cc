@@ -31,12 +31,48 @@
 #include <string>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/threads.h"
 #include "kernels/dispatch.h"
 #include "kernels/kv_load.h"
 
 namespace attnkit::kernels {
 namespace {
+
+namespace base {
+#include "kernels/sparse_loops.inc"
+}  // namespace base
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+#include "kernels/sparse_loops.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,fma,prefer-vector-width=512")
+namespace avx512 {
+#include "kernels/sparse_loops.inc"
+}  // namespace avx512
+#pragma GCC pop_options
+
+struct Loops {
+  decltype(&base::score_heads) score_heads;
+  decltype(&base::accumulate_heads) accumulate_heads;
+  decltype(&base::indexer_key) indexer_key;
+};
+
+// The loops for the active SIMD target (set_simd_target() can lower it).
+Loops loops() {
+  switch (simd_target()) {
+    case SimdTarget::kAvx512:
+    case SimdTarget::kAvx512Bf16:
+      return {avx512::score_heads, avx512::accumulate_heads, avx512::indexer_key};
+    case SimdTarget::kAvx2:
+      return {avx2::score_heads, avx2::accumulate_heads, avx2::indexer_key};
+    default:
+      return {base::score_heads, base::accumulate_heads, base::indexer_key};
+  }
+}
 
 constexpr double kFp8Max = 448.0;
 
@@ -129,23 +165,14 @@ void load_query_transposed(const IndexerParams& p, int64_t b, int64_t t, float* 
 void indexer_scores_fast(const IndexerParams& p, int64_t b, int64_t t, const float* qt, int64_t s0,
                          int64_t s1, float* acc, float* dot, float* kv, float* score) {
   const float* lut = fp8_table();
+  const Loops fns = loops();
   const int64_t H = p.n_heads, D = p.head_dim;
   const float* w = p.weights + b * p.weights_stride.batch + t * p.weights_stride.row;
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* kc = p.k_codes + b * p.k_codes_stride.batch + s * p.k_codes_stride.row;
     const float* ks = p.k_scales + b * p.k_scales_stride.batch + s * p.k_scales_stride.row;
     for (int64_t c = 0; c < D; ++c) kv[c] = lut[kc[c * p.k_codes_stride.col]];
-    std::fill(dot, dot + H, 0.0f);
-    for (int64_t c0 = 0; c0 < D; c0 += kIndexerBlock) {
-      std::fill(acc, acc + H, 0.0f);
-      for (int64_t c = c0; c < c0 + kIndexerBlock; ++c) {
-        const float x = kv[c];
-        const float* q = qt + c * H;
-        for (int64_t h = 0; h < H; ++h) acc[h] += q[h] * x;
-      }
-      const float scale = ks[(c0 / kIndexerBlock) * p.k_scales_stride.col];
-      for (int64_t h = 0; h < H; ++h) dot[h] += acc[h] * scale;
-    }
+    fns.indexer_key(qt, kv, ks, p.k_scales_stride.col, H, D, acc, dot);
     float total = 0.0f;
     for (int64_t h = 0; h < H; ++h) total += w[h * p.weights_stride.col] * std::max(dot[h], 0.0f);
     score[s] = finite_or_lowest(total);
@@ -334,17 +361,6 @@ const float* load_row(const AttentionParams& p, bool value, int64_t b, int64_t r
   return buf;
 }
 
-float dot16(const float* a, const float* b, int64_t n) {
-  float lanes[16] = {};
-  int64_t c = 0;
-  for (; c + 16 <= n; c += 16)
-    for (int l = 0; l < 16; ++l) lanes[l] += a[c + l] * b[c + l];
-  float s = 0.0f;
-  for (; c < n; ++c) s += a[c] * b[c];
-  for (int l = 0; l < 16; ++l) s += lanes[l];
-  return s;
-}
-
 }  // namespace
 
 Status run_sparse_attention(const AttentionParams& p, const KeyIndices& idx, Backend backend) {
@@ -368,6 +384,7 @@ Status run_sparse_attention(const AttentionParams& p, const KeyIndices& idx, Bac
   const int64_t per = hc * K + hc * Dv + hc * D + std::max(D, Dv);
   std::unique_ptr<float[]> buf;
   if (!alloc(&buf, per * threads)) return no_memory("the sparse attention's scratch");
+  const Loops fns = loops();
   parallel_for(units * chunks, threads, [&](int64_t task, int worker) {
     const int64_t chunk = task % chunks, u = task / chunks;
     const int64_t kvh = u % p.num_kv_heads, bi = u / p.num_kv_heads;
@@ -391,10 +408,10 @@ Status run_sparse_attention(const AttentionParams& p, const KeyIndices& idx, Bac
         continue;
       }
       const float* k = load_row(p, false, b, p.key_row(b, j), kvh, D, row);
-      for (int64_t g = 0; g < nh; ++g) {
-        const float x = dot16(qf + g * D, k, D) * p.scale;
-        s[g * K + n] = p.softcap > 0.0f ? p.softcap * std::tanh(x / p.softcap) : x;
-      }
+      fns.score_heads(qf, k, D, nh, K, p.scale, s + n);
+      if (p.softcap > 0.0f)
+        for (int64_t g = 0; g < nh; ++g)
+          s[g * K + n] = p.softcap * std::tanh(s[g * K + n] / p.softcap);
     }
     std::fill(acc, acc + nh * Dv, 0.0f);
     float sums[8];
@@ -425,11 +442,7 @@ Status run_sparse_attention(const AttentionParams& p, const KeyIndices& idx, Bac
       const int32_t j = sel[n * idx.stride.col];
       if (j < 0) continue;
       const float* v = load_row(p, true, b, p.key_row(b, j), kvh, Dv, row);
-      for (int64_t g = 0; g < nh; ++g) {
-        const float w = s[g * K + n];
-        float* a = acc + g * Dv;
-        for (int64_t c = 0; c < Dv; ++c) a[c] += w * v[c];
-      }
+      fns.accumulate_heads(s + n, K, v, Dv, nh, acc);
     }
     for (int64_t g = 0; g < nh; ++g) {
       float* o = out_ptr(p, b, i, h0 + g);
