@@ -26,6 +26,7 @@
 #include "attnkit/latent_attention.h"
 #include "attnkit/sparse_attention.h"
 #include "common/random.h"
+#include "core/cpu_features.h"
 
 namespace attnkit {
 namespace {
@@ -609,6 +610,40 @@ TEST(IndexerQuantize, MatchesDeepSeekActQuantRounding) {
 }
 
 // ---- sdpa over key indices ---------------------------------------------
+
+// The fast loops exist per instruction set (kernels/sparse_loops.inc); each
+// available one must agree with the double reference.
+TEST(SparseKernels, EverySimdTargetMatchesTheReference) {
+  const SimdTarget saved = simd_target();
+  IndexerInputs in = random_indexer(1, 3, 200, 40, 256, 8);  // 40 heads: 32 in registers + 8
+  std::vector<int32_t> want(3 * 16), got(3 * 16);
+  ASSERT_TRUE(run_indexer(in, 16, want, nullptr, Backend::kReference).ok());
+  const int64_t T = 2, S = 50, H = 10, D = 48, Dv = 40, K = 9;
+  Rng rng(5);
+  const std::vector<float> q = attnkit_test::uniform_vector(size_t(T * H * D), rng);
+  const std::vector<float> kv = attnkit_test::uniform_vector(size_t(S * D), rng);
+  std::vector<int32_t> idx(size_t(T * K));
+  for (size_t e = 0; e < idx.size(); ++e) idx[e] = static_cast<int32_t>((e * 7) % S);
+  AttentionOptions o;
+  o.key_indices = make_view(idx.data(), DType::kI32, {1, T, K});
+  o.backend = Backend::kReference;
+  TensorView k = make_view(const_cast<float*>(kv.data()), DType::kF32, {1, S, 1, D});
+  TensorView v = make_view(const_cast<float*>(kv.data()), DType::kF32, {1, S, 1, Dv});
+  v.strides = k.strides;  // values are the first Dv features of each key row, as MLA's
+  const TensorView qv = make_view(const_cast<float*>(q.data()), DType::kF32, {1, T, H, D});
+  std::vector<float> ref(size_t(T * H * Dv)), out(ref.size());
+  ASSERT_TRUE(sdpa(qv, k, v, make_view(ref.data(), DType::kF32, {1, T, H, Dv}), o).ok());
+  o.backend = Backend::kFast;
+  for (SimdTarget target : kAllSimdTargets) {
+    if (!set_simd_target(target)) continue;
+    ASSERT_TRUE(run_indexer(in, 16, got, nullptr, Backend::kFast).ok());
+    EXPECT_EQ(got, want) << simd_target_name(target);
+    ASSERT_TRUE(sdpa(qv, k, v, make_view(out.data(), DType::kF32, {1, T, H, Dv}), o).ok());
+    for (size_t e = 0; e < out.size(); ++e)
+      EXPECT_NEAR(out[e], ref[e], 2e-6) << simd_target_name(target) << " " << e;
+  }
+  set_simd_target(saved);
+}
 
 TEST(SdpaKeyIndices, EqualsTheMaskedDenseCallAndRefusesBadIndices) {
   const int64_t B = 2, T = 3, S = 40, H = 4, KH = 2, D = 24, Dv = 16, K = 7;
