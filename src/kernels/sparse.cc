@@ -58,6 +58,7 @@ namespace avx512 {
 struct Loops {
   decltype(&base::score_heads) score_heads;
   decltype(&base::accumulate_heads) accumulate_heads;
+  decltype(&base::accumulate_heads4) accumulate_heads4;
   decltype(&base::indexer_key) indexer_key;
 };
 
@@ -66,11 +67,14 @@ Loops loops() {
   switch (simd_target()) {
     case SimdTarget::kAvx512:
     case SimdTarget::kAvx512Bf16:
-      return {avx512::score_heads, avx512::accumulate_heads, avx512::indexer_key};
+      return {avx512::score_heads, avx512::accumulate_heads, avx512::accumulate_heads4,
+              avx512::indexer_key};
     case SimdTarget::kAvx2:
-      return {avx2::score_heads, avx2::accumulate_heads, avx2::indexer_key};
+      return {avx2::score_heads, avx2::accumulate_heads, avx2::accumulate_heads4,
+              avx2::indexer_key};
     default:
-      return {base::score_heads, base::accumulate_heads, base::indexer_key};
+      return {base::score_heads, base::accumulate_heads, base::accumulate_heads4,
+              base::indexer_key};
   }
 }
 
@@ -380,8 +384,9 @@ Status run_sparse_attention(const AttentionParams& p, const KeyIndices& idx, Bac
   int64_t hc = group;
   while (hc > 8 && units * ((group + hc - 1) / hc) < 4 * threads) hc = (hc + 1) / 2;
   const int64_t chunks = (group + hc - 1) / hc;
-  // Per worker: s [hc, K], acc [hc, Dv], qf [hc, D] (q with unit stride), row [max(D, Dv)].
-  const int64_t per = hc * K + hc * Dv + hc * D + std::max(D, Dv);
+  // Per worker: s [hc, K], acc [hc, Dv], qf [hc, D] (q with unit stride),
+  // rows [4, max(D, Dv)] (key or value rows widened to fp32, when not fp32).
+  const int64_t per = hc * K + hc * Dv + hc * D + 4 * std::max(D, Dv);
   std::unique_ptr<float[]> buf;
   if (!alloc(&buf, per * threads)) return no_memory("the sparse attention's scratch");
   const Loops fns = loops();
@@ -438,12 +443,22 @@ Status run_sparse_attention(const AttentionParams& p, const KeyIndices& idx, Bac
         for (int64_t n = 0; n < idx.topk; ++n) s[(g0 + g) * K + n] *= inv;
       }
     }
+    // Values four keys at a time (each head's accumulator row is then
+    // read and written once per four keys), the remainder one by one.
+    const float* vrows[4];
+    const float* wcols[4];
+    int held = 0;
     for (int64_t n = 0; n < idx.topk; ++n) {
       const int32_t j = sel[n * idx.stride.col];
       if (j < 0) continue;
-      const float* v = load_row(p, true, b, p.key_row(b, j), kvh, Dv, row);
-      fns.accumulate_heads(s + n, K, v, Dv, nh, acc);
+      vrows[held] = load_row(p, true, b, p.key_row(b, j), kvh, Dv, row + held * std::max(D, Dv));
+      wcols[held] = s + n;
+      if (++held == 4) {
+        fns.accumulate_heads4(wcols, K, vrows, Dv, nh, acc);
+        held = 0;
+      }
     }
+    for (int r = 0; r < held; ++r) fns.accumulate_heads(wcols[r], K, vrows[r], Dv, nh, acc);
     for (int64_t g = 0; g < nh; ++g) {
       float* o = out_ptr(p, b, i, h0 + g);
       for (int64_t c = 0; c < Dv; ++c) o[c * p.out_stride.dim] = acc[g * Dv + c];
