@@ -42,3 +42,46 @@ def test_bad_key_indices_name_the_argument():
         attnkit.sdpa(q, k, k, key_indices=idx)
     with pytest.raises(ValueError, match="key_indices"):
         attnkit.sdpa(q, k, k, key_indices=np.zeros((1, 3, 2), np.int32))
+
+
+def _v32_config(**over):
+    cfg = dict(model_type="deepseek_v32", hidden_size=64, num_attention_heads=2, q_lora_rank=32,
+               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+               index_n_heads=2, index_head_dim=128, index_topk=4, num_hidden_layers=1)
+    cfg.update(over)
+    return cfg
+
+
+def test_deepseek_v32_layer_runs_sparse_and_dense_equal_when_topk_covers_all():
+    rng = np.random.default_rng(0)
+    shapes = {"q_a_proj.weight": (32, 64), "q_a_layernorm.weight": (32,),
+              "q_b_proj.weight": (32, 32), "kv_a_proj_with_mqa.weight": (24, 64),
+              "kv_a_layernorm.weight": (16,), "kv_b_proj.weight": (32, 16),
+              "o_proj.weight": (64, 16), "indexer.wq_b.weight": (256, 32),
+              "indexer.wk.weight": (128, 64), "indexer.k_norm.weight": (128,),
+              "indexer.k_norm.bias": (128,), "indexer.weights_proj.weight": (2, 64)}
+    sd = {n: (rng.standard_normal(s) * 0.2).astype(np.float32) for n, s in shapes.items()}
+    x = rng.standard_normal((1, 10, 64)).astype(np.float32)
+    sparse = attnkit.from_config(_v32_config(index_topk=4))
+    wide = attnkit.from_config(_v32_config(index_topk=64))
+    dense = attnkit.from_config(_v32_config(model_type="deepseek_v3"))
+    assert "indexer.wq_b.weight" in sparse.weight_names()
+    sparse.load_state_dict(sd)
+    wide.load_state_dict(sd)
+    dense.load_state_dict({n: w for n, w in sd.items() if not n.startswith("indexer.")})
+    y_dense = dense.forward(x)
+    np.testing.assert_array_equal(wide.forward(x), y_dense)  # top-k >= visible: dense, bit for bit
+    y_sparse = sparse.forward(x)
+    # Rows that see <= 4 keys attend to all of them (on the sparse path, so
+    # equal to fp32 rounding, not bit for bit).
+    np.testing.assert_allclose(y_sparse[:, :4], y_dense[:, :4], rtol=0, atol=1e-6)
+    assert np.abs(y_sparse[:, 4:] - y_dense[:, 4:]).max() > 1e-4  # the rest attend to 4 keys
+
+
+def test_deepseek_v32_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="index_topk"):
+        attnkit.from_config(_v32_config(index_topk=0))
+    with pytest.raises(ValueError, match="q_lora_rank"):
+        attnkit.from_config(_v32_config(q_lora_rank=None))
+    with pytest.raises(ValueError, match="index_head_dim"):
+        attnkit.from_config(_v32_config(index_head_dim=64))
