@@ -421,6 +421,44 @@ TEST(SparseLatentAttention, TopkCoveringEveryKeyEqualsDenseMlaExactly) {
   }
 }
 
+// Quantized and bf16 latent caches: the sparse path widens the chosen rows
+// with their scales; fast and reference twins agree, and both stay near the
+// float64 model (the latent's own 8-bit rounding is the only new error).
+TEST(SparseLatentAttention, EightBitAndBf16CachesOnTheSparsePath) {
+  const MlaConfig c = small_config(4);
+  const W w = random_weights(c, 12);
+  LatentAttention layer = make_layer(c, w);
+  const int64_t B = 1, S = 10, d = c.hidden_size;
+  Rng rng(2);
+  const std::vector<float> x = attnkit_test::uniform_vector(size_t(B * S * d), rng);
+  const std::vector<double> ref = reference(c, w, x, B, S);
+  for (DType dt : {DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
+    std::vector<float> outs[2];
+    int slot = 0;
+    for (Backend be : {Backend::kFast, Backend::kReference}) {
+      Result<LatentCache> cache = layer.new_cache(B, S, dt);
+      ASSERT_TRUE(cache.ok());
+      RunOptions run;
+      run.backend = be;
+      std::vector<float>& out = outs[slot++];
+      out.assign(x.size(), 0.0f);
+      ASSERT_TRUE(layer
+                      .forward(make_view(const_cast<float*>(x.data()), DType::kF32, {B, S, d}),
+                               make_view(out.data(), DType::kF32, {B, S, d}), {}, &*cache, run)
+                      .ok());
+      double scale = 0.0, err = 0.0;
+      for (size_t e = 0; e < out.size(); ++e) {
+        scale = std::max(scale, std::fabs(ref[e]));
+        err = std::max(err, std::fabs(out[e] - ref[e]));
+      }
+      // 8-bit latents carry ~2^-4 (fp8) or ~2^-8 (int8) relative rounding.
+      EXPECT_LT(err, (dt == DType::kFp8E4M3 ? 0.1 : 0.02) * scale) << dtype_name(dt);
+    }
+    for (size_t e = 0; e < outs[0].size(); ++e)
+      EXPECT_NEAR(outs[0][e], outs[1][e], 1e-5) << dtype_name(dt) << " " << e;
+  }
+}
+
 TEST(SparseLatentAttention, RefusesPagedPoolsAppendAndNonFiniteIndexerWeights) {
   const MlaConfig c = small_config(4);
   W w = random_weights(c, 5);
