@@ -114,6 +114,15 @@ struct AttentionOptions {
   // the E4M3 value (v likewise). kv_cache_scales_view() gives them for
   // buffers in a KVCache's layout. Absent otherwise.
   TensorView k_scales, v_scales;
+  // Attention over per-query key indices (FlashMLA's sparse interface,
+  // DeepSeek-V3.2's DSA; sdpa only): [batch, seqlen_q, topk] int32, any
+  // strides. Row i of batch item b attends to exactly the keys
+  // key_indices[b, i, :] names (each in [0, L), L = seqlens_k[b] or
+  // seqlen_k, and <= p(i) when causal; -1 = an unused slot; a key named
+  // twice counts twice). Keys are read in place, never gathered. With
+  // key_indices, mask, sparse, window_size, chunk_size, sinks and probs
+  // must be absent (the indices are the visibility). Absent = dense.
+  TensorView key_indices;
   Backend backend = Backend::kAuto;
   // Worker threads; 0 = ATTNKIT_NUM_THREADS or all available cores.
   int num_threads = 0;

@@ -77,7 +77,8 @@ Status validate(const AttentionConfig& config);
 
 // One MLA layer, field names as in Hugging Face's DeepseekV2/V3 configs.
 struct MlaConfig {
-  std::string model_type;           // "deepseek_v2", "deepseek_v3", "kimi_k2" (informational)
+  std::string
+      model_type;  // "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2" (informational)
   int64_t hidden_size = 0;          // d
   int64_t num_attention_heads = 0;  // H
   int64_t q_lora_rank = 0;          // d_q; 0 (JSON null or 0) = direct q_proj
@@ -94,7 +95,21 @@ struct MlaConfig {
   // The RoPE pairing of the rope features: true = interleaved (2i, 2i+1),
   // false = half-split (i, i + d_r/2). Hugging Face's rope_interleave.
   bool rope_interleave = true;
+  // DeepSeek-V3.2's sparse attention (DSA, model_type deepseek_v32): a
+  // lightning indexer of index_n_heads heads of index_head_dim scores every
+  // earlier token and MLA attends over the index_topk best only
+  // (attnkit/sparse_attention.h). index_n_heads = 0 = dense MLA. With DSA,
+  // q_lora_rank >= 1 (the indexer query reads MLA's compressed query),
+  // index_head_dim a multiple of 128 (one fp8 scale per 128 values), a
+  // power of two (Sylvester's Hadamard) and >= qk_rope_head_dim, index_topk >= 1.
+  int64_t index_n_heads = 0;
+  int64_t index_head_dim = 0;
+  int64_t index_topk = 0;
+  // Indexer fp8 scales rounded up to a power of two (DeepSeek's "ue8m0"
+  // scale_fmt, what the released V3.2 config sets), else amax / 448.
+  bool index_scale_ue8m0 = true;
 
+  bool sparse() const { return index_n_heads > 0; }
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   // Values one token occupies in the latent cache: d_c + d_r.
   int64_t cache_values_per_token() const { return kv_lora_rank + qk_rope_head_dim; }

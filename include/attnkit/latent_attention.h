@@ -16,6 +16,19 @@
 //   kv_b_proj.weight           [H*(d_n+d_v), d_c] per head: d_n key rows, then d_v value rows
 //   o_proj.weight              [d, H*d_v]
 //
+// With DeepSeek-V3.2's sparse attention (config.index_n_heads > 0; Hi =
+// index_n_heads, Di = index_head_dim), the lightning indexer's weights too:
+//   indexer.wq_b.weight         [Hi*Di, d_q]
+//   indexer.wk.weight           [Di, d]
+//   indexer.k_norm.weight       [Di]               LayerNorm gain
+//   indexer.k_norm.bias         [Di]               LayerNorm bias
+//   indexer.weights_proj.weight [Hi, d]
+// and each query attends only to the index_topk keys the indexer ranks
+// best among those it sees (attnkit/sparse_attention.h has the indexer's
+// math). A call in which no query sees more than index_topk keys selects
+// them all and runs exactly the dense path. Otherwise attention runs in the
+// absorbed form over the selected latent rows, read in place.
+//
 // forward() for token t at position p (each query head h):
 //   q_t        = q_b_proj(RMSNorm(q_a_proj x_t))   (or q_proj x_t)   [H, d_qk] = [nope | rope]
 //   [c~ ; k~]  = kv_a_proj_with_mqa x_t;  c_t = RMSNorm(c~)          [d_c], k~: [d_r]
@@ -91,6 +104,11 @@ class LatentCache {
   // 8-bit types: [batch, max_seq_len, ceil((d_c + d_r) / 64)] f32, the
   // scales of storage()'s rows; absent otherwise.
   const TensorView& scales() const { return scales_; }
+  // Sparse attention (config.index_n_heads > 0) only, else absent: every
+  // token's indexer key, fp8 codes [batch, max_seq_len, index_head_dim]
+  // and their scales [batch, max_seq_len, index_head_dim / 128] f32.
+  const TensorView& index_keys() const { return index_keys_; }
+  const TensorView& index_scales() const { return index_scales_; }
 
   // Forgets every token (storage is kept).
   void reset() { length_ = 0; }
@@ -100,7 +118,8 @@ class LatentCache {
   //   rows [batch, T, d_c + d_r] f32, any strides: [normed latent ; rotated
   //   rope key] per token (rounded to bf16 for a bf16 cache).
   // Fails with kOutOfRange, changing nothing, when length() + T >
-  // max_seq_len().
+  // max_seq_len(); fails for a sparse-attention cache (its indexer keys
+  // cannot be derived from the latent rows).
   Status append(const TensorView& rows);
 
  private:
@@ -113,6 +132,8 @@ class LatentCache {
   int64_t length_ = 0;
   Tensor storage_;  // [batch, max_seq_len, row]
   TensorView view_, scales_;
+  Tensor index_storage_;  // sparse attention: codes, then scales
+  TensorView index_keys_, index_scales_;
 };
 
 class LatentAttention {
@@ -159,8 +180,9 @@ class LatentAttention {
   // earlier tokens (docs/MLA.md explains the cost model).
   MlaForm choose_form(int64_t new_tokens, int64_t cached_tokens) const;
 
-  // A pool in the latent layout (kv_lora_rank + qk_rope_head_dim values per
-  // token and layer) with num_layers layers, for forward_batch().
+  // A pool in the latent layout (dense MLA only: sparse attention's indexer
+  // keys have no place in a pool yet, so a sparse config is refused) (kv_lora_rank +
+  // qk_rope_head_dim values per token and layer) with num_layers layers, for forward_batch().
   Result<PagedKVCache> new_paged_cache(int64_t num_pages, int64_t page_size = 16,
                                        int64_t num_layers = 1, DType dtype = DType::kF32) const;
 
@@ -189,15 +211,31 @@ class LatentAttention {
   void expand_values(const float* oa, int64_t rows, float* o, const RunOptions& run,
                      bool gemv_for_one_row) const;
 
+  // Sparse attention: the indexer keys of x's T tokens, quantized into
+  // codes [B, T, Di] and scales [B, T, Di / 128] at the given strides
+  // (batch, row; codes in bytes, scales in floats); ik [B*T, Di] is scratch.
+  Status index_keys(const float* x, int64_t B, int64_t T, std::span<const int64_t> positions,
+                    const RunOptions& run, float* ik, uint8_t* codes, int64_t codes_bs,
+                    int64_t codes_rs, float* scales, int64_t scales_bs, int64_t scales_rs) const;
+  // Sparse attention: indexer queries (codes [B*T, Hi, Di], scales
+  // [B*T, Hi, Di / 128]) and head weights w [B*T, Hi] from x and the normed
+  // compressed query cq [B*T, d_q]; iq [B*T, Hi, Di] is scratch.
+  Status index_queries(const float* x, const float* cq, int64_t B, int64_t T,
+                       std::span<const int64_t> positions, const RunOptions& run, float* iq,
+                       uint8_t* codes, float* scales, float* w) const;
+
   struct Weights {
     // Projections f32 or bf16 (as loaded), norms f32.
     Tensor q_a, q_a_norm, q_b, q;  // q_a/q_a_norm/q_b when q_lora_rank > 0, else q
     Tensor kv_a, kv_a_norm, kv_b, o;
+    // Sparse attention's indexer (absent for dense MLA).
+    Tensor idx_wq_b, idx_wk, idx_k_norm, idx_k_norm_bias, idx_weights_proj;
   };
 
   MlaConfig config_;
   double softmax_scale_ = 0.0;
   Rope rope_;
+  Rope index_rope_;  // the indexer's: half-split, no amplitude factor
   Weights w_;
   bool loaded_ = false;
 };

@@ -29,7 +29,7 @@ from .moe import moe_from_config
 __version__ = "0.1.0"
 
 # model_type values whose attention is DeepSeek's multi-head latent attention.
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
 
 
 def _config_dict(config, fn):
@@ -61,7 +61,8 @@ def from_config(config, layer_index=0):
     mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma2, and where it reads
     them gpt_oss, gemma3_text / gemma3, llama4_text / llama4 and
     qwen3_next's full-attention layers; no model_type: llama's shape) or,
-    for deepseek_v2 / deepseek_v3 / kimi_k2, a LatentAttention (MLA).
+    for deepseek_v2 / deepseek_v3 / deepseek_v32 / kimi_k2, a LatentAttention
+    (MLA; deepseek_v32 adds DeepSeek sparse attention, docs/MLA.md).
     Any other model_type, or a layer that is not softmax attention, raises
     ValueError naming it. The layer expects Hugging Face weight names
     (q_proj.weight, ..., q_norm.weight, sinks); load them with

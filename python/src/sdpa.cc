@@ -21,7 +21,7 @@ py::object sdpa_py(py::object q, py::object k, py::object v, std::optional<doubl
                    bool causal, py::object window_size, double softcap, py::object seqlens_k,
                    bool return_lse, py::object mask, py::object sparse, bool return_probs,
                    const std::string& kv_dtype, const std::string& backend, int num_threads,
-                   py::object sinks, int64_t chunk_size) {
+                   py::object sinks, int64_t chunk_size, py::object key_indices) {
   constexpr const char* kFn = "sdpa";
   const InputArray qi = f32_input(q, {kFn, "q", 4, 4, "[batch, seqlen_q, num_heads, head_dim]"});
   const InputArray ki = f32_input(k, {kFn, "k", 4, 4, "[batch, seqlen_k, num_kv_heads, head_dim]"});
@@ -36,6 +36,12 @@ py::object sdpa_py(py::object q, py::object k, py::object v, std::optional<doubl
   opt.seqlens_k = lens;
   InputArray si;
   parse_sinks_and_chunk(sinks, chunk_size, kFn, &opt, &si);
+  InputArray ii;
+  if (!key_indices.is_none()) {
+    ii = typed_input(key_indices, {kFn, "key_indices", 3, 3, "[batch, seqlen_q, topk]"},
+                     DType::kI32, "iu");
+    opt.key_indices = ii.view;
+  }
 
   const TensorView &qv = qi.view, &kv_view = ki.view, &vv = vi.view;
   TensorView out, lse, probs;
@@ -148,6 +154,11 @@ Keyword arguments:
         sums to less than 1). Each value finite.
     chunk_size: chunked local attention (Llama 4): a query at key position
         p sees key j only when j // chunk_size == p // chunk_size; 0 = off.
+    key_indices: int32 [batch, seqlen_q, topk] (FlashMLA's sparse
+        interface, DeepSeek-V3.2's DSA): row i attends to exactly the keys
+        it names, -1 = an unused slot; each in [0, seqlen_k) and <= the
+        row's position when causal. Keys are read in place. mask, sparse,
+        window_size, chunk_size, sinks and return_probs must then be unset.
 
 Returns out; (out, lse) or (out, probs) with one flag; (out, lse, probs)
 with both. A row that sees no key gets out = 0, lse = -inf (with sinks:
@@ -175,7 +186,7 @@ void bind_sdpa(py::module_& m) {
         py::arg("mask") = py::none(), py::arg("sparse") = py::none(),
         py::arg("return_probs") = false, py::arg("kv_dtype") = "float32",
         py::arg("backend") = "auto", py::arg("num_threads") = 0, py::arg("sinks") = py::none(),
-        py::arg("chunk_size") = 0, kSdpaDoc);
+        py::arg("chunk_size") = 0, py::arg("key_indices") = py::none(), kSdpaDoc);
   m.def("merge_attention_states", &merge_py, py::arg("out_a"), py::arg("lse_a"), py::arg("out_b"),
         py::arg("lse_b"), kMergeDoc);
 }

@@ -74,6 +74,31 @@ Status validate(const MlaConfig& c) {
   if (c.max_position_embeddings < 0)
     return invalid_argument(f + ": max_position_embeddings = " +
                             std::to_string(c.max_position_embeddings) + " must be >= 0");
+  if (c.index_n_heads < 0 || c.index_n_heads > kMaxDim)
+    return invalid_argument(f + ": index_n_heads = " + std::to_string(c.index_n_heads) +
+                            " must be in [0, " + std::to_string(kMaxDim) + "] (0 = dense MLA)");
+  if (c.index_n_heads > 0) {
+    if (c.q_lora_rank < 1)
+      return invalid_argument(f + ": q_lora_rank = " + std::to_string(c.q_lora_rank) +
+                              " must be >= 1 with sparse attention (index_n_heads = " +
+                              std::to_string(c.index_n_heads) +
+                              "): the indexer query is projected from MLA's compressed query");
+    if (c.index_head_dim < 128 || c.index_head_dim % 128 != 0 || c.index_head_dim > kMaxDim ||
+        (c.index_head_dim & (c.index_head_dim - 1)) != 0)
+      return invalid_argument(f + ": index_head_dim = " + std::to_string(c.index_head_dim) +
+                              " must be a multiple of 128 (the indexer's fp8 block: one scale "
+                              "per 128 values) and a power of two (Sylvester's Hadamard), at "
+                              "most " +
+                              std::to_string(kMaxDim));
+    if (c.index_head_dim < c.qk_rope_head_dim)
+      return invalid_argument(
+          f + ": index_head_dim = " + std::to_string(c.index_head_dim) +
+          " must be >= qk_rope_head_dim = " + std::to_string(c.qk_rope_head_dim) +
+          " (RoPE rotates the indexer's first qk_rope_head_dim features)");
+    if (c.index_topk < 1)
+      return invalid_argument(f + ": index_topk = " + std::to_string(c.index_topk) +
+                              " must be >= 1 (the keys each query attends to)");
+  }
   const RopeScaling& y = c.rope_scaling;
   if (y.type == RopeScaling::Type::kNone) return Status::Ok();
   if (y.type != RopeScaling::Type::kYarn)
@@ -124,7 +149,7 @@ Result<MlaConfig> mla_config_from_json(std::string_view json_text) {
   return invalid_argument(std::string(kParse) + ": model_type = \"" + spec.model_type +
                           "\" has no MLA layer (an MLA config needs q_lora_rank, kv_lora_rank, "
                           "qk_nope_head_dim, qk_rope_head_dim, v_head_dim and a DeepSeek "
-                          "model_type: deepseek_v2, deepseek_v3, kimi_k2)");
+                          "model_type: deepseek_v2, deepseek_v3, deepseek_v32, kimi_k2)");
 }
 
 }  // namespace attnkit

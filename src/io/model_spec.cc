@@ -40,6 +40,7 @@ constexpr KnownType kKnownTypes[] = {
     {"llama4_text", Family::kLlama4, true},
     {"deepseek_v2", Family::kDeepseekV2, true},
     {"deepseek_v3", Family::kDeepseekV3, true},
+    {"deepseek_v32", Family::kDeepseekV3, true},
     {"kimi_k2", Family::kDeepseekV3, true},
     {"gemma", Family::kGemma, false},
     {"gpt2", Family::kGpt2, false},

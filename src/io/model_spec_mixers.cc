@@ -341,6 +341,31 @@ Status read_mla(const SpecContext& c, MlaConfig* m) {
   }
   m->rope_theta = rope.theta;
   m->rope_scaling = rope.scaling;
+  if (c.model_type == "deepseek_v32") {
+    // DeepSeek-V3.2's sparse attention: the indexer's three sizes are
+    // required, and so is query compression (the indexer reads it).
+    const char* dsa = "a deepseek_v32 config needs index_n_heads, index_head_dim, index_topk";
+    for (const char* key : {"index_n_heads", "index_head_dim", "index_topk"})
+      ATTNKIT_RETURN_IF_ERROR(c.f.required(key, dsa));
+    ATTNKIT_RETURN_IF_ERROR(c.f.integer("index_n_heads", &m->index_n_heads));
+    ATTNKIT_RETURN_IF_ERROR(c.f.integer("index_head_dim", &m->index_head_dim));
+    ATTNKIT_RETURN_IF_ERROR(c.f.integer("index_topk", &m->index_topk));
+    if (m->index_n_heads < 1)
+      return c.f.error(c.f.path("index_n_heads") + " = " + std::to_string(m->index_n_heads) +
+                       " must be >= 1 for deepseek_v32");
+    if (m->q_lora_rank < 1)
+      return c.f.error(c.f.path("q_lora_rank") +
+                       " is required (>= 1) for deepseek_v32: the indexer query is projected "
+                       "from MLA's compressed query");
+    // The power-of-two scales are the default (the released config's
+    // scale_fmt "ue8m0"); an explicit null or other format asks for amax/448.
+    std::string fmt = "ue8m0";
+    ATTNKIT_RETURN_IF_ERROR(c.f.string("index_scale_fmt", &fmt));
+    if (fmt != "ue8m0" && fmt != "amax")
+      return c.f.error(c.f.path("index_scale_fmt") + " = \"" + fmt +
+                       "\" must be \"ue8m0\" (power-of-two scales) or \"amax\" (amax / 448)");
+    m->index_scale_ue8m0 = fmt == "ue8m0";
+  }
   return renamed(c, validate(*m), "MlaConfig");
 }
 

@@ -15,6 +15,8 @@
 // head h's W_UK is rows [h (d_n + d_v), +d_n) and W_UV the d_v rows after.
 #include "attnkit/latent_attention.h"
 
+#include "attnkit/sparse_attention.h"
+
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -29,6 +31,7 @@
 #include "io/weight_loader.h"
 #include "kernels/dispatch.h"
 #include "kernels/linear.h"
+#include "kernels/sparse.h"
 #include "layers/paged_positions.h"
 #include "ops/kv_quant.h"
 
@@ -100,6 +103,18 @@ Result<LatentAttention> LatentAttention::create(const MlaConfig& config) {
   if (!rope.ok())
     return Status(rope.status().code(), std::string(kCreate) + ": " + rope.status().message());
   LatentAttention layer;
+  if (config.sparse()) {
+    // The indexer's RoPE: MLA's frequencies, pairs (i, i + d_r/2) as
+    // DeepSeek's code since its Nov-2025 fix, and no amplitude factor (its
+    // freqs_cis are unit complex numbers).
+    rc.pairing = RopePairing::kHalfSplit;
+    if (rc.scaling.type == RopeScaling::Type::kYarn) rc.scaling.attention_factor = 1.0;
+    Result<Rope> index_rope = Rope::create(rc);
+    if (!index_rope.ok())
+      return Status(index_rope.status().code(),
+                    std::string(kCreate) + ": indexer " + index_rope.status().message());
+    layer.index_rope_ = std::move(index_rope).value();
+  }
   layer.config_ = config;
   layer.softmax_scale_ = mla_softmax_scale(config);
   layer.rope_ = std::move(rope).value();
@@ -115,6 +130,10 @@ std::vector<std::string> LatentAttention::weight_names() const {
   for (const char* n :
        {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"})
     names.emplace_back(n);
+  if (config_.sparse())
+    for (const char* n : {"indexer.wq_b.weight", "indexer.wk.weight", "indexer.k_norm.weight",
+                          "indexer.k_norm.bias", "indexer.weights_proj.weight"})
+      names.emplace_back(n);
   return names;
 }
 
@@ -148,21 +167,61 @@ Status LatentAttention::load_weights(const WeightMap& weights, std::string_view 
       "num_attention_heads*(qk_nope_head_dim+v_head_dim), kv_lora_rank", &staged.kv_b));
   ATTNKIT_RETURN_IF_ERROR(loader.load_matrix(
       "o_proj.weight", {d, H * dv}, "hidden_size, num_attention_heads*v_head_dim", &staged.o));
+  if (c.sparse()) {
+    const int64_t hi = c.index_n_heads, di = c.index_head_dim;
+    ATTNKIT_RETURN_IF_ERROR(loader.load_matrix("indexer.wq_b.weight", {hi * di, dq},
+                                               "index_n_heads*index_head_dim, q_lora_rank",
+                                               &staged.idx_wq_b));
+    ATTNKIT_RETURN_IF_ERROR(loader.load_matrix("indexer.wk.weight", {di, d},
+                                               "index_head_dim, hidden_size", &staged.idx_wk));
+    ATTNKIT_RETURN_IF_ERROR(
+        loader.load("indexer.k_norm.weight", {di}, "index_head_dim", &staged.idx_k_norm));
+    ATTNKIT_RETURN_IF_ERROR(
+        loader.load("indexer.k_norm.bias", {di}, "index_head_dim", &staged.idx_k_norm_bias));
+    ATTNKIT_RETURN_IF_ERROR(loader.load_matrix("indexer.weights_proj.weight", {hi, d},
+                                               "index_n_heads, hidden_size",
+                                               &staged.idx_weights_proj));
+  }
   ATTNKIT_RETURN_IF_ERROR(loader.finish());
+  // Non-finite indexer weights would make every score NaN and the
+  // selection arbitrary: refuse them here, once.
+  for (const auto& [name, t] :
+       {std::pair<const char*, const Tensor*>{"indexer.wq_b.weight", &staged.idx_wq_b},
+        {"indexer.wk.weight", &staged.idx_wk},
+        {"indexer.k_norm.weight", &staged.idx_k_norm},
+        {"indexer.k_norm.bias", &staged.idx_k_norm_bias},
+        {"indexer.weights_proj.weight", &staged.idx_weights_proj}}) {
+    if (!t->data()) continue;
+    const int64_t n = t->view().numel();
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = t->dtype() == DType::kBF16 ? bf16_to_float(t->view().ptr<const bf16>()[i])
+                                                 : t->view().ptr<const float>()[i];
+      if (!std::isfinite(v))
+        return invalid_argument(std::string(kLoad) + ": " + std::string(prefix) + name +
+                                " holds a non-finite value (" + std::to_string(v) + " at element " +
+                                std::to_string(i) + ")");
+    }
+  }
   w_ = std::move(staged);
   loaded_ = true;
   return Status::Ok();
 }
 
 Result<TensorView> LatentAttention::weight(std::string_view name) const {
-  const std::pair<const char*, const Tensor*> table[] = {{"q_a_proj.weight", &w_.q_a},
-                                                         {"q_a_layernorm.weight", &w_.q_a_norm},
-                                                         {"q_b_proj.weight", &w_.q_b},
-                                                         {"q_proj.weight", &w_.q},
-                                                         {"kv_a_proj_with_mqa.weight", &w_.kv_a},
-                                                         {"kv_a_layernorm.weight", &w_.kv_a_norm},
-                                                         {"kv_b_proj.weight", &w_.kv_b},
-                                                         {"o_proj.weight", &w_.o}};
+  const std::pair<const char*, const Tensor*> table[] = {
+      {"q_a_proj.weight", &w_.q_a},
+      {"q_a_layernorm.weight", &w_.q_a_norm},
+      {"q_b_proj.weight", &w_.q_b},
+      {"q_proj.weight", &w_.q},
+      {"kv_a_proj_with_mqa.weight", &w_.kv_a},
+      {"kv_a_layernorm.weight", &w_.kv_a_norm},
+      {"kv_b_proj.weight", &w_.kv_b},
+      {"o_proj.weight", &w_.o},
+      {"indexer.wq_b.weight", &w_.idx_wq_b},
+      {"indexer.wk.weight", &w_.idx_wk},
+      {"indexer.k_norm.weight", &w_.idx_k_norm},
+      {"indexer.k_norm.bias", &w_.idx_k_norm_bias},
+      {"indexer.weights_proj.weight", &w_.idx_weights_proj}};
   for (const auto& [n, t] : table)
     if (name == n) {
       if (!loaded_ || !t->data())
@@ -203,12 +262,28 @@ Result<LatentCache> LatentAttention::new_cache(int64_t batch_size, int64_t max_s
     cache.scales_.strides[1] = row / 4;
     cache.scales_.strides[0] = max_seq_len * row / 4;
   }
+  if (config_.sparse()) {
+    // Codes [B, S, Di] bytes, then scales [B, S, Di / 128] f32.
+    const int64_t di = config_.index_head_dim, ns = di / kIndexerBlock;
+    const int64_t code_bytes = batch_size * max_seq_len * di;
+    Result<Tensor> idx =
+        Tensor::zeros(DType::kF32, {code_bytes / 4 + batch_size * max_seq_len * ns});
+    if (!idx.ok()) return Status(idx.status().code(), f + ": " + idx.status().message());
+    cache.index_storage_ = std::move(idx).value();
+    char* base = static_cast<char*>(cache.index_storage_.data());
+    cache.index_keys_ = make_view(base, DType::kFp8E4M3, {batch_size, max_seq_len, di});
+    cache.index_scales_ = make_view(base + code_bytes, DType::kF32, {batch_size, max_seq_len, ns});
+  }
   return cache;
 }
 
 size_t LatentCache::nbytes() const {
   const size_t values = static_cast<size_t>(view_.numel()) * dtype_size(view_.dtype);
-  return values + (scales_.present() ? static_cast<size_t>(scales_.numel()) * sizeof(float) : 0);
+  const size_t index = index_keys_.present() ? static_cast<size_t>(index_keys_.numel()) +
+                                                   static_cast<size_t>(index_scales_.numel()) * 4
+                                             : 0;
+  return values + index +
+         (scales_.present() ? static_cast<size_t>(scales_.numel()) * sizeof(float) : 0);
 }
 
 // Writes n values (x, `stride` apart) as row `t` of batch item b.
@@ -227,6 +302,11 @@ void LatentCache::write_row(int64_t b, int64_t t, const float* x, int64_t stride
 
 Status LatentCache::append(const TensorView& rows) {
   constexpr const char* fn = "LatentCache::append";
+  if (index_keys_.present())
+    return invalid_argument(std::string(fn) +
+                            ": this cache holds sparse attention's indexer keys, which the "
+                            "latent rows do not determine; fill it with "
+                            "LatentAttention::forward");
   ATTNKIT_RETURN_IF_ERROR(check::view(fn, "rows", rows, 3, {DType::kF32}));
   ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "rows", rows, 0, "batch", batch_size(), "batch_size()"));
   ATTNKIT_RETURN_IF_ERROR(check::dim(fn, "rows", rows, 2, "kv_lora_rank + qk_rope_head_dim",
@@ -356,7 +436,33 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
   // A bf16 or 8-bit cache's rows are widened (dequantized) to f32 for the
   // naive form's projections.
   const bool widen_cache = cache && cache->dtype() != DType::kF32;
-  if (chosen == MlaForm::kNaive) {
+  // Sparse attention: the indexer keys are computed for every call (later
+  // calls select among them); the selection runs only when some query sees
+  // more than index_topk keys, and then the absorbed form attends over it.
+  const int64_t hi = c.index_n_heads, di = c.index_head_dim, nsc = di / kIndexerBlock;
+  const bool select = c.sparse() && S > c.index_topk;
+  const MlaForm used = select ? MlaForm::kAbsorbed : chosen;
+  Scratch ik, iq, iw, iq_scales, ik_own;
+  std::unique_ptr<uint8_t[]> iq_codes, ik_codes;
+  std::unique_ptr<int32_t[]> picked;
+  if (c.sparse()) {
+    ATTNKIT_RETURN_IF_ERROR(need(ik, {rows, di}, "indexer keys"));
+    if (!cache) {
+      ATTNKIT_RETURN_IF_ERROR(need(ik_own, {rows, nsc}, "indexer key scales"));
+      ik_codes.reset(new (std::nothrow) uint8_t[static_cast<size_t>(rows * di)]);
+      if (!ik_codes) return resource_exhausted(f + ": cannot allocate the indexer key codes");
+    }
+  }
+  if (select) {
+    ATTNKIT_RETURN_IF_ERROR(need(iq, {rows, hi, di}, "indexer queries"));
+    ATTNKIT_RETURN_IF_ERROR(need(iq_scales, {rows, hi, nsc}, "indexer query scales"));
+    ATTNKIT_RETURN_IF_ERROR(need(iw, {rows, hi}, "indexer head weights"));
+    iq_codes.reset(new (std::nothrow) uint8_t[static_cast<size_t>(rows * hi * di)]);
+    picked.reset(new (std::nothrow) int32_t[static_cast<size_t>(rows * c.index_topk)]);
+    if (!iq_codes || !picked)
+      return resource_exhausted(f + ": cannot allocate the indexer's codes and selection");
+  }
+  if (used == MlaForm::kNaive) {
     if (widen_cache) ATTNKIT_RETURN_IF_ERROR(need(lat, {B, S, dkv}, "the widened latent rows"));
     ATTNKIT_RETURN_IF_ERROR(need(kvh, {B, S, H, dqk + dv}, "decompressed K and V"));
   } else {
@@ -369,6 +475,56 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
       .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = true};
   ATTNKIT_RETURN_IF_ERROR(project(x.ptr<const float>(), B, T, positions, run,
                                   /*gemv_for_one_row=*/true, cq.data(), q.data(), kv_new.data()));
+  // Indexer keys of the new tokens: into the cache's rows [L, S) (beyond
+  // its length, so not yet visible) or into this call's scratch.
+  const uint8_t* idx_codes = nullptr;
+  const float* idx_scales = nullptr;
+  kernels::Strides3 idx_codes_st, idx_scales_st;
+  if (c.sparse()) {
+    if (cache) {
+      const TensorView &kc = cache->index_keys(), &ks = cache->index_scales();
+      ATTNKIT_RETURN_IF_ERROR(index_keys(x.ptr<const float>(), B, T, positions, run, ik.data(),
+                                         kc.ptr<uint8_t>() + L * kc.strides[1], kc.strides[0],
+                                         kc.strides[1], ks.ptr<float>() + L * ks.strides[1],
+                                         ks.strides[0], ks.strides[1]));
+      idx_codes = kc.ptr<const uint8_t>();
+      idx_scales = ks.ptr<const float>();
+      idx_codes_st = {kc.strides[0], kc.strides[1], 1};
+      idx_scales_st = {ks.strides[0], ks.strides[1], 1};
+    } else {
+      ATTNKIT_RETURN_IF_ERROR(index_keys(x.ptr<const float>(), B, T, positions, run, ik.data(),
+                                         ik_codes.get(), T * di, di, ik_own.data(), T * nsc, nsc));
+      idx_codes = ik_codes.get();
+      idx_scales = ik_own.data();
+      idx_codes_st = {T * di, di, 1};
+      idx_scales_st = {T * nsc, nsc, 1};
+    }
+  }
+  if (select) {
+    ATTNKIT_RETURN_IF_ERROR(index_queries(x.ptr<const float>(), cq.data(), B, T, positions, run,
+                                          iq.data(), iq_codes.get(), iq_scales.data(), iw.data()));
+    kernels::IndexerParams ip;
+    ip.batch = B;
+    ip.seqlen_q = T;
+    ip.seqlen_k = S;
+    ip.n_heads = hi;
+    ip.head_dim = di;
+    ip.q_codes = iq_codes.get();
+    ip.q_codes_stride = {T * hi * di, hi * di, di, 1};
+    ip.q_scales = iq_scales.data();
+    ip.q_scales_stride = {T * hi * nsc, hi * nsc, nsc, 1};
+    ip.weights = iw.data();
+    ip.weights_stride = {T * hi, hi, 1};
+    ip.k_codes = idx_codes;
+    ip.k_codes_stride = idx_codes_st;
+    ip.k_scales = idx_scales;
+    ip.k_scales_stride = idx_scales_st;
+    ip.topk = c.index_topk;
+    ip.indices = picked.get();
+    ip.indices_stride = {T * c.index_topk, c.index_topk, 1};
+    ip.num_threads = run.num_threads;
+    ATTNKIT_RETURN_IF_ERROR(kernels::run_indexer(ip, run.backend));
+  }
 
   // ---- the latent rows the queries attend over --------------------------
   // Rows [L, S) of the cache are beyond its length, so writing them leaves
@@ -397,7 +553,7 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
   prm.num_threads = run.num_threads;
   const kernels::Weight kv_b = kernels::weight_of(w_.kv_b);
 
-  if (chosen == MlaForm::kNaive) {
+  if (used == MlaForm::kNaive) {
     // Latent rows as f32, [B, S, d_c + d_r] with batch stride lat_bs.
     const float* latent = static_cast<const float*>(kv_rows);
     int64_t lat_bs = kv_batch_stride;
@@ -469,7 +625,13 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
     }
     prm.out = oa.data();
     prm.out_stride = strides4(T * H * dc, H * dc, dc);
-    ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, run.backend));
+    if (select) {
+      const kernels::KeyIndices sel{
+          picked.get(), {T * c.index_topk, c.index_topk, 1}, c.index_topk};
+      ATTNKIT_RETURN_IF_ERROR(kernels::run_sparse_attention(prm, sel, run.backend));
+    } else {
+      ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, run.backend));
+    }
     expand_values(oa.data(), rows, o.data(), run, /*gemv_for_one_row=*/true);
   }
 
@@ -515,6 +677,74 @@ Status LatentAttention::project(const float* x, int64_t B, int64_t T,
   return rope_.apply(k_rope, positions);
 }
 
+Status LatentAttention::index_keys(const float* x, int64_t B, int64_t T,
+                                   std::span<const int64_t> positions, const RunOptions& run,
+                                   float* ik, uint8_t* codes, int64_t codes_bs, int64_t codes_rs,
+                                   float* scales, int64_t scales_bs, int64_t scales_rs) const {
+  const MlaConfig& c = config_;
+  const int64_t rows = B * T, d = c.hidden_size, di = c.index_head_dim, dr = c.qk_rope_head_dim;
+  const kernels::LinearOptions lin{
+      .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = true};
+  kernels::linear(x, d, kernels::weight_of(w_.idx_wk), nullptr, ik, di, rows, di, d, lin);
+  // LayerNorm with gain and bias (DeepSeek's eps 1e-6), in double per row.
+  const float* gain = w_.idx_k_norm.ptr<float>();
+  const float* bias = w_.idx_k_norm_bias.ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* v = ik + r * di;
+    double mean = 0.0, var = 0.0;
+    for (int64_t i = 0; i < di; ++i) mean += v[i];
+    mean /= static_cast<double>(di);
+    for (int64_t i = 0; i < di; ++i) var += (v[i] - mean) * (v[i] - mean);
+    const double inv = 1.0 / std::sqrt(var / static_cast<double>(di) + 1e-6);
+    for (int64_t i = 0; i < di; ++i)
+      v[i] = static_cast<float>((v[i] - mean) * inv * gain[i] + bias[i]);
+  }
+  TensorView rot;  // [B, T, 1, d_r]: the first d_r features of each key
+  rot.data = ik;
+  rot.rank = 4;
+  rot.shape = {B, T, 1, dr};
+  rot.strides = {T * di, di, di, 1};
+  ATTNKIT_RETURN_IF_ERROR(index_rope_.apply(rot, positions));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      float* v = ik + (b * T + t) * di;
+      kernels::hadamard_inplace(v, di);
+      kernels::indexer_quantize_row(v, 1, di, c.index_scale_ue8m0,
+                                    codes + b * codes_bs + t * codes_rs,
+                                    scales + b * scales_bs + t * scales_rs);
+    }
+  return Status::Ok();
+}
+
+Status LatentAttention::index_queries(const float* x, const float* cq, int64_t B, int64_t T,
+                                      std::span<const int64_t> positions, const RunOptions& run,
+                                      float* iq, uint8_t* codes, float* scales, float* w) const {
+  const MlaConfig& c = config_;
+  const int64_t rows = B * T, d = c.hidden_size, dq = c.q_lora_rank, hi = c.index_n_heads,
+                di = c.index_head_dim, dr = c.qk_rope_head_dim, nsc = di / kIndexerBlock;
+  const kernels::LinearOptions lin{
+      .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = true};
+  kernels::linear(cq, dq, kernels::weight_of(w_.idx_wq_b), nullptr, iq, hi * di, rows, hi * di, dq,
+                  lin);
+  TensorView rot;  // [B, T, Hi, d_r]: the first d_r features of each head
+  rot.data = iq;
+  rot.rank = 4;
+  rot.shape = {B, T, hi, dr};
+  rot.strides = {T * hi * di, hi * di, di, 1};
+  ATTNKIT_RETURN_IF_ERROR(index_rope_.apply(rot, positions));
+  for (int64_t r = 0; r < rows * hi; ++r) {
+    kernels::hadamard_inplace(iq + r * di, di);
+    kernels::indexer_quantize_row(iq + r * di, 1, di, c.index_scale_ue8m0, codes + r * di,
+                                  scales + r * nsc);
+  }
+  // w_t,h = weights_proj(x)_h * Hi^-1/2 * Di^-1/2 (the indexer's softmax
+  // scale); the query's fp8 scale stays with its codes.
+  kernels::linear(x, d, kernels::weight_of(w_.idx_weights_proj), nullptr, w, hi, rows, hi, d, lin);
+  const float factor = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hi * di)));
+  for (int64_t i = 0; i < rows * hi; ++i) w[i] *= factor;
+  return Status::Ok();
+}
+
 // qa[r, h] = [W_UK_h^T q_nope[r, h] ; q_rope[r, h]]: one GEMM per head
 // against kv_b_proj's rows as stored, the heads spread over the threads.
 void LatentAttention::absorb_queries(const float* q, int64_t rows, float* qa,
@@ -551,6 +781,11 @@ void LatentAttention::expand_values(const float* oa, int64_t rows, float* o, con
 
 Result<PagedKVCache> LatentAttention::new_paged_cache(int64_t num_pages, int64_t page_size,
                                                       int64_t num_layers, DType dtype) const {
+  if (config_.sparse())
+    return invalid_argument(std::string(kNewPagedCache) + ": sparse attention (index_n_heads = " +
+                            std::to_string(config_.index_n_heads) +
+                            ") is not supported on paged pools yet (the pool has no place for "
+                            "the indexer keys); use new_cache()");
   PagedKVCacheSpec spec;
   spec.num_layers = num_layers;
   spec.num_pages = num_pages;
@@ -571,6 +806,11 @@ Status LatentAttention::forward_batch(const TensorView& x, std::span<const int32
   const std::string f = kForwardBatch;
   const MlaConfig& c = config_;
   if (!loaded_) return invalid_argument(f + ": no weights loaded (call load_weights first)");
+  if (c.sparse())
+    return invalid_argument(
+        f + ": sparse attention (index_n_heads = " + std::to_string(c.index_n_heads) +
+        ") is not supported on paged pools yet (the pool has no place for "
+        "the indexer keys); use forward() with a LatentCache");
   ATTNKIT_RETURN_IF_ERROR(check::view(kForwardBatch, "x", x, 2, {DType::kF32}));
   ATTNKIT_RETURN_IF_ERROR(check::view(kForwardBatch, "out", out, 2, {DType::kF32}));
   const int64_t total = x.shape[0];

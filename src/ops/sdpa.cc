@@ -10,6 +10,7 @@
 #include "attnkit/attention.h"
 #include "core/check.h"
 #include "kernels/dispatch.h"
+#include "kernels/sparse.h"
 #include "ops/attention_checks.h"
 
 namespace attnkit {
@@ -38,6 +39,47 @@ void fill_options(const AttentionOptions& o, int64_t head_dim, kernels::Attentio
     prm->sinks_stride = o.sinks.strides[0];
   }
   prm->num_threads = o.num_threads;
+}
+
+// options.key_indices: int32 [batch, seqlen_q, topk], every entry -1 or a
+// valid key of its row (attention.h), and no other visibility rule.
+Status check_key_indices(const AttentionOptions& o, int64_t batch, int64_t seqlen_q,
+                         int64_t seqlen_k, bool probs, kernels::KeyIndices* out) {
+  const TensorView& ki = o.key_indices;
+  const std::string f = std::string(kFn) + ": options.key_indices";
+  ATTNKIT_RETURN_IF_ERROR(check::view(kFn, "options.key_indices", ki, 3, {DType::kI32}));
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(kFn, "options.key_indices", ki, 0, "batch", batch, "q.shape[0]"));
+  ATTNKIT_RETURN_IF_ERROR(
+      check::dim(kFn, "options.key_indices", ki, 1, "seqlen_q", seqlen_q, "q.shape[1]"));
+  const char* other = o.mask.present()                                      ? "mask"
+                      : o.sparse.kind != SparsePattern::Kind::kNone         ? "sparse"
+                      : o.window_size.left >= 0 || o.window_size.right >= 0 ? "window_size"
+                      : o.chunk_size > 0                                    ? "chunk_size"
+                      : o.sinks.present()                                   ? "sinks"
+                      : probs                                               ? "probs"
+                                                                            : nullptr;
+  if (other)
+    return invalid_argument(f + " is given together with " + other +
+                            "; the indices are the whole visibility, so " + other +
+                            " must be absent");
+  const int64_t topk = ki.shape[2];
+  const int32_t* base = ki.ptr<const int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t L = o.seqlens_k.empty() ? seqlen_k : o.seqlens_k[static_cast<size_t>(b)];
+    for (int64_t i = 0; i < seqlen_q; ++i)
+      for (int64_t n = 0; n < topk; ++n) {
+        const int32_t j = base[b * ki.strides[0] + i * ki.strides[1] + n * ki.strides[2]];
+        const int64_t limit = o.causal ? std::min(L, i + L - seqlen_q + 1) : L;
+        if (j == -1 || (j >= 0 && j < limit)) continue;
+        return invalid_argument(
+            f + "[" + std::to_string(b) + ", " + std::to_string(i) + ", " + std::to_string(n) +
+            "] = " + std::to_string(j) + " must be -1 or in [0, " + std::to_string(limit) + ") (" +
+            (o.causal ? "the keys row i sees causally" : "the valid keys") + ")");
+      }
+  }
+  *out = {base, {ki.strides[0], ki.strides[1], ki.strides[2]}, topk};
+  return Status::Ok();
 }
 
 }  // namespace
@@ -82,6 +124,10 @@ Status check_attention_options(const char* fn, const AttentionOptions& o, bool k
   if (!kv_scales && (o.k_scales.present() || o.v_scales.present()))
     return invalid_argument(f + ": options." + (o.k_scales.present() ? "k_scales" : "v_scales") +
                             " must be absent: only sdpa() takes 8-bit K/V with their scales");
+  if (!kv_scales && o.key_indices.present())
+    return invalid_argument(f +
+                            ": options.key_indices must be absent: only sdpa() takes "
+                            "per-query key indices");
   if (!std::isfinite(o.softmax_scale) || o.softmax_scale < 0.0f)
     return invalid_argument(f + ": softmax_scale = " + std::to_string(o.softmax_scale) +
                             " must be finite and > 0 (or 0 for 1/sqrt(head_dim))");
@@ -245,7 +291,8 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
                               {"mask", &options.mask},
                               {"options.k_scales", &options.k_scales},
                               {"options.v_scales", &options.v_scales},
-                              {"options.sinks", &options.sinks}};
+                              {"options.sinks", &options.sinks},
+                              {"options.key_indices", &options.key_indices}};
   ATTNKIT_RETURN_IF_ERROR(check_outputs_apart(kFn, outputs, inputs));
 
   if (!options.seqlens_k.empty()) {
@@ -261,6 +308,11 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
                                 " must be in [0, seqlen_k = " + std::to_string(seqlen_k) + "]");
     }
   }
+
+  kernels::KeyIndices sparse;
+  if (options.key_indices.present())
+    ATTNKIT_RETURN_IF_ERROR(
+        check_key_indices(options, batch, seqlen_q, seqlen_k, probs.present(), &sparse));
 
   kernels::AttentionParams prm;
   ATTNKIT_RETURN_IF_ERROR(fill_mask(kFn, options.mask, batch, num_heads, seqlen_q, seqlen_k, &prm));
@@ -298,6 +350,8 @@ Status sdpa(const TensorView& q, const TensorView& k, const TensorView& v, const
   }
   fill_options(options, head_dim, &prm);
   prm.k_len = options.seqlens_k.empty() ? nullptr : options.seqlens_k.data();
+  if (options.key_indices.present())
+    return kernels::run_sparse_attention(prm, sparse, options.backend);
   return kernels::run_attention(prm, options.backend);
 }
 
