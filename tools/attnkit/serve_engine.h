@@ -48,7 +48,7 @@
 // accounting counts what the pool holds: Report::pool_releases_pages).
 // Linear-attention layers hold one fixed-size state per sequence in a
 // LinearStatePool beside the pool, added and removed with the sequence; its
-// bytes count against the same budget (Budget below): a sequence costs its
+// bytes count against the same budget (Budget in serve_engine.cc): a sequence costs its
 // state besides its pages.
 //
 // The clock is the measured time of the steps; when nothing runs and
