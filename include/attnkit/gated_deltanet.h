@@ -30,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -41,6 +42,8 @@
 #include "attnkit/weights.h"
 
 namespace attnkit {
+
+class LinearStatePool;
 
 // Sizes > 0, num_v_heads a multiple of num_k_heads, rms_norm_eps finite and
 // >= 0; errors name the field and its value.
@@ -66,6 +69,7 @@ class GatedDeltaNetState {
 
  private:
   friend class GatedDeltaNet;
+  friend class LinearStatePool;
   GatedDeltaNetState() = default;
   Tensor conv_, recurrent_;
 };
@@ -119,6 +123,24 @@ class GatedDeltaNet {
   // (double) and the projections' loop; kAuto/kFast the fast forms.
   Status forward(const TensorView& x, const TensorView& out, GatedDeltaNetState* state = nullptr,
                  const RunOptions& run = {}) const;
+
+  // One continuous-batching step over per-sequence state slots: the new
+  // tokens of n sequences packed along one axis, prompts and decodes mixed,
+  //   x   [total_tokens, hidden]  f32 (hidden contiguous)
+  //   out [total_tokens, hidden]  f32, written; must not overlap x
+  // Sequence seq_ids[s] (distinct, held by `states`) owns rows
+  // [cu_seqlens_q[s], cu_seqlens_q[s + 1]) (n + 1 entries, from 0,
+  // non-decreasing, ending at total_tokens); they run through the
+  // recurrence from its slot in layer `layer_index` of `states` (whose
+  // config must be this layer's), which is left at their end. Each
+  // sequence's rows are one forward() call on its slot, so a sequence's
+  // output is bit for bit what forward() gives it alone over the same
+  // rows. Fails, changing neither out nor any slot, on bad shapes, ids,
+  // cu_seqlens or a pool layer of another shape.
+  Status forward_batch(const TensorView& x, std::span<const int32_t> cu_seqlens_q,
+                       std::span<const int64_t> seq_ids, LinearStatePool& states,
+                       int64_t layer_index, const TensorView& out,
+                       const RunOptions& run = {}) const;
 
  private:
   GatedDeltaNet() = default;

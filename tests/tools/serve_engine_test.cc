@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -268,9 +269,8 @@ TEST(ServeEngine, ImpossibleBudgetsAreRefused) {
 
 // The engine serves the per-layer features its layers compute alone (gate,
 // sinks, every qk-norm, NoPE with temperature tuning), batched or not to
-// the same bits with the reference kernels, and refuses the ones its page
-// accounting does not model, by name.
-TEST(ServeEngine, PerLayerFeaturesServeAndUnsupportedOnesAreRefused) {
+// the same bits with the reference kernels.
+TEST(ServeEngine, PerLayerFeaturesServe) {
   ModelSpec spec;
   spec.attention = gqa_config(2);
   spec.attention.output_gate = true;
@@ -293,18 +293,173 @@ TEST(ServeEngine, PerLayerFeaturesServeAndUnsupportedOnesAreRefused) {
     const Report one_by_one = serve(m, at_once(trace()), alone(o));
     expect_same_outputs(batched, one_by_one, "batched vs alone");
   }
-  ModelSpec chunked = spec;
+}
+
+// gpt-oss's stack: alternating sliding (window 4) and full layers with
+// sinks and biases, its MoE after each; Llama 4's: chunked RoPE layers and
+// a NoPE layer with temperature tuning. One pool without a window serves
+// them (each layer passes its own), to the bits of each sequence alone.
+std::vector<Named> mixed_stacks() {
+  AttentionConfig sliding = gqa_config(2);
+  sliding.model_type = "gpt_oss";
+  sliding.sinks = true;
+  sliding.qkv_bias = sliding.o_bias = true;
+  sliding.sliding_window = 4;
+  AttentionConfig full = sliding;
+  full.sliding_window = 0;
+  ModelSpec gpt_oss;
+  gpt_oss.layers = 4;
+  for (const AttentionConfig& c : {sliding, full, sliding, full})
+    gpt_oss.stack.push_back({LayerKind::kAttention, c, {}});
+  gpt_oss.ffn = true;
+  gpt_oss.moe = moe_config();
+  gpt_oss.moe.model_type = "gpt_oss";
+  gpt_oss.moe.naming = MoeWeightNaming::kGptOss;
+  gpt_oss.moe.router_bias = gpt_oss.moe.expert_bias = true;
+  gpt_oss.moe.norm_topk_prob = true;
+  gpt_oss.moe.activation = MoeActivation::kGptOssSwiGlu;
+  gpt_oss.moe.swiglu_limit = 7.0;
+  gpt_oss.weight_dtype = DType::kF32;
+  AttentionConfig chunked = gqa_config(2);
+  chunked.chunk_size = 8;
+  AttentionConfig nope = gqa_config(2);
+  nope.use_rope = false;
+  nope.temperature_tuning = true;
+  nope.floor_scale = 4.0;
+  ModelSpec llama4;
+  llama4.layers = 3;
+  for (const AttentionConfig& c : {chunked, chunked, nope})
+    llama4.stack.push_back({LayerKind::kAttention, c, {}});
+  return {{"gpt-oss stack + its MoE", gpt_oss}, {"llama 4 stack", llama4}};
+}
+
+TEST(ServeEngine, MixedStacksServeEverySequenceAsAlone) {
+  for (const auto& [name, spec] : mixed_stacks()) {
+    SCOPED_TRACE(name);
+    Model m = make(spec);
+    EXPECT_FALSE(m.pool_releases_pages());  // windows / chunks differ: the pool has none
+    Options o;
+    o.run.backend = Backend::kReference;
+    o.page_size = 2;
+    o.max_tokens_per_step = 7;
+    o.memory_bytes = static_cast<int64_t>(m.new_pool(1, 2, o.kv_dtype)->page_nbytes()) * 16;
+    const std::vector<Request> reqs = at_once(trace());
+    const Report tight = serve(m, reqs, o);
+    for (const RequestReport& r : tight.requests) EXPECT_GT(r.finish_s, 0.0);
+    EXPECT_GT(tight.peak_running, 1);
+    EXPECT_GT(tight.preemptions, 0);
+    expect_same_outputs(tight, serve(m, reqs, alone(o)), "tight pool vs alone");
+  }
+  // One chunk for every layer: the pool has it and releases pages.
+  ModelSpec chunked;
+  chunked.attention = gqa_config(2);
   chunked.attention.chunk_size = 8;
-  auto m = Model::create(chunked);
+  chunked.layers = 2;
+  Model m = make(chunked);
+  EXPECT_TRUE(m.pool_releases_pages());
+  Options o;
+  o.run.backend = Backend::kReference;
+  o.memory_bytes = int64_t{1} << 22;
+  expect_same_outputs(serve(m, at_once(trace()), o), serve(m, at_once(trace()), alone(o)),
+                      "chunked, batched vs alone");
+}
+
+GatedDeltaNetConfig gdn_config() {
+  GatedDeltaNetConfig c;
+  c.hidden_size = 32;
+  c.num_k_heads = 2;
+  c.num_v_heads = 4;
+  c.key_head_dim = 8;
+  c.value_head_dim = 8;
+  c.conv_kernel = 4;
+  return c;
+}
+
+// Qwen3-Next's pattern: three Gated DeltaNet layers, then a full layer of
+// gated attention with qk-norm and partial RoPE.
+ModelSpec hybrid_stack() {
+  AttentionConfig full = gqa_config(1);
+  full.output_gate = true;
+  full.qk_norm = QkNorm::kRms;
+  full.rope.rotary_dim = 4;  // partial RoPE: 4 of 8 dims
+  ModelSpec spec;
+  spec.layers = 4;
+  for (int i = 0; i < 3; ++i) spec.stack.push_back({LayerKind::kLinearAttention, {}, gdn_config()});
+  spec.stack.push_back({LayerKind::kAttention, full, {}});
+  spec.weight_dtype = DType::kF32;
+  return spec;
+}
+
+// Outputs within `rel` of the reference's magnitude: a Gated DeltaNet
+// prompt split into other chunks keeps its f32 state between the calls at
+// other points, so chunking changes the rounding, not the value.
+void expect_close_outputs(const Report& got, const Report& want, double rel) {
+  ASSERT_EQ(got.requests.size(), want.requests.size());
+  for (size_t i = 0; i < got.requests.size(); ++i) {
+    const auto& a = got.requests[i].outputs;
+    const auto& b = want.requests[i].outputs;
+    ASSERT_EQ(a.size(), b.size()) << "request " << i;
+    double scale = 0, err = 0;
+    for (size_t k = 0; k < a.size(); ++k) {
+      scale = std::max(scale, std::abs(static_cast<double>(b[k])));
+      err = std::max(err, std::abs(static_cast<double>(a[k]) - b[k]));
+    }
+    EXPECT_LE(err, rel * scale) << "request " << i;
+  }
+}
+
+TEST(ServeEngine, HybridStackServesEverySequenceAsAloneAndCountsItsStates) {
+  Model m = make(hybrid_stack());
+  EXPECT_EQ(m.linear_layers(), 3);
+  const int64_t state = 3 * (gdn_config().state_values() + gdn_config().conv_state_values()) * 4;
+  EXPECT_EQ(m.state_bytes_per_sequence(), state);
+  Options o;
+  o.run.backend = Backend::kReference;
+  o.page_size = 2;
+  o.max_tokens_per_step = 7;
+  const int64_t page = static_cast<int64_t>(m.new_pool(1, 2, o.kv_dtype)->page_nbytes());
+  // Room for 3 sequences' states and 16 pages: states and pages compete.
+  o.memory_bytes = 3 * state + 16 * page;
+  const std::vector<Request> reqs = at_once(trace());
+  const Report tight = serve(m, reqs, o);
+  EXPECT_EQ(tight.state_bytes_per_sequence, state);
+  for (const RequestReport& r : tight.requests) EXPECT_GT(r.finish_s, 0.0);
+  EXPECT_GT(tight.peak_running, 1);
+  EXPECT_LE(tight.peak_reserved_bytes, static_cast<double>(o.memory_bytes));
+  // Unchunked prompts, batched: the same bits as alone (each sequence's
+  // Gated DeltaNet rows are one forward() call on its slot either way).
+  Options wide = o;
+  wide.max_tokens_per_step = 1 << 20;
+  wide.memory_bytes = int64_t{1} << 24;
+  expect_same_outputs(serve(m, reqs, wide), serve(m, reqs, alone(o)), "batched vs alone");
+  // Chunked prompts and recompute preemption: within rounding.
+  expect_close_outputs(tight, serve(m, reqs, alone(o)), 1e-4);
+  // A budget of one sequence's state and a page less than the longest
+  // request needs is refused, naming the state.
+  o.memory_bytes = state + 10 * page;
+  const Status st = check_feasible(m, reqs, o);
+  EXPECT_NE(st.message().find("besides one sequence's linear-attention state"), std::string::npos)
+      << st.message();
+}
+
+TEST(ServeEngine, StacksItCannotServeAreRefusedByName) {
+  ModelSpec only_linear = hybrid_stack();
+  only_linear.layers = 3;
+  only_linear.stack.pop_back();
+  auto m = Model::create(only_linear);
   ASSERT_FALSE(m.ok());
-  EXPECT_NE(m.status().message().find("chunk_size = 8"), std::string::npos) << m.status().message();
-  ModelSpec gpt_oss_moe = spec;
-  gpt_oss_moe.ffn = true;
-  gpt_oss_moe.moe = moe_config();
-  gpt_oss_moe.moe.naming = MoeWeightNaming::kGptOss;
-  m = Model::create(gpt_oss_moe);
+  EXPECT_NE(m.status().message().find("no attention layer"), std::string::npos);
+  ModelSpec shapes = hybrid_stack();
+  shapes.stack[0] = {LayerKind::kAttention, gqa_config(2), {}};
+  m = Model::create(shapes);
   ASSERT_FALSE(m.ok());
-  EXPECT_NE(m.status().message().find("kGptOss"), std::string::npos) << m.status().message();
+  EXPECT_NE(m.status().message().find("one pool holds them all"), std::string::npos)
+      << m.status().message();
+  ModelSpec count = hybrid_stack();
+  count.layers = 2;
+  m = Model::create(count);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("stack has 4 layers but layers = 2"), std::string::npos);
 }
 
 }  // namespace

@@ -683,13 +683,49 @@ def test_plan_counts_the_linear_state():
     assert row["cache_bytes"] == 768 * 2**20 + 36 * DELTANET_STATE
 
 
-@pytest.mark.parametrize("preset,layers,why", [
-    ("qwen3-next-80b-a3b", "1", "has Gated DeltaNet layers"),
-    ("gpt-oss-20b", "2", "gpt-oss-20b's first 2 layers (1 sliding 128, 1 full) mix layer kinds"),
-    ("llama-4-scout", "1", "uses chunked attention"),
+SERVE_TINY = ["--requests", "2", "--prompt-tokens", "6", "--output-tokens", "2", "--json"]
+
+
+@pytest.mark.parametrize("preset,layers,mix,variants", [
+    # gpt-oss: sliding 128 and full layers with sinks, in one pool without a window.
+    ("gpt-oss-20b", "2", "2 layers: 1 sliding 128, 1 full", ["gqa-8"]),
+    # Gemma 3: five local layers and a global one.
+    ("gemma-3-4b", "6", "6 layers: 5 sliding 1024, 1 full", ["gqa-4"]),
+    # Llama 4: three chunked RoPE layers and a NoPE layer.
+    ("llama-4-scout", "4", "4 layers: 3 chunked 8192, 1 full NoPE", ["gqa-8"]),
+    # Qwen3-Next: three Gated DeltaNet layers and a gated full layer, and the
+    # same stack with every layer full attention.
+    ("qwen3-next-80b-a3b", "4", "4 layers: 3 Gated DeltaNet, 1 full (gated)", ["gqa-2", "all-full"]),
 ])
-def test_serve_bench_refuses_what_its_engine_cannot_run(preset, layers, why):
-    r = run("serve-bench", "--model", preset, "--layers", layers, "--requests", "2")
+def test_serve_bench_serves_the_new_families_stacks(preset, layers, mix, variants):
+    r = run("serve-bench", "--model", preset, "--layers", layers, *SERVE_TINY)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["config"]["layer_mix"] == mix
+    assert [row["variant"] for row in j["rows"]] == variants
+    for row in j["rows"]:
+        assert row["output_tokens"] == 4  # every request finished
+    mixed = len(mix.split(", ")) > 1 and "Gated" not in mix
+    assert j["rows"][0]["pool_releases_pages"] == (not mixed)
+    if preset.startswith("qwen3"):
+        # 3 layers of 32 value heads x 128 x 128 f32 plus the conv's 3 inputs
+        # of 8192 channels each.
+        assert j["rows"][0]["state_bytes_per_sequence"] == 3 * DELTANET_STATE
+        assert j["rows"][1]["state_bytes_per_sequence"] == 0
+        # One full layer's K/V per token (2 kv heads x 256 x 2 x bf16), four
+        # for all-full.
+        assert j["rows"][0]["kv_bytes_per_token"] * 4 == j["rows"][1]["kv_bytes_per_token"]
+        assert any("every layer full attention" in c for c in j["conclusions"])
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--model", "qwen3-next-80b-a3b", "--layers", "1"], "hold no softmax-attention layer"),
+    (["--model", "qwen3-next-80b-a3b", "--layers", "4", "--mlp"], "--mlp: "),
+    (["--model", "gpt-oss-20b", "--layers", "2", "--variants", "mla"],
+     "an MLA variant of them is not defined"),
+])
+def test_serve_bench_refuses_what_its_engine_cannot_run(args, why):
+    r = run("serve-bench", *args, "--requests", "2")
     assert r.returncode == 2
     assert why in r.stderr and r.stderr.count("\n") == 1
 
@@ -722,12 +758,15 @@ def test_analyze_layer_configs_and_serve_bench_agree_on_the_layer_mix(tmp_path):
     assert [f"sliding {w}" if w else "full" for w in windows] == a["layer_kinds"]
     spec = attnkit.model_spec_from_config(cfg)["layers"]
     assert [f"sliding {l['window']}" if l["window"] else "full" for l in spec] == a["layer_kinds"]
-    # serve-bench serves the first --layers layers: two full ones run, three
-    # (2 full, 1 sliding 8) are refused, naming that mix.
+    # serve-bench serves the first --layers layers: two full ones, or three
+    # (2 full, 1 sliding 8) in one pool without a window.
     s = run("serve-bench", "--config", str(p), "--layers", "2", "--requests", "2",
             "--prompt-tokens", "4", "--output-tokens", "2", "--memory", "64KiB", "--json")
     assert s.returncode == 0, s.stderr
     assert json.loads(s.stdout)["config"]["layer_mix"] == "2 layers: 2 full"
-    s3 = run("serve-bench", "--config", str(p), "--layers", "3", "--requests", "2")
-    assert s3.returncode == 2
-    assert "first 3 layers (2 full, 1 sliding 8) mix layer kinds" in s3.stderr
+    s3 = run("serve-bench", "--config", str(p), "--layers", "3", "--requests", "2",
+             "--prompt-tokens", "4", "--output-tokens", "2", "--memory", "64KiB", "--json")
+    assert s3.returncode == 0, s3.stderr
+    j3 = json.loads(s3.stdout)
+    assert j3["config"]["layer_mix"] == "3 layers: 2 full, 1 sliding 8"
+    assert not j3["rows"][0]["pool_releases_pages"]

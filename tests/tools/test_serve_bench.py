@@ -38,7 +38,8 @@ def serve_json(config, *args):
     return json.loads(r.stdout)
 
 
-ROW_FIELDS = {"variant", "kv_dtype", "cache", "memory_bytes", "kv_bytes_per_token", "pool_pages",
+ROW_FIELDS = {"variant", "kv_dtype", "cache", "memory_bytes", "kv_bytes_per_token",
+              "state_bytes_per_sequence", "pool_releases_pages", "pool_pages",
               "static_slots", "static_max_seq_len", "requests", "output_tokens", "duration_s",
               "busy_s", "output_tokens_per_s", "output_tokens_per_s_runs", "requests_per_s", "ttft_s",
               "tpot_s", "peak_running",
@@ -176,7 +177,7 @@ def test_an_impossible_budget_exits_2_naming_the_request(config, tmp_path):
     (["--kv-dtypes", "int3"], "--kv-dtypes entries must be f32, bf16, int8 or fp8_e4m3, got 'int3'"),
     (["--weights", "f16"], "--weights must be f32 or bf16, got 'f16'"),
     (["--variants", "gqa-3"], "--variants: gqa-3: 3 kv heads must divide the model's 4 heads"),
-    (["--variants", "mha,bogus"], "--variants: unknown variant 'bogus' (mha, mqa, gqa-N, mla)"),
+    (["--variants", "mha,bogus"], "--variants: unknown variant 'bogus' (mha, mqa, gqa-N, mla, all-full)"),
     (["--rate", "0"], "--rate must be a number > 0 (requests per second) or inf, got '0'"),
     (["--prompt-tokens", "9-3"], "--prompt-tokens must be N or A-B with 1 <= A <= B, got '9-3'"),
     (["--output-tokens", "x"], "--output-tokens must be N or A-B (token counts >= 1), got 'x'"),

@@ -23,6 +23,7 @@
 #include "attnkit/analysis.h"
 #include "attnkit/config.h"
 #include "attnkit/machine.h"
+#include "attnkit/model_spec.h"
 #include "cli.h"
 #include "commands.h"
 #include "measure.h"
@@ -76,12 +77,11 @@ Source load_source(const Options& o) {
   return s;
 }
 
-// The engine serves a stack of one layer shape (one pool: one window or
-// chunk for every layer) of softmax attention or MLA. The stack is the
-// model's first --layers layers; a stack it cannot run as configured is
-// refused, naming what it cannot run, never replaced by something else.
-// The attention features listed go when AttentionLayer and the pool run
-// them.
+// The engine serves the model's first --layers layers, each of its own
+// kind (serve_engine.h): softmax attention of any window, chunk, sinks,
+// gate, RoPE or NoPE, and Gated DeltaNet with its state slots. A stack it
+// cannot run as configured is refused, naming what it cannot run, never
+// replaced by something else.
 void check_servable(const Source& src, int64_t layers) {
   if (src.json.empty()) return;
   const ModelShape stack = first_layers(src.shape, layers);
@@ -90,26 +90,80 @@ void check_servable(const Source& src, int64_t layers) {
   const std::string where = src.label + "'s first " +
                             (layers == 1 ? "layer" : std::to_string(layers) + " layers") + " (" +
                             mix.substr(mix.find(": ") + 2) + ")";
-  for (const LayerGroup& g : groups)
-    if (g.shape.kind == MixerKind::kGatedDeltaNet)
+  bool attention = false;
+  for (const LayerGroup& g : groups) {
+    if (g.shape.kind == MixerKind::kAttention) attention = true;
+    if (g.shape.kind != MixerKind::kAttention && g.shape.kind != MixerKind::kGatedDeltaNet &&
+        groups.size() > 1)
       throw UsageError{where +
-                       " has Gated DeltaNet layers, which the serving engine cannot run yet"};
-  if (groups.size() > 1)
+                       " mix MLA with other layer kinds, which the serving engine "
+                       "does not run (one pool holds one layout)"};
+  }
+  if (!attention && !stack.mla)
     throw UsageError{where +
-                     " mix layer kinds; the serving engine runs one layer shape for the whole "
-                     "stack (one pool, one window); give --layers to serve layers of one kind"};
-  const LayerShape& l = groups.front().shape;
-  const std::pair<bool, const char*> unsupported[] = {{l.chunk_size > 0, "chunked attention"},
-                                                      {l.sinks, "attention sinks"},
-                                                      {l.output_gate, "a gated attention output"}};
-  for (const auto& [has, what] : unsupported)
-    if (has)
-      throw UsageError{where + (layers == 1 ? " uses " : " use ") + what +
-                       ", which the serving engine does not run yet"};
+                     " hold no softmax-attention layer; the serving engine's pool takes its shape "
+                     "from one: give more --layers"};
 }
 
-// The configured attention of layer 0 (every served layer has layer 0's
-// shape: check_servable refused any other stack).
+// The served layers of a config: the first `layers` of its ModelSpec, each
+// with its own attention config or Gated DeltaNet config.
+std::vector<serve::StackLayer> stack_of(const Source& src, int64_t layers) {
+  const auto spec = model_spec_from_json(src.json);
+  if (!spec.ok()) throw UsageError{src.label + ": " + spec.status().message()};
+  if (layers > spec->num_layers)
+    throw UsageError{"--layers " + std::to_string(layers) + ": " + src.label + " has " +
+                     std::to_string(spec->num_layers) + " layers"};
+  std::vector<serve::StackLayer> out;
+  for (int64_t l = 0; l < layers; ++l) {
+    const LayerSpec& ls = spec->layers[static_cast<size_t>(l)];
+    serve::StackLayer s;
+    s.kind = ls.kind;
+    if (ls.kind == LayerKind::kLinearAttention) {
+      s.linear = ls.linear;
+    } else {
+      auto c = attention_config_from_json(src.json, l);
+      if (!c.ok()) throw UsageError{src.label + ": " + c.status().message()};
+      if (!c->causal) throw UsageError{src.label + ": serving needs a causal decoder"};
+      s.attention = *c;
+    }
+    out.push_back(s);
+  }
+  return out;
+}
+
+// Whether every served layer is softmax attention of one config (then the
+// engine's single-config path, and its variants, serve it).
+bool uniform(const std::vector<serve::StackLayer>& stack) {
+  for (const serve::StackLayer& s : stack) {
+    if (s.kind != LayerKind::kAttention) return false;
+    const AttentionConfig &a = s.attention, &b = stack[0].attention;
+    if (a.sliding_window != b.sliding_window || a.chunk_size != b.chunk_size ||
+        a.use_rope != b.use_rope || a.rope.theta != b.rope.theta || a.sinks != b.sinks ||
+        a.output_gate != b.output_gate || a.temperature_tuning != b.temperature_tuning ||
+        a.qk_norm != b.qk_norm)
+      return false;
+  }
+  return true;
+}
+
+// The same-shape stack with every layer full attention: every layer gets
+// the stack's first full-attention layer (no window, no chunk), or the
+// first attention layer with its window or chunk taken off.
+std::vector<serve::StackLayer> all_full(std::vector<serve::StackLayer> stack) {
+  const serve::StackLayer* full = nullptr;
+  for (const serve::StackLayer& s : stack)
+    if (s.kind == LayerKind::kAttention && full == nullptr && s.attention.sliding_window == 0 &&
+        s.attention.chunk_size == 0)
+      full = &s;
+  for (const serve::StackLayer& s : stack)
+    if (s.kind == LayerKind::kAttention && full == nullptr) full = &s;
+  serve::StackLayer f = *full;
+  f.attention.sliding_window = f.attention.chunk_size = 0;
+  std::fill(stack.begin(), stack.end(), f);
+  return stack;
+}
+
+// The configured attention of layer 0 (the default layer without a config).
 AttentionConfig base_attention(const Source& src) {
   if (src.json.empty()) {
     AttentionConfig c =
@@ -139,11 +193,21 @@ struct Variant {
 // The feed-forward of the config: its MoE, or its dense SwiGLU MLP
 // (intermediate_size) as a one-expert MoE, which computes exactly
 // down(silu(gate x) * up x).
-MoeConfig feed_forward(const Source& src) {
+MoeConfig feed_forward(const Source& src, int64_t layers) {
   if (src.json.empty())
     throw UsageError{"--mlp needs --config (the feed-forward's sizes come from config.json)"};
   const auto j = nlohmann::json::parse(src.json, nullptr, false);
-  if (!j.is_discarded() && (j.contains("num_local_experts") || j.contains("n_routed_experts"))) {
+  // The served layers' kinds of feed-forward, from the model description.
+  int64_t moe_layers = 0;
+  const auto spec = model_spec_from_json(src.json);
+  const int64_t served = spec.ok() ? std::min(layers, spec->num_layers) : 0;
+  for (int64_t l = 0; l < served; ++l)
+    if (spec->layers[static_cast<size_t>(l)].ffn.kind == FeedForwardKind::kMoe) ++moe_layers;
+  if (moe_layers > 0 && moe_layers < served)
+    throw UsageError{"--mlp: " + src.label + "'s first " + std::to_string(served) +
+                     " layers mix dense and MoE feed-forwards; the serving engine runs one kind"};
+  if (moe_layers > 0 ||
+      (!j.is_discarded() && (j.contains("num_local_experts") || j.contains("n_routed_experts")))) {
     auto moe = moe_config_from_json(src.json);
     if (!moe.ok()) throw UsageError{"--mlp: " + src.label + ": " + moe.status().message()};
     return *moe;
@@ -165,8 +229,8 @@ MoeConfig feed_forward(const Source& src) {
   return c;
 }
 
-std::vector<Variant> plan_variants(const Options& o, const Source& src) {
-  std::vector<std::string> names = o.variants;
+// The engine's spec without its layers: weight dtype, seed, feed-forward.
+serve::ModelSpec base_spec(const Options& o, const Source& src) {
   serve::ModelSpec base;
   base.layers = o.layers;
   if (o.weights != "f32" && o.weights != "bf16")
@@ -175,8 +239,64 @@ std::vector<Variant> plan_variants(const Options& o, const Source& src) {
   base.seed = static_cast<uint64_t>(o.seed);
   if (o.mlp) {
     base.ffn = true;
-    base.moe = feed_forward(src);
+    base.moe = feed_forward(src, o.layers);
   }
+  return base;
+}
+
+// The kv heads of variant `n` (mha, mqa, gqa-N) of a layer of H heads.
+int64_t kv_heads_of(const std::string& n, int64_t H) {
+  int64_t kv = 0;
+  if (n == "mha") kv = H;
+  if (n == "mqa") kv = 1;
+  if (n.rfind("gqa-", 0) == 0 && n.size() > 4 && n.size() < 12 &&
+      n.find_first_not_of("0123456789", 4) == std::string::npos)
+    kv = std::stoll(n.substr(4));
+  if (kv < 1)
+    throw UsageError{"--variants: unknown variant '" + n + "' (mha, mqa, gqa-N, mla, all-full)"};
+  if (H % kv != 0)
+    throw UsageError{"--variants: " + n + ": " + std::to_string(kv) +
+                     " kv heads must divide the model's " + std::to_string(H) + " heads"};
+  return kv;
+}
+
+// A stack of several layer kinds: as configured, its kv-head variants
+// (every attention layer alike) and all-full (every layer full attention);
+// by default as configured, and all-full when it has linear layers (the
+// hybrid's comparison at one budget).
+std::vector<Variant> stack_variants(std::vector<std::string> names, const Source& src,
+                                    const serve::ModelSpec& base,
+                                    const std::vector<serve::StackLayer>& stack) {
+  const serve::StackLayer& first = all_full(stack)[0];
+  const std::string configured = label_of(first.attention);
+  if (names.empty()) {
+    names = {configured};
+    for (const serve::StackLayer& s : stack)
+      if (s.kind == LayerKind::kLinearAttention) {
+        names.push_back("all-full");
+        break;
+      }
+  }
+  std::vector<Variant> out;
+  for (const std::string& n : names) {
+    serve::ModelSpec spec = base;
+    if (n == "mla")
+      throw UsageError{"--variants: mla: " + src.label +
+                       "'s served layers differ in kind; an MLA variant of them is not defined "
+                       "(give --layers to serve layers of one kind)"};
+    spec.stack = n == "all-full" ? all_full(stack) : stack;
+    if (n != "all-full" && n != configured) {
+      const int64_t kv = kv_heads_of(n, first.attention.num_heads);
+      for (serve::StackLayer& l : spec.stack) l.attention.num_kv_heads = kv;
+    }
+    out.push_back({n, spec});
+  }
+  return out;
+}
+
+std::vector<Variant> plan_variants(const Options& o, const Source& src) {
+  std::vector<std::string> names = o.variants;
+  serve::ModelSpec base = base_spec(o, src);
   std::vector<Variant> out;
   if (src.shape.mla) {
     if (names.empty()) names = {"mla"};
@@ -191,6 +311,10 @@ std::vector<Variant> plan_variants(const Options& o, const Source& src) {
     out.push_back({"mla", base});
     return out;
   }
+  if (!src.json.empty()) {
+    const std::vector<serve::StackLayer> stack = stack_of(src, o.layers);
+    if (!uniform(stack)) return stack_variants(names, src, base, stack);
+  }
   const AttentionConfig attn = base_attention(src);
   const int64_t H = attn.num_heads;
   if (names.empty()) {
@@ -203,6 +327,7 @@ std::vector<Variant> plan_variants(const Options& o, const Source& src) {
   }
   for (const std::string& n : names) {
     serve::ModelSpec spec = base;
+    spec.attention = attn;
     if (n == "mla") {
       spec.mla = true;
       ModelShape shape = src.shape;
@@ -211,20 +336,10 @@ std::vector<Variant> plan_variants(const Options& o, const Source& src) {
       auto mla = with_mla(shape, default_mla_rank(attn.head_dim), rope, 0);
       if (!mla.ok()) throw UsageError{"--variants: mla: " + mla.status().message()};
       spec.latent = mla_layer_config(*mla, attn.rope.theta);
+    } else if (n == "all-full") {
+      spec.attention.sliding_window = spec.attention.chunk_size = 0;
     } else {
-      int64_t kv = 0;
-      if (n == "mha") kv = H;
-      if (n == "mqa") kv = 1;
-      if (n.rfind("gqa-", 0) == 0 && n.size() > 4 && n.size() < 12 &&
-          n.find_first_not_of("0123456789", 4) == std::string::npos)
-        kv = std::stoll(n.substr(4));
-      if (kv < 1)
-        throw UsageError{"--variants: unknown variant '" + n + "' (mha, mqa, gqa-N, mla)"};
-      if (H % kv != 0)
-        throw UsageError{"--variants: " + n + ": " + std::to_string(kv) +
-                         " kv heads must divide the model's " + std::to_string(H) + " heads"};
-      spec.attention = attn;
-      spec.attention.num_kv_heads = kv;
+      spec.attention.num_kv_heads = kv_heads_of(n, H);
     }
     out.push_back({n, spec});
   }
@@ -233,6 +348,12 @@ std::vector<Variant> plan_variants(const Options& o, const Source& src) {
 
 // The bytes a variant's layers will keep, before building them: a
 // feed-forward of hundreds of experts is more than most machines hold.
+double attention_params(const AttentionConfig& c) {
+  const double d = static_cast<double>(c.hidden_size);
+  return (c.output_gate ? 3 : 2) * d * static_cast<double>(c.num_heads * c.head_dim) +
+         2 * d * static_cast<double>(c.num_kv_heads * c.head_dim);
+}
+
 double planned_weight_bytes(const serve::ModelSpec& s) {
   double params = 0;
   if (s.mla) {
@@ -246,11 +367,20 @@ double planned_weight_bytes(const serve::ModelSpec& s) {
              (dc + static_cast<double>(c.qk_rope_head_dim)) * d +
              H * static_cast<double>(c.qk_nope_head_dim + c.v_head_dim) * dc +
              d * H * static_cast<double>(c.v_head_dim);
+  } else if (s.stack.empty()) {
+    params = attention_params(s.attention);
   } else {
-    const AttentionConfig& c = s.attention;
-    const double d = static_cast<double>(c.hidden_size);
-    params = 2 * d * static_cast<double>(c.num_heads * c.head_dim) +
-             2 * d * static_cast<double>(c.num_kv_heads * c.head_dim);
+    // The mean over the stack's layers, times layers below.
+    for (const serve::StackLayer& l : s.stack) {
+      const GatedDeltaNetConfig& g = l.linear;
+      const double d = static_cast<double>(g.hidden_size);
+      const double kd = static_cast<double>(g.num_k_heads * g.key_head_dim),
+                   vd = static_cast<double>(g.num_v_heads * g.value_head_dim);
+      params += l.kind == LayerKind::kLinearAttention
+                    ? d * (2 * kd + 2 * vd + 2 * static_cast<double>(g.num_v_heads) + vd)
+                    : attention_params(l.attention);
+    }
+    params /= static_cast<double>(s.stack.size());
   }
   if (s.ffn) {
     const MoeConfig& m = s.moe;
@@ -367,6 +497,8 @@ ojson row_json(const Row& row) {
           {"cache", row.cache},
           {"memory_bytes", row.memory},
           {"kv_bytes_per_token", r.kv_bytes_per_token},
+          {"state_bytes_per_sequence", r.state_bytes_per_sequence},
+          {"pool_releases_pages", r.pool_releases_pages},
           {"pool_pages", r.pool_pages},
           {"static_slots", row.cache == "static" ? ojson(r.max_running) : ojson(nullptr)},
           {"static_max_seq_len", row.cache == "static" ? ojson(r.max_seq_len) : ojson(nullptr)},
@@ -439,6 +571,26 @@ std::vector<std::string> conclude(const ojson& rows) {
     lines.push_back(g + ": output tokens/s " + tps + "; KV bytes/token " + kv +
                     (by_tps == by_kv ? " (the same order)" : " (not the same order)") + ".");
   }
+  for (const ojson& f : rows) {
+    if (f["variant"] != "all-full") continue;
+    for (const ojson& h : rows)
+      if (h["variant"] != "all-full" && h["cache"] == f["cache"] &&
+          h["kv_dtype"] == f["kv_dtype"] && h["memory_bytes"] == f["memory_bytes"])
+        lines.push_back(
+            h["variant"].get<std::string>() + " " + f["cache"].get<std::string>() + " " +
+            f["kv_dtype"].get<std::string>() + " " + format_bytes(f["memory_bytes"].get<double>()) +
+            ": the stack as configured runs " +
+            format_ratio(h["mean_running"].get<double>() /
+                         std::max(f["mean_running"].get<double>(), 1e-9)) +
+            " the sequences per step of the same stack with every layer full attention (" +
+            format_sig3(h["mean_running"].get<double>(), "") + " vs " +
+            format_sig3(f["mean_running"].get<double>(), "") + " mean, " +
+            std::to_string(h["peak_running"].get<int64_t>()) + " vs " +
+            std::to_string(f["peak_running"].get<int64_t>()) + " peak; KV/token " +
+            format_bytes(h["kv_bytes_per_token"].get<double>()) + " + state/sequence " +
+            format_bytes(h["state_bytes_per_sequence"].get<double>()) + " vs KV/token " +
+            format_bytes(f["kv_bytes_per_token"].get<double>()) + ").");
+  }
   for (const ojson& p : rows) {
     if (p["cache"] != "paged") continue;
     for (const ojson& s : rows)
@@ -470,10 +622,9 @@ std::string ms(const ojson& stat, const char* key) {
   return stat.is_null() ? "-" : format_seconds(stat[key].get<double>());
 }
 
-}  // namespace
-
-int run_serve_bench(int argc, char** argv) {
-  Options o;
+// Reads the flags into o (after checking what needs no model); false when
+// --help was printed.
+bool parse_options(int argc, char** argv, Options& o) {
   Flags f(
       "serve-bench",
       "Serves a stream of requests with continuous batching over a paged KV pool of a fixed\n"
@@ -481,8 +632,10 @@ int run_serve_bench(int argc, char** argv) {
       "MLA), KV dtype, cache mode and memory budget, and reports what vLLM's benchmarks report:\n"
       "output tokens/s, requests/s, time to first token (TTFT) and time per output token (TPOT)\n"
       "as median, p90 and p99, plus the sequences that ran at once, the KV memory used and\n"
-      "reserved, and preemptions. The model is --layers layers of the variant's attention\n"
-      "(+ the config's feed-forward with --mlp) with seeded random weights; nothing is sampled:\n"
+      "reserved, and preemptions. The model is the config's first --layers layers, each of its\n"
+      "own kind (sliding, chunked, full, NoPE, sinks, gated output; Gated DeltaNet with a state\n"
+      "per sequence beside the pool), as the variant changes their kv heads (+ the config's\n"
+      "feed-forward with --mlp) with seeded random weights; nothing is sampled:\n"
       "each generated token's input is the model's last output. Without --model or --config\n"
       "the layer is compare's (d_model 2048, 32 heads of 64). docs/TOOL.md says how the\n"
       "scheduler decides and what the figures include.",
@@ -490,13 +643,15 @@ int run_serve_bench(int argc, char** argv) {
        "attnkit serve-bench --model llama-3-8b --layers 1 --memory 256MiB --cache paged,static",
        "attnkit serve-bench --variants mha,gqa-8,mqa,mla --memory 16MiB,32MiB,64MiB --json > "
        "serve.json && attnkit plot --input serve.json",
-       "attnkit serve-bench --trace requests.jsonl --kv-dtypes bf16,int8 --csv"});
+       "attnkit serve-bench --trace requests.jsonl --kv-dtypes bf16,int8 --csv",
+       "attnkit serve-bench --model qwen3-next-80b-a3b --layers 4 --prompt-tokens 2048-4096"});
   f.add_string("--model", &o.model, "a built-in preset (see attnkit presets)");
   f.add_string("--config", &o.config, "a Hugging Face config.json");
-  f.add_int("--layers", &o.layers, "attention layers in the served stack (default 2)", 1);
-  f.add_string_list(
-      "--variants", &o.variants,
-      "as configured, gqa-N, mqa, mla (default: the model's, gqa-8, gqa-4, mqa, mla)");
+  f.add_int("--layers", &o.layers, "the config's first layers in the served stack (default 2)", 1);
+  f.add_string_list("--variants", &o.variants,
+                    "as configured, gqa-N, mqa, mla, all-full (every layer full attention) "
+                    "(default: the model's, gqa-8, gqa-4, mqa, mla; a stack of several layer "
+                    "kinds: the model's, and all-full when it has linear layers)");
   f.add_string_list("--kv-dtypes", &o.kv_dtypes,
                     "KV cache dtypes: f32, bf16, int8, fp8_e4m3 (default bf16)");
   f.add_string("--weights", &o.weights, "f32 or bf16 weights (default bf16)");
@@ -531,22 +686,15 @@ int run_serve_bench(int argc, char** argv) {
             1);
   f.add_bool("--json", &o.json, "print JSON instead of a table");
   f.add_bool("--csv", &o.csv, "print CSV (one line per configuration) instead of a table");
-  if (!f.parse(argc, argv, 2)) return 0;
+  if (!f.parse(argc, argv, 2)) return false;
   if (o.json && o.csv) throw UsageError{"give at most one of --json and --csv"};
   if (!o.model.empty() && !o.config.empty())
     throw UsageError{"give at most one of --model NAME or --config PATH"};
-  std::vector<DType> kv_types;
-  for (const std::string& k : o.kv_dtypes)
-    kv_types.push_back(kv_dtype_of(k, "--kv-dtypes entries"));
+  for (const std::string& k : o.kv_dtypes) (void)kv_dtype_of(k, "--kv-dtypes entries");
   for (const std::string& c : o.caches)
     if (c != "paged" && c != "static")
       throw UsageError{"--cache entries must be paged or static, got '" + c + "'"};
-  Backend backend = Backend::kAuto;
-  if (o.backend == "fast")
-    backend = Backend::kFast;
-  else if (o.backend == "reference")
-    backend = Backend::kReference;
-  else if (o.backend != "auto")
+  if (o.backend != "auto" && o.backend != "fast" && o.backend != "reference")
     throw UsageError{"--backend must be auto, fast or reference, got '" + o.backend + "'"};
   if (!o.trace.empty())
     for (const char* flag : {"--requests", "--rate", "--prompt-tokens", "--output-tokens"})
@@ -555,20 +703,25 @@ int run_serve_bench(int argc, char** argv) {
                          " describes a synthetic trace; "
                          "it cannot go with --trace"};
 
-  const Source src = load_source(o);
-  check_servable(src, o.layers);
-  const std::vector<Variant> variants = plan_variants(o, src);
+  return true;
+}
 
-  // ---- the trace --------------------------------------------------------
-  std::vector<serve::Request> trace;
-  std::string trace_label;
+struct Trace {
+  std::vector<serve::Request> requests;
+  std::string label;
   // What a static slot reserves: --max-seq-len, else the longest request
   // the trace allows (a synthetic trace: its longest prompt and output;
   // a file: its longest request), as a static engine is configured.
-  int64_t static_len = o.max_seq_len;
+  int64_t static_len = 0;
+  int64_t slots = 0;  // token slots of every request
+};
+
+Trace make_trace(const Options& o) {
+  Trace t;
+  t.static_len = o.max_seq_len;
   if (!o.trace.empty()) {
-    trace = read_trace(o.trace);
-    trace_label = o.trace;
+    t.requests = read_trace(o.trace);
+    t.label = o.trace;
   } else {
     double rate = std::numeric_limits<double>::infinity();
     if (o.rate != "inf") {
@@ -580,209 +733,306 @@ int run_serve_bench(int argc, char** argv) {
     }
     const auto [p0, p1] = parse_range("--prompt-tokens", o.prompt);
     const auto [g0, g1] = parse_range("--output-tokens", o.output);
-    if (static_len == 0) static_len = p1 + g1 - 1;
-    trace = serve::synthetic_trace(o.requests, rate, p0, p1, g0, g1, static_cast<uint64_t>(o.seed));
-    trace_label = std::to_string(o.requests) + " requests, " +
-                  (o.rate == "inf" ? std::string("all at once") : "Poisson " + o.rate + "/s") +
-                  ", prompts " + o.prompt + ", outputs " + o.output + " tokens";
+    if (t.static_len == 0) t.static_len = p1 + g1 - 1;
+    t.requests =
+        serve::synthetic_trace(o.requests, rate, p0, p1, g0, g1, static_cast<uint64_t>(o.seed));
+    t.label = std::to_string(o.requests) + " requests, " +
+              (o.rate == "inf" ? std::string("all at once") : "Poisson " + o.rate + "/s") +
+              ", prompts " + o.prompt + ", outputs " + o.output + " tokens";
   }
-  int64_t trace_slots = 0;
-  for (const serve::Request& r : trace) trace_slots += r.prompt_tokens + r.output_tokens - 1;
+  for (const serve::Request& r : t.requests) t.slots += r.prompt_tokens + r.output_tokens - 1;
+  return t;
+}
 
-  try {
-    const double t_start = now_seconds();
-    // The models are built first (their weights are the big allocation),
-    // where they fit in this machine's memory.
-    double planned = 0;
-    for (const Variant& v : variants) planned += planned_weight_bytes(v.spec);
-    const double physical =
-        static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
-    if (physical > 0 && planned > physical)
-      throw UsageError{"the served layers' weights would take " + format_bytes(planned) + " (" +
-                       std::to_string(variants.size()) + " variant(s) x " +
-                       std::to_string(o.layers) + " layer(s)), more than this machine's " +
-                       format_bytes(physical) + "; give fewer --layers or --variants" +
-                       (o.mlp ? ", or leave out --mlp" : "")};
-    std::vector<serve::Model> models;
-    size_t weights = 0;
-    for (const Variant& v : variants) {
-      models.push_back(value_or_throw(serve::Model::create(v.spec), v.name + " model"));
-      weights += models.back().weight_bytes();
-    }
-    std::vector<int64_t> budgets;
-    for (const std::string& m : o.memory) {
-      int64_t b = 0;
-      try {
-        b = parse_bytes(m);
-      } catch (const UsageError& e) {
-        throw UsageError{"--memory: " + e.message};
-      }
-      if (b <= 0) throw UsageError{"--memory entries must be > 0, got '" + m + "'"};
-      budgets.push_back(b);
-    }
-    if (budgets.empty()) {
-      // The configured variant's cache for a quarter of the trace's
-      // tokens, in whole MiB: it runs about a quarter of the requests at
-      // once, and the smaller caches more.
-      auto probe = value_or_throw(models[0].new_pool(1, o.page_size, kv_types[0]), "pool");
-      const double quarter = static_cast<double>(probe.page_nbytes()) /
-                             static_cast<double>(o.page_size) * static_cast<double>(trace_slots) /
-                             4.0;
-      budgets.push_back(static_cast<int64_t>(std::ceil(quarter / (1 << 20))) << 20);
-    }
+DType kv_type(const std::string& name) { return kv_dtype_of(name, "--kv-dtypes entries"); }
 
-    struct Config {
-      size_t variant;
-      DType kv;
-      std::string kv_name, cache;
-      int64_t memory;
-    };
-    std::vector<Config> configs;
-    for (int64_t mem : budgets)
-      for (size_t v = 0; v < variants.size(); ++v)
-        for (size_t k = 0; k < kv_types.size(); ++k)
-          for (const std::string& c : o.caches)
-            configs.push_back({v, kv_types[k], kv_dtype_label(kv_types[k]), c, mem});
-    const auto options_for = [&](const Config& c) {
-      serve::Options so;
-      so.cache = c.cache == "static" ? serve::CacheMode::kStatic : serve::CacheMode::kPaged;
-      so.memory_bytes = c.memory;
-      so.page_size = o.page_size;
-      so.kv_dtype = c.kv;
-      so.max_tokens_per_step = o.max_tokens;
-      so.max_seqs = o.max_seqs;
-      so.max_seq_len = static_len;
-      so.run = {backend, static_cast<int>(o.threads)};
-      return so;
-    };
-    // An impossible budget is the user's to fix: say so before any run.
-    for (const Config& c : configs) {
-      const Status st = serve::check_feasible(models[c.variant], trace, options_for(c));
-      if (!st.ok())
-        throw UsageError{variants[c.variant].name + " " + c.kv_name + " " + c.cache + " --memory " +
-                         format_bytes(static_cast<double>(c.memory)) + ": " + st.message()};
-    }
+Backend backend_of(const std::string& name) {
+  if (name == "fast") return Backend::kFast;
+  if (name == "reference") return Backend::kReference;
+  return Backend::kAuto;
+}
 
-    Progress progress("serve-bench", static_cast<int64_t>(configs.size()) * o.repeats *
-                                         static_cast<int64_t>(trace.size()));
-    // Every configuration once per round, round after round, so that a
-    // busy spell of the machine falls on all of them alike.
-    std::vector<std::vector<serve::Report>> runs(configs.size());
-    for (int64_t round = 0; round < o.repeats; ++round)
-      for (size_t i = 0; i < configs.size(); ++i) {
-        const Config& c = configs[i];
-        const std::string what = variants[c.variant].name + " " + c.kv_name + " " + c.cache + " " +
-                                 format_bytes(static_cast<double>(c.memory));
-        serve::Options so = options_for(c);
-        int64_t shown = 0;
-        so.on_progress = [&](int64_t done, int64_t) {
-          for (; shown < done; ++shown) progress.step(what);
-        };
-        runs[i].push_back(value_or_throw(serve::run(models[c.variant], trace, so), what));
-      }
-    progress.finish();
-    std::vector<Row> rows;
+// The served models, built first (their weights are the big allocation),
+// where they fit in this machine's memory; *weights gets their bytes.
+std::vector<serve::Model> build_models(const Options& o, const std::vector<Variant>& variants,
+                                       size_t* weights) {
+  double planned = 0;
+  for (const Variant& v : variants) planned += planned_weight_bytes(v.spec);
+  const double physical =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  if (physical > 0 && planned > physical)
+    throw UsageError{"the served layers' weights would take " + format_bytes(planned) + " (" +
+                     std::to_string(variants.size()) + " variant(s) x " + std::to_string(o.layers) +
+                     " layer(s)), more than this machine's " + format_bytes(physical) +
+                     "; give fewer --layers or --variants" + (o.mlp ? ", or leave out --mlp" : "")};
+  std::vector<serve::Model> models;
+  *weights = 0;
+  for (const Variant& v : variants) {
+    models.push_back(value_or_throw(serve::Model::create(v.spec), v.name + " model"));
+    *weights += models.back().weight_bytes();
+  }
+  return models;
+}
+
+// --memory, or the configured variant's cache (and states) for a quarter of
+// the trace's tokens (and requests), in whole MiB: it runs about a quarter
+// of the requests at once, and the smaller caches more.
+std::vector<int64_t> budgets_of(const Options& o, const Trace& t, const serve::Model& first) {
+  std::vector<int64_t> budgets;
+  for (const std::string& m : o.memory) {
+    int64_t b = 0;
+    try {
+      b = parse_bytes(m);
+    } catch (const UsageError& e) {
+      throw UsageError{"--memory: " + e.message};
+    }
+    if (b <= 0) throw UsageError{"--memory entries must be > 0, got '" + m + "'"};
+    budgets.push_back(b);
+  }
+  if (!budgets.empty()) return budgets;
+  auto probe = value_or_throw(first.new_pool(1, o.page_size, kv_type(o.kv_dtypes[0])), "pool");
+  const double per_token =
+      static_cast<double>(probe.page_nbytes()) / static_cast<double>(o.page_size);
+  int64_t longest = 0;  // so that the longest request fits alone
+  for (const serve::Request& r : t.requests)
+    longest = std::max(longest, r.prompt_tokens + r.output_tokens - 1 + o.page_size);
+  const double quarter =
+      per_token * std::max(static_cast<double>(t.slots) / 4.0, static_cast<double>(longest));
+  const double states = static_cast<double>(first.state_bytes_per_sequence()) *
+                        std::ceil(static_cast<double>(t.requests.size()) / 4.0);
+  budgets.push_back(static_cast<int64_t>(std::ceil((quarter + states) / (1 << 20))) << 20);
+  return budgets;
+}
+
+struct Config {
+  size_t variant;
+  DType kv;
+  std::string kv_name, cache;
+  int64_t memory;
+};
+
+serve::Options options_for(const Options& o, const Trace& t, const Config& c) {
+  serve::Options so;
+  so.cache = c.cache == "static" ? serve::CacheMode::kStatic : serve::CacheMode::kPaged;
+  so.memory_bytes = c.memory;
+  so.page_size = o.page_size;
+  so.kv_dtype = c.kv;
+  so.max_tokens_per_step = o.max_tokens;
+  so.max_seqs = o.max_seqs;
+  so.max_seq_len = t.static_len;
+  so.run = {backend_of(o.backend), static_cast<int>(o.threads)};
+  return so;
+}
+
+// Every budget x variant x KV dtype x cache mode, each checked feasible (an
+// impossible budget is the user's to fix: said before any run).
+std::vector<Config> plan_configs(const Options& o, const Trace& t,
+                                 const std::vector<Variant>& variants,
+                                 const std::vector<serve::Model>& models) {
+  std::vector<Config> configs;
+  for (int64_t mem : budgets_of(o, t, models[0]))
+    for (size_t v = 0; v < variants.size(); ++v)
+      for (const std::string& k : o.kv_dtypes)
+        for (const std::string& c : o.caches)
+          configs.push_back({v, kv_type(k), kv_dtype_label(kv_type(k)), c, mem});
+  for (const Config& c : configs) {
+    const Status st = serve::check_feasible(models[c.variant], t.requests, options_for(o, t, c));
+    if (!st.ok())
+      throw UsageError{variants[c.variant].name + " " + c.kv_name + " " + c.cache + " --memory " +
+                       format_bytes(static_cast<double>(c.memory)) + ": " + st.message()};
+  }
+  return configs;
+}
+
+// Every configuration once per round, round after round, so that a busy
+// spell of the machine falls on all of them alike; a row per
+// configuration, its run of median output tokens/s.
+std::vector<Row> run_configs(const Options& o, const Trace& t, const std::vector<Variant>& variants,
+                             std::vector<serve::Model>& models,
+                             const std::vector<Config>& configs) {
+  Progress progress("serve-bench", static_cast<int64_t>(configs.size()) * o.repeats *
+                                       static_cast<int64_t>(t.requests.size()));
+  std::vector<std::vector<serve::Report>> runs(configs.size());
+  for (int64_t round = 0; round < o.repeats; ++round)
     for (size_t i = 0; i < configs.size(); ++i) {
       const Config& c = configs[i];
-      Row row{variants[c.variant].name,         c.kv_name, c.cache, c.memory, {},
-              models[c.variant].weight_bytes(), {}};
-      for (const serve::Report& r : runs[i]) row.tokens_per_s.push_back(output_tokens_per_s(r));
-      std::vector<size_t> order(runs[i].size());
-      for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-      std::sort(order.begin(), order.end(),
-                [&](size_t a, size_t b) { return row.tokens_per_s[a] < row.tokens_per_s[b]; });
-      row.r = std::move(runs[i][order[order.size() / 2]]);
-      rows.push_back(std::move(row));
+      const std::string what = variants[c.variant].name + " " + c.kv_name + " " + c.cache + " " +
+                               format_bytes(static_cast<double>(c.memory));
+      serve::Options so = options_for(o, t, c);
+      int64_t shown = 0;
+      so.on_progress = [&](int64_t done, int64_t) {
+        for (; shown < done; ++shown) progress.step(what);
+      };
+      runs[i].push_back(value_or_throw(serve::run(models[c.variant], t.requests, so), what));
     }
+  progress.finish();
+  std::vector<Row> rows;
+  for (size_t i = 0; i < configs.size(); ++i) {
+    const Config& c = configs[i];
+    Row row{variants[c.variant].name,         c.kv_name, c.cache, c.memory, {},
+            models[c.variant].weight_bytes(), {}};
+    for (const serve::Report& r : runs[i]) row.tokens_per_s.push_back(output_tokens_per_s(r));
+    std::vector<size_t> order(runs[i].size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return row.tokens_per_s[a] < row.tokens_per_s[b]; });
+    row.r = std::move(runs[i][order[order.size() / 2]]);
+    rows.push_back(std::move(row));
+  }
+  return rows;
+}
 
+void print_csv(const ojson& jrows) {
+  for (size_t i = 0; i < jrows.size(); ++i) {
+    std::vector<std::string> keys, cells;
+    flatten(jrows[i], "", &keys, &cells);
+    std::string head, line;
+    for (size_t k = 0; k < keys.size(); ++k) {
+      head += (k ? "," : "") + keys[k];
+      line += (k ? "," : "") + cells[k];
+    }
+    if (i == 0) std::printf("%s\n", head.c_str());
+    std::printf("%s\n", line.c_str());
+  }
+}
+
+// What was served, for the JSON and the table's heading.
+struct Served {
+  const Options& o;
+  const Source& src;
+  const Trace& t;
+  size_t weights;
+  int threads;
+  double elapsed;
+};
+
+void print_json(const Served& s, const ojson& jrows, const std::vector<std::string>& lines) {
+  const Options& o = s.o;
+  int64_t prompt = 0, output = 0;
+  for (const serve::Request& r : s.t.requests) {
+    prompt += r.prompt_tokens;
+    output += r.output_tokens;
+  }
+  ojson j = {{"kind", "serve-bench"},
+             {"config",
+              {{"model", s.src.label},
+               {"layers", o.layers},
+               {"layer_mix", layer_mix(first_layers(s.src.shape, o.layers))},
+               {"hidden_size", s.src.shape.hidden_size},
+               {"num_heads", s.src.shape.num_heads},
+               {"weights", o.weights},
+               {"mlp", o.mlp},
+               {"page_size", o.page_size},
+               {"max_tokens_per_step", o.max_tokens},
+               {"max_seqs", o.max_seqs},
+               {"backend", o.backend},
+               {"threads", s.threads},
+               {"gemm", gemm_backend_name()},
+               {"seed", o.seed},
+               {"repeats", o.repeats}}},
+             {"trace",
+              {{"source", s.t.label},
+               {"requests", s.t.requests.size()},
+               {"prompt_tokens", prompt},
+               {"output_tokens", output},
+               {"token_slots", s.t.slots}}},
+             {"weight_bytes", s.weights},
+             {"rows", jrows},
+             {"conclusions", lines},
+             {"seconds", s.elapsed}};
+  std::printf("%s\n", j.dump(2).c_str());
+}
+
+// The notes under the table: what the pool and the states count.
+void print_notes(const std::vector<Row>& rows, double elapsed) {
+  std::printf(
+      "\nKV/token = all layers; KV used / reserved = step-time means of the tokens held and of "
+      "the pages\n(or static slots) holding them, plus the linear layers' state per running "
+      "sequence; seqs = sequences in one step. Took %.1f s.\n",
+      elapsed);
+  for (const Row& r : rows)
+    if (!r.r.pool_releases_pages) {
+      std::printf(
+          "%s: its attention layers differ in window / chunk, so they share a pool without one: "
+          "a sliding or chunked layer holds every token's K/V, as a full layer does (KV/token "
+          "counts every attention layer).\n",
+          r.variant.c_str());
+      break;
+    }
+  for (const Row& r : rows)
+    if (r.r.state_bytes_per_sequence > 0) {
+      std::printf(
+          "%s: its linear-attention layers hold %s of state per running sequence, counted in "
+          "the budget.\n",
+          r.variant.c_str(),
+          format_bytes(static_cast<double>(r.r.state_bytes_per_sequence)).c_str());
+      break;
+    }
+}
+
+void print_table(const Served& s, const std::vector<Row>& rows, const ojson& jrows,
+                 const std::vector<std::string>& lines) {
+  const Options& o = s.o;
+  std::printf("serving %s: %lld layer%s%s, %s weights (%s); %d threads\n", s.src.label.c_str(),
+              (long long)o.layers, o.layers == 1 ? "" : "s", o.mlp ? " + feed-forward" : "",
+              o.weights.c_str(), format_bytes(static_cast<double>(s.weights)).c_str(), s.threads);
+  std::printf(
+      "trace: %s (%lld token slots); pages of %lld tokens, <= %lld tokens and %lld "
+      "sequences per step\n\n",
+      s.t.label.c_str(), (long long)s.t.slots, (long long)o.page_size, (long long)o.max_tokens,
+      (long long)o.max_seqs);
+  Table t({"variant", "KV", "cache", "budget", "KV/token", "out tok/s", "req/s", "TTFT p50", "p90",
+           "p99", "TPOT p50", "p90", "p99", "seqs peak", "mean", "KV used", "reserved", "preempt"});
+  for (const ojson& r : jrows) {
+    t.add({r["variant"].get<std::string>(), r["kv_dtype"].get<std::string>(),
+           r["cache"].get<std::string>(), format_bytes(r["memory_bytes"].get<double>()),
+           format_bytes(r["kv_bytes_per_token"].get<double>()),
+           format_sig3(r["output_tokens_per_s"].get<double>(), ""),
+           format_sig3(r["requests_per_s"].get<double>(), ""), ms(r["ttft_s"], "p50"),
+           ms(r["ttft_s"], "p90"), ms(r["ttft_s"], "p99"), ms(r["tpot_s"], "p50"),
+           ms(r["tpot_s"], "p90"), ms(r["tpot_s"], "p99"),
+           std::to_string(r["peak_running"].get<int64_t>()),
+           format_sig3(r["mean_running"].get<double>(), ""),
+           format_bytes(r["kv_used_bytes"]["mean"].get<double>()),
+           format_bytes(r["kv_reserved_bytes"]["mean"].get<double>()),
+           std::to_string(r["preemptions"].get<int64_t>())});
+  }
+  std::fputs(t.str().c_str(), stdout);
+  print_notes(rows, s.elapsed);
+  if (!lines.empty()) std::printf("\nWhat this means here:\n");
+  for (const std::string& l : lines) std::printf("- %s\n", l.c_str());
+}
+
+}  // namespace
+
+int run_serve_bench(int argc, char** argv) {
+  Options o;
+  if (!parse_options(argc, argv, o)) return 0;
+  const Source src = load_source(o);
+  check_servable(src, o.layers);
+  const std::vector<Variant> variants = plan_variants(o, src);
+  const Trace trace = make_trace(o);
+  try {
+    const double t_start = now_seconds();
+    size_t weights = 0;
+    std::vector<serve::Model> models = build_models(o, variants, &weights);
+    const std::vector<Config> configs = plan_configs(o, trace, variants, models);
+    const std::vector<Row> rows = run_configs(o, trace, variants, models, configs);
     ojson jrows = ojson::array();
     for (const Row& r : rows) jrows.push_back(row_json(r));
     const std::vector<std::string> lines = conclude(jrows);
-    const double elapsed = now_seconds() - t_start;
-    if (o.csv) {
-      for (size_t i = 0; i < jrows.size(); ++i) {
-        std::vector<std::string> keys, cells;
-        flatten(jrows[i], "", &keys, &cells);
-        std::string head, line;
-        for (size_t k = 0; k < keys.size(); ++k) {
-          head += (k ? "," : "") + keys[k];
-          line += (k ? "," : "") + cells[k];
-        }
-        if (i == 0) std::printf("%s\n", head.c_str());
-        std::printf("%s\n", line.c_str());
-      }
-      return 0;
-    }
-    const int threads = o.threads > 0 ? static_cast<int>(o.threads) : default_threads();
-    if (o.json) {
-      int64_t prompt = 0, output = 0;
-      for (const serve::Request& r : trace) {
-        prompt += r.prompt_tokens;
-        output += r.output_tokens;
-      }
-      ojson j = {{"kind", "serve-bench"},
-                 {"config",
-                  {{"model", src.label},
-                   {"layers", o.layers},
-                   {"layer_mix", layer_mix(first_layers(src.shape, o.layers))},
-                   {"hidden_size", src.shape.hidden_size},
-                   {"num_heads", src.shape.num_heads},
-                   {"weights", o.weights},
-                   {"mlp", o.mlp},
-                   {"page_size", o.page_size},
-                   {"max_tokens_per_step", o.max_tokens},
-                   {"max_seqs", o.max_seqs},
-                   {"backend", o.backend},
-                   {"threads", threads},
-                   {"gemm", gemm_backend_name()},
-                   {"seed", o.seed},
-                   {"repeats", o.repeats}}},
-                 {"trace",
-                  {{"source", trace_label},
-                   {"requests", trace.size()},
-                   {"prompt_tokens", prompt},
-                   {"output_tokens", output},
-                   {"token_slots", trace_slots}}},
-                 {"weight_bytes", weights},
-                 {"rows", jrows},
-                 {"conclusions", lines},
-                 {"seconds", elapsed}};
-      std::printf("%s\n", j.dump(2).c_str());
-      return 0;
-    }
-
-    std::printf("serving %s: %lld layer%s%s, %s weights (%s); %d threads\n", src.label.c_str(),
-                (long long)o.layers, o.layers == 1 ? "" : "s", o.mlp ? " + feed-forward" : "",
-                o.weights.c_str(), format_bytes(static_cast<double>(weights)).c_str(), threads);
-    std::printf(
-        "trace: %s (%lld token slots); pages of %lld tokens, <= %lld tokens and %lld "
-        "sequences per step\n\n",
-        trace_label.c_str(), (long long)trace_slots, (long long)o.page_size,
-        (long long)o.max_tokens, (long long)o.max_seqs);
-    Table t({"variant", "KV", "cache", "budget", "KV/token", "out tok/s", "req/s", "TTFT p50",
-             "p90", "p99", "TPOT p50", "p90", "p99", "seqs peak", "mean", "KV used", "reserved",
-             "preempt"});
-    for (const ojson& r : jrows) {
-      t.add({r["variant"].get<std::string>(), r["kv_dtype"].get<std::string>(),
-             r["cache"].get<std::string>(), format_bytes(r["memory_bytes"].get<double>()),
-             format_bytes(r["kv_bytes_per_token"].get<double>()),
-             format_sig3(r["output_tokens_per_s"].get<double>(), ""),
-             format_sig3(r["requests_per_s"].get<double>(), ""), ms(r["ttft_s"], "p50"),
-             ms(r["ttft_s"], "p90"), ms(r["ttft_s"], "p99"), ms(r["tpot_s"], "p50"),
-             ms(r["tpot_s"], "p90"), ms(r["tpot_s"], "p99"),
-             std::to_string(r["peak_running"].get<int64_t>()),
-             format_sig3(r["mean_running"].get<double>(), ""),
-             format_bytes(r["kv_used_bytes"]["mean"].get<double>()),
-             format_bytes(r["kv_reserved_bytes"]["mean"].get<double>()),
-             std::to_string(r["preemptions"].get<int64_t>())});
-    }
-    std::fputs(t.str().c_str(), stdout);
-    std::printf(
-        "\nKV/token = all layers; KV used / reserved = step-time means of the tokens held and of "
-        "the pages\n(or static slots) holding them; seqs = sequences in one step. Took %.1f s.\n",
-        elapsed);
-    if (!lines.empty()) std::printf("\nWhat this means here:\n");
-    for (const std::string& l : lines) std::printf("- %s\n", l.c_str());
+    const Served served{o,
+                        src,
+                        trace,
+                        weights,
+                        o.threads > 0 ? static_cast<int>(o.threads) : default_threads(),
+                        now_seconds() - t_start};
+    if (o.csv)
+      print_csv(jrows);
+    else if (o.json)
+      print_json(served, jrows, lines);
+    else
+      print_table(served, rows, jrows, lines);
     return 0;
   } catch (const RunError& e) {
     std::fprintf(stderr, "attnkit serve-bench: %s\n", e.message.c_str());

@@ -3,9 +3,11 @@
 // over one paged KV pool, and a scheduler in the manner of vLLM's. It sees
 // only the public API (include/attnkit/).
 //
-// The model. `layers` blocks of one attention variant, each
-//   h = h + attention(rms_norm(h))        AttentionLayer or LatentAttention,
-//                                         forward_batch over the pool
+// The model. `layers` blocks, each
+//   h = h + mixer(rms_norm(h))            AttentionLayer or LatentAttention,
+//                                         forward_batch over the pool; or
+//                                         GatedDeltaNet, forward_batch over
+//                                         the sequences' state slots
 //   h = h + ffn(rms_norm(h))              with ffn: the config's MoE, or its
 //                                         dense SwiGLU MLP as a one-expert
 //                                         MoE (the same arithmetic)
@@ -36,6 +38,19 @@
 //      before they decode;
 //   4. one forward pass over every scheduled token; each sequence whose
 //      scheduled tokens reach the end of what it knows gets an output.
+// A stack may mix layer kinds (ModelSpec::stack: gpt-oss's sliding and full
+// layers, Gemma 3's local and global, Llama 4's chunked and NoPE, Qwen3-Next's
+// Gated DeltaNet and gated full attention). Its attention layers share one
+// pool (they must agree on kv heads and head dim); when their windows and
+// chunks agree the pool has them and releases pages as they slide, else the
+// pool has none and each layer passes its own per call, so a sliding or
+// chunked layer then holds every token as a full layer does (the page
+// accounting counts what the pool holds: Report::pool_releases_pages).
+// Linear-attention layers hold one fixed-size state per sequence in a
+// LinearStatePool beside the pool, added and removed with the sequence; its
+// bytes count against the same budget (Budget in serve_engine.cc): a sequence costs its
+// state besides its pages.
+//
 // The clock is the measured time of the steps; when nothing runs and
 // nothing waits it jumps to the next arrival instead of sleeping.
 //
@@ -55,7 +70,9 @@
 #include <vector>
 
 #include "attnkit/attention_layer.h"
+#include "attnkit/gated_deltanet.h"
 #include "attnkit/latent_attention.h"
+#include "attnkit/linear_state_pool.h"
 #include "attnkit/moe.h"
 #include "attnkit/paged_kv_cache.h"
 #include "attnkit/status.h"
@@ -63,10 +80,21 @@
 
 namespace attnkit::serve {
 
+// One layer of a stack whose layers differ: softmax attention (any window,
+// chunk, sinks, output gate, RoPE or NoPE) or Gated DeltaNet.
+struct StackLayer {
+  LayerKind kind = LayerKind::kAttention;  // kAttention or kLinearAttention
+  AttentionConfig attention;               // kAttention; must be causal
+  GatedDeltaNetConfig linear;              // kLinearAttention
+};
+
 struct ModelSpec {
   bool mla = false;
-  AttentionConfig attention;  // when !mla; must be causal
-  MlaConfig latent;           // when mla
+  AttentionConfig attention;  // every layer's when !mla and `stack` is empty; must be causal
+  // When not empty: `layers` entries, each layer's own mixer (overrides
+  // `attention`; !mla). At least one is attention (the pool's shape).
+  std::vector<StackLayer> stack;
+  MlaConfig latent;  // when mla
   // The feed-forward after each attention layer, when `ffn`.
   bool ffn = false;
   MoeConfig moe;
@@ -85,15 +113,28 @@ class Model {
   // Bytes of the layers' weights as kept.
   size_t weight_bytes() const { return weight_bytes_; }
 
-  // A pool for this model: one pool layer per model layer.
+  // A pool for this model: one pool layer per attention layer, with the
+  // layers' window / chunk when they all agree, else none (each layer
+  // passes its own per call and the pool releases no pages).
   Result<PagedKVCache> new_pool(int64_t num_pages, int64_t page_size, DType kv_dtype) const;
+  // Whether new_pool's pool releases the pages of tokens that left every
+  // layer's window or chunk (one window / chunk for all attention layers).
+  bool pool_releases_pages() const;
+  // The state slots of the linear-attention layers (one per sequence, at
+  // most max_sequences; 0 = no limit), or a pool of no layers.
+  Result<LinearStatePool> new_state_pool(int64_t max_sequences = 0) const;
+  // Bytes of one sequence's state over every linear-attention layer.
+  int64_t state_bytes_per_sequence() const;
+  int64_t linear_layers() const { return static_cast<int64_t>(linear_.size()); }
 
-  // One continuous-batching step over the tokens reserved in `pool`:
+  // One continuous-batching step over the tokens reserved in `pool` (and,
+  // with linear-attention layers, the sequences' slots in `states`, under
+  // the same ids):
   //   x   [total, hidden]  the new tokens' inputs, packed by cu_seqlens
   //   out [total, hidden]  written: rms_norm of the last block's h per row
   Status forward(std::span<const float> x, std::span<const int32_t> cu_seqlens,
-                 std::span<const int64_t> seq_ids, PagedKVCache& pool, std::span<float> out,
-                 const RunOptions& run);
+                 std::span<const int64_t> seq_ids, PagedKVCache& pool, LinearStatePool& states,
+                 std::span<float> out, const RunOptions& run);
 
   // The input vector of prompt token `position` of request `request`: a
   // row of the vocabulary table, chosen by a hash of both.
@@ -101,12 +142,23 @@ class Model {
 
  private:
   Model() = default;
+  Status add_mixer(const StackLayer& layer, uint64_t seed);
+  Status add_latent(uint64_t seed);
+  Status add_feed_forward(uint64_t seed);
+  Status run_mixer(int64_t l, const TensorView& in, std::span<const int32_t> cu_seqlens,
+                   std::span<const int64_t> seq_ids, PagedKVCache& pool, LinearStatePool& states,
+                   const TensorView& out, const RunOptions& run);
 
   ModelSpec spec_;
   int64_t hidden_ = 0;
   size_t weight_bytes_ = 0;
   std::vector<AttentionLayer> attention_;
   std::vector<LatentAttention> latent_;
+  std::vector<GatedDeltaNet> linear_;
+  // Per model layer: its index in attention_ / latent_ (the pool layer) or
+  // in linear_ (the state pool layer), and whether it is linear.
+  std::vector<int64_t> index_;
+  std::vector<bool> is_linear_;
   std::vector<MoeLayer> ffn_;
   std::vector<float> vocabulary_;    // [kVocabulary, hidden]
   std::vector<float> h_, in_, tmp_;  // step scratch, grown to the largest step
@@ -150,10 +202,12 @@ struct Report {
   double start_s = 0.0, end_s = 0.0;    // first arrival, last finish (engine clock)
   double busy_s = 0.0;                  // time spent in steps
   int64_t steps = 0, preemptions = 0;
-  int64_t tokens_computed = 0;     // forward-pass tokens, recomputation included
-  int64_t peak_running = 0;        // sequences in one step
-  double mean_running = 0.0;       // per step, weighted by step time
-  int64_t kv_bytes_per_token = 0;  // all layers
+  int64_t tokens_computed = 0;           // forward-pass tokens, recomputation included
+  int64_t peak_running = 0;              // sequences in one step
+  double mean_running = 0.0;             // per step, weighted by step time
+  int64_t kv_bytes_per_token = 0;        // all layers
+  int64_t state_bytes_per_sequence = 0;  // linear-attention layers, all of them
+  bool pool_releases_pages = true;       // Model::pool_releases_pages
   int64_t pool_pages = 0;
   int64_t max_running = 0;  // kStatic: the slots the budget holds; kPaged: 0 (no fixed limit)
   int64_t max_seq_len = 0;  // kStatic: each slot's reservation
