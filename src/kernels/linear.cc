@@ -254,9 +254,9 @@ BoundArgs& bound_args(const MatmulKey& key, const Matmul& m, const void* x, cons
     if (bias != nullptr) b.bias.set_data_handle(const_cast<float*>(bias));
     return b;
   }
-  if (bound.size() >= MatmulCache::kMaxEntries) bound.clear();
+  // Built aside and inserted whole, so that a throw leaves no half-made entry.
   const dnnl::engine& e = cpu_engine();
-  BoundArgs& b = bound[key];
+  BoundArgs b;
   b.x = dnnl::memory(m.x, e, const_cast<void*>(x));
   b.w = dnnl::memory(m.w, e, const_cast<void*>(w));
   b.y = dnnl::memory(m.y, e, y);
@@ -269,7 +269,9 @@ BoundArgs& bound_args(const MatmulKey& key, const Matmul& m, const void* x, cons
     b.bias = dnnl::memory(m.bias, e, const_cast<float*>(bias));
     b.args[b.count++] = {DNNL_ARG_BIAS, b.bias.get()};
   }
-  return b;
+  // The handles in args belong to the memory objects, which a move keeps.
+  if (bound.size() >= MatmulCache::kMaxEntries) bound.clear();
+  return bound.emplace(key, std::move(b)).first->second;
 }
 
 // One block through the cached matmul primitive: x dense [rows, depth]
