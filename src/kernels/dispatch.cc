@@ -16,36 +16,10 @@
 #include "kernels/cpu/tile_policy.h"
 #include "kernels/ref/attention_ref.h"
 #include "kernels/ref/gated_delta_rule_ref.h"
+#include "kernels/scratch.h"
 
 namespace attnkit::kernels {
 namespace {
-
-// Scratch is kept per calling thread and only grows: a decode step's ~1 MiB
-// would otherwise be mapped and faulted in anew on every call.
-template <class T>
-struct Scratch {
-  std::unique_ptr<T[]> data;
-  size_t count = 0;
-
-  Status reserve(size_t n, const char* what) {
-    if (n <= count) return Status::Ok();
-    data.reset();
-    count = 0;
-    // No machine holds more than PTRDIFF_MAX bytes; asking operator new[]
-    // for more aborts under some compilers' sanitizers instead of throwing.
-    if (n > static_cast<size_t>(PTRDIFF_MAX) / sizeof(T))
-      return resource_exhausted(std::string("sdpa: cannot allocate ") + std::to_string(n) + " " +
-                                what);
-    try {
-      data.reset(new T[n]);
-    } catch (const std::bad_alloc&) {
-      return resource_exhausted(std::string("sdpa: cannot allocate ") + std::to_string(n) + " " +
-                                what);
-    }
-    count = n;
-    return Status::Ok();
-  }
-};
 
 // set_kernels_for_testing(): the table, and the target it stands for.
 std::atomic<const cpu::KernelTable*> g_testing_kernels{nullptr};
@@ -97,8 +71,8 @@ Status run_attention(std::span<const AttentionParams> calls, Backend backend) {
     plans[c].kernels = testing;
     bytes = std::max(bytes, cpu::scratch_bytes(calls[c], plans[c]));
   }
-  ATTNKIT_RETURN_IF_ERROR(scratch.reserve(bytes, "bytes of attention scratch"));
-  ATTNKIT_RETURN_IF_ERROR(ref_scratch.reserve(doubles, "doubles of reference scratch"));
+  ATTNKIT_RETURN_IF_ERROR(scratch.reserve(bytes, "sdpa", "bytes of attention scratch"));
+  ATTNKIT_RETURN_IF_ERROR(ref_scratch.reserve(doubles, "sdpa", "doubles of reference scratch"));
   for (size_t c = 0; c < calls.size(); ++c) {
     if (plans[c].num_threads > 0)
       cpu::attention(calls[c], plans[c], scratch.data.get());
@@ -116,7 +90,7 @@ Status run_gated_delta_rule(const GatedDeltaRuleParams& params, Backend backend)
   if (params.batch == 0 || params.seq == 0) return Status::Ok();
   if (resolve_backend(backend) == Backend::kReference) {
     thread_local Scratch<double> scratch;
-    ATTNKIT_RETURN_IF_ERROR(scratch.reserve(gated_delta_rule_ref_scratch(params),
+    ATTNKIT_RETURN_IF_ERROR(scratch.reserve(gated_delta_rule_ref_scratch(params), "sdpa",
                                             "doubles of gated delta rule scratch"));
     gated_delta_rule_ref(params, scratch.data.get());
     return Status::Ok();
@@ -130,7 +104,7 @@ Status run_gated_delta_rule(const GatedDeltaRuleParams& params, Backend backend)
   }
   thread_local Scratch<float> scratch;
   const size_t per_worker = cpu::gated_delta_rule_chunked_scratch(params);
-  ATTNKIT_RETURN_IF_ERROR(scratch.reserve(per_worker * static_cast<size_t>(threads),
+  ATTNKIT_RETURN_IF_ERROR(scratch.reserve(per_worker * static_cast<size_t>(threads), "sdpa",
                                           "floats of gated delta rule scratch"));
   cpu::gated_delta_rule_chunked(params, threads, simd_target(), scratch.data.get());
   return Status::Ok();

@@ -48,12 +48,11 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
-#include <unordered_map>
-#include <vector>
 
 #include "attnkit/machine.h"
 #include "core/threads.h"
 #include "kernels/dispatch.h"
+#include "kernels/scratch.h"
 
 // OpenMP's per-thread thread count, from the libgomp that Debian's oneDNN
 // is built on (linked explicitly, see cmake/attnkit_onednn.cmake). Declared
@@ -215,17 +214,64 @@ MatmulCache& matmul_cache() {
   return cache;
 }
 
-// Per-thread buffers that grow to the largest call the thread has made:
-// oneDNN's scratchpad, packed x rows (f32, or bf16 for bf16 weights), a
-// dense y block, and a block of bf16 W widened to f32.
+// Per-thread buffers that grow only when a call larger than any before
+// it comes (Scratch): oneDNN's scratchpad, packed x rows (f32, or bf16 for
+// bf16 weights), a dense y block, and a block of bf16 W widened to f32.
 struct ThreadScratch {
-  std::vector<char> onednn;
-  std::vector<float> x, y, w;
-  std::vector<bf16> xb;
+  Scratch<char> onednn;
+  Scratch<float> x, y, w;
+  Scratch<bf16> xb;
 };
 ThreadScratch& thread_scratch() {
   thread_local ThreadScratch s;
   return s;
+}
+
+// One cached block shape's arguments on one thread: memory objects made
+// once from the shape's descriptors and re-pointed at each call's buffers
+// (set_data_handle), and the argument array handed to
+// dnnl_primitive_execute, built once with them (the C++ execute would copy
+// an argument map into a new vector on every call).
+struct BoundArgs {
+  dnnl::memory x, w, y, bias, scratch;
+  dnnl_exec_arg_t args[5];
+  int count = 0;
+};
+
+// This thread's BoundArgs, by the MatmulCache key: the descriptors depend
+// on the key only, so they serve whichever primitive the cache holds for
+// it. Cleared when full, as the cache is.
+BoundArgs& bound_args(const MatmulKey& key, const Matmul& m, const void* x, const void* w,
+                      const float* bias, float* y, void* scratch) {
+  thread_local std::map<MatmulKey, BoundArgs> bound;
+  auto it = bound.find(key);
+  if (it != bound.end()) {
+    BoundArgs& b = it->second;
+    b.x.set_data_handle(const_cast<void*>(x));
+    b.w.set_data_handle(const_cast<void*>(w));
+    b.y.set_data_handle(y);
+    b.scratch.set_data_handle(scratch);
+    if (bias != nullptr) b.bias.set_data_handle(const_cast<float*>(bias));
+    return b;
+  }
+  // Built aside and inserted whole, so that a throw leaves no half-made entry.
+  const dnnl::engine& e = cpu_engine();
+  BoundArgs b;
+  b.x = dnnl::memory(m.x, e, const_cast<void*>(x));
+  b.w = dnnl::memory(m.w, e, const_cast<void*>(w));
+  b.y = dnnl::memory(m.y, e, y);
+  b.scratch = dnnl::memory(m.scratch, e, scratch);
+  b.args[b.count++] = {DNNL_ARG_SRC, b.x.get()};
+  b.args[b.count++] = {DNNL_ARG_WEIGHTS, b.w.get()};
+  b.args[b.count++] = {DNNL_ARG_DST, b.y.get()};
+  b.args[b.count++] = {DNNL_ARG_SCRATCHPAD, b.scratch.get()};
+  if (bias != nullptr) {
+    b.bias = dnnl::memory(m.bias, e, const_cast<float*>(bias));
+    b.args[b.count++] = {DNNL_ARG_BIAS, b.bias.get()};
+  }
+  // The handles in args belong to the memory objects, which a move keeps.
+  if (bound.size() >= MatmulCache::kMaxEntries) bound.clear();
+  return bound.emplace(key, std::move(b)).first->second;
 }
 
 // One block through the cached matmul primitive: x dense [rows, depth]
@@ -237,22 +283,16 @@ bool block_matmul(const void* x, const void* w, bool bf16, const float* bias, fl
     const auto m = matmul_cache().get(rows, cols, depth, bias != nullptr, bf16, ldw_nn);
     if (m == nullptr) return false;
     ThreadScratch& s = thread_scratch();
-    const size_t bytes = m->scratch.get_size();
-    if (s.onednn.size() < bytes) s.onednn.resize(bytes);
     const bool in_place = rows == 1 || ldy == cols;
-    if (!in_place && s.y.size() < static_cast<size_t>(rows * cols))
-      s.y.resize(static_cast<size_t>(rows * cols));
-    float* out = in_place ? y : s.y.data();
+    if (!s.onednn.grow(m->scratch.get_size()) ||
+        (!in_place && !s.y.grow(static_cast<size_t>(rows * cols))))
+      return false;
+    float* out = in_place ? y : s.y.get();
     thread_local dnnl::stream stream(cpu_engine());
-    const dnnl::engine& e = cpu_engine();
-    using dnnl::memory;
-    std::unordered_map<int, memory> args = {
-        {DNNL_ARG_SRC, memory(m->x, e, const_cast<void*>(x))},
-        {DNNL_ARG_WEIGHTS, memory(m->w, e, const_cast<void*>(w))},
-        {DNNL_ARG_DST, memory(m->y, e, out)},
-        {DNNL_ARG_SCRATCHPAD, memory(m->scratch, e, s.onednn.data())}};
-    if (bias != nullptr) args.emplace(DNNL_ARG_BIAS, memory(m->bias, e, const_cast<float*>(bias)));
-    m->prim.execute(stream, args);
+    const BoundArgs& b = bound_args(MatmulKey{rows, cols, depth, bias != nullptr, bf16, ldw_nn}, *m,
+                                    x, w, bias, out, s.onednn.get());
+    if (dnnl_primitive_execute(m->prim.get(), stream.get(), b.count, b.args) != dnnl_success)
+      return false;
     stream.wait();
     if (!in_place)
       for (int64_t r = 0; r < rows; ++r)
@@ -287,27 +327,28 @@ void linear_fast(const float* x, int64_t ldx, const float* w, const float* bias,
   // calling thread (rows * depth copies against rows * cols * depth MACs).
   const float* xd = x;
   if (rows > 1 && ldx != depth) {
-    std::vector<float>& packed = thread_scratch().x;
-    try {
-      if (packed.size() < static_cast<size_t>(rows * depth))
-        packed.resize(static_cast<size_t>(rows * depth));
+    Scratch<float>& packed = thread_scratch().x;
+    if (packed.grow(static_cast<size_t>(rows * depth))) {
       for (int64_t r = 0; r < rows; ++r)
-        std::copy(x + r * ldx, x + r * ldx + depth, packed.data() + r * depth);
-      xd = packed.data();
-    } catch (const std::bad_alloc&) {
+        std::copy(x + r * ldx, x + r * ldx + depth, packed.get() + r * depth);
+      xd = packed.get();
+    } else {
       xd = nullptr;  // dnnl_sgemm reads strided rows itself
     }
   }
   const Grid g = make_grid(rows, cols, depth);
   const bool gemv = rows == 1 && opt.gemv_for_one_row;
-  parallel_for(
-      g.row_blocks * g.col_blocks, resolve_num_threads(opt.num_threads), [&](int64_t task, int) {
-        const int64_t r0 = task / g.col_blocks * g.row_size;
-        const int64_t c0 = task % g.col_blocks * g.col_size;
-        block_fast(x + r0 * ldx, ldx, xd ? xd + r0 * depth : nullptr, w + c0 * depth,
-                   bias ? bias + c0 : nullptr, y + r0 * ldy + c0, ldy,
-                   std::min(g.row_size, rows - r0), std::min(g.col_size, cols - c0), depth, gemv);
-      });
+  // The tasks reach parallel_for through a closure holding one reference,
+  // which std::function stores without allocating.
+  const auto body = [&](int64_t task) {
+    const int64_t r0 = task / g.col_blocks * g.row_size;
+    const int64_t c0 = task % g.col_blocks * g.col_size;
+    block_fast(x + r0 * ldx, ldx, xd ? xd + r0 * depth : nullptr, w + c0 * depth,
+               bias ? bias + c0 : nullptr, y + r0 * ldy + c0, ldy, std::min(g.row_size, rows - r0),
+               std::min(g.col_size, cols - c0), depth, gemv);
+  };
+  parallel_for(g.row_blocks * g.col_blocks, resolve_num_threads(opt.num_threads),
+               [&body](int64_t task, int) { body(task); });
 }
 
 // The implementation oneDNN picks for the matmul primitive here with f32
@@ -364,15 +405,13 @@ bool bf16_matmul_native() {
 // then the f32 path on xr, x already rounded to bf16 (dense, [rows, depth]).
 void block_widened(const float* xr, const bf16* w, const float* bias, float* y, int64_t ldy,
                    int64_t rows, int64_t cols, int64_t depth) {
-  std::vector<float>& wf = thread_scratch().w;
-  try {
-    if (wf.size() < static_cast<size_t>(cols * depth)) wf.resize(static_cast<size_t>(cols * depth));
-  } catch (const std::bad_alloc&) {
+  Scratch<float>& wf = thread_scratch().w;
+  if (!wf.grow(static_cast<size_t>(cols * depth))) {
     linear_ref(xr, depth, Weight{w, DType::kBF16}, bias, y, ldy, rows, cols, depth);
     return;
   }
-  for (int64_t i = 0; i < cols * depth; ++i) wf[static_cast<size_t>(i)] = bf16_to_float(w[i]);
-  block_fast(xr, depth, xr, wf.data(), bias, y, ldy, rows, cols, depth, /*gemv=*/false);
+  for (int64_t i = 0; i < cols * depth; ++i) wf.get()[i] = bf16_to_float(w[i]);
+  block_fast(xr, depth, xr, wf.get(), bias, y, ldy, rows, cols, depth, /*gemv=*/false);
 }
 
 void linear_fast_bf16(const float* x, int64_t ldx, const bf16* w, const float* bias, float* y,
@@ -387,10 +426,7 @@ void linear_fast_bf16(const float* x, int64_t ldx, const bf16* w, const float* b
   const bool native = bf16_matmul_native();
   ThreadScratch& s = thread_scratch();
   const size_t n = static_cast<size_t>(rows * depth);
-  try {
-    if (native && s.xb.size() < n) s.xb.resize(n);
-    if (!native && s.x.size() < n) s.x.resize(n);
-  } catch (const std::bad_alloc&) {
+  if (!(native ? s.xb.grow(n) : s.x.grow(n))) {
     linear_ref(x, ldx, Weight{w, DType::kBF16}, bias, y, ldy, rows, cols, depth);
     return;
   }
@@ -398,31 +434,33 @@ void linear_fast_bf16(const float* x, int64_t ldx, const bf16* w, const float* b
     for (int64_t k = 0; k < depth; ++k) {
       const bf16 v = float_to_bf16(x[r * ldx + k]);
       if (native)
-        s.xb[static_cast<size_t>(r * depth + k)] = v;
+        s.xb.get()[r * depth + k] = v;
       else
-        s.x[static_cast<size_t>(r * depth + k)] = bf16_to_float(v);
+        s.x.get()[r * depth + k] = bf16_to_float(v);
     }
-  const bf16* xb = native ? s.xb.data() : nullptr;
-  const float* xr = native ? nullptr : s.x.data();
+  const bf16* xb = native ? s.xb.get() : nullptr;
+  const float* xr = native ? nullptr : s.x.get();
   const Grid g = make_grid(rows, cols, depth);
-  parallel_for(
-      g.row_blocks * g.col_blocks, resolve_num_threads(opt.num_threads), [&](int64_t task, int) {
-        const int64_t r0 = task / g.col_blocks * g.row_size;
-        const int64_t c0 = task % g.col_blocks * g.col_size;
-        const int64_t br = std::min(g.row_size, rows - r0), bc = std::min(g.col_size, cols - c0);
-        float* yb = y + r0 * ldy + c0;
-        const float* bb = bias ? bias + c0 : nullptr;
-        if (native) {
-          OmpThreadsScope single(1);
-          if (block_matmul(xb + r0 * depth, w + c0 * depth, true, bb, yb, ldy, br, bc, depth))
-            return;
-          // oneDNN refused (out of memory): the loop, on the caller's x.
-          linear_ref(x + r0 * ldx, ldx, Weight{w + c0 * depth, DType::kBF16}, bb, yb, ldy, br, bc,
-                     depth);
-          return;
-        }
-        block_widened(xr + r0 * depth, w + c0 * depth, bb, yb, ldy, br, bc, depth);
-      });
+  // The tasks reach parallel_for through a closure holding one reference,
+  // which std::function stores without allocating.
+  const auto body = [&](int64_t task) {
+    const int64_t r0 = task / g.col_blocks * g.row_size;
+    const int64_t c0 = task % g.col_blocks * g.col_size;
+    const int64_t br = std::min(g.row_size, rows - r0), bc = std::min(g.col_size, cols - c0);
+    float* yb = y + r0 * ldy + c0;
+    const float* bb = bias ? bias + c0 : nullptr;
+    if (native) {
+      OmpThreadsScope single(1);
+      if (block_matmul(xb + r0 * depth, w + c0 * depth, true, bb, yb, ldy, br, bc, depth)) return;
+      // oneDNN refused (out of memory): the loop, on the caller's x.
+      linear_ref(x + r0 * ldx, ldx, Weight{w + c0 * depth, DType::kBF16}, bb, yb, ldy, br, bc,
+                 depth);
+      return;
+    }
+    block_widened(xr + r0 * depth, w + c0 * depth, bb, yb, ldy, br, bc, depth);
+  };
+  parallel_for(g.row_blocks * g.col_blocks, resolve_num_threads(opt.num_threads),
+               [&body](int64_t task, int) { body(task); });
 }
 
 const char* isa_name(dnnl_cpu_isa_t isa) {
@@ -530,18 +568,15 @@ void linear_nn(const float* x, int64_t ldx, Weight w, int64_t ldw, float* y, int
     if (bf16w && bf16_matmul_native()) {
       // oneDNN's bf16 matmul on x rounded to bf16 (the contract), dense, in
       // this thread's scratch, and W in place.
-      std::vector<bf16>& xb = thread_scratch().xb;
-      try {
-        if (xb.size() < static_cast<size_t>(rows * in_features))
-          xb.resize(static_cast<size_t>(rows * in_features));
+      Scratch<bf16>& xb = thread_scratch().xb;
+      // Without the scratch, the loop below, which needs none.
+      if (xb.grow(static_cast<size_t>(rows * in_features))) {
         for (int64_t m = 0; m < rows; ++m)
           for (int64_t k = 0; k < in_features; ++k)
-            xb[static_cast<size_t>(m * in_features + k)] = float_to_bf16(x[m * ldx + k]);
-        if (block_matmul(xb.data(), w.data, true, nullptr, y, ldy, rows, out_features, in_features,
+            xb.get()[m * in_features + k] = float_to_bf16(x[m * ldx + k]);
+        if (block_matmul(xb.get(), w.data, true, nullptr, y, ldy, rows, out_features, in_features,
                          ldw))
           return;
-      } catch (const std::bad_alloc&) {
-        // the loop below needs no scratch
       }
     } else {
       // f32 W as it is; bf16 W without a bf16 kernel widened to f32 and x
@@ -553,25 +588,21 @@ void linear_nn(const float* x, int64_t ldx, Weight w, int64_t ldw, float* y, int
       bool ready = true;
       if (bf16w) {
         ThreadScratch& s = thread_scratch();
-        try {
-          if (s.w.size() < static_cast<size_t>(in_features * out_features))
-            s.w.resize(static_cast<size_t>(in_features * out_features));
-          if (s.x.size() < static_cast<size_t>(rows * in_features))
-            s.x.resize(static_cast<size_t>(rows * in_features));
+        // Without the scratch, the loop below, which needs none.
+        ready = s.w.grow(static_cast<size_t>(in_features * out_features)) &&
+                s.x.grow(static_cast<size_t>(rows * in_features));
+        if (ready) {
           const bf16* wb = static_cast<const bf16*>(w.data);
           for (int64_t k = 0; k < in_features; ++k)
             for (int64_t n = 0; n < out_features; ++n)
-              s.w[static_cast<size_t>(k * out_features + n)] = bf16_to_float(wb[k * ldw + n]);
+              s.w.get()[k * out_features + n] = bf16_to_float(wb[k * ldw + n]);
           for (int64_t m = 0; m < rows; ++m)
             for (int64_t k = 0; k < in_features; ++k)
-              s.x[static_cast<size_t>(m * in_features + k)] =
-                  bf16_to_float(float_to_bf16(x[m * ldx + k]));
-          wf = s.w.data();
-          xf = s.x.data();
+              s.x.get()[m * in_features + k] = bf16_to_float(float_to_bf16(x[m * ldx + k]));
+          wf = s.w.get();
+          xf = s.x.get();
           ldwf = out_features;
           ldxf = in_features;
-        } catch (const std::bad_alloc&) {
-          ready = false;  // the loop below needs no scratch
         }
       }
       // oneDNN checks lda >= K and ldc >= N even for one row (see block_sgemm).

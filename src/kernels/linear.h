@@ -18,8 +18,14 @@
 //                 row of x and on W, not on `rows` or the blocking (unless
 //                 gemv_for_one_row, below); elsewhere (AVX2) a row's last
 //                 bits may depend on the other rows of the call. Each
-//                 thread keeps scratch buffers for oneDNN that grow to its
-//                 largest call.
+//                 thread keeps scratch buffers that grow only when a
+//                 call larger than its earlier ones comes, and oneDNN
+//                 memory objects made once per block shape and re-pointed
+//                 at each call's buffers, so a call of a shape and size
+//                 this thread has run before allocates nothing in
+//                 attnkit (tests/kernels/linear_alloc_test.cc); oneDNN
+//                 2.6 still copies each block's arguments into a map of
+//                 its own when it runs it.
 //                 Falls back to dnnl_sgemm, then to the loop, for a block
 //                 oneDNN refuses (out of memory), and to the loop for
 //                 overlapping input rows (ldx < in_features), which BLAS
