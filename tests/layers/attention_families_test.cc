@@ -440,7 +440,11 @@ void check_cache(const Kind& kind, uint64_t seed) {
 void check_paged(const Kind& kind, uint64_t seed) {
   SCOPED_TRACE(kind.name);
   const AttentionConfig& c = kind.config;
-  auto [layer, w] = build(c, seed);
+  // Named members, not a structured binding: the lambda below captures the
+  // layer, which clang 14 refuses for bindings.
+  Built built = build(c, seed);
+  AttentionLayer& layer = built.layer;
+  const Weights& w = built.w;
   const std::vector<std::vector<int64_t>> steps = {{6, 3, 0}, {1, 2, 4}, {1, 1, 1}, {3, 0, 1},
                                                    {1, 1, 5}, {1, 1, 1}, {2, 1, 1}};
   std::vector<int64_t> lengths(3, 0);
