@@ -94,6 +94,13 @@ struct ModelShape {
   std::vector<LayerShape> layers;
   int64_t max_position_embeddings = 0;
   std::string source;  // where the numbers come from
+  // What the figures leave out, so that the tools can say so:
+  // quantization_config's quant_method ("" = none; weights are counted in
+  // the dtype a figure names, never quantized), and DeepSeek sparse
+  // attention's index_topk (0 = none; MLA is counted dense, without the
+  // indexer's keys or the top-k's saving).
+  std::string weight_quantization;
+  int64_t index_topk = 0;
 };
 
 // The layer `layer` of a model (a plain full-attention layer when

@@ -31,6 +31,7 @@ ModelShape attention_sizes(const LayerSpec& l) {
     s.rope_interleave = c.rope_interleave;
     s.head_dim = c.qk_head_dim();
     s.head_dim_v = c.v_head_dim;
+    s.index_topk = c.index_topk;
     return s;
   }
   const AttentionConfig& c = l.attention;
@@ -116,6 +117,7 @@ Result<ModelShape> model_shape_from_spec(const ModelSpec& spec) {
   m.model_type = spec.model_type;
   m.num_layers = spec.num_layers;
   m.max_position_embeddings = spec.max_position_embeddings;
+  m.weight_quantization = spec.quantization.quant_method;
   m.layers = std::move(layers);
   return m;
 }

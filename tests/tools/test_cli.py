@@ -626,6 +626,30 @@ KV_32K = {  # bf16 K/V of one sequence of 32768 tokens; kv heads x 2 x head_dim 
 DELTANET_STATE = (32 * 128 * 128 + 3 * (2 * 16 * 128 + 32 * 128)) * 4
 
 
+def test_analyze_says_what_its_figures_leave_out(tmp_path):
+    # gpt-oss ships MXFP4 experts: the figures count weights in the dtype
+    # each row names, and say so.
+    r = run("analyze", "--model", "gpt-oss-20b", *FIXED)
+    assert r.returncode == 0, r.stderr
+    assert "quantization_config mxfp4 is not applied here" in r.stdout
+    j = json.loads(run("analyze", "--model", "gpt-oss-20b", "--json", *FIXED).stdout)
+    assert j["model"]["weight_quantization"] == "mxfp4"
+    assert j["model"]["index_topk"] == 0
+    # DeepSeek-V3.2's indexer is not counted: analyze says so.
+    with open(os.path.join(os.path.dirname(__file__), "..", "data", "configs",
+                           "DeepSeek-V3.json")) as f:
+        cfg = json.load(f)
+    cfg.update(model_type="deepseek_v32", index_n_heads=64, index_head_dim=128,
+               index_topk=2048)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    r = run("analyze", "--config", str(path), *FIXED)
+    assert r.returncode == 0, r.stderr
+    assert "DeepSeek sparse attention (index_topk 2048) is counted as dense MLA" in r.stdout
+    r = run("analyze", "--model", "llama-3-8b", *FIXED)
+    assert "not applied" not in r.stdout and "sparse attention" not in r.stdout
+
+
 @pytest.mark.parametrize("preset", sorted(KV_32K))
 def test_analyze_new_presets_kv_layer_by_layer(preset):
     mix, kv = KV_32K[preset]

@@ -116,7 +116,9 @@ nlohmann::json model_json(const ModelShape& m) {
                       {"num_kv_heads", m.num_kv_heads},
                       {"head_dim", m.head_dim},
                       {"head_dim_v", m.head_dim_v},
-                      {"layer_mix", layer_mix(m)}};
+                      {"layer_mix", layer_mix(m)},
+                      {"weight_quantization", m.weight_quantization},
+                      {"index_topk", m.index_topk}};
   if (m.mla)
     j["mla"] = {{"q_lora_rank", m.q_lora_rank},
                 {"kv_lora_rank", m.kv_lora_rank},
@@ -247,6 +249,20 @@ Table sweep_table(const Analysis& a, const Options& o) {
   return t;
 }
 
+// What the config asks for that the figures do not count.
+void print_left_out(const ModelShape& m) {
+  if (!m.weight_quantization.empty())
+    std::printf(
+        "weights: quantization_config %s is not applied here; weights are counted in the "
+        "dtype each row names\n",
+        m.weight_quantization.c_str());
+  if (m.index_topk > 0)
+    std::printf(
+        "DeepSeek sparse attention (index_topk %lld) is counted as dense MLA: the "
+        "indexer's keys and the top-k's saving are not in these figures\n",
+        (long long)m.index_topk);
+}
+
 void print_text(const Analysis& a, const Options& o) {
   const ModelShape& m = a.m;
   std::printf("%s (%s, %s) — %s\n", m.name.c_str(), m.model_type.c_str(), variant_label(m).c_str(),
@@ -261,6 +277,7 @@ void print_text(const Analysis& a, const Options& o) {
         (long long)m.q_lora_rank, (long long)m.kv_lora_rank, (long long)m.qk_nope_head_dim,
         (long long)m.qk_rope_head_dim, m.rope_interleave ? "interleaved" : "half-split",
         (long long)m.v_head_dim);
+  print_left_out(m);
   std::printf("\n");
   std::fputs(main_table(a, o).str().c_str(), stdout);
   if (o.per_layer) {
