@@ -624,27 +624,29 @@ std::string ms(const ojson& stat, const char* key) {
 
 // Reads the flags into o (after checking what needs no model); false when
 // --help was printed.
+// What serve-bench --help says it does.
+constexpr const char* kAbout =
+    "Serves a stream of requests with continuous batching over a paged KV pool of a fixed\n"
+    "size, on this machine, for each attention variant of a model (as configured, GQA, MQA,\n"
+    "MLA), KV dtype, cache mode and memory budget, and reports what vLLM's benchmarks report:\n"
+    "output tokens/s, requests/s, time to first token (TTFT) and time per output token (TPOT)\n"
+    "as median, p90 and p99, plus the sequences that ran at once, the KV memory used and\n"
+    "reserved, and preemptions. The model is the config's first --layers layers, each of its\n"
+    "own kind (sliding, chunked, full, NoPE, sinks, gated output; Gated DeltaNet with a state\n"
+    "per sequence beside the pool), as the variant changes their kv heads (+ the config's\n"
+    "feed-forward with --mlp) with seeded random weights; nothing is sampled:\n"
+    "each generated token's input is the model's last output. Without --model or --config\n"
+    "the layer is compare's (d_model 2048, 32 heads of 64). docs/TOOL.md says how the\n"
+    "scheduler decides and what the figures include.";
+
 bool parse_options(int argc, char** argv, Options& o) {
-  Flags f(
-      "serve-bench",
-      "Serves a stream of requests with continuous batching over a paged KV pool of a fixed\n"
-      "size, on this machine, for each attention variant of a model (as configured, GQA, MQA,\n"
-      "MLA), KV dtype, cache mode and memory budget, and reports what vLLM's benchmarks report:\n"
-      "output tokens/s, requests/s, time to first token (TTFT) and time per output token (TPOT)\n"
-      "as median, p90 and p99, plus the sequences that ran at once, the KV memory used and\n"
-      "reserved, and preemptions. The model is the config's first --layers layers, each of its\n"
-      "own kind (sliding, chunked, full, NoPE, sinks, gated output; Gated DeltaNet with a state\n"
-      "per sequence beside the pool), as the variant changes their kv heads (+ the config's\n"
-      "feed-forward with --mlp) with seeded random weights; nothing is sampled:\n"
-      "each generated token's input is the model's last output. Without --model or --config\n"
-      "the layer is compare's (d_model 2048, 32 heads of 64). docs/TOOL.md says how the\n"
-      "scheduler decides and what the figures include.",
-      {"attnkit serve-bench",
-       "attnkit serve-bench --model llama-3-8b --layers 1 --memory 256MiB --cache paged,static",
-       "attnkit serve-bench --variants mha,gqa-8,mqa,mla --memory 16MiB,32MiB,64MiB --json > "
-       "serve.json && attnkit plot --input serve.json",
-       "attnkit serve-bench --trace requests.jsonl --kv-dtypes bf16,int8 --csv",
-       "attnkit serve-bench --model qwen3-next-80b-a3b --layers 4 --prompt-tokens 2048-4096"});
+  Flags f("serve-bench", kAbout,
+          {"attnkit serve-bench",
+           "attnkit serve-bench --model llama-3-8b --layers 1 --memory 256MiB --cache paged,static",
+           "attnkit serve-bench --variants mha,gqa-8,mqa,mla --memory 16MiB,32MiB,64MiB --json > "
+           "serve.json && attnkit plot --input serve.json",
+           "attnkit serve-bench --trace requests.jsonl --kv-dtypes bf16,int8 --csv",
+           "attnkit serve-bench --model qwen3-next-80b-a3b --layers 4 --prompt-tokens 2048-4096"});
   f.add_string("--model", &o.model, "a built-in preset (see attnkit presets)");
   f.add_string("--config", &o.config, "a Hugging Face config.json");
   f.add_int("--layers", &o.layers, "the config's first layers in the served stack (default 2)", 1);
