@@ -294,9 +294,27 @@ Status PagedKVCache::append(std::span<const int64_t> seq_ids,
     if (n == 0) continue;
     const int64_t len = seq->length;
     needed += (len + n + ps - 1) / ps - static_cast<int64_t>(seq->pages.size());
-    // A shared, partly filled last page is copied before the first write.
-    if (len % ps != 0 && refs_[static_cast<size_t>(seq->pages.back())] > 1) ++needed;
     tokens += n;
+    // A shared, partly filled last page is copied before the first write,
+    // by each writer while others still hold it: when every holder writes
+    // in this call, the last of them finds it its own and copies nothing.
+    // Counted once per page, at its first writer in the call.
+    if (len % ps == 0) continue;
+    const int32_t page = seq->pages.back();
+    const int64_t holders = refs_[static_cast<size_t>(page)];
+    if (holders < 2) continue;
+    bool first = true;
+    int64_t writers = 0;
+    for (size_t j = 0; j < seq_ids.size(); ++j) {
+      if (num_new_tokens[j] <= 0) continue;
+      const auto other = sequences_.find(seq_ids[j]);
+      if (other == sequences_.end() || other->second.length % ps == 0 ||
+          other->second.pages.back() != page)
+        continue;
+      first = first && j >= i;
+      ++writers;
+    }
+    if (first) needed += writers == holders ? writers - 1 : writers;
   }
   if (needed > free_pages())
     return resource_exhausted(f + ": out of pages: " + str(tokens) + " new tokens need " +

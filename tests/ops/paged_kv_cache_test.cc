@@ -511,6 +511,64 @@ TEST(PagedKVCache, ForkSharesPagesAndCopiesThePartlyFilledLastPageOnWrite) {
   EXPECT_EQ(pool.free_pages(), 10);
 }
 
+// Reserves `counts` new tokens for `ids` and writes their K/V (layer 0 of a
+// one-layer pool of kShapes[2]) without attending.
+attnkit::Status append_and_store(PagedKVCache& pool, std::vector<int64_t> ids,
+                                 std::vector<int64_t> counts) {
+  ATTNKIT_RETURN_IF_ERROR(pool.append(ids, counts));
+  std::vector<int32_t> cu{0};
+  for (int64_t c : counts) cu.push_back(cu.back() + int32_t(c));
+  const int64_t D = kShapes[2].head_dim;
+  std::vector<float> kv(size_t(cu.back() * D + 1), 0.25f);
+  const TensorView v = attnkit::make_view(kv.data(), DType::kF32, {cu.back(), 1, D});
+  return pool.store(0, v, v, cu, ids);
+}
+
+// A parent and its fork appended in one call share a partly filled last
+// page: the first to write copies it and the other then owns the original,
+// so one free page is enough.
+TEST(PagedKVCache, ForkAndParentAppendedTogetherCopyTheSharedPageOnce) {
+  auto pool = PagedKVCache::create(spec_for(kShapes[2], 1, 3, 4, DType::kF32, 0)).value();
+  const int64_t a = pool.add_sequence();
+  ASSERT_TRUE(append_and_store(pool, {a}, {6}).ok());  // one full page, one with 2 of 4
+  const int64_t b = pool.fork(a).value();
+  ASSERT_EQ(pool.free_pages(), 1);
+  const std::vector<int32_t> shared = pool.page_table(a).value();
+  const attnkit::Status st = append_and_store(pool, {a, b}, {1, 1});
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  EXPECT_EQ(pool.free_pages(), 0);
+  const std::vector<int32_t> ta = pool.page_table(a).value(), tb = pool.page_table(b).value();
+  EXPECT_EQ(ta[0], shared[0]);
+  EXPECT_EQ(tb[0], shared[0]);
+  EXPECT_NE(ta[1], tb[1]);  // one copied, the other kept the original
+  EXPECT_TRUE(ta[1] == shared[1] || tb[1] == shared[1]);
+  EXPECT_EQ(pool.length(a).value(), 7);
+  EXPECT_EQ(pool.length(b).value(), 7);
+}
+
+// A holder outside the call keeps the shared page, so every writer in the
+// call copies it; the count is exact both ways.
+TEST(PagedKVCache, ASharedPageHeldOutsideTheCallIsCopiedByEveryWriter) {
+  auto pool = PagedKVCache::create(spec_for(kShapes[2], 1, 4, 4, DType::kF32, 0)).value();
+  const int64_t a = pool.add_sequence();
+  ASSERT_TRUE(append_and_store(pool, {a}, {6}).ok());
+  const int64_t b = pool.fork(a).value();
+  const int64_t c = pool.fork(a).value();
+  ASSERT_EQ(pool.free_pages(), 2);
+  const int32_t original = pool.page_table(c).value()[1];
+  const attnkit::Status st = append_and_store(pool, {a, b}, {1, 1});  // two copies, two free pages
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  EXPECT_EQ(pool.free_pages(), 0);
+  EXPECT_NE(pool.page_table(a).value()[1], original);
+  EXPECT_NE(pool.page_table(b).value()[1], original);
+  EXPECT_EQ(pool.page_table(c).value()[1], original);
+  // c owns the original alone now: its next token needs no page.
+  EXPECT_TRUE(append_and_store(pool, {c}, {1}).ok());
+  // a's last page has room for one token; two need a page, and none is free.
+  EXPECT_EQ(pool.append(std::vector<int64_t>{a}, std::vector<int64_t>{2}).code(),
+            StatusCode::kResourceExhausted);
+}
+
 // store() writes a prefix's K/V without attending: a sequence restored
 // that way attends exactly like the one that computed them.
 TEST(PagedKVCache, StoredPrefixAttendsLikeAComputedOne) {
