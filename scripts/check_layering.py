@@ -44,8 +44,11 @@ FLOORS = [
      "public entry points that are not layers: sdpa, rope, KV caches, paged pool"),
     ("layers", ["src/layers"], ["core", "kernels", "io", "ops"], [],
      "AttentionLayer, LatentAttention, MoE: validate, build params, call ops and kernels"),
-    ("serve", ["src/serve"], ["core", "kernels", "ops", "layers"], [],
-     "the serving engine, once it moves into the library"),
+    ("model", ["src/model"], ["core", "kernels", "io", "ops", "layers"], [],
+     "a whole decoder (embedding, blocks as the model description says, final norm, LM "
+     "head) from a checkpoint"),
+    ("serve", ["src/serve"], ["core", "kernels", "ops", "layers", "model"], [],
+     "the serving engine: scheduler, prefix cache use, metrics, its random-weight fixture"),
     ("dist", ["src/dist"], [], ["src/core/check.h"],
      "attnkit::dist, a second library (MPI): the public API plus core/check.h, the one "
      "internal header shared on purpose (the argument checks, so that its messages read "
@@ -57,7 +60,7 @@ FLOORS = [
     ("fuzz", ["fuzz"], ["core", "kernels", "io", "ops", "tests"], [],
      "libFuzzer targets; white-box, and share tests/common/'s references"),
     ("tests", ["tests"],
-     ["core", "kernels", "io", "analysis", "ops", "layers", "serve", "dist"],
+     ["core", "kernels", "io", "analysis", "ops", "layers", "model", "serve", "dist"],
      ["tools/attnkit/serve_engine.h"],
      "white-box tests of every floor. Known exception, to be removed when the serving "
      "engine moves into the library (src/serve): tests/CMakeLists.txt compiles "
