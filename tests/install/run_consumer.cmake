@@ -14,6 +14,15 @@ if(EXISTS ${WORK_DIR}/prefix/bin/attnkit)
     endif()
   endforeach()
 endif()
+# The Python package, when it was built: importable from the prefix alone.
+if(PYTHON_PACKAGE_DIR)
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env --unset=PYTHONPATH
+                  ${PYTHON} ${CHECK_PYTHON} ${WORK_DIR}/prefix ${PYTHON_PACKAGE_DIR}
+                  ${PYTHON_DEFAULT_PREFIX} ${PYTHON_EXPECT_DIST} RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "the installed Python package failed its check: ${rc}")
+  endif()
+endif()
 # The README's C++ example is built and run as a second consumer, so that
 # what it shows stays valid.
 file(READ ${README} readme)
