@@ -8,6 +8,7 @@
 #include "attnkit/model_spec.h"
 #include "bindings.h"
 #include "numpy_util.h"
+#include "rope.h"
 
 namespace attnkit::python {
 namespace {
@@ -38,26 +39,12 @@ const char* qk_norm_name(QkNorm n) {
   return "unknown";
 }
 
-const char* scaling_name(RopeScaling::Type t) {
-  switch (t) {
-    case RopeScaling::Type::kNone:
-      return "none";
-    case RopeScaling::Type::kLinear:
-      return "linear";
-    case RopeScaling::Type::kLlama3:
-      return "llama3";
-    case RopeScaling::Type::kYarn:
-      return "yarn";
-  }
-  return "unknown";
-}
-
 py::dict rope_dict(const RopeConfig& r, int64_t rotary_dim_default) {
   py::dict d;
   d["theta"] = r.theta;
   d["rotary_dim"] = r.rotary_dim > 0 ? r.rotary_dim : rotary_dim_default;
   d["pairing"] = r.pairing == RopePairing::kInterleaved ? "interleaved" : "half_split";
-  d["scaling"] = scaling_name(r.scaling.type);
+  d["scaling"] = rope_type_name(r.scaling.type);
   if (r.scaling.type != RopeScaling::Type::kNone) d["factor"] = r.scaling.factor;
   return d;
 }
@@ -93,7 +80,7 @@ py::dict layer_dict(const LayerSpec& l) {
     rope["theta"] = m.rope_theta;
     rope["rotary_dim"] = m.qk_rope_head_dim;
     rope["pairing"] = m.rope_interleave ? "interleaved" : "half_split";
-    rope["scaling"] = scaling_name(m.rope_scaling.type);
+    rope["scaling"] = rope_type_name(m.rope_scaling.type);
     d["rope"] = rope;
   } else {
     const GatedDeltaNetConfig& g = l.linear;

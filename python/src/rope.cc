@@ -12,7 +12,6 @@
 #include "numpy_util.h"
 
 namespace attnkit::python {
-namespace {
 
 const char* rope_type_name(RopeScaling::Type t) {
   switch (t) {
@@ -27,6 +26,8 @@ const char* rope_type_name(RopeScaling::Type t) {
   }
   return "default";
 }
+
+namespace {
 
 py::object scaling_to_dict(const RopeScaling& s) {
   if (s.type == RopeScaling::Type::kNone) return py::none();

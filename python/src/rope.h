@@ -17,6 +17,10 @@ namespace attnkit::python {
 // in messages.
 RopeScaling parse_rope_scaling(pybind11::handle obj, const char* fn);
 
+// Hugging Face's rope_type of a scaling: "default" (none), "linear",
+// "llama3", "yarn". One vocabulary for every dict the bindings return.
+const char* rope_type_name(RopeScaling::Type t);
+
 // {head_dim, rotary_dim, theta, interleaved, scaling}: Rope.config and the
 // "rope" entry of AttentionLayer.config.
 pybind11::dict rope_config_to_dict(const RopeConfig& c);

@@ -46,7 +46,7 @@ def test_gemma3_wrapper_from_json_text_and_path():
             local = (i + 1) % 6 != 0
             assert layer["window"] == (1024 if local else 0)
             assert layer["rope"]["theta"] == (10000.0 if local else 1e6)
-            assert layer["rope"]["scaling"] == ("none" if local else "linear")
+            assert layer["rope"]["scaling"] == ("default" if local else "linear")
             assert layer["qk_norm"] == "rms_one_plus"
 
 
