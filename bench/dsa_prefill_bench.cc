@@ -3,18 +3,20 @@
 // attention (DSA), on this CPU (public API only, random data).
 //
 //   dsa_prefill_bench [--length 32768] [--segments 8] [--rows 64] [--reps 3]
-//                     [--dense-heads 32] [--threads 0]
+//                     [--dense-heads 32] [--threads 0] [--dsa-form absorbed|naive]
 //
 // dense: the naive form LatentAttention runs for a prefill from empty:
 //        sdpa, causal, per head q.k over 192 features and v of 128, every
 //        head its own K/V (so --dense-heads of the 128 are run and the time
 //        scaled by 128 / dense-heads: heads share nothing).
 // dsa:   lightning_indexer_topk (64 heads x 128 fp8 over every earlier
-//        indexer key, top 2048) + sdpa with key_indices in the absorbed form
-//        (128 heads over the 576-value latent rows, value = the first 512).
-// The projections are not timed: the dense form's decompression of the
-// latent rows and DSA's query absorption plus value expansion are the same
-// multiply-adds (S * H * (d_nope + d_v) * d_c), and the indexer's own
+//        indexer key, top 2048) + sdpa with key_indices, --dsa-form
+//        absorbed (the default, what LatentAttention runs: 128 heads over
+//        the 576-value latent rows, value = their first 512; 278,528 FLOPs
+//        per chosen pair) or naive (over the decompressed K/V dense uses,
+//        81,920 FLOPs per chosen pair, heads scaled as for dense).
+// The projections are not timed: both decompress every latent row once
+// (S * H * (d_nope + d_v) * d_c multiply-adds), and the indexer's own
 // projections add ~14M MACs a token (include/attnkit/analysis.h).
 //
 // A full 32K prefill runs for minutes on a small machine, so it is
@@ -66,12 +68,17 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 struct Options {
   int64_t length = 32768, segments = 8, rows = 64, dense_heads = 32;
   int reps = 3, threads = 0;
+  bool naive = false;  // --dsa-form naive
 };
 
 Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
+    if (a == "--dsa-form") {
+      o.naive = std::string(argv[i + 1]) == "naive";
+      continue;
+    }
     const int64_t v = std::stoll(argv[i + 1]);
     if (a == "--length") {
       o.length = v;
@@ -104,10 +111,11 @@ int main(int argc, char** argv) {
   const int64_t S = o.length, Hd = o.dense_heads, T = o.rows, seg = S / o.segments;
   std::printf(
       "# %s; prefill of %lld tokens, %lld segments x %lld timed rows; %d reps; threads %d"
-      " (0 = all); dense on %lld heads x %lld\n",
+      " (0 = all); dense on %lld heads x %lld; DSA %s\n",
       attnkit::bench::cpu_name().c_str(), static_cast<long long>(S),
       static_cast<long long>(o.segments), static_cast<long long>(T), o.reps, o.threads,
-      static_cast<long long>(Hd), static_cast<long long>(kHeads / Hd));
+      static_cast<long long>(Hd), static_cast<long long>(kHeads / Hd),
+      o.naive ? "naive" : "absorbed");
   Fill fill;
   // Dense, naive form: K [1, S, Hd, 192], V [1, S, Hd, 128], queries of T rows.
   std::vector<float> kd(static_cast<size_t>(S * Hd * kQk)), vd(static_cast<size_t>(S * Hd * kV));
@@ -115,13 +123,16 @@ int main(int argc, char** argv) {
   for (float& e : vd) e = fill.next();
   std::vector<float> qd(static_cast<size_t>(T * Hd * kQk)), od(static_cast<size_t>(T * Hd * kV));
   for (float& e : qd) e = fill.next() * 0.1f;
-  // DSA: latent rows [1, S, 1, 576], absorbed queries [1, T, 128, 576],
-  // indexer keys for every token and queries for T rows.
-  std::vector<float> lat(static_cast<size_t>(S * kRow));
-  for (float& e : lat) e = fill.next();
-  std::vector<float> qa(static_cast<size_t>(T * kHeads * kRow)),
-      oa(static_cast<size_t>(T * kHeads * kLatent));
-  for (float& e : qa) e = fill.next() * 0.05f;
+  // DSA, absorbed: latent rows [1, S, 1, 576], queries [1, T, 128, 576].
+  std::vector<float> lat, qa, oa;
+  if (!o.naive) {
+    lat.resize(static_cast<size_t>(S * kRow));
+    qa.resize(static_cast<size_t>(T * kHeads * kRow));
+    oa.resize(static_cast<size_t>(T * kHeads * kLatent));
+    for (float& e : lat) e = fill.next();
+    for (float& e : qa) e = fill.next() * 0.05f;
+  }
+  // Indexer keys for every token and indexer queries for T rows.
   std::vector<uint8_t> kc(static_cast<size_t>(S * kIndexDim)),
       qc(static_cast<size_t>(T * kIndexHeads * kIndexDim));
   for (auto& e : kc) e = static_cast<uint8_t>(fill.bits() % 0x7e);
@@ -153,9 +164,8 @@ int main(int argc, char** argv) {
   };
   double index_s = 0;
   const auto run_dsa = [&](int64_t end) {
-    TensorView k = make_view(lat.data(), DType::kF32, {1, end, 1, kRow});
-    TensorView v = make_view(lat.data(), DType::kF32, {1, end, 1, kLatent});
-    v.strides = k.strides;
+    TensorView k = make_view(kd.data(), DType::kF32, {1, end, Hd, kQk});
+    TensorView v = make_view(vd.data(), DType::kF32, {1, end, Hd, kV});
     const auto t0 = std::chrono::steady_clock::now();
     const attnkit::Status st = attnkit::lightning_indexer_topk(
         make_view(qc.data(), DType::kFp8E4M3, {1, T, kIndexHeads, kIndexDim}),
@@ -166,11 +176,22 @@ int main(int argc, char** argv) {
         make_view(idx.data(), DType::kI32, {1, T, kTopk}), {}, io);
     if (!st.ok()) std::abort();
     index_s = seconds_since(t0);
-    if (!attnkit::sdpa(make_view(qa.data(), DType::kF32, {1, T, kHeads, kRow}), k, v,
-                       make_view(oa.data(), DType::kF32, {1, T, kHeads, kLatent}), sparse)
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!o.naive) {
+      TensorView kl = make_view(lat.data(), DType::kF32, {1, end, 1, kRow});
+      TensorView vl = make_view(lat.data(), DType::kF32, {1, end, 1, kLatent});
+      vl.strides = kl.strides;
+      if (!attnkit::sdpa(make_view(qa.data(), DType::kF32, {1, T, kHeads, kRow}), kl, vl,
+                         make_view(oa.data(), DType::kF32, {1, T, kHeads, kLatent}), sparse)
+               .ok())
+        std::abort();
+      return index_s + seconds_since(t1);
+    }
+    if (!attnkit::sdpa(make_view(qd.data(), DType::kF32, {1, T, Hd, kQk}), k, v,
+                       make_view(od.data(), DType::kF32, {1, T, Hd, kV}), sparse)
              .ok())
       std::abort();
-    return seconds_since(t0);
+    return index_s + seconds_since(t1) * static_cast<double>(kHeads / Hd);
   };
 
   const double scale = static_cast<double>(seg) / static_cast<double>(T);

@@ -438,10 +438,16 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
   const bool widen_cache = cache && cache->dtype() != DType::kF32;
   // Sparse attention: the indexer keys are computed for every call (later
   // calls select among them); the selection runs only when some query sees
-  // more than index_topk keys, and then the absorbed form attends over it.
+  // more than index_topk keys, and then attention reads the selected keys
+  // only (absorbed, or naive when the caller forces it).
   const int64_t hi = c.index_n_heads, di = c.index_head_dim, nsc = di / kIndexerBlock;
   const bool select = c.sparse() && S > c.index_topk;
-  const MlaForm used = select ? MlaForm::kAbsorbed : chosen;
+  // A selecting call runs absorbed unless the caller asked for a form: the
+  // naive form would do 3.4x fewer FLOPs per chosen pair in a prefill, but
+  // with one query head per kv head the sparse kernel is bound by the
+  // latency of scattered row loads and measured ~7x slower than dense on
+  // a 2-vCPU Xeon (bench/dsa_prefill_bench --dsa-form naive, docs/MLA.md).
+  const MlaForm used = select && form == MlaForm::kAuto ? MlaForm::kAbsorbed : chosen;
   Scratch ik, iq, iw, iq_scales, ik_own;
   std::unique_ptr<uint8_t[]> iq_codes, ik_codes;
   std::unique_ptr<int32_t[]> picked;
@@ -603,7 +609,13 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
     prm.kv_dtype = DType::kF32;
     prm.out = o.data();
     prm.out_stride = strides4(T * H * dv, H * dv, dv);
-    ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, run.backend));
+    if (select) {
+      const kernels::KeyIndices sel{
+          picked.get(), {T * c.index_topk, c.index_topk, 1}, c.index_topk};
+      ATTNKIT_RETURN_IF_ERROR(kernels::run_sparse_attention(prm, sel, run.backend));
+    } else {
+      ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, run.backend));
+    }
   } else {
     absorb_queries(q.data(), rows, qa.data(), run);
     // One kv head: key = the whole latent row, value = its first d_c values.

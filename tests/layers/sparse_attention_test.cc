@@ -364,6 +364,17 @@ TEST_P(SparseLatentAttention, PrefillAndDecodeMatchFloat64Reference) {
                            make_view(out.data(), DType::kF32, {B, S, d}), {}, nullptr, run)
                   .ok());
   EXPECT_TRUE(rel_close("prefill", out.data(), ref.data(), out.size()));
+  // Both forms over the selection (kAuto takes the absorbed one).
+  for (MlaForm form : {MlaForm::kNaive, MlaForm::kAbsorbed}) {
+    std::vector<float> forced(x.size());
+    ASSERT_TRUE(layer
+                    .forward(make_view(const_cast<float*>(x.data()), DType::kF32, {B, S, d}),
+                             make_view(forced.data(), DType::kF32, {B, S, d}), {}, nullptr, run,
+                             form)
+                    .ok());
+    EXPECT_TRUE(rel_close(form == MlaForm::kNaive ? "naive prefill" : "absorbed prefill",
+                          forced.data(), ref.data(), forced.size()));
+  }
 
   // Prefill P tokens into a cache, then decode one token at a time.
   Result<LatentCache> cache = layer.new_cache(B, S);
