@@ -848,3 +848,19 @@ def test_analyze_deepseek_v32_dense_vs_dsa():
             assert (x["dsa_" + name] < dense) == cheaper, (name, ctx)
     assert "dsa" not in json.loads(run("analyze", "--model", "deepseek-v3", "--json",
                                        *FIXED).stdout)
+
+
+def test_plan_estimates_deepseek_v32_on_its_sparse_path():
+    """plan's decode step for a DSA model is the roofline of the DSA figures
+    analyze reports, not of dense MLA's."""
+    r = run("plan", "--model", "deepseek-v3.2", "--memory", "64GiB", "--batch", "1", "--json",
+            *FIXED)
+    assert r.returncode == 0, r.stderr
+    p = next(x for x in json.loads(r.stdout)["rows"] if x["kv_dtype"] == "bf16")
+    assert p["context"] == 163840  # the model's limit; estimate there
+    row = next(x for x in json.loads(run(
+        "analyze", "--model", "deepseek-v3.2", "--context", "163840", "--json",
+        *FIXED).stdout)["dsa"]["rows"] if x["context"] == 163840)
+    want = max(row["dsa_decode_flops"] / 300e9, row["dsa_decode_bytes"] / 35e9)
+    assert p["decode_step_seconds"] == pytest.approx(want)
+    assert want < max(row["dense_decode_flops"] / 300e9, row["dense_decode_bytes"] / 35e9) / 5
