@@ -96,11 +96,16 @@ struct ModelShape {
   std::string source;  // where the numbers come from
   // What the figures leave out, so that the tools can say so:
   // quantization_config's quant_method ("" = none; weights are counted in
-  // the dtype a figure names, never quantized), and DeepSeek sparse
-  // attention's index_topk (0 = none; MLA is counted dense, without the
-  // indexer's keys or the top-k's saving).
+  // the dtype a figure names, never quantized).
   std::string weight_quantization;
+  // DeepSeek sparse attention (DSA, deepseek_v32): index_topk > 0 gives
+  // every MLA layer a lightning indexer of index_n_heads heads of
+  // index_head_dim. The figures above count such a model as dense MLA,
+  // except its cache bytes, which hold the indexer keys too; dsa_* below
+  // count the sparse path.
   int64_t index_topk = 0;
+  int64_t index_n_heads = 0;
+  int64_t index_head_dim = 0;
 };
 
 // The layer `layer` of a model (a plain full-attention layer when
@@ -216,6 +221,47 @@ struct LayerGroupFigures {
 };
 std::vector<LayerGroupFigures> layer_group_figures(const ModelShape& m, DType kv_dtype,
                                                    int64_t context, int64_t batch);
+
+// DeepSeek sparse attention against dense MLA, per DSA layer (model
+// with index_topk = k > 0; Hi = index_n_heads, Di = index_head_dim):
+// - indexer weights: wq_b [Hi*Di, q_lora_rank], wk [Di, hidden], k_norm
+//   gain and bias [Di] each, weights_proj [Hi, hidden];
+// - indexer key per token: Di fp8 codes + one f32 scale per 128 values,
+//   stored beside the latent row (counted in kv_bytes_per_token and
+//   kv_cache_bytes of such a model);
+// - a call in which no query sees more than k keys runs dense MLA's path
+//   plus the new tokens' indexer keys (2 * Di * hidden FLOPs a token);
+// - otherwise per query over L visible keys: the indexer's projections
+//   (2 * its weights), its scores 2 * Hi * Di * L + 2 * Hi * L (dot
+//   products, then the weighted sum of the ReLUs), and absorbed MLA over
+//   the min(k, L) chosen rows, 2 * H * (2 d_c + d_r) FLOPs each; a decode
+//   step reads the weights (dense + indexer) once and, per sequence, L
+//   indexer keys plus k latent rows. Prefill over S tokens scores every
+//   causal pair with the indexer and attends to sum_t min(k, t + 1) pairs,
+//   against dense MLA's prefill (naive form) above. The top-k selection
+//   itself (O(L) compares) is not counted, as no elementwise work is.
+int64_t indexer_params(const ModelShape& m);
+int64_t indexer_key_bytes_per_token(const ModelShape& m);
+
+// One DSA layer at a context, for `batch` sequences, dense vs sparse.
+struct DsaLayerFigures {
+  int64_t context = 0;
+  double dense_prefill_flops = 0, dsa_prefill_flops = 0;  // prefill of `context` tokens
+  double dense_decode_flops = 0, dsa_decode_flops = 0;    // one decode step at `context`
+  double dsa_indexer_decode_flops = 0;                    // of which the indexer's scores
+  double dense_decode_bytes = 0, dsa_decode_bytes = 0;    // what that step reads
+};
+DsaLayerFigures dsa_layer_figures(const ModelShape& m, int64_t context, int64_t batch,
+                                  DType kv_dtype, DType weight_dtype);
+
+// The smallest context at which DSA costs less than dense MLA by each
+// measure (decode FLOPs, decode bytes at `batch`, prefill FLOPs), or 0
+// when it does not below 2^40 tokens. DSA never pays at or below
+// index_topk (it runs the dense path and computes the keys too).
+struct DsaCrossover {
+  int64_t decode_flops = 0, decode_bytes = 0, prefill_flops = 0;
+};
+DsaCrossover dsa_crossover(const ModelShape& m, int64_t batch, DType kv_dtype, DType weight_dtype);
 
 // "What if" variants of a model, as in the seeds' sweeps.
 // Both keep every layer's kind, window and chunk.

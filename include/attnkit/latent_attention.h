@@ -180,9 +180,9 @@ class LatentAttention {
   // earlier tokens (docs/MLA.md explains the cost model).
   MlaForm choose_form(int64_t new_tokens, int64_t cached_tokens) const;
 
-  // A pool in the latent layout (dense MLA only: sparse attention's indexer
-  // keys have no place in a pool yet, so a sparse config is refused) (kv_lora_rank +
-  // qk_rope_head_dim values per token and layer) with num_layers layers, for forward_batch().
+  // A pool in the latent layout (kv_lora_rank + qk_rope_head_dim values per
+  // token and layer; with sparse attention also the indexer key,
+  // PagedKVCacheSpec::index_head_dim) with num_layers layers, for forward_batch().
   Result<PagedKVCache> new_paged_cache(int64_t num_pages, int64_t page_size = 16,
                                        int64_t num_layers = 1, DType dtype = DType::kF32) const;
 
@@ -192,8 +192,14 @@ class LatentAttention {
   // cu_seqlens_q[s + 1]) = its reserved tokens that layer `layer_index`
   // has not written, at positions written(id, layer) + i. Attention runs in
   // the absorbed form over the latent pages (every step, decode or prompt);
-  // projections are GEMMs over all rows, never the one-row GEMV. A failed
-  // call changes neither out nor the pool.
+  // projections are GEMMs over all rows, never the one-row GEMV. With
+  // sparse attention the pool must carry indexer keys (index_head_dim as
+  // the config's): the new tokens' keys are stored in their slots, and
+  // when some sequence then holds more than index_topk tokens, each query
+  // attends to its sequence's top-k only (the indexer over that sequence's
+  // keys, gathered from its pages; the latent rows read in place through
+  // the page table); otherwise dense attention as above. A failed call
+  // changes neither out nor the pool.
   Status forward_batch(const TensorView& x, std::span<const int32_t> cu_seqlens_q,
                        std::span<const int64_t> seq_ids, PagedKVCache& cache, int64_t layer_index,
                        const TensorView& out, const RunOptions& run = {});
@@ -217,6 +223,17 @@ class LatentAttention {
   Status index_keys(const float* x, int64_t B, int64_t T, std::span<const int64_t> positions,
                     const RunOptions& run, float* ik, uint8_t* codes, int64_t codes_bs,
                     int64_t codes_rs, float* scales, int64_t scales_bs, int64_t scales_rs) const;
+  // forward_batch's sparse attention: stores the indexer keys of the new
+  // rows (x [total, hidden], positions [total]) in the pool; when some
+  // sequence holds more than index_topk tokens, selects each query's keys,
+  // stores the new latent rows kv_new [total, d_c + d_r] and attends from
+  // the absorbed queries qa [total, H, d_c + d_r] into oa [total, H, d_c],
+  // setting *attended; else leaves the attention to the caller.
+  Status attend_paged_sparse(const float* x, const float* cq, std::span<const int64_t> positions,
+                             std::span<const int32_t> cu_seqlens_q,
+                             std::span<const int64_t> seq_ids, PagedKVCache& cache, int64_t layer,
+                             const float* qa, const float* kv_new, float* oa, const RunOptions& run,
+                             bool* attended) const;
   // Sparse attention: indexer queries (codes [B*T, Hi, Di], scales
   // [B*T, Hi, Di / 128]) and head weights w [B*T, Hi] from x and the normed
   // compressed query cq [B*T, d_q]; iq [B*T, Hi, Di] is scratch.

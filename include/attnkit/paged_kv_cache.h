@@ -84,6 +84,14 @@ struct PagedKVCacheSpec {
   // layers of different kinds leaves both 0 and each attend() call passes
   // its layer's window_size / chunk_size in its options.
   int64_t chunk_size = 0;
+  // DeepSeek sparse attention (latent layout only): 0 = none, else each
+  // token slot of each layer also holds the lightning indexer's key,
+  // index_head_dim fp8 E4M3 codes and index_head_dim / 128 f32 scales
+  // (index_head_dim a multiple of 128), in the same pages: freed, forked
+  // and copied on write with the latent rows. Written by the layer
+  // (LatentAttention::forward_batch) through index_keys() /
+  // index_scales(); attend() and store() do not touch them.
+  int64_t index_head_dim = 0;
 
   bool latent() const { return kv_lora_rank > 0; }
 };
@@ -155,6 +163,12 @@ class PagedKVCache {
   // an absent view for f32 and bf16.
   Result<TensorView> key_scales(int64_t layer) const;
   Result<TensorView> value_scales(int64_t layer) const;
+  // The indexer keys of the same rows (spec.index_head_dim > 0, else an
+  // absent view): codes [num_pages * page_size, index_head_dim] fp8_e4m3
+  // and scales [num_pages * page_size, index_head_dim / 128] f32,
+  // contiguous and writable.
+  Result<TensorView> index_keys(int64_t layer) const;
+  Result<TensorView> index_scales(int64_t layer) const;
 
   // Batch attention over the pool, one call per layer and step (FlashInfer's
   // BatchPrefillWithPagedKVCache). For the n = seq_ids.size() sequences:
@@ -243,6 +257,8 @@ class PagedKVCache {
   std::unordered_map<int64_t, Sequence> sequences_;
   int64_t next_id_ = 0;
   std::unique_ptr<AttendScratch> scratch_;
+  // Per layer when spec_.index_head_dim > 0: the indexer keys' codes and scales.
+  std::vector<Tensor> index_codes_, index_scales_;
 };
 
 // attnkit.batch_attention's C++ name: cache.attend(layer, ...).

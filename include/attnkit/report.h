@@ -76,7 +76,9 @@ struct CompareConclusions {
 CompareConclusions conclude_comparison(const std::vector<VariantTiming>& rows, DType kv);
 
 // The roofline estimate of one decode step of a whole model: the slower of
-// reading its bytes at `read_gbps` and doing its FLOPs at `peak_gflops`.
+// reading its bytes at `read_gbps` and doing its FLOPs at `peak_gflops`. A
+// DeepSeek sparse attention model (index_topk > 0) is estimated on its
+// sparse path (dsa_layer_figures, analysis.h).
 struct DecodeEstimate {
   double seconds = 0, flops = 0, bytes = 0;
   bool memory_bound = false;  // reading takes at least as long as computing

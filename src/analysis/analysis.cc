@@ -6,6 +6,7 @@
 
 #include "attnkit/analysis.h"
 #include "attnkit/kv_cache.h"
+#include "attnkit/sparse_attention.h"
 
 namespace attnkit {
 bool LayerShape::operator==(const LayerShape& o) const {
@@ -160,13 +161,20 @@ int64_t kv_token_layer_bytes(const ModelShape& m, DType kv_dtype, bool mla_laten
   return values + 4 * rows;
 }
 
+// What a cache stores per token and layer: the K/V (or latent) bytes and,
+// beside a DSA model's latent row, its indexer key.
+int64_t stored_token_layer_bytes(const ModelShape& m, DType kv_dtype, bool mla_latent) {
+  return kv_token_layer_bytes(m, kv_dtype, mla_latent) +
+         (m.mla && mla_latent ? indexer_key_bytes_per_token(m) : 0);
+}
+
 }  // namespace
 
 int64_t kv_bytes_per_token(const ModelShape& m, DType kv_dtype, bool mla_latent) {
   int64_t layers = 0;
   for (int64_t l = 0; l < m.num_layers; ++l)
     layers += layer_shape(m, l).kind == MixerKind::kAttention ? 1 : 0;
-  return kv_token_layer_bytes(m, kv_dtype, mla_latent) * layers;
+  return stored_token_layer_bytes(m, kv_dtype, mla_latent) * layers;
 }
 
 double kv_cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int64_t batch,
@@ -175,7 +183,7 @@ double kv_cache_bytes(const ModelShape& m, DType kv_dtype, int64_t context, int6
   // layer (sizes are capped at 2^20 by the parsers) x 2^63 tokens x 2^20
   // layers = 2^126. Times the batch in double: a product below 2^53 is
   // exact, a larger one is within two roundings of the truth.
-  const __int128 per_token_layer = kv_token_layer_bytes(m, kv_dtype, mla_latent);
+  const __int128 per_token_layer = stored_token_layer_bytes(m, kv_dtype, mla_latent);
   __int128 per_sequence = 0;
   for (int64_t l = 0; l < m.num_layers; ++l)
     per_sequence += per_token_layer * tokens_held(m, l, context);
@@ -300,7 +308,7 @@ std::vector<LayerGroupFigures> layer_group_figures(const ModelShape& m, DType kv
                                                    int64_t context, int64_t batch) {
   std::vector<LayerGroupFigures> out;
   const double b = static_cast<double>(batch);
-  const double per_token = static_cast<double>(kv_token_layer_bytes(m, kv_dtype, true));
+  const double per_token = static_cast<double>(stored_token_layer_bytes(m, kv_dtype, true));
   for (const LayerGroup& g : layer_groups(m)) {
     LayerGroupFigures f;
     f.label = g.label;
@@ -318,6 +326,110 @@ std::vector<LayerGroupFigures> layer_group_figures(const ModelShape& m, DType kv
     out.push_back(f);
   }
   return out;
+}
+
+namespace {
+
+bool is_dsa(const ModelShape& m) { return m.mla && m.index_topk > 0 && m.index_n_heads > 0; }
+
+// The indexer key's own weights (wk, k_norm gain and bias): what a call
+// that selects nothing still runs for its new tokens.
+int64_t indexer_key_params(const ModelShape& m) {
+  return m.index_head_dim * m.hidden_size + 2 * m.index_head_dim;
+}
+
+// FLOPs of the indexer's scores for one query over L keys.
+double indexer_score_flops(const ModelShape& m, double keys) {
+  const double hi = static_cast<double>(m.index_n_heads);
+  return (2.0 * hi * static_cast<double>(m.index_head_dim) + 2.0 * hi) * keys;
+}
+
+// FLOPs of absorbed MLA per (query, chosen key).
+double absorbed_pair_flops(const ModelShape& m) {
+  return 2.0 * static_cast<double>(m.num_heads) *
+         static_cast<double>(2 * m.kv_lora_rank + m.qk_rope_head_dim);
+}
+
+}  // namespace
+
+int64_t indexer_params(const ModelShape& m) {
+  if (!is_dsa(m)) return 0;
+  return m.index_n_heads * m.index_head_dim * m.q_lora_rank + indexer_key_params(m) +
+         m.index_n_heads * m.hidden_size;
+}
+
+int64_t indexer_key_bytes_per_token(const ModelShape& m) {
+  if (!is_dsa(m)) return 0;
+  return m.index_head_dim + 4 * (m.index_head_dim / kIndexerBlock);
+}
+
+DsaLayerFigures dsa_layer_figures(const ModelShape& m, int64_t context, int64_t batch,
+                                  DType kv_dtype, DType weight_dtype) {
+  DsaLayerFigures f;
+  f.context = context;
+  const double b = static_cast<double>(batch), S = static_cast<double>(context);
+  f.dense_prefill_flops = prefill_flops_per_layer(m, context) * b;
+  f.dense_decode_flops = decode_flops_per_layer(m, context) * b;
+  f.dense_decode_bytes = decode_bytes_per_layer(m, context, batch, kv_dtype, weight_dtype);
+  const double wsize = static_cast<double>(dtype_size(weight_dtype));
+  const double key_flops = 2.0 * static_cast<double>(indexer_key_params(m));
+  if (context <= m.index_topk) {
+    // Nothing to select: dense MLA plus the new tokens' indexer keys.
+    f.dsa_prefill_flops = f.dense_prefill_flops + key_flops * S * b;
+    f.dsa_decode_flops = f.dense_decode_flops + key_flops * b;
+    f.dsa_decode_bytes = f.dense_decode_bytes + static_cast<double>(indexer_key_params(m)) * wsize;
+    return f;
+  }
+  const double params = static_cast<double>(layer_params(m, 0) + indexer_params(m));
+  const double k = static_cast<double>(m.index_topk);
+  const double chosen_pairs = sq_pairs(k) + (S - k) * k;  // sum_t min(k, t + 1)
+  f.dsa_prefill_flops = (2.0 * S * params + indexer_score_flops(m, sq_pairs(S)) +
+                         absorbed_pair_flops(m) * chosen_pairs) *
+                        b;
+  f.dsa_indexer_decode_flops = indexer_score_flops(m, S) * b;
+  f.dsa_decode_flops = (2.0 * params + absorbed_pair_flops(m) * k) * b + f.dsa_indexer_decode_flops;
+  const double latent_row = static_cast<double>(kv_token_layer_bytes(m, kv_dtype, true));
+  f.dsa_decode_bytes =
+      params * wsize +
+      b * (S * static_cast<double>(indexer_key_bytes_per_token(m)) + k * latent_row);
+  return f;
+}
+
+namespace {
+
+// The smallest context in (index_topk, 2^40] where `cheaper` holds, or 0:
+// past index_topk the dense cost grows faster per token than DSA's, so
+// once DSA is cheaper it stays cheaper (a bisection).
+template <typename F>
+int64_t first_context_where(const ModelShape& m, const F& cheaper) {
+  int64_t lo = m.index_topk, hi = int64_t{1} << 40;  // cheaper(lo) false
+  if (!cheaper(hi)) return 0;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (cheaper(mid) ? hi : lo) = mid;
+  }
+  return hi;
+}
+
+}  // namespace
+
+DsaCrossover dsa_crossover(const ModelShape& m, int64_t batch, DType kv_dtype, DType weight_dtype) {
+  DsaCrossover c;
+  if (!is_dsa(m)) return c;
+  const auto at = [&](int64_t L) { return dsa_layer_figures(m, L, batch, kv_dtype, weight_dtype); };
+  c.decode_flops = first_context_where(m, [&](int64_t L) {
+    const DsaLayerFigures f = at(L);
+    return f.dsa_decode_flops < f.dense_decode_flops;
+  });
+  c.decode_bytes = first_context_where(m, [&](int64_t L) {
+    const DsaLayerFigures f = at(L);
+    return f.dsa_decode_bytes < f.dense_decode_bytes;
+  });
+  c.prefill_flops = first_context_where(m, [&](int64_t L) {
+    const DsaLayerFigures f = at(L);
+    return f.dsa_prefill_flops < f.dense_prefill_flops;
+  });
+  return c;
 }
 
 std::vector<int64_t> valid_kv_head_counts(int64_t num_heads) {

@@ -32,6 +32,10 @@ ModelShape attention_sizes(const LayerSpec& l) {
     s.head_dim = c.qk_head_dim();
     s.head_dim_v = c.v_head_dim;
     s.index_topk = c.index_topk;
+    if (c.sparse()) {
+      s.index_n_heads = c.index_n_heads;
+      s.index_head_dim = c.index_head_dim;
+    }
     return s;
   }
   const AttentionConfig& c = l.attention;

@@ -84,6 +84,17 @@ constexpr Preset kPresets[] = {
          "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_theta": 10000,
          "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}})"},
+    // DeepSeek-V3.2-Exp's config.json (https://huggingface.co/deepseek-ai/
+    // DeepSeek-V3.2-Exp/blob/main/config.json; DeepSeek-V3.2 has the same
+    // attention): DeepSeek-V3's shape plus the lightning indexer.
+    {"DeepSeek-V3.2", "deepseek-ai/DeepSeek-V3.2-Exp",
+     R"({"model_type": "deepseek_v32", "hidden_size": 7168, "num_attention_heads": 128,
+         "num_key_value_heads": 128, "num_hidden_layers": 61, "max_position_embeddings": 163840,
+         "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+         "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_theta": 10000,
+         "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
+         "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}})"},
     {"Kimi-K2", "moonshotai/Kimi-K2-Instruct",
      R"({"model_type": "kimi_k2", "hidden_size": 7168, "num_attention_heads": 64,
          "num_key_value_heads": 64, "num_hidden_layers": 61, "max_position_embeddings": 131072,

@@ -76,6 +76,13 @@ DecodeEstimate estimate_decode_step(const ModelShape& m, int64_t context, int64_
   DecodeEstimate e;
   e.flops = t.decode_flops;
   e.bytes = t.decode_bytes;
+  if (m.index_topk > 0 && m.index_n_heads > 0) {
+    // DeepSeek sparse attention: every layer is an MLA layer on its sparse
+    // path (dsa_layer_figures), not dense MLA.
+    const DsaLayerFigures f = dsa_layer_figures(m, context, batch, kv, weights);
+    e.flops = f.dsa_decode_flops * static_cast<double>(m.num_layers);
+    e.bytes = f.dsa_decode_bytes * static_cast<double>(m.num_layers);
+  }
   const double read_s = e.bytes / (read_gbps * 1e9), compute_s = e.flops / (peak_gflops * 1e9);
   e.seconds = std::max(read_s, compute_s);
   e.memory_bound = read_s >= compute_s;

@@ -438,10 +438,16 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
   const bool widen_cache = cache && cache->dtype() != DType::kF32;
   // Sparse attention: the indexer keys are computed for every call (later
   // calls select among them); the selection runs only when some query sees
-  // more than index_topk keys, and then the absorbed form attends over it.
+  // more than index_topk keys, and then attention reads the selected keys
+  // only (absorbed, or naive when the caller forces it).
   const int64_t hi = c.index_n_heads, di = c.index_head_dim, nsc = di / kIndexerBlock;
   const bool select = c.sparse() && S > c.index_topk;
-  const MlaForm used = select ? MlaForm::kAbsorbed : chosen;
+  // A selecting call runs absorbed unless the caller asked for a form: the
+  // naive form would do 3.4x fewer FLOPs per chosen pair in a prefill, but
+  // with one query head per kv head the sparse kernel is bound by the
+  // latency of scattered row loads and measured ~7x slower than dense on
+  // a 2-vCPU Xeon (bench/dsa_prefill_bench --dsa-form naive, docs/MLA.md).
+  const MlaForm used = select && form == MlaForm::kAuto ? MlaForm::kAbsorbed : chosen;
   Scratch ik, iq, iw, iq_scales, ik_own;
   std::unique_ptr<uint8_t[]> iq_codes, ik_codes;
   std::unique_ptr<int32_t[]> picked;
@@ -603,7 +609,13 @@ Status LatentAttention::forward(const TensorView& x, const TensorView& out,
     prm.kv_dtype = DType::kF32;
     prm.out = o.data();
     prm.out_stride = strides4(T * H * dv, H * dv, dv);
-    ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, run.backend));
+    if (select) {
+      const kernels::KeyIndices sel{
+          picked.get(), {T * c.index_topk, c.index_topk, 1}, c.index_topk};
+      ATTNKIT_RETURN_IF_ERROR(kernels::run_sparse_attention(prm, sel, run.backend));
+    } else {
+      ATTNKIT_RETURN_IF_ERROR(kernels::run_attention(prm, run.backend));
+    }
   } else {
     absorb_queries(q.data(), rows, qa.data(), run);
     // One kv head: key = the whole latent row, value = its first d_c values.
@@ -781,12 +793,8 @@ void LatentAttention::expand_values(const float* oa, int64_t rows, float* o, con
 
 Result<PagedKVCache> LatentAttention::new_paged_cache(int64_t num_pages, int64_t page_size,
                                                       int64_t num_layers, DType dtype) const {
-  if (config_.sparse())
-    return invalid_argument(std::string(kNewPagedCache) + ": sparse attention (index_n_heads = " +
-                            std::to_string(config_.index_n_heads) +
-                            ") is not supported on paged pools yet (the pool has no place for "
-                            "the indexer keys); use new_cache()");
   PagedKVCacheSpec spec;
+  spec.index_head_dim = config_.sparse() ? config_.index_head_dim : 0;
   spec.num_layers = num_layers;
   spec.num_pages = num_pages;
   spec.page_size = page_size;
@@ -806,11 +814,6 @@ Status LatentAttention::forward_batch(const TensorView& x, std::span<const int32
   const std::string f = kForwardBatch;
   const MlaConfig& c = config_;
   if (!loaded_) return invalid_argument(f + ": no weights loaded (call load_weights first)");
-  if (c.sparse())
-    return invalid_argument(
-        f + ": sparse attention (index_n_heads = " + std::to_string(c.index_n_heads) +
-        ") is not supported on paged pools yet (the pool has no place for "
-        "the indexer keys); use forward() with a LatentCache");
   ATTNKIT_RETURN_IF_ERROR(check::view(kForwardBatch, "x", x, 2, {DType::kF32}));
   ATTNKIT_RETURN_IF_ERROR(check::view(kForwardBatch, "out", out, 2, {DType::kF32}));
   const int64_t total = x.shape[0];
@@ -836,6 +839,12 @@ Status LatentAttention::forward_batch(const TensorView& x, std::span<const int32
   if (s.sliding_window != 0)
     return invalid_argument(f + ": cache spec.sliding_window = " +
                             std::to_string(s.sliding_window) + " must be 0 (MLA has no window)");
+  if (c.sparse() && s.index_head_dim != c.index_head_dim)
+    return invalid_argument(f +
+                            ": cache spec.index_head_dim = " + std::to_string(s.index_head_dim) +
+                            " must equal index_head_dim = " + std::to_string(c.index_head_dim) +
+                            " (sparse attention stores its indexer keys in the pool; make the "
+                            "pool with new_paged_cache)");
   ATTNKIT_ASSIGN_OR_RETURN(
       std::vector<int64_t> positions,
       paged_positions(kForwardBatch, cu_seqlens_q, seq_ids, cache, layer_index, total));
@@ -856,19 +865,184 @@ Status LatentAttention::forward_batch(const TensorView& x, std::span<const int32
   ATTNKIT_RETURN_IF_ERROR(project(x.ptr<const float>(), 1, total, positions, run,
                                   /*gemv_for_one_row=*/false, cq.data(), q.data(), kv_new.data()));
   absorb_queries(q.data(), total, qa.data(), run);
-  AttentionOptions opt;
-  opt.softmax_scale = static_cast<float>(softmax_scale_);
-  opt.backend = run.backend;
-  opt.num_threads = run.num_threads;
-  Status st =
-      cache.attend(layer_index, make_view(qa.data(), DType::kF32, {total, H, dkv}),
-                   make_view(kv_new.data(), DType::kF32, {total, 1, dkv}), TensorView{},
-                   cu_seqlens_q, seq_ids, make_view(oa.data(), DType::kF32, {total, H, dc}), opt);
-  if (!st.ok()) return Status(st.code(), f + ": " + st.message());
+  bool attended = false;
+  if (c.sparse())
+    ATTNKIT_RETURN_IF_ERROR(attend_paged_sparse(
+        x.ptr<const float>(), cq.data(), positions, cu_seqlens_q, seq_ids, cache, layer_index,
+        qa.data(), kv_new.data(), oa.data(), run, &attended));
+  if (!attended) {
+    AttentionOptions opt;
+    opt.softmax_scale = static_cast<float>(softmax_scale_);
+    opt.backend = run.backend;
+    opt.num_threads = run.num_threads;
+    Status st =
+        cache.attend(layer_index, make_view(qa.data(), DType::kF32, {total, H, dkv}),
+                     make_view(kv_new.data(), DType::kF32, {total, 1, dkv}), TensorView{},
+                     cu_seqlens_q, seq_ids, make_view(oa.data(), DType::kF32, {total, H, dc}), opt);
+    if (!st.ok()) return Status(st.code(), f + ": " + st.message());
+  }
   expand_values(oa.data(), total, o.data(), run, /*gemv_for_one_row=*/false);
   const kernels::LinearOptions lin{.num_threads = run.num_threads, .backend = run.backend};
   kernels::linear(o.data(), H * dv, kernels::weight_of(w_.o), nullptr, out.ptr<float>(), d, total,
                   d, H * dv, lin);
+  return Status::Ok();
+}
+
+Status LatentAttention::attend_paged_sparse(const float* x, const float* cq,
+                                            std::span<const int64_t> positions,
+                                            std::span<const int32_t> cu_seqlens_q,
+                                            std::span<const int64_t> seq_ids, PagedKVCache& cache,
+                                            int64_t layer, const float* qa, const float* kv_new,
+                                            float* oa, const RunOptions& run,
+                                            bool* attended) const {
+  const std::string f = kForwardBatch;
+  const MlaConfig& c = config_;
+  const int64_t n = static_cast<int64_t>(seq_ids.size()), total = cu_seqlens_q[seq_ids.size()];
+  const int64_t H = c.num_attention_heads, dc = c.kv_lora_rank, dkv = dc + c.qk_rope_head_dim;
+  const int64_t hi = c.index_n_heads, di = c.index_head_dim, nsc = di / kIndexerBlock,
+                topk = c.index_topk, ps = cache.spec().page_size;
+  // Per sequence: its new rows, its length once they are in, its pages.
+  std::vector<int32_t> rows(static_cast<size_t>(n)), len(static_cast<size_t>(n));
+  std::vector<std::vector<int32_t>> tables(static_cast<size_t>(n));
+  int64_t max_rows = 0, max_len = 0, max_pages = 0;
+  bool select = false;
+  for (int64_t s = 0; s < n; ++s) {
+    const size_t si = static_cast<size_t>(s);
+    ATTNKIT_ASSIGN_OR_RETURN(tables[si], cache.page_table(seq_ids[si]));
+    rows[si] = cu_seqlens_q[si + 1] - cu_seqlens_q[si];
+    len[si] =
+        rows[si] > 0
+            ? static_cast<int32_t>(positions[static_cast<size_t>(cu_seqlens_q[si + 1] - 1)] + 1)
+            : 0;
+    max_rows = std::max<int64_t>(max_rows, rows[si]);
+    max_len = std::max<int64_t>(max_len, len[si]);
+    max_pages = std::max<int64_t>(max_pages, static_cast<int64_t>(tables[si].size()));
+    select = select || len[si] > topk;
+  }
+  // The slot (pool row) of token `pos` of sequence s.
+  const auto slot = [&](int64_t s, int64_t pos) {
+    return static_cast<int64_t>(tables[static_cast<size_t>(s)][static_cast<size_t>(pos / ps)]) *
+               ps +
+           pos % ps;
+  };
+
+  // ---- scratch, all of it before anything is written ---------------------
+  Scratch ik, new_scales, iq, iq_scales, iw, gathered_scales;
+  ATTNKIT_RETURN_IF_ERROR(ik.alloc(total * di, "indexer keys"));
+  ATTNKIT_RETURN_IF_ERROR(new_scales.alloc(total * nsc, "indexer key scales"));
+  std::unique_ptr<uint8_t[]> new_codes(new (std::nothrow) uint8_t[static_cast<size_t>(total * di)]);
+  std::unique_ptr<uint8_t[]> iq_codes, gathered_codes;
+  std::unique_ptr<int32_t[]> picked, table;
+  if (!new_codes) return resource_exhausted(f + ": cannot allocate the indexer key codes");
+  if (select) {
+    ATTNKIT_RETURN_IF_ERROR(iq.alloc(total * hi * di, "indexer queries"));
+    ATTNKIT_RETURN_IF_ERROR(iq_scales.alloc(total * hi * nsc, "indexer query scales"));
+    ATTNKIT_RETURN_IF_ERROR(iw.alloc(total * hi, "indexer head weights"));
+    ATTNKIT_RETURN_IF_ERROR(gathered_scales.alloc(max_len * nsc, "gathered indexer key scales"));
+    iq_codes.reset(new (std::nothrow) uint8_t[static_cast<size_t>(total * hi * di)]);
+    gathered_codes.reset(new (std::nothrow) uint8_t[static_cast<size_t>(max_len * di)]);
+    picked.reset(new (std::nothrow) int32_t[static_cast<size_t>(n * max_rows * topk)]);
+    table.reset(new (std::nothrow) int32_t[static_cast<size_t>(n * max_pages)]);
+    if (!iq_codes || !gathered_codes || !picked || !table)
+      return resource_exhausted(f + ": cannot allocate the indexer's codes and selection");
+  }
+
+  // ---- the new tokens' indexer keys, into their slots ---------------------
+  // Slots of reserved, unwritten tokens: nothing visible changes yet.
+  ATTNKIT_RETURN_IF_ERROR(index_keys(x, 1, total, positions, run, ik.data(), new_codes.get(),
+                                     total * di, di, new_scales.data(), total * nsc, nsc));
+  ATTNKIT_ASSIGN_OR_RETURN(const TensorView pool_codes, cache.index_keys(layer));
+  ATTNKIT_ASSIGN_OR_RETURN(const TensorView pool_scales, cache.index_scales(layer));
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t i = 0; i < rows[static_cast<size_t>(s)]; ++i) {
+      const int64_t r = cu_seqlens_q[static_cast<size_t>(s)] + i, at = slot(s, positions[r]);
+      std::memcpy(pool_codes.ptr<uint8_t>() + at * di, new_codes.get() + r * di,
+                  static_cast<size_t>(di));
+      std::memcpy(pool_scales.ptr<float>() + at * nsc, new_scales.data() + r * nsc,
+                  static_cast<size_t>(nsc) * sizeof(float));
+    }
+  *attended = false;
+  if (!select) return Status::Ok();
+
+  // ---- each sequence's selection: the indexer over its gathered keys ------
+  ATTNKIT_RETURN_IF_ERROR(index_queries(x, cq, 1, total, positions, run, iq.data(), iq_codes.get(),
+                                        iq_scales.data(), iw.data()));
+  for (int64_t s = 0; s < n; ++s) {
+    const size_t si = static_cast<size_t>(s);
+    if (rows[si] == 0) continue;
+    for (int64_t t = 0; t < len[si]; ++t) {
+      const int64_t at = slot(s, t);
+      std::memcpy(gathered_codes.get() + t * di, pool_codes.ptr<const uint8_t>() + at * di,
+                  static_cast<size_t>(di));
+      std::memcpy(gathered_scales.data() + t * nsc, pool_scales.ptr<const float>() + at * nsc,
+                  static_cast<size_t>(nsc) * sizeof(float));
+    }
+    const int64_t r0 = cu_seqlens_q[si];
+    kernels::IndexerParams ip;
+    ip.batch = 1;
+    ip.seqlen_q = rows[si];
+    ip.seqlen_k = len[si];
+    ip.n_heads = hi;
+    ip.head_dim = di;
+    ip.q_codes = iq_codes.get() + r0 * hi * di;
+    ip.q_codes_stride = {0, hi * di, di, 1};
+    ip.q_scales = iq_scales.data() + r0 * hi * nsc;
+    ip.q_scales_stride = {0, hi * nsc, nsc, 1};
+    ip.weights = iw.data() + r0 * hi;
+    ip.weights_stride = {0, hi, 1};
+    ip.k_codes = gathered_codes.get();
+    ip.k_codes_stride = {0, di, 1};
+    ip.k_scales = gathered_scales.data();
+    ip.k_scales_stride = {0, nsc, 1};
+    ip.topk = topk;
+    ip.indices = picked.get() + s * max_rows * topk;
+    ip.indices_stride = {0, topk, 1};
+    ip.num_threads = run.num_threads;
+    ATTNKIT_RETURN_IF_ERROR(kernels::run_indexer(ip, run.backend));
+  }
+
+  // ---- the new latent rows, then attention over the chosen rows in place --
+  Status st = cache.store(layer, make_view(kv_new, DType::kF32, {total, 1, dkv}), TensorView{},
+                          cu_seqlens_q, seq_ids);
+  if (!st.ok()) return Status(st.code(), f + ": " + st.message());
+  for (int64_t s = 0; s < n; ++s) {
+    const std::vector<int32_t>& t = tables[static_cast<size_t>(s)];
+    std::copy(t.begin(), t.end(), table.get() + s * max_pages);
+  }
+  ATTNKIT_ASSIGN_OR_RETURN(const TensorView keys, cache.keys(layer));
+  kernels::AttentionParams prm;
+  prm.batch = n;
+  prm.seqlen_q = max_rows;
+  prm.seqlen_k = max_len;
+  prm.num_heads = H;
+  prm.num_kv_heads = 1;  // key = the whole latent row, value = its first d_c values
+  prm.head_dim = dkv;
+  prm.head_dim_v = dc;
+  prm.q = qa;
+  prm.q_stride = strides4(0, H * dkv, dkv);
+  prm.q_start = cu_seqlens_q.data();
+  prm.q_len = rows.data();
+  prm.k_len = len.data();
+  prm.k = prm.v = keys.data;
+  prm.k_stride = prm.v_stride = strides4(0, keys.strides[0], keys.strides[1]);
+  prm.kv_dtype = keys.dtype;
+  if (is_kv_quantized(keys.dtype)) {  // values share the keys' rows, hence their scales
+    ATTNKIT_ASSIGN_OR_RETURN(const TensorView sc, cache.key_scales(layer));
+    prm.k_scale = prm.v_scale = sc.ptr<const float>();
+    prm.k_scale_stride = prm.v_scale_stride = {0, sc.strides[0], sc.strides[1], sc.strides[2]};
+    prm.scale_block = kLatentScaleBlock;
+  }
+  prm.block_table = table.get();
+  prm.block_table_stride = max_pages;
+  prm.page_size = ps;
+  prm.out = oa;
+  prm.out_stride = strides4(0, H * dc, dc);
+  prm.scale = static_cast<float>(softmax_scale_);
+  prm.causal = true;
+  prm.num_threads = run.num_threads;
+  const kernels::KeyIndices sel{picked.get(), {max_rows * topk, topk, 1}, topk};
+  ATTNKIT_RETURN_IF_ERROR(kernels::run_sparse_attention(prm, sel, run.backend));
+  *attended = true;
   return Status::Ok();
 }
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "attnkit/kv_cache.h"
+#include "attnkit/sparse_attention.h"
 #include "core/check.h"
 #include "core/checked_math.h"
 #include "kernels/attention_params.h"
@@ -110,6 +111,12 @@ Result<PagedKVCache> PagedKVCache::create(const PagedKVCacheSpec& spec) {
     ATTNKIT_RETURN_IF_ERROR(at_least("head_dim_v", spec.head_dim_v, 0));
     if (s.head_dim_v == 0) s.head_dim_v = s.head_dim;
   }
+  ATTNKIT_RETURN_IF_ERROR(at_least("index_head_dim", spec.index_head_dim, 0));
+  if (spec.index_head_dim > 0 && (!s.latent() || spec.index_head_dim % kIndexerBlock != 0))
+    return invalid_argument(f + "index_head_dim = " + str(spec.index_head_dim) +
+                            " needs the latent layout (kv_lora_rank = " + str(spec.kv_lora_rank) +
+                            ") and a multiple of " + str(kIndexerBlock) +
+                            " (one fp8 scale per block)");
   int64_t rows;
   if (!checked_mul(s.num_pages, s.page_size, &rows))
     return resource_exhausted(f + "num_pages * page_size overflows 64 bits");
@@ -130,6 +137,15 @@ Result<PagedKVCache> PagedKVCache::create(const PagedKVCacheSpec& spec) {
     auto k = Tensor::zeros(s.dtype, {rows, pool.k_token_stride_});
     if (!k.ok()) return Status(k.status().code(), "PagedKVCache::create: " + k.status().message());
     pool.k_.push_back(std::move(k).value());
+    if (s.index_head_dim > 0) {
+      auto codes = Tensor::zeros(DType::kFp8E4M3, {rows, s.index_head_dim});
+      auto scales = Tensor::zeros(DType::kF32, {rows, s.index_head_dim / kIndexerBlock});
+      for (const Result<Tensor>* t : {&codes, &scales})
+        if (!t->ok())
+          return Status(t->status().code(), "PagedKVCache::create: " + t->status().message());
+      pool.index_codes_.push_back(std::move(codes).value());
+      pool.index_scales_.push_back(std::move(scales).value());
+    }
     if (s.latent()) continue;
     auto v = Tensor::zeros(s.dtype, {rows, pool.v_token_stride_});
     if (!v.ok()) return Status(v.status().code(), "PagedKVCache::create: " + v.status().message());
@@ -147,9 +163,10 @@ size_t PagedKVCache::page_nbytes() const {
       spec_.num_kv_heads * (spec_.latent() ? spec_.head_dim : spec_.head_dim + spec_.head_dim_v);
   const int64_t scales =
       spec_.num_kv_heads * (k_scales_per_head_ + (spec_.latent() ? 0 : v_scales_per_head_));
+  const int64_t index_key = spec_.index_head_dim + 4 * (spec_.index_head_dim / kIndexerBlock);
   return static_cast<size_t>(spec_.num_layers * spec_.page_size) *
          (static_cast<size_t>(per_token) * dtype_size(spec_.dtype) +
-          static_cast<size_t>(scales) * sizeof(float));
+          static_cast<size_t>(scales) * sizeof(float) + static_cast<size_t>(index_key));
 }
 
 int64_t PagedKVCache::add_sequence() {
@@ -243,6 +260,22 @@ Result<TensorView> PagedKVCache::value_scales(int64_t layer) const {
   return v;
 }
 
+Result<TensorView> PagedKVCache::index_keys(int64_t layer) const {
+  if (layer < 0 || layer >= spec_.num_layers)
+    return invalid_argument("PagedKVCache::index_keys: layer = " + str(layer) + " must be in [0, " +
+                            str(spec_.num_layers) + ")");
+  if (spec_.index_head_dim == 0) return TensorView{};
+  return index_codes_[static_cast<size_t>(layer)].view();
+}
+
+Result<TensorView> PagedKVCache::index_scales(int64_t layer) const {
+  if (layer < 0 || layer >= spec_.num_layers)
+    return invalid_argument("PagedKVCache::index_scales: layer = " + str(layer) +
+                            " must be in [0, " + str(spec_.num_layers) + ")");
+  if (spec_.index_head_dim == 0) return TensorView{};
+  return index_scales_[static_cast<size_t>(layer)].view();
+}
+
 void PagedKVCache::drop_page(int32_t page) {
   if (--refs_[static_cast<size_t>(page)] == 0) free_.push_back(page);
 }
@@ -256,6 +289,16 @@ void PagedKVCache::copy_page(int32_t from, int32_t to, int64_t tokens) {
     std::memcpy(k + static_cast<size_t>(to * spec_.page_size) * row_bytes,
                 k + static_cast<size_t>(from * spec_.page_size) * row_bytes,
                 static_cast<size_t>(tokens) * row_bytes);
+    // The indexer keys: two contiguous tensors of rows (codes, scales).
+    for (const Tensor* t : {index_codes_.empty() ? nullptr : &index_codes_[li],
+                            index_scales_.empty() ? nullptr : &index_scales_[li]}) {
+      if (t == nullptr) continue;
+      const size_t bytes = static_cast<size_t>(t->dim(1)) * dtype_size(t->dtype());
+      char* base = static_cast<char*>(t->data());
+      std::memcpy(base + static_cast<size_t>(to * spec_.page_size) * bytes,
+                  base + static_cast<size_t>(from * spec_.page_size) * bytes,
+                  static_cast<size_t>(tokens) * bytes);
+    }
     if (spec_.latent()) continue;
     const size_t v_row_bytes = static_cast<size_t>(v_token_stride_) * elem;
     char* v = static_cast<char*>(v_[li].data());

@@ -24,6 +24,7 @@
 
 #include "attnkit/attention.h"
 #include "attnkit/latent_attention.h"
+#include "attnkit/paged_kv_cache.h"
 #include "attnkit/sparse_attention.h"
 #include "common/random.h"
 #include "core/cpu_features.h"
@@ -363,6 +364,17 @@ TEST_P(SparseLatentAttention, PrefillAndDecodeMatchFloat64Reference) {
                            make_view(out.data(), DType::kF32, {B, S, d}), {}, nullptr, run)
                   .ok());
   EXPECT_TRUE(rel_close("prefill", out.data(), ref.data(), out.size()));
+  // Both forms over the selection (kAuto takes the absorbed one).
+  for (MlaForm form : {MlaForm::kNaive, MlaForm::kAbsorbed}) {
+    std::vector<float> forced(x.size());
+    ASSERT_TRUE(layer
+                    .forward(make_view(const_cast<float*>(x.data()), DType::kF32, {B, S, d}),
+                             make_view(forced.data(), DType::kF32, {B, S, d}), {}, nullptr, run,
+                             form)
+                    .ok());
+    EXPECT_TRUE(rel_close(form == MlaForm::kNaive ? "naive prefill" : "absorbed prefill",
+                          forced.data(), ref.data(), forced.size()));
+  }
 
   // Prefill P tokens into a cache, then decode one token at a time.
   Result<LatentCache> cache = layer.new_cache(B, S);
@@ -459,13 +471,33 @@ TEST(SparseLatentAttention, EightBitAndBf16CachesOnTheSparsePath) {
   }
 }
 
-TEST(SparseLatentAttention, RefusesPagedPoolsAppendAndNonFiniteIndexerWeights) {
+TEST(SparseLatentAttention, RefusesPoolsWithoutIndexerKeysAppendAndNonFiniteIndexerWeights) {
   const MlaConfig c = small_config(4);
   W w = random_weights(c, 5);
   LatentAttention layer = make_layer(c, w);
-  const Result<PagedKVCache> pool = layer.new_paged_cache(8, 16);
-  ASSERT_FALSE(pool.ok());
-  EXPECT_NE(pool.status().message().find("sparse attention"), std::string::npos);
+  // A latent pool made by hand without room for the indexer keys.
+  PagedKVCacheSpec spec;
+  spec.num_pages = 4;
+  spec.page_size = 4;
+  spec.kv_lora_rank = c.kv_lora_rank;
+  spec.qk_rope_head_dim = c.qk_rope_head_dim;
+  Result<PagedKVCache> pool = PagedKVCache::create(spec);
+  ASSERT_TRUE(pool.ok());
+  const int64_t id = pool->add_sequence();
+  ASSERT_TRUE(pool->append(std::vector<int64_t>{id}, std::vector<int64_t>{2}).ok());
+  std::vector<float> x(size_t(2 * c.hidden_size), 0.25f), y(x.size(), 7.0f);
+  const std::vector<int32_t> cu = {0, 2};
+  const Status no_keys = layer.forward_batch(make_view(x.data(), DType::kF32, {2, c.hidden_size}),
+                                             cu, std::vector<int64_t>{id}, *pool, 0,
+                                             make_view(y.data(), DType::kF32, {2, c.hidden_size}));
+  ASSERT_FALSE(no_keys.ok());
+  EXPECT_NE(no_keys.message().find("index_head_dim"), std::string::npos) << no_keys.message();
+  EXPECT_EQ(*pool->written(id, 0), 0);
+  EXPECT_EQ(y[0], 7.0f);
+  spec.index_head_dim = 64;  // not a multiple of the fp8 block
+  const Result<PagedKVCache> bad_spec = PagedKVCache::create(spec);
+  ASSERT_FALSE(bad_spec.ok());
+  EXPECT_NE(bad_spec.status().message().find("index_head_dim = 64"), std::string::npos);
   Result<LatentCache> cache = layer.new_cache(1, 4);
   ASSERT_TRUE(cache.ok());
   std::vector<float> rows(size_t(c.cache_values_per_token()), 0.5f);
@@ -481,6 +513,131 @@ TEST(SparseLatentAttention, RefusesPagedPoolsAppendAndNonFiniteIndexerWeights) {
   const Status missing = layer.load_weights(weight_map(c, random_weights(c, 5), false));
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.message().find("indexer."), std::string::npos) << missing.message();
+}
+
+// ---- sparse attention over a paged pool ---------------------------------
+
+// Sequences of different lengths in one pool (pages of 4, so tokens and
+// pages straddle): prompts in one forward_batch call, then decode steps of
+// both in one call, against the float64 model of each sequence (as the
+// LatentCache path is tested) and against LatentCache's sparse path; a
+// fork mid-page must carry its parent's indexer keys (copy on write).
+TEST(SparseLatentAttention, PagedPoolMatchesTheLatentCachePathAndForksWithTheIndexerKeys) {
+  const MlaConfig c = small_config(4);
+  const W w = random_weights(c, 41);
+  LatentAttention layer = make_layer(c, w);
+  const int64_t d = c.hidden_size;
+  const int64_t S[2] = {13, 9}, P[2] = {7, 3};  // total tokens and prompt per sequence
+  Rng rng(19);
+  std::vector<float> x[2];
+  std::vector<double> ref[2];
+  for (int s = 0; s < 2; ++s) {
+    x[s] = attnkit_test::uniform_vector(size_t(S[s] * d), rng);
+    ref[s] = reference(c, w, x[s], 1, S[s]);
+  }
+  for (DType dt : {DType::kF32, DType::kI8}) {
+    for (Backend be : {Backend::kFast, Backend::kReference}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + (be == Backend::kFast ? " fast" : " reference"));
+      RunOptions run;
+      run.backend = be;
+      Result<PagedKVCache> pool = layer.new_paged_cache(16, 4, 1, dt);
+      ASSERT_TRUE(pool.ok()) << pool.status().to_string();
+      EXPECT_EQ(pool->spec().index_head_dim, c.index_head_dim);
+      const std::vector<int64_t> ids = {pool->add_sequence(), pool->add_sequence()};
+      // The LatentCache path on the same tokens, one sequence at a time.
+      std::vector<float> cached[2];
+      for (int s = 0; s < 2; ++s) {
+        Result<LatentCache> lc = layer.new_cache(1, S[s], dt);
+        ASSERT_TRUE(lc.ok());
+        cached[s].assign(x[s].size(), 0.0f);
+        for (int64_t t0 = 0; t0 < S[s];) {
+          const int64_t n = t0 == 0 ? P[s] : 1;
+          ASSERT_TRUE(layer
+                          .forward(make_view(x[s].data() + t0 * d, DType::kF32, {1, n, d}),
+                                   make_view(cached[s].data() + t0 * d, DType::kF32, {1, n, d}), {},
+                                   &*lc, run)
+                          .ok());
+          t0 += n;
+        }
+      }
+      // Prompts together, then one token of each per step while any is left.
+      std::vector<float> out[2] = {std::vector<float>(x[0].size()),
+                                   std::vector<float>(x[1].size())};
+      int64_t done[2] = {0, 0};
+      while (done[0] < S[0] || done[1] < S[1]) {
+        std::vector<int64_t> step_ids, counts;
+        std::vector<int32_t> cu = {0};
+        std::vector<float> xs;
+        for (int s = 0; s < 2; ++s) {
+          if (done[s] == S[s]) continue;
+          const int64_t n = done[s] == 0 ? P[s] : 1;
+          step_ids.push_back(ids[size_t(s)]);
+          counts.push_back(n);
+          cu.push_back(cu.back() + int32_t(n));
+          xs.insert(xs.end(), x[s].begin() + done[s] * d, x[s].begin() + (done[s] + n) * d);
+        }
+        ASSERT_TRUE(pool->append(step_ids, counts).ok());
+        const int64_t total = cu.back();
+        std::vector<float> ys(xs.size());
+        const Status st =
+            layer.forward_batch(make_view(xs.data(), DType::kF32, {total, d}), cu, step_ids, *pool,
+                                0, make_view(ys.data(), DType::kF32, {total, d}), run);
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        int64_t r = 0;
+        for (int s = 0; s < 2; ++s) {
+          if (done[s] == S[s]) continue;
+          const int64_t n = done[s] == 0 ? P[s] : 1;
+          std::copy(ys.begin() + r * d, ys.begin() + (r + n) * d, out[s].begin() + done[s] * d);
+          r += n;
+          done[s] += n;
+        }
+      }
+      for (int s = 0; s < 2; ++s) {
+        if (dt == DType::kF32) {
+          EXPECT_TRUE(rel_close("paged seq " + std::to_string(s), out[s].data(), ref[s].data(),
+                                out[s].size()));
+        }
+        // Same selection, same kernels: only the projections' GEMM vs
+        // one-row GEMV rounding (f32 sums of <= 40 terms: ~1e-6 relative)
+        // separates the two paths; an 8-bit latent can turn that into one
+        // code step (2^-7 of the block's largest value) where a value sits
+        // at a rounding boundary.
+        double scale = 0.0, worst = 0.0;
+        for (size_t e = 0; e < out[s].size(); ++e) {
+          scale = std::max(scale, std::fabs(double(cached[s][e])));
+          worst = std::max(worst, std::fabs(double(out[s][e]) - cached[s][e]));
+        }
+        EXPECT_LE(worst, (dt == DType::kF32 ? 1e-5 : 1.0 / 128) * scale)
+            << "paged vs LatentCache, sequence " << s;
+      }
+      // Fork sequence 1 (9 tokens: its last page is partly filled) and
+      // decode the same new token in parent and child: the child's copy of
+      // the page must hold the indexer keys too, so both select alike.
+      Result<int64_t> child = pool->fork(ids[1]);
+      ASSERT_TRUE(child.ok());
+      const std::vector<float> xn = attnkit_test::uniform_vector(size_t(d), rng);
+      std::vector<float> two(size_t(2 * d));
+      std::copy(xn.begin(), xn.end(), two.begin());
+      std::copy(xn.begin(), xn.end(), two.begin() + d);
+      const std::vector<int64_t> pair = {ids[1], *child};
+      ASSERT_TRUE(pool->append(pair, std::vector<int64_t>{1, 1}).ok());
+      std::vector<float> yy(two.size());
+      ASSERT_TRUE(layer
+                      .forward_batch(make_view(two.data(), DType::kF32, {2, d}),
+                                     std::vector<int32_t>{0, 1, 2}, pair, *pool, 0,
+                                     make_view(yy.data(), DType::kF32, {2, d}), run)
+                      .ok());
+      EXPECT_EQ(std::memcmp(yy.data(), yy.data() + d, size_t(d) * sizeof(float)), 0);
+      const std::vector<int32_t> tp = *pool->page_table(ids[1]), tc = *pool->page_table(*child);
+      EXPECT_NE(tp.back(), tc.back());  // the shared last page was copied
+      std::vector<float> xe = x[1];
+      xe.insert(xe.end(), xn.begin(), xn.end());
+      const std::vector<double> re = reference(c, w, xe, 1, S[1] + 1);
+      if (dt == DType::kF32) {
+        EXPECT_TRUE(rel_close("forked decode", yy.data() + d, re.data() + S[1] * d, size_t(d)));
+      }
+    }
+  }
 }
 
 // ---- the low-level indexer ----------------------------------------------

@@ -635,7 +635,7 @@ def test_analyze_says_what_its_figures_leave_out(tmp_path):
     j = json.loads(run("analyze", "--model", "gpt-oss-20b", "--json", *FIXED).stdout)
     assert j["model"]["weight_quantization"] == "mxfp4"
     assert j["model"]["index_topk"] == 0
-    # DeepSeek-V3.2's indexer is not counted: analyze says so.
+    # DeepSeek-V3.2's main figures count dense MLA: analyze says so.
     with open(os.path.join(os.path.dirname(__file__), "..", "data", "configs",
                            "DeepSeek-V3.json")) as f:
         cfg = json.load(f)
@@ -645,7 +645,9 @@ def test_analyze_says_what_its_figures_leave_out(tmp_path):
     path.write_text(json.dumps(cfg))
     r = run("analyze", "--config", str(path), *FIXED)
     assert r.returncode == 0, r.stderr
-    assert "DeepSeek sparse attention (index_topk 2048) is counted as dense MLA" in r.stdout
+    assert "DeepSeek sparse attention (index_topk 2048): the figures below count dense MLA" \
+        in r.stdout
+    assert "DSA pays from: decode FLOPs" in r.stdout
     r = run("analyze", "--model", "llama-3-8b", *FIXED)
     assert "not applied" not in r.stdout and "sparse attention" not in r.stdout
 
@@ -794,3 +796,71 @@ def test_analyze_layer_configs_and_serve_bench_agree_on_the_layer_mix(tmp_path):
     j3 = json.loads(s3.stdout)
     assert j3["config"]["layer_mix"] == "3 layers: 2 full, 1 sliding 8"
     assert not j3["rows"][0]["pool_releases_pages"]
+
+
+def test_analyze_deepseek_v32_dense_vs_dsa():
+    """The DSA rows against the counting rules written out by hand for
+    DeepSeek-V3.2 (docs/ANALYSIS.md): H 128, d_c 512, d_r 64, indexer 64 x
+    128, top 2048, 61 layers, bf16 latent and weights."""
+    r = run("analyze", "--model", "deepseek-v3.2", "--context", "100000", "--batch", "4",
+            "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["model"]["model_type"] == "deepseek_v32"
+    assert "deepseek-ai/DeepSeek-V3.2-Exp" in j["model"]["source"]
+    dsa = j["dsa"]
+    idx_params = 64 * 128 * 1536 + 128 * 7168 + 2 * 128 + 64 * 7168  # wq_b, wk, k_norm, weights_proj
+    assert dsa["indexer_params_per_layer"] == idx_params
+    assert dsa["indexer_key_bytes_per_token_per_layer"] == 128 + 4  # fp8 codes + one f32 scale
+    # The cache stores the indexer key beside each latent row.
+    assert j["kv_bytes_per_token"]["bf16"] == 61 * (576 * 2 + 132)
+    params = j["attention_params_per_layer"]
+    dense_pair, idx_key, absorbed = 2 * 128 * 576 + 2 * 128 * 512, 2 * 64 * 128 + 2 * 64, \
+        2 * 128 * (2 * 512 + 64)
+    b, k, L = 4, 2048, 100000
+    row = next(x for x in dsa["rows"] if x["context"] == L)
+    assert row["dense_decode_flops"] == pytest.approx(61 * b * (2 * params + dense_pair * L))
+    assert row["dsa_decode_flops"] == pytest.approx(
+        61 * b * (2 * (params + idx_params) + idx_key * L + absorbed * k))
+    assert row["dsa_decode_bytes"] == pytest.approx(
+        61 * ((params + idx_params) * 2 + b * (132 * L + 1152 * k)))
+    pairs = L * (L + 1) / 2
+    chosen = k * (k + 1) / 2 + (L - k) * k
+    assert row["dsa_prefill_flops"] == pytest.approx(
+        61 * b * (2 * L * (params + idx_params) + idx_key * pairs + absorbed * chosen))
+    assert row["dense_prefill_flops"] == pytest.approx(
+        61 * b * (2 * L * params + 2 * 128 * (192 + 128) * pairs))
+    # At or below the top-k DSA runs dense MLA plus the indexer keys: never cheaper.
+    small = next(x for x in dsa["rows"] if x["context"] == k)
+    assert small["dsa_decode_flops"] > small["dense_decode_flops"]
+    # Decode FLOPs cross where dense's per-token cost has paid for the
+    # top-k's fixed cost: L > (absorbed k + 2 idx_params) / (dense_pair - idx_key).
+    want = int((absorbed * k + 2 * idx_params) // (dense_pair - idx_key)) + 1
+    assert dsa["pays_from"]["decode_flops"] == want
+    for name in ("decode_bytes", "prefill_flops"):
+        c = dsa["pays_from"][name]
+        assert c > k
+        for ctx, cheaper in ((c - 1, False), (c, True)):
+            rr = json.loads(run("analyze", "--model", "deepseek-v3.2", "--context", str(ctx),
+                                "--batch", "4", "--json", *FIXED).stdout)
+            x = next(x for x in rr["dsa"]["rows"] if x["context"] == ctx)
+            dense = x["dense_" + name]
+            assert (x["dsa_" + name] < dense) == cheaper, (name, ctx)
+    assert "dsa" not in json.loads(run("analyze", "--model", "deepseek-v3", "--json",
+                                       *FIXED).stdout)
+
+
+def test_plan_estimates_deepseek_v32_on_its_sparse_path():
+    """plan's decode step for a DSA model is the roofline of the DSA figures
+    analyze reports, not of dense MLA's."""
+    r = run("plan", "--model", "deepseek-v3.2", "--memory", "64GiB", "--batch", "1", "--json",
+            *FIXED)
+    assert r.returncode == 0, r.stderr
+    p = next(x for x in json.loads(r.stdout)["rows"] if x["kv_dtype"] == "bf16")
+    assert p["context"] == 163840  # the model's limit; estimate there
+    row = next(x for x in json.loads(run(
+        "analyze", "--model", "deepseek-v3.2", "--context", "163840", "--json",
+        *FIXED).stdout)["dsa"]["rows"] if x["context"] == 163840)
+    want = max(row["dsa_decode_flops"] / 300e9, row["dsa_decode_bytes"] / 35e9)
+    assert p["decode_step_seconds"] == pytest.approx(want)
+    assert want < max(row["dense_decode_flops"] / 300e9, row["dense_decode_bytes"] / 35e9) / 5

@@ -2,6 +2,7 @@
 // seeds' "what if" sweeps over kv heads and MLA ranks.
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "attnkit/report.h"
@@ -50,6 +51,38 @@ Table per_layer_table(const std::vector<LayerGroupFigures>& groups, const std::s
            g.state_bytes > 0 ? format_bytes(g.state_bytes) : "-", format_flops(g.prefill_flops),
            format_flops(g.decode_flops)});
   return t;
+}
+
+// Contexts of the DSA table: powers of two from 1K to 128K, the model's
+// index_topk and the asked context.
+std::vector<int64_t> dsa_contexts(const ModelShape& m, int64_t context) {
+  std::vector<int64_t> out = {m.index_topk, context};
+  for (int64_t c = 1024; c <= 131072; c *= 2) out.push_back(c);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+// DSA vs dense MLA over the whole model (every layer is a DSA layer).
+DsaLayerFigures dsa_model_figures(const ModelShape& m, int64_t context, int64_t batch, DType kv,
+                                  DType weights) {
+  DsaLayerFigures f = dsa_layer_figures(m, context, batch, kv, weights);
+  const double n = static_cast<double>(m.num_layers);
+  for (double* v :
+       {&f.dense_prefill_flops, &f.dsa_prefill_flops, &f.dense_decode_flops, &f.dsa_decode_flops,
+        &f.dsa_indexer_decode_flops, &f.dense_decode_bytes, &f.dsa_decode_bytes})
+    *v *= n;
+  return f;
+}
+
+std::string ratio_str(double a, double b) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3f", a / b);
+  return buf;
+}
+
+std::string crossover_str(int64_t c) {
+  return c > 0 ? std::to_string(c) + " tokens" : "never (below 2^40 tokens)";
 }
 
 struct Options {
@@ -145,6 +178,34 @@ nlohmann::json sweep_json(const Analysis& a, const Options& o) {
   return out;
 }
 
+// DeepSeek sparse attention against dense MLA, whole model, per context.
+nlohmann::json dsa_json(const Analysis& a, const Options& o) {
+  const ModelShape& m = a.m;
+  const DsaCrossover c = dsa_crossover(m, o.batch, a.kv, a.weights);
+  nlohmann::json rows = nlohmann::json::array();
+  for (int64_t ctx : dsa_contexts(m, o.context)) {
+    const DsaLayerFigures f = dsa_model_figures(m, ctx, o.batch, a.kv, a.weights);
+    rows.push_back({{"context", ctx},
+                    {"dense_decode_flops", f.dense_decode_flops},
+                    {"dsa_decode_flops", f.dsa_decode_flops},
+                    {"dsa_indexer_decode_flops", f.dsa_indexer_decode_flops},
+                    {"dense_decode_bytes", f.dense_decode_bytes},
+                    {"dsa_decode_bytes", f.dsa_decode_bytes},
+                    {"dense_prefill_flops", f.dense_prefill_flops},
+                    {"dsa_prefill_flops", f.dsa_prefill_flops}});
+  }
+  return {{"index_topk", m.index_topk},
+          {"index_n_heads", m.index_n_heads},
+          {"index_head_dim", m.index_head_dim},
+          {"indexer_params_per_layer", indexer_params(m)},
+          {"indexer_key_bytes_per_token_per_layer", indexer_key_bytes_per_token(m)},
+          {"rows", rows},
+          {"pays_from",
+           {{"decode_flops", c.decode_flops},
+            {"decode_bytes", c.decode_bytes},
+            {"prefill_flops", c.prefill_flops}}}};
+}
+
 nlohmann::json analysis_json(const Analysis& a, const Options& o) {
   const ModelShape& m = a.m;
   const int64_t c = o.context, b = o.batch;
@@ -180,6 +241,7 @@ nlohmann::json analysis_json(const Analysis& a, const Options& o) {
                   {"threads", a.mp.threads}};
   j["decode_bound"] = a.memory_bound ? "memory" : "compute";
   j["sweep"] = sweep_json(a, o);
+  if (m.index_topk > 0) j["dsa"] = dsa_json(a, o);
   return j;
 }
 
@@ -258,9 +320,37 @@ void print_left_out(const ModelShape& m) {
         m.weight_quantization.c_str());
   if (m.index_topk > 0)
     std::printf(
-        "DeepSeek sparse attention (index_topk %lld) is counted as dense MLA: the "
-        "indexer's keys and the top-k's saving are not in these figures\n",
+        "DeepSeek sparse attention (index_topk %lld): the figures below count dense MLA (the "
+        "KV bytes include the indexer keys); the DSA table at the end counts the sparse path\n",
         (long long)m.index_topk);
+}
+
+// Dense MLA vs DSA, whole model, against the context, and where DSA pays.
+void print_dsa(const Analysis& a, const Options& o) {
+  const ModelShape& m = a.m;
+  std::printf(
+      "\nDeepSeek sparse attention vs dense MLA (indexer %lld heads x %lld fp8, top %lld; "
+      "%s params/layer, %lld B of indexer key / token / layer; batch %lld, %s KV, %s weights):\n",
+      (long long)m.index_n_heads, (long long)m.index_head_dim, (long long)m.index_topk,
+      format_count(static_cast<double>(indexer_params(m))).c_str(),
+      (long long)indexer_key_bytes_per_token(m), (long long)o.batch, o.kv_name.c_str(),
+      o.weight_name.c_str());
+  Table t({"context", "decode FLOPs dense", "DSA", "DSA/dense", "decode bytes dense", "DSA",
+           "DSA/dense", "prefill FLOPs dense", "DSA", "DSA/dense"});
+  for (int64_t ctx : dsa_contexts(m, o.context)) {
+    const DsaLayerFigures f = dsa_model_figures(m, ctx, o.batch, a.kv, a.weights);
+    t.add({std::to_string(ctx), format_flops(f.dense_decode_flops),
+           format_flops(f.dsa_decode_flops), ratio_str(f.dsa_decode_flops, f.dense_decode_flops),
+           format_bytes(f.dense_decode_bytes), format_bytes(f.dsa_decode_bytes),
+           ratio_str(f.dsa_decode_bytes, f.dense_decode_bytes), format_flops(f.dense_prefill_flops),
+           format_flops(f.dsa_prefill_flops),
+           ratio_str(f.dsa_prefill_flops, f.dense_prefill_flops)});
+  }
+  std::fputs(t.str().c_str(), stdout);
+  const DsaCrossover c = dsa_crossover(m, o.batch, a.kv, a.weights);
+  std::printf("DSA pays from: decode FLOPs %s, decode bytes %s, prefill FLOPs %s\n",
+              crossover_str(c.decode_flops).c_str(), crossover_str(c.decode_bytes).c_str(),
+              crossover_str(c.prefill_flops).c_str());
 }
 
 void print_text(const Analysis& a, const Options& o) {
@@ -288,6 +378,7 @@ void print_text(const Analysis& a, const Options& o) {
   std::printf("\nWhat if (same model, other attention; context %lld, batch %lld, %s KV):\n",
               (long long)o.context, (long long)o.batch, o.kv_name.c_str());
   std::fputs(sweep_table(a, o).str().c_str(), stdout);
+  if (m.index_topk > 0) print_dsa(a, o);
 }
 
 // The flags, described; false when --help was given.
@@ -302,6 +393,7 @@ bool parse_options(int argc, char** argv, Options* po) {
           {"attnkit analyze --model llama-3-8b --context 32768",
            "attnkit analyze --config path/to/config.json --batch 16 --kv-dtype f32 --json",
            "attnkit analyze --model deepseek-v3 --context 131072",
+           "attnkit analyze --model deepseek-v3.2 --context 131072  (dense MLA vs DSA)",
            "attnkit analyze --model qwen3-next-80b-a3b --context 32768 --per-layer"});
   f.add_string("--model", &o.model, "a built-in preset (see attnkit presets)");
   f.add_string("--config", &o.config, "a Hugging Face config.json");
