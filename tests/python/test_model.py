@@ -95,6 +95,42 @@ def moe_layer(c, i):
     return False
 
 
+def is_deepseek(c):
+    return c["model_type"] in ("deepseek_v2", "deepseek_v3")
+
+
+def mla_shapes(c, a):
+    H, nh = c["hidden_size"], c["num_attention_heads"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    r, qr = c["kv_lora_rank"], c["q_lora_rank"]
+    q = ({a + "q_a_proj.weight": (qr, H), a + "q_a_layernorm.weight": (qr,),
+          a + "q_b_proj.weight": (nh * qk, qr)} if qr else {a + "q_proj.weight": (nh * qk, H)})
+    return {**q, a + "kv_a_proj_with_mqa.weight": (r + c["qk_rope_head_dim"], H),
+            a + "kv_a_layernorm.weight": (r,),
+            a + "kv_b_proj.weight": (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), r),
+            a + "o_proj.weight": (H, nh * c["v_head_dim"])}
+
+
+def deepseek_ffn_shapes(c, p, i):
+    H, m = c["hidden_size"], p + "mlp."
+    if i < c["first_k_dense_replace"]:
+        I = c["intermediate_size"]
+        return {m + "gate_proj.weight": (I, H), m + "up_proj.weight": (I, H),
+                m + "down_proj.weight": (H, I)}
+    E, Im, S = c["n_routed_experts"], c["moe_intermediate_size"], c["n_shared_experts"]
+    out = {m + "gate.weight": (E, H)}
+    if c.get("topk_method") == "noaux_tc":
+        out[m + "gate.e_score_correction_bias"] = (E,)
+    for e in range(E):
+        out.update({f"{m}experts.{e}.gate_proj.weight": (Im, H),
+                    f"{m}experts.{e}.up_proj.weight": (Im, H),
+                    f"{m}experts.{e}.down_proj.weight": (H, Im)})
+    out.update({m + "shared_experts.gate_proj.weight": (Im * S, H),
+                m + "shared_experts.up_proj.weight": (Im * S, H),
+                m + "shared_experts.down_proj.weight": (H, Im * S)})
+    return out
+
+
 def random_weights(c, seed):
     """HF names -> float32 arrays: matrices ~ N(0, 1/in), norm gains 1 +
     N(0, 0.3) (Gemma's stored w ~ N(0, 0.3)), biases N(0, 0.5)."""
@@ -112,6 +148,10 @@ def random_weights(c, seed):
         for n in norms:
             shapes[p + n + ".weight"] = (H,)
         a = p + "self_attn."
+        if is_deepseek(c):
+            shapes.update(mla_shapes(c, a))
+            shapes.update(deepseek_ffn_shapes(c, p, i))
+            continue
         shapes.update({a + "q_proj.weight": (nh * hd, H), a + "k_proj.weight": (nkv * hd, H),
                        a + "v_proj.weight": (nkv * hd, H), a + "o_proj.weight": (H, nh * hd)})
         if c["model_type"] == "qwen2":
@@ -218,6 +258,74 @@ def attention_ref(c, w, p, x, i):
     return o.reshape(b, s, nh * hd) @ w[p + "o_proj.weight"].T
 
 
+def rope_pairs(x, theta):
+    """RoPE rotating the pairs (2i, 2i + 1) of x [b, s, h, d] at positions
+    0..s-1 (DeepSeek's interleaved layout; HF permutes both q and k to the
+    half-split order first, which leaves every q.k unchanged)."""
+    s, d = x.shape[1], x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(s, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
+
+
+def mla_ref(c, w, a, x):
+    """DeepseekV2/V3Attention (no rope_scaling) in float64."""
+    b, s, _ = x.shape
+    nh, dn, dr, dv = (c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
+                      c["v_head_dim"])
+    eps = c["rms_norm_eps"]
+    if c["q_lora_rank"]:
+        q = rms(x @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], eps, False)
+        q = (q @ w[a + "q_b_proj.weight"].T).view(b, s, nh, dn + dr)
+    else:
+        q = (x @ w[a + "q_proj.weight"].T).view(b, s, nh, dn + dr)
+    q_nope, q_pe = q[..., :dn], q[..., dn:]
+    ckv = x @ w[a + "kv_a_proj_with_mqa.weight"].T
+    latent, k_pe = ckv[..., :c["kv_lora_rank"]], ckv[..., c["kv_lora_rank"]:]
+    kv = (rms(latent, w[a + "kv_a_layernorm.weight"], eps, False) @ w[a + "kv_b_proj.weight"].T
+          ).view(b, s, nh, dn + dv)
+    k_nope, v = kv[..., :dn], kv[..., dn:]
+    q_pe = rope_pairs(q_pe, c["rope_theta"])
+    k_pe = rope_pairs(k_pe.view(b, s, 1, dr), c["rope_theta"]).expand(b, s, nh, dr)
+    qf, kf = torch.cat((q_nope, q_pe), -1), torch.cat((k_nope, k_pe), -1)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * (dn + dr) ** -0.5
+    mask = torch.ones(s, s, dtype=torch.bool).tril()
+    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+    o = torch.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, s, nh * dv)
+    return o @ w[a + "o_proj.weight"].T
+
+
+def deepseek_moe_ref(c, w, m, x):
+    """DeepseekV3MoE: sigmoid scores, noaux_tc group limit (a group's score
+    is the sum of its two best biased scores), top-k by biased score,
+    weights the unbiased scores, renormalised, times routed_scaling_factor;
+    DeepseekV2MoE's greedy: top-k of the softmax. Plus the shared experts."""
+    E, k = c["n_routed_experts"], c["num_experts_per_tok"]
+    logits = x @ w[m + "gate.weight"].T
+    if c["topk_method"] == "noaux_tc":
+        G, TG = c["n_group"], c["topk_group"]
+        scores = torch.sigmoid(logits)
+        choice = scores + w[m + "gate.e_score_correction_bias"]
+        groups = choice.view(*choice.shape[:-1], G, E // G).topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(groups).scatter(-1, groups.topk(TG, dim=-1)[1], 1.0)
+        allowed = keep.repeat_interleave(E // G, dim=-1).bool()
+        top_i = choice.masked_fill(~allowed, float("-inf")).topk(k, dim=-1)[1]
+    else:
+        scores = torch.softmax(logits, -1)
+        top_i = scores.topk(k, dim=-1)[1]
+    top_w = scores.gather(-1, top_i)
+    if c["norm_topk_prob"]:
+        top_w = top_w / (top_w.sum(-1, keepdim=True) + 1e-20)
+    top_w = top_w * c["routed_scaling_factor"]
+    y = mlp_ref(c, w, m + "shared_experts.", x)
+    for e in range(E):
+        weight = (top_w * (top_i == e)).sum(-1, keepdim=True)
+        y = y + weight * mlp_ref(c, w, f"{m}experts.{e}.", x)
+    return y
+
+
 def act(c, x):
     if is_gemma(c):
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
@@ -259,15 +367,19 @@ def decoder_ref(c, weights, tokens):
         h = h * float(np.float32(math.sqrt(c["hidden_size"])))
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        a = attention_ref(c, w, p + "self_attn.", rms(h, w[p + "input_layernorm.weight"], eps,
-                                                     gemma), i)
+        x = rms(h, w[p + "input_layernorm.weight"], eps, gemma)
+        a = mla_ref(c, w, p + "self_attn.", x) if is_deepseek(c) else attention_ref(
+            c, w, p + "self_attn.", x, i)
         if gemma:
             a = rms(a, w[p + "post_attention_layernorm.weight"], eps, True)
             x = rms(h + a, w[p + "pre_feedforward_layernorm.weight"], eps, True)
         else:
             x = rms(h + a, w[p + "post_attention_layernorm.weight"], eps, False)
         h = h + a
-        f = moe_ref(c, w, p, x) if moe_layer(c, i) else mlp_ref(c, w, p + "mlp.", x)
+        if is_deepseek(c) and i >= c["first_k_dense_replace"]:
+            f = deepseek_moe_ref(c, w, p + "mlp.", x)
+        else:
+            f = moe_ref(c, w, p, x) if moe_layer(c, i) else mlp_ref(c, w, p + "mlp.", x)
         if gemma:
             f = rms(f, w[p + "post_feedforward_layernorm.weight"], eps, True)
         h = h + f
@@ -309,6 +421,22 @@ FAMILIES = {
                                rope_theta=10000.0, sliding_window_pattern=2,
                                tie_word_embeddings=True, rope_scaling=None,
                                hidden_activation="gelu_pytorch_tanh"),
+    "deepseek_v3": base_config("deepseek_v3", num_key_value_heads=4, q_lora_rank=24,
+                               kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                               v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=32, n_shared_experts=1,
+                               first_k_dense_replace=1, n_group=4, topk_group=2,
+                               topk_method="noaux_tc", scoring_func="sigmoid",
+                               norm_topk_prob=True, routed_scaling_factor=2.5,
+                               rope_interleave=True, rope_scaling=None, rms_norm_eps=1e-6),
+    # V2-Lite's shape: q_proj without the low-rank query, greedy softmax routing.
+    "deepseek_v2": base_config("deepseek_v2", num_key_value_heads=4, q_lora_rank=None,
+                               kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                               v_head_dim=12, n_routed_experts=6, num_experts_per_tok=2,
+                               moe_intermediate_size=32, n_shared_experts=2,
+                               first_k_dense_replace=1, topk_method="greedy",
+                               scoring_func="softmax", norm_topk_prob=False,
+                               routed_scaling_factor=1.5, rope_scaling=None, rms_norm_eps=1e-6),
 }
 
 
