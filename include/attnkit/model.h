@@ -31,6 +31,9 @@
 // post_attention_layernorm (which is then the pre-feed-forward norm).
 // Hidden states are f32 throughout; sums are fp32 or wider.
 //
+// forward() and forward_step() share the model's step scratch (grown to
+// the largest step, then reused): one call at a time per Model.
+//
 // Loading is strict: every tensor the description implies must be present
 // with its exact shape, and a tensor nothing reads is an error naming it
 // (rotary_emb.inv_freq buffers excepted), so a checkpoint and a config
