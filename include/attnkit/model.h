@@ -17,9 +17,8 @@
 //   each decoder layer l, as the description says:
 //     h = h + post_attn_norm?(mixer(input_layernorm(h)))
 //     h = h + post_ffn_norm?(ffn(pre_ffn_norm(h)))
-//   mixer: AttentionLayer (self_attn.*: MHA/GQA, window, qk-norm, ...),
-//          LatentAttention (self_attn.*: DeepSeek's MLA) or GatedDeltaNet
-//          (linear_attn.*)
+//   mixer: AttentionLayer (self_attn.*: MHA/GQA, window, qk-norm, sinks,
+//          ...) or LatentAttention (self_attn.*: DeepSeek's MLA)
 //   ffn:   dense gate/up/down MLP (mlp.*; SiLU or GELU-tanh) or MoeLayer
 //          (mlp.* / block_sparse_moe.*)
 //   logits = norm(h) lm_head^T     (lm_head.weight, or embed_tokens when
@@ -64,7 +63,8 @@ struct ModelLoadOptions {
 
 // Families from_pretrained loads (config.json's model_type): "llama",
 // "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2",
-// "gemma3_text", "deepseek_v2", "deepseek_v3". Others are refused by name.
+// "gemma3_text", "deepseek_v2", "deepseek_v3", "gpt_oss". Others are
+// refused by name.
 std::span<const char* const> supported_model_types();
 
 class Model final : public StepModel {

@@ -17,9 +17,9 @@ namespace {
 
 constexpr const char* kFn = "Model::from_pretrained";
 
-constexpr std::array<const char*, 10> kSupported = {
-    "llama",     "mistral", "qwen2",       "qwen3",       "mixtral",
-    "qwen3_moe", "gemma2",  "gemma3_text", "deepseek_v2", "deepseek_v3"};
+constexpr std::array<const char*, 11> kSupported = {
+    "llama",  "mistral",     "qwen2",       "qwen3",       "mixtral", "qwen3_moe",
+    "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3", "gpt_oss"};
 
 bool is_gemma(const ModelSpec& spec) {
   return spec.model_type == "gemma2" || spec.model_type == "gemma3_text";

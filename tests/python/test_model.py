@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import attnkit
-from torch_ref import check_close, rotate_half
+from torch_ref import check_close, inv_freq_ref, rotate_half
 
 VOCAB = 97
 HIDDEN = 64
@@ -154,9 +154,17 @@ def random_weights(c, seed):
             continue
         shapes.update({a + "q_proj.weight": (nh * hd, H), a + "k_proj.weight": (nkv * hd, H),
                        a + "v_proj.weight": (nkv * hd, H), a + "o_proj.weight": (H, nh * hd)})
-        if c["model_type"] == "qwen2":
+        if c["model_type"] in ("qwen2", "gpt_oss"):
             shapes.update({a + "q_proj.bias": (nh * hd,), a + "k_proj.bias": (nkv * hd,),
                            a + "v_proj.bias": (nkv * hd,)})
+        if c["model_type"] == "gpt_oss":
+            E, m = c["num_local_experts"], p + "mlp."
+            shapes.update({a + "o_proj.bias": (H,), a + "sinks": (nh,),
+                           m + "router.weight": (E, H), m + "router.bias": (E,),
+                           m + "experts.gate_up_proj": (E, H, 2 * I),
+                           m + "experts.gate_up_proj_bias": (E, 2 * I),
+                           m + "experts.down_proj": (E, I, H), m + "experts.down_proj_bias": (E, H)})
+            continue
         if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes.update({a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
         if c["model_type"] == "mixtral":
@@ -235,10 +243,10 @@ def attention_ref(c, w, p, x, i):
         q = rms(q, w[p + "q_norm.weight"], c["rms_norm_eps"], gemma)
         k = rms(k, w[p + "k_norm.weight"], c["rms_norm_eps"], gemma)
     window, theta = layer_kind(c, i)
-    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    freqs = torch.arange(s, dtype=torch.float64)[:, None] * inv[None, :]
+    inv, factor = inv_freq_ref(hd, theta, c.get("rope_scaling"), c["max_position_embeddings"])
+    freqs = torch.arange(s, dtype=torch.float64)[:, None] * torch.from_numpy(inv)[None, :]
     emb = torch.cat((freqs, freqs), -1)
-    cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
+    cos, sin = emb.cos()[None, :, None, :] * factor, emb.sin()[None, :, None, :] * factor
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
     k = k.repeat_interleave(nh // nkv, dim=2)
@@ -254,8 +262,14 @@ def attention_ref(c, w, p, x, i):
     if window:
         visible &= qi - ki < window
     scores = scores.masked_fill(~visible, float("-inf"))
-    o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), v)
-    return o.reshape(b, s, nh * hd) @ w[p + "o_proj.weight"].T
+    if p + "sinks" in w:  # gpt-oss: a per-head logit joins each softmax, then is dropped
+        sink = w[p + "sinks"].view(1, nh, 1, 1).expand(b, nh, s, 1)
+        probs = torch.softmax(torch.cat((scores, sink), -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    o = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, nh * hd)
+    o = o @ w[p + "o_proj.weight"].T
+    return o + w[p + "o_proj.bias"] if p + "o_proj.bias" in w else o
 
 
 def rope_pairs(x, theta):
@@ -295,6 +309,25 @@ def mla_ref(c, w, a, x):
     p = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
     o = torch.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, s, nh * dv)
     return o @ w[a + "o_proj.weight"].T
+
+
+def gpt_oss_moe_ref(c, w, m, x):
+    """GptOssMLP: softmax over the top-k router logits (router has a bias);
+    each expert x @ W + b with gate and up interleaved in the columns, gate
+    clamped above, up clamped both ways at swiglu_limit,
+    down((up + 1) * gate * sigmoid(1.702 gate))."""
+    E, k, lim = c["num_local_experts"], c["num_experts_per_tok"], c["swiglu_limit"]
+    logits = x @ w[m + "router.weight"].T + w[m + "router.bias"]
+    top_v, top_i = logits.topk(k, dim=-1)
+    top_w = torch.softmax(top_v, -1)
+    y = torch.zeros_like(x)
+    for e in range(E):
+        gu = x @ w[m + "experts.gate_up_proj"][e] + w[m + "experts.gate_up_proj_bias"][e]
+        gate, up = gu[..., 0::2].clamp(max=lim), gu[..., 1::2].clamp(-lim, lim)
+        out = ((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ w[m + "experts.down_proj"][e]
+        out = out + w[m + "experts.down_proj_bias"][e]
+        y = y + (top_w * (top_i == e)).sum(-1, keepdim=True) * out
+    return y
 
 
 def deepseek_moe_ref(c, w, m, x):
@@ -376,7 +409,9 @@ def decoder_ref(c, weights, tokens):
         else:
             x = rms(h + a, w[p + "post_attention_layernorm.weight"], eps, False)
         h = h + a
-        if is_deepseek(c) and i >= c["first_k_dense_replace"]:
+        if c["model_type"] == "gpt_oss":
+            f = gpt_oss_moe_ref(c, w, p + "mlp.", x)
+        elif is_deepseek(c) and i >= c["first_k_dense_replace"]:
             f = deepseek_moe_ref(c, w, p + "mlp.", x)
         else:
             f = moe_ref(c, w, p, x) if moe_layer(c, i) else mlp_ref(c, w, p + "mlp.", x)
@@ -429,6 +464,14 @@ FAMILIES = {
                                topk_method="noaux_tc", scoring_func="sigmoid",
                                norm_topk_prob=True, routed_scaling_factor=2.5,
                                rope_interleave=True, rope_scaling=None, rms_norm_eps=1e-6),
+    # Alternating windows, sinks, biases, YaRN RoPE, the clamped SwiGLU experts.
+    "gpt_oss": base_config("gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                           sliding_window=4, swiglu_limit=1.0, attention_bias=True,
+                           layer_types=["sliding_attention", "full_attention",
+                                        "sliding_attention"],
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": True,
+                                         "original_max_position_embeddings": 64}),
     # V2-Lite's shape: q_proj without the low-rank query, greedy softmax routing.
     "deepseek_v2": base_config("deepseek_v2", num_key_value_heads=4, q_lora_rank=None,
                                kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
