@@ -20,7 +20,7 @@ import json as _json
 import os as _os
 
 from . import _attnkit
-from ._attnkit import (AttentionLayer, KVCache, Model, PagedKVCache, Rope, apply_rope,
+from ._attnkit import (AttentionLayer, KVCache, PagedKVCache, Rope, apply_rope,
                        batch_attention, load_safetensors, merge_attention_states,
                        save_safetensors, sdpa, sdpa_varlen)
 from .model_spec import model_spec_from_config

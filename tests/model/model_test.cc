@@ -37,7 +37,35 @@ struct Checkpoint {
   std::map<std::string, std::vector<float>> values;
 };
 
-// A Llama (or Gemma-2) checkpoint of `layers` layers with N(0, 1/in)
+// The MLA and feed-forward weights of a DeepSeek-V3 layer with the sizes
+// tiny() configures.
+void add_deepseek_layer(Checkpoint* c, const std::string& p, bool moe) {
+  const std::string a = p + "self_attn.";
+  c->shapes[a + "q_a_proj.weight"] = {24, kHidden};
+  c->shapes[a + "q_a_layernorm.weight"] = {24};
+  c->shapes[a + "q_b_proj.weight"] = {kHeads * 24, 24};
+  c->shapes[a + "kv_a_proj_with_mqa.weight"] = {32 + 8, kHidden};
+  c->shapes[a + "kv_a_layernorm.weight"] = {32};
+  c->shapes[a + "kv_b_proj.weight"] = {kHeads * (16 + 12), 32};
+  c->shapes[a + "o_proj.weight"] = {kHidden, kHeads * 12};
+  const std::string m = p + "mlp.";
+  if (!moe) {
+    c->shapes[m + "gate_proj.weight"] = {kInter, kHidden};
+    c->shapes[m + "up_proj.weight"] = {kInter, kHidden};
+    c->shapes[m + "down_proj.weight"] = {kHidden, kInter};
+    return;
+  }
+  c->shapes[m + "gate.weight"] = {8, kHidden};
+  c->shapes[m + "gate.e_score_correction_bias"] = {8};
+  for (const std::string e : {"experts.0.", "experts.1.", "experts.2.", "experts.3.", "experts.4.",
+                              "experts.5.", "experts.6.", "experts.7.", "shared_experts."}) {
+    c->shapes[m + e + "gate_proj.weight"] = {32, kHidden};
+    c->shapes[m + e + "up_proj.weight"] = {32, kHidden};
+    c->shapes[m + e + "down_proj.weight"] = {kHidden, 32};
+  }
+}
+
+// A Llama (or Gemma-2, or DeepSeek-V3) checkpoint of `layers` layers with N(0, 1/in)
 // matrices and 1 + N(0, 0.3) norm gains (Gemma: N(0, 0.3), its (1 + w)).
 Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
   Checkpoint c;
@@ -56,6 +84,26 @@ Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
     c.config["sliding_window"] = 4;
     c.config["query_pre_attn_scalar"] = 16;
   }
+  const bool deepseek = model_type == "deepseek_v3";
+  if (deepseek) {
+    // MLA (q_lora_rank 24, kv_lora_rank 32, d_n 16, d_r 8, d_v 12) and, from
+    // layer 1 on, 8 routed experts (top 2 by noaux_tc) and a shared one.
+    c.config.update({{"num_key_value_heads", kHeads},
+                     {"q_lora_rank", 24},
+                     {"kv_lora_rank", 32},
+                     {"qk_nope_head_dim", 16},
+                     {"qk_rope_head_dim", 8},
+                     {"v_head_dim", 12},
+                     {"n_routed_experts", 8},
+                     {"num_experts_per_tok", 2},
+                     {"moe_intermediate_size", 32},
+                     {"n_shared_experts", 1},
+                     {"first_k_dense_replace", 1},
+                     {"n_group", 4},
+                     {"topk_group", 2},
+                     {"rope_scaling", nullptr}});
+    c.config.erase("head_dim");
+  }
   c.shapes["model.embed_tokens.weight"] = {kVocab, kHidden};
   c.shapes["model.norm.weight"] = {kHidden};
   if (!gemma) c.shapes["lm_head.weight"] = {kVocab, kHidden};
@@ -66,6 +114,10 @@ Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
     if (gemma)
       for (const char* n : {"pre_feedforward_layernorm", "post_feedforward_layernorm"})
         c.shapes[p + n + ".weight"] = {kHidden};
+    if (deepseek) {
+      add_deepseek_layer(&c, p, i >= 1);
+      continue;
+    }
     c.shapes[p + "self_attn.q_proj.weight"] = {kHeads * kHeadDim, kHidden};
     c.shapes[p + "self_attn.k_proj.weight"] = {kKvHeads * kHeadDim, kHidden};
     c.shapes[p + "self_attn.v_proj.weight"] = {kKvHeads * kHeadDim, kHidden};
@@ -212,6 +264,11 @@ TEST(Model, LlamaStepsOverThePoolEqualForward) { check_steps_equal_forward("llam
 // Gemma-2: sliding layer 0 (window 4 < 11 tokens) and full layer 1 share a
 // pool without a window, softcaps, (1 + w) sandwich norms.
 TEST(Model, Gemma2StepsOverThePoolEqualForward) { check_steps_equal_forward("gemma2"); }
+
+// DeepSeek-V3: MLA over the latent pool, a dense layer, then MoE layers.
+TEST(Model, DeepseekStepsOverTheLatentPoolEqualForward) {
+  check_steps_equal_forward("deepseek_v3");
+}
 
 TEST(Model, ZeroMixerAndMlpLeaveNormOfEmbeddingThroughLmHead) {
   Checkpoint c = tiny("llama", 1, 3);
