@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <new>
 #include <string>
 #include <utility>
@@ -256,6 +257,10 @@ Result<Tensor> Model::forward(const TensorView& token_ids) {
     return invalid_argument(std::string(fn) + ": token_ids " + token_ids.describe() +
                             " must be [batch, seq] int32 or int64 with batch, seq >= 1");
   const int64_t B = token_ids.shape[0], S = token_ids.shape[1], V = vocab_size();
+  // The packed step indexes tokens with int32 (cu_seqlens).
+  if (S > std::numeric_limits<int32_t>::max() / B)
+    return invalid_argument(std::string(fn) + ": token_ids " + token_ids.describe() +
+                            " holds more than 2^31 - 1 tokens");
   std::vector<int32_t> tokens(static_cast<size_t>(B * S));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t s = 0; s < S; ++s) {
