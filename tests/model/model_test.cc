@@ -340,6 +340,17 @@ TEST(Model, BadCheckpointsAreNamed) {
   EXPECT_NE(msg.find("shard \"model-2.safetensors\""), std::string::npos) << msg;
   EXPECT_NE(msg.find("missing"), std::string::npos) << msg;
 
+  // A dtype no layer holds: the norm's gain as int32.
+  const std::string dtype_dir = write(c, "dtype");
+  std::vector<std::string> names;
+  for (const auto& [n, shape] : c.shapes) names.push_back(n);
+  WeightMap ints = views(c, names);
+  const std::vector<int32_t> gain(kHidden, 1);
+  ints["model.norm.weight"] = make_view(gain.data(), DType::kI32, {kHidden});
+  ASSERT_TRUE(save_safetensors(dtype_dir + "/model.safetensors", ints).ok());
+  msg = load_error(dtype_dir);
+  EXPECT_NE(msg.find("'model.norm.weight' has dtype i32"), std::string::npos) << msg;
+
   Checkpoint unknown = c;
   unknown.config["model_type"] = "gemma";  // read for the analysis only
   msg = load_error(write(unknown, "family"));
