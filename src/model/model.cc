@@ -243,11 +243,8 @@ Status Model::forward_step(std::span<const int32_t> token_ids, std::span<const i
     return invalid_argument(std::string(fn) + ": logits has " + std::to_string(logits.size()) +
                             " values; must be num_seqs * vocab_size = " + std::to_string(n * V));
   ATTNKIT_RETURN_IF_ERROR(check_tokens(fn, token_ids, V));
-  std::vector<float> out(static_cast<size_t>(n * V));
-  ATTNKIT_RETURN_IF_ERROR(
-      run_tokens(*impl_, token_ids, cu_seqlens, seq_ids, pool, rows, out.data(), run, fn));
-  std::copy(out.begin(), out.end(), logits.begin());
-  return Status::Ok();
+  // run_tokens writes the logits only once every layer has succeeded.
+  return run_tokens(*impl_, token_ids, cu_seqlens, seq_ids, pool, rows, logits.data(), run, fn);
 }
 
 Result<Tensor> Model::forward(const TensorView& token_ids) {

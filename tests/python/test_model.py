@@ -629,3 +629,16 @@ def test_token_outside_vocabulary(llama_dir):
         model.forward(np.zeros((1, 2, 3), np.int64))
     with pytest.raises(ValueError, match="token_ids"):
         model.forward(np.array([0.5, 1.0]))
+
+
+def test_batch_rows_are_independent_sequences(tmp_path):
+    """Each row of a batch is its own sequence: the same logits as the row
+    run alone (within the fp32 pipeline's rounding)."""
+    c = FAMILIES["gemma3_text"]
+    weights = random_weights(c, seed=13)
+    write_checkpoint(str(tmp_path), c, weights)
+    model = attnkit.Model.from_pretrained(str(tmp_path))
+    tokens = np.random.default_rng(4).integers(0, VOCAB, size=(3, 9))
+    batch = model.forward(tokens)
+    for r in range(3):
+        check_logits(f"row {r}", batch[r], model.forward(tokens[r]), rel=1e-5)
