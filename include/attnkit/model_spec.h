@@ -98,6 +98,9 @@ struct ModelSpec {
   int64_t max_position_embeddings = 0;  // 0 = not given
   bool tie_word_embeddings = false;
   double rms_norm_eps = 1e-6;
+  // final_logit_softcapping: logits = cap * tanh(logits / cap) after the LM
+  // head (Gemma-2's default 30; Gemma-3's none); 0 = off.
+  double final_logit_softcapping = 0.0;
   WeightQuantization quantization;
   std::vector<LayerSpec> layers;  // num_layers entries, layer 0 first
 };

@@ -17,4 +17,5 @@ PYBIND11_MODULE(_attnkit, m) {
   attnkit::python::bind_gated_deltanet(m);
   attnkit::python::bind_model_spec(m);
   attnkit::python::bind_sparse_attention(m);
+  attnkit::python::bind_model(m);
 }

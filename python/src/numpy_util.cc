@@ -135,6 +135,7 @@ std::string python_message(std::string msg) {
       {"SafetensorsFile::parse", "load_safetensors"},
       {"Tensor::zeros", "allocating an array"},
       {"model_spec_from_json", "model_spec_from_config"},
+      {"Model::", "Model."},
   };
   for (const auto& [cpp, py] : kNames) replace_all(&msg, cpp, py);
   // Every other C++ method (KVCache::attend, Rope::apply, ...) has the same

@@ -356,6 +356,15 @@ Status read(const json& top, const SpecRequest& r, ModelSpec* spec) {
   c.rms_norm_eps = default_norm_eps(c.family);
   ATTNKIT_RETURN_IF_ERROR(c.f.number(norm_eps_key(c.family), &c.rms_norm_eps));
 
+  // Gemma2Config defaults the final cap to 30 (an explicit null turns it off).
+  double final_cap =
+      c.family == Family::kGemma2 && !c.cfg.contains("final_logit_softcapping") ? 30.0 : 0.0;
+  ATTNKIT_RETURN_IF_ERROR(c.f.number("final_logit_softcapping", &final_cap));
+  if (!(final_cap >= 0.0) || !std::isfinite(final_cap))
+    return c.f.error(c.f.path("final_logit_softcapping") + " = " + std::to_string(final_cap) +
+                     " must be finite and >= 0, or null");
+  spec->final_logit_softcapping = final_cap;
+
   spec->num_layers = c.num_layers;
   spec->hidden_size = c.hidden_size;
   spec->max_position_embeddings = c.max_position_embeddings;

@@ -702,5 +702,28 @@ TEST(ModelSpecDerived, OlderReadersAnswerFromTheSpec) {
   EXPECT_NE(not_mla.status().message().find("has no MLA layer"), std::string::npos);
 }
 
+// final_logit_softcapping: Gemma2Config's default 30, off for the others
+// (Gemma 3's text_config has none), null turns it off, negative is an error.
+TEST(ModelSpecFinalSoftcap, DefaultsNullAndRange) {
+  json gemma2 = {{"model_type", "gemma2"},   {"hidden_size", 64},        {"num_hidden_layers", 2},
+                 {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"head_dim", 16},
+                 {"intermediate_size", 96},  {"vocab_size", 97}};
+  auto s = model_spec_from_json(gemma2.dump());
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  EXPECT_EQ(s->final_logit_softcapping, 30.0);
+  gemma2["final_logit_softcapping"] = nullptr;
+  EXPECT_EQ(model_spec_from_json(gemma2.dump())->final_logit_softcapping, 0.0);
+  gemma2["final_logit_softcapping"] = 12.5;
+  EXPECT_EQ(model_spec_from_json(gemma2.dump())->final_logit_softcapping, 12.5);
+  gemma2["final_logit_softcapping"] = -1.0;
+  auto bad = model_spec_from_json(gemma2.dump());
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("final_logit_softcapping = -1"), std::string::npos)
+      << bad.status().message();
+  auto gemma3 = model_spec_from_json(load("gemma-3-4b-it.json").dump());
+  ASSERT_TRUE(gemma3.ok()) << gemma3.status().to_string();
+  EXPECT_EQ(gemma3->final_logit_softcapping, 0.0);
+}
+
 }  // namespace
 }  // namespace attnkit
