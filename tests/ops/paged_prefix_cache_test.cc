@@ -448,19 +448,25 @@ TEST(PagedPrefixCache, TruncateIntoAKeyedPageNeverChangesWhatOthersRead) {
   e.request(p, &cached);
   EXPECT_EQ(cached, 12);
 
-  // Held alone: cut into, it is unkeyed and written in place.
+  // Held alone: cut into, it is unkeyed and written in place, so p no
+  // longer finds it (its slot 2 now holds token 60's K/V); p's own second
+  // page is keyed anew, and its third replaces the old third page's key
+  // (same ids, but its parent is gone).
   Engine f(kGqa, spec_for(kGqa, 1, 30, 4));
   const int64_t c = f.request(p);
   const std::vector<int32_t> tc = f.pool().page_table(c).value();
-  const int64_t keyed = f.pool().prefix_cache_stats().cached_pages;
   f.truncate(c, 6);
-  f.set_next(c, {60, 61});
-  ASSERT_TRUE(f.step({c}, {2}, true));
+  f.set_next(c, {60});
+  ASSERT_TRUE(f.step({c}, {1}, true));
   EXPECT_EQ(f.pool().page_table(c).value()[1], tc[1]);
-  // Page 1 unkeyed, then keyed anew under its new tokens; page 2 cached-free.
-  EXPECT_EQ(f.pool().prefix_cache_stats().cached_pages, keyed);
-  f.request(p, &cached);
+  EXPECT_EQ(f.pool().prefix_cache_stats().cached_pages, 2);  // page 0, and page 2 cached-free
+  const int64_t d = f.request(p, &cached);
   EXPECT_EQ(cached, 4);
+  EXPECT_EQ(f.pool().prefix_cache_stats().cached_pages, 3);
+  EXPECT_EQ(f.pool().cached_free_pages(), std::vector<int32_t>{});  // the old page 2 is plain free
+  f.remove(d);
+  f.request(p, &cached);
+  EXPECT_EQ(cached, 12);
 }
 
 // A fork shares its parent's keyed pages; they become cached-free only
