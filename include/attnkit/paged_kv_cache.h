@@ -121,6 +121,17 @@ struct PrefixMatch {
   int64_t cached_tokens = 0;
 };
 
+// probe_prefix(prompt)'s answer: what add_sequence(prompt) would take now,
+// and how many of those pages are cached-free (taking them lowers
+// free_pages() by that many). An engine's admission needs
+//   ceil(prompt length / page_size) - cached_tokens / page_size new pages
+// (for the whole prompt; fewer for a first chunk) <= free_pages() -
+// cached_free_pages.
+struct PrefixProbe {
+  int64_t cached_tokens = 0;
+  int64_t cached_free_pages = 0;
+};
+
 // Counters of the prefix cache since the pool was made (or
 // reset_prefix_cache_stats()); the last two are the state now.
 struct PrefixCacheStats {
@@ -157,6 +168,10 @@ class PagedKVCache {
   // the prompt's ids for keying (append() needs no ids for them). Without
   // prefix caching: an empty sequence, cached_tokens 0. O(pages matched).
   Result<PrefixMatch> add_sequence(std::span<const int32_t> prompt_token_ids);
+  // What add_sequence(prompt_token_ids) would take, changing nothing and
+  // counting nothing (admission control before the request is added).
+  // The same checks and O(pages matched) cost.
+  Result<PrefixProbe> probe_prefix(std::span<const int32_t> prompt_token_ids) const;
 
   // Reserves num_new_tokens[i] slots at the end of sequence seq_ids[i] for
   // every layer (see the lifecycle above). The ids must exist and be
@@ -330,6 +345,9 @@ class PagedKVCache {
   void forget(int32_t page);
   void key_full_pages(Sequence* seq);
   uint64_t page_hash(uint64_t parent_key, const int32_t* tokens) const;
+  Status check_prompt(const char* fn, std::span<const int32_t> prompt) const;
+  void match_prefix(std::span<const int32_t> prompt, std::vector<int32_t>* pages,
+                    std::vector<ChainLink>* chain) const;
   Status append_impl(std::span<const int64_t> seq_ids, std::span<const int64_t> num_new_tokens,
                      const std::span<const int32_t>* token_ids);
   Status check_token_ids(std::span<const int64_t> seq_ids, std::span<const int64_t> num_new_tokens,
