@@ -41,15 +41,16 @@
 // itself), pages whose tokens no later query can see are released as soon
 // as every layer has written past them. Freed pages are reused; a page is
 // never visible to two sequences unless one was forked from the other, or
-// both took it from the prefix cache.
+// took it over from the prefix cache.
 //
 // Prefix caching (spec.prefix_caching, docs/PAGED.md "Prefix caching"):
 // the pool keeps, for each full page that every layer has written and
 // whose token ids it knows, a key chained over the whole prefix (hash of
 // the parent page's key and this page's page_size token ids, vLLM's block
 // hash). A page whose last holder goes stays in the pool as a cached-free
-// page: free_pages() counts it, and an append / fork copy evicts the least
-// recently freed one only when no plain free page is left.
+// page: free_pages() counts it, and append() (for new pages or a
+// copy-on-write copy) evicts the least recently freed one only when no
+// plain free page is left.
 //   add_sequence(prompt)  takes over the longest run of cached pages that
 //                         matches the prompt's first pages (page aligned,
 //                         at most prompt length - 1 tokens, so the last
@@ -59,6 +60,8 @@
 //                         ids so append() of its tokens needs none
 //   append(ids, counts, token_ids)  the same reservation, recording the
 //                         token ids of the new tokens (decoded tokens)
+//   probe_prefix(prompt)  what add_sequence(prompt) would take, for
+//                         admission control; changes nothing
 // A sequence never writes into a keyed page another may read: a shared or
 // keyed partly filled page is copied or unkeyed first (copy-on-write).
 //
