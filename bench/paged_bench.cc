@@ -388,7 +388,7 @@ void prefix_costs(int threads, int pairs) {
       (with - without) * 1e9 / 64, with * 1e6, without * 1e6);
   std::printf(
       "  one layer's decode step, 1 sequence at 4K keys       %8.1f us; keying a page = "
-      "%.2f %% of it, a 1024-token hit = %.2f %%\n",
+      "%.4f %% of it, a 1024-token hit = %.3f %%\n",
       decode * 1e6, 100.0 * (with - without) / 64 / decode, 100.0 * hit / decode);
 }
 

@@ -123,7 +123,7 @@ class Run {
     switch (in_.ConsumeIntegralInRange(0, 7)) {
       case 0: {
         if (pool.num_sequences() >= 6) return;
-        if (!pool.spec().prefix_caching || in_.ConsumeBool()) {
+        if (!pool.spec().prefix_caching || in_.ConsumeIntegralInRange(0, 3) == 0) {
           const int64_t id = pool.add_sequence();
           model_[id].resize(layers());
           tokens_[id].clear();
@@ -226,12 +226,20 @@ class Run {
 
   using Tokens = std::vector<int32_t>;
 
-  // add_sequence(prompt): a prompt of 0-20 ids from {0, 1, 2}; the pages
-  // it takes hold, by the fixed K/V function, what the model derives.
+  // add_sequence(prompt): a prompt of 0-16 ids of one of two fixed
+  // "system prompts" (or none), then 0-8 ids from {0, 1, 2}, so prompts
+  // share prefixes; the pages it takes hold, by the fixed K/V function,
+  // what the model derives.
   void add_prompt() {
+    static constexpr int32_t kShared[2][16] = {{0, 1, 2, 2, 1, 0, 0, 2, 1, 1, 2, 0, 1, 0, 2, 2},
+                                               {2, 2, 0, 1, 0, 1, 2, 1, 0, 0, 1, 2, 2, 0, 1, 1}};
     PagedKVCache& pool = *pool_;
-    Tokens prompt(in_.ConsumeIntegralInRange<size_t>(0, 20));
-    for (int32_t& t : prompt) t = in_.ConsumeIntegralInRange(0, 2);
+    const int which = in_.ConsumeIntegralInRange(0, 2);
+    Tokens prompt;
+    if (which < 2)
+      prompt.assign(kShared[which], kShared[which] + in_.ConsumeIntegralInRange(0, 16));
+    for (size_t tail = in_.ConsumeIntegralInRange<size_t>(0, 8); tail > 0; --tail)
+      prompt.push_back(in_.ConsumeIntegralInRange(0, 2));
     const attnkit::PrefixProbe probe = pool.probe_prefix(prompt).value();
     const attnkit::PrefixCacheStats before = pool.prefix_cache_stats();
     const int64_t free_before = pool.free_pages();
@@ -252,6 +260,11 @@ class Run {
     for (int64_t l = 0; l < int64_t(layers()); ++l)
       for (int64_t p = 0; p < c; ++p) append_token(prompt[size_t(p)], p, l, &h[size_t(l)]);
     tokens_[r->seq_id] = prompt;
+    // At times the whole rest of the prompt at once, as an engine's
+    // prefill does (so that its full pages are keyed at once).
+    const std::vector<int64_t> seq{r->seq_id}, counts{n - c};
+    if (in_.ConsumeBool() && pool.append(seq, counts).ok())
+      for (int64_t l = 0; l < pool.spec().num_layers; ++l) attend(l, seq, counts);
   }
 
   // K, V of token `token` at `position` in `layer` (prefix-caching pools):
@@ -274,7 +287,7 @@ class Run {
   // Appends a token's K/V, as the pool stores them, to a layer's history.
   void append_token(int32_t token, int64_t position, int64_t layer, History* h) const {
     const PagedKVCacheSpec& s = pool_->spec();
-    std::vector<float> k(size_t(row_k())), v(size_t(row_v()));
+    std::vector<float> k(static_cast<size_t>(row_k())), v(static_cast<size_t>(row_v()));
     kv_rows(token, position, layer, k.data(), v.data());
     for (int64_t g = 0; g < s.num_kv_heads; ++g) {
       append_stored(k.data() + g * s.head_dim, s.head_dim, &h->k);
