@@ -432,6 +432,34 @@ TEST(PagedPrefixCache, EvictsTheLeastRecentlyFreedPageFirst) {
   EXPECT_EQ(e.pool().prefix_cache_stats().evictions, 6);
 }
 
+// Under pressure append takes the plain free pages, then evicts cached-free
+// ones, never a page a sequence holds (shared ones included), and refuses
+// all or nothing past the free count.
+TEST(PagedPrefixCache, EvictionUnderPressureNeverTakesAHeldPage) {
+  Engine e(kGqa, spec_for(kGqa, 1, 10, 2));
+  const int64_t a = e.request({1, 2, 3, 4, 5, 6, 7});  // 4 pages, 3 keyed
+  int64_t cached = -1;
+  const int64_t b = e.request({1, 2, 3, 4, 5, 6, 7}, &cached);  // shares 3, 1 of its own
+  ASSERT_EQ(cached, 6);
+  const int64_t c = e.request({9, 9, 9, 9, 9});
+  e.remove(c);  // 2 cached-free pages, 1 plain
+  EXPECT_EQ(e.pool().free_pages(), 5);
+  EXPECT_EQ(e.pool().prefix_cache_stats().cached_free_pages, 2);
+  e.set_next(a, {20, 21, 22, 23, 24, 25, 26, 27, 28});
+  ASSERT_TRUE(e.step({a}, {9}, true));  // 4 new pages: 3 plain, 1 evicted
+  EXPECT_EQ(e.pool().prefix_cache_stats().evictions, 1);
+  const std::vector<int32_t> ta = e.pool().page_table(a).value(),
+                             tb = e.pool().page_table(b).value();
+  for (size_t i = 3; i < ta.size(); ++i)
+    EXPECT_EQ(std::count(tb.begin(), tb.end(), ta[i]), 0) << "page " << ta[i];
+  int32_t next = 40;
+  ASSERT_TRUE(e.decode({b}, 2, [&] { return next++; }));  // b's rows still exact
+  const attnkit_test::PoolSnapshot before = attnkit_test::snapshot(e.pool());
+  EXPECT_EQ(e.pool().append(std::vector<int64_t>{a}, std::vector<int64_t>{2 * 2 + 1}).code(),
+            StatusCode::kResourceExhausted);
+  EXPECT_TRUE(attnkit_test::snapshot(e.pool()) == before);
+}
+
 // A sequence cut back into a keyed page that another sequence shares
 // copies it before writing, so the other's outputs stay exact; one that
 // holds it alone unkeys it and writes in place.
