@@ -44,7 +44,8 @@ ROW_FIELDS = {"variant", "kv_dtype", "cache", "memory_bytes", "kv_bytes_per_toke
               "busy_s", "output_tokens_per_s", "output_tokens_per_s_runs", "requests_per_s", "ttft_s",
               "tpot_s", "peak_running",
               "mean_running", "kv_used_bytes", "kv_reserved_bytes", "preemptions", "steps",
-              "tokens_computed", "weight_bytes"}
+              "tokens_computed", "weight_bytes", "prefix_cache", "queue_s",
+              "prefill_tokens_computed", "prefix_hit_rate"}
 
 
 def test_rows_have_the_documented_fields_and_exact_kv_arithmetic(config):
