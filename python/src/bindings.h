@@ -16,5 +16,6 @@ void bind_moe(pybind11::module_& m);              // moe.cc: the MoE feed-forwar
 void bind_gated_deltanet(pybind11::module_& m);   // gated_deltanet.cc: GatedDeltaNet, its state
 void bind_paged(pybind11::module_& m);       // paged.cc: PagedKVCache, batch_attention, sdpa_varlen
 void bind_model_spec(pybind11::module_& m);  // model_spec.cc: the model description
+void bind_serve(pybind11::module_& m);       // serve.cc: StepModel, SyntheticModel, Engine
 
 }  // namespace attnkit::python

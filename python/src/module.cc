@@ -16,4 +16,5 @@ PYBIND11_MODULE(_attnkit, m) {
   attnkit::python::bind_moe(m);
   attnkit::python::bind_gated_deltanet(m);
   attnkit::python::bind_model_spec(m);
+  attnkit::python::bind_serve(m);
 }
