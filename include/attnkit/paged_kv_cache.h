@@ -40,7 +40,27 @@
 // it), or chunks of C (each token sees its own chunk's tokens up to
 // itself), pages whose tokens no later query can see are released as soon
 // as every layer has written past them. Freed pages are reused; a page is
-// never visible to two sequences unless one was forked from the other.
+// never visible to two sequences unless one was forked from the other, or
+// both took it from the prefix cache.
+//
+// Prefix caching (spec.prefix_caching, docs/PAGED.md "Prefix caching"):
+// the pool keeps, for each full page that every layer has written and
+// whose token ids it knows, a key chained over the whole prefix (hash of
+// the parent page's key and this page's page_size token ids, vLLM's block
+// hash). A page whose last holder goes stays in the pool as a cached-free
+// page: free_pages() counts it, and an append / fork copy evicts the least
+// recently freed one only when no plain free page is left.
+//   add_sequence(prompt)  takes over the longest run of cached pages that
+//                         matches the prompt's first pages (page aligned,
+//                         at most prompt length - 1 tokens, so the last
+//                         token is always computed); returns the tokens it
+//                         covers: length and every layer's written count
+//                         start there, and the pool remembers the prompt's
+//                         ids so append() of its tokens needs none
+//   append(ids, counts, token_ids)  the same reservation, recording the
+//                         token ids of the new tokens (decoded tokens)
+// A sequence never writes into a keyed page another may read: a shared or
+// keyed partly filled page is copied or unkeyed first (copy-on-write).
 //
 // A pool is not thread-safe; attend() itself runs on num_threads threads.
 #pragma once
@@ -84,8 +104,35 @@ struct PagedKVCacheSpec {
   // layers of different kinds leaves both 0 and each attend() call passes
   // its layer's window_size / chunk_size in its options.
   int64_t chunk_size = 0;
+  // Automatic prefix caching (see the top of this file). A pool with a
+  // sliding_window or chunk_size refuses it: the pages a window releases
+  // are gone, so a prefix of them cannot be taken over.
+  bool prefix_caching = false;
 
   bool latent() const { return kv_lora_rank > 0; }
+};
+
+// add_sequence(prompt)'s answer: the new sequence and how many of the
+// prompt's first tokens it took from the prefix cache (a multiple of
+// page_size; 0 without prefix caching or without a hit). The caller
+// computes tokens cached_tokens ... prompt length - 1 only.
+struct PrefixMatch {
+  int64_t seq_id = -1;
+  int64_t cached_tokens = 0;
+};
+
+// Counters of the prefix cache since the pool was made (or
+// reset_prefix_cache_stats()); the last two are the state now.
+struct PrefixCacheStats {
+  int64_t queries = 0;            // add_sequence(prompt) calls with prefix caching on
+  int64_t query_tokens = 0;       // their prompts' tokens
+  int64_t hits = 0;               // calls that took at least one page
+  int64_t hit_pages = 0;          // pages taken over
+  int64_t hit_tokens = 0;         // tokens taken over (hit_tokens / query_tokens: the hit rate)
+  int64_t evictions = 0;          // cached-free pages unkeyed to be reused
+  int64_t cached_pages = 0;       // keyed pages now, held or cached-free
+  int64_t cached_free_pages = 0;  // keyed pages no sequence holds (counted in free_pages())
+  bool operator==(const PrefixCacheStats&) const = default;
 };
 
 class PagedKVCache {
@@ -103,10 +150,26 @@ class PagedKVCache {
   // A new empty sequence. Ids are never reused within a pool.
   int64_t add_sequence();
 
+  // A new sequence for a prompt of token ids (>= 0). With prefix caching
+  // it takes over the longest cached prefix of whole pages, at most
+  // prompt.size() - 1 tokens (a prompt of exactly k pages reuses k - 1:
+  // its last token must be computed for its logits), and the pool keeps
+  // the prompt's ids for keying (append() needs no ids for them). Without
+  // prefix caching: an empty sequence, cached_tokens 0. O(pages matched).
+  Result<PrefixMatch> add_sequence(std::span<const int32_t> prompt_token_ids);
+
   // Reserves num_new_tokens[i] slots at the end of sequence seq_ids[i] for
   // every layer (see the lifecycle above). The ids must exist and be
   // distinct; counts >= 0. Copy-on-write copies happen here.
   Status append(std::span<const int64_t> seq_ids, std::span<const int64_t> num_new_tokens);
+  // append() that also gives the new tokens' ids, packed in seq_ids order
+  // (sum(num_new_tokens) entries, each >= 0), so their pages can be keyed
+  // once full and written by every layer. Ids at positions the sequence
+  // knows already (its prompt) must equal them. Without prefix caching
+  // they are checked and ignored. A sequence appended without ids past
+  // the ids it knows is never keyed from there on.
+  Status append(std::span<const int64_t> seq_ids, std::span<const int64_t> num_new_tokens,
+                std::span<const int32_t> token_ids);
 
   // A new sequence sharing every page of seq_id. The parent must have
   // written all its reserved tokens in every layer.
@@ -115,8 +178,11 @@ class PagedKVCache {
   Status remove(int64_t seq_id);
 
   // Forgets the tokens of seq_id from new_length on (rejected speculative
-  // tokens, a rolled-back step): pages past it return to the pool, and
-  // every layer's written count is clamped to it. new_length <= length,
+  // tokens, a rolled-back step): pages past it return to the pool (keyed
+  // ones to the prefix cache), every layer's written count and the known
+  // token ids are clamped to it. A keyed page cut into stays as others
+  // read it: the next append copies it (or unkeys it when no one else
+  // holds it) before writing. new_length <= length,
   // and after a window has released pages, the next query (at position
   // new_length) must not need them: new_length >= first held token + W - 1
   // (chunks of C: new_length >= the first held token rounded up to a
@@ -132,7 +198,8 @@ class PagedKVCache {
   std::vector<int64_t> sequence_ids() const;  // ascending
   int64_t num_sequences() const { return static_cast<int64_t>(sequences_.size()); }
 
-  int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
+  // Plain free pages plus cached-free ones (which an append may evict).
+  int64_t free_pages() const { return static_cast<int64_t>(free_.size()) + lru_size_; }
   int64_t pages_in_use() const { return spec_.num_pages - free_pages(); }
   // Bytes of K/V values one page holds across all layers (the KV memory
   // formula per page: num_layers * page_size * (keys + values per token) *
@@ -140,6 +207,12 @@ class PagedKVCache {
   // and the whole pool's.
   size_t page_nbytes() const;
   size_t nbytes() const { return page_nbytes() * static_cast<size_t>(spec_.num_pages); }
+
+  PrefixCacheStats prefix_cache_stats() const;
+  void reset_prefix_cache_stats();  // the counters; the cache itself stays
+  // The cached-free pages, least recently freed (next evicted) first. For
+  // inspection and tests: O(cached-free pages).
+  std::vector<int32_t> cached_free_pages() const;
 
   // Storage of one layer, for inspection and tests (strided views):
   //   keys   [num_pages * page_size, num_kv_heads, head_dim]
@@ -206,11 +279,31 @@ class PagedKVCache {
                std::span<const int32_t> cu_seqlens, std::span<const int64_t> seq_ids);
 
  private:
+  // A keyed page's place in its chain: its key and the serial number of its
+  // keying (the page's parent is named by serial, which no other keying
+  // ever reuses, so a page evicted and keyed again is a different parent).
+  struct ChainLink {
+    uint64_t key = 0;
+    uint64_t serial = 0;
+  };
+  // Per page, with prefix caching.
+  struct PageMeta {
+    ChainLink link;              // serial 0: not keyed
+    uint64_t parent_serial = 0;  // 0: the first page of a prompt
+    int32_t lru_prev = -1, lru_next = -1;
+  };
+
   struct Sequence {
     int64_t length = 0;
     int64_t released = 0;          // leading pages released by the window (-1 in pages)
     std::vector<int32_t> pages;    // ceil(length / page_size) entries
     std::vector<int64_t> written;  // per layer: tokens whose K/V are written
+    // Prefix caching: the token ids known (from position 0; may run past
+    // length: the prompt), and per leading page the chain link it was keyed
+    // under (its own key, or an equal page's when one was keyed first).
+    std::vector<int32_t> tokens;
+    std::vector<ChainLink> chain;
+    bool untracked = false;  // appended past its known ids: never keyed again
   };
 
   struct AttendScratch;  // attend()'s per-call tables, kept so steps do not allocate
@@ -228,7 +321,21 @@ class PagedKVCache {
                   const AttentionOptions& options, std::span<const int32_t> cu_seqlens_q,
                   std::span<const int64_t> seq_ids, bool held);
   void release_unseen(Sequence* seq);
+  int32_t take_page();
   void drop_page(int32_t page);
+  void drop_pages(const std::vector<int32_t>& pages, size_t from);
+  void lru_push(int32_t page);
+  void lru_erase(int32_t page);
+  void unkey(int32_t page);
+  void forget(int32_t page);
+  void key_full_pages(Sequence* seq);
+  uint64_t page_hash(uint64_t parent_key, const int32_t* tokens) const;
+  Status append_impl(std::span<const int64_t> seq_ids, std::span<const int64_t> num_new_tokens,
+                     const std::span<const int32_t>* token_ids);
+  Status check_token_ids(std::span<const int64_t> seq_ids, std::span<const int64_t> num_new_tokens,
+                         std::span<const int32_t> token_ids) const;
+  void record_tokens(Sequence* seq, int64_t len, int64_t n,
+                     const std::span<const int32_t>* token_ids, size_t at);
   void copy_page(int32_t from, int32_t to, int64_t tokens);
   Result<Sequence*> find(const char* fn, int64_t seq_id);
   Result<const Sequence*> find(const char* fn, int64_t seq_id) const;
@@ -242,6 +349,18 @@ class PagedKVCache {
   std::vector<int32_t> refs_;  // per page: sequences that hold it
   std::unordered_map<int64_t, Sequence> sequences_;
   int64_t next_id_ = 0;
+  // Prefix caching (empty without): per page its chain link and LRU links,
+  // its token ids [num_pages * page_size]; key -> page; the LRU list of
+  // cached-free pages (head: next evicted).
+  std::vector<PageMeta> meta_;
+  std::vector<int32_t> page_tokens_;
+  std::unordered_map<uint64_t, int32_t> keyed_;
+  int32_t lru_head_ = -1, lru_tail_ = -1;
+  int64_t lru_size_ = 0;
+  uint64_t next_serial_ = 1;
+  uint64_t key_mask_ = ~uint64_t{0};  // narrowed by tests to force key collisions
+  PrefixCacheStats stats_;
+  friend struct PagedKVCacheTesting;
   std::unique_ptr<AttendScratch> scratch_;
 };
 

@@ -52,6 +52,18 @@ std::vector<int32_t> offsets_arg(py::handle obj, const char* fn, const char* nam
 
 namespace {
 
+// Token ids: ints that fit int32 (the C++ call checks that they are >= 0).
+std::vector<int32_t> token_list(py::handle obj, const char* fn, const char* name) {
+  std::vector<int32_t> out;
+  for (int64_t x : int64_list(obj, fn, name)) {
+    if (x < std::numeric_limits<int32_t>::min() || x > std::numeric_limits<int32_t>::max())
+      raise_value_error(fn, std::string(name) + " holds " + std::to_string(x) +
+                                ", which does not fit an int32 token id");
+    out.push_back(static_cast<int32_t>(x));
+  }
+  return out;
+}
+
 // A float32 copy [num_pages * page_size, heads, dim] of a layer's storage
 // (bf16 widened exactly, 8-bit types dequantized).
 py::array storage_copy(PyPagedKVCache& c, int64_t layer, bool keys) {
@@ -301,7 +313,7 @@ void bind_paged(py::module_& m) {
       .def(py::init([](int64_t num_layers, int64_t num_pages, int64_t page_size,
                        int64_t num_kv_heads, int64_t head_dim, std::optional<int64_t> head_dim_v,
                        const std::string& kv_dtype, int64_t sliding_window, int64_t kv_lora_rank,
-                       int64_t qk_rope_head_dim, int64_t chunk_size) {
+                       int64_t qk_rope_head_dim, int64_t chunk_size, bool prefix_caching) {
              PagedKVCacheSpec spec;
              spec.num_layers = num_layers;
              spec.num_pages = num_pages;
@@ -314,27 +326,79 @@ void bind_paged(py::module_& m) {
              spec.dtype = parse_cache_dtype(kv_dtype, "PagedKVCache", "kv_dtype");
              spec.sliding_window = sliding_window;
              spec.chunk_size = chunk_size;
+             spec.prefix_caching = prefix_caching;
              return std::make_unique<PyPagedKVCache>(value_or_throw(PagedKVCache::create(spec)));
            }),
            py::kw_only(), py::arg("num_layers") = 1, py::arg("num_pages"),
            py::arg("page_size") = 16, py::arg("num_kv_heads") = 0, py::arg("head_dim") = 0,
            py::arg("head_dim_v") = py::none(), py::arg("kv_dtype") = "float32",
            py::arg("sliding_window") = 0, py::arg("kv_lora_rank") = 0,
-           py::arg("qk_rope_head_dim") = 0, py::arg("chunk_size") = 0)
+           py::arg("qk_rope_head_dim") = 0, py::arg("chunk_size") = 0,
+           py::arg("prefix_caching") = false)
       .def(
           "add_sequence",
-          [](PyPagedKVCache& c) { return locked(c.mu, [&] { return c.pool.add_sequence(); }); },
-          "A new empty sequence; returns its id (ids are never reused).")
+          [](PyPagedKVCache& c, py::object prompt_token_ids) -> py::object {
+            if (prompt_token_ids.is_none())
+              return py::int_(locked(c.mu, [&] { return c.pool.add_sequence(); }));
+            const std::vector<int32_t> prompt =
+                token_list(prompt_token_ids, "PagedKVCache.add_sequence", "prompt_token_ids");
+            const PrefixMatch match =
+                value_or_throw(locked(c.mu, [&] { return c.pool.add_sequence(prompt); }));
+            return py::make_tuple(match.seq_id, match.cached_tokens);
+          },
+          py::arg("prompt_token_ids") = py::none(),
+          "A new sequence; returns its id (ids are never reused). With prompt_token_ids "
+          "(a list of token ids), returns (id, cached_tokens): with prefix_caching the sequence "
+          "starts with the longest cached page-aligned prefix of the prompt (at most len - 1 "
+          "tokens), and only tokens cached_tokens ... len - 1 remain to compute.")
       .def(
           "append",
-          [](PyPagedKVCache& c, py::object seq_ids, py::object num_new_tokens) {
+          [](PyPagedKVCache& c, py::object seq_ids, py::object num_new_tokens,
+             py::object token_ids) {
             const auto ids = int64_list(seq_ids, "PagedKVCache.append", "seq_ids");
             const auto n = int64_list(num_new_tokens, "PagedKVCache.append", "num_new_tokens");
-            throw_if_error(locked(c.mu, [&] { return c.pool.append(ids, n); }));
+            if (token_ids.is_none()) {
+              throw_if_error(locked(c.mu, [&] { return c.pool.append(ids, n); }));
+              return;
+            }
+            const std::vector<int32_t> t =
+                token_list(token_ids, "PagedKVCache.append", "token_ids");
+            throw_if_error(locked(c.mu, [&] { return c.pool.append(ids, n, t); }));
           },
-          py::arg("seq_ids"), py::arg("num_new_tokens"),
+          py::arg("seq_ids"), py::arg("num_new_tokens"), py::arg("token_ids") = py::none(),
           "Reserves num_new_tokens[i] slots at the end of sequence seq_ids[i] in every layer, "
-          "all or nothing (MemoryError when out of pages, changing nothing).")
+          "all or nothing (MemoryError when out of pages, changing nothing). token_ids: the new "
+          "tokens' ids packed in seq_ids order (sum(num_new_tokens) of them), so that prefix "
+          "caching can key their pages; ids of a prompt given to add_sequence need not be "
+          "repeated.")
+      .def(
+          "prefix_cache_stats",
+          [](PyPagedKVCache& c) {
+            const PrefixCacheStats s = locked(c.mu, [&] { return c.pool.prefix_cache_stats(); });
+            py::dict d;
+            d["queries"] = s.queries;
+            d["query_tokens"] = s.query_tokens;
+            d["hits"] = s.hits;
+            d["hit_pages"] = s.hit_pages;
+            d["hit_tokens"] = s.hit_tokens;
+            d["evictions"] = s.evictions;
+            d["cached_pages"] = s.cached_pages;
+            d["cached_free_pages"] = s.cached_free_pages;
+            return d;
+          },
+          "The prefix cache's counters as a dict: queries, query_tokens, hits, hit_pages, "
+          "hit_tokens (hit_tokens / query_tokens is the hit rate), evictions, and the "
+          "cached_pages and cached_free_pages held now.")
+      .def(
+          "reset_prefix_cache_stats",
+          [](PyPagedKVCache& c) { locked(c.mu, [&] { c.pool.reset_prefix_cache_stats(); }); },
+          "Zeroes the prefix cache's counters; the cached pages stay.")
+      .def(
+          "cached_free_pages",
+          [](PyPagedKVCache& c) {
+            return locked(c.mu, [&] { return c.pool.cached_free_pages(); });
+          },
+          "The cached-free pages, the next to be evicted first.")
       .def(
           "fork",
           [](PyPagedKVCache& c, int64_t id) {
@@ -425,6 +489,8 @@ void bind_paged(py::module_& m) {
                              [](PyPagedKVCache& c) { return c.pool.spec().qk_rope_head_dim; })
       .def_property_readonly("sliding_window",
                              [](PyPagedKVCache& c) { return c.pool.spec().sliding_window; })
+      .def_property_readonly("prefix_caching",
+                             [](PyPagedKVCache& c) { return c.pool.spec().prefix_caching; })
       .def_property_readonly("chunk_size",
                              [](PyPagedKVCache& c) { return c.pool.spec().chunk_size; })
       .def_property_readonly(

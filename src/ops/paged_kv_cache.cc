@@ -30,6 +30,8 @@ namespace attnkit {
 namespace {
 
 constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
+// The parent key of a prompt's first page.
+constexpr uint64_t kRootKey = 0x6a09e667f3bcc908ull;
 
 std::string str(int64_t x) { return std::to_string(x); }
 
@@ -83,6 +85,12 @@ Result<PagedKVCache> PagedKVCache::create(const PagedKVCacheSpec& spec) {
                             " are both set; a pool has at most one of them (a pool shared by "
                             "layers of different kinds leaves both 0 and passes each layer's "
                             "in the options)");
+  if (spec.prefix_caching && (spec.sliding_window > 0 || spec.chunk_size > 0))
+    return invalid_argument(f + "prefix_caching is on with spec." +
+                            (spec.chunk_size > 0 ? "chunk_size = " + str(spec.chunk_size)
+                                                 : "sliding_window = " + str(spec.sliding_window)) +
+                            "; prefix caching needs both 0 (pages a window releases cannot be "
+                            "taken over as a prefix)");
   if (spec.num_pages > kMaxInt32)
     return invalid_argument(f + "num_pages = " + str(spec.num_pages) + " must be <= " +
                             str(kMaxInt32) + " (page ids are int32, as in block tables)");
@@ -139,6 +147,10 @@ Result<PagedKVCache> PagedKVCache::create(const PagedKVCacheSpec& spec) {
   // order.
   for (int64_t p = s.num_pages - 1; p >= 0; --p) pool.free_.push_back(static_cast<int32_t>(p));
   pool.refs_.assign(static_cast<size_t>(s.num_pages), 0);
+  if (s.prefix_caching) {
+    pool.meta_.resize(static_cast<size_t>(s.num_pages));
+    pool.page_tokens_.resize(static_cast<size_t>(rows));
+  }
   return pool;
 }
 
@@ -158,6 +170,130 @@ int64_t PagedKVCache::add_sequence() {
   const int64_t id = next_id_++;
   sequences_.emplace(id, std::move(seq));
   return id;
+}
+
+Result<PrefixMatch> PagedKVCache::add_sequence(std::span<const int32_t> prompt_token_ids) {
+  constexpr const char* fn = "PagedKVCache::add_sequence";
+  const int64_t n = static_cast<int64_t>(prompt_token_ids.size());
+  if (n > kMaxInt32)
+    return invalid_argument(std::string(fn) + ": prompt_token_ids has " + str(n) +
+                            " tokens, more than " + str(kMaxInt32));
+  for (int64_t i = 0; i < n; ++i)
+    if (prompt_token_ids[static_cast<size_t>(i)] < 0)
+      return invalid_argument(std::string(fn) + ": prompt_token_ids[" + str(i) + "] = " +
+                              str(prompt_token_ids[static_cast<size_t>(i)]) + " must be >= 0");
+  if (!spec_.prefix_caching) return PrefixMatch{add_sequence(), 0};
+  Sequence seq;
+  seq.written.assign(static_cast<size_t>(spec_.num_layers), 0);
+  seq.tokens.assign(prompt_token_ids.begin(), prompt_token_ids.end());
+  // Walk the chain from the first page: each page must be keyed under the
+  // key of this prefix, hold these token ids and name the page matched
+  // before as its parent, so a hash collision can never alias.
+  const int64_t ps = spec_.page_size;
+  const size_t most = n > 0 ? static_cast<size_t>((n - 1) / ps) : 0;
+  ChainLink parent{kRootKey, 0};
+  for (size_t i = 0; i < most; ++i) {
+    const int32_t* ids = seq.tokens.data() + i * static_cast<size_t>(ps);
+    const auto it = keyed_.find(page_hash(parent.key, ids));
+    if (it == keyed_.end()) break;
+    const int32_t page = it->second;
+    const PageMeta& m = meta_[static_cast<size_t>(page)];
+    if (m.parent_serial != parent.serial ||
+        !std::equal(ids, ids + ps, page_tokens_.begin() + page * ps))
+      break;
+    seq.pages.push_back(page);
+    seq.chain.push_back(m.link);
+    parent = m.link;
+  }
+  for (int32_t page : seq.pages) {
+    if (refs_[static_cast<size_t>(page)]++ == 0) lru_erase(page);
+  }
+  const int64_t cached = static_cast<int64_t>(seq.pages.size()) * ps;
+  seq.length = cached;
+  seq.written.assign(static_cast<size_t>(spec_.num_layers), cached);
+  ++stats_.queries;
+  stats_.query_tokens += n;
+  stats_.hits += cached > 0 ? 1 : 0;
+  stats_.hit_pages += static_cast<int64_t>(seq.pages.size());
+  stats_.hit_tokens += cached;
+  const int64_t id = next_id_++;
+  sequences_.emplace(id, std::move(seq));
+  return PrefixMatch{id, cached};
+}
+
+PrefixCacheStats PagedKVCache::prefix_cache_stats() const {
+  PrefixCacheStats s = stats_;
+  s.cached_pages = static_cast<int64_t>(keyed_.size());
+  s.cached_free_pages = lru_size_;
+  return s;
+}
+
+void PagedKVCache::reset_prefix_cache_stats() { stats_ = PrefixCacheStats{}; }
+
+std::vector<int32_t> PagedKVCache::cached_free_pages() const {
+  std::vector<int32_t> pages;
+  for (int32_t p = lru_head_; p >= 0; p = meta_[static_cast<size_t>(p)].lru_next)
+    pages.push_back(p);
+  return pages;
+}
+
+// The key of a full page: its parent's key and its page_size token ids,
+// two ids per round of splitmix64's finalizer (a bijection of 64 bits, so
+// ids that differ in one round always give different states after it).
+uint64_t PagedKVCache::page_hash(uint64_t parent_key, const int32_t* tokens) const {
+  auto mix = [](uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+  };
+  const int64_t ps = spec_.page_size;
+  uint64_t h = mix(parent_key + 0x9e3779b97f4a7c15ull);
+  int64_t j = 0;
+  for (; j + 1 < ps; j += 2)
+    h = mix(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(tokens[j])) |
+                 static_cast<uint64_t>(static_cast<uint32_t>(tokens[j + 1])) << 32));
+  if (j < ps) h = mix(h ^ static_cast<uint64_t>(static_cast<uint32_t>(tokens[j])) ^ (1ull << 63));
+  return h & key_mask_;
+}
+
+// Keys the sequence's pages that are full, written by every layer and of
+// known token ids, in order, each under the chain of the ones before. A
+// page whose key an equal page (same ids, same parent) holds already stays
+// unkeyed and the chain goes on through that page; a key held by a page
+// that does not match (a stale child of an evicted parent, or a collision)
+// goes to the newer page.
+void PagedKVCache::key_full_pages(Sequence* seq) {
+  const int64_t ps = spec_.page_size;
+  const int64_t written = *std::min_element(seq->written.begin(), seq->written.end());
+  const size_t full = static_cast<size_t>(
+      std::min<int64_t>(written, static_cast<int64_t>(seq->tokens.size())) / ps);
+  while (seq->chain.size() < full) {
+    const size_t i = seq->chain.size();
+    const ChainLink parent = i > 0 ? seq->chain[i - 1] : ChainLink{kRootKey, 0};
+    const int32_t* ids = seq->tokens.data() + i * static_cast<size_t>(ps);
+    const uint64_t key = page_hash(parent.key, ids);
+    const int32_t page = seq->pages[i];
+    const auto it = keyed_.find(key);
+    if (it != keyed_.end()) {
+      const int32_t other = it->second;
+      const PageMeta& m = meta_[static_cast<size_t>(other)];
+      if (m.parent_serial == parent.serial &&
+          std::equal(ids, ids + ps, page_tokens_.begin() + other * ps)) {
+        seq->chain.push_back(m.link);
+        continue;
+      }
+      forget(other);
+    }
+    if (meta_[static_cast<size_t>(page)].link.serial != 0) forget(page);
+    PageMeta& m = meta_[static_cast<size_t>(page)];
+    m.link = {key, next_serial_++};
+    m.parent_serial = parent.serial;
+    std::copy(ids, ids + ps, page_tokens_.begin() + page * ps);
+    keyed_.emplace(key, page);
+    seq->chain.push_back(m.link);
+  }
 }
 
 Result<PagedKVCache::Sequence*> PagedKVCache::find(const char* fn, int64_t seq_id) {
@@ -243,8 +379,78 @@ Result<TensorView> PagedKVCache::value_scales(int64_t layer) const {
   return v;
 }
 
+// A page for a sequence to write: a plain free one, else the least
+// recently freed cached page, unkeyed (evicted). The caller has counted
+// free_pages().
+int32_t PagedKVCache::take_page() {
+  int32_t page;
+  if (!free_.empty()) {
+    page = free_.back();
+    free_.pop_back();
+  } else {
+    page = lru_head_;
+    lru_erase(page);
+    unkey(page);
+    ++stats_.evictions;
+  }
+  refs_[static_cast<size_t>(page)] = 1;
+  return page;
+}
+
+// A page whose last holder goes: a keyed one joins the prefix cache (the
+// LRU list's tail), any other the free stack.
 void PagedKVCache::drop_page(int32_t page) {
-  if (--refs_[static_cast<size_t>(page)] == 0) free_.push_back(page);
+  if (--refs_[static_cast<size_t>(page)] != 0) return;
+  if (!meta_.empty() && meta_[static_cast<size_t>(page)].link.serial != 0)
+    lru_push(page);
+  else
+    free_.push_back(page);
+}
+
+// A sequence's pages from `from` on, the last first: of one sequence's
+// cached pages the deepest are evicted first, as a prefix without its
+// first pages is never matched.
+void PagedKVCache::drop_pages(const std::vector<int32_t>& pages, size_t from) {
+  for (size_t p = pages.size(); p-- > from;)
+    if (pages[p] >= 0) drop_page(pages[p]);
+}
+
+void PagedKVCache::lru_push(int32_t page) {
+  PageMeta& m = meta_[static_cast<size_t>(page)];
+  m.lru_prev = lru_tail_;
+  m.lru_next = -1;
+  if (lru_tail_ >= 0)
+    meta_[static_cast<size_t>(lru_tail_)].lru_next = page;
+  else
+    lru_head_ = page;
+  lru_tail_ = page;
+  ++lru_size_;
+}
+
+void PagedKVCache::lru_erase(int32_t page) {
+  PageMeta& m = meta_[static_cast<size_t>(page)];
+  (m.lru_prev >= 0 ? meta_[static_cast<size_t>(m.lru_prev)].lru_next : lru_head_) = m.lru_next;
+  (m.lru_next >= 0 ? meta_[static_cast<size_t>(m.lru_next)].lru_prev : lru_tail_) = m.lru_prev;
+  m.lru_prev = m.lru_next = -1;
+  --lru_size_;
+}
+
+// Drops a page's key (its content is about to change, or it is reused).
+void PagedKVCache::unkey(int32_t page) {
+  PageMeta& m = meta_[static_cast<size_t>(page)];
+  keyed_.erase(m.link.key);
+  m.link = {};
+  m.parent_serial = 0;
+}
+
+// unkey() for a page in any state: a cached-free one moves to the free
+// stack.
+void PagedKVCache::forget(int32_t page) {
+  if (refs_[static_cast<size_t>(page)] == 0) {
+    lru_erase(page);
+    free_.push_back(page);
+  }
+  unkey(page);
 }
 
 void PagedKVCache::copy_page(int32_t from, int32_t to, int64_t tokens) {
@@ -267,6 +473,18 @@ void PagedKVCache::copy_page(int32_t from, int32_t to, int64_t tokens) {
 
 Status PagedKVCache::append(std::span<const int64_t> seq_ids,
                             std::span<const int64_t> num_new_tokens) {
+  return append_impl(seq_ids, num_new_tokens, nullptr);
+}
+
+Status PagedKVCache::append(std::span<const int64_t> seq_ids,
+                            std::span<const int64_t> num_new_tokens,
+                            std::span<const int32_t> token_ids) {
+  return append_impl(seq_ids, num_new_tokens, &token_ids);
+}
+
+Status PagedKVCache::append_impl(std::span<const int64_t> seq_ids,
+                                 std::span<const int64_t> num_new_tokens,
+                                 const std::span<const int32_t>* token_ids) {
   constexpr const char* fn = "PagedKVCache::append";
   const std::string f = fn;
   if (seq_ids.size() != num_new_tokens.size())
@@ -316,33 +534,86 @@ Status PagedKVCache::append(std::span<const int64_t> seq_ids,
     }
     if (first) needed += writers == holders ? writers - 1 : writers;
   }
+  if (token_ids != nullptr)
+    ATTNKIT_RETURN_IF_ERROR(check_token_ids(seq_ids, num_new_tokens, *token_ids));
   if (needed > free_pages())
     return resource_exhausted(f + ": out of pages: " + str(tokens) + " new tokens need " +
                               str(needed) + " free pages of " + str(ps) + " tokens, and " +
                               str(free_pages()) + " of " + str(spec_.num_pages) +
                               " are free; nothing was reserved");
+  size_t id_at = 0;  // the next sequence's first entry in token_ids
   for (size_t i = 0; i < seq_ids.size(); ++i) {
     const int64_t n = num_new_tokens[i];
     if (n == 0) continue;
     Sequence& seq = sequences_.find(seq_ids[i])->second;
     const int64_t len = seq.length;
-    if (len % ps != 0 && refs_[static_cast<size_t>(seq.pages.back())] > 1) {
-      const int32_t copy = free_.back();
-      free_.pop_back();
-      refs_[static_cast<size_t>(copy)] = 1;
-      copy_page(seq.pages.back(), copy, len % ps);
-      drop_page(seq.pages.back());
-      seq.pages.back() = copy;
+    // A partly filled last page that others hold, or that is keyed (a
+    // truncate cut into it; a later prompt may take it over), is not
+    // written in place: copied while shared, else only unkeyed.
+    if (len % ps != 0) {
+      const int32_t last = seq.pages.back();
+      if (refs_[static_cast<size_t>(last)] > 1) {
+        const int32_t copy = take_page();
+        copy_page(last, copy, len % ps);
+        drop_page(last);
+        seq.pages.back() = copy;
+      } else if (!meta_.empty() && meta_[static_cast<size_t>(last)].link.serial != 0) {
+        unkey(last);
+      }
     }
-    for (int64_t p = static_cast<int64_t>(seq.pages.size()); p * ps < len + n; ++p) {
-      const int32_t page = free_.back();
-      free_.pop_back();
-      refs_[static_cast<size_t>(page)] = 1;
-      seq.pages.push_back(page);
-    }
+    for (int64_t p = static_cast<int64_t>(seq.pages.size()); p * ps < len + n; ++p)
+      seq.pages.push_back(take_page());
     seq.length = len + n;
+    if (!meta_.empty()) record_tokens(&seq, len, n, token_ids, id_at);
+    id_at += static_cast<size_t>(n);
   }
   return Status::Ok();
+}
+
+// append()'s token ids: each >= 0, as many as new tokens, and equal to the
+// ids a sequence knows already at their positions (its prompt).
+Status PagedKVCache::check_token_ids(std::span<const int64_t> seq_ids,
+                                     std::span<const int64_t> num_new_tokens,
+                                     std::span<const int32_t> token_ids) const {
+  const std::string f = "PagedKVCache::append";
+  int64_t total = 0;
+  for (int64_t n : num_new_tokens) total += n;
+  if (static_cast<int64_t>(token_ids.size()) != total)
+    return invalid_argument(f + ": token_ids has " + str(static_cast<int64_t>(token_ids.size())) +
+                            " entries; it must have sum(num_new_tokens) = " + str(total));
+  size_t at = 0;
+  for (size_t i = 0; i < seq_ids.size(); ++i) {
+    const Sequence& seq = sequences_.find(seq_ids[i])->second;
+    for (int64_t j = 0; j < num_new_tokens[i]; ++j, ++at) {
+      const int32_t id = token_ids[at];
+      if (id < 0)
+        return invalid_argument(f + ": token_ids[" + str(static_cast<int64_t>(at)) +
+                                "] = " + str(id) + " must be >= 0");
+      const int64_t pos = seq.length + j;
+      if (pos < static_cast<int64_t>(seq.tokens.size()) &&
+          seq.tokens[static_cast<size_t>(pos)] != id)
+        return invalid_argument(
+            f + ": token_ids[" + str(static_cast<int64_t>(at)) + "] = " + str(id) +
+            " differs from token " + str(seq.tokens[static_cast<size_t>(pos)]) + " at position " +
+            str(pos) + " of sequence " + str(seq_ids[i]) + " (its prompt); they must be equal");
+    }
+  }
+  return Status::Ok();
+}
+
+// The ids of tokens len ... len + n - 1 of a sequence, from token_ids at
+// `at` when given. Without them, tokens past the known ids leave the
+// sequence untracked: its later pages are never keyed.
+void PagedKVCache::record_tokens(Sequence* seq, int64_t len, int64_t n,
+                                 const std::span<const int32_t>* token_ids, size_t at) {
+  const int64_t known = static_cast<int64_t>(seq->tokens.size());
+  if (seq->untracked || known >= len + n) return;
+  if (token_ids == nullptr || known < len) {
+    seq->untracked = true;
+    return;
+  }
+  const auto from = token_ids->begin() + static_cast<std::ptrdiff_t>(at) + (known - len);
+  seq->tokens.insert(seq->tokens.end(), from, from + (len + n - known));
 }
 
 Result<int64_t> PagedKVCache::fork(int64_t seq_id) {
@@ -364,8 +635,7 @@ Result<int64_t> PagedKVCache::fork(int64_t seq_id) {
 
 Status PagedKVCache::remove(int64_t seq_id) {
   ATTNKIT_ASSIGN_OR_RETURN(Sequence * seq, find("PagedKVCache::remove", seq_id));
-  for (int32_t page : seq->pages)
-    if (page >= 0) drop_page(page);
+  drop_pages(seq->pages, 0);
   sequences_.erase(seq_id);
   return Status::Ok();
 }
@@ -387,10 +657,20 @@ Status PagedKVCache::truncate(int64_t seq_id, int64_t new_length) {
                           " released the tokens before " + str(released_to) + ")"
                     : ""));
   const size_t keep = static_cast<size_t>((new_length + spec_.page_size - 1) / spec_.page_size);
-  for (size_t p = keep; p < seq->pages.size(); ++p) drop_page(seq->pages[p]);
+  drop_pages(seq->pages, keep);
   seq->pages.resize(keep);
   seq->length = new_length;
   for (int64_t& w : seq->written) w = std::min(w, new_length);
+  // The chain keeps the pages still full; ids past the new end are
+  // forgotten (a rolled-back token's id is not the next one's), and a
+  // sequence untracked past its known ids is tracked again when cut back
+  // to them.
+  const size_t full = static_cast<size_t>(new_length / spec_.page_size);
+  if (seq->chain.size() > full) seq->chain.resize(full);
+  if (new_length <= static_cast<int64_t>(seq->tokens.size())) {
+    seq->tokens.resize(static_cast<size_t>(new_length));
+    seq->untracked = false;
+  }
   return Status::Ok();
 }
 
@@ -510,7 +790,12 @@ void PagedKVCache::write_step(int64_t layer, const TensorView& k_new, const Tens
 void PagedKVCache::finish_step(int64_t layer, std::span<const int64_t> seq_ids) {
   for (int64_t id : seq_ids) {
     Sequence& seq = sequences_.find(id)->second;
-    seq.written[static_cast<size_t>(layer)] = seq.length;
+    int64_t& written = seq.written[static_cast<size_t>(layer)];
+    // Pages become keyable when the last layer to reach their end does:
+    // look (O(layers)) only when this layer crossed a page end.
+    const bool crossed = written / spec_.page_size != seq.length / spec_.page_size;
+    written = seq.length;
+    if (!meta_.empty() && crossed) key_full_pages(&seq);
     release_unseen(&seq);
   }
 }

@@ -1,14 +1,24 @@
 // What the paged pool's tests and fuzzer observe of a PagedKVCache beside
 // its outputs: its bookkeeping (to check that a failed call changed none of
-// it) and its free pages (poisoned, so that a read of a page no sequence
-// holds shows up as NaN in an output).
+// it), its free pages (poisoned, so that a read of a page no sequence
+// holds shows up as NaN in an output; cached-free pages keep their K/V for
+// the prefix cache) and the prefix cache's invariants.
 #pragma once
 
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "attnkit/paged_kv_cache.h"
+
+namespace attnkit {
+// Narrows the pool's page keys to `mask`'s bits, so that keys collide and
+// the token comparison of every lookup is what keeps prefixes apart.
+struct PagedKVCacheTesting {
+  static void set_key_mask(PagedKVCache& pool, uint64_t mask) { pool.key_mask_ = mask; }
+};
+}  // namespace attnkit
 
 namespace attnkit_test {
 
@@ -17,6 +27,8 @@ struct PoolSnapshot {
   std::vector<int64_t> ids, lengths, written;
   std::vector<std::vector<int32_t>> tables;
   int64_t free_pages = 0;
+  std::vector<int32_t> cached_free;  // LRU order
+  attnkit::PrefixCacheStats stats;
   bool operator==(const PoolSnapshot&) const = default;
 };
 
@@ -30,7 +42,44 @@ inline PoolSnapshot snapshot(const attnkit::PagedKVCache& pool) {
     s.tables.push_back(pool.page_table(id).value());
   }
   s.free_pages = pool.free_pages();
+  s.cached_free = pool.cached_free_pages();
+  s.stats = pool.prefix_cache_stats();
   return s;
+}
+
+// The page accounting the pool must keep: every page is held (by the
+// sequences whose tables name it), cached-free or plainly free, never two
+// of them; free_pages() counts the last two; cached-free pages are keyed
+// (no more than the keyed pages). Returns "" or what is wrong.
+inline std::string pool_state_error(const attnkit::PagedKVCache& pool) {
+  const attnkit::PagedKVCacheSpec& s = pool.spec();
+  std::vector<int> held(size_t(s.num_pages), 0);
+  for (int64_t id : pool.sequence_ids()) {
+    const std::vector<int32_t> table = pool.page_table(id).value();
+    for (int32_t p : table)
+      if (p >= 0) ++held[size_t(p)];
+  }
+  int64_t held_pages = 0;
+  for (int h : held) held_pages += h > 0;
+  const std::vector<int32_t> cached = pool.cached_free_pages();
+  std::vector<bool> seen(size_t(s.num_pages), false);
+  for (int32_t p : cached) {
+    if (p < 0 || p >= s.num_pages || seen[size_t(p)])
+      return "cached-free page " + std::to_string(p) + " is out of range or listed twice";
+    if (held[size_t(p)] > 0) return "cached-free page " + std::to_string(p) + " is held";
+    seen[size_t(p)] = true;
+  }
+  const attnkit::PrefixCacheStats st = pool.prefix_cache_stats();
+  if (held_pages + pool.free_pages() != s.num_pages)
+    return std::to_string(held_pages) + " held pages + " + std::to_string(pool.free_pages()) +
+           " free != " + std::to_string(s.num_pages);
+  if (st.cached_free_pages != int64_t(cached.size()) || st.cached_pages < st.cached_free_pages)
+    return "stats count " + std::to_string(st.cached_free_pages) + " cached-free of " +
+           std::to_string(st.cached_pages) + " keyed pages, the list " +
+           std::to_string(cached.size());
+  if (!s.prefix_caching && (st.cached_pages != 0 || !cached.empty()))
+    return "a pool without prefix caching keyed pages";
+  return "";
 }
 
 // Fills every page no sequence holds with NaN, in every layer (8-bit
@@ -39,6 +88,7 @@ inline void poison_free_pages(const attnkit::PagedKVCache& pool) {
   using attnkit::DType;
   const attnkit::PagedKVCacheSpec& s = pool.spec();
   std::vector<bool> held(size_t(s.num_pages), false);
+  for (int32_t p : pool.cached_free_pages()) held[size_t(p)] = true;
   for (int64_t id : pool.sequence_ids()) {
     const std::vector<int32_t> table = pool.page_table(id).value();
     for (int32_t p : table)

@@ -286,3 +286,68 @@ def test_forward_batch_rejects_a_pool_of_another_shape():
         layer.forward_batch(np.zeros((2, 64), np.float32), [0, 2], [sid], other, 0)
     with pytest.raises(ValueError, match=r"cache must be a PagedKVCache"):
         layer.forward_batch(np.zeros((2, 64), np.float32), [0, 2], [sid], None, 0)
+
+
+def _kv_of(tokens, positions, width, salt):
+    """A fixed function of (token id, position): the same token at the same
+    position gets the same K/V in every pool, as a model's would."""
+    g = np.random.default_rng([salt])
+    table = g.uniform(-1, 1, (64, 64, width)).astype(np.float32)
+    return table[np.asarray(tokens) % 64, np.asarray(positions) % 64]
+
+
+def _prefill(cache, sid, tokens, first, heads=4, kv_heads=2, dim=8):
+    """Attends tokens[first:] of sequence sid (appended already); returns out."""
+    pos = np.arange(first, len(tokens))
+    tok = np.asarray(tokens)[first:]
+    q = _kv_of(tok, pos, heads * dim, 1).reshape(-1, heads, dim)
+    k = _kv_of(tok, pos, kv_heads * dim, 2).reshape(-1, kv_heads, dim)
+    v = _kv_of(tok, pos, kv_heads * dim, 3).reshape(-1, kv_heads, dim)
+    return attnkit.batch_attention(q, k, v, [0, len(tok)], [sid], cache, 0)
+
+
+def test_prefix_caching_reuses_a_prompt_and_gives_the_same_bits():
+    args = dict(num_layers=1, num_pages=16, page_size=4, num_kv_heads=2, head_dim=8)
+    cache = attnkit.PagedKVCache(prefix_caching=True, **args)
+    assert cache.prefix_caching
+    prompt = [5, 9, 1, 7, 3, 3, 8, 2, 6, 4, 11]
+    a, cached = cache.add_sequence(prompt)
+    assert cached == 0
+    cache.append([a], [len(prompt)])  # the prompt's ids are known: none needed
+    _prefill(cache, a, prompt, 0)
+    cache.append([a], [1], token_ids=[12])
+    _prefill(cache, a, prompt + [12], len(prompt))  # 12 tokens: 3 full pages keyed
+    cache.remove(a)
+    assert cache.cached_free_pages() and cache.free_pages() == 16
+
+    b, cached = cache.add_sequence(prompt + [12, 40])
+    assert cached == 12
+    cache.append([b], [1])
+    out = _prefill(cache, b, prompt + [12, 40], 12)
+    # The same tokens computed in a pool without prefix caching.
+    fresh = attnkit.PagedKVCache(**args)
+    f = fresh.add_sequence()
+    assert fresh.add_sequence(prompt)[1] == 0
+    fresh.append([f], [12])
+    _prefill(fresh, f, prompt + [12], 0)
+    fresh.append([f], [1])
+    want = _prefill(fresh, f, prompt + [12, 40], 12)
+    np.testing.assert_array_equal(out, want)
+    stats = cache.prefix_cache_stats()
+    assert stats["queries"] == 2 and stats["hits"] == 1 and stats["hit_tokens"] == 12
+    assert stats["query_tokens"] == 11 + 13 and stats["evictions"] == 0
+    assert fresh.prefix_cache_stats()["cached_pages"] == 0
+    cache.reset_prefix_cache_stats()
+    assert cache.prefix_cache_stats()["queries"] == 0
+
+    with pytest.raises(ValueError, match=r"PagedKVCache: spec.prefix_caching is on with "
+                                         r"spec.sliding_window = 8"):
+        attnkit.PagedKVCache(prefix_caching=True, sliding_window=8, **args)
+    with pytest.raises(ValueError, match=r"PagedKVCache.add_sequence: prompt_token_ids\[1\] = -3 "
+                                         r"must be >= 0"):
+        cache.add_sequence([1, -3])
+    with pytest.raises(ValueError, match=r"token_ids holds 4294967296"):
+        cache.append([b], [1], token_ids=[2**32])
+    with pytest.raises(ValueError, match=r"PagedKVCache.append: token_ids has 2 entries; it must "
+                                         r"have sum\(num_new_tokens\) = 1"):
+        cache.append([b], [1], token_ids=[1, 2])
