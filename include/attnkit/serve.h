@@ -165,6 +165,8 @@ class Engine {
   const EngineStats& stats() const { return stats_; }
 
   const EngineBudget& budget() const { return budget_; }
+  // The pool's prefix cache counters (all zero without prefix caching).
+  PrefixCacheStats prefix_cache_stats() const { return pool_->prefix_cache_stats(); }
   const EngineOptions& options() const { return options_; }
   // The budget create() would divide (options checked; no pool built).
   static Result<EngineBudget> plan_budget(const StepModel& model, const EngineOptions& options);

@@ -214,6 +214,10 @@ py::dict stats_py(const PyEngine& self) {
   d["clock_s"] = self.engine->clock_s();
   d["pool_pages"] = self.engine->budget().pages;
   d["kv_bytes_per_token"] = self.engine->budget().bytes_per_token;
+  const PrefixCacheStats p = self.engine->prefix_cache_stats();
+  d["prefix_cache"] =
+      py::dict(py::arg("hit_tokens") = p.hit_tokens, py::arg("query_tokens") = p.query_tokens,
+               py::arg("evictions") = p.evictions, py::arg("cached_pages") = p.cached_pages);
   return d;
 }
 

@@ -42,6 +42,10 @@ Result<EngineBudget> budget_for(const StepModel& model, const EngineOptions& o) 
                " must be >= 1 with the static cache (the slots each sequence reserves)");
   if (o.cache == CacheMode::kStatic && o.prefix_caching)
     return bad("prefix_caching needs the paged cache, not the static one");
+  if (o.prefix_caching && model.state_bytes_per_sequence() > 0)
+    return bad(
+        "prefix_caching with linear-attention layers: a cached prefix of pages cannot restore "
+        "their per-sequence state");
   // One page of a one-page pool gives the per-page bytes of every layer.
   ATTNKIT_ASSIGN_OR_RETURN(PagedKVCache probe, model.new_pool(1, o.page_size, o.kv_dtype, false));
   EngineBudget b;
@@ -199,18 +203,33 @@ Status Engine::reserve(int64_t id, int64_t want) {
     if (extra > free_pages(static_cast<int64_t>(running_.size())))
       return resource_exhausted("Engine: the budget beside the states holds no more pages");
   }
-  return pool_->append(std::span<const int64_t>(&pid, 1), std::span<const int64_t>(&want, 1));
+  const std::span<const int64_t> ids(&pid, 1), counts(&want, 1);
+  if (!options_.prefix_caching) return pool_->append(ids, counts);
+  // The new tokens' ids, so that their pages are keyed once full.
+  const Req& r = req(id);
+  return pool_->append(ids, counts,
+                       std::span<const int32_t>(r.tokens).subspan(static_cast<size_t>(r.computed),
+                                                                  static_cast<size_t>(want)));
 }
 
 // id joins the pool and, with linear layers, the state slots (same id).
+// With prefix caching it takes over the longest cached prefix of what it
+// knows (computed starts there).
 Status Engine::enter(int64_t id) {
   Req& r = req(id);
-  r.pool_id = pool_->add_sequence();
+  if (options_.prefix_caching) {
+    ATTNKIT_ASSIGN_OR_RETURN(const PrefixMatch m, pool_->add_sequence(r.tokens));
+    r.pool_id = m.seq_id;
+    r.computed = m.cached_tokens;
+  } else {
+    r.pool_id = pool_->add_sequence();
+  }
   if (states_->num_layers() == 0) return Status::Ok();
   const Status st = states_->add_sequence(r.pool_id);
   if (!st.ok()) {
     (void)pool_->remove(r.pool_id);
     r.pool_id = -1;
+    r.computed = 0;
   }
   return st;
 }
@@ -276,7 +295,6 @@ Status Engine::admit(int64_t& budget) {
   while (budget > 0 && !waiting_.empty() &&
          static_cast<int64_t>(running_.size()) < options_.max_seqs) {
     const int64_t id = waiting_.front();
-    const int64_t want = std::min(known(id), budget);
     const int64_t need = ceil_div(known(id), ps);
     const int64_t n = static_cast<int64_t>(running_.size());
     if (options_.cache == CacheMode::kStatic) {
@@ -285,20 +303,26 @@ Status Engine::admit(int64_t& budget) {
       break;
     }
     if (!enter(id).ok()) break;
+    Req& r = req(id);
+    // A prefix taken from the cache is not computed again.
+    const int64_t cached = r.computed;
+    const int64_t want = std::min(known(id) - cached, budget);
     running_.push_back(id);
     if (!reserve(id, want).ok()) {
       running_.pop_back();
       leave(id);
+      r.computed = 0;
       break;
     }
     waiting_.pop_front();
-    Req& r = req(id);
     if (r.m.admitted_s < 0) r.m.admitted_s = clock_;
     stats_.prompt_tokens_admitted += r.prompt;
+    stats_.prompt_tokens_cached += std::min(cached, r.prompt);
+    r.m.cached_tokens += cached;
     scheduled_.push_back(id);
     counts_.push_back(want);
     budget -= want;
-    promised += need - ceil_div(want, ps);
+    promised += need - ceil_div(cached + want, ps);
   }
   return Status::Ok();
 }

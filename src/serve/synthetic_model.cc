@@ -296,11 +296,17 @@ bool SyntheticModel::pool_releases_pages() const {
 
 Result<PagedKVCache> SyntheticModel::new_pool(int64_t num_pages, int64_t page_size, DType kv_dtype,
                                               bool prefix_caching) const {
-  if (prefix_caching)
-    return invalid_argument(
-        "SyntheticModel::new_pool: prefix_caching = true: this build's pool has "
-        "no prefix cache");
-  if (spec_.mla) return latent_[0].new_paged_cache(num_pages, page_size, spec_.layers, kv_dtype);
+  if (spec_.mla) {
+    ATTNKIT_ASSIGN_OR_RETURN(PagedKVCache pool, latent_[0].new_paged_cache(num_pages, page_size,
+                                                                           spec_.layers, kv_dtype));
+    if (!prefix_caching) return pool;
+    // The same spec with prefix caching; spec() filled in the head
+    // fields, which a latent spec leaves 0.
+    PagedKVCacheSpec s = pool.spec();
+    s.num_kv_heads = s.head_dim = s.head_dim_v = 0;
+    s.prefix_caching = true;
+    return PagedKVCache::create(s);
+  }
   const AttentionConfig& c = attention_[0].config();
   PagedKVCacheSpec s;
   s.num_layers = static_cast<int64_t>(attention_.size());
@@ -315,6 +321,7 @@ Result<PagedKVCache> SyntheticModel::new_pool(int64_t num_pages, int64_t page_si
     s.sliding_window = c.sliding_window;
     s.chunk_size = c.chunk_size;
   }
+  s.prefix_caching = prefix_caching;
   return PagedKVCache::create(s);
 }
 

@@ -65,6 +65,23 @@ def test_a_tight_pool_preempts_and_chunks_without_changing_tokens():
     assert serve(alone, reqs, lengths) == got
 
 
+def test_prefix_caching_changes_no_token_and_skips_the_shared_prefill():
+    m = model()
+    system = prompts(1, seed=5)[0] * 3  # a shared system prompt of whole pages and more
+    reqs = [system + p for p in prompts(6, seed=6)]
+    runs = {}
+    for on in (False, True):
+        e = attnkit.Engine(m, kv_memory="1MiB", page_size=4, prefix_caching=on, max_seqs=1,
+                           backend="reference")
+        runs[on] = (serve(e, reqs, [5] * 6), e.stats)
+    assert runs[True][0] == runs[False][0]
+    on, off = runs[True][1], runs[False][1]
+    assert on["prompt_tokens_cached"] >= 5 * (len(system) // 4) * 4  # all but the first
+    assert on["prompt_tokens_computed"] + on["prompt_tokens_cached"] == off["prompt_tokens_computed"]
+    assert on["prefix_cache"]["hit_tokens"] == on["prompt_tokens_cached"]
+    assert off["prefix_cache"]["hit_tokens"] == 0
+
+
 def test_metrics_follow_the_engine_clock():
     e = attnkit.Engine(model(), kv_memory="1MiB")
     serve(e, prompts(3, seed=2), [4, 1, 6])

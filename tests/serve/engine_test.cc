@@ -767,5 +767,65 @@ TEST(ServeEngine, SyntheticTracesShareTheirPrefixAndContinueTheirTurns) {
   EXPECT_EQ(r.prefix_hit_rate, 0.0);
 }
 
+// Issue 34's target: prefix caching never changes an output bit in
+// batch-invariant mode (the reference kernels), in a roomy pool and in a
+// tight one where preempted sequences take their own pages back from the
+// cache; it computes fewer prompt tokens and says so.
+TEST(ServeEngine, PrefixCachingChangesNoBitsAndSkipsTheSharedPrefill) {
+  for (const auto& [name, spec] : models()) {
+    SCOPED_TRACE(name);
+    SyntheticModel m = make(spec);
+    TraceOptions t;
+    t.requests = 8;
+    t.prompt_min = 1;
+    t.prompt_max = 9;
+    t.output_min = 2;
+    t.output_max = 6;
+    t.shared_prefix = 12;
+    t.prefix_groups = 2;
+    t.turns = 2;
+    const std::vector<Request> reqs = synthetic_trace(t);
+    EngineOptions o;
+    o.run.backend = Backend::kReference;
+    o.page_size = 4;
+    o.max_tokens_per_step = 16;
+    for (int64_t pages : {int64_t{256}, int64_t{14}}) {
+      SCOPED_TRACE(std::to_string(pages) + " pages");
+      o.kv_memory = page_bytes(m, 4) * pages;
+      EngineOptions on = o;
+      on.prefix_caching = true;
+      const Report with = run_ok(m, reqs, on), without = run_ok(m, reqs, o);
+      ASSERT_EQ(with.requests.size(), reqs.size());
+      for (size_t i = 0; i < reqs.size(); ++i)
+        EXPECT_EQ(with.requests[i].token_ids, without.requests[i].token_ids) << "request " << i;
+      EXPECT_GT(with.prefix_hit_rate, 0.2);
+      EXPECT_EQ(without.prefix_hit_rate, 0.0);
+      EXPECT_LT(with.stats.prompt_tokens_computed, without.stats.prompt_tokens_computed);
+      EXPECT_EQ(with.stats.prompt_tokens_computed + with.stats.prompt_tokens_cached,
+                with.stats.prompt_tokens_admitted);
+      if (pages == 14) {
+        EXPECT_GT(with.stats.preemptions + without.stats.preemptions, 0);
+      }
+    }
+    // Each logits row, bit for bit: the first turns, all at once.
+    std::vector<Request> firsts;
+    for (size_t i = 0; i < reqs.size(); i += 2) firsts.push_back(reqs[i]);
+    o.kv_memory = page_bytes(m, 4) * 256;
+    EngineOptions on = o;
+    on.prefix_caching = true;
+    const Served cached = serve_all(m, firsts, on);
+    expect_same(cached, serve_all(m, firsts, o), "prefix cache on vs off");
+    EXPECT_GT(cached.stats.prompt_tokens_cached, 0);
+  }
+  // A linear-attention layer's state is not in the pages: refused.
+  SyntheticModel hybrid = make(hybrid_stack());
+  EngineOptions o;
+  o.prefix_caching = true;
+  auto e = Engine::create(hybrid, o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("cannot restore their per-sequence state"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace attnkit::serve
