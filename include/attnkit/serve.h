@@ -112,7 +112,7 @@ struct EngineStats {
   int64_t peak_running = 0;            // sequences in one step
   double busy_s = 0;                   // time in steps (the clock's share)
   double wall_s = 0;                   // time in step(), its bookkeeping after the pass too
-  double forward_s = 0;                // of that, in the model's forward_step
+  double forward_s = 0;                // of that, in forward_step; the rest is overhead
   double running_s = 0;                // sum of sequences-in-step x step time
   double peak_used_bytes = 0, used_byte_s = 0;          // KV of computed tokens + states
   double peak_reserved_bytes = 0, reserved_byte_s = 0;  // pages (or static slots) + states

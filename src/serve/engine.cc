@@ -66,8 +66,9 @@ Status check_sizes(const EngineBudget& b, const EngineOptions& o, int64_t prompt
                    int64_t max_tokens) {
   const std::string fn = "Engine::add_request: ";
   if (prompt < 1) return invalid_argument(fn + "prompt_token_ids is empty; it needs >= 1 token");
-  if (max_tokens < 1)
-    return invalid_argument(fn + "max_tokens = " + std::to_string(max_tokens) + " must be >= 1");
+  if (max_tokens < 1 || max_tokens > (int64_t{1} << 40))
+    return invalid_argument(fn + "max_tokens = " + std::to_string(max_tokens) +
+                            " must be >= 1 and <= 2^40");
   // Its last token is never fed back, so it needs no slot.
   const int64_t need = prompt + max_tokens - 1;
   const std::string what = std::to_string(prompt) + " prompt tokens + max_tokens " +
@@ -342,7 +343,11 @@ Status Engine::forward() {
   }
   logits_.resize(scheduled_.size() * static_cast<size_t>(vocab_));
   stats_.tokens_computed += static_cast<int64_t>(tokens_.size());
-  return model_->forward_step(tokens_, cu_, ids_, *pool_, *states_, logits_, options_.run);
+  const double t0 = now_s();
+  const Status st =
+      model_->forward_step(tokens_, cu_, ids_, *pool_, *states_, logits_, options_.run);
+  stats_.forward_s += now_s() - t0;
+  return st;
 }
 
 // Tokens and events, then finished requests leave.
@@ -431,9 +436,7 @@ Result<std::vector<StepOutput>> Engine::step() {
   ATTNKIT_RETURN_IF_ERROR(schedule_running(budget, preempted));
   if (!preempted) ATTNKIT_RETURN_IF_ERROR(admit(budget));
   if (scheduled_.empty()) return internal_error("Engine::step: a step scheduled nothing");
-  const double f0 = now_s();
   const Status st = forward();
-  const double f1 = now_s();
   if (!st.ok()) {
     // What the pass wrote is unknown: every scheduled sequence is
     // recomputed from its tokens (none is lost), newest first so that the
@@ -447,7 +450,6 @@ Result<std::vector<StepOutput>> Engine::step() {
     }
     return st;
   }
-  stats_.forward_s += f1 - f0;
   // The clock of the tokens this step produced: its end.
   const double dt = now_s() - t0;
   clock_ += dt;

@@ -406,6 +406,8 @@ TEST(ServeEngine, BadRequestsAreRefusedAndTheOthersServed) {
           "Engine::add_request: prompt_token_ids[2] = 512 is outside the model's vocabulary "
           "[0, 512)");
   refused(e->add_request(good, 0), "max_tokens = 0 must be >= 1");
+  refused(e->add_request(good, int64_t{1} << 62),
+          "max_tokens = 4611686018427387904 must be >= 1 and <= 2^40");
   refused(e->add_request({}, 4), "prompt_token_ids is empty");
   refused(e->add_request(prompt(30, 2), 4),
           "30 prompt tokens + max_tokens 4 - 1 = 33 token slots need 9 pages of 4 tokens");

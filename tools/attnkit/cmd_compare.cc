@@ -21,7 +21,7 @@
 //   that one step's bytes are not still in the last-level cache from the
 //   step before.
 // - The serving section runs the variants' layers under the serving engine
-//   of `attnkit serve-bench` (serve_engine.h) on one small trace and one
+//   of `attnkit serve-bench` (attnkit/serve.h) on one small trace and one
 //   KV budget: the concurrency and throughput the seeds' claim is about.
 #include <nlohmann/json.hpp>
 
