@@ -14,7 +14,9 @@
 //      first served while the token budget, max_seqs and the pool allow
 //      (the pool must hold every token the request knows beside the prompt
 //      pages promised to the running sequences, and keep 1 % of the pool
-//      free while others run);
+//      free while others run); with prefix caching an admitted request
+//      first takes over the longest cached page-aligned prefix of what it
+//      knows (PagedKVCache::add_sequence(prompt)) and computes the rest;
 //   3. one forward_step over every scheduled token; each sequence whose
 //      tokens reach the end of what it knows samples its next token (greedy
 //      argmax, or the options' sample callback).
