@@ -19,8 +19,18 @@
 //             sequences, truncate them back) in pools of 2^10 and 2^20
 //             pages: the same time, since it touches only the sequences'
 //             last pages.
+//   prefix    prefix caching's own cost, in ns per page (medians of
+//             repeats): add_sequence of a 1025-token prompt whose 1024
+//             first tokens are cached (a hit of 64 pages of 16, taken from
+//             the LRU list and put back by remove), the same prompt with
+//             nothing cached (a miss: one hash), and the keying of
+//             appended pages (append with ids + store of 1024 tokens +
+//             remove, in a pool with prefix caching minus one without, tiny
+//             K/V); against one layer's decode step of one sequence at 4K
+//             keys (GQA 32/8, head_dim 128, f32).
 //
 //   build/bench/paged_bench [threads, default 2] [pairs, default 25] [page size, default 16]
+//                           [prefix: run only the prefix section]
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -302,6 +312,86 @@ struct Bookkeeping {
   std::vector<int64_t> ids;
 };
 
+// Median seconds per call of f over `repeats` timed runs of `calls` calls.
+double per_call(int repeats, int calls, const std::function<void()>& f) {
+  std::vector<double> t;
+  for (int r = 0; r < repeats; ++r)
+    t.push_back(seconds([&] {
+                  for (int c = 0; c < calls; ++c) f();
+                }) /
+                calls);
+  return attnkit::bench::median(t);
+}
+
+PagedKVCache prefix_pool(int64_t pages, bool caching, int64_t heads, int64_t dim) {
+  attnkit::PagedKVCacheSpec spec;
+  spec.num_pages = pages;
+  spec.page_size = 16;
+  spec.num_kv_heads = heads;
+  spec.head_dim = dim;
+  spec.prefix_caching = caching;
+  auto pool = PagedKVCache::create(spec);
+  check(pool.status(), "create");
+  return std::move(pool).value();
+}
+
+// Appends `tokens` (ids given) to a new sequence, stores their K/V (kv:
+// at least tokens rows of the pool's width) and returns its id.
+int64_t fill(PagedKVCache& pool, const std::vector<int32_t>& tokens, std::vector<float>& kv) {
+  const int64_t id = pool.add_sequence();
+  const int64_t n = int64_t(tokens.size()), h = pool.spec().num_kv_heads, d = pool.spec().head_dim;
+  check(pool.append(std::vector<int64_t>{id}, std::vector<int64_t>{n}, tokens), "append");
+  const TensorView v = attnkit::make_view(kv.data(), DType::kF32, {n, h, d});
+  check(pool.store(0, v, v, std::vector<int32_t>{0, int32_t(n)}, std::vector<int64_t>{id}),
+        "store");
+  return id;
+}
+
+void prefix_costs(int threads, int pairs) {
+  std::mt19937 rng(4);
+  std::vector<int32_t> prompt(1025);
+  for (int32_t& t : prompt) t = int32_t(rng() % 128000);
+  std::vector<float> kv(size_t(1024 * 8), 0.5f);
+  const std::vector<int32_t> first(prompt.begin(), prompt.end() - 1);
+  // Hit and miss: 64 pages cached-free, then add_sequence + remove.
+  PagedKVCache pool = prefix_pool(1024, true, 1, 8);
+  check(pool.remove(fill(pool, first, kv)), "remove");
+  std::vector<int32_t> other = prompt;
+  other[0] += 1;  // misses at its first page
+  int64_t cached = 0;
+  const double hit = per_call(pairs, 200, [&] {
+    const attnkit::PrefixMatch m = pool.add_sequence(prompt).value();
+    cached = m.cached_tokens;
+    check(pool.remove(m.seq_id), "remove");
+  });
+  const double miss = per_call(
+      pairs, 200, [&] { check(pool.remove(pool.add_sequence(other).value().seq_id), "remove"); });
+  if (cached != 1024) check(attnkit::Status(attnkit::StatusCode::kInternal, "no hit"), "hit");
+  // Keying: the same fill in pools with and without prefix caching (the
+  // former also evicts the pages the call before left cached).
+  PagedKVCache keyed = prefix_pool(1024, true, 1, 8), plain = prefix_pool(1024, false, 1, 8);
+  const double with =
+      per_call(pairs, 50, [&] { check(keyed.remove(fill(keyed, first, kv)), "rm"); });
+  const double without =
+      per_call(pairs, 50, [&] { check(plain.remove(fill(plain, first, kv)), "rm"); });
+  // One layer's decode step of one sequence at 4K keys (GQA 32/8, 128).
+  PagedSet set = make_paged({4096}, 1, DType::kF32);
+  Step st;
+  const double decode =
+      per_call(pairs, 20, [&] { paged_step(set.pool, set.ids[0], {1}, st, threads); });
+  std::printf("  prefix hit of 1024 tokens: add_sequence + remove  %8.1f ns per page\n",
+              hit * 1e9 / 64);
+  std::printf("  prefix miss (1025-token prompt): add_sequence + remove %8.1f ns\n", miss * 1e9);
+  std::printf(
+      "  keying on append (fill 1024 tokens, cached - plain)  %8.1f ns per page "
+      "(%.1f vs %.1f us a fill)\n",
+      (with - without) * 1e9 / 64, with * 1e6, without * 1e6);
+  std::printf(
+      "  one layer's decode step, 1 sequence at 4K keys       %8.1f us; keying a page = "
+      "%.2f %% of it, a 1024-token hit = %.2f %%\n",
+      decode * 1e6, 100.0 * (with - without) / 64 / decode, 100.0 * hit / decode);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -312,6 +402,10 @@ int main(int argc, char** argv) {
       "paged_bench: %s, %d threads, %d pairs, pages of %lld tokens; median [quartiles] of paired "
       "ratios\n",
       attnkit::bench::cpu_name().c_str(), threads, pairs, static_cast<long long>(g_page_size));
+  if (argc > 4 && std::string(argv[4]) == "prefix") {
+    prefix_costs(threads, pairs);
+    return 0;
+  }
   for (DType dtype : {DType::kF32, DType::kBF16}) {
     for (bool interleaved : {false, true})
       decode_vs_dense("batch 1, 16K keys", {16384}, dtype, interleaved, threads, pairs);
@@ -325,5 +419,6 @@ int main(int argc, char** argv) {
   report(
       "bookkeeping of a 64-sequence step, 2^20 pages / 2^10", pairs, [&] { large.step(); },
       [&] { small.step(); });
+  prefix_costs(threads, pairs);
   return 0;
 }

@@ -9,7 +9,12 @@
 // repeated id, a negative count, or more tokens than the pool holds),
 // attend of every layer for the reserved tokens (valid, or with a wrong
 // query count, a wrong layer, or a repeated id), fork, remove and
-// truncate. After each operation:
+// truncate; with prefix caching (plain pools, at random, keys narrowed to
+// 0-3 bits at times so that they collide), add_sequence(prompt) over a
+// 3-token vocabulary (so prompts share prefixes and hit) and appends that
+// give the new tokens' ids (or not, or wrongly). There K and V are a fixed
+// function of (token id, position, layer), so a page taken from the cache
+// must hold what the sequence's own history says. After each operation:
 //   - a failed call must leave every sequence's length, written counts and
 //     page table and the free-page count as they were;
 //   - every page no sequence holds is filled with NaN in every layer (8-bit
@@ -32,6 +37,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "attnkit/attention.h"
@@ -85,13 +91,26 @@ class Run {
       for (int64_t h = 0; h < heads_; ++h)
         sinks_.push_back(kSinks[in_.ConsumeIntegralInRange<size_t>(0, std::size(kSinks) - 1)]);
     }
+    s.prefix_caching = s.sliding_window == 0 && s.chunk_size == 0 && in_.ConsumeBool();
     auto pool = PagedKVCache::create(s);
     if (!pool.ok()) fail("create failed on a valid spec");
     pool_.emplace(std::move(pool).value());
+    if (s.prefix_caching && in_.ConsumeBool())
+      attnkit::PagedKVCacheTesting::set_key_mask(*pool_, in_.ConsumeIntegralInRange(0, 7));
     rng_state_ = in_.ConsumeIntegral<uint64_t>() | 1;
   }
 
   void step() {
+    operate();
+    const std::string bad = attnkit_test::pool_state_error(*pool_);
+    if (!bad.empty()) {
+      std::fprintf(stderr, "%s\n", bad.c_str());
+      fail("the pool's page accounting is broken");
+    }
+  }
+
+ private:
+  void operate() {
     PagedKVCache& pool = *pool_;
     poison_free_pages(pool);
     const Snapshot before = snapshot(pool);
@@ -103,7 +122,14 @@ class Run {
     };
     switch (in_.ConsumeIntegralInRange(0, 7)) {
       case 0: {
-        if (pool.num_sequences() < 6) model_[pool.add_sequence()].resize(layers());
+        if (pool.num_sequences() >= 6) return;
+        if (!pool.spec().prefix_caching || in_.ConsumeBool()) {
+          const int64_t id = pool.add_sequence();
+          model_[id].resize(layers());
+          tokens_[id].clear();
+          return;
+        }
+        add_prompt();
         return;
       }
       case 1:
@@ -114,12 +140,40 @@ class Run {
           seq.push_back(any_id());
           counts.push_back(in_.ConsumeIntegralInRange<int64_t>(-1, 12));
         }
-        if (!pool.append(seq, counts).ok()) {
+        // The new tokens' ids: a sequence's known ones (its prompt), else
+        // new ones; given to append() (wrongly at times), or not.
+        std::vector<int32_t> ids_given;
+        int32_t* last = nullptr;  // the model's entry of the last id given
+        for (size_t i = 0; i < n; ++i) {
+          Tokens* t = model_.count(seq[i]) ? &tokens_[seq[i]] : nullptr;
+          const int64_t len = t ? pool.length(seq[i]).value() : 0;
+          for (int64_t j = 0; j < counts[i]; ++j) {
+            if (t && size_t(len + j) >= t->size()) t->push_back(in_.ConsumeIntegralInRange(0, 2));
+            ids_given.push_back(t ? (*t)[size_t(len + j)] : 0);
+          }
+          if (t && counts[i] > 0) last = &(*t)[size_t(len + counts[i] - 1)];
+        }
+        const int how = pool.spec().prefix_caching ? in_.ConsumeIntegralInRange(0, 5) : 0;
+        bool wrong = false;
+        if (how == 4 && !ids_given.empty()) {  // one id off by one: wrong where it is a prompt's
+          ids_given.back() += 1;
+          wrong = true;
+        } else if (how == 5) {  // one id too many
+          ids_given.push_back(0);
+        }
+        const attnkit::Status appended =
+            how == 0 ? pool.append(seq, counts) : pool.append(seq, counts, ids_given);
+        if (!appended.ok()) {
           if (!(snapshot(pool) == before)) fail("a failed append changed the pool");
           return;
         }
+        if (how == 5) fail("append accepted one token id too many");
         for (size_t i = 0; i < n; ++i)
           if (counts[i] < 0 || !model_.count(seq[i])) fail("append accepted a bad argument");
+        if (wrong) {  // accepted: the last token was not a prompt's; it is the one given
+          if (last == nullptr) fail("a wrong token id was accepted");
+          *last += 1;
+        }
         for (int64_t l = 0; l < pool.spec().num_layers; ++l) attend(l, seq, counts);
         return;
       }
@@ -131,6 +185,8 @@ class Run {
           return;
         }
         model_[*child] = model_.at(id);
+        tokens_[*child] = tokens_.at(id);
+        tokens_[*child].resize(size_t(pool.length(id).value()));
         return;
       }
       case 5:
@@ -138,9 +194,10 @@ class Run {
         return;
       case 4: {
         const int64_t id = any_id();
-        if (pool.remove(id).ok())
+        if (pool.remove(id).ok()) {
           model_.erase(id);
-        else if (!(snapshot(pool) == before))
+          tokens_.erase(id);
+        } else if (!(snapshot(pool) == before))
           fail("a failed remove changed the pool");
         return;
       }
@@ -149,6 +206,7 @@ class Run {
         const int64_t to = in_.ConsumeIntegralInRange<int64_t>(-1, 60);
         if (pool.truncate(id, to).ok()) {
           for (History& h : model_.at(id)) h.resize(to, row_k(), row_v());
+          if (tokens_[id].size() > size_t(to)) tokens_[id].resize(size_t(to));
         } else if (!(snapshot(pool) == before)) {
           fail("a failed truncate changed the pool");
         }
@@ -157,7 +215,6 @@ class Run {
     }
   }
 
- private:
   // One layer's history of a sequence: K and V rows as the pool holds them.
   struct History {
     std::vector<float> k, v;
@@ -166,6 +223,67 @@ class Run {
       v.resize(size_t(tokens * vw));
     }
   };
+
+  using Tokens = std::vector<int32_t>;
+
+  // add_sequence(prompt): a prompt of 0-20 ids from {0, 1, 2}; the pages
+  // it takes hold, by the fixed K/V function, what the model derives.
+  void add_prompt() {
+    PagedKVCache& pool = *pool_;
+    Tokens prompt(in_.ConsumeIntegralInRange<size_t>(0, 20));
+    for (int32_t& t : prompt) t = in_.ConsumeIntegralInRange(0, 2);
+    const attnkit::PrefixProbe probe = pool.probe_prefix(prompt).value();
+    const attnkit::PrefixCacheStats before = pool.prefix_cache_stats();
+    const int64_t free_before = pool.free_pages();
+    auto r = pool.add_sequence(prompt);
+    if (!r.ok()) fail("add_sequence(prompt) failed");
+    if (r->cached_tokens != probe.cached_tokens ||
+        pool.free_pages() != free_before - probe.cached_free_pages)
+      fail("probe_prefix differs from add_sequence", probe.cached_tokens, r->cached_tokens);
+    const int64_t c = r->cached_tokens, ps = pool.spec().page_size, n = int64_t(prompt.size());
+    if (c % ps != 0 || c > std::max<int64_t>(0, n - 1)) fail("a bad cached_tokens", c, n);
+    if (pool.length(r->seq_id).value() != c) fail("the length is not cached_tokens");
+    const attnkit::PrefixCacheStats after = pool.prefix_cache_stats();
+    if (after.queries != before.queries + 1 || after.hit_tokens != before.hit_tokens + c ||
+        after.hits != before.hits + (c > 0))
+      fail("the stats miscount a query");
+    std::vector<History>& h = model_[r->seq_id];
+    h.assign(layers(), {});
+    for (int64_t l = 0; l < int64_t(layers()); ++l)
+      for (int64_t p = 0; p < c; ++p) append_token(prompt[size_t(p)], p, l, &h[size_t(l)]);
+    tokens_[r->seq_id] = prompt;
+  }
+
+  // K, V of token `token` at `position` in `layer` (prefix-caching pools):
+  // row values uniform in [-1, 1), a hash of all four and the index.
+  static float kv_value(int32_t token, int64_t position, int64_t layer, int which, int64_t x) {
+    uint64_t h = uint64_t(uint32_t(token)) * 0x9e3779b97f4a7c15ull ^
+                 uint64_t(position) * 0xc2b2ae3d27d4eb4full ^ uint64_t(layer) << 56 ^
+                 uint64_t(which) << 60 ^ uint64_t(x) * 0x165667b19e3779f9ull;
+    h ^= h >> 31;
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 29;
+    return static_cast<float>(static_cast<double>(h >> 40) * 0x1p-23 - 1.0);
+  }
+  // Writes the K [num_kv_heads, head_dim] and V rows of a token into k, v.
+  void kv_rows(int32_t token, int64_t position, int64_t layer, float* k, float* v) const {
+    for (int64_t x = 0; x < row_k(); ++x) k[x] = kv_value(token, position, layer, 0, x);
+    for (int64_t x = 0; x < row_v() && !pool_->spec().latent(); ++x)
+      v[x] = kv_value(token, position, layer, 1, x);
+  }
+  // Appends a token's K/V, as the pool stores them, to a layer's history.
+  void append_token(int32_t token, int64_t position, int64_t layer, History* h) const {
+    const PagedKVCacheSpec& s = pool_->spec();
+    std::vector<float> k(size_t(row_k())), v(size_t(row_v()));
+    kv_rows(token, position, layer, k.data(), v.data());
+    for (int64_t g = 0; g < s.num_kv_heads; ++g) {
+      append_stored(k.data() + g * s.head_dim, s.head_dim, &h->k);
+      if (s.latent())
+        h->v.insert(h->v.end(), h->k.end() - s.head_dim, h->k.end() - s.head_dim + s.head_dim_v);
+      else
+        append_stored(v.data() + g * s.head_dim_v, s.head_dim_v, &h->v);
+    }
+  }
 
   size_t layers() const { return size_t(pool_->spec().num_layers); }
   int64_t row_k() const { return pool_->spec().num_kv_heads * pool_->spec().head_dim; }
@@ -203,6 +321,15 @@ class Run {
         v(size_t(total * Hkv * Dv + 1)), out(size_t(total * H * Dv + 1), 7.0f);
     for (std::vector<float>* buf : {&q, &k, &v})
       for (float& e : *buf) e = next_value();
+    if (s.prefix_caching)  // K/V of each token by the fixed function of (id, position, layer)
+      for (size_t i = 0; i < seq.size(); ++i) {
+        const int64_t first = pool.length(seq[i]).value() - counts[i];
+        for (int64_t r = 0; r < counts[i]; ++r) {
+          const int64_t row = cu[i] + r;
+          kv_rows(tokens_.at(seq[i])[size_t(first + r)], first + r, layer, k.data() + row * Hkv * D,
+                  v.data() + row * Hkv * Dv);
+        }
+      }
     attnkit::AttentionOptions o;
     o.num_threads = in_.ConsumeIntegralInRange(1, 3);
     o.chunk_size = call_chunk_;
@@ -336,6 +463,7 @@ class Run {
   std::vector<float> sinks_;  // [heads_] options.sinks of every attend(), or none
   uint64_t rng_state_ = 1;
   std::map<int64_t, std::vector<History>> model_;
+  std::map<int64_t, Tokens> tokens_;  // per sequence: its token ids (a prompt's run past length)
 };
 
 }  // namespace

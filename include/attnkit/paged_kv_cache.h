@@ -41,15 +41,16 @@
 // itself), pages whose tokens no later query can see are released as soon
 // as every layer has written past them. Freed pages are reused; a page is
 // never visible to two sequences unless one was forked from the other, or
-// both took it from the prefix cache.
+// took it over from the prefix cache.
 //
 // Prefix caching (spec.prefix_caching, docs/PAGED.md "Prefix caching"):
 // the pool keeps, for each full page that every layer has written and
 // whose token ids it knows, a key chained over the whole prefix (hash of
 // the parent page's key and this page's page_size token ids, vLLM's block
 // hash). A page whose last holder goes stays in the pool as a cached-free
-// page: free_pages() counts it, and an append / fork copy evicts the least
-// recently freed one only when no plain free page is left.
+// page: free_pages() counts it, and append() (for new pages or a
+// copy-on-write copy) evicts the least recently freed one only when no
+// plain free page is left.
 //   add_sequence(prompt)  takes over the longest run of cached pages that
 //                         matches the prompt's first pages (page aligned,
 //                         at most prompt length - 1 tokens, so the last
@@ -59,6 +60,8 @@
 //                         ids so append() of its tokens needs none
 //   append(ids, counts, token_ids)  the same reservation, recording the
 //                         token ids of the new tokens (decoded tokens)
+//   probe_prefix(prompt)  what add_sequence(prompt) would take, for
+//                         admission control; changes nothing
 // A sequence never writes into a keyed page another may read: a shared or
 // keyed partly filled page is copied or unkeyed first (copy-on-write).
 //
@@ -121,6 +124,17 @@ struct PrefixMatch {
   int64_t cached_tokens = 0;
 };
 
+// probe_prefix(prompt)'s answer: what add_sequence(prompt) would take now,
+// and how many of those pages are cached-free (taking them lowers
+// free_pages() by that many). An engine's admission needs
+//   ceil(prompt length / page_size) - cached_tokens / page_size new pages
+// (for the whole prompt; fewer for a first chunk) <= free_pages() -
+// cached_free_pages.
+struct PrefixProbe {
+  int64_t cached_tokens = 0;
+  int64_t cached_free_pages = 0;
+};
+
 // Counters of the prefix cache since the pool was made (or
 // reset_prefix_cache_stats()); the last two are the state now.
 struct PrefixCacheStats {
@@ -157,6 +171,10 @@ class PagedKVCache {
   // the prompt's ids for keying (append() needs no ids for them). Without
   // prefix caching: an empty sequence, cached_tokens 0. O(pages matched).
   Result<PrefixMatch> add_sequence(std::span<const int32_t> prompt_token_ids);
+  // What add_sequence(prompt_token_ids) would take, changing nothing and
+  // counting nothing (admission control before the request is added).
+  // The same checks and O(pages matched) cost.
+  Result<PrefixProbe> probe_prefix(std::span<const int32_t> prompt_token_ids) const;
 
   // Reserves num_new_tokens[i] slots at the end of sequence seq_ids[i] for
   // every layer (see the lifecycle above). The ids must exist and be
@@ -330,6 +348,9 @@ class PagedKVCache {
   void forget(int32_t page);
   void key_full_pages(Sequence* seq);
   uint64_t page_hash(uint64_t parent_key, const int32_t* tokens) const;
+  Status check_prompt(const char* fn, std::span<const int32_t> prompt) const;
+  void match_prefix(std::span<const int32_t> prompt, std::vector<int32_t>* pages,
+                    std::vector<ChainLink>* chain) const;
   Status append_impl(std::span<const int64_t> seq_ids, std::span<const int64_t> num_new_tokens,
                      const std::span<const int32_t>* token_ids);
   Status check_token_ids(std::span<const int64_t> seq_ids, std::span<const int64_t> num_new_tokens,

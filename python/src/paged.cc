@@ -372,6 +372,19 @@ void bind_paged(py::module_& m) {
           "caching can key their pages; ids of a prompt given to add_sequence need not be "
           "repeated.")
       .def(
+          "probe_prefix",
+          [](PyPagedKVCache& c, py::object prompt_token_ids) {
+            const std::vector<int32_t> prompt =
+                token_list(prompt_token_ids, "PagedKVCache.probe_prefix", "prompt_token_ids");
+            const PrefixProbe p =
+                value_or_throw(locked(c.mu, [&] { return c.pool.probe_prefix(prompt); }));
+            return py::make_tuple(p.cached_tokens, p.cached_free_pages);
+          },
+          py::arg("prompt_token_ids"),
+          "What add_sequence(prompt_token_ids) would take now, changing nothing: "
+          "(cached_tokens, cached_free_pages), the latter the pages taking them removes from "
+          "free_pages() (for admission control).")
+      .def(
           "prefix_cache_stats",
           [](PyPagedKVCache& c) {
             const PrefixCacheStats s = locked(c.mu, [&] { return c.pool.prefix_cache_stats(); });

@@ -172,28 +172,30 @@ int64_t PagedKVCache::add_sequence() {
   return id;
 }
 
-Result<PrefixMatch> PagedKVCache::add_sequence(std::span<const int32_t> prompt_token_ids) {
-  constexpr const char* fn = "PagedKVCache::add_sequence";
-  const int64_t n = static_cast<int64_t>(prompt_token_ids.size());
+Status PagedKVCache::check_prompt(const char* fn, std::span<const int32_t> prompt) const {
+  const int64_t n = static_cast<int64_t>(prompt.size());
   if (n > kMaxInt32)
     return invalid_argument(std::string(fn) + ": prompt_token_ids has " + str(n) +
                             " tokens, more than " + str(kMaxInt32));
   for (int64_t i = 0; i < n; ++i)
-    if (prompt_token_ids[static_cast<size_t>(i)] < 0)
-      return invalid_argument(std::string(fn) + ": prompt_token_ids[" + str(i) + "] = " +
-                              str(prompt_token_ids[static_cast<size_t>(i)]) + " must be >= 0");
-  if (!spec_.prefix_caching) return PrefixMatch{add_sequence(), 0};
-  Sequence seq;
-  seq.written.assign(static_cast<size_t>(spec_.num_layers), 0);
-  seq.tokens.assign(prompt_token_ids.begin(), prompt_token_ids.end());
-  // Walk the chain from the first page: each page must be keyed under the
-  // key of this prefix, hold these token ids and name the page matched
-  // before as its parent, so a hash collision can never alias.
-  const int64_t ps = spec_.page_size;
+    if (prompt[static_cast<size_t>(i)] < 0)
+      return invalid_argument(std::string(fn) + ": prompt_token_ids[" + str(i) +
+                              "] = " + str(prompt[static_cast<size_t>(i)]) + " must be >= 0");
+  return Status::Ok();
+}
+
+// The longest run of cached pages the prompt starts with, at most
+// prompt length - 1 tokens. Walks the chain from the first page: each page
+// must be keyed under the key of this prefix, hold these token ids and name
+// the page matched before as its parent, so a hash collision can never
+// alias.
+void PagedKVCache::match_prefix(std::span<const int32_t> prompt, std::vector<int32_t>* pages,
+                                std::vector<ChainLink>* chain) const {
+  const int64_t ps = spec_.page_size, n = static_cast<int64_t>(prompt.size());
   const size_t most = n > 0 ? static_cast<size_t>((n - 1) / ps) : 0;
   ChainLink parent{kRootKey, 0};
   for (size_t i = 0; i < most; ++i) {
-    const int32_t* ids = seq.tokens.data() + i * static_cast<size_t>(ps);
+    const int32_t* ids = prompt.data() + i * static_cast<size_t>(ps);
     const auto it = keyed_.find(page_hash(parent.key, ids));
     if (it == keyed_.end()) break;
     const int32_t page = it->second;
@@ -201,24 +203,43 @@ Result<PrefixMatch> PagedKVCache::add_sequence(std::span<const int32_t> prompt_t
     if (m.parent_serial != parent.serial ||
         !std::equal(ids, ids + ps, page_tokens_.begin() + page * ps))
       break;
-    seq.pages.push_back(page);
-    seq.chain.push_back(m.link);
+    pages->push_back(page);
+    if (chain) chain->push_back(m.link);
     parent = m.link;
   }
+}
+
+Result<PrefixMatch> PagedKVCache::add_sequence(std::span<const int32_t> prompt_token_ids) {
+  ATTNKIT_RETURN_IF_ERROR(check_prompt("PagedKVCache::add_sequence", prompt_token_ids));
+  if (!spec_.prefix_caching) return PrefixMatch{add_sequence(), 0};
+  Sequence seq;
+  seq.tokens.assign(prompt_token_ids.begin(), prompt_token_ids.end());
+  match_prefix(prompt_token_ids, &seq.pages, &seq.chain);
   for (int32_t page : seq.pages) {
     if (refs_[static_cast<size_t>(page)]++ == 0) lru_erase(page);
   }
-  const int64_t cached = static_cast<int64_t>(seq.pages.size()) * ps;
+  const int64_t cached = static_cast<int64_t>(seq.pages.size()) * spec_.page_size;
   seq.length = cached;
   seq.written.assign(static_cast<size_t>(spec_.num_layers), cached);
   ++stats_.queries;
-  stats_.query_tokens += n;
+  stats_.query_tokens += static_cast<int64_t>(prompt_token_ids.size());
   stats_.hits += cached > 0 ? 1 : 0;
   stats_.hit_pages += static_cast<int64_t>(seq.pages.size());
   stats_.hit_tokens += cached;
   const int64_t id = next_id_++;
   sequences_.emplace(id, std::move(seq));
   return PrefixMatch{id, cached};
+}
+
+Result<PrefixProbe> PagedKVCache::probe_prefix(std::span<const int32_t> prompt_token_ids) const {
+  ATTNKIT_RETURN_IF_ERROR(check_prompt("PagedKVCache::probe_prefix", prompt_token_ids));
+  PrefixProbe probe;
+  if (!spec_.prefix_caching) return probe;
+  std::vector<int32_t> pages;
+  match_prefix(prompt_token_ids, &pages, nullptr);
+  probe.cached_tokens = static_cast<int64_t>(pages.size()) * spec_.page_size;
+  for (int32_t page : pages) probe.cached_free_pages += refs_[static_cast<size_t>(page)] == 0;
+  return probe;
 }
 
 PrefixCacheStats PagedKVCache::prefix_cache_stats() const {

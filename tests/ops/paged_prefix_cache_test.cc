@@ -262,8 +262,16 @@ TEST(PagedPrefixCache, ASecondRequestReusesThePrefixAndGivesTheSameBits) {
       e.remove(a);
       EXPECT_EQ(e.pool().prefix_cache_stats().cached_free_pages, 6);  // 26 tokens: 6 full pages
 
+      // probe_prefix tells what add_sequence would take, changing nothing.
+      const attnkit_test::PoolSnapshot before_probe = attnkit_test::snapshot(e.pool());
+      const attnkit::PrefixProbe probe = e.pool().probe_prefix(prompt).value();
+      EXPECT_EQ(probe.cached_tokens, 20);
+      EXPECT_EQ(probe.cached_free_pages, 5);
+      EXPECT_TRUE(attnkit_test::snapshot(e.pool()) == before_probe);
       std::vector<float> out_b, out_fresh;
+      const int64_t free_before = e.pool().free_pages();
       const int64_t b = e.request(prompt, &cached, &out_b);
+      EXPECT_EQ(e.pool().free_pages(), free_before - 5 - 1);  // 5 taken, 1 computed
       EXPECT_EQ(cached, 20);  // 5 of the 23 tokens' 6 pages; the last page is computed
       const std::vector<int32_t> table_b = e.pool().page_table(b).value();
       EXPECT_TRUE(std::equal(table_b.begin(), table_b.begin() + 5, table_a.begin()));
@@ -283,6 +291,7 @@ TEST(PagedPrefixCache, ASecondRequestReusesThePrefixAndGivesTheSameBits) {
       ASSERT_EQ(out_b.size(), out_fresh.size());
       EXPECT_EQ(0, std::memcmp(out_b.data(), out_fresh.data(), out_b.size() * sizeof(float)));
 
+      EXPECT_EQ(e.pool().probe_prefix(prompt).value().cached_free_pages, 0);  // b holds them
       // A third request while b runs shares b's pages (not copies).
       const int64_t c = e.request(prompt, &cached);
       EXPECT_EQ(cached, 20);
@@ -583,6 +592,8 @@ TEST(PagedPrefixCache, RejectsBadArgumentsAndChangesNothing) {
   };
   expect(e.pool().add_sequence(Tokens{1, -2}).status(),
          "PagedKVCache::add_sequence: prompt_token_ids[1] = -2 must be >= 0");
+  expect(e.pool().probe_prefix(Tokens{-7}).status(),
+         "PagedKVCache::probe_prefix: prompt_token_ids[0] = -7 must be >= 0");
   const std::vector<int64_t> ids{a}, two{2};
   expect(e.pool().append(ids, two, Tokens{1}),
          "PagedKVCache::append: token_ids has 1 entries; it must have sum(num_new_tokens) = 2");

@@ -320,6 +320,7 @@ def test_prefix_caching_reuses_a_prompt_and_gives_the_same_bits():
     cache.remove(a)
     assert cache.cached_free_pages() and cache.free_pages() == 16
 
+    assert cache.probe_prefix(prompt + [12, 40]) == (12, 3)
     b, cached = cache.add_sequence(prompt + [12, 40])
     assert cached == 12
     cache.append([b], [1])
