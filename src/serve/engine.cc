@@ -296,11 +296,20 @@ Status Engine::admit(int64_t& budget) {
   while (budget > 0 && !waiting_.empty() &&
          static_cast<int64_t>(running_.size()) < options_.max_seqs) {
     const int64_t id = waiting_.front();
-    const int64_t need = ceil_div(known(id), ps);
+    const int64_t total = ceil_div(known(id), ps);
+    // New pages it needs: all of them, less the cached prefix it would take
+    // over; taking cached-free pages lowers the free count by as many.
+    int64_t need = total, taken_free = 0;
+    if (options_.prefix_caching) {
+      ATTNKIT_ASSIGN_OR_RETURN(const PrefixProbe probe, pool_->probe_prefix(req(id).tokens));
+      need -= probe.cached_tokens / ps;
+      taken_free = probe.cached_free_pages;
+    }
     const int64_t n = static_cast<int64_t>(running_.size());
     if (options_.cache == CacheMode::kStatic) {
       if (n >= budget_.slots) break;
-    } else if (free_pages(n + 1) - promised - need < (running_.empty() ? 0 : watermark)) {
+    } else if (free_pages(n + 1) - taken_free - promised - need <
+               (running_.empty() ? 0 : watermark)) {
       break;
     }
     if (!enter(id).ok()) break;
@@ -323,7 +332,7 @@ Status Engine::admit(int64_t& budget) {
     scheduled_.push_back(id);
     counts_.push_back(want);
     budget -= want;
-    promised += need - ceil_div(cached + want, ps);
+    promised += total - ceil_div(cached + want, ps);
   }
   return Status::Ok();
 }
