@@ -60,12 +60,8 @@ FLOORS = [
     ("fuzz", ["fuzz"], ["core", "kernels", "io", "ops", "tests"], [],
      "libFuzzer targets; white-box, and share tests/common/'s references"),
     ("tests", ["tests"],
-     ["core", "kernels", "io", "analysis", "ops", "layers", "model", "serve", "dist"],
-     ["tools/attnkit/serve_engine.h"],
-     "white-box tests of every floor. Known exception, to be removed when the serving "
-     "engine moves into the library (src/serve): tests/CMakeLists.txt compiles "
-     "tools/attnkit/serve_engine.cc into attnkit_tests, and tests/tools/ includes its "
-     "header"),
+     ["core", "kernels", "io", "analysis", "ops", "layers", "model", "serve", "dist"], [],
+     "white-box tests of every floor"),
 ]
 
 # Folders whose sources are read. Every source under them must belong to a floor.

@@ -43,9 +43,10 @@ py::array forward(Model& model, py::handle token_ids) {
 }  // namespace
 
 void bind_model(py::module_& m) {
-  py::class_<Model>(m, "Model",
-                    "A whole decoder loaded from a Hugging Face checkpoint directory "
-                    "(config.json + model.safetensors or a sharded index); see docs/MODEL.md.")
+  py::class_<Model, StepModel>(
+      m, "Model",
+      "A whole decoder loaded from a Hugging Face checkpoint directory "
+      "(config.json + model.safetensors or a sharded index); see docs/MODEL.md.")
       .def_static(
           "from_pretrained",
           [](const std::string& dir, const std::string& backend, int num_threads) {

@@ -17,5 +17,7 @@ PYBIND11_MODULE(_attnkit, m) {
   attnkit::python::bind_gated_deltanet(m);
   attnkit::python::bind_model_spec(m);
   attnkit::python::bind_sparse_attention(m);
+  // serve before model: Model derives from serve's StepModel.
+  attnkit::python::bind_serve(m);
   attnkit::python::bind_model(m);
 }

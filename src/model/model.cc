@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "kernels/linear.h"
+#include "layers/stack_pool.h"
 #include "model/model_impl.h"
 
 namespace attnkit {
@@ -176,38 +177,12 @@ int64_t Model::num_layers() const { return impl_->spec.num_layers; }
 int64_t Model::hidden_size() const { return impl_->spec.hidden_size; }
 size_t Model::weight_bytes() const { return impl_->weight_bytes; }
 
-bool Model::pool_releases_pages() const {
-  for (const AttentionLayer& a : impl_->attention)
-    if (a.config().sliding_window != impl_->attention[0].config().sliding_window ||
-        a.config().chunk_size != impl_->attention[0].config().chunk_size)
-      return false;
-  return true;
-}
+bool Model::pool_releases_pages() const { return layers::stack_shares_window(impl_->attention); }
 
 Result<PagedKVCache> Model::new_pool(int64_t num_pages, int64_t page_size, DType kv_dtype,
                                      bool prefix_caching) const {
-  if (prefix_caching)
-    return invalid_argument(
-        "Model::new_pool: prefix_caching = true, but this build's pool has no prefix cache");
-  const Impl& m = *impl_;
-  if (!m.latent.empty())
-    return m.latent[0].new_paged_cache(num_pages, page_size, static_cast<int64_t>(m.latent.size()),
-                                       kv_dtype);
-  const AttentionConfig& c = m.attention[0].config();
-  PagedKVCacheSpec s;
-  s.num_layers = static_cast<int64_t>(m.attention.size());
-  s.num_pages = num_pages;
-  s.page_size = page_size;
-  s.num_kv_heads = c.num_kv_heads;
-  s.head_dim = c.head_dim;
-  s.dtype = kv_dtype;
-  // Layers of several kinds (Gemma's local and global): no window in the
-  // pool; each layer passes its own per call.
-  if (pool_releases_pages()) {
-    s.sliding_window = c.sliding_window;
-    s.chunk_size = c.chunk_size;
-  }
-  return PagedKVCache::create(s);
+  return layers::new_stack_pool(impl_->attention, impl_->latent, num_pages, page_size, kv_dtype,
+                                prefix_caching);
 }
 
 Result<LinearStatePool> Model::new_state_pool(int64_t max_sequences) const {

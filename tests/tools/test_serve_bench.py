@@ -44,7 +44,8 @@ ROW_FIELDS = {"variant", "kv_dtype", "cache", "memory_bytes", "kv_bytes_per_toke
               "busy_s", "output_tokens_per_s", "output_tokens_per_s_runs", "requests_per_s", "ttft_s",
               "tpot_s", "peak_running",
               "mean_running", "kv_used_bytes", "kv_reserved_bytes", "preemptions", "steps",
-              "tokens_computed", "weight_bytes"}
+              "tokens_computed", "weight_bytes", "prefix_cache", "queue_s",
+              "prefill_tokens_computed", "prefix_hit_rate"}
 
 
 def test_rows_have_the_documented_fields_and_exact_kv_arithmetic(config):
@@ -226,6 +227,42 @@ def test_mlp_errors_name_the_config_and_oversized_models_are_refused(tmp_path):
     h = run("serve-bench", "--config", str(huge), "--mlp", "--variants", "gqa-8")
     assert h.returncode == 2 and "the served layers' weights would take " in h.stderr
     assert "more than this machine's" in h.stderr and "leave out --mlp" in h.stderr
+
+
+def test_prefix_cache_rows_and_shared_prefix_traces(config):
+    j = serve_json(config, "--variants", "mqa", "--prefix-cache", "off,on", "--shared-prefix",
+                   "32", "--prefix-groups", "2", "--turns", "2", "--memory", "256KiB")
+    assert j["trace"]["requests"] == 20  # 10 conversations of 2 turns
+    assert (j["trace"]["shared_prefix"], j["trace"]["prefix_groups"], j["trace"]["turns"]) == (32, 2, 2)
+    off, on = j["rows"]
+    assert (off["prefix_cache"], on["prefix_cache"]) == (False, True)
+    assert off["prefix_hit_rate"] == 0 and on["prefix_hit_rate"] > 0.3
+    assert off["prefill_tokens_computed"] == j["trace"]["prompt_tokens"]
+    assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]
+    assert on["output_tokens"] == off["output_tokens"] == j["trace"]["output_tokens"]
+    assert any("the prefix cache took over" in line for line in j["conclusions"])
+    r = run("serve-bench", "--config", config, "--prefix-cache", "on", "--cache", "static")
+    assert r.returncode == 2 and "--prefix-cache on needs --cache paged" in r.stderr
+    r = run("serve-bench", "--config", config, "--prefix-cache", "maybe")
+    assert r.returncode == 2 and "--prefix-cache entries must be on or off, got 'maybe'" in r.stderr
+
+
+def test_trace_files_may_give_prompt_token_ids(config, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    reqs = [{"arrival_s": 0.0, "prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9], "output_tokens": 3},
+            {"arrival_s": 0.0, "prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8, 10], "output_tokens": 2,
+             "prompt_tokens": 9}]
+    trace.write_text("\n".join(json.dumps(r) for r in reqs) + "\n")
+    r = run("serve-bench", "--config", config, "--layers", "1", "--trace", str(trace),
+            "--variants", "mqa", "--page-size", "4", "--max-seqs", "1", "--prefix-cache", "on",
+            "--json")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)["rows"][0]
+    assert row["prefill_tokens_computed"] == 9 + 1  # the second reuses two pages of 4
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0, "prompt_token_ids": [1, 512], "output_tokens": 2}\n')
+    r = run("serve-bench", "--config", config, "--trace", str(bad))
+    assert r.returncode == 2 and "prompt_token_ids entries must be integers in [0, 512)" in r.stderr
 
 
 def test_table_and_csv(config):

@@ -21,7 +21,7 @@
 //   that one step's bytes are not still in the last-level cache from the
 //   step before.
 // - The serving section runs the variants' layers under the serving engine
-//   of `attnkit serve-bench` (serve_engine.h) on one small trace and one
+//   of `attnkit serve-bench` (attnkit/serve.h) on one small trace and one
 //   KV budget: the concurrency and throughput the seeds' claim is about.
 #include <nlohmann/json.hpp>
 
@@ -38,10 +38,10 @@
 #include "attnkit/config.h"
 #include "attnkit/latent_attention.h"
 #include "attnkit/report.h"
+#include "attnkit/serve.h"
 #include "cli.h"
 #include "commands.h"
 #include "measure.h"
-#include "serve_engine.h"
 
 namespace attnkit::cli {
 namespace {
@@ -293,24 +293,33 @@ Serving serve_variants(const Options& o,
                        int64_t mha_token, const RunOptions& run, Progress* progress) {
   constexpr int64_t kRequests = 16, kMhaSequences = 4, kPage = 16;
   Serving out;
-  const std::vector<serve::Request> trace =
-      serve::synthetic_trace(kRequests, HUGE_VAL, 16, 64, 8, 32, static_cast<uint64_t>(o.seed));
-  for (const serve::Request& r : trace) out.token_slots += r.prompt_tokens + r.output_tokens - 1;
+  serve::TraceOptions to;
+  to.requests = kRequests;
+  to.prompt_min = 16;
+  to.prompt_max = 64;
+  to.output_min = 8;
+  to.output_max = 32;
+  to.seed = static_cast<uint64_t>(o.seed);
+  const std::vector<serve::Request> trace = serve::synthetic_trace(to);
+  for (const serve::Request& r : trace)
+    out.token_slots += static_cast<int64_t>(r.prompt_token_ids.size()) + r.output_tokens - 1;
   out.requests = kRequests;
   const int64_t pages = (out.token_slots * kMhaSequences / kRequests + kPage - 1) / kPage;
   out.budget = pages * kPage * mha_token;
-  serve::Options so;
-  so.memory_bytes = out.budget;
+  EngineOptions so;
+  so.kv_memory = out.budget;
   so.page_size = kPage;
   so.kv_dtype = kv;
   so.run = run;
   for (const auto& [name, spec] : specs) {
     progress->step("serving " + name);
-    serve::Model model = value_or_throw(serve::Model::create(spec), name + " serving model");
+    serve::SyntheticModel model =
+        value_or_throw(serve::SyntheticModel::create(spec), name + " serving model");
     const serve::Report r = value_or_throw(serve::run(model, trace, so), name + " serving");
     int64_t outputs = 0;
-    for (const serve::RequestReport& q : r.requests) outputs += q.output_tokens;
-    out.rows.push_back({name, r.kv_bytes_per_token, r.peak_running, r.preemptions, r.mean_running,
+    for (const serve::RequestReport& q : r.requests) outputs += q.metrics.output_tokens;
+    out.rows.push_back({name, r.kv_bytes_per_token, r.stats.peak_running, r.stats.preemptions,
+                        r.mean_running,
                         static_cast<double>(outputs) / std::max(r.end_s - r.start_s, 1e-9)});
   }
   return out;

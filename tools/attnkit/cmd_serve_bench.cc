@@ -1,7 +1,7 @@
 // attnkit serve-bench: the seeds' claim — GQA, MQA and MLA shrink the KV
 // cache, so a server fits more sequences and produces more tokens per
 // second — measured: a stream of requests served by a continuous-batching
-// scheduler over a paged KV pool of a fixed size (serve_engine.h), per
+// scheduler over a paged KV pool of a fixed size (attnkit/serve.h), per
 // attention variant, KV dtype, cache mode and memory budget, reported as
 // vLLM's benchmark scripts report it (throughput, time to first token,
 // time per output token, percentiles) plus the concurrency the budget
@@ -24,10 +24,10 @@
 #include "attnkit/config.h"
 #include "attnkit/machine.h"
 #include "attnkit/model_spec.h"
+#include "attnkit/serve.h"
 #include "cli.h"
 #include "commands.h"
 #include "measure.h"
-#include "serve_engine.h"
 
 namespace attnkit::cli {
 namespace {
@@ -38,7 +38,9 @@ struct Options {
   std::string model, config, trace, rate = "inf", prompt = "32-256", output = "16-128";
   std::string weights = "bf16", backend = "auto";
   std::vector<std::string> variants, kv_dtypes = {"bf16"}, caches = {"paged"}, memory;
+  std::vector<std::string> prefix_cache = {"off"};
   int64_t layers = 2, requests = 32, page_size = 16, max_tokens = 512, max_seqs = 256;
+  int64_t shared_prefix = 0, prefix_groups = 1, turns = 1;
   int64_t max_seq_len = 0, threads = 0, seed = 1, repeats = 1;
   bool mlp = false, json = false, csv = false;
 };
@@ -78,7 +80,7 @@ Source load_source(const Options& o) {
 }
 
 // The engine serves the model's first --layers layers, each of its own
-// kind (serve_engine.h): softmax attention of any window, chunk, sinks,
+// kind (attnkit/serve.h): softmax attention of any window, chunk, sinks,
 // gate, RoPE or NoPE, and Gated DeltaNet with its state slots. A stack it
 // cannot run as configured is refused, naming what it cannot run, never
 // replaced by something else.
@@ -407,8 +409,41 @@ std::pair<int64_t, int64_t> parse_range(const std::string& flag, const std::stri
   return {lo, hi};
 }
 
-// JSON lines {"arrival_s": x, "prompt_tokens": n, "output_tokens": n};
-// blank lines are skipped. Any other line is a usage error naming it.
+// The fixture's vocabulary: the ids a trace's prompts may use.
+constexpr int64_t kVocab = serve::ModelSpec{}.vocab_size;
+
+// A trace line's prompt: its prompt_token_ids, or prompt_tokens seeded ids.
+std::vector<int32_t> prompt_of(const nlohmann::json& j, const std::string& where, int64_t line) {
+  std::vector<int32_t> ids;
+  if (j.contains("prompt_token_ids")) {
+    const auto& a = j["prompt_token_ids"];
+    if (!a.is_array() || a.empty() || a.size() > (size_t{1} << 30))
+      throw UsageError{where + "prompt_token_ids must be a non-empty array of token ids"};
+    for (const auto& t : a) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= kVocab)
+        throw UsageError{where + "prompt_token_ids entries must be integers in [0, " +
+                         std::to_string(kVocab) + ") (the benchmark model's vocabulary), got " +
+                         t.dump()};
+      ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
+    }
+    if (j.contains("prompt_tokens") && j["prompt_tokens"].is_number_integer() &&
+        j["prompt_tokens"].get<int64_t>() != static_cast<int64_t>(ids.size()))
+      throw UsageError{where + "prompt_tokens " + j["prompt_tokens"].dump() + " differs from the " +
+                       std::to_string(ids.size()) + " prompt_token_ids"};
+    return ids;
+  }
+  const int64_t n = j["prompt_tokens"].get<int64_t>();
+  serve::TraceOptions t;
+  t.requests = 1;
+  t.prompt_min = t.prompt_max = n;
+  t.output_min = t.output_max = 1;
+  t.seed = static_cast<uint64_t>(line);
+  return serve::synthetic_trace(t)[0].prompt_token_ids;
+}
+
+// JSON lines {"arrival_s": x, "prompt_tokens": n, "output_tokens": n}, or
+// "prompt_token_ids": [...] for prompt_tokens; blank lines are skipped.
+// Any other line is a usage error naming it.
 std::vector<serve::Request> read_trace(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
@@ -426,23 +461,26 @@ std::vector<serve::Request> read_trace(const std::string& path) {
                        "not a JSON object (want {\"arrival_s\": 0.5, \"prompt_tokens\": "
                        "128, \"output_tokens\": 64})"};
     for (auto it = j.begin(); it != j.end(); ++it)
-      if (it.key() != "arrival_s" && it.key() != "prompt_tokens" && it.key() != "output_tokens")
+      if (it.key() != "arrival_s" && it.key() != "prompt_tokens" && it.key() != "output_tokens" &&
+          it.key() != "prompt_token_ids")
         throw UsageError{where + "unknown field \"" + it.key() +
-                         "\" (arrival_s, prompt_tokens, output_tokens)"};
+                         "\" (arrival_s, prompt_tokens or prompt_token_ids, output_tokens)"};
     serve::Request r;
     if (!j.contains("arrival_s") || !j["arrival_s"].is_number() ||
         !std::isfinite(j["arrival_s"].get<double>()) || j["arrival_s"].get<double>() < 0)
       throw UsageError{where + "arrival_s must be a number >= 0 (seconds from the start)"};
     r.arrival_s = j["arrival_s"].get<double>();
     for (const char* key : {"prompt_tokens", "output_tokens"}) {
+      if (std::string(key) == "prompt_tokens" && j.contains("prompt_token_ids") && !j.contains(key))
+        continue;
       if (!j.contains(key) || !j[key].is_number_integer() || j[key].get<int64_t>() < 1 ||
           j[key].get<int64_t>() > (int64_t{1} << 30))
         throw UsageError{where + key + " must be an integer in [1, 2^30], got " +
                          (j.contains(key) ? j[key].dump() : std::string("nothing"))};
     }
-    r.prompt_tokens = j["prompt_tokens"].get<int64_t>();
+    r.prompt_token_ids = prompt_of(j, where, n);
     r.output_tokens = j["output_tokens"].get<int64_t>();
-    out.push_back(r);
+    out.push_back(std::move(r));
   }
   if (out.empty()) throw UsageError{"--trace '" + path + "' holds no requests"};
   return out;
@@ -459,6 +497,7 @@ double percentile(std::vector<double> v, double p) {
 
 struct Row {
   std::string variant, kv, cache;
+  bool prefix_cache = false;
   int64_t memory = 0;
   serve::Report r;  // the run of median output tokens/s
   size_t weight_bytes = 0;
@@ -467,7 +506,7 @@ struct Row {
 
 double output_tokens_per_s(const serve::Report& r) {
   int64_t outputs = 0;
-  for (const serve::RequestReport& q : r.requests) outputs += q.output_tokens;
+  for (const serve::RequestReport& q : r.requests) outputs += q.metrics.output_tokens;
   return static_cast<double>(outputs) / std::max(r.end_s - r.start_s, 1e-9);
 }
 
@@ -483,10 +522,12 @@ ojson stats(const std::vector<double>& v) {
 
 ojson row_json(const Row& row) {
   const serve::Report& r = row.r;
-  std::vector<double> ttft, tpot;
+  std::vector<double> ttft, tpot, queue;
   int64_t outputs = 0;
-  for (const serve::RequestReport& q : r.requests) {
+  for (const serve::RequestReport& rq : r.requests) {
+    const RequestMetrics& q = rq.metrics;
     ttft.push_back(q.first_token_s - q.arrival_s);
+    queue.push_back(q.admitted_s - q.arrival_s);
     if (q.output_tokens > 1)
       tpot.push_back((q.finish_s - q.first_token_s) / static_cast<double>(q.output_tokens - 1));
     outputs += q.output_tokens;
@@ -495,6 +536,7 @@ ojson row_json(const Row& row) {
   return {{"variant", row.variant},
           {"kv_dtype", row.kv},
           {"cache", row.cache},
+          {"prefix_cache", row.prefix_cache},
           {"memory_bytes", row.memory},
           {"kv_bytes_per_token", r.kv_bytes_per_token},
           {"state_bytes_per_sequence", r.state_bytes_per_sequence},
@@ -505,19 +547,23 @@ ojson row_json(const Row& row) {
           {"requests", r.requests.size()},
           {"output_tokens", outputs},
           {"duration_s", span},
-          {"busy_s", r.busy_s},
+          {"busy_s", r.stats.busy_s},
           {"output_tokens_per_s", output_tokens_per_s(r)},
           {"output_tokens_per_s_runs", row.tokens_per_s},
           {"requests_per_s", static_cast<double>(r.requests.size()) / span},
           {"ttft_s", stats(ttft)},
           {"tpot_s", stats(tpot)},
-          {"peak_running", r.peak_running},
+          {"queue_s", stats(queue)},
+          {"peak_running", r.stats.peak_running},
           {"mean_running", r.mean_running},
-          {"kv_used_bytes", {{"mean", r.mean_used_bytes}, {"peak", r.peak_used_bytes}}},
-          {"kv_reserved_bytes", {{"mean", r.mean_reserved_bytes}, {"peak", r.peak_reserved_bytes}}},
-          {"preemptions", r.preemptions},
-          {"steps", r.steps},
-          {"tokens_computed", r.tokens_computed},
+          {"kv_used_bytes", {{"mean", r.mean_used_bytes}, {"peak", r.stats.peak_used_bytes}}},
+          {"kv_reserved_bytes",
+           {{"mean", r.mean_reserved_bytes}, {"peak", r.stats.peak_reserved_bytes}}},
+          {"preemptions", r.stats.preemptions},
+          {"steps", r.stats.steps},
+          {"tokens_computed", r.stats.tokens_computed},
+          {"prefill_tokens_computed", r.stats.prompt_tokens_computed},
+          {"prefix_hit_rate", r.prefix_hit_rate},
           {"weight_bytes", row.weight_bytes}};
 }
 
@@ -540,21 +586,47 @@ void flatten(const ojson& j, const std::string& prefix, std::vector<std::string>
 // Lines that say what the rows mean: per group of rows that differ only in
 // variant, whether throughput follows KV bytes per token; per variant, the
 // paged mode's throughput over the static one's.
+std::string group_of(const ojson& r) {
+  return r["cache"].get<std::string>() + " " + r["kv_dtype"].get<std::string>() + " " +
+         format_bytes(r["memory_bytes"].get<double>()) +
+         (r["prefix_cache"].get<bool>() ? " prefix-cached" : "");
+}
+
+// Per configuration served with and without the prefix cache: what it did
+// to the time to first token and the prefill work.
+void conclude_prefix(const ojson& rows, std::vector<std::string>& lines) {
+  for (const ojson& on : rows) {
+    if (!on["prefix_cache"].get<bool>()) continue;
+    for (const ojson& off : rows)
+      if (!off["prefix_cache"].get<bool>() && off["variant"] == on["variant"] &&
+          off["cache"] == on["cache"] && off["kv_dtype"] == on["kv_dtype"] &&
+          off["memory_bytes"] == on["memory_bytes"] && !on["ttft_s"].is_null())
+        lines.push_back(on["variant"].get<std::string>() + " " + on["kv_dtype"].get<std::string>() +
+                        " " + format_bytes(on["memory_bytes"].get<double>()) +
+                        ": the prefix cache took over " +
+                        format_sig3(100.0 * on["prefix_hit_rate"].get<double>(), "") +
+                        " % of the prompt tokens; TTFT p50 " +
+                        format_seconds(on["ttft_s"]["p50"].get<double>()) + " vs " +
+                        format_seconds(off["ttft_s"]["p50"].get<double>()) + " without (" +
+                        format_ratio(on["ttft_s"]["p50"].get<double>() /
+                                     std::max(off["ttft_s"]["p50"].get<double>(), 1e-12)) +
+                        "); prefill tokens computed " +
+                        std::to_string(on["prefill_tokens_computed"].get<int64_t>()) + " vs " +
+                        std::to_string(off["prefill_tokens_computed"].get<int64_t>()) + ".");
+  }
+}
+
 std::vector<std::string> conclude(const ojson& rows) {
   std::vector<std::string> lines;
   std::vector<std::string> groups;
   for (const ojson& r : rows) {
-    const std::string g = r["cache"].get<std::string>() + " " + r["kv_dtype"].get<std::string>() +
-                          " " + format_bytes(r["memory_bytes"].get<double>());
+    const std::string g = group_of(r);
     if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
   }
   for (const std::string& g : groups) {
     std::vector<const ojson*> in;
     for (const ojson& r : rows)
-      if (r["cache"].get<std::string>() + " " + r["kv_dtype"].get<std::string>() + " " +
-              format_bytes(r["memory_bytes"].get<double>()) ==
-          g)
-        in.push_back(&r);
+      if (group_of(r) == g) in.push_back(&r);
     if (in.size() < 2) continue;
     auto by_tps = in, by_kv = in;
     std::stable_sort(by_tps.begin(), by_tps.end(), [](const ojson* a, const ojson* b) {
@@ -592,7 +664,7 @@ std::vector<std::string> conclude(const ojson& rows) {
             format_bytes(f["kv_bytes_per_token"].get<double>()) + ").");
   }
   for (const ojson& p : rows) {
-    if (p["cache"] != "paged") continue;
+    if (p["cache"] != "paged" || p["prefix_cache"].get<bool>()) continue;
     for (const ojson& s : rows)
       if (s["cache"] == "static" && s["variant"] == p["variant"] &&
           s["kv_dtype"] == p["kv_dtype"] && s["memory_bytes"] == p["memory_bytes"])
@@ -605,6 +677,7 @@ std::vector<std::string> conclude(const ojson& rows) {
                         format_sig3(s["mean_running"].get<double>(), "") +
                         " sequences at a time).");
   }
+  conclude_prefix(rows, lines);
   return lines;
 }
 
@@ -634,10 +707,35 @@ constexpr const char* kAbout =
     "reserved, and preemptions. The model is the config's first --layers layers, each of its\n"
     "own kind (sliding, chunked, full, NoPE, sinks, gated output; Gated DeltaNet with a state\n"
     "per sequence beside the pool), as the variant changes their kv heads (+ the config's\n"
-    "feed-forward with --mlp) with seeded random weights; nothing is sampled:\n"
-    "each generated token's input is the model's last output. Without --model or --config\n"
-    "the layer is compare's (d_model 2048, 32 heads of 64). docs/TOOL.md says how the\n"
-    "scheduler decides and what the figures include.";
+    "feed-forward with --mlp) with seeded random weights, a 512-token vocabulary and greedy\n"
+    "sampling (attnkit/serve.h's fixture). Without --model or --config the layer is\n"
+    "compare's (d_model 2048, 32 heads of 64). docs/SERVING.md says how the scheduler\n"
+    "decides; docs/TOOL.md what the figures include.";
+
+// The flags of the synthetic trace, and --trace.
+void add_trace_flags(Flags& f, Options& o) {
+  f.add_int("--requests", &o.requests,
+            "synthetic trace: requests (conversations with --turns; default 32)", 1);
+  f.add_string("--rate", &o.rate,
+               "synthetic trace: Poisson arrivals per second, or inf = all at once (default inf)");
+  f.add_string("--prompt-tokens", &o.prompt,
+               "synthetic trace: prompt length N or uniform A-B (default 32-256)");
+  f.add_string("--output-tokens", &o.output,
+               "synthetic trace: output length N or uniform A-B (default 16-128)");
+  f.add_int("--shared-prefix", &o.shared_prefix,
+            "synthetic trace: every prompt starts with the same N-token system prompt; "
+            "--prompt-tokens then counts the tokens after it (default 0)",
+            0);
+  f.add_int("--prefix-groups", &o.prefix_groups,
+            "synthetic trace: G distinct shared prompts, request i takes i % G (default 1)", 1);
+  f.add_int("--turns", &o.turns,
+            "synthetic trace: conversations of T turns; turn k+1 arrives when turn k finishes, "
+            "its prompt the conversation so far plus --prompt-tokens new tokens (default 1)",
+            1);
+  f.add_string("--trace", &o.trace,
+               "JSON lines {\"arrival_s\", \"prompt_tokens\" or \"prompt_token_ids\", "
+               "\"output_tokens\"} instead");
+}
 
 bool parse_options(int argc, char** argv, Options& o) {
   Flags f("serve-bench", kAbout,
@@ -667,15 +765,10 @@ bool parse_options(int argc, char** argv, Options& o) {
   f.add_int("--max-seq-len", &o.max_seq_len,
             "static: tokens each sequence reserves (default: the longest request the trace allows)",
             0);
-  f.add_int("--requests", &o.requests, "synthetic trace: requests (default 32)", 1);
-  f.add_string("--rate", &o.rate,
-               "synthetic trace: Poisson arrivals per second, or inf = all at once (default inf)");
-  f.add_string("--prompt-tokens", &o.prompt,
-               "synthetic trace: prompt length N or uniform A-B (default 32-256)");
-  f.add_string("--output-tokens", &o.output,
-               "synthetic trace: output length N or uniform A-B (default 16-128)");
-  f.add_string("--trace", &o.trace,
-               "JSON lines {\"arrival_s\", \"prompt_tokens\", \"output_tokens\"} instead");
+  add_trace_flags(f, o);
+  f.add_string_list("--prefix-cache", &o.prefix_cache,
+                    "on, off or both: reuse the cached pages of a shared prompt prefix (default "
+                    "off)");
   f.add_int("--max-tokens-per-step", &o.max_tokens,
             "tokens per step: decodes + prompt chunks (default 512)", 1);
   f.add_int("--max-seqs", &o.max_seqs, "sequences per step at most (default 256)", 1);
@@ -696,10 +789,14 @@ bool parse_options(int argc, char** argv, Options& o) {
   for (const std::string& c : o.caches)
     if (c != "paged" && c != "static")
       throw UsageError{"--cache entries must be paged or static, got '" + c + "'"};
+  for (const std::string& c : o.prefix_cache)
+    if (c != "on" && c != "off")
+      throw UsageError{"--prefix-cache entries must be on or off, got '" + c + "'"};
   if (o.backend != "auto" && o.backend != "fast" && o.backend != "reference")
     throw UsageError{"--backend must be auto, fast or reference, got '" + o.backend + "'"};
   if (!o.trace.empty())
-    for (const char* flag : {"--requests", "--rate", "--prompt-tokens", "--output-tokens"})
+    for (const char* flag : {"--requests", "--rate", "--prompt-tokens", "--output-tokens",
+                             "--shared-prefix", "--prefix-groups", "--turns"})
       if (f.given(flag))
         throw UsageError{std::string(flag) +
                          " describes a synthetic trace; "
@@ -715,7 +812,8 @@ struct Trace {
   // the trace allows (a synthetic trace: its longest prompt and output;
   // a file: its longest request), as a static engine is configured.
   int64_t static_len = 0;
-  int64_t slots = 0;  // token slots of every request
+  int64_t slots = 0;                    // token slots of every request
+  std::vector<int64_t> prompt_lengths;  // each request's whole prompt
 };
 
 Trace make_trace(const Options& o) {
@@ -735,14 +833,32 @@ Trace make_trace(const Options& o) {
     }
     const auto [p0, p1] = parse_range("--prompt-tokens", o.prompt);
     const auto [g0, g1] = parse_range("--output-tokens", o.output);
-    if (t.static_len == 0) t.static_len = p1 + g1 - 1;
-    t.requests =
-        serve::synthetic_trace(o.requests, rate, p0, p1, g0, g1, static_cast<uint64_t>(o.seed));
-    t.label = std::to_string(o.requests) + " requests, " +
+    // The longest request the trace allows: the last turn of a conversation.
+    if (t.static_len == 0) t.static_len = o.shared_prefix + o.turns * (p1 + g1) - 1;
+    serve::TraceOptions to;
+    to.requests = o.requests;
+    to.rate = rate;
+    to.prompt_min = p0;
+    to.prompt_max = p1;
+    to.output_min = g0;
+    to.output_max = g1;
+    to.shared_prefix = o.shared_prefix;
+    to.prefix_groups = o.prefix_groups;
+    to.turns = o.turns;
+    to.vocab_size = kVocab;
+    to.seed = static_cast<uint64_t>(o.seed);
+    t.requests = serve::synthetic_trace(to);
+    t.label = std::to_string(o.requests) + (o.turns > 1 ? " conversations" : " requests") + ", " +
               (o.rate == "inf" ? std::string("all at once") : "Poisson " + o.rate + "/s") +
               ", prompts " + o.prompt + ", outputs " + o.output + " tokens";
+    if (o.shared_prefix > 0)
+      t.label += ", a shared prefix of " + std::to_string(o.shared_prefix) + " tokens" +
+                 (o.prefix_groups > 1 ? " (" + std::to_string(o.prefix_groups) + " distinct)" : "");
+    if (o.turns > 1) t.label += ", " + std::to_string(o.turns) + " turns each";
   }
-  for (const serve::Request& r : t.requests) t.slots += r.prompt_tokens + r.output_tokens - 1;
+  t.prompt_lengths = serve::prompt_lengths(t.requests);
+  for (size_t i = 0; i < t.requests.size(); ++i)
+    t.slots += t.prompt_lengths[i] + t.requests[i].output_tokens - 1;
   return t;
 }
 
@@ -756,8 +872,9 @@ Backend backend_of(const std::string& name) {
 
 // The served models, built first (their weights are the big allocation),
 // where they fit in this machine's memory; *weights gets their bytes.
-std::vector<serve::Model> build_models(const Options& o, const std::vector<Variant>& variants,
-                                       size_t* weights) {
+std::vector<serve::SyntheticModel> build_models(const Options& o,
+                                                const std::vector<Variant>& variants,
+                                                size_t* weights) {
   double planned = 0;
   for (const Variant& v : variants) planned += planned_weight_bytes(v.spec);
   const double physical =
@@ -767,10 +884,10 @@ std::vector<serve::Model> build_models(const Options& o, const std::vector<Varia
                      std::to_string(variants.size()) + " variant(s) x " + std::to_string(o.layers) +
                      " layer(s)), more than this machine's " + format_bytes(physical) +
                      "; give fewer --layers or --variants" + (o.mlp ? ", or leave out --mlp" : "")};
-  std::vector<serve::Model> models;
+  std::vector<serve::SyntheticModel> models;
   *weights = 0;
   for (const Variant& v : variants) {
-    models.push_back(value_or_throw(serve::Model::create(v.spec), v.name + " model"));
+    models.push_back(value_or_throw(serve::SyntheticModel::create(v.spec), v.name + " model"));
     *weights += models.back().weight_bytes();
   }
   return models;
@@ -779,7 +896,8 @@ std::vector<serve::Model> build_models(const Options& o, const std::vector<Varia
 // --memory, or the configured variant's cache (and states) for a quarter of
 // the trace's tokens (and requests), in whole MiB: it runs about a quarter
 // of the requests at once, and the smaller caches more.
-std::vector<int64_t> budgets_of(const Options& o, const Trace& t, const serve::Model& first) {
+std::vector<int64_t> budgets_of(const Options& o, const Trace& t,
+                                const serve::SyntheticModel& first) {
   std::vector<int64_t> budgets;
   for (const std::string& m : o.memory) {
     int64_t b = 0;
@@ -792,12 +910,14 @@ std::vector<int64_t> budgets_of(const Options& o, const Trace& t, const serve::M
     budgets.push_back(b);
   }
   if (!budgets.empty()) return budgets;
-  auto probe = value_or_throw(first.new_pool(1, o.page_size, kv_type(o.kv_dtypes[0])), "pool");
+  auto probe =
+      value_or_throw(first.new_pool(1, o.page_size, kv_type(o.kv_dtypes[0]), false), "pool");
   const double per_token =
       static_cast<double>(probe.page_nbytes()) / static_cast<double>(o.page_size);
   int64_t longest = 0;  // so that the longest request fits alone
-  for (const serve::Request& r : t.requests)
-    longest = std::max(longest, r.prompt_tokens + r.output_tokens - 1 + o.page_size);
+  for (size_t i = 0; i < t.requests.size(); ++i)
+    longest =
+        std::max(longest, t.prompt_lengths[i] + t.requests[i].output_tokens - 1 + o.page_size);
   const double quarter =
       per_token * std::max(static_cast<double>(t.slots) / 4.0, static_cast<double>(longest));
   const double states = static_cast<double>(first.state_bytes_per_sequence()) *
@@ -811,12 +931,14 @@ struct Config {
   DType kv;
   std::string kv_name, cache;
   int64_t memory;
+  bool prefix = false;
 };
 
-serve::Options options_for(const Options& o, const Trace& t, const Config& c) {
-  serve::Options so;
-  so.cache = c.cache == "static" ? serve::CacheMode::kStatic : serve::CacheMode::kPaged;
-  so.memory_bytes = c.memory;
+EngineOptions options_for(const Options& o, const Trace& t, const Config& c) {
+  EngineOptions so;
+  so.cache = c.cache == "static" ? CacheMode::kStatic : CacheMode::kPaged;
+  so.kv_memory = c.memory;
+  so.prefix_caching = c.prefix;
   so.page_size = o.page_size;
   so.kv_dtype = c.kv;
   so.max_tokens_per_step = o.max_tokens;
@@ -830,13 +952,19 @@ serve::Options options_for(const Options& o, const Trace& t, const Config& c) {
 // impossible budget is the user's to fix: said before any run).
 std::vector<Config> plan_configs(const Options& o, const Trace& t,
                                  const std::vector<Variant>& variants,
-                                 const std::vector<serve::Model>& models) {
+                                 const std::vector<serve::SyntheticModel>& models) {
   std::vector<Config> configs;
   for (int64_t mem : budgets_of(o, t, models[0]))
     for (size_t v = 0; v < variants.size(); ++v)
       for (const std::string& k : o.kv_dtypes)
         for (const std::string& c : o.caches)
-          configs.push_back({v, kv_type(k), kv_dtype_label(kv_type(k)), c, mem});
+          for (const std::string& p : o.prefix_cache) {
+            if (p == "on" && c == "static")
+              throw UsageError{
+                  "--prefix-cache on needs --cache paged (a static slot shares no "
+                  "pages)"};
+            configs.push_back({v, kv_type(k), kv_dtype_label(kv_type(k)), c, mem, p == "on"});
+          }
   for (const Config& c : configs) {
     const Status st = serve::check_feasible(models[c.variant], t.requests, options_for(o, t, c));
     if (!st.ok())
@@ -850,7 +978,7 @@ std::vector<Config> plan_configs(const Options& o, const Trace& t,
 // spell of the machine falls on all of them alike; a row per
 // configuration, its run of median output tokens/s.
 std::vector<Row> run_configs(const Options& o, const Trace& t, const std::vector<Variant>& variants,
-                             std::vector<serve::Model>& models,
+                             std::vector<serve::SyntheticModel>& models,
                              const std::vector<Config>& configs) {
   Progress progress("serve-bench", static_cast<int64_t>(configs.size()) * o.repeats *
                                        static_cast<int64_t>(t.requests.size()));
@@ -860,18 +988,19 @@ std::vector<Row> run_configs(const Options& o, const Trace& t, const std::vector
       const Config& c = configs[i];
       const std::string what = variants[c.variant].name + " " + c.kv_name + " " + c.cache + " " +
                                format_bytes(static_cast<double>(c.memory));
-      serve::Options so = options_for(o, t, c);
+      const EngineOptions so = options_for(o, t, c);
       int64_t shown = 0;
-      so.on_progress = [&](int64_t done, int64_t) {
+      const auto on_progress = [&](int64_t done, int64_t) {
         for (; shown < done; ++shown) progress.step(what);
       };
-      runs[i].push_back(value_or_throw(serve::run(models[c.variant], t.requests, so), what));
+      runs[i].push_back(
+          value_or_throw(serve::run(models[c.variant], t.requests, so, on_progress), what));
     }
   progress.finish();
   std::vector<Row> rows;
   for (size_t i = 0; i < configs.size(); ++i) {
     const Config& c = configs[i];
-    Row row{variants[c.variant].name,         c.kv_name, c.cache, c.memory, {},
+    Row row{variants[c.variant].name,         c.kv_name, c.cache, c.prefix, c.memory, {},
             models[c.variant].weight_bytes(), {}};
     for (const serve::Report& r : runs[i]) row.tokens_per_s.push_back(output_tokens_per_s(r));
     std::vector<size_t> order(runs[i].size());
@@ -911,9 +1040,9 @@ struct Served {
 void print_json(const Served& s, const ojson& jrows, const std::vector<std::string>& lines) {
   const Options& o = s.o;
   int64_t prompt = 0, output = 0;
-  for (const serve::Request& r : s.t.requests) {
-    prompt += r.prompt_tokens;
-    output += r.output_tokens;
+  for (size_t i = 0; i < s.t.requests.size(); ++i) {
+    prompt += s.t.prompt_lengths[i];
+    output += s.t.requests[i].output_tokens;
   }
   ojson j = {{"kind", "serve-bench"},
              {"config",
@@ -937,7 +1066,10 @@ void print_json(const Served& s, const ojson& jrows, const std::vector<std::stri
                {"requests", s.t.requests.size()},
                {"prompt_tokens", prompt},
                {"output_tokens", output},
-               {"token_slots", s.t.slots}}},
+               {"token_slots", s.t.slots},
+               {"shared_prefix", o.trace.empty() ? o.shared_prefix : 0},
+               {"prefix_groups", o.trace.empty() ? o.prefix_groups : 1},
+               {"turns", o.trace.empty() ? o.turns : 1}}},
              {"weight_bytes", s.weights},
              {"rows", jrows},
              {"conclusions", lines},
@@ -987,7 +1119,8 @@ void print_table(const Served& s, const std::vector<Row>& rows, const ojson& jro
            "p99", "TPOT p50", "p90", "p99", "seqs peak", "mean", "KV used", "reserved", "preempt"});
   for (const ojson& r : jrows) {
     t.add({r["variant"].get<std::string>(), r["kv_dtype"].get<std::string>(),
-           r["cache"].get<std::string>(), format_bytes(r["memory_bytes"].get<double>()),
+           r["cache"].get<std::string>() + (r["prefix_cache"].get<bool>() ? "+prefix" : ""),
+           format_bytes(r["memory_bytes"].get<double>()),
            format_bytes(r["kv_bytes_per_token"].get<double>()),
            format_sig3(r["output_tokens_per_s"].get<double>(), ""),
            format_sig3(r["requests_per_s"].get<double>(), ""), ms(r["ttft_s"], "p50"),
@@ -1017,7 +1150,7 @@ int run_serve_bench(int argc, char** argv) {
   try {
     const double t_start = now_seconds();
     size_t weights = 0;
-    std::vector<serve::Model> models = build_models(o, variants, &weights);
+    std::vector<serve::SyntheticModel> models = build_models(o, variants, &weights);
     const std::vector<Config> configs = plan_configs(o, trace, variants, models);
     const std::vector<Row> rows = run_configs(o, trace, variants, models, configs);
     ojson jrows = ojson::array();
