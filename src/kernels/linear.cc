@@ -50,8 +50,10 @@
 #include <type_traits>
 
 #include "attnkit/machine.h"
+#include "core/cpu_features.h"
 #include "core/threads.h"
 #include "kernels/dispatch.h"
+#include "kernels/linear_bf16.h"
 #include "kernels/scratch.h"
 
 // OpenMP's per-thread thread count, from the libgomp that Debian's oneDNN
@@ -88,6 +90,16 @@ constexpr int64_t kMinCols = 256;
 constexpr int64_t kMaxBlocks = 8;
 constexpr int64_t kColAlign = 64;  // the matmul kernels' N block (4 AVX-512 vectors)
 constexpr double kMinSplitMacs = 1 << 22;
+
+// ---- which GEMM runs bf16 weights ---------------------------------------
+
+// The most rows for which bf16 weights run the stream GEMM
+// (kernels/linear_bf16.h) instead of oneDNN (bf16_stream_max_rows), by
+// what oneDNN has for bf16 here. Measured by bench/linear_bf16_bench.cc
+// (docs/GEMM.md, "bf16 weights on every CPU").
+constexpr int64_t kStreamMaxRowsWidened = 64;
+constexpr int64_t kStreamMaxRowsNative = 32;
+constexpr int64_t kStreamMaxRowsNativeDot = 32;
 
 Grid make_grid(int64_t rows, int64_t cols, int64_t depth) {
   const double macs = static_cast<double>(rows) * static_cast<double>(cols) * depth;
@@ -421,6 +433,16 @@ void linear_fast_bf16(const float* x, int64_t ldx, const bf16* w, const float* b
     linear_ref(x, ldx, Weight{w, DType::kBF16}, bias, y, ldy, rows, cols, depth);
     return;
   }
+  // Few rows (decode): the stream GEMM, where the plan says so
+  // (bf16_stream_max_rows); it writes nothing if it cannot get its scratch,
+  // and oneDNN's path below then runs.
+  using Choice = LinearOptions::Bf16Gemm;
+  const Bf16StreamKernel* stream = bf16_stream_kernel(simd_target());
+  if (stream != nullptr && opt.bf16_gemm != Choice::kOneDnn &&
+      (opt.bf16_gemm == Choice::kStream || rows <= bf16_stream_max_rows()) &&
+      linear_bf16_stream(*stream, x, ldx, w, bias, y, ldy, rows, cols, depth,
+                         resolve_num_threads(opt.num_threads)))
+    return;
   // x rounded to bf16 once, here on the calling thread: as bf16 for
   // oneDNN's bf16 kernels, else as f32 values for the widened path.
   const bool native = bf16_matmul_native();
@@ -631,20 +653,46 @@ void linear_nn(const float* x, int64_t ldx, Weight w, int64_t ldw, float* y, int
 
 bool linear_rows_independent(Backend backend, DType weight_dtype) {
   if (resolve_backend(backend) == Backend::kReference) return true;
-  // bf16 weights run oneDNN's bf16 matmul, or the f32 one on widened W.
+  // bf16 weights of a few rows run the stream GEMM, more rows oneDNN's bf16
+  // matmul, or the f32 one on widened W: a row's bits then depend on how
+  // many rows share its call.
+  if (weight_dtype == DType::kBF16 && bf16_stream_max_rows() > 0) return false;
   return rows_independent(weight_dtype == DType::kBF16 && bf16_matmul_native());
 }
 
+int64_t bf16_stream_max_rows() {
+  const SimdTarget target = simd_target();
+  if (bf16_stream_kernel(target) == nullptr) return 0;
+  if (!bf16_matmul_native()) return kStreamMaxRowsWidened;
+  return target == SimdTarget::kAvx512Bf16 ? kStreamMaxRowsNativeDot : kStreamMaxRowsNative;
+}
+
+std::string linear_backend_name(DType weight_dtype) {
+  const dnnl_version_t* v = dnnl_version();
+  char buf[300];
+  const char* isa = isa_name(dnnl_get_effective_cpu_isa());
+  if (weight_dtype != DType::kBF16) {
+    std::snprintf(buf, sizeof buf, "oneDNN %d.%d.%d matmul %s (%s)", v->major, v->minor, v->patch,
+                  matmul_impl(false).c_str(), isa);
+    return buf;
+  }
+  const bool native = bf16_matmul_native();
+  char onednn[200];
+  std::snprintf(onednn, sizeof onednn, "oneDNN %d.%d.%d matmul %s (%s)%s", v->major, v->minor,
+                v->patch, matmul_impl(native).c_str(), isa, native ? "" : " on W widened to f32");
+  const int64_t stream_rows = bf16_stream_max_rows();
+  if (stream_rows == 0) return onednn;
+  std::snprintf(buf, sizeof buf, "attnkit bf16 stream (%s) for 1-%lld rows, above: %s",
+                bf16_stream_kernel(simd_target())->name, static_cast<long long>(stream_rows),
+                onednn);
+  return buf;
+}
+
 const char* linear_backend_name() {
-  static const std::string name = [] {
-    const dnnl_version_t* v = dnnl_version();
-    char buf[200];
-    std::snprintf(buf, sizeof buf, "oneDNN %d.%d.%d matmul %s (%s), bf16 weights %s", v->major,
-                  v->minor, v->patch, matmul_impl(false).c_str(),
-                  isa_name(dnnl_get_effective_cpu_isa()),
-                  bf16_matmul_native() ? matmul_impl(true).c_str() : "widened to f32");
-    return std::string(buf);
-  }();
+  // Per thread, so that a call after set_simd_target() reports the new
+  // plan while another thread may still read the string it was given.
+  thread_local std::string name;
+  name = linear_backend_name(DType::kF32) + ", bf16 weights " + linear_backend_name(DType::kBF16);
   return name.c_str();
 }
 
@@ -665,5 +713,9 @@ void rms_norm(const float* x, int64_t ldx, const float* gain, float* y, int64_t 
 namespace attnkit {
 
 const char* gemm_backend_name() { return kernels::linear_backend_name(); }
+
+std::string gemm_backend_name(DType weight_dtype) {
+  return kernels::linear_backend_name(weight_dtype);
+}
 
 }  // namespace attnkit

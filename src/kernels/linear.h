@@ -59,6 +59,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "attnkit/attention.h"
 #include "attnkit/tensor.h"
@@ -92,6 +93,10 @@ struct LinearOptions {
   // on how rows are grouped into calls (the MoE layer shards its tokens
   // by thread count where linear_rows_independent()).
   bool gemv_for_one_row = false;
+  // Which GEMM runs bf16 weights with kFast/kAuto: the plan's choice
+  // (bf16_gemm_for), or one forced, for benchmarks and tests.
+  enum class Bf16Gemm : uint8_t { kPlan, kStream, kOneDnn };
+  Bf16Gemm bf16_gemm = Bf16Gemm::kPlan;
 };
 
 // Whether a row of linear()'s result depends only on its row of x and on W
@@ -141,6 +146,19 @@ inline void linear_nn(const float* x, int64_t ldx, const float* w, int64_t ldw, 
                       Backend backend) {
   linear_nn(x, ldx, Weight{w, DType::kF32}, ldw, y, ldy, rows, out_features, in_features, backend);
 }
+
+// The most rows for which bf16 weights run the stream GEMM
+// (kernels/linear_bf16.h) rather than oneDNN on this CPU with the active
+// SIMD target; 0 where they never do. The measured reasons are beside the
+// thresholds in linear.cc.
+int64_t bf16_stream_max_rows();
+
+// What runs a fast call's projections with weights kept in `weight_dtype`
+// on this CPU now (the active SIMD target), for reports: f32 weights e.g.
+// "oneDNN 2.6.3 matmul brg:avx512_core (avx512_core_amx)"; bf16 weights
+// e.g. "attnkit bf16 stream (avx2) for 1-64 rows, above: oneDNN 2.6.3
+// matmul gemm:jit (avx2) on W widened to f32".
+std::string linear_backend_name(DType weight_dtype);
 
 // The GEMM behind the fast backend, oneDNN's implementation and the ISA it
 // runs, and what runs bf16 weights, for reports, e.g. "oneDNN 2.6.3 matmul
