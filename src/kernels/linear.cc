@@ -94,12 +94,29 @@ constexpr double kMinSplitMacs = 1 << 22;
 // ---- which GEMM runs bf16 weights ---------------------------------------
 
 // The most rows for which bf16 weights run the stream GEMM
-// (kernels/linear_bf16.h) instead of oneDNN (bf16_stream_max_rows), by
-// what oneDNN has for bf16 here. Measured by bench/linear_bf16_bench.cc
-// (docs/GEMM.md, "bf16 weights on every CPU").
-constexpr int64_t kStreamMaxRowsWidened = 64;
-constexpr int64_t kStreamMaxRowsNative = 32;
-constexpr int64_t kStreamMaxRowsNativeDot = 32;
+// (kernels/linear_bf16.h) instead of oneDNN, by what oneDNN 2.6 has for
+// bf16 on this CPU (bf16_stream_max_rows). Each is the largest row count
+// at which the stream GEMM was at least as fast as oneDNN, measured as
+// GFLOP/s per thread-CPU second of one thread on a 1024 x 4096 bf16 W
+// (stream against oneDNN; the machine was shared, so CPU time, not wall
+// time), on the Intel Xeon (family 6, model 167, AVX-512 + AMX) with
+// oneDNN capped by DNNL_MAX_CPU_ISA to stand in for the other CPUs,
+// 2026-11-27. Fewer rows are memory-bound, where reading half the bytes
+// of f32 wins by more.
+//   no bf16 kernel (AVX2: AMD Zen 3, older Intel): oneDNN widens W per
+//     call; at 8 rows 57.9 against 25.2, 32 rows 59.2 against 56.8,
+//     48 rows 58.8 against 59.0, 64 rows 58.7 against 66.6
+constexpr int64_t kStreamMaxRowsWidened = 48;
+//   avx512_core, bf16 emulated by oneDNN (Skylake-SP, Ice Lake):
+//     16 rows 84.9 against 29.0, 256 rows 51.1 against 35.3
+constexpr int64_t kStreamMaxRowsEmulated = 256;
+//   avx512_core_bf16, vdpbf16ps (AMD Zen 4 and 5, Cooper Lake): 4 rows
+//     78.4 against 42.4, 16 rows 87.4 against 72.4, 32 rows 83.8 against
+//     83.3
+constexpr int64_t kStreamMaxRowsBf16Dot = 32;
+//   AMX tiles (Sapphire Rapids and later): 4 rows 88.8 against 57.9,
+//     8 rows 82.7 against 104.7, 32 rows 93.2 against 298.4
+constexpr int64_t kStreamMaxRowsAmx = 4;
 
 Grid make_grid(int64_t rows, int64_t cols, int64_t depth) {
   const double macs = static_cast<double>(rows) * static_cast<double>(cols) * depth;
@@ -661,10 +678,15 @@ bool linear_rows_independent(Backend backend, DType weight_dtype) {
 }
 
 int64_t bf16_stream_max_rows() {
-  const SimdTarget target = simd_target();
-  if (bf16_stream_kernel(target) == nullptr) return 0;
+  if (bf16_stream_kernel(simd_target()) == nullptr) return 0;
   if (!bf16_matmul_native()) return kStreamMaxRowsWidened;
-  return target == SimdTarget::kAvx512Bf16 ? kStreamMaxRowsNativeDot : kStreamMaxRowsNative;
+  static const int64_t native = [] {
+    if (matmul_impl(true).find("amx") != std::string::npos) return kStreamMaxRowsAmx;
+    // oneDNN's ISA values are sets of feature bits.
+    const unsigned isa = dnnl_get_effective_cpu_isa(), bf16 = dnnl_cpu_isa_avx512_core_bf16;
+    return (isa & bf16) == bf16 ? kStreamMaxRowsBf16Dot : kStreamMaxRowsEmulated;
+  }();
+  return native;
 }
 
 std::string linear_backend_name(DType weight_dtype) {

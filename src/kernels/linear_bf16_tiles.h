@@ -11,11 +11,12 @@
 //                 1 for vdpbf16ps (which takes the pairs as they lie)
 //   Raw, Acc      the raw W chunk and an accumulator
 //   load_w(p), part(raw, i), load_x(p, i), mac(acc, w, x), zero(), hsum(acc)
-//   kNrOne, kNr   columns per tile for one row, and for 2-4 rows
+//   kNrOne        columns per tile for one row
+//   kMr, kNr      rows and columns per tile for more rows
 //   x_value(p, k) the rounded x[k] of a prepared row (the tail k >= a
 //                 multiple of kChunk, where rows keep their natural order)
 //
-// Tiles are MR rows (<= 4) by NR columns of W: each chunk of W's NR rows is
+// Tiles are MR rows (<= kMr) by NR columns of W: each chunk of W's NR rows is
 // loaded once and multiplied with the MR x rows, so W crosses the memory
 // bus once per call and each loaded W vector serves MR rows. The loop over
 // columns is outside the loop over row groups: a tile's NR rows of W
@@ -106,26 +107,28 @@ void columns(const float* xp, int64_t depth, const uint16_t* w, int64_t cols, co
     tile<V, MR, 1>(xp, depth, depth, w + n * depth, bias ? bias + n : nullptr, y + n, ldy);
 }
 
-// A tile of NR columns for every row group (4 rows, then the 1-3 left).
+// The rows left after the whole groups of V::kMr: one tile of `left` (<
+// kMr) rows, picked among the instantiations below MR.
+template <class V, int NR, int MR>
+void left_rows(int64_t left, const float* xp, int64_t depth, const uint16_t* w, int64_t ncols,
+               const float* bias, float* y, int64_t ldy) {
+  if constexpr (MR >= 1) {
+    if (left == MR) {
+      columns<V, MR, NR>(xp, depth, w, ncols, bias, y, ldy);
+      return;
+    }
+    left_rows<V, NR, MR - 1>(left, xp, depth, w, ncols, bias, y, ldy);
+  }
+}
+
+// A panel of NR columns for every row group (kMr rows, then those left).
 template <class V, int NR>
 void row_groups(const float* xp, int64_t rows, int64_t depth, const uint16_t* w, int64_t ncols,
                 const float* bias, float* y, int64_t ldy) {
   int64_t m = 0;
-  for (; m + 4 <= rows; m += 4)
-    columns<V, 4, NR>(xp + m * depth, depth, w, ncols, bias, y + m * ldy, ldy);
-  switch (rows - m) {
-    case 3:
-      columns<V, 3, NR>(xp + m * depth, depth, w, ncols, bias, y + m * ldy, ldy);
-      break;
-    case 2:
-      columns<V, 2, NR>(xp + m * depth, depth, w, ncols, bias, y + m * ldy, ldy);
-      break;
-    case 1:
-      columns<V, 1, NR>(xp + m * depth, depth, w, ncols, bias, y + m * ldy, ldy);
-      break;
-    default:
-      break;
-  }
+  for (; m + V::kMr <= rows; m += V::kMr)
+    columns<V, V::kMr, NR>(xp + m * depth, depth, w, ncols, bias, y + m * ldy, ldy);
+  left_rows<V, NR, V::kMr - 1>(rows - m, xp + m * depth, depth, w, ncols, bias, y + m * ldy, ldy);
 }
 
 // The whole block: for one row, kNrOne columns per tile (independent FMA
