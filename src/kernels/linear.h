@@ -42,12 +42,14 @@
 // each product of two bf16 values is exact in fp32 and the sums are fp32:
 // the f32 bound holds for the rounded x (inputs and products below fp32's
 // normal range may be flushed to zero, as AVX512_BF16's dot product does).
-// kFast runs oneDNN's bf16 matmul (bf16 x and W, f32 bias and y) where
-// oneDNN has an optimised kernel for it (AMX tiles, avx512_core_bf16's
-// vdpbf16ps, or AVX-512 emulation); elsewhere (AVX2) each block's W is
-// widened to f32 in per-thread scratch and runs the f32 kernels on the
-// rounded x, so the weights' memory still halves there but their speed
-// does not improve.
+// kFast runs calls of up to bf16_stream_max_rows() rows (decode) through
+// attnkit's stream GEMM (kernels/linear_bf16.h: W read once, widened in
+// registers, or vdpbf16ps), and longer ones through oneDNN's bf16 matmul
+// (bf16 x and W, f32 bias and y) where oneDNN has a kernel for it (AMX
+// tiles, avx512_core_bf16's vdpbf16ps, or AVX-512 emulation); elsewhere
+// (AVX2) oneDNN's f32 kernels on each block's W widened to f32 in
+// per-thread scratch and the rounded x. The row limit depends on what
+// oneDNN has here (linear.cc has the measured reasons).
 // bf16 calls never take the one-row GEMV (gemv_for_one_row is ignored).
 //
 // Threads: `options.num_threads` >= 1 is used as given, 0 means the default
