@@ -29,11 +29,12 @@
 //
 // bf16 weights of up to bf16_stream_max_rows() rows (decode) run the
 // stream GEMM (kernels/linear_bf16.h), which reads W once and widens it in
-// registers; longer calls take the same grid as f32. x is rounded to bf16 once, on the
-// calling thread (the contract: bf16 x times bf16 W, fp32 sums), then each
-// block runs oneDNN's bf16 matmul primitive, or, where oneDNN has only its
-// reference code for bf16 (no AVX-512), widens its block of W into
-// per-thread f32 scratch and runs the f32 path on the rounded x.
+// registers; longer calls take the same grid as f32. x is rounded to bf16
+// once, on the calling thread (the contract: bf16 x times bf16 W, fp32
+// sums), then each block runs oneDNN's bf16 matmul primitive, or, where
+// oneDNN has only its reference code for bf16 (no AVX-512), widens its
+// block of W into per-thread f32 scratch and runs the f32 path on the
+// rounded x.
 #include "kernels/linear.h"
 
 #include <oneapi/dnnl/dnnl.h>
