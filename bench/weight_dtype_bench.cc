@@ -196,8 +196,10 @@ int main(int argc, char** argv) {
   }
   std::mt19937 rng(7);
   Stack f32 = make_stack(DType::kF32, rng), bf16 = make_stack(DType::kBF16, rng);
-  std::printf("weight_dtype_bench: %s, %d threads, %s\n", attnkit::bench::cpu_name().c_str(),
-              threads, attnkit::gemm_backend_name());
+  std::printf("weight_dtype_bench: %s, %d threads, f32 weights %s; bf16 weights %s\n",
+              attnkit::bench::cpu_name().c_str(), threads,
+              attnkit::gemm_backend_name(DType::kF32).c_str(),
+              attnkit::gemm_backend_name(DType::kBF16).c_str());
   std::printf(
       "Llama-3-8B attention layer: weights f32 %.1f MiB, bf16 %.1f MiB (%.3fx); %zu and "
       "%zu copies rotated\n",

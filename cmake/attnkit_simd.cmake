@@ -34,11 +34,11 @@ endif()
 
 if(ATTNKIT_COMPILER_HAS_AVX2)
   set_source_files_properties(${PROJECT_SOURCE_DIR}/src/kernels/cpu/kernels_avx2.cc
-    PROPERTIES COMPILE_OPTIONS "${ATTNKIT_AVX2_FLAGS}")
+    ${PROJECT_SOURCE_DIR}/src/kernels/linear_bf16_avx2.cc PROPERTIES COMPILE_OPTIONS "${ATTNKIT_AVX2_FLAGS}")
   target_compile_definitions(attnkit PRIVATE ATTNKIT_HAVE_AVX2=1)
 endif()
 if(ATTNKIT_COMPILER_HAS_AVX512)
   set_source_files_properties(${PROJECT_SOURCE_DIR}/src/kernels/cpu/kernels_avx512.cc
-    PROPERTIES COMPILE_OPTIONS "${ATTNKIT_AVX512_FLAGS}")
+    ${PROJECT_SOURCE_DIR}/src/kernels/linear_bf16_avx512.cc PROPERTIES COMPILE_OPTIONS "${ATTNKIT_AVX512_FLAGS}")
   target_compile_definitions(attnkit PRIVATE ATTNKIT_HAVE_AVX512=1)
 endif()

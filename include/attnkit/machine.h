@@ -7,6 +7,8 @@
 
 #include <string>
 
+#include "attnkit/tensor.h"
+
 namespace attnkit {
 
 struct MachineProfile {
@@ -48,5 +50,12 @@ MachineCheck compare_machine_profiles(const MachineProfile& before, const Machin
 // (avx512_core_bf16)" (docs/GEMM.md). ATTNKIT_BACKEND=reference replaces it
 // with a plain loop; this name does not change with that setting.
 const char* gemm_backend_name();
+
+// What runs the projections of layers whose weights are kept in
+// `weight_dtype` (kF32 or kBF16) on this machine now, for reports that
+// say which weights they used, e.g. for bf16 on an AVX2 CPU "attnkit bf16
+// stream (avx2) for 1-64 rows, above: oneDNN 2.6.3 matmul gemm:jit (avx2)
+// on W widened to f32".
+std::string gemm_backend_name(DType weight_dtype);
 
 }  // namespace attnkit

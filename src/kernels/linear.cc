@@ -27,11 +27,14 @@
 // refuses a block (out of memory), dnnl_sgemm, then the loop computes it;
 // each writes the whole block.
 //
-// bf16 weights take the same grid. x is rounded to bf16 once, on the
-// calling thread (the contract: bf16 x times bf16 W, fp32 sums), then each
-// block runs oneDNN's bf16 matmul primitive, or, where oneDNN has only its
-// reference code for bf16 (no AVX-512), widens its block of W into
-// per-thread f32 scratch and runs the f32 path on the rounded x.
+// bf16 weights of up to bf16_stream_max_rows() rows (decode) run the
+// stream GEMM (kernels/linear_bf16.h), which reads W once and widens it in
+// registers; longer calls take the same grid as f32. x is rounded to bf16
+// once, on the calling thread (the contract: bf16 x times bf16 W, fp32
+// sums), then each block runs oneDNN's bf16 matmul primitive, or, where
+// oneDNN has only its reference code for bf16 (no AVX-512), widens its
+// block of W into per-thread f32 scratch and runs the f32 path on the
+// rounded x.
 #include "kernels/linear.h"
 
 #include <oneapi/dnnl/dnnl.h>
@@ -50,8 +53,10 @@
 #include <type_traits>
 
 #include "attnkit/machine.h"
+#include "core/cpu_features.h"
 #include "core/threads.h"
 #include "kernels/dispatch.h"
+#include "kernels/linear_bf16.h"
 #include "kernels/scratch.h"
 
 // OpenMP's per-thread thread count, from the libgomp that Debian's oneDNN
@@ -88,6 +93,33 @@ constexpr int64_t kMinCols = 256;
 constexpr int64_t kMaxBlocks = 8;
 constexpr int64_t kColAlign = 64;  // the matmul kernels' N block (4 AVX-512 vectors)
 constexpr double kMinSplitMacs = 1 << 22;
+
+// ---- which GEMM runs bf16 weights ---------------------------------------
+
+// The most rows for which bf16 weights run the stream GEMM
+// (kernels/linear_bf16.h) instead of oneDNN, by what oneDNN 2.6 has for
+// bf16 on this CPU (bf16_stream_max_rows). Each is the largest row count
+// at which the stream GEMM was at least as fast as oneDNN, measured as
+// GFLOP/s per thread-CPU second of one thread on a 1024 x 4096 bf16 W
+// (stream against oneDNN; the machine was shared, so CPU time, not wall
+// time), on the Intel Xeon (family 6, model 167, AVX-512 + AMX) with
+// oneDNN capped by DNNL_MAX_CPU_ISA to stand in for the other CPUs,
+// 2026-11-27. Fewer rows are memory-bound, where reading half the bytes
+// of f32 wins by more.
+//   no bf16 kernel (AVX2: AMD Zen 3, older Intel): oneDNN widens W per
+//     call; at 8 rows 57.9 against 25.2, 32 rows 59.2 against 56.8,
+//     48 rows 58.8 against 59.0, 64 rows 58.7 against 66.6
+constexpr int64_t kStreamMaxRowsWidened = 48;
+//   avx512_core, bf16 emulated by oneDNN (Skylake-SP, Ice Lake):
+//     16 rows 84.9 against 29.0, 256 rows 51.1 against 35.3
+constexpr int64_t kStreamMaxRowsEmulated = 256;
+//   avx512_core_bf16, vdpbf16ps (AMD Zen 4 and 5, Cooper Lake): 4 rows
+//     78.4 against 42.4, 16 rows 87.4 against 72.4, 32 rows 83.8 against
+//     83.3
+constexpr int64_t kStreamMaxRowsBf16Dot = 32;
+//   AMX tiles (Sapphire Rapids and later): 4 rows 88.8 against 57.9,
+//     8 rows 82.7 against 104.7, 32 rows 93.2 against 298.4
+constexpr int64_t kStreamMaxRowsAmx = 4;
 
 Grid make_grid(int64_t rows, int64_t cols, int64_t depth) {
   const double macs = static_cast<double>(rows) * static_cast<double>(cols) * depth;
@@ -421,6 +453,16 @@ void linear_fast_bf16(const float* x, int64_t ldx, const bf16* w, const float* b
     linear_ref(x, ldx, Weight{w, DType::kBF16}, bias, y, ldy, rows, cols, depth);
     return;
   }
+  // Few rows (decode): the stream GEMM, where the plan says so
+  // (bf16_stream_max_rows); it writes nothing if it cannot get its scratch,
+  // and oneDNN's path below then runs.
+  using Choice = LinearOptions::Bf16Gemm;
+  const Bf16StreamKernel* stream = bf16_stream_kernel(simd_target());
+  if (stream != nullptr && opt.bf16_gemm != Choice::kOneDnn &&
+      (opt.bf16_gemm == Choice::kStream || rows <= bf16_stream_max_rows()) &&
+      linear_bf16_stream(*stream, x, ldx, w, bias, y, ldy, rows, cols, depth,
+                         resolve_num_threads(opt.num_threads)))
+    return;
   // x rounded to bf16 once, here on the calling thread: as bf16 for
   // oneDNN's bf16 kernels, else as f32 values for the widened path.
   const bool native = bf16_matmul_native();
@@ -631,20 +673,51 @@ void linear_nn(const float* x, int64_t ldx, Weight w, int64_t ldw, float* y, int
 
 bool linear_rows_independent(Backend backend, DType weight_dtype) {
   if (resolve_backend(backend) == Backend::kReference) return true;
-  // bf16 weights run oneDNN's bf16 matmul, or the f32 one on widened W.
+  // bf16 weights of a few rows run the stream GEMM, more rows oneDNN's bf16
+  // matmul, or the f32 one on widened W: a row's bits then depend on how
+  // many rows share its call.
+  if (weight_dtype == DType::kBF16 && bf16_stream_max_rows() > 0) return false;
   return rows_independent(weight_dtype == DType::kBF16 && bf16_matmul_native());
 }
 
-const char* linear_backend_name() {
-  static const std::string name = [] {
-    const dnnl_version_t* v = dnnl_version();
-    char buf[200];
-    std::snprintf(buf, sizeof buf, "oneDNN %d.%d.%d matmul %s (%s), bf16 weights %s", v->major,
-                  v->minor, v->patch, matmul_impl(false).c_str(),
-                  isa_name(dnnl_get_effective_cpu_isa()),
-                  bf16_matmul_native() ? matmul_impl(true).c_str() : "widened to f32");
-    return std::string(buf);
+int64_t bf16_stream_max_rows() {
+  if (bf16_stream_kernel(simd_target()) == nullptr) return 0;
+  if (!bf16_matmul_native()) return kStreamMaxRowsWidened;
+  static const int64_t native = [] {
+    if (matmul_impl(true).find("amx") != std::string::npos) return kStreamMaxRowsAmx;
+    // oneDNN's ISA values are sets of feature bits.
+    const unsigned isa = dnnl_get_effective_cpu_isa(), bf16 = dnnl_cpu_isa_avx512_core_bf16;
+    return (isa & bf16) == bf16 ? kStreamMaxRowsBf16Dot : kStreamMaxRowsEmulated;
   }();
+  return native;
+}
+
+std::string linear_backend_name(DType weight_dtype) {
+  const dnnl_version_t* v = dnnl_version();
+  char buf[300];
+  const char* isa = isa_name(dnnl_get_effective_cpu_isa());
+  if (weight_dtype != DType::kBF16) {
+    std::snprintf(buf, sizeof buf, "oneDNN %d.%d.%d matmul %s (%s)", v->major, v->minor, v->patch,
+                  matmul_impl(false).c_str(), isa);
+    return buf;
+  }
+  const bool native = bf16_matmul_native();
+  char onednn[200];
+  std::snprintf(onednn, sizeof onednn, "oneDNN %d.%d.%d matmul %s (%s)%s", v->major, v->minor,
+                v->patch, matmul_impl(native).c_str(), isa, native ? "" : " on W widened to f32");
+  const int64_t stream_rows = bf16_stream_max_rows();
+  if (stream_rows == 0) return onednn;
+  std::snprintf(buf, sizeof buf, "attnkit bf16 stream (%s) for 1-%lld rows, above: %s",
+                bf16_stream_kernel(simd_target())->name, static_cast<long long>(stream_rows),
+                onednn);
+  return buf;
+}
+
+const char* linear_backend_name() {
+  // Per thread, so that a call after set_simd_target() reports the new
+  // plan while another thread may still read the string it was given.
+  thread_local std::string name;
+  name = linear_backend_name(DType::kF32) + ", bf16 weights " + linear_backend_name(DType::kBF16);
   return name.c_str();
 }
 
@@ -665,5 +738,9 @@ void rms_norm(const float* x, int64_t ldx, const float* gain, float* y, int64_t 
 namespace attnkit {
 
 const char* gemm_backend_name() { return kernels::linear_backend_name(); }
+
+std::string gemm_backend_name(DType weight_dtype) {
+  return kernels::linear_backend_name(weight_dtype);
+}
 
 }  // namespace attnkit

@@ -42,12 +42,14 @@
 // each product of two bf16 values is exact in fp32 and the sums are fp32:
 // the f32 bound holds for the rounded x (inputs and products below fp32's
 // normal range may be flushed to zero, as AVX512_BF16's dot product does).
-// kFast runs oneDNN's bf16 matmul (bf16 x and W, f32 bias and y) where
-// oneDNN has an optimised kernel for it (AMX tiles, avx512_core_bf16's
-// vdpbf16ps, or AVX-512 emulation); elsewhere (AVX2) each block's W is
-// widened to f32 in per-thread scratch and runs the f32 kernels on the
-// rounded x, so the weights' memory still halves there but their speed
-// does not improve.
+// kFast runs calls of up to bf16_stream_max_rows() rows (decode) through
+// attnkit's stream GEMM (kernels/linear_bf16.h: W read once, widened in
+// registers, or vdpbf16ps), and longer ones through oneDNN's bf16 matmul
+// (bf16 x and W, f32 bias and y) where oneDNN has a kernel for it (AMX
+// tiles, avx512_core_bf16's vdpbf16ps, or AVX-512 emulation); elsewhere
+// (AVX2) oneDNN's f32 kernels on each block's W widened to f32 in
+// per-thread scratch and the rounded x. The row limit depends on what
+// oneDNN has here (linear.cc has the measured reasons).
 // bf16 calls never take the one-row GEMV (gemv_for_one_row is ignored).
 //
 // Threads: `options.num_threads` >= 1 is used as given, 0 means the default
@@ -59,6 +61,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "attnkit/attention.h"
 #include "attnkit/tensor.h"
@@ -92,6 +95,10 @@ struct LinearOptions {
   // on how rows are grouped into calls (the MoE layer shards its tokens
   // by thread count where linear_rows_independent()).
   bool gemv_for_one_row = false;
+  // Which GEMM runs bf16 weights with kFast/kAuto: the plan's choice
+  // (bf16_gemm_for), or one forced, for benchmarks and tests.
+  enum class Bf16Gemm : uint8_t { kPlan, kStream, kOneDnn };
+  Bf16Gemm bf16_gemm = Bf16Gemm::kPlan;
 };
 
 // Whether a row of linear()'s result depends only on its row of x and on W
@@ -141,6 +148,19 @@ inline void linear_nn(const float* x, int64_t ldx, const float* w, int64_t ldw, 
                       Backend backend) {
   linear_nn(x, ldx, Weight{w, DType::kF32}, ldw, y, ldy, rows, out_features, in_features, backend);
 }
+
+// The most rows for which bf16 weights run the stream GEMM
+// (kernels/linear_bf16.h) rather than oneDNN on this CPU with the active
+// SIMD target; 0 where they never do. The measured reasons are beside the
+// thresholds in linear.cc.
+int64_t bf16_stream_max_rows();
+
+// What runs a fast call's projections with weights kept in `weight_dtype`
+// on this CPU now (the active SIMD target), for reports: f32 weights e.g.
+// "oneDNN 2.6.3 matmul brg:avx512_core (avx512_core_amx)"; bf16 weights
+// e.g. "attnkit bf16 stream (avx2) for 1-64 rows, above: oneDNN 2.6.3
+// matmul gemm:jit (avx2) on W widened to f32".
+std::string linear_backend_name(DType weight_dtype);
 
 // The GEMM behind the fast backend, oneDNN's implementation and the ISA it
 // runs, and what runs bf16 weights, for reports, e.g. "oneDNN 2.6.3 matmul

@@ -329,3 +329,14 @@ def test_compare_has_a_serving_section():
     assert "With the KV cache capped at" in t.stdout
     n = run(*tiny, "--no-serve", "--json")
     assert n.returncode == 0 and "serving" not in json.loads(n.stdout)
+
+
+def test_the_gemm_field_names_what_ran_for_the_weights_used(config):
+    # f32 weights run oneDNN's f32 kernels: nothing is widened or streamed;
+    # bf16 weights name their own GEMM (the stream GEMM for decode rows, or
+    # oneDNN), never the f32 one's name alone.
+    f32 = serve_json(config, "--variants", "mqa", "--weights", "f32")["config"]["gemm"]
+    bf16 = serve_json(config, "--variants", "mqa", "--weights", "bf16")["config"]["gemm"]
+    assert f32.startswith("oneDNN") and "widened" not in f32 and "stream" not in f32, f32
+    assert "bf16" in bf16 or "widened" in bf16, bf16
+    assert f32 != bf16

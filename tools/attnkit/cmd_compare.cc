@@ -765,6 +765,7 @@ nlohmann::json serving_json(const Serving& serving) {
           {"token_slots", serving.token_slots},
           {"layers", 1},
           {"weights", "bf16"},
+          {"gemm", gemm_backend_name(DType::kBF16)},
           {"rows", srows},
           {"sentence", serving_sentence(serving)}};
 }

@@ -1058,7 +1058,7 @@ void print_json(const Served& s, const ojson& jrows, const std::vector<std::stri
                {"max_seqs", o.max_seqs},
                {"backend", o.backend},
                {"threads", s.threads},
-               {"gemm", gemm_backend_name()},
+               {"gemm", gemm_backend_name(o.weights == "bf16" ? DType::kBF16 : DType::kF32)},
                {"seed", o.seed},
                {"repeats", o.repeats}}},
              {"trace",
