@@ -168,7 +168,7 @@ inline void rows4_block(const Elem* k, int64_t ks, int64_t d, const float* q, in
     // 12 accumulators, the 3 keys' binary16 vectors and one widened half
     // fit the 16 registers. Per 16 columns of 3 keys: 18 instructions of
     // decoding where 8 columns at a time took 30 (callgrind, 1-token fp8
-    // decode: docs/PERFORMANCE.md#fp8-decode-on-avx2).
+    // decode: docs/PERFORMANCE.md#fp8-decode).
     for (; c + 16 <= d; c += 16) {
       __m256i kh[kKeys];
 #pragma GCC unroll 3
