@@ -99,6 +99,17 @@ struct V256 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes8(p, n)));
   }
   static F widen_fp8(const uint8_t* p, int64_t n) { return fp8_to_f32(load_bytes8(p, n)); }
+  // 16 whole codes as two vectors (out[0]: the first 8), with one 256-bit
+  // sign-extend, shift and mask for both (6 instructions where two
+  // widen_fp8 take 8-10).
+  static void widen_fp8_pair(const uint8_t* p, F out[2]) {
+    const __m256i h = _mm256_and_si256(
+        _mm256_slli_epi16(
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7),
+        _mm256_set1_epi16(static_cast<int16_t>(0xbf80)));
+    out[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    out[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  }
   // 8 fp8 E4M3 codes (the low 8 bytes) as value * 2^-8 (kernel_table.h):
   // sign-extended to 16 bits and shifted left by 7, a code's sign lands on
   // bit 15 and its magnitude on bits 13..7, a binary16 with 2^-8 the value;

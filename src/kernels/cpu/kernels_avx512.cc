@@ -102,6 +102,15 @@ struct V512 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes16(p, n)));
   }
   static F widen_fp8(const uint8_t* p, int64_t n) { return fp8_to_f32(load_bytes16(p, n)); }
+  // 32 whole codes as two vectors (out[0]: the first 16), as V256's.
+  static void widen_fp8_pair(const uint8_t* p, F out[2]) {
+    const __m512i h = _mm512_and_si512(
+        _mm512_slli_epi16(
+            _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 7),
+        _mm512_set1_epi16(static_cast<int16_t>(0xbf80)));
+    out[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    out[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+  }
   // 16 fp8 E4M3 codes as value * 2^-8, through binary16 as
   // V256::fp8_to_f32 (kernels_avx2.cc) widens 8.
   static F fp8_to_f32(__m128i codes) {
