@@ -588,6 +588,7 @@ std::string plan_str(const cpu::Plan& plan) {
          " kv_heads_per_task=" + std::to_string(plan.kv_heads_per_task) +
          " k_then_v=" + std::to_string(plan.k_then_v) +
          " dequant_bf16=" + std::to_string(plan.dequant_bf16) +
+         " int8_score_groups=" + std::to_string(plan.int8_score_groups) +
          " threads=" + std::to_string(plan.num_threads);
 }
 
@@ -992,11 +993,12 @@ TEST(AttentionFast, Bf16DotProductsRoundQueriesWithinTheirBound) {
 // 8-bit K/V through every path the tile loop takes for them: 1-4 packed
 // rows read the codes where they lie (qk_rows_i8 / _fp8, pv_i8 / _fp8,
 // weights times the value scales), 5-31 rows dequantize K tiles into a copy
-// and read V where it lies, more rows (and block scales, at any row count)
-// dequantize both (as bf16 where the target has vdpbf16ps). Head dims below,
-// at and past the kernels' 16-, 32- and 64-column chunks; masks, softcap,
-// rings, pages, strided rows and scales, splits and several kv heads per
-// task. The reference reads the same codes and scales, dequantized exactly.
+// (int8 keys of 5-16 rows: QK by groups of 4 rows where they lie, the plan's
+// default, EightBitMultiTokenDecodeByRowGroups) and read V where it lies, more rows (and block
+// scales, at any row count) dequantize both (as bf16 where the target has vdpbf16ps). Head dims
+// below, at and past the kernels' 16-, 32- and 64-column chunks; masks, softcap, rings, pages,
+// strided rows and scales, splits and several kv heads per task. The reference reads the same codes
+// and scales, dequantized exactly.
 TEST(AttentionFast, EightBitKvEveryPath) {
   uint64_t seed = 800;
   for (DType kv : {DType::kI8, DType::kFp8E4M3})
@@ -1079,6 +1081,72 @@ TEST(AttentionFast, EightBitKvExtremeCodesAndScales) {
         expect_close(pr, ref, run_fast(pr, plan), plan);
       }
     }
+}
+
+// Multi-token decode over int8 keys (5-16 packed rows per kv head): the
+// plan's QK by groups of 4 int16 query rows over the codes where they lie
+// (tile_policy.h, scores_int8_in_groups), and the dequantized copy it
+// replaces, on every target: random codes behind masks with NaN rows,
+// codes and scales at their extremes, rows past a multiple of 4 (5-7 rows:
+// a group of pad rows), and a NaN key that only the last query row sees.
+TEST(AttentionFast, EightBitMultiTokenDecodeByRowGroups) {
+  uint64_t seed = 950;
+  for (int64_t tokens : {2, 3, 4})
+    for (int64_t group : {2, 4})
+      for (int variant = 0; variant < 3; ++variant) {
+        Case c;
+        c.batch = 2;
+        c.seqlen_q = tokens;
+        c.seqlen_k = 700;  // split keys, several tiles per split
+        c.heads = 3 * group;
+        c.kv_heads = 3;
+        c.d = variant == 2 ? 72 : 128;
+        c.dv = variant == 2 ? 40 : 128;
+        c.kv = DType::kI8;
+        c.causal = true;
+        c.seqlens = variant != 1;
+        c.mask = variant == 0 ? MaskKind::kBool : MaskKind::kNone;
+        c.poison = variant == 0 ? 0.05 : 0.0;
+        c.page_size = variant == 2 ? 16 : 0;
+        c.seed = ++seed;
+        Problem pr(c);
+        if (variant == 1) pr.saturate_rows();
+        const Outputs ref = run_reference(pr);
+        for (const TestedTarget& t : tested_targets())
+          for (bool groups : {true, false}) {
+            cpu::Plan plan = default_plan(pr, 2, t.target);
+            EXPECT_EQ(plan.int8_score_groups, t.target != SimdTarget::kScalar && tokens * group > 4)
+                << c.describe();
+            plan.int8_score_groups = groups;
+            t.apply(plan);
+            const cpu::Geometry g = cpu::make_geometry(pr.params(nullptr, nullptr), plan);
+            EXPECT_EQ(g.qk_groups, groups && tokens * group > 4 && g.kt->qk_rows_i8 != nullptr)
+                << c.describe() << "\n"
+                << plan_str(plan);
+            expect_close(pr, ref, run_fast(pr, plan), plan);
+          }
+      }
+  // A key full of NaN that only the last of 4 query rows sees (causal).
+  Case c;
+  c.seqlen_q = 4;
+  c.seqlen_k = 100;
+  c.heads = 8;
+  c.kv_heads = 2;
+  c.d = c.dv = 64;
+  c.kv = DType::kI8;
+  c.causal = true;
+  c.seed = 999;
+  Problem pr(c);
+  pr.poison_row(0, 99, 1);
+  for (const TestedTarget& t : tested_targets()) {
+    cpu::Plan plan = default_plan(pr, 2, t.target);
+    t.apply(plan);
+    const Outputs f = run_fast(pr, plan);
+    for (int64_t i = 0; i < 4; ++i)
+      for (int64_t h = 0; h < 8; ++h)
+        EXPECT_EQ(std::isnan(f.out[pr.out_index(0, i, h, 0)]), i == 3 && h >= 4)
+            << target_str(plan) << " row " << i << " head " << h;
+  }
 }
 
 // ---- randomized sweep ----------------------------------------------------
@@ -1244,6 +1312,7 @@ TEST(AttentionFast, RandomCasesEveryTargetTilingAndThreadCount) {
               static_cast<int>(pick({1, 2, 3, 7})), pick({1, 1, 2, 3}));
     random_tiling.k_then_v = pick({0, 1}) == 1;
     random_tiling.dequant_bf16 = pick({0, 1}) == 1;
+    random_tiling.int8_score_groups = pick({0, 1}) == 1;
     const int threads = static_cast<int>(pick({1, 2, 3, 7}));
     check_case(c, [&](const Problem&) { return random_tiling; });
     check_case(c, [&](const Problem& pr) { return default_plan(pr, threads); });

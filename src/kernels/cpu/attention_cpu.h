@@ -53,6 +53,11 @@ struct Plan {
   // 8-bit K/V tiles that are dequantized (prefill, absorbed MLA) become bf16
   // for the vdpbf16ps kernels where the target has them (true), else fp32.
   bool dequant_bf16 = true;
+  // int8 K/V with one scale per row and tiles of 5 to kInt8ScoreGroupsMaxRows
+  // packed rows (multi-token decode): S = K Q^T by qk_rows_i8, one group of 4
+  // int16 query rows at a time over the codes where they lie (true), or over
+  // a dequantized fp32 / bf16 copy of the tile (false).
+  bool int8_score_groups = false;
   int num_threads = 1;  // resolved, >= 1
   // Tests only: kernels to run instead of kernel_table(target), which still
   // names the target (the emulated AVX-512 tables,

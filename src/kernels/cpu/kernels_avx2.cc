@@ -3,6 +3,7 @@
 // are decoded through binary16 (F16C's vcvtph2ps).
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cpu/kernel_table.h"
 
@@ -98,6 +99,17 @@ struct V256 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes8(p, n)));
   }
   static F widen_fp8(const uint8_t* p, int64_t n) { return fp8_to_f32(load_bytes8(p, n)); }
+  // 16 whole codes as two vectors (out[0]: the first 8), with one 256-bit
+  // sign-extend, shift and mask for both (6 instructions where two
+  // widen_fp8 take 8-10).
+  static void widen_fp8_pair(const uint8_t* p, F out[2]) {
+    const __m256i h = _mm256_and_si256(
+        _mm256_slli_epi16(
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7),
+        _mm256_set1_epi16(static_cast<int16_t>(0xbf80)));
+    out[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    out[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  }
   // 8 fp8 E4M3 codes (the low 8 bytes) as value * 2^-8 (kernel_table.h):
   // sign-extended to 16 bits and shifted left by 7, a code's sign lands on
   // bit 15 and its magnitude on bits 13..7, a binary16 with 2^-8 the value;
@@ -159,7 +171,41 @@ inline void rows4_block(const Elem* k, int64_t ks, int64_t d, const float* q, in
   __m256 acc[12];
 #pragma GCC unroll 12
   for (int i = 0; i < 12; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < d; c += 8) {
+  int64_t c = 0;
+  if constexpr (std::is_same_v<Elem, uint8_t>) {
+    // fp8 keys 16 codes at a time: one 256-bit sign-extend, shift and mask
+    // make 16 binary16 values (V256::fp8_to_f32), of which each half is
+    // widened when used, and the q vectors are FMA memory operands, so that
+    // 12 accumulators, the 3 keys' binary16 vectors and one widened half
+    // fit the 16 registers. Per 16 columns of 3 keys: 18 instructions of
+    // decoding where 8 columns at a time took 30 (callgrind, 1-token fp8
+    // decode: docs/PERFORMANCE.md#fp8-decode).
+    for (; c + 16 <= d; c += 16) {
+      __m256i kh[kKeys];
+#pragma GCC unroll 3
+      for (int a = 0; a < kKeys; ++a) {
+        const Elem* row = k + a * ks + c;
+        if (kPrefetch && c % kLine == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(row + pf), _MM_HINT_T0);
+        const __m256i x =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+        kh[a] = _mm256_and_si256(_mm256_slli_epi16(x, 7),
+                                 _mm256_set1_epi16(static_cast<int16_t>(0xbf80)));
+      }
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half)
+#pragma GCC unroll 3
+        for (int a = 0; a < kKeys; ++a) {
+          const __m256 kv = _mm256_cvtph_ps(half == 0 ? _mm256_castsi256_si128(kh[a])
+                                                      : _mm256_extracti128_si256(kh[a], 1));
+#pragma GCC unroll 4
+          for (int r = 0; r < 4; ++r)
+            acc[a * 4 + r] =
+                _mm256_fmadd_ps(kv, _mm256_loadu_ps(q + r * qs + c + 8 * half), acc[a * 4 + r]);
+        }
+    }
+  }
+  for (; c < d; c += 8) {
     const bool tail = c + 8 > d;
     __m256 kv[kKeys];
 #pragma GCC unroll 3

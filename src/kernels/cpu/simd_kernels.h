@@ -25,7 +25,9 @@
 //   widen_i8(const int8_t*, n) (first n of kLanes int8 codes, exactly),
 //   widen_fp8(const uint8_t*, n) (first n of kLanes fp8 E4M3 codes as
 //   value * 2^-8, exactly: KernelTable's binary16 decoding),
-//   prefetch(const void*) (a hint; any address, never faults).
+//   prefetch(const void*) (a hint; any address, never faults),
+// and optionally widen_fp8_pair(const uint8_t*, F[2]) (2 * kLanes whole
+// codes as widen_fp8 decodes them, in fewer instructions).
 // Layouts are described in kernel_table.h.
 #pragma once
 
@@ -307,8 +309,15 @@ inline void pv_block(const float* s, int64_t nk, int64_t ss, const Elem* v, int6
         for (int c = 0; c < CV; ++c)
           if (c * V::kLanes * sizeof(Elem) % 64 == 0) V::prefetch(vrow + pf + c * V::kLanes);
       F vv[CV];
+      // fp8 codes of the first two vectors (whole ones: the last may be
+      // cut) decoded together where the target can (widen_fp8_pair).
+      constexpr bool kPair =
+          CV >= 3 && std::is_same_v<Elem, uint8_t> && requires(const uint8_t* p, F* out) {
+        V::widen_fp8_pair(p, out);
+      };
+      if constexpr (kPair) V::widen_fp8_pair(reinterpret_cast<const uint8_t*>(vrow), vv);
 #pragma GCC unroll 4
-      for (int c = 0; c + 1 < CV; ++c) vv[c] = load_vec<V>(vrow + c * V::kLanes);
+      for (int c = kPair ? 2 : 0; c + 1 < CV; ++c) vv[c] = load_vec<V>(vrow + c * V::kLanes);
       vv[CV - 1] = load_last<V>(vrow + (CV - 1) * V::kLanes, last);
       const float* prow = s + n * ss;
 #pragma GCC unroll 8

@@ -22,7 +22,7 @@ void TaskRunner::pack_q() {
   const float scale = p_.scale;
   const int64_t w = g_.kt->qk_block_cols, dim = p_.q_stride.dim;
   const KernelTable& kt = *g_.kt;
-  if (g_.rows_qk && g_.q8 && !g_.fp8) return pack_q_int16(rows);
+  if (g_.q16_rows > 0) return pack_q_int16(rows);
   if (g_.rows_qk) {  // 4 row-major rows, zero-padded
     // One plain loop per row and dtype, so that the compiler vectorises
     // it (a loop over the padded row with the dtype test inside did not,
@@ -117,20 +117,19 @@ float quantize_q_row(const float* x, int64_t stride, int64_t n, float scale, flo
 
 }  // namespace
 
-// For qk_rows_i8 (int8 keys): each of the 4 rows, scaled, quantized to
-// int16 with a factor of its own, row r = qf[r] * q16[r] (qf after the 4
-// rows of qt_row int16s). The range keeps head_dim * 127 * max|q16| below
-// 2^31, so the kernel's int32 sums are exact: 32767 up to head_dim 516,
-// 29357 at MLA's 576. A row's rounding is at most qf / 2 per element,
-// 2^-16 of its largest |scale * q| at head dims up to 516: small beside the
-// int8 keys' own step of 2^-8 of theirs.
+// For qk_rows_i8 (int8 keys): each of the q16_rows rows, scaled, quantized
+// to int16 with a factor of its own, row r = qf[r] * q16[r] (qf after the
+// q16_rows rows of qt_row int16s; rows past m_ are 0). The range keeps head_dim * 127 * max|q16|
+// below 2^31, so the kernel's int32 sums are exact: 32767 up to head_dim 516, 29357 at MLA's 576. A
+// row's rounding is at most qf / 2 per element, 2^-16 of its largest |scale * q| at head dims up to
+// 516: small beside the int8 keys' own step of 2^-8 of theirs.
 void TaskRunner::pack_q_int16(const float* const* rows) {
   const double limit = std::min(32767.0, std::floor(2147483647.0 / (127.0 * double(g_.d))));
   const float qmax = static_cast<float>(limit);
   const int64_t dim = p_.q_stride.dim;
   int16_t* q16 = reinterpret_cast<int16_t*>(qt_);
-  float* qf = reinterpret_cast<float*>(q16 + 4 * g_.qt_row);
-  for (int64_t r = 0; r < 4; ++r) {
+  float* qf = reinterpret_cast<float*>(q16 + g_.q16_rows * g_.qt_row);
+  for (int64_t r = 0; r < g_.q16_rows; ++r) {
     int16_t* out = q16 + r * g_.qt_row;
     const int64_t valid = r < m_ ? g_.d : 0;
     qf[r] = dim == 1 ? quantize_q_row<1>(rows[r], 1, valid, p_.scale, qmax, out)
@@ -199,6 +198,7 @@ void TaskRunner::scores_8bit(int64_t j0, int64_t nk, float* s, Prefetch pf, cons
     return prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
   };
   const int64_t kss = p_.k_scale_stride.row;
+  if (g_.qk_groups) return scores_int8_groups(j0, nk, s, pf);
   if (g_.rows_qk) {
     const int16_t* q16 = reinterpret_cast<const int16_t*>(qt_);
     const float* qf = reinterpret_cast<const float*>(q16 + 4 * g_.qt_row);
@@ -230,6 +230,34 @@ void TaskRunner::scores_8bit(int64_t j0, int64_t nk, float* s, Prefetch pf, cons
   else
     kt.qk_f32(kw, g_.d_pad, nk, g_.d, qt_ + m_lo_ * g_.d, g_.m_pad - m_lo_, s + m_lo_, g_.s_stride,
               0, seen);
+}
+
+// scores_8bit() for int8 keys on tiles of 5-16 rows (Geometry::qk_groups):
+// qk_rows_i8 over the codes where they lie, one group of 4 int16 query rows
+// at a time (the first group's pass brings the tile into L1 and issues the
+// prefetches, the others read it from there), each group's packed scores
+// copied into its 4 columns of s. Groups wholly before m_lo_ or past the
+// task's rows are skipped: their columns are not read (before m_lo_), or keep
+// the finite values run() and the softmax left there (past m_).
+void TaskRunner::scores_int8_groups(int64_t j0, int64_t nk, float* s, Prefetch pf) {
+  const KernelTable& kt = *g_.kt;
+  const int16_t* q16 = reinterpret_cast<const int16_t*>(qt_);
+  const float* qf = reinterpret_cast<const float*>(q16 + g_.q16_rows * g_.qt_row);
+  float* packed = ws_ + g_.kw;  // [nk][4]
+  const int64_t kss = p_.k_scale_stride.row;
+  const int64_t r_end = round_up(m_, 4);
+  for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+    const int8_t* codes = static_cast<const int8_t*>(k_row(row));
+    int64_t fetch = prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
+    for (int64_t r0 = m_lo_ / 4 * 4; r0 < r_end; r0 += 4) {
+      kt.qk_rows_i8(codes, p_.k_stride.row, n, g_.d, q16 + r0 * g_.qt_row, g_.qt_row, qf + r0,
+                    k_scales(row), kss, packed, fetch);
+      fetch = 0;
+      float* out = s + at * g_.s_stride + r0;
+      for (int64_t i = 0; i < n; ++i)
+        std::memcpy(out + i * g_.s_stride, packed + 4 * i, 4 * sizeof(float));
+    }
+  });
 }
 
 }  // namespace attnkit::kernels::cpu

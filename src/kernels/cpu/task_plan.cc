@@ -42,13 +42,17 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.row_scales = g.q8 && (p.scale_block == 0 || p.scale_block >= std::max(g.d, g.dv));
   if (g.q8) {
     // 1-4 rows with row scales read the codes where they lie (qk_rows_i8 /
-    // _fp8, pv_i8 / _fp8); more rows dequantize each K tile once for all of
-    // them, and tiles of kCopyValuesMinRows rows or more (prefill, absorbed
+    // _fp8, pv_i8 / _fp8), and so do int8 keys of up to 16 rows where the
+    // plan says so (qk_groups); more rows dequantize each K tile once for all
+    // of them, and tiles of kCopyValuesMinRows rows or more (prefill, absorbed
     // MLA) each V tile too, as bf16 for the vdpbf16ps kernels where the
     // target has them and the plan says so (tile_policy.h). Block scales
     // are always dequantized.
     g.rows_qk = takes_rows_qk(*g.kt, g.m_max, p.kv_dtype, false, g.row_scales);
-    g.k_copies = !g.rows_qk;
+    g.qk_groups = !g.rows_qk && !g.fp8 && g.row_scales && plan.int8_score_groups &&
+                  g.m_max <= kInt8ScoreGroupsMaxRows && g.kt->qk_rows_i8 != nullptr;
+    g.k_copies = !g.rows_qk && !g.qk_groups;
+    g.q16_rows = g.qk_groups ? g.m_pad : g.rows_qk && !g.fp8 ? 4 : 0;
     g.pv_copies = !g.row_scales || g.m_max >= kCopyValuesMinRows ||
                   (g.fp8 ? g.kt->pv_fp8 == nullptr : g.kt->pv_i8 == nullptr);
     g.dot_bf16 = g.k_copies && g.pv_copies && g.kt->dequant_bf16 != nullptr && plan.dequant_bf16;
@@ -74,8 +78,9 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   // Column blocks of qk_block_cols: m_pad rounded up to a whole block.
   const int64_t qt_cols = round_up(g.m_pad, g.kt->qk_block_cols);
   // Also holds the bf16 pairs, or qk_rows_*'s 4 row-major rows (int8 keys:
-  // 4 int16 rows, then the 4 rows' factors).
-  g.qt = take(std::max(round_up(g.d, 2) * qt_cols, 4 * g.qt_row));
+  // q16_rows int16 rows, then their factors).
+  g.qt = take(std::max(
+      {round_up(g.d, 2) * qt_cols, 4 * g.qt_row, ceil_div(g.q16_rows * g.qt_row, 2) + g.q16_rows}));
   g.o = take(g.m_max * g.dv_pad);
   g.row_max = take(g.m_pad);
   g.row_sum = take(g.m_pad);
@@ -86,7 +91,7 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.s = take(g.heads * g.s_head);
   g.alpha = take(g.m_pad);
   g.ones = take(g.m_pad);
-  g.kw = take(g.k_copies ? g.bk * g.d_pad : 0);
+  g.kw = take(g.k_copies ? g.bk * g.d_pad : g.qk_groups ? g.bk * 4 : 0);
   g.vw = take(g.pv_copies ? g.bk * g.vw_stride : 0);
   g.seen = take(4 * g.m_pad);  // int64 pairs
   g.pack = take(g.dot_bf16             ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2)

@@ -49,7 +49,14 @@ struct Geometry {
   bool pv_copies = false;
   bool rows_qk = false;   // S = K Q^T by qk_rows_* (q row-major, qt_row apart)
   bool k_copies = false;  // QK reads K from the kw buffer (bf16 widened, 8-bit dequantized)
-  bool k_then_v = true;   // Plan::k_then_v
+  // int8 keys, tiles of 5 to kInt8ScoreGroupsMaxRows rows: qk_rows_i8 per
+  // group of 4 rows (Plan::int8_score_groups), each group's packed scores
+  // in the kw buffer (nk x 4), then copied into s's columns.
+  bool qk_groups = false;
+  // Rows of int16 queries in qt (pack_q_int16): 4 for qk_rows_i8 on a
+  // tile of at most 4 rows, m_pad for qk_groups, else 0 (none).
+  int64_t q16_rows = 0;
+  bool k_then_v = true;  // Plan::k_then_v
   int64_t qt_row = 0;
   int64_t group = 1, bq = 1, bk = 1, q_blocks = 0, bases = 0, max_parts = 1;
   int64_t heads = 1, head_blocks = 1;  // kv heads per task, blocks of them

@@ -23,8 +23,9 @@ void TaskRunner::run(const Task& task) {
   for (int64_t il = 0; il < rows_; ++il)
     key_range(p_, b_, i0_ + il + offset_, &row_lo[il], &row_hi[il]);
   std::fill_n(ws_ + g_.ones, g_.m_pad, 1.0f);
-  // softcap reads a packed tile in whole vectors, past the last key.
-  if (g_.rows_qk) std::fill_n(ws_ + g_.s, g_.heads * g_.s_head, 0.0f);
+  // softcap reads a packed tile in whole vectors, past the last key; QK by
+  // row groups leaves the pad rows' columns as they are.
+  if (g_.rows_qk || g_.qk_groups) std::fill_n(ws_ + g_.s, g_.heads * g_.s_head, 0.0f);
   for (int64_t h = 0; h < heads_; ++h) {
     select_head(h);
     pack_q();

@@ -118,6 +118,29 @@ inline bool walks_k_then_v(SimdTarget target, DType kv_dtype) {
 // that side is unmeasured for 8-bit K/V.
 inline bool dequantizes_to_bf16(const CpuFeatures& cpu) { return cpu.amd; }
 
+// int8 keys (one scale per row) in tiles of 5 to kInt8ScoreGroupsMaxRows
+// packed rows (2-4 tokens under GQA 32/8) take qk_rows_i8 once per group of
+// 4 query rows, as int16 against the codes where they lie
+// (Plan::int8_score_groups), instead of a dequantized copy of the tile and
+// the fp32 (or bf16) product over it. Each group widens the tile's codes
+// again, but from L1, and vpmaddwd (vpdpwssd) does 16 (32) multiply-adds per
+// instruction where an FMA does 8 (16), with no conversion or store of the
+// keys. The per-group scores cost
+// a copy of 4 floats per key. One int8 decode call (GQA 32/8, head_dim 128,
+// 16K keys, causal, 2 threads), the plan's two answers alternated call by
+// call in one process, medians of 30 pairs, groups over copy: 2 tokens 0.74
+// (avx512bf16) and 0.88 (avx2), 4 tokens 0.94 and 0.93; under callgrind
+// (avx2, 4 tokens) 119.2 M instructions against 135.9 M, the QK stage 47.4 M
+// (with packing q) against 69.9 M (2026-11-27 at 7223cc6 + this change, on
+// an Intel Xeon family 6 model 167, load average 9-12 from other builds).
+// fp8 keys keep the copy: their decoding costs 5 instructions per 8 codes,
+// which 4 groups would pay 4 times. The AVX2 product stays bound by its
+// multiply-adds either way (docs/PERFORMANCE.md#multi-token-8-bit-decode).
+inline constexpr int64_t kInt8ScoreGroupsMaxRows = 16;
+inline bool scores_int8_in_groups(SimdTarget target, int64_t rows) {
+  return target != SimdTarget::kScalar && rows > 4 && rows <= kInt8ScoreGroupsMaxRows;
+}
+
 // attnkit's own KV caches (KVCache) pad a token's row by one 64-byte line
 // when its bytes are a multiple of this. Rows 4 KiB apart (GQA 8 kv heads x
 // 128 fp32) put all 64 rows of a kv head's tile into the same 8 of the
@@ -174,6 +197,7 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
         p.num_kv_heads < kInterleaveMaxHeads ? p.num_kv_heads : kInterleaveMaxHeads;
   plan.k_then_v = walks_k_then_v(target, p.kv_dtype);
   plan.dequant_bf16 = dequantizes_to_bf16(cpu_features());
+  plan.int8_score_groups = scores_int8_in_groups(target, plan.block_q * group);
   if (p.batch_invariant) {  // splits decided per item, in attention()
     plan.split_k = kSplitKeys;
     plan.split_per_item = true;
