@@ -122,6 +122,13 @@ TEST(GatedDeltaRule, FastFormsMatchReference) {
       // Recurrent column groups of 8, 4, 2 and 1 blocks of 16 and a tail.
       {1, 5, 1, 2, 16, 88, -0.3f, 0.0f},
       {2, 3, 2, 2, 16, 152, -0.3f, 0.0f},
+      // The chunked form's tiles: several value heads per key head (their
+      // key-only products shared), value widths with a column tail and
+      // several column panels, row tiles with rows left over, 1 token.
+      {1, 129, 2, 8, 20, 40, -0.3f, 0.0f},
+      {1, 127, 3, 6, 48, 130, -0.2f, 0.0f},
+      {3, 1, 1, 3, 8, 17, -0.3f, 0.0f},
+      {2, 66, 1, 4, 7, 5, -2.0f, 0.0f},
   };
   uint64_t seed = 1;
   for (const Case& c : cases) {
@@ -145,7 +152,8 @@ TEST(GatedDeltaRule, EverySimdTargetMatches) {
   const SimdTarget active = simd_target();
   const Case cases[] = {{2, 3, 2, 4, 16, 40, -0.5f, 0.0f},
                         {1, 150, 1, 2, 32, 24, -0.3f, 0.0f},
-                        {1, 4, 1, 1, 16, 248, -0.3f, 0.0f}};
+                        {1, 4, 1, 1, 16, 248, -0.3f, 0.0f},
+                        {1, 131, 2, 6, 24, 72, -0.3f, 0.0f}};
   uint64_t seed = 40;
   for (const Case& c : cases) {
     const Problem pr = make_problem(c, seed++);
