@@ -526,11 +526,17 @@ void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int threads, SimdTa
   auto group = avx512(target)                ? chunked_group_avx512
                : target == SimdTarget::kAvx2 ? chunked_group_avx2
                                              : chunked_group_scalar;
-  const size_t per_worker = gated_delta_rule_chunked_scratch(p);
-  parallel_for(p.batch * p.num_k_heads, threads, [&](int64_t task, int worker) {
+  // One pointer captured: std::function keeps it without allocating.
+  const struct {
+    const GatedDeltaRuleParams& p;
+    decltype(group) run;
+    float* scratch;
+    size_t per_worker;
+  } ctx{p, group, scratch, gated_delta_rule_chunked_scratch(p)};
+  parallel_for(p.batch * p.num_k_heads, threads, [c = &ctx](int64_t task, int worker) {
     ChunkScratch s;
-    chunk_floats(p, &s, scratch + static_cast<size_t>(worker) * per_worker);
-    group(p, task / p.num_k_heads, task % p.num_k_heads, s);
+    chunk_floats(c->p, &s, c->scratch + static_cast<size_t>(worker) * c->per_worker);
+    c->run(c->p, task / c->p.num_k_heads, task % c->p.num_k_heads, s);
   });
 }
 
