@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -178,6 +179,32 @@ TEST(GatedDeltaRule, LongSequenceStaysExact) {
   const std::vector<float> want = run(pr, Backend::kReference, GdrForm::kAuto, 1);
   expect_close(run(pr, Backend::kFast, GdrForm::kChunked, 2), want, "chunked, " + name(c));
   expect_close(run(pr, Backend::kFast, GdrForm::kRecurrent, 2), want, "recurrent, " + name(c));
+}
+
+TEST(GatedDeltaRule, NonFiniteTokenLeavesEarlierTokensAlone) {
+  // A NaN or infinite value in token 37's k, v or q reaches tokens 37 and
+  // later only: every output before it is finite and what the reference
+  // gives (the chunked form's tiles never multiply an earlier row by a
+  // later one, not even by 0). Token 37 sits inside a row tile (rows 36-39).
+  const Case c{1, 70, 1, 2, 16, 24, -0.3f, 0.0f};
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::infinity(), -3e38f};
+  const int64_t t = 37, width = 2 * c.hk * c.dk + c.hv * c.dv;
+  for (int64_t at : {int64_t{0}, c.dk, 2 * c.dk + 5}) {  // q, k, v
+    for (float bad : specials) {
+      Problem pr = make_problem(c, 91);
+      pr.rows[t * width + at] = bad;
+      const std::string what = "column " + std::to_string(at) + " = " + std::to_string(bad);
+      const std::vector<float> want = run(pr, Backend::kReference, GdrForm::kAuto, 1);
+      const std::vector<float> before(want.begin(), want.begin() + t * c.hv * c.dv);
+      for (GdrForm form : {GdrForm::kChunked, GdrForm::kRecurrent}) {
+        const std::vector<float> got = run(pr, Backend::kFast, form, 1);
+        const std::vector<float> head(got.begin(), got.begin() + t * c.hv * c.dv);
+        for (float v : head) ASSERT_TRUE(std::isfinite(v)) << what;
+        expect_close(head, before, what);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -180,9 +180,7 @@ ATTNKIT_GDR_INLINE void store(float* dst, const V16& v, int64_t width) {
 // One product of the chunked form, C = keep * C + [row_scale *] (A1 B1) + A2 B2:
 //   A1 [rows, depth1] (row stride lda1), B1 [depth1, 16 nvec] (ldb1)
 //   A2 [rows, depth2] (lda2), B2 [depth2, 16 nvec] (ldb2); optional. With
-//      lower_a2, A2 is lower triangular within the first depth2 columns
-//      (zero above the diagonal), and a tile of rows [i0, i0 + R) stops at
-//      column i0 + R.
+//      lower_a2, row i reads columns j <= i of A2 only (lower triangular).
 //   C  [rows, width] (ldc): written (or, with keep != 0, kept scaled by keep
 //      and added to; then width must be 16 nvec, C being scratch).
 struct Product {
@@ -209,9 +207,22 @@ ATTNKIT_GDR_INLINE void product_tile(const Product& p, int64_t i0, int64_t u0) {
   if (p.row_scale)
     for (int r = 0; r < R; ++r)
       for (int u = 0; u < NV; ++u) acc[r][u] *= p.row_scale[i0 + r];
-  if (p.a2)
-    tile_mma<R, NV>(acc, p.a2 + i0 * p.lda2, p.lda2, p.b2 + c0, p.ldb2,
-                    p.lower_a2 ? std::min(p.depth2, i0 + R) : p.depth2);
+  if (p.a2 && !p.lower_a2)
+    tile_mma<R, NV>(acc, p.a2 + i0 * p.lda2, p.lda2, p.b2 + c0, p.ldb2, p.depth2);
+  if (p.a2 && p.lower_a2) {
+    // Columns below the tile's first row in one pass; then the diagonal
+    // block row by row, each row stopping at its own column, so that a row
+    // never meets a later row of B (not even times 0: a later token's
+    // non-finite values must not reach an earlier token's output).
+    tile_mma<R, NV>(acc, p.a2 + i0 * p.lda2, p.lda2, p.b2 + c0, p.ldb2, std::min(p.depth2, i0));
+    for (int s = 0; s < R && i0 + s < p.depth2; ++s) {
+      const V16* bs = reinterpret_cast<const V16*>(p.b2 + (i0 + s) * p.ldb2 + c0);
+      for (int r = s; r < R; ++r) {
+        const float a = p.a2[(i0 + r) * p.lda2 + i0 + s];
+        for (int u = 0; u < NV; ++u) acc[r][u] += a * bs[u];
+      }
+    }
+  }
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < NV; ++u) {
       float* c = p.c + (i0 + r) * p.ldc + c0 + 16 * u;
@@ -295,7 +306,7 @@ struct ChunkScratch {
   float* kk;  // [C, C]: K K^T, shared by the group
   float* qk;  // [C, C]: Q K^T, shared by the group
   float* nl;  // [C, C]: -L = -(beta_i D[i][j] k_i.k_j), j < i
-  float* am;  // [C, C]: D[i][j] q_i.k_j for j <= i, 0 above up to column n
+  float* am;  // [C, C]: D[i][j] q_i.k_j for j <= i (read below the diagonal only)
   float* u;   // [C, dvp]: K S0, then rhs, then U (the deltas), then D[n-1][j] U_j
 };
 
@@ -419,7 +430,6 @@ ATTNKIT_GDR_INLINE void chunked_group_impl(const GatedDeltaRuleParams& p, int64_
         float* ami = s.am + i * C;
         for (int64_t j = 0; j < i; ++j) nli[j] = -bi * static_cast<float>(drow[j]) * kki[j];
         for (int64_t j = 0; j <= i; ++j) ami[j] = static_cast<float>(drow[j]) * qki[j];
-        std::fill(ami + i + 1, ami + n, 0.0f);
       }
 
       // rhs = beta * (V - exp(G) * (K S0)), then U = (I + L)^-1 rhs.
