@@ -36,14 +36,36 @@ ATTNKIT_GDR_INLINE float dot(const float* k, const float* q, int64_t n) {
   return sum;
 }
 
+// Block u of a row into / from a V16; kTail: the row's last `tail` (< 16)
+// columns, lane by lane, the lanes past them 0.
+template <bool kTail>
+ATTNKIT_GDR_INLINE void load_block(V16& dst, const float* row, int u, int64_t tail) {
+  if constexpr (kTail) {
+    dst = V16{};
+    for (int64_t j = 0; j < tail; ++j) dst[j] = row[j];
+  } else {
+    dst = reinterpret_cast<const V16*>(row)[u];
+  }
+}
+template <bool kTail>
+ATTNKIT_GDR_INLINE void store_block(float* row, int u, const V16& v, int64_t tail) {
+  if constexpr (kTail) {
+    for (int64_t j = 0; j < tail; ++j) row[j] = v[j];
+  } else {
+    reinterpret_cast<V16*>(row)[u] = v;
+  }
+}
+
 // NB blocks of kGdrColumns columns side by side, [c0, c0 + 16 NB) of head
-// h of sequence b, every token of the call. Each pass walks the rows in
+// h of sequence b, every token of the call; kTail: one block of the last
+// `tail` (< 16) columns, moved lane by lane. Each pass walks the rows in
 // address order (NB * 64 contiguous bytes per row, the whole row when NB *
 // 16 == dv), which the hardware prefetchers follow; the 2 NB sums are
 // independent chains, enough to keep both FMA ports busy.
-template <int NB>
+template <int NB, bool kTail = false>
 ATTNKIT_GDR_INLINE void recurrent_wide(const GatedDeltaRuleParams& p, int64_t b, int64_t h,
-                                       int64_t c0) {
+                                       int64_t c0, int64_t tail = 0) {
+  static_assert(!kTail || NB == 1);
   const int64_t dk = p.key_head_dim, dv = p.value_head_dim;
   const int64_t kh = h / (p.num_v_heads / p.num_k_heads);
   float* S = p.state + (b * p.num_v_heads + h) * dk * dv + c0;  // row i at S + i * dv
@@ -56,53 +78,25 @@ ATTNKIT_GDR_INLINE void recurrent_wide(const GatedDeltaRuleParams& p, int64_t b,
     const float decay = std::exp(p.g[row * p.num_v_heads + h]);
     const float beta = p.beta[row * p.num_v_heads + h];
     const float kq = dot(k, q, dk);
-    V16 sk[NB] = {}, sq[NB] = {}, delta[NB];
+    V16 sk[NB] = {}, sq[NB] = {}, delta[NB], x;
     for (int64_t i = 0; i < dk; ++i) {
-      const V16* s = reinterpret_cast<const V16*>(S + i * dv);
       for (int u = 0; u < NB; ++u) {
-        sk[u] += s[u] * k[i];
-        sq[u] += s[u] * q[i];
+        load_block<kTail>(x, S + i * dv, u, tail);
+        sk[u] += x * k[i];
+        sq[u] += x * q[i];
       }
     }
     // S_new = decay S + k delta^T, so S_new^T q = decay S^T q + (k.q) delta.
     for (int u = 0; u < NB; ++u) {
-      delta[u] = beta * (reinterpret_cast<const V16*>(v)[u] - decay * sk[u]);
-      reinterpret_cast<V16*>(out)[u] = decay * sq[u] + kq * delta[u];
+      load_block<kTail>(x, v, u, tail);
+      delta[u] = beta * (x - decay * sk[u]);
+      store_block<kTail>(out, u, decay * sq[u] + kq * delta[u], tail);
     }
-    for (int64_t i = 0; i < dk; ++i) {
-      V16* s = reinterpret_cast<V16*>(S + i * dv);
-      for (int u = 0; u < NB; ++u) s[u] = decay * s[u] + k[i] * delta[u];
-    }
-  }
-}
-
-// The last dv % 16 columns, [c0, c0 + width), the same steps in scalars.
-ATTNKIT_GDR_INLINE void recurrent_tail(const GatedDeltaRuleParams& p, int64_t b, int64_t h,
-                                       int64_t c0, int64_t width) {
-  const int64_t dk = p.key_head_dim, dv = p.value_head_dim;
-  const int64_t kh = h / (p.num_v_heads / p.num_k_heads);
-  float* S = p.state + (b * p.num_v_heads + h) * dk * dv + c0;
-  for (int64_t t = 0; t < p.seq; ++t) {
-    const int64_t row = b * p.seq + t;
-    const float* q = p.q + row * p.q_stride + kh * dk;
-    const float* k = p.k + row * p.k_stride + kh * dk;
-    const float* v = p.v + row * p.v_stride + h * dv + c0;
-    float* out = p.out + row * p.out_stride + h * dv + c0;
-    const float decay = std::exp(p.g[row * p.num_v_heads + h]);
-    const float beta = p.beta[row * p.num_v_heads + h];
-    const float kq = dot(k, q, dk);
-    float sk[kGdrColumns] = {}, sq[kGdrColumns] = {}, delta[kGdrColumns];
     for (int64_t i = 0; i < dk; ++i)
-      for (int64_t j = 0; j < width; ++j) {
-        sk[j] += S[i * dv + j] * k[i];
-        sq[j] += S[i * dv + j] * q[i];
+      for (int u = 0; u < NB; ++u) {
+        load_block<kTail>(x, S + i * dv, u, tail);
+        store_block<kTail>(S + i * dv, u, decay * x + k[i] * delta[u], tail);
       }
-    for (int64_t j = 0; j < width; ++j) {
-      delta[j] = beta * (v[j] - decay * sk[j]);
-      out[j] = decay * sq[j] + kq * delta[j];
-    }
-    for (int64_t i = 0; i < dk; ++i)
-      for (int64_t j = 0; j < width; ++j) S[i * dv + j] = decay * S[i * dv + j] + k[i] * delta[j];
   }
 }
 
@@ -128,7 +122,7 @@ ATTNKIT_GDR_INLINE void recurrent_head_impl(const GatedDeltaRuleParams& p, int64
     recurrent_wide<1>(p, b, h, c0);
     c0 += kGdrColumns;
   }
-  if (c0 < dv) recurrent_tail(p, b, h, c0, dv - c0);
+  if (c0 < dv) recurrent_wide<1, true>(p, b, h, c0, dv - c0);
 }
 
 ATTNKIT_GDR_AVX512 void recurrent_head_avx512(const GatedDeltaRuleParams& p, int64_t b, int64_t h) {
