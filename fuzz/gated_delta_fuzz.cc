@@ -149,8 +149,7 @@ void fuzz_kernel(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
   const int n_special = fdp.ConsumeIntegralInRange<int>(0, 4);
   for (int i = 0; i < n_special; ++i) {
     const int64_t row = fdp.ConsumeIntegralInRange<int64_t>(0, T - 1);
-    const int64_t col =
-        fdp.ConsumeIntegralInRange<int64_t>(0, 2 * c.hk * c.dk + c.hv * c.dv - 1);
+    const int64_t col = fdp.ConsumeIntegralInRange<int64_t>(0, 2 * c.hk * c.dk + c.hv * c.dv - 1);
     const float v = special(fdp);
     c.rows[static_cast<size_t>(row * c.width + col)] = v;
     if (!tame(v)) {
@@ -160,18 +159,17 @@ void fuzz_kernel(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
   }
   g_case = "batch=" + std::to_string(c.batch) + " seq=" + std::to_string(c.seq) +
            " heads=" + std::to_string(c.hk) + "/" + std::to_string(c.hv) +
-           " dims=" + std::to_string(c.dk) + "/" + std::to_string(c.dv) +
-           " g in [" + std::to_string(g_lo) + ", " + std::to_string(g_hi) +
-           "] threads=" + std::to_string(threads) +
-           " target=" + attnkit::simd_target_name(target) +
+           " dims=" + std::to_string(c.dk) + "/" + std::to_string(c.dv) + " g in [" +
+           std::to_string(g_lo) + ", " + std::to_string(g_hi) +
+           "] threads=" + std::to_string(threads) + " target=" + attnkit::simd_target_name(target) +
            " specials=" + std::to_string(n_special);
 
   const attnkit::SimdTarget active = attnkit::simd_target();
   const bool on_target = attnkit::set_simd_target(target);
   const std::vector<float> want = run(c, Backend::kReference, GdrForm::kAuto, 1);
   const std::vector<float> chunked = run(c, Backend::kFast, GdrForm::kChunked, threads);
-  const std::vector<float> forms[] = {run(c, Backend::kFast, GdrForm::kRecurrent, threads),
-                                      chunked, run(c, Backend::kFast, GdrForm::kAuto, threads)};
+  const std::vector<float> forms[] = {run(c, Backend::kFast, GdrForm::kRecurrent, threads), chunked,
+                                      run(c, Backend::kFast, GdrForm::kAuto, threads)};
   const char* names[] = {"recurrent", "chunked", "auto"};
   if (run(c, Backend::kFast, GdrForm::kChunked, threads == 1 ? 3 : 1) != chunked &&
       std::all_of(first_bad.begin(), first_bad.end(), [&](int64_t f) { return f == c.seq; }))
@@ -258,10 +256,10 @@ void fuzz_layer(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
   std::vector<float> x(static_cast<size_t>(batch * seq * H));
   for (float& v : x) v = uniform(rng, -1.0f, 1.0f);
   std::vector<float> want(x.size()), got(x.size(), -7.0f);
-  const attnkit::Status ref = layer->forward(
-      attnkit::make_view(x.data(), attnkit::DType::kF32, {batch, seq, H}),
-      attnkit::make_view(want.data(), attnkit::DType::kF32, {batch, seq, H}), nullptr,
-      {Backend::kReference, 1});
+  const attnkit::Status ref =
+      layer->forward(attnkit::make_view(x.data(), attnkit::DType::kF32, {batch, seq, H}),
+                     attnkit::make_view(want.data(), attnkit::DType::kF32, {batch, seq, H}),
+                     nullptr, {Backend::kReference, 1});
   if (!ref.ok()) fail("reference forward failed: " + ref.message());
   auto state = layer->new_state(batch);
   if (!state.ok()) fail("new_state failed");
@@ -283,8 +281,7 @@ void fuzz_layer(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
     if (!std::isfinite(got[i]) ||
         std::fabs(static_cast<double>(got[i]) - want[i]) > 1e-3 * scale + 1e-30)
       fail("layer in pieces: value " + std::to_string(i) + " = " + std::to_string(got[i]) +
-           ", one reference call " + std::to_string(want[i]) + ", scale " +
-           std::to_string(scale));
+           ", one reference call " + std::to_string(want[i]) + ", scale " + std::to_string(scale));
 }
 
 }  // namespace

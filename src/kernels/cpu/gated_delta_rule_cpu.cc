@@ -331,164 +331,195 @@ ATTNKIT_GDR_INLINE void prefetch_lines(const float* p, int64_t n) {
 // 1e-38 of the others, and denormal operands would slow every product.
 constexpr double kMinDecay = 1.1754943508222875e-38;
 
-// Key head kh of sequence b and its r value heads, chunk by chunk; R x NV
-// the target's tile.
+// One chunk of key head kh of sequence b: tokens [c0, c0 + n), their rows
+// from row0, the head's q and k of its first token.
+struct Chunk {
+  int64_t b, kh, c0, n, row0;
+  const float* q0;
+  const float* k0;
+};
+
+// The chunk's keys transposed into s.kt, then the key-only products, once
+// for the key head's group of value heads: s.kk = K K^T, s.qk = Q K^T.
+template <int R, int NV>
+ATTNKIT_GDR_INLINE void chunk_keys(const GatedDeltaRuleParams& p, const Chunk& c,
+                                   const ChunkScratch& s) {
+  constexpr int64_t C = kGdrChunk;
+  const int64_t dk = p.key_head_dim;
+  // Row by row: the rows lie a token's width apart (pages apart at
+  // Qwen3-Next's shape), the transposed columns in L1.
+  for (int64_t j = 0; j < c.n; ++j) {
+    const float* kj = c.k0 + j * p.k_stride;
+    for (int64_t d = 0; d < dk; ++d) s.kt[d * C + j] = kj[d];
+  }
+  if (c.n < C)
+    for (int64_t d = 0; d < dk; ++d) std::fill(s.kt + d * C + c.n, s.kt + (d + 1) * C, 0.0f);
+  Product kk;
+  kk.a1 = c.k0;
+  kk.lda1 = p.k_stride;
+  kk.b1 = s.kt;
+  kk.ldb1 = C;
+  kk.depth1 = dk;
+  kk.c = s.kk;
+  kk.ldc = kk.width = C;
+  for_tiles<R, NV>(ProductTiles{kk}, c.n, C / 16);
+  Product qk = kk;
+  qk.a1 = c.q0;
+  qk.lda1 = p.q_stride;
+  qk.c = s.qk;
+  for_tiles<R, NV>(ProductTiles{qk}, c.n, C / 16);
+}
+
+// Value head h (the hi-th of its group) over the chunk: eg[i] = exp(G_i),
+// s.nl = -L, s.am = D * Q K^T (lower-incl), drow = D[n-1][:].
+//
+// Decays as products of the per-token factors exp(g_t) <= 1 in double, row
+// by row: D[i][j] = D[i-1][j] exp(g_i), D[i][i] = 1. Every partial product
+// is <= 1, so nothing overflows however fast a head forgets, and an
+// entry's relative error is at most ~n double roundings: as exact as the
+// authors' log-space cumulative sums, with n exps per chunk instead of
+// n^2. A row falls below kMinDecay from the left (its entries shrink as j
+// moves away from i), so columns below `lo` are 0 from then on.
+//
+// The next chunk's rows go towards the caches here, a row per step and
+// head (q, k, g and beta with the first), spread out so that the
+// prefetches do not queue: rows lie a token's width apart (pages apart at
+// Qwen3-Next's shape), which the hardware prefetchers do not follow.
+ATTNKIT_GDR_INLINE void chunk_decays(const GatedDeltaRuleParams& p, const Chunk& c, int64_t hi,
+                                     const ChunkScratch& s, float* eg, double* drow) {
+  constexpr int64_t C = kGdrChunk;
+  const int64_t dk = p.key_head_dim, dv = p.value_head_dim;
+  const int64_t H = p.num_v_heads, r = H / p.num_k_heads, h = c.kh * r + hi;
+  const float* g0 = p.g + c.row0 * H + h;
+  const float* beta0 = p.beta + c.row0 * H + h;
+  const int64_t next = std::min(C, p.seq - c.c0 - C);
+  double acc = 1.0;
+  int64_t lo = 0;
+  for (int64_t i = 0; i < c.n; ++i) {
+    if (i < next) {
+      const int64_t row = c.row0 + C + i;
+      prefetch_lines(p.v + row * p.v_stride + h * dv, dv);
+      if (hi == 0) {
+        prefetch_lines(p.q + row * p.q_stride + c.kh * dk, dk);
+        prefetch_lines(p.k + row * p.k_stride + c.kh * dk, dk);
+        prefetch_lines(p.g + row * H + c.kh * r, r);
+        prefetch_lines(p.beta + row * H + c.kh * r, r);
+      }
+    }
+    const double decay = std::exp(static_cast<double>(g0[i * H]));
+    acc = acc * decay < kMinDecay ? 0.0 : acc * decay;
+    eg[i] = static_cast<float>(acc);
+    for (int64_t j = lo; j < i; ++j) drow[j] *= decay;
+    drow[i] = 1.0;
+    while (lo < i && drow[lo] < kMinDecay) drow[lo++] = 0.0;
+    const float bi = beta0[i * H];
+    const float* kki = s.kk + i * C;
+    const float* qki = s.qk + i * C;
+    float* nli = s.nl + i * C;
+    float* ami = s.am + i * C;
+    for (int64_t j = 0; j < i; ++j) nli[j] = -bi * static_cast<float>(drow[j]) * kki[j];
+    for (int64_t j = 0; j <= i; ++j) ami[j] = static_cast<float>(drow[j]) * qki[j];
+  }
+}
+
+// Value head hi of the group over the chunk, from its state S ([dk, dvp],
+// S0 in, the chunk's end out): the deltas U, the outputs O, the new S.
+template <int R, int NV>
+ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Chunk& c, int64_t hi,
+                                         const ChunkScratch& s, float* S, const float* eg,
+                                         const double* drow) {
+  constexpr int64_t C = kGdrChunk;
+  const int64_t dk = p.key_head_dim, dv = p.value_head_dim, dvp = padded(dv), nv = dvp / 16;
+  const int64_t H = p.num_v_heads, h = c.kh * (H / p.num_k_heads) + hi;
+  const float* beta0 = p.beta + c.row0 * H + h;
+  // rhs = beta * (V - exp(G) * (K S0)), then U = (I + L)^-1 rhs.
+  Product ks;
+  ks.a1 = c.k0;
+  ks.lda1 = p.k_stride;
+  ks.b1 = S;
+  ks.ldb1 = dvp;
+  ks.depth1 = dk;
+  ks.c = s.u;
+  ks.ldc = ks.width = dvp;
+  for_tiles<R, NV>(ProductTiles{ks}, c.n, nv);
+  const float* v0 = p.v + c.row0 * p.v_stride + h * dv;
+  for (int64_t i = 0; i < c.n; ++i) {
+    const float bi = beta0[i * H], ei = eg[i];
+    const float* vi = v0 + i * p.v_stride;
+    float* ui = s.u + i * dvp;
+    for (int64_t j = 0; j < dv; ++j) ui[j] = bi * (vi[j] - ei * ui[j]);
+  }
+  for_tiles<R, NV>(SolveTiles{s.nl, C, s.u, dvp}, c.n, nv);
+
+  // O = exp(G) * (Q S0) + lower-incl(D * Q K^T) U.
+  Product o;
+  o.a1 = c.q0;
+  o.lda1 = p.q_stride;
+  o.b1 = S;
+  o.ldb1 = dvp;
+  o.depth1 = dk;
+  o.row_scale = eg;
+  o.a2 = s.am;
+  o.lda2 = C;
+  o.b2 = s.u;
+  o.ldb2 = dvp;
+  o.depth2 = c.n;
+  o.lower_a2 = true;
+  o.c = p.out + c.row0 * p.out_stride + h * dv;
+  o.ldc = p.out_stride;
+  o.width = dv;
+  for_tiles<R, NV>(ProductTiles{o}, c.n, nv);
+
+  // S = exp(G_n-1) S0 + K^T (D[n-1][:] * U).
+  for (int64_t j = 0; j < c.n; ++j) {
+    const float w = static_cast<float>(drow[j]);
+    float* uj = s.u + j * dvp;
+    for (int64_t col = 0; col < dvp; ++col) uj[col] *= w;
+  }
+  Product st;
+  st.a1 = s.kt;
+  st.lda1 = C;
+  st.b1 = s.u;
+  st.ldb1 = dvp;
+  st.depth1 = c.n;
+  st.c = S;
+  st.ldc = st.width = dvp;
+  st.keep = eg[c.n - 1];  // 0 (total forgetting) overwrites S0
+  for_tiles<R, NV>(ProductTiles{st}, dk, nv);
+}
+
+// Key head kh of sequence b and its r value heads, chunk by chunk, their
+// states in s.s (padded to dvp columns) meanwhile; R x NV the target's tile.
 template <int R, int NV>
 ATTNKIT_GDR_INLINE void chunked_group_impl(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
                                            const ChunkScratch& s) {
-  constexpr int64_t C = kGdrChunk, CV = C / 16;
-  const int64_t dk = p.key_head_dim, dv = p.value_head_dim, dvp = padded(dv), nv = dvp / 16;
+  constexpr int64_t C = kGdrChunk;
+  const int64_t dk = p.key_head_dim, dv = p.value_head_dim, dvp = padded(dv);
   const int64_t H = p.num_v_heads, r = H / p.num_k_heads;
-  for (int64_t i = 0; i < r; ++i) {
-    const float* src = p.state + (b * H + kh * r + i) * dk * dv;
-    for (int64_t d = 0; d < dk; ++d) {
-      float* row = s.s + (i * dk + d) * dvp;
-      std::copy(src + d * dv, src + (d + 1) * dv, row);
-      std::fill(row + dv, row + dvp, 0.0f);
-    }
+  float* const states = p.state + (b * H + kh * r) * dk * dv;  // the group's, [r, dk, dv]
+  for (int64_t d = 0; d < r * dk; ++d) {
+    std::copy(states + d * dv, states + (d + 1) * dv, s.s + d * dvp);
+    std::fill(s.s + d * dvp + dv, s.s + (d + 1) * dvp, 0.0f);
   }
-  std::array<double, C> decay, drow;  // exp(g_t) <= 1; row i of D
-  std::array<float, C> eg;            // exp(G_i), G_i = g_0 + .. + g_i
+  std::array<double, C> drow;  // D[n-1][:] after chunk_decays
+  std::array<float, C> eg;     // exp(G_i)
   for (int64_t c0 = 0; c0 < p.seq; c0 += C) {
-    const int64_t n = std::min(C, p.seq - c0);
     const int64_t row0 = b * p.seq + c0;
-    const float* q0 = p.q + row0 * p.q_stride + kh * dk;
-    const float* k0 = p.k + row0 * p.k_stride + kh * dk;
-    // Row by row: the rows lie a token's width apart (pages apart at
-    // Qwen3-Next's shape), the transposed columns in L1.
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kj = k0 + j * p.k_stride;
-      for (int64_t d = 0; d < dk; ++d) s.kt[d * C + j] = kj[d];
-    }
-    if (n < C)
-      for (int64_t d = 0; d < dk; ++d) std::fill(s.kt + d * C + n, s.kt + (d + 1) * C, 0.0f);
-    // The key-only products, once for the group: K K^T and Q K^T.
-    Product kk;
-    kk.a1 = k0;
-    kk.lda1 = p.k_stride;
-    kk.b1 = s.kt;
-    kk.ldb1 = C;
-    kk.depth1 = dk;
-    kk.c = s.kk;
-    kk.ldc = kk.width = C;
-    for_tiles<R, NV>(ProductTiles{kk}, n, CV);
-    Product qk = kk;
-    qk.a1 = q0;
-    qk.lda1 = p.q_stride;
-    qk.c = s.qk;
-    for_tiles<R, NV>(ProductTiles{qk}, n, CV);
-
+    const Chunk c{b,
+                  kh,
+                  c0,
+                  std::min(C, p.seq - c0),
+                  row0,
+                  p.q + row0 * p.q_stride + kh * dk,
+                  p.k + row0 * p.k_stride + kh * dk};
+    chunk_keys<R, NV>(p, c, s);
     for (int64_t hi = 0; hi < r; ++hi) {
-      const int64_t h = kh * r + hi;
-      float* S = s.s + hi * dk * dvp;
-      const float* g0 = p.g + row0 * H + h;
-      const float* beta0 = p.beta + row0 * H + h;
-      // Decays as products of the per-token factors exp(g_t) <= 1 in
-      // double, row by row: D[i][j] = D[i-1][j] exp(g_i), D[i][i] = 1.
-      // Every partial product is <= 1, so nothing overflows however fast a
-      // head forgets, and an entry's relative error is at most ~n double
-      // roundings: as exact as the authors' log-space cumulative sums,
-      // with n exps per chunk instead of n^2. A row falls below kMinDecay
-      // from the left (its entries shrink as j moves away from i), so
-      // columns below `lo` are 0 from then on.
-      double acc = 1.0;
-      int64_t lo = 0;
-      // The next chunk's rows towards the caches, a row per step and head
-      // (q, k, g and beta with the first), spread out so that the
-      // prefetches do not queue: rows lie a token's width apart (pages
-      // apart at Qwen3-Next's shape), which the hardware prefetchers do
-      // not follow.
-      const int64_t next = std::min(C, p.seq - c0 - C);
-      for (int64_t i = 0; i < n; ++i) {
-        if (i < next) {
-          const int64_t row = row0 + C + i;
-          prefetch_lines(p.v + row * p.v_stride + h * dv, dv);
-          if (hi == 0) {
-            prefetch_lines(p.q + row * p.q_stride + kh * dk, dk);
-            prefetch_lines(p.k + row * p.k_stride + kh * dk, dk);
-            prefetch_lines(p.g + row * H + kh * r, r);
-            prefetch_lines(p.beta + row * H + kh * r, r);
-          }
-        }
-        decay[i] = std::exp(static_cast<double>(g0[i * H]));
-        acc = acc * decay[i] < kMinDecay ? 0.0 : acc * decay[i];
-        eg[i] = static_cast<float>(acc);
-        const double di = decay[i];
-        for (int64_t j = lo; j < i; ++j) drow[j] *= di;
-        drow[i] = 1.0;
-        while (lo < i && drow[lo] < kMinDecay) drow[lo++] = 0.0;
-        const float bi = beta0[i * H];
-        const float* kki = s.kk + i * C;
-        const float* qki = s.qk + i * C;
-        float* nli = s.nl + i * C;
-        float* ami = s.am + i * C;
-        for (int64_t j = 0; j < i; ++j) nli[j] = -bi * static_cast<float>(drow[j]) * kki[j];
-        for (int64_t j = 0; j <= i; ++j) ami[j] = static_cast<float>(drow[j]) * qki[j];
-      }
-
-      // rhs = beta * (V - exp(G) * (K S0)), then U = (I + L)^-1 rhs.
-      Product ks;
-      ks.a1 = k0;
-      ks.lda1 = p.k_stride;
-      ks.b1 = S;
-      ks.ldb1 = dvp;
-      ks.depth1 = dk;
-      ks.c = s.u;
-      ks.ldc = ks.width = dvp;
-      for_tiles<R, NV>(ProductTiles{ks}, n, nv);
-      const float* v0 = p.v + row0 * p.v_stride + h * dv;
-      for (int64_t i = 0; i < n; ++i) {
-        const float bi = beta0[i * H], ei = eg[i];
-        const float* vi = v0 + i * p.v_stride;
-        float* ui = s.u + i * dvp;
-        for (int64_t j = 0; j < dv; ++j) ui[j] = bi * (vi[j] - ei * ui[j]);
-      }
-      for_tiles<R, NV>(SolveTiles{s.nl, C, s.u, dvp}, n, nv);
-
-      // O = exp(G) * (Q S0) + lower-incl(D * Q K^T) U.
-      Product o;
-      o.a1 = q0;
-      o.lda1 = p.q_stride;
-      o.b1 = S;
-      o.ldb1 = dvp;
-      o.depth1 = dk;
-      o.row_scale = eg.data();
-      o.a2 = s.am;
-      o.lda2 = C;
-      o.b2 = s.u;
-      o.ldb2 = dvp;
-      o.depth2 = n;
-      o.lower_a2 = true;
-      o.c = p.out + row0 * p.out_stride + h * dv;
-      o.ldc = p.out_stride;
-      o.width = dv;
-      for_tiles<R, NV>(ProductTiles{o}, n, nv);
-
-      // S = exp(G_n-1) S0 + K^T (D[n-1][:] * U), drow now D[n-1].
-      for (int64_t j = 0; j < n; ++j) {
-        const float w = static_cast<float>(drow[j]);
-        float* uj = s.u + j * dvp;
-        for (int64_t c = 0; c < dvp; ++c) uj[c] *= w;
-      }
-      Product st;
-      st.a1 = s.kt;
-      st.lda1 = C;
-      st.b1 = s.u;
-      st.ldb1 = dvp;
-      st.depth1 = n;
-      st.c = S;
-      st.ldc = st.width = dvp;
-      st.keep = eg[n - 1];  // 0 (total forgetting) overwrites S0
-      for_tiles<R, NV>(ProductTiles{st}, dk, nv);
+      chunk_decays(p, c, hi, s, eg.data(), drow.data());
+      chunk_value_head<R, NV>(p, c, hi, s, s.s + hi * dk * dvp, eg.data(), drow.data());
     }
   }
-  for (int64_t i = 0; i < r; ++i) {
-    float* dst = p.state + (b * H + kh * r + i) * dk * dv;
-    for (int64_t d = 0; d < dk; ++d) {
-      const float* row = s.s + (i * dk + d) * dvp;
-      std::copy(row, row + dv, dst + d * dv);
-    }
-  }
+  for (int64_t d = 0; d < r * dk; ++d)
+    std::copy(s.s + d * dvp, s.s + d * dvp + dv, states + d * dv);
 }
 
 // Tiles: 4 x 4 on AVX-512 (16 zmm sums of its 32 registers, loads and
