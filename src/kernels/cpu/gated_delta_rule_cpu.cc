@@ -23,6 +23,22 @@ namespace {
 // 16 floats, any alignment: GCC lowers its arithmetic to one zmm, two ymm
 // or four xmm registers by the function's target.
 typedef float V16 __attribute__((vector_size(64), aligned(4)));
+// The chunked form's tiles use each target's own width (see its tiles).
+typedef float V8 __attribute__((vector_size(32), aligned(4)));
+typedef float V4 __attribute__((vector_size(16), aligned(4)));
+template <class V>
+inline constexpr int lanes = static_cast<int>(sizeof(V) / sizeof(float));
+// Loads and stores of V at any alignment: as a template argument V loses
+// the typedefs' aligned(4) (GCC drops attributes there), so a plain
+// dereference would assume full alignment.
+template <class V>
+[[gnu::always_inline]] inline void ldv(V& v, const float* p) {
+  __builtin_memcpy(&v, p, sizeof(V));
+}
+template <class V>
+[[gnu::always_inline]] inline void stv(float* p, const V& v) {
+  __builtin_memcpy(p, &v, sizeof(V));
+}
 
 // k . q over n values: 16 lanes of partial sums, then the tail.
 ATTNKIT_GDR_INLINE float dot(const float* k, const float* q, int64_t n) {
@@ -137,24 +153,23 @@ void recurrent_head_scalar(const GatedDeltaRuleParams& p, int64_t b, int64_t h) 
 
 // ---- The chunked form ----
 //
-// Its products run on register tiles of R rows x NV vectors of 16 columns
-// (tile_mma), written here rather than called in oneDNN: at 64 x 128 x
-// 128 a library call's fixed cost (primitive lookup, memory descriptors)
-// was a third of the time, and a tile can apply the steps around a
-// product (decays, the triangular solve, the state update) while its sums
-// are still in registers. Every operand the tiles read as B (rows of 16 n
-// floats) lives in this worker's scratch, padded to dvp = dv rounded up to
-// 16 columns with zeros, so that no tile needs a column tail; only the
-// stores to `out` stop at dv.
+// Its products run on register tiles of R rows x NV vectors V of L = 16,
+// 8 or 4 floats by target (tile_mma), written here rather than called in
+// oneDNN: at 64 x 128 x 128 a library call's fixed cost (primitive lookup,
+// memory descriptors) was a third of the time, and a tile can apply the
+// steps around a product (decays, the triangular solve, the state update)
+// while its sums are still in registers. Every operand the tiles read as B
+// lives in this worker's scratch, padded to dvp = dv rounded up to 16
+// columns with zeros, so that no tile needs a column tail; only the stores
+// to `out` stop at dv.
 
-// acc[r][u] += sum over k < depth of a[r * lda + k] * b[k * ldb + 16 u ..].
-template <int R, int NV>
-ATTNKIT_GDR_INLINE void tile_mma(V16 (&acc)[R][NV], const float* a, int64_t lda, const float* b,
+// acc[r][u] += sum over k < depth of a[r * lda + k] * b[k * ldb + L u ..].
+template <class V, int R, int NV>
+ATTNKIT_GDR_INLINE void tile_mma(V (&acc)[R][NV], const float* a, int64_t lda, const float* b,
                                  int64_t ldb, int64_t depth) {
   for (int64_t k = 0; k < depth; ++k) {
-    const V16* bk = reinterpret_cast<const V16*>(b + k * ldb);
-    V16 bv[NV];
-    for (int u = 0; u < NV; ++u) bv[u] = bk[u];
+    V bv[NV];
+    for (int u = 0; u < NV; ++u) ldv(bv[u], b + k * ldb + u * lanes<V>);
     for (int r = 0; r < R; ++r) {
       const float ar = a[r * lda + k];
       for (int u = 0; u < NV; ++u) acc[r][u] += ar * bv[u];
@@ -162,10 +177,12 @@ ATTNKIT_GDR_INLINE void tile_mma(V16 (&acc)[R][NV], const float* a, int64_t lda,
   }
 }
 
-// `width` floats of v at dst (all 16 when width >= 16, none when <= 0).
-ATTNKIT_GDR_INLINE void store(float* dst, const V16& v, int64_t width) {
-  if (width >= 16) {
-    *reinterpret_cast<V16*>(dst) = v;
+// `width` floats of v at dst (all of them when width >= lanes<V>, none
+// when <= 0).
+template <class V>
+ATTNKIT_GDR_INLINE void store(float* dst, const V& v, int64_t width) {
+  if (width >= lanes<V>) {
+    stv(dst, v);
     return;
   }
   for (int64_t j = 0; j < width; ++j) dst[j] = v[j];
@@ -193,24 +210,26 @@ struct Product {
   float keep = 0.0f;
 };
 
-template <int R, int NV>
+template <class V, int R, int NV>
 ATTNKIT_GDR_INLINE void product_tile(const Product& p, int64_t i0, int64_t u0) {
-  V16 acc[R][NV] = {};
-  const int64_t c0 = u0 * 16;
-  tile_mma<R, NV>(acc, p.a1 + i0 * p.lda1, p.lda1, p.b1 + c0, p.ldb1, p.depth1);
+  constexpr int L = lanes<V>;
+  V acc[R][NV] = {};
+  const int64_t c0 = u0 * L;
+  tile_mma<V, R, NV>(acc, p.a1 + i0 * p.lda1, p.lda1, p.b1 + c0, p.ldb1, p.depth1);
   if (p.row_scale)
     for (int r = 0; r < R; ++r)
       for (int u = 0; u < NV; ++u) acc[r][u] *= p.row_scale[i0 + r];
   if (p.a2 && !p.lower_a2)
-    tile_mma<R, NV>(acc, p.a2 + i0 * p.lda2, p.lda2, p.b2 + c0, p.ldb2, p.depth2);
+    tile_mma<V, R, NV>(acc, p.a2 + i0 * p.lda2, p.lda2, p.b2 + c0, p.ldb2, p.depth2);
   if (p.a2 && p.lower_a2) {
     // Columns below the tile's first row in one pass; then the diagonal
     // block row by row, each row stopping at its own column, so that a row
     // never meets a later row of B (not even times 0: a later token's
     // non-finite values must not reach an earlier token's output).
-    tile_mma<R, NV>(acc, p.a2 + i0 * p.lda2, p.lda2, p.b2 + c0, p.ldb2, std::min(p.depth2, i0));
+    tile_mma<V, R, NV>(acc, p.a2 + i0 * p.lda2, p.lda2, p.b2 + c0, p.ldb2, std::min(p.depth2, i0));
     for (int s = 0; s < R && i0 + s < p.depth2; ++s) {
-      const V16* bs = reinterpret_cast<const V16*>(p.b2 + (i0 + s) * p.ldb2 + c0);
+      V bs[NV];
+      for (int u = 0; u < NV; ++u) ldv(bs[u], p.b2 + (i0 + s) * p.ldb2 + c0 + u * L);
       for (int r = s; r < R; ++r) {
         const float a = p.a2[(i0 + r) * p.lda2 + i0 + s];
         for (int u = 0; u < NV; ++u) acc[r][u] += a * bs[u];
@@ -219,9 +238,13 @@ ATTNKIT_GDR_INLINE void product_tile(const Product& p, int64_t i0, int64_t u0) {
   }
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < NV; ++u) {
-      float* c = p.c + (i0 + r) * p.ldc + c0 + 16 * u;
-      if (p.keep != 0.0f) acc[r][u] += p.keep * *reinterpret_cast<const V16*>(c);
-      store(c, acc[r][u], p.width - c0 - 16 * u);
+      float* c = p.c + (i0 + r) * p.ldc + c0 + L * u;
+      if (p.keep != 0.0f) {
+        V old;
+        ldv(old, c);
+        acc[r][u] += p.keep * old;
+      }
+      store<V>(c, acc[r][u], p.width - c0 - L * u);
     }
 }
 
@@ -230,21 +253,21 @@ ATTNKIT_GDR_INLINE void product_tile(const Product& p, int64_t i0, int64_t u0) {
 // column vectors [u0, u0 + NV): the rows above come in as one product
 // (nl = -L, [rows, ldl], read below the diagonal only), the R rows of the
 // tile then meet each other in registers.
-template <int R, int NV>
+template <class V, int R, int NV>
 ATTNKIT_GDR_INLINE void solve_tile(const float* nl, int64_t ldl, float* u, int64_t ldu, int64_t i0,
                                    int64_t u0) {
-  V16 acc[R][NV];
-  float* ut = u + i0 * ldu + u0 * 16;
+  V acc[R][NV];
+  float* ut = u + i0 * ldu + u0 * lanes<V>;
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = reinterpret_cast<const V16*>(ut + r * ldu)[v];
-  tile_mma<R, NV>(acc, nl + i0 * ldl, ldl, u + u0 * 16, ldu, i0);
+    for (int v = 0; v < NV; ++v) ldv(acc[r][v], ut + r * ldu + v * lanes<V>);
+  tile_mma<V, R, NV>(acc, nl + i0 * ldl, ldl, u + u0 * lanes<V>, ldu, i0);
   for (int r = 1; r < R; ++r)
     for (int s = 0; s < r; ++s) {
       const float l = nl[(i0 + r) * ldl + i0 + s];
       for (int v = 0; v < NV; ++v) acc[r][v] += l * acc[s][v];
     }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) reinterpret_cast<V16*>(ut + r * ldu)[v] = acc[r][v];
+    for (int v = 0; v < NV; ++v) stv(ut + r * ldu + v * lanes<V>, acc[r][v]);
 }
 
 // Runs tile T<R', NV'> over rows [0, rows) and column vectors [0, nvec):
@@ -274,13 +297,15 @@ ATTNKIT_GDR_INLINE void for_tiles(const T& tile, int64_t rows, int64_t nvec) {
   for (; u0 < nvec; ++u0) panel<R, 1>(tile, rows, u0);
 }
 
+template <class V>
 struct ProductTiles {
   const Product& p;
   template <int R, int NV>
   ATTNKIT_GDR_INLINE void run(int64_t i0, int64_t u0) const {
-    product_tile<R, NV>(p, i0, u0);
+    product_tile<V, R, NV>(p, i0, u0);
   }
 };
+template <class V>
 struct SolveTiles {
   const float* nl;
   int64_t ldl;
@@ -288,7 +313,7 @@ struct SolveTiles {
   int64_t ldu;
   template <int R, int NV>
   ATTNKIT_GDR_INLINE void run(int64_t i0, int64_t u0) const {
-    solve_tile<R, NV>(nl, ldl, u, ldu, i0, u0);
+    solve_tile<V, R, NV>(nl, ldl, u, ldu, i0, u0);
   }
 };
 
@@ -341,7 +366,7 @@ struct Chunk {
 
 // The chunk's keys transposed into s.kt, then the key-only products, once
 // for the key head's group of value heads: s.kk = K K^T, s.qk = Q K^T.
-template <int R, int NV>
+template <class V, int R, int NV>
 ATTNKIT_GDR_INLINE void chunk_keys(const GatedDeltaRuleParams& p, const Chunk& c,
                                    const ChunkScratch& s) {
   constexpr int64_t C = kGdrChunk;
@@ -362,12 +387,12 @@ ATTNKIT_GDR_INLINE void chunk_keys(const GatedDeltaRuleParams& p, const Chunk& c
   kk.depth1 = dk;
   kk.c = s.kk;
   kk.ldc = kk.width = C;
-  for_tiles<R, NV>(ProductTiles{kk}, c.n, C / 16);
+  for_tiles<R, NV>(ProductTiles<V>{kk}, c.n, C / lanes<V>);
   Product qk = kk;
   qk.a1 = c.q0;
   qk.lda1 = p.q_stride;
   qk.c = s.qk;
-  for_tiles<R, NV>(ProductTiles{qk}, c.n, C / 16);
+  for_tiles<R, NV>(ProductTiles<V>{qk}, c.n, C / lanes<V>);
 }
 
 // Value head h (the hi-th of its group) over the chunk: eg[i] = exp(G_i),
@@ -424,12 +449,12 @@ ATTNKIT_GDR_INLINE void chunk_decays(const GatedDeltaRuleParams& p, const Chunk&
 
 // Value head hi of the group over the chunk, from its state S ([dk, dvp],
 // S0 in, the chunk's end out): the deltas U, the outputs O, the new S.
-template <int R, int NV>
+template <class V, int R, int NV>
 ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Chunk& c, int64_t hi,
                                          const ChunkScratch& s, float* S, const float* eg,
                                          const double* drow) {
   constexpr int64_t C = kGdrChunk;
-  const int64_t dk = p.key_head_dim, dv = p.value_head_dim, dvp = padded(dv), nv = dvp / 16;
+  const int64_t dk = p.key_head_dim, dv = p.value_head_dim, dvp = padded(dv), nv = dvp / lanes<V>;
   const int64_t H = p.num_v_heads, h = c.kh * (H / p.num_k_heads) + hi;
   const float* beta0 = p.beta + c.row0 * H + h;
   // rhs = beta * (V - exp(G) * (K S0)), then U = (I + L)^-1 rhs.
@@ -441,7 +466,7 @@ ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Ch
   ks.depth1 = dk;
   ks.c = s.u;
   ks.ldc = ks.width = dvp;
-  for_tiles<R, NV>(ProductTiles{ks}, c.n, nv);
+  for_tiles<R, NV>(ProductTiles<V>{ks}, c.n, nv);
   const float* v0 = p.v + c.row0 * p.v_stride + h * dv;
   for (int64_t i = 0; i < c.n; ++i) {
     const float bi = beta0[i * H], ei = eg[i];
@@ -449,7 +474,7 @@ ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Ch
     float* ui = s.u + i * dvp;
     for (int64_t j = 0; j < dv; ++j) ui[j] = bi * (vi[j] - ei * ui[j]);
   }
-  for_tiles<R, NV>(SolveTiles{s.nl, C, s.u, dvp}, c.n, nv);
+  for_tiles<R, NV>(SolveTiles<V>{s.nl, C, s.u, dvp}, c.n, nv);
 
   // O = exp(G) * (Q S0) + lower-incl(D * Q K^T) U.
   Product o;
@@ -468,7 +493,7 @@ ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Ch
   o.c = p.out + c.row0 * p.out_stride + h * dv;
   o.ldc = p.out_stride;
   o.width = dv;
-  for_tiles<R, NV>(ProductTiles{o}, c.n, nv);
+  for_tiles<R, NV>(ProductTiles<V>{o}, c.n, nv);
 
   // S = exp(G_n-1) S0 + K^T (D[n-1][:] * U).
   for (int64_t j = 0; j < c.n; ++j) {
@@ -485,12 +510,12 @@ ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Ch
   st.c = S;
   st.ldc = st.width = dvp;
   st.keep = eg[c.n - 1];  // 0 (total forgetting) overwrites S0
-  for_tiles<R, NV>(ProductTiles{st}, dk, nv);
+  for_tiles<R, NV>(ProductTiles<V>{st}, dk, nv);
 }
 
 // Key head kh of sequence b and its r value heads, chunk by chunk, their
 // states in s.s (padded to dvp columns) meanwhile; R x NV the target's tile.
-template <int R, int NV>
+template <class V, int R, int NV>
 ATTNKIT_GDR_INLINE void chunked_group_impl(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
                                            const ChunkScratch& s) {
   constexpr int64_t C = kGdrChunk;
@@ -512,30 +537,32 @@ ATTNKIT_GDR_INLINE void chunked_group_impl(const GatedDeltaRuleParams& p, int64_
                   row0,
                   p.q + row0 * p.q_stride + kh * dk,
                   p.k + row0 * p.k_stride + kh * dk};
-    chunk_keys<R, NV>(p, c, s);
+    chunk_keys<V, R, NV>(p, c, s);
     for (int64_t hi = 0; hi < r; ++hi) {
       chunk_decays(p, c, hi, s, eg.data(), drow.data());
-      chunk_value_head<R, NV>(p, c, hi, s, s.s + hi * dk * dvp, eg.data(), drow.data());
+      chunk_value_head<V, R, NV>(p, c, hi, s, s.s + hi * dk * dvp, eg.data(), drow.data());
     }
   }
   for (int64_t d = 0; d < r * dk; ++d)
     std::copy(s.s + d * dvp, s.s + d * dvp + dv, states + d * dv);
 }
 
-// Tiles: 4 x 4 on AVX-512 (16 zmm sums of its 32 registers, loads and
-// FMAs balanced); 6 x 1 on AVX2 (12 of its 16 ymm registers, a V16 being
-// two); 2 x 1 on the baseline (8 of its 16 xmm registers).
+// Tiles: 4 rows x 4 zmm on AVX-512 (16 sums of its 32 registers, loads
+// and FMAs balanced); 6 x 2 ymm on AVX2 (12 of its 16 registers); 4 x 2
+// xmm on the baseline (8 of 16). Each target's own vector width: GCC keeps
+// 64-byte vectors on AVX2 in memory, and a tile of them ran at a tenth of
+// the AVX-512 tile's rate.
 ATTNKIT_GDR_AVX512 void chunked_group_avx512(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
                                              const ChunkScratch& s) {
-  chunked_group_impl<4, 4>(p, b, kh, s);
+  chunked_group_impl<V16, 4, 4>(p, b, kh, s);
 }
 ATTNKIT_GDR_AVX2 void chunked_group_avx2(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
                                          const ChunkScratch& s) {
-  chunked_group_impl<6, 1>(p, b, kh, s);
+  chunked_group_impl<V8, 6, 2>(p, b, kh, s);
 }
 void chunked_group_scalar(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
                           const ChunkScratch& s) {
-  chunked_group_impl<2, 1>(p, b, kh, s);
+  chunked_group_impl<V4, 4, 2>(p, b, kh, s);
 }
 
 bool avx512(SimdTarget t) { return t == SimdTarget::kAvx512 || t == SimdTarget::kAvx512Bf16; }
