@@ -86,27 +86,47 @@ Status run_attention(const AttentionParams& params, Backend backend) {
   return run_attention(std::span<const AttentionParams>(&params, 1), backend);
 }
 
+namespace {
+
+// The gated delta rule's scratch, this thread's: the reference's doubles,
+// the chunked form's floats (threads * per worker).
+Scratch<double>& gdr_ref_scratch() {
+  thread_local Scratch<double> s;
+  return s;
+}
+Scratch<float>& gdr_chunk_scratch() {
+  thread_local Scratch<float> s;
+  return s;
+}
+
+}  // namespace
+
+Status reserve_gated_delta_rule(const GatedDeltaRuleParams& params, Backend backend) {
+  if (resolve_backend(backend) == Backend::kReference)
+    return gdr_ref_scratch().reserve(gated_delta_rule_ref_scratch(params), "gated delta rule",
+                                     "doubles of gated delta rule scratch");
+  const int threads = resolve_num_threads(params.num_threads);
+  return gdr_chunk_scratch().reserve(
+      cpu::gated_delta_rule_chunked_scratch(params) * static_cast<size_t>(threads),
+      "gated delta rule", "floats of gated delta rule scratch");
+}
+
 Status run_gated_delta_rule(const GatedDeltaRuleParams& params, Backend backend) {
   if (params.batch == 0 || params.seq == 0) return Status::Ok();
-  if (resolve_backend(backend) == Backend::kReference) {
-    thread_local Scratch<double> scratch;
-    ATTNKIT_RETURN_IF_ERROR(scratch.reserve(gated_delta_rule_ref_scratch(params), "sdpa",
-                                            "doubles of gated delta rule scratch"));
-    gated_delta_rule_ref(params, scratch.data.get());
+  const bool reference = resolve_backend(backend) == Backend::kReference;
+  const bool recurrent = params.form == GdrForm::kRecurrent ||
+                         (params.form == GdrForm::kAuto && params.seq <= kGdrRecurrentMaxSeq);
+  if (reference || !recurrent) ATTNKIT_RETURN_IF_ERROR(reserve_gated_delta_rule(params, backend));
+  if (reference) {
+    gated_delta_rule_ref(params, gdr_ref_scratch().get());
     return Status::Ok();
   }
   const int threads = resolve_num_threads(params.num_threads);
-  const bool recurrent = params.form == GdrForm::kRecurrent ||
-                         (params.form == GdrForm::kAuto && params.seq <= kGdrRecurrentMaxSeq);
   if (recurrent) {
     cpu::gated_delta_rule_recurrent(params, threads, simd_target());
     return Status::Ok();
   }
-  thread_local Scratch<float> scratch;
-  const size_t per_worker = cpu::gated_delta_rule_chunked_scratch(params);
-  ATTNKIT_RETURN_IF_ERROR(scratch.reserve(per_worker * static_cast<size_t>(threads), "sdpa",
-                                          "floats of gated delta rule scratch"));
-  cpu::gated_delta_rule_chunked(params, threads, simd_target(), scratch.data.get());
+  cpu::gated_delta_rule_chunked(params, threads, simd_target(), gdr_chunk_scratch().get());
   return Status::Ok();
 }
 

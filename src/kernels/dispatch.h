@@ -36,6 +36,12 @@ Status run_attention(std::span<const AttentionParams> calls, Backend backend);
 // cannot be allocated, before anything is written.
 Status run_gated_delta_rule(const GatedDeltaRuleParams& params, Backend backend);
 
+// Allocates, on the calling thread, the scratch that any later
+// run_gated_delta_rule call there with the same head shapes, thread count
+// and backend needs (it depends on neither batch nor seq), so that a
+// caller running several calls in a row can fail before the first.
+Status reserve_gated_delta_rule(const GatedDeltaRuleParams& params, Backend backend);
+
 // Tests and fuzzers only. While `kernels` is set, fast calls run it under
 // `target`'s name and tiling (cpu::Plan::kernels) instead of the active
 // target's table: this is how a whole-API harness runs the AVX-512 kernels

@@ -2,14 +2,16 @@
 // and its rolling state, the per-head normalisations and gates, and the
 // recurrence through kernels::run_gated_delta_rule.
 //
-// forward() buffers, all allocated before anything the caller sees is
-// written (T = batch * seq tokens, C conv channels):
-//   qkvz  [T, 2 Hk dk + 2 Hv dv]  the input projection, grouped per key head
-//   ba    [T, 2 Hv]
-//   mixed [T, C]   q | k | v gathered from qkvz, then convolved in place
-//   gb    [2, T, Hv]  g, then beta
-//   core  [T, Hv dv]  the recurrence's output, normalised and gated in place
-//   conv  [batch, K - 1, C]  the new conv state, committed after the recurrence
+// forward() and forward_batch() both run gated_deltanet_rows(): the rows of
+// several sequences in blocks of at most kGdnBlockRows rows, each block in
+// this thread's scratch (grown once, reused: no allocation in steady state;
+// R = the block's rows, C conv channels):
+//   qkvz  [R, 2 Hk dk + 2 Hv dv]  the input projection, grouped per key head
+//   ba    [R, 2 Hv]
+//   mixed [R, C]   q | k | v gathered from qkvz, then convolved in place
+//   gb    [2, R, Hv]  g, then beta
+//   core  [R, Hv dv]  the recurrence's output, normalised and gated in place
+// and per sequence its conv inputs [K - 1, C], committed at the end.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -21,6 +23,8 @@
 #include "io/weight_loader.h"
 #include "kernels/dispatch.h"
 #include "kernels/linear.h"
+#include "kernels/scratch.h"
+#include "layers/gated_deltanet_rows.h"
 
 namespace attnkit {
 namespace {
@@ -165,10 +169,9 @@ Result<GatedDeltaNetState> GatedDeltaNet::new_state(int64_t batch_size) const {
 Status GatedDeltaNet::forward(const TensorView& x, const TensorView& out, GatedDeltaNetState* state,
                               const RunOptions& run) const {
   const GatedDeltaNetConfig& c = config_;
-  const int64_t H = c.hidden_size, Hk = c.num_k_heads, Hv = c.num_v_heads;
+  const int64_t H = c.hidden_size, Hv = c.num_v_heads;
   const int64_t dk = c.key_head_dim, dv = c.value_head_dim, K = c.conv_kernel;
-  const int64_t r = Hv / Hk, kd = Hk * dk, vd = Hv * dv, C = conv_channels(c);
-  const int64_t group_w = 2 * dk + 2 * r * dv;  // one key head's columns of qkvz
+  const int64_t C = conv_channels(c);
   ATTNKIT_RETURN_IF_ERROR(check_io("x", x, H));
   ATTNKIT_RETURN_IF_ERROR(check_io("out", out, H));
   const int64_t batch = x.shape[0], seq = x.shape[1];
@@ -208,84 +211,235 @@ Status GatedDeltaNet::forward(const TensorView& x, const TensorView& out, GatedD
     return invalid_argument(std::string(kFwd) + ": batch * seq overflows");
   if (T == 0) return Status::Ok();
 
-  Tensor qkvz, ba, mixed, gb, core, conv, zero_state;
-  ATTNKIT_RETURN_IF_ERROR(zeros("in_proj_qkvz", {T, 2 * kd + 2 * vd}, &qkvz));
-  ATTNKIT_RETURN_IF_ERROR(zeros("in_proj_ba", {T, 2 * Hv}, &ba));
-  ATTNKIT_RETURN_IF_ERROR(zeros("the conv", {T, C}, &mixed));
-  ATTNKIT_RETURN_IF_ERROR(zeros("g and beta", {2, T, Hv}, &gb));
-  ATTNKIT_RETURN_IF_ERROR(zeros("the recurrence's output", {T, vd}, &core));
-  ATTNKIT_RETURN_IF_ERROR(zeros("the conv state", {batch, K - 1, C}, &conv));
-  if (state == nullptr)
-    ATTNKIT_RETURN_IF_ERROR(zeros("the recurrent state", {batch, Hv, dk, dv}, &zero_state));
-
-  const kernels::LinearOptions lin{.num_threads = resolve_num_threads(run.num_threads),
-                                   .backend = run.backend,
-                                   .gemv_for_one_row = true};
-  // Input projections, per batch item unless every row lies at one stride.
+  // Without a state every sequence starts from zeros and its end is dropped.
+  Tensor zero_conv, zero_rec;
+  float *conv = nullptr, *rec = nullptr;
+  if (state != nullptr) {
+    conv = state->conv_.ptr<float>();
+    rec = state->recurrent_.ptr<float>();
+  } else {
+    ATTNKIT_RETURN_IF_ERROR(zeros("the conv state", {batch, K - 1, C}, &zero_conv));
+    ATTNKIT_RETURN_IF_ERROR(zeros("the recurrent state", {batch, Hv, dk, dv}, &zero_rec));
+    conv = zero_conv.ptr<float>();
+    rec = zero_rec.ptr<float>();
+  }
+  // Rows of one sequence at strides[1] (strides[0] when seq is 1, so that a
+  // decode batch is one matrix wherever its rows lie at one stride).
   const int64_t ldx = seq == 1 ? x.strides[0] : x.strides[1];
-  const bool x_one = batch == 1 || x.strides[0] == seq * ldx;
-  for (int64_t b = 0; b < (x_one ? 1 : batch); ++b) {
-    const float* xb = x.ptr<const float>() + b * x.strides[0];
-    const int64_t rows = x_one ? T : seq, ld = x_one ? ldx : x.strides[1];
-    kernels::linear(xb, ld, kernels::weight_of(tensors_[kQkvz]), nullptr,
-                    qkvz.ptr<float>() + b * seq * (2 * kd + 2 * vd), 2 * kd + 2 * vd, rows,
-                    2 * kd + 2 * vd, H, lin);
-    kernels::linear(xb, ld, kernels::weight_of(tensors_[kBa]), nullptr,
-                    ba.ptr<float>() + b * seq * 2 * Hv, 2 * Hv, rows, 2 * Hv, H, lin);
+  const int64_t ldo = seq == 1 ? out.strides[0] : out.strides[1];
+  thread_local std::vector<layers::GdnSegment> segments;
+  segments.clear();
+  for (int64_t b = 0; b < batch; ++b)
+    segments.push_back({x.ptr<const float>() + b * x.strides[0],
+                        out.ptr<float>() + b * out.strides[0], rec + b * Hv * dk * dv,
+                        conv + b * (K - 1) * C, seq});
+  return layers::gated_deltanet_rows(kFwd, c, tensors_, ldx, ldo, segments, run);
+}
+
+namespace layers {
+namespace {
+
+// The pieces of a block: rows [t0, t0 + len) of segment `seg`, at row
+// `row` of the block's scratch.
+struct Piece {
+  size_t seg;
+  int64_t t0, len, row;
+};
+
+// This thread's scratch for gated_deltanet_rows: grown to the largest
+// call's need, then reused.
+struct RowsScratch {
+  kernels::Scratch<float> floats;
+  std::vector<Piece> pieces;
+};
+RowsScratch& rows_scratch() {
+  thread_local RowsScratch s;
+  return s;
+}
+
+class Rows {
+ public:
+  Rows(const GatedDeltaNetConfig& c, const std::vector<Tensor>& w, int64_t ldx, int64_t ldo,
+       std::span<const GdnSegment> segs, const RunOptions& run, float* scratch, int64_t cap)
+      : c_(c), w_(w), ldx_(ldx), ldo_(ldo), segs_(segs), run_(run) {
+    H_ = c.hidden_size;
+    Hk_ = c.num_k_heads;
+    Hv_ = c.num_v_heads;
+    dk_ = c.key_head_dim;
+    dv_ = c.value_head_dim;
+    K_ = c.conv_kernel;
+    r_ = Hv_ / Hk_;
+    kd_ = Hk_ * dk_;
+    vd_ = Hv_ * dv_;
+    C_ = conv_channels(c);
+    wq_ = 2 * kd_ + 2 * vd_;
+    qkvz_ = scratch;
+    ba_ = qkvz_ + cap * wq_;
+    mixed_ = ba_ + cap * 2 * Hv_;
+    gb_ = mixed_ + cap * C_;
+    core_ = gb_ + 2 * cap * Hv_;
+    next_ = core_ + cap * vd_;
+    hist_ = next_ + (K_ - 1) * C_;
+    cap_ = cap;
+    lin_ = {.num_threads = resolve_num_threads(run.num_threads),
+            .backend = run.backend,
+            .gemv_for_one_row = true};
   }
 
+  static int64_t floats(const GatedDeltaNetConfig& c, int64_t cap, int64_t num_segments) {
+    const int64_t C = conv_channels(c), Hv = c.num_v_heads;
+    const int64_t wq = 2 * c.num_k_heads * c.key_head_dim + 2 * Hv * c.value_head_dim;
+    return cap * (wq + 2 * Hv + C + 2 * Hv + Hv * c.value_head_dim) +
+           (num_segments + 1) * (c.conv_kernel - 1) * C;
+  }
+
+  // The segments' conv inputs into this call's copies (committed by finish()).
+  void start() {
+    for (size_t i = 0; i < segs_.size(); ++i)
+      std::copy_n(segs_[i].conv, (K_ - 1) * C_, hist_ + static_cast<int64_t>(i) * (K_ - 1) * C_);
+  }
+  void finish() {
+    for (size_t i = 0; i < segs_.size(); ++i)
+      std::copy_n(hist_ + static_cast<int64_t>(i) * (K_ - 1) * C_, (K_ - 1) * C_, segs_[i].conv);
+  }
+
+  void block(std::span<const Piece> pieces, int64_t rows);
+
+ private:
+  // Calls f(first piece, pieces, rows) for each run of pieces whose rows of
+  // `base` (x or out) lie one after another at stride ld.
+  template <class F>
+  void runs(std::span<const Piece> pieces, bool of_x, F f) const {
+    size_t a = 0;
+    while (a < pieces.size()) {
+      size_t e = a + 1;
+      int64_t n = pieces[a].len;
+      while (e < pieces.size() &&
+             at(pieces[e], of_x) ==
+                 at(pieces[e - 1], of_x) + pieces[e - 1].len * (of_x ? ldx_ : ldo_)) {
+        n += pieces[e].len;
+        ++e;
+      }
+      f(pieces[a], n);
+      a = e;
+    }
+  }
+  const float* at(const Piece& p, bool of_x) const {
+    return of_x ? segs_[p.seg].x + p.t0 * ldx_ : out_at(p);
+  }
+  float* out_at(const Piece& p) const { return segs_[p.seg].out + p.t0 * ldo_; }
+
+  void conv(const Piece& p);
+  void recurrence(std::span<const Piece> pieces, int64_t rows);
+
+  const GatedDeltaNetConfig& c_;
+  const std::vector<Tensor>& w_;
+  int64_t ldx_, ldo_;
+  std::span<const GdnSegment> segs_;
+  const RunOptions& run_;
+  int64_t H_, Hk_, Hv_, dk_, dv_, K_, r_, kd_, vd_, C_, wq_, cap_;
+  float *qkvz_, *ba_, *mixed_, *gb_, *core_, *next_, *hist_;
+  kernels::LinearOptions lin_;
+};
+
+// The causal depthwise conv with SiLU over a piece's rows of mixed, in
+// place: position t reads inputs t - K + 1 .. t, those before the piece
+// from its sequence's conv inputs (oldest first), so walking t downwards
+// never reads an input already overwritten. The new conv inputs (the last
+// K - 1) are taken first and replace the old after the walk.
+void Rows::conv(const Piece& p) {
+  const int64_t K = K_, C = C_, len = p.len;
+  float* in = mixed_ + p.row * C;
+  float* old = hist_ + static_cast<int64_t>(p.seg) * (K - 1) * C;
+  const float* wconv = w_[kConv].ptr<const float>();  // [C, 1, K]
+  auto input = [&](int64_t u, int64_t ch) -> float {
+    return u >= 0 ? in[u * C + ch] : old[(K - 1 + u) * C + ch];
+  };
+  for (int64_t s = 0; s < K - 1; ++s)
+    for (int64_t ch = 0; ch < C; ++ch) next_[s * C + ch] = input(len - (K - 1) + s, ch);
+  for (int64_t t = len - 1; t >= 0; --t) {
+    for (int64_t ch = 0; ch < C; ++ch) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < K; ++j) acc += wconv[ch * K + j] * input(t - (K - 1) + j, ch);
+      in[t * C + ch] = static_cast<float>(silu(acc));
+    }
+  }
+  std::copy_n(next_, (K - 1) * C, old);
+}
+
+// The gated delta rule over the block's pieces: one kernel call per run of
+// pieces of one length whose states lie one after another (a dense
+// state's batch), else one per piece.
+void Rows::recurrence(std::span<const Piece> pieces, int64_t rows) {
+  const int64_t state_floats = Hv_ * dk_ * dv_;
+  size_t a = 0;
+  while (a < pieces.size()) {
+    size_t e = a + 1;
+    while (e < pieces.size() && pieces[e].len == pieces[a].len &&
+           segs_[pieces[e].seg].recurrent == segs_[pieces[e - 1].seg].recurrent + state_floats)
+      ++e;
+    kernels::GatedDeltaRuleParams p;
+    p.batch = static_cast<int64_t>(e - a);
+    p.seq = pieces[a].len;
+    p.num_k_heads = Hk_;
+    p.num_v_heads = Hv_;
+    p.key_head_dim = dk_;
+    p.value_head_dim = dv_;
+    p.q = mixed_ + pieces[a].row * C_;
+    p.k = p.q + kd_;
+    p.v = p.q + 2 * kd_;
+    p.q_stride = p.k_stride = p.v_stride = C_;
+    p.g = gb_ + pieces[a].row * Hv_;
+    p.beta = gb_ + rows * Hv_ + pieces[a].row * Hv_;
+    p.state = segs_[pieces[a].seg].recurrent;
+    p.out = core_ + pieces[a].row * vd_;
+    p.out_stride = vd_;
+    p.num_threads = run_.num_threads;
+    // Scratch was reserved before the first block: this cannot fail.
+    (void)kernels::run_gated_delta_rule(p, run_.backend);
+    a = e;
+  }
+}
+
+void Rows::block(std::span<const Piece> pieces, int64_t rows) {
+  const int64_t Hv = Hv_, dk = dk_, dv = dv_, r = r_, kd = kd_, vd = vd_, C = C_;
+  const int64_t group_w = 2 * dk + 2 * r * dv;  // one key head's columns of qkvz
+  // Input projections: one GEMM per run of rows at one stride.
+  runs(pieces, true, [&](const Piece& p, int64_t n) {
+    kernels::linear(at(p, true), ldx_, kernels::weight_of(w_[kQkvz]), nullptr, qkvz_ + p.row * wq_,
+                    wq_, n, wq_, H_, lin_);
+    kernels::linear(at(p, true), ldx_, kernels::weight_of(w_[kBa]), nullptr, ba_ + p.row * 2 * Hv,
+                    2 * Hv, n, 2 * Hv, H_, lin_);
+  });
+
   // mixed = [q of every key head | k of every key head | v of every value head].
-  for (int64_t t = 0; t < T; ++t) {
-    const float* src = qkvz.ptr<const float>() + t * (2 * kd + 2 * vd);
-    float* dst = mixed.ptr<float>() + t * C;
-    for (int64_t g = 0; g < Hk; ++g) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* src = qkvz_ + t * wq_;
+    float* dst = mixed_ + t * C;
+    for (int64_t g = 0; g < Hk_; ++g) {
       const float* grp = src + g * group_w;
       std::copy(grp, grp + dk, dst + g * dk);
       std::copy(grp + dk, grp + 2 * dk, dst + kd + g * dk);
       std::copy(grp + 2 * dk, grp + 2 * dk + r * dv, dst + 2 * kd + g * r * dv);
     }
   }
-
-  // The causal depthwise conv with SiLU, in place: position t reads inputs
-  // t - K + 1 .. t, those before the call from the state (oldest first),
-  // so walking t downwards never reads an input already overwritten. The
-  // new state (the last K - 1 inputs) is taken first.
-  const float* wconv = tensors_[kConv].ptr<const float>();  // [C, 1, K]
-  for (int64_t b = 0; b < batch; ++b) {
-    float* in = mixed.ptr<float>() + b * seq * C;
-    const float* old = state ? state->conv_state().ptr<const float>() + b * (K - 1) * C : nullptr;
-    // Input u of the call (u < 0: the state's row K - 1 + u).
-    auto input = [&](int64_t u, int64_t ch) -> float {
-      if (u >= 0) return in[u * C + ch];
-      return old ? old[(K - 1 + u) * C + ch] : 0.0f;
-    };
-    float* next = conv.ptr<float>() + b * (K - 1) * C;
-    for (int64_t s = 0; s < K - 1; ++s)
-      for (int64_t ch = 0; ch < C; ++ch) next[s * C + ch] = input(seq - (K - 1) + s, ch);
-    for (int64_t t = seq - 1; t >= 0; --t) {
-      for (int64_t ch = 0; ch < C; ++ch) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < K; ++j) acc += wconv[ch * K + j] * input(t - (K - 1) + j, ch);
-        in[t * C + ch] = static_cast<float>(silu(acc));
-      }
-    }
-  }
+  for (const Piece& p : pieces) conv(p);
 
   // L2-normalised q and k per head, q scaled by dk^-0.5; g and beta.
   const double q_scale = 1.0 / std::sqrt(static_cast<double>(dk));
-  const float* a_log = tensors_[kALog].ptr<const float>();
-  const float* dt_bias = tensors_[kDtBias].ptr<const float>();
-  float* g = gb.ptr<float>();
-  float* beta = g + T * Hv;
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t hh = 0; hh < 2 * Hk; ++hh) {
-      float* v = mixed.ptr<float>() + t * C + hh * dk;
+  const float* a_log = w_[kALog].ptr<const float>();
+  const float* dt_bias = w_[kDtBias].ptr<const float>();
+  float* g = gb_;
+  float* beta = gb_ + rows * Hv;
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t hh = 0; hh < 2 * Hk_; ++hh) {
+      float* v = mixed_ + t * C + hh * dk;
       double ss = 0.0;
       for (int64_t d = 0; d < dk; ++d) ss += static_cast<double>(v[d]) * v[d];
-      const double f = (hh < Hk ? q_scale : 1.0) / std::sqrt(ss + kL2NormEps);
+      const double f = (hh < Hk_ ? q_scale : 1.0) / std::sqrt(ss + kL2NormEps);
       for (int64_t d = 0; d < dk; ++d) v[d] = static_cast<float>(v[d] * f);
     }
-    const float* row = ba.ptr<const float>() + t * 2 * Hv;
+    const float* row = ba_ + t * 2 * Hv;
     for (int64_t h = 0; h < Hv; ++h) {
       const int64_t grp = h / r, i = h % r;
       const double bv = row[grp * 2 * r + i], av = row[grp * 2 * r + r + i];
@@ -296,48 +450,83 @@ Status GatedDeltaNet::forward(const TensorView& x, const TensorView& out, GatedD
     }
   }
 
-  kernels::GatedDeltaRuleParams p;
-  p.batch = batch;
-  p.seq = seq;
-  p.num_k_heads = Hk;
-  p.num_v_heads = Hv;
-  p.key_head_dim = dk;
-  p.value_head_dim = dv;
-  p.q = mixed.ptr<const float>();
-  p.k = p.q + kd;
-  p.v = p.q + 2 * kd;
-  p.q_stride = p.k_stride = p.v_stride = C;
-  p.g = g;
-  p.beta = beta;
-  p.state = state ? state->recurrent_.ptr<float>() : zero_state.ptr<float>();
-  p.out = core.ptr<float>();
-  p.out_stride = vd;
-  p.num_threads = run.num_threads;
-  ATTNKIT_RETURN_IF_ERROR(check::prefixed(kFwd, kernels::run_gated_delta_rule(p, run.backend)));
-  if (state) std::copy_n(conv.ptr<const float>(), conv.numel(), state->conv_.ptr<float>());
+  recurrence(pieces, rows);
 
   // Gated RMSNorm over each value head: o / rms(o) * w * silu(z).
-  const float* w = tensors_[kNorm].ptr<const float>();
-  for (int64_t t = 0; t < T; ++t) {
-    const float* zrow = qkvz.ptr<const float>() + t * (2 * kd + 2 * vd);
+  const float* w = w_[kNorm].ptr<const float>();
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* zrow = qkvz_ + t * wq_;
     for (int64_t h = 0; h < Hv; ++h) {
-      float* o = core.ptr<float>() + t * vd + h * dv;
+      float* o = core_ + t * vd + h * dv;
       const float* z = zrow + (h / r) * group_w + 2 * dk + r * dv + (h % r) * dv;
       double ss = 0.0;
       for (int64_t d = 0; d < dv; ++d) ss += static_cast<double>(o[d]) * o[d];
-      const double inv = 1.0 / std::sqrt(ss / static_cast<double>(dv) + c.rms_norm_eps);
+      const double inv = 1.0 / std::sqrt(ss / static_cast<double>(dv) + c_.rms_norm_eps);
       for (int64_t d = 0; d < dv; ++d) o[d] = static_cast<float>(o[d] * inv * w[d] * silu(z[d]));
     }
   }
 
-  // out_proj, per batch item unless every row of out lies at one stride.
-  const int64_t ldy = seq == 1 ? out.strides[0] : out.strides[1];
-  const bool y_one = batch == 1 || out.strides[0] == seq * ldy;
-  for (int64_t b = 0; b < (y_one ? 1 : batch); ++b)
-    kernels::linear(core.ptr<const float>() + b * seq * vd, vd, kernels::weight_of(tensors_[kOut]),
-                    nullptr, out.ptr<float>() + b * out.strides[0], y_one ? ldy : out.strides[1],
-                    y_one ? T : seq, H, vd, lin);
+  // out_proj: one GEMM per run of rows at one stride.
+  runs(pieces, false, [&](const Piece& p, int64_t n) {
+    kernels::linear(core_ + p.row * vd, vd, kernels::weight_of(w_[kOut]), nullptr, out_at(p), ldo_,
+                    n, H_, vd, lin_);
+  });
+}
+
+}  // namespace
+
+Status gated_deltanet_rows(const char* fn, const GatedDeltaNetConfig& c,
+                           const std::vector<Tensor>& weights, int64_t ldx, int64_t ldo,
+                           std::span<const GdnSegment> segments, const RunOptions& run) {
+  int64_t total = 0;
+  for (const GdnSegment& s : segments) total += s.len;
+  if (total == 0) return Status::Ok();
+  const int64_t cap = std::min(total, kGdnBlockRows);
+  RowsScratch& scratch = rows_scratch();
+  const int64_t n = Rows::floats(c, cap, static_cast<int64_t>(segments.size()));
+  ATTNKIT_RETURN_IF_ERROR(
+      scratch.floats.reserve(static_cast<size_t>(n), fn, "floats of Gated DeltaNet scratch"));
+  // The recurrence's scratch too, so that no block fails after another
+  // has written.
+  kernels::GatedDeltaRuleParams shape;
+  shape.num_k_heads = c.num_k_heads;
+  shape.num_v_heads = c.num_v_heads;
+  shape.key_head_dim = c.key_head_dim;
+  shape.value_head_dim = c.value_head_dim;
+  shape.num_threads = run.num_threads;
+  ATTNKIT_RETURN_IF_ERROR(
+      check::prefixed(fn, kernels::reserve_gated_delta_rule(shape, run.backend)));
+
+  Rows rows(c, weights, ldx, ldo, segments, run, scratch.floats.get(), cap);
+  rows.start();
+  // Blocks of at most kGdnBlockRows rows: whole segments while they fit; a
+  // segment that does not fit starts a block, and one longer than a block
+  // runs in pieces of kGdnBlockRows rows (its last piece may share a block).
+  std::vector<Piece>& block = scratch.pieces;
+  block.clear();
+  int64_t used = 0;
+  auto flush = [&] {
+    if (block.empty()) return;
+    rows.block(block, used);
+    block.clear();
+    used = 0;
+  };
+  for (size_t i = 0; i < segments.size(); ++i) {
+    for (int64_t t = 0; t < segments[i].len;) {
+      const int64_t left = segments[i].len - t;
+      if (!block.empty() && left > kGdnBlockRows - used) flush();
+      const int64_t len = std::min(left, kGdnBlockRows - used);
+      block.push_back({i, t, len, used});
+      used += len;
+      t += len;
+      if (used == kGdnBlockRows) flush();
+    }
+  }
+  flush();
+  rows.finish();
   return Status::Ok();
 }
+
+}  // namespace layers
 
 }  // namespace attnkit

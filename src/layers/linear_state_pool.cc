@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/check.h"
+#include "layers/gated_deltanet_rows.h"
 
 namespace attnkit {
 namespace {
@@ -22,16 +23,6 @@ bool same_shape(const GatedDeltaNetConfig& a, const GatedDeltaNetConfig& b) {
 
 std::string id_text(const char* fn, const char* arg, int64_t id) {
   return std::string(fn) + ": " + arg + " = " + std::to_string(id);
-}
-
-// Rows [begin, end) of a [total, hidden] view as [1, end - begin, hidden].
-TensorView rows(const TensorView& v, int64_t begin, int64_t end) {
-  TensorView r = v;
-  r.rank = 3;
-  r.data = static_cast<char*>(v.data) + begin * v.strides[0] * static_cast<int64_t>(sizeof(float));
-  r.shape = {1, end - begin, v.shape[1]};
-  r.strides = {(end - begin) * v.strides[0], v.strides[0], v.strides[1]};
-  return r;
 }
 
 // x / out of forward_batch: rank 2 f32 [total, hidden], hidden contiguous.
@@ -199,15 +190,18 @@ Status GatedDeltaNet::forward_batch(const TensorView& x, std::span<const int32_t
     if (!st.ok()) return check::prefixed(kBatch, st.status());
     slots[s] = *st;
   }
-  // Everything forward() checks holds now for every sequence's rows, so
-  // no call below fails part way (short of memory for its scratch).
-  for (size_t s = 0; s < n; ++s) {
-    if (cu_seqlens_q[s + 1] == cu_seqlens_q[s]) continue;
-    ATTNKIT_RETURN_IF_ERROR(check::prefixed(
-        kBatch, forward(rows(x, cu_seqlens_q[s], cu_seqlens_q[s + 1]),
-                        rows(out, cu_seqlens_q[s], cu_seqlens_q[s + 1]), slots[s], run)));
-  }
-  return Status::Ok();
+  // Everything is checked: the rows run as one call, the projections as
+  // one GEMM over every sequence's rows (in blocks of at most
+  // layers::kGdnBlockRows rows), the recurrence from each sequence's slot.
+  thread_local std::vector<layers::GdnSegment> segments;
+  segments.resize(n);
+  for (size_t s = 0; s < n; ++s)
+    segments[s] = {x.ptr<const float>() + cu_seqlens_q[s] * x.strides[0],
+                   out.ptr<float>() + cu_seqlens_q[s] * out.strides[0],
+                   slots[s]->recurrent_.ptr<float>(), slots[s]->conv_.ptr<float>(),
+                   cu_seqlens_q[s + 1] - cu_seqlens_q[s]};
+  return layers::gated_deltanet_rows(kBatch, config_, tensors_, x.strides[0], out.strides[0],
+                                     segments, run);
 }
 
 }  // namespace attnkit

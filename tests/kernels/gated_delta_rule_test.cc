@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -122,6 +123,13 @@ TEST(GatedDeltaRule, FastFormsMatchReference) {
       // Recurrent column groups of 8, 4, 2 and 1 blocks of 16 and a tail.
       {1, 5, 1, 2, 16, 88, -0.3f, 0.0f},
       {2, 3, 2, 2, 16, 152, -0.3f, 0.0f},
+      // The chunked form's tiles: several value heads per key head (their
+      // key-only products shared), value widths with a column tail and
+      // several column panels, row tiles with rows left over, 1 token.
+      {1, 129, 2, 8, 20, 40, -0.3f, 0.0f},
+      {1, 127, 3, 6, 48, 130, -0.2f, 0.0f},
+      {3, 1, 1, 3, 8, 17, -0.3f, 0.0f},
+      {2, 66, 1, 4, 7, 5, -2.0f, 0.0f},
   };
   uint64_t seed = 1;
   for (const Case& c : cases) {
@@ -145,7 +153,8 @@ TEST(GatedDeltaRule, EverySimdTargetMatches) {
   const SimdTarget active = simd_target();
   const Case cases[] = {{2, 3, 2, 4, 16, 40, -0.5f, 0.0f},
                         {1, 150, 1, 2, 32, 24, -0.3f, 0.0f},
-                        {1, 4, 1, 1, 16, 248, -0.3f, 0.0f}};
+                        {1, 4, 1, 1, 16, 248, -0.3f, 0.0f},
+                        {1, 131, 2, 6, 24, 72, -0.3f, 0.0f}};
   uint64_t seed = 40;
   for (const Case& c : cases) {
     const Problem pr = make_problem(c, seed++);
@@ -170,6 +179,32 @@ TEST(GatedDeltaRule, LongSequenceStaysExact) {
   const std::vector<float> want = run(pr, Backend::kReference, GdrForm::kAuto, 1);
   expect_close(run(pr, Backend::kFast, GdrForm::kChunked, 2), want, "chunked, " + name(c));
   expect_close(run(pr, Backend::kFast, GdrForm::kRecurrent, 2), want, "recurrent, " + name(c));
+}
+
+TEST(GatedDeltaRule, NonFiniteTokenLeavesEarlierTokensAlone) {
+  // A NaN or infinite value in token 37's k, v or q reaches tokens 37 and
+  // later only: every output before it is finite and what the reference
+  // gives (the chunked form's tiles never multiply an earlier row by a
+  // later one, not even by 0). Token 37 sits inside a row tile (rows 36-39).
+  const Case c{1, 70, 1, 2, 16, 24, -0.3f, 0.0f};
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::infinity(), -3e38f};
+  const int64_t t = 37, width = 2 * c.hk * c.dk + c.hv * c.dv;
+  for (int64_t at : {int64_t{0}, c.dk, 2 * c.dk + 5}) {  // q, k, v
+    for (float bad : specials) {
+      Problem pr = make_problem(c, 91);
+      pr.rows[t * width + at] = bad;
+      const std::string what = "column " + std::to_string(at) + " = " + std::to_string(bad);
+      const std::vector<float> want = run(pr, Backend::kReference, GdrForm::kAuto, 1);
+      const std::vector<float> before(want.begin(), want.begin() + t * c.hv * c.dv);
+      for (GdrForm form : {GdrForm::kChunked, GdrForm::kRecurrent}) {
+        const std::vector<float> got = run(pr, Backend::kFast, form, 1);
+        const std::vector<float> head(got.begin(), got.begin() + t * c.hv * c.dv);
+        for (float v : head) ASSERT_TRUE(std::isfinite(v)) << what;
+        expect_close(head, before, what);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "attnkit/gated_deltanet.h"
 #include "common/random.h"
 #include "kernels/linear.h"
 
@@ -144,6 +145,73 @@ TEST(LinearAlloc, SecondIdenticalCallAllocatesNothing) {
     EXPECT_EQ(std::memcmp(first.data(), second.data(), first.size() * sizeof(float)), 0);
   }
   std::printf("oneDNN's own allocations in the counted calls: %ld\n", onednn_total);
+}
+
+// GatedDeltaNet's prefill: its scratch is a block of rows, not the whole
+// call, grown once per thread and reused, so a second call of 2 x 1000
+// tokens (8 blocks) allocates no more than a warm call of 2 x 10 tokens
+// (one block) does: only the argument checks' strings, nothing that
+// depends on the length or that a warm call could have kept.
+TEST(LinearAlloc, GatedDeltaNetPrefillAllocatesNothingTheSecondTime) {
+#ifdef ATTNKIT_SANITIZED
+  GTEST_SKIP() << "sanitizers own operator new";
+#endif
+  const GatedDeltaNetConfig c{.hidden_size = 64,
+                              .num_k_heads = 2,
+                              .num_v_heads = 4,
+                              .key_head_dim = 32,
+                              .value_head_dim = 32,
+                              .conv_kernel = 4};
+  const int64_t kd = c.num_k_heads * c.key_head_dim, vd = c.num_v_heads * c.value_head_dim;
+  Rng rng(5);
+  std::vector<std::vector<float>> store;
+  WeightMap m;
+  auto add = [&](const std::string& name, std::initializer_list<int64_t> shape, float lo,
+                 float hi) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    store.push_back(uniform_vector(static_cast<size_t>(n), rng, lo, hi));
+    m[name] = make_view(store.back().data(), DType::kF32, shape);
+  };
+  store.reserve(7);
+  add("in_proj_qkvz.weight", {2 * kd + 2 * vd, c.hidden_size}, -0.2f, 0.2f);
+  add("in_proj_ba.weight", {2 * c.num_v_heads, c.hidden_size}, -0.2f, 0.2f);
+  add("conv1d.weight", {2 * kd + vd, 1, c.conv_kernel}, -0.5f, 0.5f);
+  add("A_log", {c.num_v_heads}, -1.0f, 1.0f);
+  add("dt_bias", {c.num_v_heads}, -1.0f, 1.0f);
+  add("norm.weight", {c.value_head_dim}, 0.5f, 1.5f);
+  add("out_proj.weight", {c.hidden_size, vd}, -0.2f, 0.2f);
+  auto layer = GatedDeltaNet::create(c);
+  ASSERT_TRUE(layer.ok());
+  ASSERT_TRUE(layer->load_weights(m).ok());
+  auto state = layer->new_state(2);
+  ASSERT_TRUE(state.ok());
+  // One thread, so that every worker's scratch is this thread's.
+  const RunOptions run{Backend::kFast, 1};
+  // Our allocations in the second of two calls of `seq` tokens.
+  auto second_call = [&](int64_t seq) -> long {
+    const std::vector<float> x = uniform_vector(static_cast<size_t>(2 * seq * c.hidden_size), rng);
+    std::vector<float> out(x.size());
+    const TensorView xv = make_view(x.data(), DType::kF32, {2, seq, c.hidden_size});
+    const TensorView ov = make_view(out.data(), DType::kF32, {2, seq, c.hidden_size});
+    EXPECT_TRUE(layer->forward(xv, ov, &*state, run).ok());
+    g_news = 0;
+    g_counting = true;
+    const Status st = layer->forward(xv, ov, &*state, run);
+    g_counting = false;
+    EXPECT_TRUE(st.ok());
+    EXPECT_LT(g_news.load(), kMaxCallers);
+    long ours = 0;
+    for (long i = 0; i < std::min(g_news.load(), kMaxCallers); ++i)
+      ours += in_onednn(g_callers[i].load()) ? 0 : 1;
+    return ours;
+  };
+  const long long_call = second_call(1000);
+  const long short_call = second_call(10);
+  EXPECT_EQ(long_call, short_call);
+  // The argument checks of x and out build their messages' prefixes (three
+  // strings each) before they know whether the view is good.
+  EXPECT_LE(long_call, 6) << "more than the argument checks' strings";
 }
 
 }  // namespace

@@ -292,6 +292,33 @@ TEST_P(GatedDeltaNetBackends, OneTokenPromptsThenDecode) {
   }
 }
 
+TEST_P(GatedDeltaNetBackends, CallsLongerThanABlockRunInPiecesExactly) {
+  // The layer runs at most 256 rows at a time (its scratch does not grow
+  // with the call): 600 tokens of 2 sequences are pieces of 256, 256 and
+  // 88 rows each, the conv inputs and state carried between them; then 3
+  // sequences of 100 tokens (two share a block, the third starts the next)
+  // and a decode step, all from the state the previous call left.
+  Fixture f = make(small_config(16, 24), 31);
+  const int64_t H = 48;
+  Rng rng(17);
+  for (int64_t batch : {2, 3}) {
+    auto state = f.layer.new_state(batch);
+    ASSERT_TRUE(state.ok());
+    Reference ref(f.c, f.w, batch);
+    for (int64_t seq : {batch == 2 ? int64_t{600} : int64_t{100}, int64_t{1}}) {
+      const std::vector<float> x = attnkit_test::uniform_vector(batch * seq * H, rng);
+      std::vector<float> out(x.size());
+      ASSERT_TRUE(f.layer
+                      .forward(make_view(x.data(), DType::kF32, {batch, seq, H}),
+                               make_view(out.data(), DType::kF32, {batch, seq, H}), &*state,
+                               {GetParam(), 0})
+                      .ok());
+      expect_close(out, ref.run(x, seq), kRel,
+                   ("batch " + std::to_string(batch) + ", call of " + std::to_string(seq)).c_str());
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, GatedDeltaNetBackends,
                          ::testing::Values(Backend::kReference, Backend::kFast), [](const auto& p) {
                            return p.param == Backend::kReference ? std::string("Reference")

@@ -1,13 +1,16 @@
 // LinearStatePool and GatedDeltaNet::forward_batch: ragged steps that mix
 // prompts, prompt chunks and decodes of several sequences, each in its own
-// state slot, give bit for bit what GatedDeltaNet::forward gives each
-// sequence alone over the same rows with its own GatedDeltaNetState (the
-// layer itself is held to a float64 reference in gated_deltanet_test.cc);
-// fork copies a slot, remove frees it, and every bad call changes nothing.
+// state slot, give what GatedDeltaNet::forward gives each sequence alone
+// over the same rows with its own GatedDeltaNetState: bit for bit on the
+// reference backend, within f32 rounding on the fast one (whose
+// projections run as one GEMM over the step's rows). The layer itself is
+// held to a float64 reference in gated_deltanet_test.cc. Fork copies a
+// slot, remove frees it, and every bad call changes nothing.
 #include "attnkit/linear_state_pool.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -92,6 +95,25 @@ struct Step {
 
 class LinearStatePoolBackends : public ::testing::TestWithParam<Backend> {};
 
+// The reference backend's projections are loops whose rows do not depend
+// on the rows beside them: the same bits. The fast backend's GEMM over a
+// step's packed rows may sum in another order than over one sequence's:
+// within a few f32 roundings of the layer's output scale.
+void expect_same(const std::vector<float>& got, const std::vector<float>& want,
+                 const std::string& what) {
+  if (LinearStatePoolBackends::GetParam() == Backend::kReference) {
+    EXPECT_TRUE(same_bits(got, want)) << what;
+    return;
+  }
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double scale = 0, worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    scale = std::max(scale, std::fabs(double{want[i]}));
+    worst = std::max(worst, std::fabs(double{got[i]} - want[i]));
+  }
+  EXPECT_LE(worst, 1e-5 * scale) << what;
+}
+
 TEST_P(LinearStatePoolBackends, RaggedStepsEqualEachSequenceAlone) {
   Layer l = make_layer(5);
   LinearStatePool pool = make_pool();
@@ -102,7 +124,10 @@ TEST_P(LinearStatePoolBackends, RaggedStepsEqualEachSequenceAlone) {
                                    {{7, 2, 11}, {1, 1, 20}},
                                    {{11, 2}, {13, 0}},
                                    {{2, 7, 11}, {1, 1, 1}},
-                                   {{11, 7}, {1, 1}}};
+                                   {{11, 7}, {1, 1}},
+                                   // Longer than the layer's 256-row block:
+                                   // pieces, decodes sharing their blocks.
+                                   {{7, 11, 2}, {1, 300, 1}}};
   for (int64_t id : {7, 2, 11}) ASSERT_TRUE(pool.add_sequence(id).ok());
   EXPECT_EQ(pool.num_sequences(), 3);
   std::map<int64_t, GatedDeltaNetState> alone;
@@ -130,14 +155,14 @@ TEST_P(LinearStatePoolBackends, RaggedStepsEqualEachSequenceAlone) {
                       .ok());
       const std::vector<float> got(out.begin() + cu[s] * kHidden,
                                    out.begin() + cu[s + 1] * kHidden);
-      EXPECT_TRUE(same_bits(got, want)) << "sequence " << step.ids[s];
+      expect_same(got, want, "sequence " + std::to_string(step.ids[s]));
     }
   }
   for (int64_t id : {7, 2, 11}) {
     const TensorView &c = alone.at(id).conv_state(), &r = alone.at(id).recurrent_state();
     std::vector<float> want(c.ptr<const float>(), c.ptr<const float>() + c.numel());
     want.insert(want.end(), r.ptr<const float>(), r.ptr<const float>() + r.numel());
-    EXPECT_TRUE(same_bits(slot_values(pool, id), want)) << "slot of " << id;
+    expect_same(slot_values(pool, id), want, "slot of " + std::to_string(id));
   }
 }
 

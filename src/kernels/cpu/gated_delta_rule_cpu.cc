@@ -23,6 +23,22 @@ namespace {
 // 16 floats, any alignment: GCC lowers its arithmetic to one zmm, two ymm
 // or four xmm registers by the function's target.
 typedef float V16 __attribute__((vector_size(64), aligned(4)));
+// The chunked form's tiles use each target's own width (see its tiles).
+typedef float V8 __attribute__((vector_size(32), aligned(4)));
+typedef float V4 __attribute__((vector_size(16), aligned(4)));
+template <class V>
+inline constexpr int lanes = static_cast<int>(sizeof(V) / sizeof(float));
+// Loads and stores of V at any alignment: as a template argument V loses
+// the typedefs' aligned(4) (GCC drops attributes there), so a plain
+// dereference would assume full alignment.
+template <class V>
+[[gnu::always_inline]] inline void ldv(V& v, const float* p) {
+  __builtin_memcpy(&v, p, sizeof(V));
+}
+template <class V>
+[[gnu::always_inline]] inline void stv(float* p, const V& v) {
+  __builtin_memcpy(p, &v, sizeof(V));
+}
 
 // k . q over n values: 16 lanes of partial sums, then the tail.
 ATTNKIT_GDR_INLINE float dot(const float* k, const float* q, int64_t n) {
@@ -36,14 +52,36 @@ ATTNKIT_GDR_INLINE float dot(const float* k, const float* q, int64_t n) {
   return sum;
 }
 
+// Block u of a row into / from a V16; kTail: the row's last `tail` (< 16)
+// columns, lane by lane, the lanes past them 0.
+template <bool kTail>
+ATTNKIT_GDR_INLINE void load_block(V16& dst, const float* row, int u, int64_t tail) {
+  if constexpr (kTail) {
+    dst = V16{};
+    for (int64_t j = 0; j < tail; ++j) dst[j] = row[j];
+  } else {
+    dst = reinterpret_cast<const V16*>(row)[u];
+  }
+}
+template <bool kTail>
+ATTNKIT_GDR_INLINE void store_block(float* row, int u, const V16& v, int64_t tail) {
+  if constexpr (kTail) {
+    for (int64_t j = 0; j < tail; ++j) row[j] = v[j];
+  } else {
+    reinterpret_cast<V16*>(row)[u] = v;
+  }
+}
+
 // NB blocks of kGdrColumns columns side by side, [c0, c0 + 16 NB) of head
-// h of sequence b, every token of the call. Each pass walks the rows in
+// h of sequence b, every token of the call; kTail: one block of the last
+// `tail` (< 16) columns, moved lane by lane. Each pass walks the rows in
 // address order (NB * 64 contiguous bytes per row, the whole row when NB *
 // 16 == dv), which the hardware prefetchers follow; the 2 NB sums are
 // independent chains, enough to keep both FMA ports busy.
-template <int NB>
+template <int NB, bool kTail = false>
 ATTNKIT_GDR_INLINE void recurrent_wide(const GatedDeltaRuleParams& p, int64_t b, int64_t h,
-                                       int64_t c0) {
+                                       int64_t c0, int64_t tail = 0) {
+  static_assert(!kTail || NB == 1);
   const int64_t dk = p.key_head_dim, dv = p.value_head_dim;
   const int64_t kh = h / (p.num_v_heads / p.num_k_heads);
   float* S = p.state + (b * p.num_v_heads + h) * dk * dv + c0;  // row i at S + i * dv
@@ -56,53 +94,25 @@ ATTNKIT_GDR_INLINE void recurrent_wide(const GatedDeltaRuleParams& p, int64_t b,
     const float decay = std::exp(p.g[row * p.num_v_heads + h]);
     const float beta = p.beta[row * p.num_v_heads + h];
     const float kq = dot(k, q, dk);
-    V16 sk[NB] = {}, sq[NB] = {}, delta[NB];
+    V16 sk[NB] = {}, sq[NB] = {}, delta[NB], x;
     for (int64_t i = 0; i < dk; ++i) {
-      const V16* s = reinterpret_cast<const V16*>(S + i * dv);
       for (int u = 0; u < NB; ++u) {
-        sk[u] += s[u] * k[i];
-        sq[u] += s[u] * q[i];
+        load_block<kTail>(x, S + i * dv, u, tail);
+        sk[u] += x * k[i];
+        sq[u] += x * q[i];
       }
     }
     // S_new = decay S + k delta^T, so S_new^T q = decay S^T q + (k.q) delta.
     for (int u = 0; u < NB; ++u) {
-      delta[u] = beta * (reinterpret_cast<const V16*>(v)[u] - decay * sk[u]);
-      reinterpret_cast<V16*>(out)[u] = decay * sq[u] + kq * delta[u];
+      load_block<kTail>(x, v, u, tail);
+      delta[u] = beta * (x - decay * sk[u]);
+      store_block<kTail>(out, u, decay * sq[u] + kq * delta[u], tail);
     }
-    for (int64_t i = 0; i < dk; ++i) {
-      V16* s = reinterpret_cast<V16*>(S + i * dv);
-      for (int u = 0; u < NB; ++u) s[u] = decay * s[u] + k[i] * delta[u];
-    }
-  }
-}
-
-// The last dv % 16 columns, [c0, c0 + width), the same steps in scalars.
-ATTNKIT_GDR_INLINE void recurrent_tail(const GatedDeltaRuleParams& p, int64_t b, int64_t h,
-                                       int64_t c0, int64_t width) {
-  const int64_t dk = p.key_head_dim, dv = p.value_head_dim;
-  const int64_t kh = h / (p.num_v_heads / p.num_k_heads);
-  float* S = p.state + (b * p.num_v_heads + h) * dk * dv + c0;
-  for (int64_t t = 0; t < p.seq; ++t) {
-    const int64_t row = b * p.seq + t;
-    const float* q = p.q + row * p.q_stride + kh * dk;
-    const float* k = p.k + row * p.k_stride + kh * dk;
-    const float* v = p.v + row * p.v_stride + h * dv + c0;
-    float* out = p.out + row * p.out_stride + h * dv + c0;
-    const float decay = std::exp(p.g[row * p.num_v_heads + h]);
-    const float beta = p.beta[row * p.num_v_heads + h];
-    const float kq = dot(k, q, dk);
-    float sk[kGdrColumns] = {}, sq[kGdrColumns] = {}, delta[kGdrColumns];
     for (int64_t i = 0; i < dk; ++i)
-      for (int64_t j = 0; j < width; ++j) {
-        sk[j] += S[i * dv + j] * k[i];
-        sq[j] += S[i * dv + j] * q[i];
+      for (int u = 0; u < NB; ++u) {
+        load_block<kTail>(x, S + i * dv, u, tail);
+        store_block<kTail>(S + i * dv, u, decay * x + k[i] * delta[u], tail);
       }
-    for (int64_t j = 0; j < width; ++j) {
-      delta[j] = beta * (v[j] - decay * sk[j]);
-      out[j] = decay * sq[j] + kq * delta[j];
-    }
-    for (int64_t i = 0; i < dk; ++i)
-      for (int64_t j = 0; j < width; ++j) S[i * dv + j] = decay * S[i * dv + j] + k[i] * delta[j];
   }
 }
 
@@ -128,7 +138,7 @@ ATTNKIT_GDR_INLINE void recurrent_head_impl(const GatedDeltaRuleParams& p, int64
     recurrent_wide<1>(p, b, h, c0);
     c0 += kGdrColumns;
   }
-  if (c0 < dv) recurrent_tail(p, b, h, c0, dv - c0);
+  if (c0 < dv) recurrent_wide<1, true>(p, b, h, c0, dv - c0);
 }
 
 ATTNKIT_GDR_AVX512 void recurrent_head_avx512(const GatedDeltaRuleParams& p, int64_t b, int64_t h) {
@@ -141,23 +151,192 @@ void recurrent_head_scalar(const GatedDeltaRuleParams& p, int64_t b, int64_t h) 
   recurrent_head_impl<4>(p, b, h);
 }
 
-// The chunked form's scratch, one worker's, carved from one float array.
-struct ChunkScratch {
-  float* sw;   // [dk + C, dv]: the state S, then U (the chunk's deltas)
-  float* kc;   // [C, dk]: the chunk's keys, contiguous
-  float* qx;   // [C, dk + C]: row i = [exp(G_i) q_i | D[i][:] * (q_i . k_:), lower-incl]
-  float* kk;   // [C, C]: K K^T, then Q K^T
-  float* dm;   // [C, C]: D[i][j] = exp(G_i - G_j), j <= i
-  float* tm;   // [C, C]: T = (I + L)^-1
-  float* rhs;  // [C, dv]: K S0, then beta * (V - exp(G) K S0)
-  float* kwt;  // [dk, C]: (exp(G_n-1 - G_j) k_j)^T
-  float* y;    // [dk, dv]: kwt U
+// ---- The chunked form ----
+//
+// Its products run on register tiles of R rows x NV vectors V of L = 16,
+// 8 or 4 floats by target (tile_mma), written here rather than called in
+// oneDNN: at 64 x 128 x 128 a library call's fixed cost (primitive lookup,
+// memory descriptors) was a third of the time, and a tile can apply the
+// steps around a product (decays, the triangular solve, the state update)
+// while its sums are still in registers. Every operand the tiles read as B
+// lives in this worker's scratch, padded to dvp = dv rounded up to 16
+// columns with zeros, so that no tile needs a column tail; only the stores
+// to `out` stop at dv.
+
+// acc[r][u] += sum over k < depth of a[r * lda + k] * b[k * ldb + L u ..].
+template <class V, int R, int NV>
+ATTNKIT_GDR_INLINE void tile_mma(V (&acc)[R][NV], const float* a, int64_t lda, const float* b,
+                                 int64_t ldb, int64_t depth) {
+  for (int64_t k = 0; k < depth; ++k) {
+    V bv[NV];
+    for (int u = 0; u < NV; ++u) ldv(bv[u], b + k * ldb + u * lanes<V>);
+    for (int r = 0; r < R; ++r) {
+      const float ar = a[r * lda + k];
+      for (int u = 0; u < NV; ++u) acc[r][u] += ar * bv[u];
+    }
+  }
+}
+
+// `width` floats of v at dst (all of them when width >= lanes<V>, none
+// when <= 0).
+template <class V>
+ATTNKIT_GDR_INLINE void store(float* dst, const V& v, int64_t width) {
+  if (width >= lanes<V>) {
+    stv(dst, v);
+    return;
+  }
+  for (int64_t j = 0; j < width; ++j) dst[j] = v[j];
+}
+
+// One product of the chunked form, C = keep * C + [row_scale *] (A1 B1) + A2 B2:
+//   A1 [rows, depth1] (row stride lda1), B1 [depth1, 16 nvec] (ldb1)
+//   A2 [rows, depth2] (lda2), B2 [depth2, 16 nvec] (ldb2); optional. With
+//      lower_a2, row i reads columns j <= i of A2 only (lower triangular).
+//   C  [rows, width] (ldc): written (or, with keep != 0, kept scaled by keep
+//      and added to; then width must be 16 nvec, C being scratch).
+struct Product {
+  const float* a1 = nullptr;
+  int64_t lda1 = 0;
+  const float* b1 = nullptr;
+  int64_t ldb1 = 0, depth1 = 0;
+  const float* row_scale = nullptr;  // [rows] or none
+  const float* a2 = nullptr;
+  int64_t lda2 = 0;
+  const float* b2 = nullptr;
+  int64_t ldb2 = 0, depth2 = 0;
+  bool lower_a2 = false;
+  float* c = nullptr;
+  int64_t ldc = 0, width = 0;
+  float keep = 0.0f;
 };
 
-size_t chunk_floats(int64_t dk, int64_t dv, int64_t C, ChunkScratch* s, float* base) {
-  const int64_t sizes[] = {(dk + C) * dv, C * dk, C * (dk + C), C * C,  C * C,
-                           C * C,         C * dv, dk * C,       dk * dv};
-  float** slots[] = {&s->sw, &s->kc, &s->qx, &s->kk, &s->dm, &s->tm, &s->rhs, &s->kwt, &s->y};
+template <class V, int R, int NV>
+ATTNKIT_GDR_INLINE void product_tile(const Product& p, int64_t i0, int64_t u0) {
+  constexpr int L = lanes<V>;
+  V acc[R][NV] = {};
+  const int64_t c0 = u0 * L;
+  tile_mma<V, R, NV>(acc, p.a1 + i0 * p.lda1, p.lda1, p.b1 + c0, p.ldb1, p.depth1);
+  if (p.row_scale)
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < NV; ++u) acc[r][u] *= p.row_scale[i0 + r];
+  if (p.a2 && !p.lower_a2)
+    tile_mma<V, R, NV>(acc, p.a2 + i0 * p.lda2, p.lda2, p.b2 + c0, p.ldb2, p.depth2);
+  if (p.a2 && p.lower_a2) {
+    // Columns below the tile's first row in one pass; then the diagonal
+    // block row by row, each row stopping at its own column, so that a row
+    // never meets a later row of B (not even times 0: a later token's
+    // non-finite values must not reach an earlier token's output).
+    tile_mma<V, R, NV>(acc, p.a2 + i0 * p.lda2, p.lda2, p.b2 + c0, p.ldb2, std::min(p.depth2, i0));
+    for (int s = 0; s < R && i0 + s < p.depth2; ++s) {
+      V bs[NV];
+      for (int u = 0; u < NV; ++u) ldv(bs[u], p.b2 + (i0 + s) * p.ldb2 + c0 + u * L);
+      for (int r = s; r < R; ++r) {
+        const float a = p.a2[(i0 + r) * p.lda2 + i0 + s];
+        for (int u = 0; u < NV; ++u) acc[r][u] += a * bs[u];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < NV; ++u) {
+      float* c = p.c + (i0 + r) * p.ldc + c0 + L * u;
+      if (p.keep != 0.0f) {
+        V old;
+        ldv(old, c);
+        acc[r][u] += p.keep * old;
+      }
+      store<V>(c, acc[r][u], p.width - c0 - L * u);
+    }
+}
+
+// The forward substitution U_i = rhs_i - sum_{j<i} L[i][j] U_j over rows
+// [i0, i0 + R) of u ([rows, 16 nvec], row stride ldu, rhs in, U out) and
+// column vectors [u0, u0 + NV): the rows above come in as one product
+// (nl = -L, [rows, ldl], read below the diagonal only), the R rows of the
+// tile then meet each other in registers.
+template <class V, int R, int NV>
+ATTNKIT_GDR_INLINE void solve_tile(const float* nl, int64_t ldl, float* u, int64_t ldu, int64_t i0,
+                                   int64_t u0) {
+  V acc[R][NV];
+  float* ut = u + i0 * ldu + u0 * lanes<V>;
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) ldv(acc[r][v], ut + r * ldu + v * lanes<V>);
+  tile_mma<V, R, NV>(acc, nl + i0 * ldl, ldl, u + u0 * lanes<V>, ldu, i0);
+  for (int r = 1; r < R; ++r)
+    for (int s = 0; s < r; ++s) {
+      const float l = nl[(i0 + r) * ldl + i0 + s];
+      for (int v = 0; v < NV; ++v) acc[r][v] += l * acc[s][v];
+    }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) stv(ut + r * ldu + v * lanes<V>, acc[r][v]);
+}
+
+// Runs tile T<R', NV'> over rows [0, rows) and column vectors [0, nvec):
+// panels of NV vectors then single vectors; full tiles of R rows, then one
+// of the rows left. Rows ascend within a panel (the solve needs it).
+template <int R, int NV, class T>
+ATTNKIT_GDR_INLINE void rows_left(const T& tile, int64_t left, int64_t i0, int64_t u0) {
+  if constexpr (R > 0) {
+    if (left == R)
+      tile.template run<R, NV>(i0, u0);
+    else
+      rows_left<R - 1, NV>(tile, left, i0, u0);
+  }
+}
+
+template <int R, int NV, class T>
+ATTNKIT_GDR_INLINE void panel(const T& tile, int64_t rows, int64_t u0) {
+  int64_t i0 = 0;
+  for (; i0 + R <= rows; i0 += R) tile.template run<R, NV>(i0, u0);
+  if (i0 < rows) rows_left<R - 1, NV>(tile, rows - i0, i0, u0);
+}
+
+template <int R, int NV, class T>
+ATTNKIT_GDR_INLINE void for_tiles(const T& tile, int64_t rows, int64_t nvec) {
+  int64_t u0 = 0;
+  for (; u0 + NV <= nvec; u0 += NV) panel<R, NV>(tile, rows, u0);
+  for (; u0 < nvec; ++u0) panel<R, 1>(tile, rows, u0);
+}
+
+template <class V>
+struct ProductTiles {
+  const Product& p;
+  template <int R, int NV>
+  ATTNKIT_GDR_INLINE void run(int64_t i0, int64_t u0) const {
+    product_tile<V, R, NV>(p, i0, u0);
+  }
+};
+template <class V>
+struct SolveTiles {
+  const float* nl;
+  int64_t ldl;
+  float* u;
+  int64_t ldu;
+  template <int R, int NV>
+  ATTNKIT_GDR_INLINE void run(int64_t i0, int64_t u0) const {
+    solve_tile<V, R, NV>(nl, ldl, u, ldu, i0, u0);
+  }
+};
+
+// The chunked form's scratch, one worker's (one key head's group of r
+// value heads at a time), carved from one float array; C = kGdrChunk.
+struct ChunkScratch {
+  float* s;   // [r, dk, dvp]: the group's states
+  float* kt;  // [dk, C]: the chunk's keys transposed (columns past n zero)
+  float* kk;  // [C, C]: K K^T, shared by the group
+  float* qk;  // [C, C]: Q K^T, shared by the group
+  float* nl;  // [C, C]: -L = -(beta_i D[i][j] k_i.k_j), j < i
+  float* am;  // [C, C]: D[i][j] q_i.k_j for j <= i (read below the diagonal only)
+  float* u;   // [C, dvp]: K S0, then rhs, then U (the deltas), then D[n-1][j] U_j
+};
+
+int64_t padded(int64_t dv) { return (dv + 15) / 16 * 16; }
+
+size_t chunk_floats(const GatedDeltaRuleParams& p, ChunkScratch* s, float* base) {
+  constexpr int64_t C = kGdrChunk;
+  const int64_t dk = p.key_head_dim, dvp = padded(p.value_head_dim);
+  const int64_t r = p.num_v_heads / p.num_k_heads;
+  const int64_t sizes[] = {r * dk * dvp, dk * C, C * C, C * C, C * C, C * C, C * dvp};
+  float** slots[] = {&s->s, &s->kt, &s->kk, &s->qk, &s->nl, &s->am, &s->u};
   size_t total = 0;
   for (size_t i = 0; i < std::size(sizes); ++i) {
     // 16-float (64-byte) alignment for every block.
@@ -167,117 +346,223 @@ size_t chunk_floats(int64_t dk, int64_t dv, int64_t C, ChunkScratch* s, float* b
   return total;
 }
 
+// Every 64-byte line of floats [p, p + n) towards the caches.
+ATTNKIT_GDR_INLINE void prefetch_lines(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+  __builtin_prefetch(p + n - 1);
+}
+
 // Below f32's smallest normal a decay is written as 0: its terms are below
 // 1e-38 of the others, and denormal operands would slow every product.
 constexpr double kMinDecay = 1.1754943508222875e-38;
 
-ATTNKIT_GDR_INLINE void chunked_head_impl(const GatedDeltaRuleParams& p, int64_t b, int64_t h,
-                                          const ChunkScratch& s) {
+// One chunk of key head kh of sequence b: tokens [c0, c0 + n), their rows
+// from row0, the head's q and k of its first token.
+struct Chunk {
+  int64_t b, kh, c0, n, row0;
+  const float* q0;
+  const float* k0;
+};
+
+// The chunk's keys transposed into s.kt, then the key-only products, once
+// for the key head's group of value heads: s.kk = K K^T, s.qk = Q K^T.
+template <class V, int R, int NV>
+ATTNKIT_GDR_INLINE void chunk_keys(const GatedDeltaRuleParams& p, const Chunk& c,
+                                   const ChunkScratch& s) {
+  constexpr int64_t C = kGdrChunk;
+  const int64_t dk = p.key_head_dim;
+  // Row by row: the rows lie a token's width apart (pages apart at
+  // Qwen3-Next's shape), the transposed columns in L1.
+  for (int64_t j = 0; j < c.n; ++j) {
+    const float* kj = c.k0 + j * p.k_stride;
+    for (int64_t d = 0; d < dk; ++d) s.kt[d * C + j] = kj[d];
+  }
+  if (c.n < C)
+    for (int64_t d = 0; d < dk; ++d) std::fill(s.kt + d * C + c.n, s.kt + (d + 1) * C, 0.0f);
+  Product kk;
+  kk.a1 = c.k0;
+  kk.lda1 = p.k_stride;
+  kk.b1 = s.kt;
+  kk.ldb1 = C;
+  kk.depth1 = dk;
+  kk.c = s.kk;
+  kk.ldc = kk.width = C;
+  for_tiles<R, NV>(ProductTiles<V>{kk}, c.n, C / lanes<V>);
+  Product qk = kk;
+  qk.a1 = c.q0;
+  qk.lda1 = p.q_stride;
+  qk.c = s.qk;
+  for_tiles<R, NV>(ProductTiles<V>{qk}, c.n, C / lanes<V>);
+}
+
+// Value head h (the hi-th of its group) over the chunk: eg[i] = exp(G_i),
+// s.nl = -L, s.am = D * Q K^T (lower-incl), drow = D[n-1][:].
+//
+// Decays as products of the per-token factors exp(g_t) <= 1 in double, row
+// by row: D[i][j] = D[i-1][j] exp(g_i), D[i][i] = 1. Every partial product
+// is <= 1, so nothing overflows however fast a head forgets, and an
+// entry's relative error is at most ~n double roundings: as exact as the
+// authors' log-space cumulative sums, with n exps per chunk instead of
+// n^2. A row falls below kMinDecay from the left (its entries shrink as j
+// moves away from i), so columns below `lo` are 0 from then on.
+//
+// The next chunk's rows go towards the caches here, a row per step and
+// head (q, k, g and beta with the first), spread out so that the
+// prefetches do not queue: rows lie a token's width apart (pages apart at
+// Qwen3-Next's shape), which the hardware prefetchers do not follow.
+ATTNKIT_GDR_INLINE void chunk_decays(const GatedDeltaRuleParams& p, const Chunk& c, int64_t hi,
+                                     const ChunkScratch& s, float* eg, double* drow) {
   constexpr int64_t C = kGdrChunk;
   const int64_t dk = p.key_head_dim, dv = p.value_head_dim;
-  const int64_t kh = h / (p.num_v_heads / p.num_k_heads);
-  const int64_t H = p.num_v_heads;
-  float* state = p.state + (b * H + h) * dk * dv;
-  float* S = s.sw;
-  float* U = s.sw + dk * dv;
-  std::copy(state, state + dk * dv, S);
-  std::array<double, C> decay;  // exp(g_t), each <= 1
-  std::array<float, C> eg;      // exp(G_i), G_i = g_0 + .. + g_i
-  LinearOptions one;
-  one.backend = Backend::kFast;
-  for (int64_t c0 = 0; c0 < p.seq; c0 += C) {
-    const int64_t n = std::min(C, p.seq - c0);
-    const int64_t row0 = b * p.seq + c0;
-    const float* q0 = p.q + row0 * p.q_stride + kh * dk;
-    const float* k0 = p.k + row0 * p.k_stride + kh * dk;
-    const float* v0 = p.v + row0 * p.v_stride + h * dv;
-    const float* g0 = p.g + row0 * H + h;
-    const float* beta0 = p.beta + row0 * H + h;
-    // Decays as products of the per-token factors exp(g_t) <= 1 in double:
-    // D[i][j] = exp(g_j+1) ... exp(g_i). Every partial product is <= 1, so
-    // nothing overflows however fast a head forgets, and a row's relative
-    // error is at most ~n double roundings: as exact as the authors'
-    // log-space cumulative sums, with n exps per chunk instead of n^2.
-    double acc = 1.0;
-    for (int64_t i = 0; i < n; ++i) {
-      decay[i] = std::exp(static_cast<double>(g0[i * H]));
-      acc = acc * decay[i] < kMinDecay ? 0.0 : acc * decay[i];
-      eg[i] = static_cast<float>(acc);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      float* di = s.dm + i * C;
-      std::fill(di, di + n, 0.0f);
-      double d = 1.0;
-      di[i] = 1.0f;
-      for (int64_t j = i - 1; j >= 0; --j) {
-        d *= decay[j + 1];
-        if (d < kMinDecay) break;
-        di[j] = static_cast<float>(d);
+  const int64_t H = p.num_v_heads, r = H / p.num_k_heads, h = c.kh * r + hi;
+  const float* g0 = p.g + c.row0 * H + h;
+  const float* beta0 = p.beta + c.row0 * H + h;
+  const int64_t next = std::min(C, p.seq - c.c0 - C);
+  double acc = 1.0;
+  int64_t lo = 0;
+  for (int64_t i = 0; i < c.n; ++i) {
+    if (i < next) {
+      const int64_t row = c.row0 + C + i;
+      prefetch_lines(p.v + row * p.v_stride + h * dv, dv);
+      if (hi == 0) {
+        prefetch_lines(p.q + row * p.q_stride + c.kh * dk, dk);
+        prefetch_lines(p.k + row * p.k_stride + c.kh * dk, dk);
+        prefetch_lines(p.g + row * H + c.kh * r, r);
+        prefetch_lines(p.beta + row * H + c.kh * r, r);
       }
     }
-    for (int64_t i = 0; i < n; ++i)
-      std::copy(k0 + i * p.k_stride, k0 + i * p.k_stride + dk, s.kc + i * dk);
-
-    // T = (I + L)^-1, L[i][j] = beta_i D[i][j] k_i.k_j (j < i): row i of T
-    // is e_i - sum_{j<i} L[i][j] T_j, and T_j is zero beyond column j.
-    linear(s.kc, dk, s.kc, nullptr, s.kk, C, n, n, dk, one);
-    for (int64_t i = 0; i < n; ++i) {
-      float* ti = s.tm + i * C;
-      std::fill(ti, ti + n, 0.0f);
-      ti[i] = 1.0f;
-      const float bi = beta0[i * H];
-      for (int64_t j = 0; j < i; ++j) {
-        const float lij = bi * s.dm[i * C + j] * s.kk[i * C + j];
-        const float* tj = s.tm + j * C;
-        for (int64_t c = 0; c <= j; ++c) ti[c] -= lij * tj[c];
-      }
-    }
-
-    // U = T (beta * (V - exp(G) * (K S0))).
-    linear_nn(s.kc, dk, S, dv, s.rhs, dv, n, dv, dk, Backend::kFast);
-    for (int64_t i = 0; i < n; ++i) {
-      const float bi = beta0[i * H], ei = eg[i];
-      const float* vi = v0 + i * p.v_stride;
-      float* ri = s.rhs + i * dv;
-      for (int64_t j = 0; j < dv; ++j) ri[j] = bi * (vi[j] - ei * ri[j]);
-    }
-    linear_nn(s.tm, C, s.rhs, dv, U, dv, n, dv, n, Backend::kFast);
-
-    // O = [exp(G) Q | lower-incl(D * Q K^T)] [S0; U], written in place.
-    linear(q0, p.q_stride, s.kc, nullptr, s.kk, C, n, n, dk, one);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* qi = q0 + i * p.q_stride;
-      float* xi = s.qx + i * (dk + C);
-      for (int64_t d = 0; d < dk; ++d) xi[d] = eg[i] * qi[d];
-      for (int64_t j = 0; j < n; ++j) xi[dk + j] = s.dm[i * C + j] * s.kk[i * C + j];
-    }
-    linear_nn(s.qx, dk + C, S, dv, p.out + row0 * p.out_stride + h * dv, p.out_stride, n, dv,
-              dk + n, Backend::kFast);
-
-    // S = exp(G_n-1) S0 + (D[n-1][:] K)^T U.
-    const float* last_row = s.dm + (n - 1) * C;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kj = s.kc + j * dk;
-      for (int64_t d = 0; d < dk; ++d) s.kwt[d * C + j] = last_row[j] * kj[d];
-    }
-    linear_nn(s.kwt, C, U, dv, s.y, dv, dk, dv, n, Backend::kFast);
-    const float last = eg[n - 1];
-    for (int64_t i = 0; i < dk * dv; ++i) S[i] = last * S[i] + s.y[i];
+    const double decay = std::exp(static_cast<double>(g0[i * H]));
+    acc = acc * decay < kMinDecay ? 0.0 : acc * decay;
+    eg[i] = static_cast<float>(acc);
+    for (int64_t j = lo; j < i; ++j) drow[j] *= decay;
+    drow[i] = 1.0;
+    while (lo < i && drow[lo] < kMinDecay) drow[lo++] = 0.0;
+    const float bi = beta0[i * H];
+    const float* kki = s.kk + i * C;
+    const float* qki = s.qk + i * C;
+    float* nli = s.nl + i * C;
+    float* ami = s.am + i * C;
+    for (int64_t j = 0; j < i; ++j) nli[j] = -bi * static_cast<float>(drow[j]) * kki[j];
+    for (int64_t j = 0; j <= i; ++j) ami[j] = static_cast<float>(drow[j]) * qki[j];
   }
-  std::copy(S, S + dk * dv, state);
 }
 
-ATTNKIT_GDR_AVX512 void chunked_head_avx512(const GatedDeltaRuleParams& p, int64_t b, int64_t h,
-                                            const ChunkScratch& s) {
-  chunked_head_impl(p, b, h, s);
+// Value head hi of the group over the chunk, from its state S ([dk, dvp],
+// S0 in, the chunk's end out): the deltas U, the outputs O, the new S.
+template <class V, int R, int NV>
+ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Chunk& c, int64_t hi,
+                                         const ChunkScratch& s, float* S, const float* eg,
+                                         const double* drow) {
+  constexpr int64_t C = kGdrChunk;
+  const int64_t dk = p.key_head_dim, dv = p.value_head_dim, dvp = padded(dv), nv = dvp / lanes<V>;
+  const int64_t H = p.num_v_heads, h = c.kh * (H / p.num_k_heads) + hi;
+  const float* beta0 = p.beta + c.row0 * H + h;
+  // rhs = beta * (V - exp(G) * (K S0)), then U = (I + L)^-1 rhs.
+  Product ks;
+  ks.a1 = c.k0;
+  ks.lda1 = p.k_stride;
+  ks.b1 = S;
+  ks.ldb1 = dvp;
+  ks.depth1 = dk;
+  ks.c = s.u;
+  ks.ldc = ks.width = dvp;
+  for_tiles<R, NV>(ProductTiles<V>{ks}, c.n, nv);
+  const float* v0 = p.v + c.row0 * p.v_stride + h * dv;
+  for (int64_t i = 0; i < c.n; ++i) {
+    const float bi = beta0[i * H], ei = eg[i];
+    const float* vi = v0 + i * p.v_stride;
+    float* ui = s.u + i * dvp;
+    for (int64_t j = 0; j < dv; ++j) ui[j] = bi * (vi[j] - ei * ui[j]);
+  }
+  for_tiles<R, NV>(SolveTiles<V>{s.nl, C, s.u, dvp}, c.n, nv);
+
+  // O = exp(G) * (Q S0) + lower-incl(D * Q K^T) U.
+  Product o;
+  o.a1 = c.q0;
+  o.lda1 = p.q_stride;
+  o.b1 = S;
+  o.ldb1 = dvp;
+  o.depth1 = dk;
+  o.row_scale = eg;
+  o.a2 = s.am;
+  o.lda2 = C;
+  o.b2 = s.u;
+  o.ldb2 = dvp;
+  o.depth2 = c.n;
+  o.lower_a2 = true;
+  o.c = p.out + c.row0 * p.out_stride + h * dv;
+  o.ldc = p.out_stride;
+  o.width = dv;
+  for_tiles<R, NV>(ProductTiles<V>{o}, c.n, nv);
+
+  // S = exp(G_n-1) S0 + K^T (D[n-1][:] * U).
+  for (int64_t j = 0; j < c.n; ++j) {
+    const float w = static_cast<float>(drow[j]);
+    float* uj = s.u + j * dvp;
+    for (int64_t col = 0; col < dvp; ++col) uj[col] *= w;
+  }
+  Product st;
+  st.a1 = s.kt;
+  st.lda1 = C;
+  st.b1 = s.u;
+  st.ldb1 = dvp;
+  st.depth1 = c.n;
+  st.c = S;
+  st.ldc = st.width = dvp;
+  st.keep = eg[c.n - 1];  // 0 (total forgetting) overwrites S0
+  for_tiles<R, NV>(ProductTiles<V>{st}, dk, nv);
 }
-ATTNKIT_GDR_AVX2 void chunked_head_avx2(const GatedDeltaRuleParams& p, int64_t b, int64_t h,
-                                        const ChunkScratch& s) {
-  chunked_head_impl(p, b, h, s);
+
+// Key head kh of sequence b and its r value heads, chunk by chunk, their
+// states in s.s (padded to dvp columns) meanwhile; R x NV the target's tile.
+template <class V, int R, int NV>
+ATTNKIT_GDR_INLINE void chunked_group_impl(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
+                                           const ChunkScratch& s) {
+  constexpr int64_t C = kGdrChunk;
+  const int64_t dk = p.key_head_dim, dv = p.value_head_dim, dvp = padded(dv);
+  const int64_t H = p.num_v_heads, r = H / p.num_k_heads;
+  float* const states = p.state + (b * H + kh * r) * dk * dv;  // the group's, [r, dk, dv]
+  for (int64_t d = 0; d < r * dk; ++d) {
+    std::copy(states + d * dv, states + (d + 1) * dv, s.s + d * dvp);
+    std::fill(s.s + d * dvp + dv, s.s + (d + 1) * dvp, 0.0f);
+  }
+  std::array<double, C> drow;  // D[n-1][:] after chunk_decays
+  std::array<float, C> eg;     // exp(G_i)
+  for (int64_t c0 = 0; c0 < p.seq; c0 += C) {
+    const int64_t row0 = b * p.seq + c0;
+    const Chunk c{b,
+                  kh,
+                  c0,
+                  std::min(C, p.seq - c0),
+                  row0,
+                  p.q + row0 * p.q_stride + kh * dk,
+                  p.k + row0 * p.k_stride + kh * dk};
+    chunk_keys<V, R, NV>(p, c, s);
+    for (int64_t hi = 0; hi < r; ++hi) {
+      chunk_decays(p, c, hi, s, eg.data(), drow.data());
+      chunk_value_head<V, R, NV>(p, c, hi, s, s.s + hi * dk * dvp, eg.data(), drow.data());
+    }
+  }
+  for (int64_t d = 0; d < r * dk; ++d)
+    std::copy(s.s + d * dvp, s.s + d * dvp + dv, states + d * dv);
 }
-void chunked_head_scalar(const GatedDeltaRuleParams& p, int64_t b, int64_t h,
-                         const ChunkScratch& s) {
-  chunked_head_impl(p, b, h, s);
+
+// Tiles: 4 rows x 4 zmm on AVX-512 (16 sums of its 32 registers, loads
+// and FMAs balanced); 6 x 2 ymm on AVX2 (12 of its 16 registers); 4 x 2
+// xmm on the baseline (8 of 16). Each target's own vector width: GCC keeps
+// 64-byte vectors on AVX2 in memory, and a tile of them ran at a tenth of
+// the AVX-512 tile's rate.
+ATTNKIT_GDR_AVX512 void chunked_group_avx512(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
+                                             const ChunkScratch& s) {
+  chunked_group_impl<V16, 4, 4>(p, b, kh, s);
+}
+ATTNKIT_GDR_AVX2 void chunked_group_avx2(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
+                                         const ChunkScratch& s) {
+  chunked_group_impl<V8, 6, 2>(p, b, kh, s);
+}
+void chunked_group_scalar(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
+                          const ChunkScratch& s) {
+  chunked_group_impl<V4, 4, 2>(p, b, kh, s);
 }
 
 bool avx512(SimdTarget t) { return t == SimdTarget::kAvx512 || t == SimdTarget::kAvx512Bf16; }
@@ -286,7 +571,7 @@ bool avx512(SimdTarget t) { return t == SimdTarget::kAvx512 || t == SimdTarget::
 
 size_t gated_delta_rule_chunked_scratch(const GatedDeltaRuleParams& p) {
   ChunkScratch unused;
-  return chunk_floats(p.key_head_dim, p.value_head_dim, kGdrChunk, &unused, nullptr);
+  return chunk_floats(p, &unused, nullptr);
 }
 
 void gated_delta_rule_recurrent(const GatedDeltaRuleParams& p, int threads, SimdTarget target) {
@@ -300,15 +585,20 @@ void gated_delta_rule_recurrent(const GatedDeltaRuleParams& p, int threads, Simd
 
 void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int threads, SimdTarget target,
                               float* scratch) {
-  auto head = avx512(target)                ? chunked_head_avx512
-              : target == SimdTarget::kAvx2 ? chunked_head_avx2
-                                            : chunked_head_scalar;
-  const size_t per_worker = gated_delta_rule_chunked_scratch(p);
-  parallel_for(p.batch * p.num_v_heads, threads, [&](int64_t task, int worker) {
+  auto group = avx512(target)                ? chunked_group_avx512
+               : target == SimdTarget::kAvx2 ? chunked_group_avx2
+                                             : chunked_group_scalar;
+  // One pointer captured: std::function keeps it without allocating.
+  const struct {
+    const GatedDeltaRuleParams& p;
+    decltype(group) run;
+    float* scratch;
+    size_t per_worker;
+  } ctx{p, group, scratch, gated_delta_rule_chunked_scratch(p)};
+  parallel_for(p.batch * p.num_k_heads, threads, [c = &ctx](int64_t task, int worker) {
     ChunkScratch s;
-    chunk_floats(p.key_head_dim, p.value_head_dim, kGdrChunk, &s,
-                 scratch + static_cast<size_t>(worker) * per_worker);
-    head(p, task / p.num_v_heads, task % p.num_v_heads, s);
+    chunk_floats(c->p, &s, c->scratch + static_cast<size_t>(worker) * c->per_worker);
+    c->run(c->p, task / c->p.num_k_heads, task % c->p.num_k_heads, s);
   });
 }
 

@@ -1,10 +1,11 @@
 // Fast CPU forms of the gated delta rule (kernels/gated_delta_rule_params.h
 // has the contract; ref/gated_delta_rule_ref.h is the reference twin).
 //
-// Work is one task per (sequence, value head), run on attnkit's pool; a
-// task's results do not depend on the thread count (each task owns its
-// state, outputs and scratch slot), so the output is the same bits for 1 or
-// N threads.
+// Work is one task per (sequence, value head) in the recurrent form and
+// per (sequence, key head) in the chunked form (the key head's value heads
+// share its K K^T and Q K^T); a task's results do not depend on the thread
+// count (each task owns its states, outputs and scratch slot), so the
+// output is the same bits for 1 or N threads.
 //
 // recurrent  The state's value columns are independent (column j of S only
 //            meets column j of delta), so a head's state is walked in groups
@@ -18,12 +19,18 @@
 //            (formed as products of the factors exp(g_t) <= 1 in double),
 //            S0 the state at the chunk's start:
 //              L  = strictly lower (beta_i D[i][j] k_i.k_j)       [n, n]
-//              T  = (I + L)^-1   (forward substitution, unit lower)
-//              U  = T (beta * (V - exp(G) * (K S0)))              [n, dv]
+//              U  = (I + L)^-1 (beta * (V - exp(G) * (K S0)))     [n, dv]
+//                   (forward substitution, blocked: no inverse formed)
 //              O  = exp(G) * (Q S0) + (lower-incl (D * Q K^T)) U  [n, dv]
-//              S  = exp(G_n-1) S0 + (exp(G_n-1 - G) * K)^T U      [dk, dv]
+//              S  = exp(G_n-1) S0 + K^T (exp(G_n-1 - G) * U)      [dk, dv]
 //            U holds the deltas of the recurrent form. The products run on
-//            kernels::linear / linear_nn (oneDNN, one thread per task).
+//            register tiles written in the .cc (R rows x NV vectors of 16
+//            columns per target), which apply the steps around them (row
+//            scales, the solve, the state update) while the sums are in
+//            registers; at 64 x 128 x 128 a oneDNN call's fixed cost was a
+//            third of the time. Row i of every triangular product stops at
+//            column i, so a later token's NaN or Inf never reaches an
+//            earlier token's output.
 #pragma once
 
 #include <cstddef>
