@@ -18,7 +18,7 @@ void bind_paged(pybind11::module_& m);       // paged.cc: PagedKVCache, batch_at
 void bind_model_spec(pybind11::module_& m);  // model_spec.cc: the model description
 // sparse_attention.cc: indexer_quantize, lightning_indexer_topk
 void bind_sparse_attention(pybind11::module_& m);
-void bind_serve(pybind11::module_& m);       // serve.cc: StepModel, SyntheticModel, Engine
-void bind_model(pybind11::module_& m);       // model.cc: Model (a decoder from a checkpoint)
+void bind_serve(pybind11::module_& m);  // serve.cc: StepModel, SyntheticModel, Engine
+void bind_model(pybind11::module_& m);  // model.cc: Model (a decoder from a checkpoint)
 
 }  // namespace attnkit::python
