@@ -841,3 +841,65 @@ def test_batch_rows_are_independent_sequences(tmp_path):
     batch = model.forward(tokens)
     for r in range(3):
         check_logits(f"row {r}", batch[r], model.forward(tokens[r]), rel=1e-5)
+
+
+def test_hybrid_and_llama4_bad_tensors_are_named(tmp_path):
+    """Qwen3-Next's linear-attention and gated-shared-expert tensors and
+    Llama 4's fused experts are read strictly: missing, extra and
+    mis-shaped tensors are named (a down_proj stored nn.Linear-style,
+    [E, H, I], is the likely mistake)."""
+    c = FAMILIES["qwen3_next"]
+    w = random_weights(c, seed=21)
+    del w["model.layers.2.linear_attn.A_log"]
+    write_checkpoint(str(tmp_path / "a"), c, w)
+    msg = load_error(tmp_path / "a")
+    assert "layer 2" in msg and "model.layers.2.linear_attn.A_log" in msg
+    w = random_weights(c, seed=21)
+    w["model.layers.1.mlp.shared_expert_gate.weight"] = np.zeros((HIDDEN,), np.float32)
+    write_checkpoint(str(tmp_path / "b"), c, w)
+    msg = load_error(tmp_path / "b")
+    assert "model.layers.1.mlp.shared_expert_gate.weight" in msg and "[1, 64]" in msg
+    w = random_weights(c, seed=21)
+    w["model.layers.0.self_attn.q_proj.weight"] = np.zeros((8, HIDDEN), np.float32)
+    write_checkpoint(str(tmp_path / "c"), c, w)
+    assert "model.layers.0.self_attn.q_proj.weight" in load_error(tmp_path / "c")
+
+    c = FAMILIES["llama4_text"]
+    E, I = c["num_local_experts"], c["intermediate_size"]
+    w = random_weights(c, seed=22)
+    w["model.layers.1.feed_forward.experts.down_proj"] = np.zeros((E, HIDDEN, I), np.float32)
+    write_checkpoint(str(tmp_path / "d"), c, w)
+    msg = load_error(tmp_path / "d")
+    assert "model.layers.1.feed_forward.experts.down_proj" in msg
+    assert f"[{E}, {HIDDEN}, {I}]" in msg and f"[{E}, {I}, {HIDDEN}]" in msg
+    w = random_weights(c, seed=22)
+    w["model.layers.3.feed_forward.experts.gate_up_proj_bias"] = np.zeros((E, 2 * I), np.float32)
+    write_checkpoint(str(tmp_path / "e"), c, w)
+    assert "model.layers.3.feed_forward.experts.gate_up_proj_bias" in load_error(tmp_path / "e")
+    w = random_weights(c, seed=22)
+    del w["model.layers.0.feed_forward.up_proj.weight"]
+    write_checkpoint(str(tmp_path / "f"), c, w)
+    assert "model.layers.0.feed_forward.up_proj.weight" in load_error(tmp_path / "f")
+
+
+def test_llama4_multimodal_wrapper_is_refused(tmp_path):
+    """Llama4ForConditionalGeneration's config (text_config inside
+    model_type llama4) is refused by name: only the text checkpoint loads."""
+    text = dict(FAMILIES["llama4_text"])
+    write_checkpoint(str(tmp_path), {"model_type": "llama4", "text_config": text}, {})
+    msg = load_error(tmp_path)
+    assert "llama4" in msg and "multimodal wrapper" in msg
+
+
+def test_qwen3_next_forward_in_pieces_equals_one_call(tmp_path):
+    """The linear layers' state carries across forward()'s positions: a
+    sequence's logits do not depend on the rows batched beside it, and the
+    first 5 positions of an 11-token row equal a 5-token call (causal)."""
+    c = FAMILIES["qwen3_next"]
+    weights = random_weights(c, seed=23)
+    write_checkpoint(str(tmp_path), c, weights)
+    model = attnkit.Model.from_pretrained(str(tmp_path))
+    tokens = np.random.default_rng(5).integers(0, VOCAB, size=(2, 11))
+    full = model.forward(tokens)
+    check_logits("prefix", model.forward(tokens[:1, :5])[0], full[0, :5], rel=1e-5)
+    check_logits("row 1 alone", model.forward(tokens[1]), full[1], rel=1e-5)
