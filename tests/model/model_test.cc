@@ -105,13 +105,39 @@ void add_qwen3_next_layer(Checkpoint* c, const std::string& p, int64_t i) {
   }
 }
 
-// A Llama (or Gemma-2, DeepSeek-V3, Qwen3-Next) checkpoint of `layers`
+// Llama 4's layer i of tiny(): chunked attention (chunk 4, RoPE, L2
+// qk-norm) except NoPE layer 2 (temperature tuning, floor_scale 4, so the
+// scale changes within the test's positions); top-1 input-scaled experts
+// (fused gate_up_proj / down_proj) and a shared expert on layer 1, dense
+// feed_forward on layers 0 and 2.
+void add_llama4_layer(Checkpoint* c, const std::string& p, int64_t i) {
+  c->shapes[p + "self_attn.q_proj.weight"] = {kHeads * kHeadDim, kHidden};
+  c->shapes[p + "self_attn.k_proj.weight"] = {kKvHeads * kHeadDim, kHidden};
+  c->shapes[p + "self_attn.v_proj.weight"] = {kKvHeads * kHeadDim, kHidden};
+  c->shapes[p + "self_attn.o_proj.weight"] = {kHidden, kHeads * kHeadDim};
+  const std::string f = p + "feed_forward.";
+  if (i != 1) {
+    c->shapes[f + "gate_proj.weight"] = {kInter, kHidden};
+    c->shapes[f + "up_proj.weight"] = {kInter, kHidden};
+    c->shapes[f + "down_proj.weight"] = {kHidden, kInter};
+    return;
+  }
+  c->shapes[f + "router.weight"] = {4, kHidden};
+  c->shapes[f + "experts.gate_up_proj"] = {4, kHidden, 2 * 32};
+  c->shapes[f + "experts.down_proj"] = {4, 32, kHidden};
+  c->shapes[f + "shared_expert.gate_proj.weight"] = {32, kHidden};
+  c->shapes[f + "shared_expert.up_proj.weight"] = {32, kHidden};
+  c->shapes[f + "shared_expert.down_proj.weight"] = {kHidden, 32};
+}
+
+// A Llama (or Gemma-2, DeepSeek-V3, Qwen3-Next, Llama 4) checkpoint of `layers`
 // layers with N(0, 1/in) matrices and 1 + N(0, 0.3) norm gains (Gemma's and
 // Qwen3-Next's zero-centred norms: N(0, 0.3), their (1 + w)).
 Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
   Checkpoint c;
   const bool gemma = model_type == "gemma2";
   const bool next = model_type == "qwen3_next";
+  const bool llama4 = model_type == "llama4_text";
   c.config = {{"model_type", model_type},
               {"vocab_size", kVocab},
               {"hidden_size", kHidden},
@@ -163,6 +189,17 @@ Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
                      {"shared_expert_intermediate_size", 32},
                      {"mlp_only_layers", json::array({2})}});
   }
+  if (llama4)
+    c.config.update({{"intermediate_size", 32},
+                     {"intermediate_size_mlp", kInter},
+                     {"num_local_experts", 4},
+                     {"num_experts_per_tok", 1},
+                     {"moe_layers", json::array({1})},
+                     {"no_rope_layer_interval", 3},
+                     {"attention_chunk_size", 4},
+                     {"floor_scale", 4},
+                     {"attn_scale", 0.1},
+                     {"rope_scaling", nullptr}});
   c.shapes["model.embed_tokens.weight"] = {kVocab, kHidden};
   c.shapes["model.norm.weight"] = {kHidden};
   if (!gemma) c.shapes["lm_head.weight"] = {kVocab, kHidden};
@@ -179,6 +216,10 @@ Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
     }
     if (next) {
       add_qwen3_next_layer(&c, p, i);
+      continue;
+    }
+    if (llama4) {
+      add_llama4_layer(&c, p, i);
       continue;
     }
     c.shapes[p + "self_attn.q_proj.weight"] = {kHeads * kHeadDim, kHidden};
@@ -198,7 +239,11 @@ Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
     const bool norm = name.ends_with("norm.weight");
     // The Gated DeltaNet's output norm applies w itself, never 1 + w.
     const bool zero_centred = (gemma || next) && !name.ends_with("linear_attn.norm.weight");
-    const float scale = norm ? 0.3f : 1.0f / std::sqrt(static_cast<float>(shape.back()));
+    // Fan-in: the last dim for nn.Linear [out, in], the middle one for
+    // Llama 4's fused x @ W experts [E, in, out].
+    const int64_t fan_in =
+        shape.size() == 3 && !name.ends_with("conv1d.weight") ? shape[1] : shape.back();
+    const float scale = norm ? 0.3f : 1.0f / std::sqrt(static_cast<float>(fan_in));
     for (float& x : v) x = (norm && !zero_centred ? 1.0f : 0.0f) + rng.normal(0.0f, scale);
   }
   return c;
@@ -343,6 +388,11 @@ TEST(Model, DeepseekStepsOverTheLatentPoolEqualForward) {
 TEST(Model, Qwen3NextStepsOverThePoolAndStatesEqualForward) {
   check_steps_equal_forward("qwen3_next");
 }
+
+// Llama 4: chunked layers 0-1 and NoPE layer 2 share a pool without a
+// chunk (each passes its own); the NoPE layer's temperature follows the
+// pool's positions across steps; input-scaled experts on layer 1.
+TEST(Model, Llama4StepsOverThePoolEqualForward) { check_steps_equal_forward("llama4_text"); }
 
 TEST(Model, Qwen3NextStatePoolHoldsItsLinearLayers) {
   Checkpoint c = tiny("qwen3_next", 3, 8);
