@@ -70,8 +70,9 @@ struct ModelLoadOptions {
 // Families from_pretrained loads (config.json's model_type): "llama",
 // "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
 // "qwen3_next", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3",
-// "gpt_oss", "llama4_text" (Llama4ForCausalLM's names; the multimodal
-// "llama4" wrapper is refused). Others are refused by name.
+// "gpt_oss", "llama4_text" (Llama4ForCausalLM's names, or the text model of
+// a "llama4" wrapper's checkpoint: its language_model.* tensors, the vision
+// tower left unread). Other families and wrappers are refused by name.
 std::span<const char* const> supported_model_types();
 
 class Model final : public StepModel {

@@ -59,7 +59,7 @@ Status check_supported(const ModelSpec& spec) {
     return invalid_argument(std::string(kFn) + ": model_type \"" + spec.model_type +
                             "\" is not loaded as a whole model yet (supported: " + list + ")");
   }
-  if (!spec.wrapper_model_type.empty())
+  if (!spec.wrapper_model_type.empty() && spec.wrapper_model_type != "llama4")
     return invalid_argument(std::string(kFn) + ": model_type \"" + spec.wrapper_model_type +
                             "\" is a multimodal wrapper; only its text model (\"" +
                             spec.model_type + "\") checkpoint loads");
@@ -273,6 +273,23 @@ Status load_ends(const WeightMap& weights, Model::Impl* m, std::set<std::string>
   return Status::Ok();
 }
 
+// Llama4ForConditionalGeneration's checkpoint (the released Llama 4
+// Scout / Maverick): the text model's tensors are those under
+// "language_model." (language_model.model.layers..., language_model.lm_head),
+// renamed here to Llama4ForCausalLM's; the vision tower and projector are
+// not read. Anything else keeps its name, and is then reported as unread.
+WeightMap llama4_text_tensors(const WeightMap& all) {
+  const std::string text = "language_model.";
+  WeightMap out;
+  for (const auto& [name, view] : all) {
+    if (name.starts_with(text))
+      out[name.substr(text.size())] = view;
+    else if (!name.starts_with("vision_model.") && !name.starts_with("multi_modal_projector."))
+      out[name] = view;
+  }
+  return out;
+}
+
 bool is_ignored_buffer(const std::string& name) {
   for (const std::string& b : io::ignored_buffers())
     if (name == b || (name.size() > b.size() && name.ends_with("." + b))) return true;
@@ -289,6 +306,7 @@ Result<Model> Model::from_pretrained(const std::string& dir, const ModelLoadOpti
   if (!spec.ok()) return prefixed(dir + "/config.json", spec.status());
   ATTNKIT_RETURN_IF_ERROR(check_supported(*spec));
   ATTNKIT_ASSIGN_OR_RETURN(model::Checkpoint ckpt, model::open_checkpoint(dir, kFn));
+  if (spec->wrapper_model_type == "llama4") ckpt.tensors = llama4_text_tensors(ckpt.tensors);
   auto m = std::make_unique<Impl>();
   m->spec = std::move(spec).value();
   m->options = options;

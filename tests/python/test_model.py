@@ -882,13 +882,34 @@ def test_hybrid_and_llama4_bad_tensors_are_named(tmp_path):
     assert "model.layers.0.feed_forward.up_proj.weight" in load_error(tmp_path / "f")
 
 
-def test_llama4_multimodal_wrapper_is_refused(tmp_path):
-    """Llama4ForConditionalGeneration's config (text_config inside
-    model_type llama4) is refused by name: only the text checkpoint loads."""
-    text = dict(FAMILIES["llama4_text"])
-    write_checkpoint(str(tmp_path), {"model_type": "llama4", "text_config": text}, {})
-    msg = load_error(tmp_path)
-    assert "llama4" in msg and "multimodal wrapper" in msg
+def test_llama4_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """Llama4ForConditionalGeneration's checkpoint (model_type llama4, the
+    text model's config in text_config, its tensors under language_model.,
+    a vision tower beside them) loads the text model: the same logits as
+    the Llama4ForCausalLM checkpoint. Another wrapper (gemma3) is refused
+    by name, and so is a tensor outside language_model. and the vision parts."""
+    c = FAMILIES["llama4_text"]
+    weights = random_weights(c, seed=24)
+    write_checkpoint(str(tmp_path / "text"), c, weights)
+    wrapped = {"language_model." + n: w for n, w in weights.items()}
+    wrapped["vision_model.patch_embedding.linear.weight"] = np.zeros((8, 4), np.float32)
+    wrapped["multi_modal_projector.linear_1.weight"] = np.zeros((HIDDEN, 8), np.float32)
+    wrapper = {"model_type": "llama4", "text_config": dict(c), "vision_config": {}}
+    write_checkpoint(str(tmp_path / "wrapped"), wrapper, wrapped, shards=2)
+    tokens = np.random.default_rng(6).integers(0, VOCAB, size=(1, 9))
+    text = attnkit.Model.from_pretrained(str(tmp_path / "text")).forward(tokens)
+    model = attnkit.Model.from_pretrained(str(tmp_path / "wrapped"))
+    assert model.model_type == "llama4_text"
+    np.testing.assert_array_equal(model.forward(tokens), text)
+    check_logits("llama4 wrapper", text, decoder_ref(c, weights, tokens))
+
+    wrapped["image_newline"] = np.zeros((HIDDEN,), np.float32)
+    write_checkpoint(str(tmp_path / "extra"), wrapper, wrapped)
+    assert "image_newline" in load_error(tmp_path / "extra")
+    g = FAMILIES["gemma3_text"]
+    write_checkpoint(str(tmp_path / "gemma3"), {"model_type": "gemma3", "text_config": g}, {})
+    msg = load_error(tmp_path / "gemma3")
+    assert "gemma3" in msg and "multimodal wrapper" in msg
 
 
 def test_qwen3_next_forward_in_pieces_equals_one_call(tmp_path):
