@@ -142,15 +142,16 @@ size_t layer_bytes(const Layer& layer) {
 }
 
 // Bytes a loaded GatedDeltaNet keeps (it has no per-weight accessor): its
-// projection matrices as stored when bf16, everything else f32
-// (GatedDeltaNet::load_weights' rule).
+// projection matrices (in_proj_qkvz, in_proj_ba, out_proj: the rank-2
+// tensors) as stored when bf16, everything else f32 (GatedDeltaNet::
+// load_weights' rule).
 size_t linear_layer_bytes(const WeightMap& weights, const std::string& prefix,
                           const GatedDeltaNet& layer) {
   size_t n = 0;
   for (const std::string& name : layer.weight_names()) {
     const auto it = weights.find(prefix + name);
     if (it == weights.end()) continue;
-    const bool keeps_bf16 = name.ends_with("proj.weight") && it->second.dtype == DType::kBF16;
+    const bool keeps_bf16 = it->second.rank == 2 && it->second.dtype == DType::kBF16;
     n += static_cast<size_t>(it->second.numel()) * (keeps_bf16 ? 2 : 4);
   }
   return n;

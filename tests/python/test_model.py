@@ -720,12 +720,14 @@ def test_sharded_checkpoint_equals_single_file(tmp_path):
     check_logits("mixtral sharded", three, decoder_ref(c, weights, tokens))
 
 
-def test_bf16_checkpoint_stays_bf16(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3_next", "llama4_text"])
+def test_bf16_checkpoint_stays_bf16(tmp_path, family):
     """bf16 weights run as bf16 GEMMs (inputs rounded to bf16, fp32 sums):
     against the reference on the same bf16 weights the error is that of
     rounding activations to bf16 (2^-9 relative per rounding), far above
-    fp32's; half the weight bytes of the f32 checkpoint."""
-    c = FAMILIES["llama"]
+    fp32's; half the weight bytes of the f32 checkpoint (Qwen3-Next's and
+    Llama 4's fused experts and Gated DeltaNet projections included)."""
+    c = FAMILIES[family]
     weights = random_weights(c, seed=5)
     rounded = {n: torch.from_numpy(w).to(torch.bfloat16).float().numpy()
                for n, w in weights.items()}
