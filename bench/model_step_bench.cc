@@ -55,7 +55,11 @@ int main(int argc, char** argv) {
   if (!pool.ok()) return fail(pool.status());
   if (!states.ok()) return fail(states.status());
   std::vector<int64_t> ids(static_cast<size_t>(seqs));
-  for (int64_t& id : ids) id = pool->add_sequence();
+  for (int64_t& id : ids) {
+    id = pool->add_sequence();
+    // Linear-attention layers (Qwen3-Next) keep a state slot under the same id.
+    if (Status st = states->add_sequence(id); !st.ok()) return fail(st);
+  }
   std::mt19937 rng(1);
   std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(model->vocab_size() - 1));
   std::vector<float> logits(static_cast<size_t>(seqs * model->vocab_size()));

@@ -155,6 +155,7 @@ enum class MoeWeightNaming : uint8_t {
   // Llama 4: feed_forward.router, feed_forward.experts.{gate_up_proj,down_proj}
   // (fused), feed_forward.shared_expert.{gate,up,down}_proj. Llama4TextMoe
   // scales each chosen expert's input (not its output) by the router weight.
+  // MoeLayer does the same.
   kLlama4,
 };
 
@@ -185,6 +186,12 @@ struct MoeConfig {
   double swiglu_limit = 0.0;  // kGptOssSwiGlu: the clamp (gpt-oss: 7.0)
   bool router_bias = false;   // the router (gate) has a bias (gpt-oss)
   bool expert_bias = false;   // every expert projection has a bias (gpt-oss)
+  // Qwen2-MoE / Qwen3-Next: the shared expert is mlp.shared_expert.* (one
+  // MLP of width moe_intermediate_size * n_shared_experts) and its output is
+  // scaled per token by sigmoid(x . mlp.shared_expert_gate.weight [1, hidden]).
+  // Needs kDeepseek names (the router and routed experts are named alike)
+  // and n_shared_experts > 0.
+  bool shared_expert_gate = false;
 };
 
 // The rules MoeLayer::create() enforces, each reported with the field and
@@ -193,15 +200,16 @@ struct MoeConfig {
 // n_group], for the group-limited methods topk_group * (experts per group)
 // >= num_experts_per_tok and, for noaux_tc with topk_group < n_group, at
 // least 2 experts per group; routed_scaling_factor finite and > 0;
-// swiglu_limit finite and > 0 for kGptOssSwiGlu; enums in range.
+// swiglu_limit finite and > 0 for kGptOssSwiGlu; enums in range;
+// shared_expert_gate only with kDeepseek names and n_shared_experts > 0.
 Status validate(const MoeConfig& config);
 
 // The first MoE layer of a Hugging Face config.json, read by
 // model_spec_from_json (attnkit/model_spec.h): mixtral, deepseek_v2,
-// deepseek_v3, kimi_k2, qwen3_moe, gpt_oss; without model_type the
-// expert-count field decides the family. A config without MoE layers, or
-// whose experts MoeLayer does not run (qwen2_moe's and qwen3_next's gated
-// shared expert, llama4's input-scaled routing), is an error naming it.
+// deepseek_v3, kimi_k2, qwen2_moe, qwen3_moe, qwen3_next (their gated
+// shared expert), gpt_oss, llama4 (its input-scaled routing); without
+// model_type the expert-count field decides the family. A config without
+// MoE layers is an error naming it.
 Result<MoeConfig> moe_config_from_json(std::string_view json_text);
 
 // "softmax", "noaux_tc", ... (the config.json spelling).

@@ -18,13 +18,18 @@
 //     h = h + post_attn_norm?(mixer(input_layernorm(h)))
 //     h = h + post_ffn_norm?(ffn(pre_ffn_norm(h)))
 //   mixer: AttentionLayer (self_attn.*: MHA/GQA, window, qk-norm, sinks,
-//          ...) or LatentAttention (self_attn.*: DeepSeek's MLA)
-//   ffn:   dense gate/up/down MLP (mlp.*; SiLU or GELU-tanh) or MoeLayer
-//          (mlp.* / block_sparse_moe.*)
+//          output gate, ...), LatentAttention (self_attn.*: DeepSeek's MLA)
+//          or GatedDeltaNet (linear_attn.*: Qwen3-Next's linear-attention
+//          layers, one state per sequence in a LinearStatePool)
+//   ffn:   dense gate/up/down MLP (mlp.*, Llama 4: feed_forward.*; SiLU or
+//          GELU-tanh) or MoeLayer (mlp.* / block_sparse_moe.* /
+//          feed_forward.*; Qwen2-MoE / Qwen3-Next's gated shared expert and
+//          Llama 4's input-scaled routing included)
 //   logits = norm(h) lm_head^T     (lm_head.weight, or embed_tokens when
 //                                   tie_word_embeddings); Gemma-2:
 //                                   cap * tanh(logits / cap)
-// RMSNorms are x / sqrt(mean(x^2) + eps) * w, Gemma's * (1 + w); the
+// RMSNorms are x / sqrt(mean(x^2) + eps) * w, Gemma's and Qwen3-Next's
+// (zero-centred) * (1 + w); the
 // Gemma families carry the post-attention and pre/post-feed-forward
 // ("sandwich") norms, the others input_layernorm and
 // post_attention_layernorm (which is then the pre-feed-forward norm).
@@ -35,8 +40,9 @@
 //
 // Loading is strict: every tensor the description implies must be present
 // with its exact shape, and a tensor nothing reads is an error naming it
-// (rotary_emb.inv_freq buffers excepted), so a checkpoint and a config
-// that disagree never load silently.
+// (rotary_emb.inv_freq buffers excepted, and Qwen3-Next's mtp.* multi-
+// token-prediction head, which Hugging Face also skips), so a checkpoint
+// and a config that disagree never load silently.
 #pragma once
 
 #include <cstdint>
@@ -62,9 +68,11 @@ struct ModelLoadOptions {
 };
 
 // Families from_pretrained loads (config.json's model_type): "llama",
-// "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2",
-// "gemma3_text", "deepseek_v2", "deepseek_v3", "gpt_oss". Others are
-// refused by name.
+// "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+// "qwen3_next", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3",
+// "gpt_oss", "llama4_text" (Llama4ForCausalLM's names, or the text model of
+// a "llama4" wrapper's checkpoint: its language_model.* tensors, the vision
+// tower left unread). Other families and wrappers are refused by name.
 std::span<const char* const> supported_model_types();
 
 class Model final : public StepModel {
@@ -84,7 +92,7 @@ class Model final : public StepModel {
   size_t weight_bytes() const;
 
   // Logits of every position of each row of token_ids, causal within the
-  // row, through a private pool sized for the call:
+  // row, through a private pool (and state pool) sized for the call:
   //   token_ids [batch, seq]  int32 or int64, each in [0, vocab_size)
   //   returns   [batch, seq, vocab_size] f32
   Result<Tensor> forward(const TensorView& token_ids);

@@ -1,5 +1,5 @@
 // attnkit/moe.h — the mixture-of-experts feed-forward (Mixtral, DeepSeek-V2,
-// DeepSeek-V3 / Kimi-K2).
+// DeepSeek-V3 / Kimi-K2, Qwen2-MoE / Qwen3-MoE / Qwen3-Next, gpt-oss).
 //
 // For each token x (a row of hidden_size values):
 //
@@ -15,8 +15,12 @@
 //   w_i    = score[chosen_i]  (the score, never the biased choice)
 //   norm_topk_prob: w_i /= (sum_i w_i + 1e-20)
 //   w_i   *= routed_scaling_factor
-//   y = sum_i w_i * expert_{chosen_i}(x)      (in increasing expert id order)
+//   y = sum_i w_i * expert_{chosen_i}(x)      (in increasing expert id order;
+//                                              Llama 4: expert_{chosen_i}(w_i * x),
+//                                              the weight scales the input)
 //     + shared_expert(x)                      (n_shared_experts > 0)
+//       * sigmoid(x . w_sg)                   (shared_expert_gate: Qwen2-MoE,
+//                                              Qwen3-Next; w_sg [hidden])
 //   expert(x) = down(silu(gate(x)) * up(x))   (SwiGLU, no biases)
 //
 // Ties: where scores are exactly equal the lower expert id (or group id)
@@ -82,6 +86,11 @@ class MoeLayer {
   //             mlp.experts.{i}.down_proj.weight [H, I]
   //             mlp.shared_experts.{gate,up}_proj.weight [S, H],
   //             mlp.shared_experts.down_proj.weight [H, S]       (S > 0 only)
+  //   Qwen2-MoE / Qwen3-Next (kDeepseek with shared_expert_gate): the
+  //             router and experts as DeepSeek's, and one gated shared expert
+  //             mlp.shared_expert.{gate,up}_proj.weight [S, H],
+  //             mlp.shared_expert.down_proj.weight [H, S],
+  //             mlp.shared_expert_gate.weight [1, H]
   //   Mixtral:  block_sparse_moe.gate.weight [E, H]
   //             block_sparse_moe.experts.{i}.w1.weight [I, H]  (gate)
   //             block_sparse_moe.experts.{i}.w3.weight [I, H]  (up)
@@ -96,6 +105,15 @@ class MoeLayer {
   //             fused expert tensors are not kept (weight() names them as
   //             such); routing is the softmax over the top-k router logits,
   //             which scoring_func kSoftmax with norm_topk_prob computes.
+  //   Llama 4:  feed_forward.router.weight [E, H]
+  //             feed_forward.experts.gate_up_proj [E, H, 2I]  x @ W: gate in
+  //                                   the first I columns, up in the last I
+  //             feed_forward.experts.down_proj [E, I, H]      x @ W
+  //             feed_forward.shared_expert.{gate,up}_proj.weight [S, H],
+  //             feed_forward.shared_expert.down_proj.weight [H, S]  (S > 0 only)
+  //             repacked at load like gpt-oss's; routing is sigmoid of the
+  //             chosen router logits (top-k by logit), not renormalised, and
+  //             each weight scales its expert's input (Llama4TextMoe).
   std::vector<std::string> weight_names() const;
 
   // Copies every name above from `weights` as `prefix + name` (prefix e.g.
@@ -138,13 +156,14 @@ class MoeLayer {
   };
   // Every weight in load order; tensors_ follows it: gate, the correction
   // bias (noaux_tc), then gate/up/down of expert 0, 1, ..., then gate/up/down
-  // of the shared experts.
+  // of the shared experts, then the shared expert's gate (Qwen2-MoE,
+  // Qwen3-Next). The fused namings differ (see load_weights).
   std::vector<WeightSpec> weight_specs() const;
 
   MoeConfig config_;
   // nn.Linear layout, matrices f32 or bf16 (as loaded); empty until
-  // load_weights(). gpt-oss: the router, then each expert's repacked gate,
-  // up and down.
+  // load_weights(). gpt-oss and Llama 4: the router, then each expert's
+  // repacked gate, up and down, then (Llama 4) the shared expert's.
   std::vector<Tensor> tensors_;
   // gpt-oss's biases, f32: router [E], gate and up [E, I] (de-interleaved),
   // down [E, H]; empty otherwise.

@@ -219,6 +219,9 @@ Status read_moe(const SpecContext& c, MoeConfig* m) {
                          std::to_string(shared) + " must be >= 0 and a multiple of " +
                          "moe_intermediate_size = " + std::to_string(m->moe_intermediate_size));
       m->n_shared_experts = m->moe_intermediate_size > 0 ? shared / m->moe_intermediate_size : 0;
+      // Qwen2MoeSparseMoeBlock / Qwen3NextSparseMoeBlock: one shared expert
+      // under mlp.shared_expert, scaled by sigmoid(shared_expert_gate(x)).
+      m->shared_expert_gate = fam != Family::kQwen3Moe && m->n_shared_experts > 0;
       break;
     }
     default: {

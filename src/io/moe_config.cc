@@ -84,6 +84,11 @@ Status validate(const MoeConfig& c) {
   if (c.naming == MoeWeightNaming::kMixtral && c.n_shared_experts != 0)
     return invalid_argument(f + "n_shared_experts = " + std::to_string(c.n_shared_experts) +
                             " must be 0 with Mixtral weight names (they have no shared experts)");
+  if (c.shared_expert_gate && (c.naming != MoeWeightNaming::kDeepseek || c.n_shared_experts < 1))
+    return invalid_argument(f + "shared_expert_gate = true needs DeepSeek-style weight names " +
+                            "(MoeWeightNaming::kDeepseek, as Qwen2-MoE / Qwen3-Next use) and " +
+                            "n_shared_experts >= 1; naming = " + std::to_string(int(c.naming)) +
+                            ", n_shared_experts = " + std::to_string(c.n_shared_experts));
   switch (c.topk_method) {
     case MoeTopkMethod::kGreedy:
       break;
@@ -128,14 +133,6 @@ Result<MoeConfig> moe_config_from_json(std::string_view json_text) {
   for (const LayerSpec& layer : spec.layers) {
     if (layer.ffn.kind != FeedForwardKind::kMoe) continue;
     const MoeConfig& c = layer.ffn.moe;
-    const bool gated_shared = c.n_shared_experts > 0 &&
-                              (spec.model_type == "qwen2_moe" || spec.model_type == "qwen3_next");
-    if (c.naming == MoeWeightNaming::kLlama4 || gated_shared)
-      return invalid_argument(
-          fn + ": model_type = \"" + spec.model_type + "\": MoeLayer does not run its experts (" +
-          (c.naming == MoeWeightNaming::kLlama4 ? "the router weight scales each expert's input"
-                                                : "the shared expert is sigmoid-gated") +
-          "); model_spec_from_json describes it");
     return c;
   }
   if (spec.model_type.empty())

@@ -52,10 +52,15 @@ size_t expert_index(const MoeConfig& c, int64_t e) {
 size_t shared_index(const MoeConfig& c) { return expert_index(c, c.n_routed_experts); }
 
 const char* block_name(const MoeConfig& c) {
-  return c.naming == MoeWeightNaming::kMixtral ? "block_sparse_moe" : "mlp";
+  return c.naming == MoeWeightNaming::kMixtral  ? "block_sparse_moe"
+         : c.naming == MoeWeightNaming::kLlama4 ? "feed_forward"
+                                                : "mlp";
 }
 
 bool gpt_oss(const MoeConfig& c) { return c.naming == MoeWeightNaming::kGptOss; }
+bool llama4(const MoeConfig& c) { return c.naming == MoeWeightNaming::kLlama4; }
+// Namings whose experts come as two fused [E, ...] tensors, repacked at load.
+bool fused(const MoeConfig& c) { return gpt_oss(c) || llama4(c); }
 
 // The fields the layer itself checks beyond validate(): which namings
 // carry biases, and what each naming's checkpoints can hold.
@@ -76,13 +81,14 @@ Status check_layer_fields(const MoeConfig& c) {
   return Status::Ok();
 }
 
-// gpt-oss's fused expert weights, repacked per expert into the layout the
-// other namings load (nn.Linear, [out, in]): from gate_up_proj [E, H, 2I]
-// (x @ W; gate in the even columns, up in the odd ones) the gate [I, H]
-// and up [I, H] of expert e; from down_proj [E, I, H] (x @ W) the down
-// [H, I]. Element bytes are copied as they are (f32 or bf16).
-Status repack_gpt_oss(const Tensor& gate_up, const Tensor& down, int64_t E, int64_t H, int64_t I,
-                      std::vector<Tensor>* experts) {
+// Fused expert weights (gpt-oss, Llama 4), repacked per expert into the
+// layout the other namings load (nn.Linear, [out, in]): from gate_up_proj
+// [E, H, 2I] (x @ W) the gate [I, H] and up [I, H] of expert e, taken from
+// the even and odd columns (gpt-oss, `interleaved`) or from the first and
+// second halves (Llama4TextExperts' chunk(2)); from down_proj [E, I, H]
+// (x @ W) the down [H, I]. Element bytes are copied as they are (f32 or bf16).
+Status repack_fused(const Tensor& gate_up, const Tensor& down, int64_t E, int64_t H, int64_t I,
+                    bool interleaved, std::vector<Tensor>* experts) {
   const size_t es = dtype_size(gate_up.dtype());
   const char* gu = static_cast<const char*>(gate_up.data());
   const char* dn = static_cast<const char*>(down.data());
@@ -96,8 +102,9 @@ Status repack_gpt_oss(const Tensor& gate_up, const Tensor& down, int64_t E, int6
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = 0; i < I; ++i) {
         const char* row = gu + ((e * H + h) * 2 * I) * static_cast<int64_t>(es);
-        std::memcpy(gd + (i * H + h) * static_cast<int64_t>(es), row + (2 * i) * es, es);
-        std::memcpy(ud + (i * H + h) * static_cast<int64_t>(es), row + (2 * i + 1) * es, es);
+        const int64_t gc = interleaved ? 2 * i : i, uc = interleaved ? 2 * i + 1 : I + i;
+        std::memcpy(gd + (i * H + h) * static_cast<int64_t>(es), row + gc * es, es);
+        std::memcpy(ud + (i * H + h) * static_cast<int64_t>(es), row + uc * es, es);
         std::memcpy(dd + (h * I + i) * static_cast<int64_t>(es),
                     dn + ((e * I + i) * H + h) * static_cast<int64_t>(es), es);
       }
@@ -284,6 +291,21 @@ std::vector<MoeLayer::WeightSpec> MoeLayer::weight_specs() const {
       specs.push_back({"experts.down_proj_bias", E, H, "n_routed_experts, hidden_size"});
     return specs;
   }
+  if (llama4(c)) {
+    specs.push_back({"router.weight", E, H, "n_routed_experts, hidden_size"});
+    specs.push_back(
+        {"experts.gate_up_proj", E, H, "n_routed_experts, hidden_size, 2*intermediate", 2 * I});
+    specs.push_back({"experts.down_proj", E, I, "n_routed_experts, intermediate, hidden_size", H});
+    if (c.n_shared_experts > 0) {
+      const int64_t S = I * c.n_shared_experts;
+      const char* in = "intermediate_size*n_shared_experts, hidden_size";
+      specs.push_back({"shared_expert.gate_proj.weight", S, H, in});
+      specs.push_back({"shared_expert.up_proj.weight", S, H, in});
+      specs.push_back({"shared_expert.down_proj.weight", H, S,
+                       "hidden_size, intermediate_size*n_shared_experts"});
+    }
+    return specs;
+  }
   specs.push_back({"gate.weight", E, H, "n_routed_experts, hidden_size"});
   if (has_score_bias(c))
     specs.push_back({"gate.e_score_correction_bias", E, 0, "n_routed_experts"});
@@ -299,10 +321,14 @@ std::vector<MoeLayer::WeightSpec> MoeLayer::weight_specs() const {
   if (c.n_shared_experts > 0) {
     const int64_t S = I * c.n_shared_experts;
     const char* in = "moe_intermediate_size*n_shared_experts, hidden_size";
-    specs.push_back({"shared_experts.gate_proj.weight", S, H, in});
-    specs.push_back({"shared_experts.up_proj.weight", S, H, in});
-    specs.push_back({"shared_experts.down_proj.weight", H, S,
-                     "hidden_size, moe_intermediate_size*n_shared_experts"});
+    // Qwen2-MoE / Qwen3-Next name their one gated shared expert singular.
+    const std::string shared = c.shared_expert_gate ? "shared_expert." : "shared_experts.";
+    specs.push_back({shared + "gate_proj.weight", S, H, in});
+    specs.push_back({shared + "up_proj.weight", S, H, in});
+    specs.push_back(
+        {shared + "down_proj.weight", H, S, "hidden_size, moe_intermediate_size*n_shared_experts"});
+    if (c.shared_expert_gate)
+      specs.push_back({"shared_expert_gate.weight", 1, H, "1, hidden_size"});
   }
   return specs;
 }
@@ -332,12 +358,13 @@ Status MoeLayer::load_weights(const WeightMap& weights, std::string_view prefix)
       ATTNKIT_RETURN_IF_ERROR(loader.load_matrix(s.name, {s.rows, s.cols}, s.meaning, &staged[i]));
   }
   ATTNKIT_RETURN_IF_ERROR(loader.finish());
-  if (!gpt_oss(config_)) {
+  if (!fused(config_)) {
     tensors_ = std::move(staged);
     return Status::Ok();
   }
   // gpt-oss: router (and its bias), then the repacked experts in the
   // other namings' order, then the expert biases [E, 2I] and [E, H].
+  // Llama 4: router, the repacked experts, then the shared expert as loaded.
   const MoeConfig& c = config_;
   const int64_t E = c.n_routed_experts, H = c.hidden_size, I = c.moe_intermediate_size;
   size_t next = 0;
@@ -354,12 +381,13 @@ Status MoeLayer::load_weights(const WeightMap& weights, std::string_view prefix)
         dtype_name(gate_up.dtype()) + " but " + io::weight_name(block, "experts.down_proj") +
         " is " + dtype_name(down.dtype()) + "; the experts must share one dtype");
   try {
-    repacked.reserve(static_cast<size_t>(1 + 3 * E));
+    repacked.reserve(static_cast<size_t>(1 + 3 * E) + staged.size());
   } catch (const std::bad_alloc&) {
     return resource_exhausted(std::string(kLoad) + ": cannot allocate the repacked experts");
   }
   repacked.push_back(std::move(router));
-  ATTNKIT_RETURN_IF_ERROR(repack_gpt_oss(gate_up, down, E, H, I, &repacked));
+  ATTNKIT_RETURN_IF_ERROR(repack_fused(gate_up, down, E, H, I, gpt_oss(c), &repacked));
+  for (size_t i = next; i < staged.size(); ++i) repacked.push_back(std::move(staged[i]));
   // Biases as the kernels take them: gate [E, I], up [E, I] from the
   // interleaved [E, 2I], down [E, H] as it is.
   Tensor gate_b, up_b;
@@ -384,9 +412,15 @@ Result<TensorView> MoeLayer::weight(std::string_view name) const {
   const std::string block = std::string(block_name(config_)) + ".";
   if (!loaded())
     return invalid_argument("MoeLayer::weight: weights are not loaded (call load_weights first)");
-  if (name.substr(0, block.size()) == block && gpt_oss(config_)) {
+  if (name.substr(0, block.size()) == block && fused(config_)) {
     const std::string_view rest = name.substr(block.size());
     if (rest == "router.weight") return tensors_[kGateIndex].view();
+    if (llama4(config_) && config_.n_shared_experts > 0) {
+      const char* shared[] = {"shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                              "shared_expert.down_proj.weight"};
+      for (size_t k = 0; k < 3; ++k)
+        if (rest == shared[k]) return tensors_[shared_index(config_) + k].view();
+    }
     if (rest == "router.bias" && config_.router_bias) return router_bias_.view();
     if (rest == "experts.down_proj_bias" && config_.expert_bias) return down_bias_.view();
     if (rest.starts_with("experts."))
@@ -527,6 +561,7 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
   for (int32_t id : r.expert_ids) ++r.tokens_per_expert[static_cast<size_t>(id)];
 
   // Phase 2: experts, shared experts, output.
+  const bool input_scaled = llama4(c);
   run_shards(shards, threads, [&](int64_t s) {
     const int64_t t0 = std::min(T, s * per_shard), t1 = std::min(T, t0 + per_shard);
     const int64_t nt = t1 - t0;
@@ -554,6 +589,13 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
       if (n == 0) continue;
       for (int64_t i = 0; i < n; ++i)
         std::copy_n(xrows + (slots[static_cast<size_t>(begin + i)] / K) * ldx, H, xb + i * H);
+      // Llama4TextMoe scales the expert's input by the routing weight (and
+      // sums its outputs unweighted); SwiGLU is not linear, so the two differ.
+      if (input_scaled)
+        for (int64_t i = 0; i < n; ++i) {
+          const float wt = r.weights[static_cast<size_t>(slots[static_cast<size_t>(begin + i)])];
+          for (int64_t d = 0; d < H; ++d) xb[i * H + d] *= wt;
+        }
       const size_t w = expert_index(c, e);
       // gpt-oss's per-expert biases (null elsewhere).
       const float* gb = gate_bias_.data() ? gate_bias_.ptr<const float>() + e * I : nullptr;
@@ -565,7 +607,7 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
       kernels::linear(g, I, kernels::weight_of(tensors_[w + 2]), db, y, H, n, H, I, lin);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t q = slots[static_cast<size_t>(begin + i)];
-        const float wt = r.weights[static_cast<size_t>(q)];
+        const float wt = input_scaled ? 1.0f : r.weights[static_cast<size_t>(q)];
         float* a = acc + (q / K - t0) * H;
         const float* yi = y + i * H;
         for (int64_t d = 0; d < H; ++d) a[d] += wt * yi[d];
@@ -579,7 +621,17 @@ Status MoeLayer::forward(const TensorView& x, const TensorView& out, MoeRouting*
       kernels::linear(xs, ldx, kernels::weight_of(tensors_[w + 1]), nullptr, u, S, nt, S, H, lin);
       activate(c, g, u, nt * S);
       kernels::linear(g, S, kernels::weight_of(tensors_[w + 2]), nullptr, y, H, nt, H, S, lin);
-      for (int64_t i = 0; i < nt * H; ++i) acc[i] += y[i];
+      if (c.shared_expert_gate) {
+        // Each token's own sigmoid(x . w) scales the shared expert; g is
+        // free again and holds the nt gate logits.
+        kernels::linear(xs, ldx, kernels::weight_of(tensors_[w + 3]), nullptr, g, 1, nt, 1, H, lin);
+        for (int64_t i = 0; i < nt; ++i) {
+          const float sg = 1.0f / (1.0f + std::exp(-g[i]));
+          for (int64_t d = 0; d < H; ++d) acc[i * H + d] += sg * y[i * H + d];
+        }
+      } else {
+        for (int64_t i = 0; i < nt * H; ++i) acc[i] += y[i];
+      }
     }
     float* od = out.ptr<float>();
     for (int64_t t = t0; t < t1; ++t) {

@@ -94,10 +94,11 @@ Status prefixed(const char* fn, int64_t layer, const char* part, const Status& s
                                          part + ": " + st.message());
 }
 
-// One decoder layer over h [total, hidden] in place.
+// One decoder layer over h [total, hidden] in place; a linear-attention
+// layer continues each sequence from its slot in `states`.
 Status run_block(Model::Impl& m, int64_t l, int64_t total, std::span<const int32_t> cu_seqlens,
-                 std::span<const int64_t> seq_ids, PagedKVCache& pool, const RunOptions& run,
-                 const char* fn) {
+                 std::span<const int64_t> seq_ids, PagedKVCache& pool, LinearStatePool& states,
+                 const RunOptions& run, const char* fn) {
   const Block& b = m.blocks[static_cast<size_t>(l)];
   const int64_t H = m.spec.hidden_size, n = total * H;
   const double eps = m.spec.rms_norm_eps;
@@ -110,6 +111,8 @@ Status run_block(Model::Impl& m, int64_t l, int64_t total, std::span<const int32
       fn, l, "attention",
       b.kind == LayerKind::kLatentAttention
           ? m.latent[mi].forward_batch(xv, cu_seqlens, seq_ids, pool, b.mixer, yv, run)
+      : b.kind == LayerKind::kLinearAttention
+          ? m.linear[mi].forward_batch(xv, cu_seqlens, seq_ids, states, b.mixer, yv, run)
           : m.attention[mi].forward_batch(xv, cu_seqlens, seq_ids, pool, b.mixer, yv, run)));
   if (b.post_attn_norm.data() != nullptr)
     kernels::rms_norm(y, H, b.post_attn_norm.ptr<float>(), y, H, total, H, eps);
@@ -134,14 +137,14 @@ Status run_block(Model::Impl& m, int64_t l, int64_t total, std::span<const int32
 // every layer succeeded.
 Status run_tokens(Model::Impl& m, std::span<const int32_t> tokens,
                   std::span<const int32_t> cu_seqlens, std::span<const int64_t> seq_ids,
-                  PagedKVCache& pool, std::span<const int64_t> rows, float* logits,
-                  const RunOptions& run, const char* fn) {
+                  PagedKVCache& pool, LinearStatePool& states, std::span<const int64_t> rows,
+                  float* logits, const RunOptions& run, const char* fn) {
   const int64_t total = static_cast<int64_t>(tokens.size()), H = m.spec.hidden_size;
   const int64_t V = m.spec.vocab_size, nrows = static_cast<int64_t>(rows.size());
   ATTNKIT_RETURN_IF_ERROR(grow_scratch(m, total, nrows));
   embed_rows(m, tokens, m.h.data());
   for (int64_t l = 0; l < m.spec.num_layers; ++l)
-    ATTNKIT_RETURN_IF_ERROR(run_block(m, l, total, cu_seqlens, seq_ids, pool, run, fn));
+    ATTNKIT_RETURN_IF_ERROR(run_block(m, l, total, cu_seqlens, seq_ids, pool, states, run, fn));
   for (int64_t r = 0; r < nrows; ++r)
     kernels::rms_norm(m.h.data() + rows[static_cast<size_t>(r)] * H, H, m.final_norm.ptr<float>(),
                       m.rows_h.data() + r * H, H, 1, H, m.spec.rms_norm_eps);
@@ -186,15 +189,23 @@ Result<PagedKVCache> Model::new_pool(int64_t num_pages, int64_t page_size, DType
 }
 
 Result<LinearStatePool> Model::new_state_pool(int64_t max_sequences) const {
-  // No family loaded yet has linear-attention layers.
-  return LinearStatePool::create({}, max_sequences);
+  // One pool layer per linear-attention layer, in layer order (Block::mixer).
+  std::vector<GatedDeltaNetConfig> configs;
+  for (const GatedDeltaNet& g : impl_->linear) configs.push_back(g.config());
+  return LinearStatePool::create(configs, max_sequences);
 }
 
-int64_t Model::state_bytes_per_sequence() const { return 0; }
+int64_t Model::state_bytes_per_sequence() const {
+  int64_t n = 0;
+  for (const GatedDeltaNet& g : impl_->linear)
+    n += (g.config().state_values() + g.config().conv_state_values()) *
+         static_cast<int64_t>(sizeof(float));
+  return n;
+}
 
 Status Model::forward_step(std::span<const int32_t> token_ids, std::span<const int32_t> cu_seqlens,
                            std::span<const int64_t> seq_ids, PagedKVCache& pool,
-                           LinearStatePool& /*states*/, std::span<float> logits,
+                           LinearStatePool& states, std::span<float> logits,
                            const RunOptions& run) {
   constexpr const char* fn = "Model::forward_step";
   const int64_t n = static_cast<int64_t>(seq_ids.size()), V = vocab_size();
@@ -218,8 +229,15 @@ Status Model::forward_step(std::span<const int32_t> token_ids, std::span<const i
     return invalid_argument(std::string(fn) + ": logits has " + std::to_string(logits.size()) +
                             " values; must be num_seqs * vocab_size = " + std::to_string(n * V));
   ATTNKIT_RETURN_IF_ERROR(check_tokens(fn, token_ids, V));
+  const int64_t nlinear = static_cast<int64_t>(impl_->linear.size());
+  if (states.num_layers() != nlinear)
+    return invalid_argument(std::string(fn) + ": states has " +
+                            std::to_string(states.num_layers()) + " layers; this model has " +
+                            std::to_string(nlinear) +
+                            " linear-attention layers (use new_state_pool)");
   // run_tokens writes the logits only once every layer has succeeded.
-  return run_tokens(*impl_, token_ids, cu_seqlens, seq_ids, pool, rows, logits.data(), run, fn);
+  return run_tokens(*impl_, token_ids, cu_seqlens, seq_ids, pool, states, rows, logits.data(), run,
+                    fn);
 }
 
 Result<Tensor> Model::forward(const TensorView& token_ids) {
@@ -255,11 +273,15 @@ Result<Tensor> Model::forward(const TensorView& token_ids) {
     cu[static_cast<size_t>(b + 1)] = static_cast<int32_t>((b + 1) * S);
   }
   ATTNKIT_RETURN_IF_ERROR(pool.append(ids, lengths));
+  // The linear-attention layers' slots, under the pool's ids.
+  ATTNKIT_ASSIGN_OR_RETURN(LinearStatePool states, new_state_pool(0));
+  if (states.num_layers() > 0)
+    for (int64_t id : ids) ATTNKIT_RETURN_IF_ERROR(states.add_sequence(id));
   std::vector<int64_t> rows(static_cast<size_t>(B * S));
   for (size_t r = 0; r < rows.size(); ++r) rows[r] = static_cast<int64_t>(r);
   ATTNKIT_ASSIGN_OR_RETURN(Tensor logits, Tensor::zeros(DType::kF32, {B, S, V}));
-  ATTNKIT_RETURN_IF_ERROR(
-      run_tokens(*impl_, tokens, cu, ids, pool, rows, logits.ptr<float>(), impl_->options.run, fn));
+  ATTNKIT_RETURN_IF_ERROR(run_tokens(*impl_, tokens, cu, ids, pool, states, rows,
+                                     logits.ptr<float>(), impl_->options.run, fn));
   return logits;
 }
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "attnkit/attention_layer.h"
+#include "attnkit/gated_deltanet.h"
 #include "attnkit/latent_attention.h"
 #include "attnkit/model.h"
 #include "attnkit/moe.h"
@@ -23,13 +24,16 @@ struct DenseMlp {
 };
 
 // One decoder layer: which mixer and feed-forward run it, and its norms'
-// gains (f32 [hidden], already 1 + w for Gemma's norms). post_attn_norm and
+// gains (f32 [hidden], already 1 + w for Gemma's and Qwen3-Next's
+// zero-centred norms). post_attn_norm and
 // post_ffn_norm are empty outside the Gemma families, whose
 // pre_feedforward_layernorm is pre_ffn_norm; elsewhere pre_ffn_norm holds
 // post_attention_layernorm.
 struct Block {
   LayerKind kind = LayerKind::kAttention;
-  int64_t mixer = 0;  // index into attention / latent, = its pool layer
+  // Index into attention / latent (= its layer in the paged pool) or into
+  // linear (= its layer in the LinearStatePool).
+  int64_t mixer = 0;
   bool moe = false;
   int64_t ffn = 0;  // index into moe / mlp
   Tensor input_norm, post_attn_norm, pre_ffn_norm, post_ffn_norm;
@@ -45,6 +49,7 @@ struct Model::Impl {
   float embed_scale = 1.0f;
   std::vector<AttentionLayer> attention;
   std::vector<LatentAttention> latent;
+  std::vector<GatedDeltaNet> linear;  // Qwen3-Next's linear-attention layers
   std::vector<MoeLayer> moe;
   std::vector<DenseMlp> mlp;
   std::vector<Block> blocks;

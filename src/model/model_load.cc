@@ -17,12 +17,25 @@ namespace {
 
 constexpr const char* kFn = "Model::from_pretrained";
 
-constexpr std::array<const char*, 11> kSupported = {
-    "llama",  "mistral",     "qwen2",       "qwen3",       "mixtral", "qwen3_moe",
-    "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3", "gpt_oss"};
+constexpr std::array<const char*, 14> kSupported = {
+    "llama",       "mistral",     "qwen2",      "qwen3",      "mixtral",
+    "qwen2_moe",   "qwen3_moe",   "qwen3_next", "gemma2",     "gemma3_text",
+    "deepseek_v2", "deepseek_v3", "gpt_oss",    "llama4_text"};
 
 bool is_gemma(const ModelSpec& spec) {
   return spec.model_type == "gemma2" || spec.model_type == "gemma3_text";
+}
+
+// Zero-centred RMSNorm gains, stored as w and applied as 1 + w: Gemma's
+// and Qwen3-Next's (Qwen3NextRMSNorm) decoder norms.
+bool one_plus_norms(const ModelSpec& spec) {
+  return is_gemma(spec) || spec.model_type == "qwen3_next";
+}
+
+// Tensors of the checkpoint no forward pass reads, as Hugging Face skips
+// them on load: Qwen3-Next's multi-token-prediction head (mtp.*).
+bool is_skipped_module(const ModelSpec& spec, const std::string& name) {
+  return spec.model_type == "qwen3_next" && name.starts_with("mtp.");
 }
 
 // "Model::from_pretrained: <what>: <message>", the message's own leading
@@ -46,7 +59,7 @@ Status check_supported(const ModelSpec& spec) {
     return invalid_argument(std::string(kFn) + ": model_type \"" + spec.model_type +
                             "\" is not loaded as a whole model yet (supported: " + list + ")");
   }
-  if (!spec.wrapper_model_type.empty())
+  if (!spec.wrapper_model_type.empty() && spec.wrapper_model_type != "llama4")
     return invalid_argument(std::string(kFn) + ": model_type \"" + spec.wrapper_model_type +
                             "\" is a multimodal wrapper; only its text model (\"" +
                             spec.model_type + "\") checkpoint loads");
@@ -54,20 +67,30 @@ Status check_supported(const ModelSpec& spec) {
     return invalid_argument(std::string(kFn) + ": quantization_config.quant_method = \"" +
                             spec.quantization.quant_method +
                             "\": quantized checkpoints are not loaded (f32, bf16, f16, f64 are)");
+  // The first layer with K/V in the pool: every such layer shares its kind
+  // and shape (one pool); linear-attention layers keep theirs in the state
+  // pool.
+  const LayerSpec* first = nullptr;
+  for (const LayerSpec& l : spec.layers)
+    if (l.kind != LayerKind::kLinearAttention && first == nullptr) first = &l;
+  if (first == nullptr)
+    return invalid_argument(std::string(kFn) + ": all " + std::to_string(spec.layers.size()) +
+                            " layers are linear attention; at least one softmax-attention "
+                            "layer is needed (the paged pool keeps the positions)");
   for (size_t i = 0; i < spec.layers.size(); ++i) {
     const LayerSpec& l = spec.layers[i];
     const std::string where = std::string(kFn) + ": layer " + std::to_string(i);
-    if (l.kind == LayerKind::kLinearAttention)
-      return invalid_argument(where + " is a linear-attention layer, not loaded yet");
-    if (l.kind != spec.layers[0].kind)
+    if (l.kind != LayerKind::kLinearAttention && l.kind != first->kind)
       return invalid_argument(where + " mixes MLA and softmax attention in one model");
     if (l.kind == LayerKind::kLatentAttention && l.mla.sparse())
       return invalid_argument(where + ": DeepSeek sparse attention (index_n_heads = " +
                               std::to_string(l.mla.index_n_heads) + ") is not loaded yet");
     if (l.kind == LayerKind::kAttention &&
-        (l.attention.num_kv_heads != spec.layers[0].attention.num_kv_heads ||
-         l.attention.head_dim != spec.layers[0].attention.head_dim))
-      return invalid_argument(where + ": kv heads and head dim differ from layer 0's (one pool)");
+        (l.attention.num_kv_heads != first->attention.num_kv_heads ||
+         l.attention.head_dim != first->attention.head_dim))
+      return invalid_argument(where +
+                              ": kv heads and head dim differ from the first attention "
+                              "layer's (one pool)");
     const std::string& act = l.ffn.hidden_act;
     if (l.ffn.kind == FeedForwardKind::kDense && act != "silu" && act != "gelu_pytorch_tanh")
       return invalid_argument(where + ": hidden_act \"" + act +
@@ -76,7 +99,7 @@ Status check_supported(const ModelSpec& spec) {
   return Status::Ok();
 }
 
-// A norm's gain [hidden] f32: w, or 1 + w for Gemma's norms.
+// A norm's gain [hidden] f32: w, or 1 + w for the zero-centred norms.
 Status load_norm(io::WeightLoader& w, const std::string& name, int64_t dim, bool one_plus,
                  Tensor* out) {
   Tensor t;
@@ -87,6 +110,7 @@ Status load_norm(io::WeightLoader& w, const std::string& name, int64_t dim, bool
   return Status::Ok();
 }
 
+// The dense gate/up/down under `prefix` (e.g. "model.layers.0.mlp.").
 Status load_mlp(io::WeightLoader& w, const std::string& prefix, int64_t hidden,
                 const FeedForwardSpec& ffn, DenseMlp* out) {
   DenseMlp m;
@@ -96,11 +120,11 @@ Status load_mlp(io::WeightLoader& w, const std::string& prefix, int64_t hidden,
   if (I < 1)
     return invalid_argument("intermediate_size = " + std::to_string(I) +
                             " must be >= 1 for a dense feed-forward");
-  ATTNKIT_RETURN_IF_ERROR(w.load_matrix(prefix + "mlp.gate_proj.weight", {I, hidden},
+  ATTNKIT_RETURN_IF_ERROR(w.load_matrix(prefix + "gate_proj.weight", {I, hidden},
                                         "intermediate_size, hidden_size", &m.gate));
-  ATTNKIT_RETURN_IF_ERROR(w.load_matrix(prefix + "mlp.up_proj.weight", {I, hidden},
+  ATTNKIT_RETURN_IF_ERROR(w.load_matrix(prefix + "up_proj.weight", {I, hidden},
                                         "intermediate_size, hidden_size", &m.up));
-  ATTNKIT_RETURN_IF_ERROR(w.load_matrix(prefix + "mlp.down_proj.weight", {hidden, I},
+  ATTNKIT_RETURN_IF_ERROR(w.load_matrix(prefix + "down_proj.weight", {hidden, I},
                                         "hidden_size, intermediate_size", &m.down));
   *out = std::move(m);
   return Status::Ok();
@@ -117,12 +141,39 @@ size_t layer_bytes(const Layer& layer) {
   return n;
 }
 
-// The mixer of layer i (self_attn.*), its names added to `used`.
+// Bytes a loaded GatedDeltaNet keeps (it has no per-weight accessor): its
+// projection matrices (in_proj_qkvz, in_proj_ba, out_proj: the rank-2
+// tensors) as stored when bf16, everything else f32 (GatedDeltaNet::
+// load_weights' rule).
+size_t linear_layer_bytes(const WeightMap& weights, const std::string& prefix,
+                          const GatedDeltaNet& layer) {
+  size_t n = 0;
+  for (const std::string& name : layer.weight_names()) {
+    const auto it = weights.find(prefix + name);
+    if (it == weights.end()) continue;
+    const bool keeps_bf16 = it->second.rank == 2 && it->second.dtype == DType::kBF16;
+    n += static_cast<size_t>(it->second.numel()) * (keeps_bf16 ? 2 : 4);
+  }
+  return n;
+}
+
+// The mixer of layer i (self_attn.*, or linear_attn.* for a Gated
+// DeltaNet layer), its names added to `used`.
 Status load_mixer(const WeightMap& weights, size_t i, Model::Impl* m, Block* b,
                   std::set<std::string>* used) {
   const LayerSpec& l = m->spec.layers[i];
-  const std::string prefix = layer_prefix(i) + "self_attn.";
   b->kind = l.kind;
+  if (l.kind == LayerKind::kLinearAttention) {
+    const std::string prefix = layer_prefix(i) + "linear_attn.";
+    ATTNKIT_ASSIGN_OR_RETURN(GatedDeltaNet layer, GatedDeltaNet::create(l.linear));
+    ATTNKIT_RETURN_IF_ERROR(layer.load_weights(weights, prefix));
+    for (const std::string& n : layer.weight_names()) used->insert(prefix + n);
+    m->weight_bytes += linear_layer_bytes(weights, prefix, layer);
+    b->mixer = static_cast<int64_t>(m->linear.size());
+    m->linear.push_back(std::move(layer));
+    return Status::Ok();
+  }
+  const std::string prefix = layer_prefix(i) + "self_attn.";
   if (l.kind == LayerKind::kLatentAttention) {
     ATTNKIT_ASSIGN_OR_RETURN(LatentAttention layer, LatentAttention::create(l.mla));
     ATTNKIT_RETURN_IF_ERROR(layer.load_weights(weights, prefix));
@@ -158,9 +209,11 @@ Status load_ffn(const WeightMap& weights, size_t i, Model::Impl* m, Block* b,
   }
   io::WeightLoader w(weights, "", kFn);
   DenseMlp mlp;
-  ATTNKIT_RETURN_IF_ERROR(load_mlp(w, prefix, m->spec.hidden_size, ffn, &mlp));
-  for (const char* n : {"gate_proj", "up_proj", "down_proj"})
-    used->insert(prefix + "mlp." + n + ".weight");
+  // Llama 4 names its feed-forward feed_forward.*, dense or not.
+  const std::string block =
+      prefix + (m->spec.model_type == "llama4_text" ? "feed_forward." : "mlp.");
+  ATTNKIT_RETURN_IF_ERROR(load_mlp(w, block, m->spec.hidden_size, ffn, &mlp));
+  for (const char* n : {"gate_proj", "up_proj", "down_proj"}) used->insert(block + n + ".weight");
   m->weight_bytes += bytes_of(mlp.gate) + bytes_of(mlp.up) + bytes_of(mlp.down);
   b->ffn = static_cast<int64_t>(m->mlp.size());
   m->mlp.push_back(std::move(mlp));
@@ -171,11 +224,11 @@ Status load_ffn(const WeightMap& weights, size_t i, Model::Impl* m, Block* b,
 // Gemma, pre_feedforward_layernorm and post_feedforward_layernorm.
 Status load_block_norms(const WeightMap& weights, size_t i, Model::Impl* m, Block* b,
                         std::set<std::string>* used) {
-  const bool gemma = is_gemma(m->spec);
+  const bool gemma = is_gemma(m->spec), one_plus = one_plus_norms(m->spec);
   const int64_t H = m->spec.hidden_size;
   const std::string p = layer_prefix(i);
   io::WeightLoader w(weights, "", kFn);
-  ATTNKIT_RETURN_IF_ERROR(load_norm(w, p + "input_layernorm.weight", H, gemma, &b->input_norm));
+  ATTNKIT_RETURN_IF_ERROR(load_norm(w, p + "input_layernorm.weight", H, one_plus, &b->input_norm));
   if (gemma) {
     ATTNKIT_RETURN_IF_ERROR(
         load_norm(w, p + "post_attention_layernorm.weight", H, true, &b->post_attn_norm));
@@ -185,7 +238,7 @@ Status load_block_norms(const WeightMap& weights, size_t i, Model::Impl* m, Bloc
         load_norm(w, p + "post_feedforward_layernorm.weight", H, true, &b->post_ffn_norm));
   } else {
     ATTNKIT_RETURN_IF_ERROR(
-        load_norm(w, p + "post_attention_layernorm.weight", H, false, &b->pre_ffn_norm));
+        load_norm(w, p + "post_attention_layernorm.weight", H, one_plus, &b->pre_ffn_norm));
   }
   for (const char* n : {"input_layernorm", "post_attention_layernorm"})
     used->insert(p + n + ".weight");
@@ -203,7 +256,8 @@ Status load_ends(const WeightMap& weights, Model::Impl* m, std::set<std::string>
   io::WeightLoader w(weights, "", kFn);
   ATTNKIT_RETURN_IF_ERROR(
       w.load_matrix("model.embed_tokens.weight", {V, H}, "vocab_size, hidden_size", &m->embed));
-  ATTNKIT_RETURN_IF_ERROR(load_norm(w, "model.norm.weight", H, is_gemma(m->spec), &m->final_norm));
+  ATTNKIT_RETURN_IF_ERROR(
+      load_norm(w, "model.norm.weight", H, one_plus_norms(m->spec), &m->final_norm));
   used->insert("model.embed_tokens.weight");
   used->insert("model.norm.weight");
   if (!m->spec.tie_word_embeddings) {
@@ -218,6 +272,23 @@ Status load_ends(const WeightMap& weights, Model::Impl* m, std::set<std::string>
   }
   m->weight_bytes += bytes_of(m->embed) + bytes_of(m->lm_head) + bytes_of(m->final_norm);
   return Status::Ok();
+}
+
+// Llama4ForConditionalGeneration's checkpoint (the released Llama 4
+// Scout / Maverick): the text model's tensors are those under
+// "language_model." (language_model.model.layers..., language_model.lm_head),
+// renamed here to Llama4ForCausalLM's; the vision tower and projector are
+// not read. Anything else keeps its name, and is then reported as unread.
+WeightMap llama4_text_tensors(const WeightMap& all) {
+  const std::string text = "language_model.";
+  WeightMap out;
+  for (const auto& [name, view] : all) {
+    if (name.starts_with(text))
+      out[name.substr(text.size())] = view;
+    else if (!name.starts_with("vision_model.") && !name.starts_with("multi_modal_projector."))
+      out[name] = view;
+  }
+  return out;
 }
 
 bool is_ignored_buffer(const std::string& name) {
@@ -236,6 +307,7 @@ Result<Model> Model::from_pretrained(const std::string& dir, const ModelLoadOpti
   if (!spec.ok()) return prefixed(dir + "/config.json", spec.status());
   ATTNKIT_RETURN_IF_ERROR(check_supported(*spec));
   ATTNKIT_ASSIGN_OR_RETURN(model::Checkpoint ckpt, model::open_checkpoint(dir, kFn));
+  if (spec->wrapper_model_type == "llama4") ckpt.tensors = llama4_text_tensors(ckpt.tensors);
   auto m = std::make_unique<Impl>();
   m->spec = std::move(spec).value();
   m->options = options;
@@ -250,7 +322,7 @@ Result<Model> Model::from_pretrained(const std::string& dir, const ModelLoadOpti
     m->blocks.push_back(std::move(b));
   }
   for (const auto& [name, view] : ckpt.tensors)
-    if (used.count(name) == 0 && !is_ignored_buffer(name))
+    if (used.count(name) == 0 && !is_ignored_buffer(name) && !is_skipped_module(m->spec, name))
       return invalid_argument(std::string(kFn) + ": " + ckpt.where + " has tensor \"" + name +
                               "\" " + view.describe() + ", which no part of this " +
                               m->spec.model_type +

@@ -63,6 +63,7 @@ struct Weights {
 // The HF names of one block, spelled out here independently of the layer.
 struct Names {
   std::string gate, bias, shared_gate, shared_up, shared_down;
+  std::string shared_expert_gate;  // Qwen2-MoE / Qwen3-Next: mlp.shared_expert_gate.weight
   std::string expert(int e, int which) const {  // which: 0 gate, 1 up, 2 down
     static const char* mix[] = {"w1", "w3", "w2"};
     static const char* ds[] = {"gate_proj", "up_proj", "down_proj"};
@@ -80,9 +81,12 @@ Names names_for(const MoeConfig& c, const std::string& prefix) {
   n.block = p + (n.mixtral ? "block_sparse_moe" : "mlp");
   n.gate = n.block + ".gate.weight";
   n.bias = n.block + ".gate.e_score_correction_bias";
-  n.shared_gate = n.block + ".shared_experts.gate_proj.weight";
-  n.shared_up = n.block + ".shared_experts.up_proj.weight";
-  n.shared_down = n.block + ".shared_experts.down_proj.weight";
+  // Qwen2-MoE / Qwen3-Next: one shared expert, named singular, and its gate.
+  const std::string shared = c.shared_expert_gate ? ".shared_expert." : ".shared_experts.";
+  n.shared_gate = n.block + shared + "gate_proj.weight";
+  n.shared_up = n.block + shared + "up_proj.weight";
+  n.shared_down = n.block + shared + "down_proj.weight";
+  n.shared_expert_gate = n.block + ".shared_expert_gate.weight";
   return n;
 }
 
@@ -110,6 +114,9 @@ Weights random_weights(const MoeConfig& c, const std::string& prefix, Rng& rng,
     w.put(n.shared_gate, {S, H}, attnkit_test::uniform_vector(sz(S * H), rng, -in_s, in_s));
     w.put(n.shared_up, {S, H}, attnkit_test::uniform_vector(sz(S * H), rng, -in_s, in_s));
     w.put(n.shared_down, {H, S}, attnkit_test::uniform_vector(sz(H * S), rng, -s_s, s_s));
+    // Gate logits O(1): sigmoid well inside (0, 1), so a wrong gate shows.
+    if (c.shared_expert_gate)
+      w.put(n.shared_expert_gate, {1, H}, attnkit_test::normal_vector(sz(H), rng, 0.0f, in_s));
   }
   return w;
 }
@@ -241,9 +248,16 @@ Oracle oracle(const MoeConfig& c, const Weights& w, const std::string& prefix,
     if (c.n_shared_experts > 0) {
       const auto y = mlp_f64(xt.data(), w.at(n.shared_gate).data(), w.at(n.shared_up).data(),
                              w.at(n.shared_down).data(), H, I * c.n_shared_experts, &mag);
+      // sigmoid(x . w_sg) per token when the shared expert is gated.
+      double sg = 1.0;
+      if (c.shared_expert_gate) {
+        double z = 0.0;
+        for (int64_t d = 0; d < H; ++d) z += double(w.at(n.shared_expert_gate)[sz(d)]) * xt[sz(d)];
+        sg = 1.0 / (1.0 + std::exp(-z));
+      }
       for (int64_t d = 0; d < H; ++d) {
-        ot[d] += y[sz(d)];
-        if (bf16) bt[d] += 0x1p-9 * mag[sz(d)];
+        ot[d] += sg * y[sz(d)];
+        if (bf16) bt[d] += sg * 0x1p-9 * mag[sz(d)];
       }
     }
   }
@@ -319,6 +333,68 @@ MoeConfig deepseek_v3_config() {
   c.n_group = 4;
   c.topk_group = 2;
   return c;
+}
+
+// Qwen3-Next's block: softmax top-k renormalised, and one shared expert
+// (twice a routed one's width here) scaled per token by sigmoid(x . w_sg).
+MoeConfig qwen3_next_config() {
+  MoeConfig c;
+  c.model_type = "qwen3_next";
+  c.hidden_size = 36;
+  c.n_routed_experts = 6;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 20;
+  c.n_shared_experts = 2;
+  c.shared_expert_gate = true;
+  c.norm_topk_prob = true;
+  return c;
+}
+
+TEST(MoeLayer, GatedSharedExpertMatchesDenseOracle) {
+  MoeConfig c = qwen3_next_config();
+  Rng rng(211);
+  const Weights w = random_weights(c, "model.layers.1.", rng);
+  const auto x = attnkit_test::normal_vector(3 * 9 * 36, rng);
+  for (attnkit::Backend backend : {attnkit::Backend::kAuto, attnkit::Backend::kReference})
+    EXPECT_LT(check_against_oracle(c, w, "model.layers.1.", x, 3, 9, true, 2, backend), 1e-5);
+  // Qwen2-MoE's block is the same with norm_topk_prob off.
+  c.model_type = "qwen2_moe";
+  c.norm_topk_prob = false;
+  EXPECT_LT(check_against_oracle(c, w, "model.layers.1.", x, 3, 9), 1e-5);
+
+  // The names it reads; the ungated spelling, or a missing gate, is refused by name.
+  const MoeLayer layer = make_layer(c, w, "model.layers.1.");
+  const auto names = layer.weight_names();
+  EXPECT_NE(std::find(names.begin(), names.end(), "mlp.shared_expert_gate.weight"), names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "mlp.shared_expert.down_proj.weight"),
+            names.end());
+  ASSERT_TRUE(layer.weight("mlp.shared_expert_gate.weight").ok());
+  EXPECT_EQ(layer.weight("mlp.shared_expert_gate.weight")->shape[0], 1);
+  Weights missing = w;
+  missing.data.erase("model.layers.1.mlp.shared_expert_gate.weight");
+  missing.shape.erase("model.layers.1.mlp.shared_expert_gate.weight");
+  auto fresh = MoeLayer::create(c);
+  ASSERT_TRUE(fresh.ok());
+  auto st = fresh->load_weights(missing.views(), "model.layers.1.");
+  EXPECT_NE(st.message().find("model.layers.1.mlp.shared_expert_gate.weight"), std::string::npos)
+      << st.message();
+  EXPECT_FALSE(fresh->loaded());
+  Weights misshaped = w;
+  misshaped.shape["model.layers.1.mlp.shared_expert_gate.weight"] = {36, 1};
+  st = fresh->load_weights(misshaped.views(), "model.layers.1.");
+  EXPECT_NE(st.message().find("model.layers.1.mlp.shared_expert_gate.weight"), std::string::npos)
+      << st.message();
+
+  // The gate needs a shared expert and DeepSeek-style names.
+  MoeConfig bad = c;
+  bad.n_shared_experts = 0;
+  auto r = MoeLayer::create(bad);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("shared_expert_gate = true"), std::string::npos)
+      << r.status().message();
+  bad = mixtral_config();
+  bad.shared_expert_gate = true;
+  EXPECT_FALSE(MoeLayer::create(bad).ok());
 }
 
 TEST(MoeLayer, MixtralMatchesDenseOracle) {
@@ -927,6 +1003,122 @@ TEST(MoeConfig, BadConfigsNameTheField) {
   c = mixtral_config();
   c.n_shared_experts = 1;
   EXPECT_FALSE(MoeLayer::create(c).ok());
+}
+
+// Llama 4 (Llama4TextMoe, modeling_llama4.py), in float64 here: router
+// logits, top-k by logit, each chosen expert e fed sigmoid(logit_e) * x
+// (the input scaled, not the output), x @ gate_up_proj[e] with the gate in
+// the first I columns and the up in the last I, (up * silu(gate)) @
+// down_proj[e], summed unweighted, plus the shared expert.
+struct Llama4Weights {
+  std::vector<float> router, gate_up, down, sg, su, sd;
+};
+
+std::vector<double> llama4_reference(const MoeConfig& c, const Llama4Weights& w,
+                                     const std::vector<float>& x, int64_t T,
+                                     std::vector<int32_t>* ids, std::vector<double>* scales) {
+  const int64_t E = c.n_routed_experts, H = c.hidden_size, I = c.moe_intermediate_size,
+                K = c.num_experts_per_tok;
+  std::vector<double> y(sz(T * H), 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = x.data() + t * H;
+    std::vector<double> logit(sz(E), 0.0);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t h = 0; h < H; ++h) logit[sz(e)] += double(w.router[sz(e * H + h)]) * xt[h];
+    std::vector<int32_t> order(sz(E));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return logit[sz(a)] > logit[sz(b)]; });
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = order[sz(k)];
+      const double s = 1.0 / (1.0 + std::exp(-logit[sz(e)]));
+      ids->push_back(e);
+      scales->push_back(s);
+      std::vector<double> gu(sz(2 * I), 0.0);
+      for (int64_t j = 0; j < 2 * I; ++j)
+        for (int64_t h = 0; h < H; ++h)
+          gu[sz(j)] += s * xt[h] * double(w.gate_up[sz((e * H + h) * 2 * I + j)]);
+      for (int64_t i = 0; i < I; ++i) {
+        const double g = gu[sz(i)], u = gu[sz(I + i)], a = u * g / (1.0 + std::exp(-g));
+        for (int64_t h = 0; h < H; ++h)
+          y[sz(t * H + h)] += a * double(w.down[sz((e * I + i) * H + h)]);
+      }
+    }
+    std::vector<double> xd(xt, xt + H);
+    const auto shared = mlp_f64(xd.data(), w.sg.data(), w.su.data(), w.sd.data(), H, I);
+    for (int64_t h = 0; h < H; ++h) y[sz(t * H + h)] += shared[sz(h)];
+  }
+  return y;
+}
+
+TEST(MoeLayer, Llama4InputScaledExpertsMatchFloat64Loop) {
+  MoeConfig c;
+  c.model_type = "llama4_text";
+  c.naming = MoeWeightNaming::kLlama4;
+  c.hidden_size = 20;
+  c.n_routed_experts = 5;
+  c.moe_intermediate_size = 12;
+  c.n_shared_experts = 1;
+  c.scoring_func = MoeScoringFunc::kSigmoid;
+  c.norm_topk_prob = false;
+  const int64_t E = 5, H = 20, I = 12, T = 2 * 7;
+  Rng rng(307);
+  auto u = [&](int64_t n, float a) { return attnkit_test::uniform_vector(sz(n), rng, -a, a); };
+  Llama4Weights w{u(E * H, 0.6f), u(E * H * 2 * I, 0.5f), u(E * I * H, 0.5f),
+                  u(I * H, 0.3f), u(I * H, 0.3f),         u(H * I, 0.3f)};
+  const std::string f = "model.layers.1.feed_forward.";
+  WeightMap m;
+  m[f + "router.weight"] = attnkit::make_view(w.router.data(), DType::kF32, {E, H});
+  m[f + "experts.gate_up_proj"] = attnkit::make_view(w.gate_up.data(), DType::kF32, {E, H, 2 * I});
+  m[f + "experts.down_proj"] = attnkit::make_view(w.down.data(), DType::kF32, {E, I, H});
+  m[f + "shared_expert.gate_proj.weight"] = attnkit::make_view(w.sg.data(), DType::kF32, {I, H});
+  m[f + "shared_expert.up_proj.weight"] = attnkit::make_view(w.su.data(), DType::kF32, {I, H});
+  m[f + "shared_expert.down_proj.weight"] = attnkit::make_view(w.sd.data(), DType::kF32, {H, I});
+  const auto x = attnkit_test::normal_vector(sz(T * H), rng);
+  for (int64_t k : {1, 2}) {  // Llama 4 routes to one expert; top-2 checks the sum
+    c.num_experts_per_tok = k;
+    auto layer = MoeLayer::create(c);
+    ASSERT_TRUE(layer.ok()) << layer.status().to_string();
+    auto st = layer->load_weights(m, "model.layers.1.");
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    std::vector<int32_t> ids;
+    std::vector<double> scales;
+    const auto want = llama4_reference(c, w, x, T, &ids, &scales);
+    for (attnkit::Backend backend : {attnkit::Backend::kAuto, attnkit::Backend::kReference}) {
+      std::vector<float> out(sz(T * H), -7.0f);
+      MoeRouting r;
+      attnkit::RunOptions run;
+      run.backend = backend;
+      st = layer->forward(attnkit::make_view(x.data(), DType::kF32, {2, 7, H}),
+                          attnkit::make_view(out.data(), DType::kF32, {2, 7, H}), &r, run);
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      EXPECT_EQ(r.expert_ids, ids);
+      EXPECT_TRUE(attnkit_test::all_close("input scales", r.weights, scales, {0.0, 1e-6}));
+      double scale = 0;
+      for (double v : want) scale = std::max(scale, std::fabs(v));
+      EXPECT_TRUE(attnkit_test::all_close("out", out, want, {1e-5 * scale, 0.0}));
+    }
+  }
+  // The fused tensors are repacked; the router and shared expert stay by name.
+  auto layer = MoeLayer::create(c);
+  ASSERT_TRUE(layer.ok() && layer->load_weights(m, "model.layers.1.").ok());
+  EXPECT_TRUE(layer->weight("feed_forward.router.weight").ok());
+  EXPECT_TRUE(layer->weight("feed_forward.shared_expert.down_proj.weight").ok());
+  EXPECT_EQ(layer->weight("feed_forward.experts.gate_up_proj").status().code(),
+            StatusCode::kNotFound);
+  // A transposed (nn.Linear-shaped) down_proj, or a missing shared expert, is named.
+  WeightMap bad = m;
+  bad[f + "experts.down_proj"] = attnkit::make_view(w.down.data(), DType::kF32, {E, H, I});
+  auto fresh = MoeLayer::create(c);
+  ASSERT_TRUE(fresh.ok());
+  auto st = fresh->load_weights(bad, "model.layers.1.");
+  EXPECT_NE(st.message().find(f + "experts.down_proj"), std::string::npos) << st.message();
+  bad = m;
+  bad.erase(f + "shared_expert.up_proj.weight");
+  st = fresh->load_weights(bad, "model.layers.1.");
+  EXPECT_NE(st.message().find(f + "shared_expert.up_proj.weight"), std::string::npos)
+      << st.message();
+  EXPECT_FALSE(fresh->loaded());
 }
 
 }  // namespace

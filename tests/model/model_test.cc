@@ -65,11 +65,79 @@ void add_deepseek_layer(Checkpoint* c, const std::string& p, bool moe) {
   }
 }
 
-// A Llama (or Gemma-2, or DeepSeek-V3) checkpoint of `layers` layers with N(0, 1/in)
-// matrices and 1 + N(0, 0.3) norm gains (Gemma: N(0, 0.3), its (1 + w)).
+// Qwen3-Next's layer i of tiny(): Gated DeltaNet (2 key heads of 16, 4
+// value heads of 12, kernel 4) on the even layers, gated full attention on
+// the odd ones; 4 routed experts (top 2) and the gated shared expert, dense
+// on layer 2 (mlp_only_layers).
+void add_qwen3_next_layer(Checkpoint* c, const std::string& p, int64_t i) {
+  if (i % 2 == 0) {
+    const std::string a = p + "linear_attn.";
+    c->shapes[a + "in_proj_qkvz.weight"] = {2 * 2 * 16 + 2 * 4 * 12, kHidden};
+    c->shapes[a + "in_proj_ba.weight"] = {2 * 4, kHidden};
+    c->shapes[a + "conv1d.weight"] = {2 * 2 * 16 + 4 * 12, 1, 4};
+    c->shapes[a + "A_log"] = {4};
+    c->shapes[a + "dt_bias"] = {4};
+    c->shapes[a + "norm.weight"] = {12};
+    c->shapes[a + "out_proj.weight"] = {kHidden, 4 * 12};
+  } else {
+    const std::string a = p + "self_attn.";
+    c->shapes[a + "q_proj.weight"] = {2 * kHeads * kHeadDim, kHidden};  // [query | gate]
+    c->shapes[a + "k_proj.weight"] = {kKvHeads * kHeadDim, kHidden};
+    c->shapes[a + "v_proj.weight"] = {kKvHeads * kHeadDim, kHidden};
+    c->shapes[a + "o_proj.weight"] = {kHidden, kHeads * kHeadDim};
+    c->shapes[a + "q_norm.weight"] = {kHeadDim};
+    c->shapes[a + "k_norm.weight"] = {kHeadDim};
+  }
+  const std::string m = p + "mlp.";
+  if (i == 2) {
+    c->shapes[m + "gate_proj.weight"] = {kInter, kHidden};
+    c->shapes[m + "up_proj.weight"] = {kInter, kHidden};
+    c->shapes[m + "down_proj.weight"] = {kHidden, kInter};
+    return;
+  }
+  c->shapes[m + "gate.weight"] = {4, kHidden};
+  c->shapes[m + "shared_expert_gate.weight"] = {1, kHidden};
+  for (const std::string e :
+       {"experts.0.", "experts.1.", "experts.2.", "experts.3.", "shared_expert."}) {
+    c->shapes[m + e + "gate_proj.weight"] = {32, kHidden};
+    c->shapes[m + e + "up_proj.weight"] = {32, kHidden};
+    c->shapes[m + e + "down_proj.weight"] = {kHidden, 32};
+  }
+}
+
+// Llama 4's layer i of tiny(): chunked attention (chunk 4, RoPE, L2
+// qk-norm) except NoPE layer 2 (temperature tuning, floor_scale 4, so the
+// scale changes within the test's positions); top-1 input-scaled experts
+// (fused gate_up_proj / down_proj) and a shared expert on layer 1, dense
+// feed_forward on layers 0 and 2.
+void add_llama4_layer(Checkpoint* c, const std::string& p, int64_t i) {
+  c->shapes[p + "self_attn.q_proj.weight"] = {kHeads * kHeadDim, kHidden};
+  c->shapes[p + "self_attn.k_proj.weight"] = {kKvHeads * kHeadDim, kHidden};
+  c->shapes[p + "self_attn.v_proj.weight"] = {kKvHeads * kHeadDim, kHidden};
+  c->shapes[p + "self_attn.o_proj.weight"] = {kHidden, kHeads * kHeadDim};
+  const std::string f = p + "feed_forward.";
+  if (i != 1) {
+    c->shapes[f + "gate_proj.weight"] = {kInter, kHidden};
+    c->shapes[f + "up_proj.weight"] = {kInter, kHidden};
+    c->shapes[f + "down_proj.weight"] = {kHidden, kInter};
+    return;
+  }
+  c->shapes[f + "router.weight"] = {4, kHidden};
+  c->shapes[f + "experts.gate_up_proj"] = {4, kHidden, 2 * 32};
+  c->shapes[f + "experts.down_proj"] = {4, 32, kHidden};
+  c->shapes[f + "shared_expert.gate_proj.weight"] = {32, kHidden};
+  c->shapes[f + "shared_expert.up_proj.weight"] = {32, kHidden};
+  c->shapes[f + "shared_expert.down_proj.weight"] = {kHidden, 32};
+}
+
+// A Llama (or Gemma-2, DeepSeek-V3, Qwen3-Next, Llama 4) checkpoint of `layers`
+// layers with N(0, 1/in) matrices and 1 + N(0, 0.3) norm gains (Gemma's and
+// Qwen3-Next's zero-centred norms: N(0, 0.3), their (1 + w)).
 Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
   Checkpoint c;
   const bool gemma = model_type == "gemma2";
+  const bool next = model_type == "qwen3_next";
+  const bool llama4 = model_type == "llama4_text";
   c.config = {{"model_type", model_type},
               {"vocab_size", kVocab},
               {"hidden_size", kHidden},
@@ -104,6 +172,34 @@ Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
                      {"rope_scaling", nullptr}});
     c.config.erase("head_dim");
   }
+  if (next) {
+    json types = json::array();
+    for (int64_t i = 0; i < layers; ++i)
+      types.push_back(i % 2 == 0 ? "linear_attention" : "full_attention");
+    c.config.update({{"layer_types", types},
+                     {"partial_rotary_factor", 0.25},
+                     {"linear_num_key_heads", 2},
+                     {"linear_num_value_heads", 4},
+                     {"linear_key_head_dim", 16},
+                     {"linear_value_head_dim", 12},
+                     {"linear_conv_kernel_dim", 4},
+                     {"num_experts", 4},
+                     {"num_experts_per_tok", 2},
+                     {"moe_intermediate_size", 32},
+                     {"shared_expert_intermediate_size", 32},
+                     {"mlp_only_layers", json::array({2})}});
+  }
+  if (llama4)
+    c.config.update({{"intermediate_size", 32},
+                     {"intermediate_size_mlp", kInter},
+                     {"num_local_experts", 4},
+                     {"num_experts_per_tok", 1},
+                     {"moe_layers", json::array({1})},
+                     {"no_rope_layer_interval", 3},
+                     {"attention_chunk_size", 4},
+                     {"floor_scale", 4},
+                     {"attn_scale", 0.1},
+                     {"rope_scaling", nullptr}});
   c.shapes["model.embed_tokens.weight"] = {kVocab, kHidden};
   c.shapes["model.norm.weight"] = {kHidden};
   if (!gemma) c.shapes["lm_head.weight"] = {kVocab, kHidden};
@@ -116,6 +212,14 @@ Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
         c.shapes[p + n + ".weight"] = {kHidden};
     if (deepseek) {
       add_deepseek_layer(&c, p, i >= 1);
+      continue;
+    }
+    if (next) {
+      add_qwen3_next_layer(&c, p, i);
+      continue;
+    }
+    if (llama4) {
+      add_llama4_layer(&c, p, i);
       continue;
     }
     c.shapes[p + "self_attn.q_proj.weight"] = {kHeads * kHeadDim, kHidden};
@@ -133,8 +237,14 @@ Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
     std::vector<float>& v = c.values[name];
     v.resize(static_cast<size_t>(n));
     const bool norm = name.ends_with("norm.weight");
-    const float scale = norm ? 0.3f : 1.0f / std::sqrt(static_cast<float>(shape.back()));
-    for (float& x : v) x = (norm && !gemma ? 1.0f : 0.0f) + rng.normal(0.0f, scale);
+    // The Gated DeltaNet's output norm applies w itself, never 1 + w.
+    const bool zero_centred = (gemma || next) && !name.ends_with("linear_attn.norm.weight");
+    // Fan-in: the last dim for nn.Linear [out, in], the middle one for
+    // Llama 4's fused x @ W experts [E, in, out].
+    const int64_t fan_in =
+        shape.size() == 3 && !name.ends_with("conv1d.weight") ? shape[1] : shape.back();
+    const float scale = norm ? 0.3f : 1.0f / std::sqrt(static_cast<float>(fan_in));
+    for (float& x : v) x = (norm && !zero_centred ? 1.0f : 0.0f) + rng.normal(0.0f, scale);
   }
   return c;
 }
@@ -153,8 +263,9 @@ WeightMap views(const Checkpoint& c, const std::vector<std::string>& names) {
   for (const std::string& n : names) {
     const auto& s = c.shapes.at(n);
     const void* data = c.values.at(n).data();
-    m[n] = s.size() == 1 ? make_view(data, DType::kF32, {s[0]})
-                         : make_view(data, DType::kF32, {s[0], s[1]});
+    m[n] = s.size() == 1   ? make_view(data, DType::kF32, {s[0]})
+           : s.size() == 2 ? make_view(data, DType::kF32, {s[0], s[1]})
+                           : make_view(data, DType::kF32, {s[0], s[1], s[2]});
   }
   return m;
 }
@@ -230,6 +341,7 @@ void check_steps_equal_forward(const std::string& model_type) {
   auto states = m.new_state_pool(0);
   ASSERT_TRUE(pool.ok() && states.ok());
   const std::vector<int64_t> ids = {pool->add_sequence(), pool->add_sequence()};
+  for (int64_t id : ids) ASSERT_TRUE(states->add_sequence(id).ok());
   // Tokens per sequence per step: prompt chunks, then one at a time.
   const std::vector<std::vector<int64_t>> steps = {{4, 3}, {3, 1}, {1, 1}, {1, 1}, {1, 1}, {1, 0}};
   std::vector<int64_t> done = {0, 0};
@@ -268,6 +380,65 @@ TEST(Model, Gemma2StepsOverThePoolEqualForward) { check_steps_equal_forward("gem
 // DeepSeek-V3: MLA over the latent pool, a dense layer, then MoE layers.
 TEST(Model, DeepseekStepsOverTheLatentPoolEqualForward) {
   check_steps_equal_forward("deepseek_v3");
+}
+
+// Qwen3-Next: Gated DeltaNet layers 0 and 2 carry each sequence's state
+// across steps in the state pool (same ids as the paged pool), gated full
+// attention on layer 1 in the paged pool; MoE with the gated shared expert.
+TEST(Model, Qwen3NextStepsOverThePoolAndStatesEqualForward) {
+  check_steps_equal_forward("qwen3_next");
+}
+
+// Llama 4: chunked layers 0-1 and NoPE layer 2 share a pool without a
+// chunk (each passes its own); the NoPE layer's temperature follows the
+// pool's positions across steps; input-scaled experts on layer 1.
+TEST(Model, Llama4StepsOverThePoolEqualForward) { check_steps_equal_forward("llama4_text"); }
+
+TEST(Model, Qwen3NextStatePoolHoldsItsLinearLayers) {
+  Checkpoint c = tiny("qwen3_next", 3, 8);
+  // Hugging Face skips the multi-token-prediction head on load; so does Model.
+  c.shapes["mtp.fc.weight"] = {kHidden, 2 * kHidden};
+  c.values["mtp.fc.weight"].resize(2 * kHidden * kHidden);
+  Model m = load(write(c, "m"));
+  // Per linear layer: S [4, 16, 12] and the conv's last 3 inputs of 2*2*16 + 4*12 channels.
+  const int64_t per_layer = (4 * 16 * 12 + 3 * (2 * 2 * 16 + 4 * 12)) * 4;
+  EXPECT_EQ(m.state_bytes_per_sequence(), 2 * per_layer);
+  auto states = m.new_state_pool(3);
+  ASSERT_TRUE(states.ok()) << states.status().message();
+  EXPECT_EQ(states->num_layers(), 2);
+  EXPECT_EQ(states->max_sequences(), 3);
+  EXPECT_EQ(states->bytes_per_sequence(), m.state_bytes_per_sequence());
+
+  // A step with a state pool of no layers (another model's) is refused
+  // before anything runs; so is a sequence the state pool does not hold.
+  auto pool = m.new_pool(4, 4, DType::kF32, false);
+  auto none = LinearStatePool::create({}, 0);
+  ASSERT_TRUE(pool.ok() && none.ok());
+  const std::vector<int64_t> ids = {pool->add_sequence()};
+  ASSERT_TRUE(pool->append(ids, std::vector<int64_t>{2}).ok());
+  std::vector<float> logits(kVocab, -7.0f);
+  const std::vector<int32_t> tokens = {1, 2}, cu = {0, 2};
+  Status st = m.forward_step(tokens, cu, ids, *pool, *none, logits, {});
+  EXPECT_NE(st.message().find("states has 0 layers; this model has 2 linear-attention layers"),
+            std::string::npos)
+      << st.message();
+  st = m.forward_step(tokens, cu, ids, *pool, *states, logits, {});
+  EXPECT_FALSE(st.ok());
+  for (float x : logits) ASSERT_EQ(x, -7.0f);
+  ASSERT_TRUE(states->add_sequence(ids[0]).ok());
+  st = m.forward_step(tokens, cu, ids, *pool, *states, logits, {});
+  EXPECT_TRUE(st.ok()) << st.message();
+
+  Checkpoint extra = tiny("qwen3_next", 3, 8);
+  extra.shapes["model.layers.0.linear_attn.extra"] = {4};
+  extra.values["model.layers.0.linear_attn.extra"].resize(4);
+  std::string msg = load_error(write(extra, "extra"));
+  EXPECT_NE(msg.find("model.layers.0.linear_attn.extra"), std::string::npos) << msg;
+  Checkpoint missing = tiny("qwen3_next", 3, 8);
+  missing.shapes.erase("model.layers.1.mlp.shared_expert_gate.weight");
+  msg = load_error(write(missing, "missing"));
+  EXPECT_NE(msg.find("layer 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("model.layers.1.mlp.shared_expert_gate.weight"), std::string::npos) << msg;
 }
 
 TEST(Model, ZeroMixerAndMlpLeaveNormOfEmbeddingThroughLmHead) {

@@ -1,6 +1,7 @@
 """attnkit.Model against a float64 decoder written here from Hugging Face's
 modeling files (LlamaModel, MistralModel, Qwen2/Qwen3Model, MixtralModel,
-Qwen3MoeModel, Gemma2Model, Gemma3TextModel), on tiny random checkpoints
+Qwen2MoeModel, Qwen3MoeModel, Qwen3NextModel, Gemma2Model, Gemma3TextModel,
+DeepseekV2/V3Model, GptOssModel, Llama4TextModel), on tiny random checkpoints
 written by a safetensors writer of this file: config.json + model.safetensors
 or a sharded model.safetensors.index.json. Nothing here calls attnkit except
 to load and run the model under test. Bad checkpoints and bad token ids raise
@@ -13,6 +14,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import attnkit
 from torch_ref import check_close, inv_freq_ref, rotate_half
@@ -85,11 +87,21 @@ def is_gemma(c):
     return c["model_type"] in ("gemma2", "gemma3_text")
 
 
+def zero_centred(c):
+    """Norms stored as w and applied as 1 + w (Gemma's, Qwen3NextRMSNorm)."""
+    return is_gemma(c) or c["model_type"] == "qwen3_next"
+
+
+def is_linear(c, i):
+    """Qwen3-Next's Gated DeltaNet layers."""
+    return c.get("layer_types", [""] * (i + 1))[i] == "linear_attention"
+
+
 def moe_layer(c, i):
     t = c["model_type"]
     if t == "mixtral":
         return True
-    if t == "qwen3_moe":
+    if t in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         return i not in c.get("mlp_only_layers", []) and (i + 1) % c.get(
             "decoder_sparse_step", 1) == 0
     return False
@@ -97,6 +109,34 @@ def moe_layer(c, i):
 
 def is_deepseek(c):
     return c["model_type"] in ("deepseek_v2", "deepseek_v3")
+
+
+def is_llama4(c):
+    return c["model_type"] == "llama4_text"
+
+
+def llama4_moe_layer(c, i):
+    """Llama4TextConfig: every interleave_moe_layer_step-th layer from step - 1."""
+    step = c.get("interleave_moe_layer_step", 1)
+    return i % step == step - 1
+
+
+def llama4_rope_layer(c, i):
+    """Llama4TextConfig's no_rope_layers default: NoPE on every 4th layer."""
+    return (i + 1) % c.get("no_rope_layer_interval", 4) != 0
+
+
+def llama4_ffn_shapes(c, f, i):
+    H = c["hidden_size"]
+    if not llama4_moe_layer(c, i):
+        I = c["intermediate_size_mlp"]
+        return {f + "gate_proj.weight": (I, H), f + "up_proj.weight": (I, H),
+                f + "down_proj.weight": (H, I)}
+    E, I = c["num_local_experts"], c["intermediate_size"]
+    return {f + "router.weight": (E, H), f + "experts.gate_up_proj": (E, H, 2 * I),
+            f + "experts.down_proj": (E, I, H), f + "shared_expert.gate_proj.weight": (I, H),
+            f + "shared_expert.up_proj.weight": (I, H),
+            f + "shared_expert.down_proj.weight": (H, I)}
 
 
 def mla_shapes(c, a):
@@ -131,9 +171,21 @@ def deepseek_ffn_shapes(c, p, i):
     return out
 
 
+def linear_attn_shapes(c, la):
+    """Qwen3NextGatedDeltaNet's parameters under la = '...linear_attn.'."""
+    H, hk, hv = c["hidden_size"], c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv, K = c["linear_key_head_dim"], c["linear_value_head_dim"], c["linear_conv_kernel_dim"]
+    return {la + "in_proj_qkvz.weight": (2 * hk * dk + 2 * hv * dv, H),
+            la + "in_proj_ba.weight": (2 * hv, H),
+            la + "conv1d.weight": (2 * hk * dk + hv * dv, 1, K),
+            la + "A_log": (hv,), la + "dt_bias": (hv,), la + "norm.weight": (dv,),
+            la + "out_proj.weight": (H, hv * dv)}
+
+
 def random_weights(c, seed):
     """HF names -> float32 arrays: matrices ~ N(0, 1/in), norm gains 1 +
-    N(0, 0.3) (Gemma's stored w ~ N(0, 0.3)), biases N(0, 0.5)."""
+    N(0, 0.3) (zero-centred norms' stored w ~ N(0, 0.3)), biases and the
+    Gated DeltaNet's A_log, dt_bias N(0, 0.5), its conv N(0, 1/kernel)."""
     g = np.random.default_rng(seed)
     H, V, I = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
     nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], head_dim(c)
@@ -148,15 +200,22 @@ def random_weights(c, seed):
         for n in norms:
             shapes[p + n + ".weight"] = (H,)
         a = p + "self_attn."
-        if is_deepseek(c):
+        if is_linear(c, i):
+            shapes.update(linear_attn_shapes(c, p + "linear_attn."))
+        elif is_deepseek(c):
             shapes.update(mla_shapes(c, a))
             shapes.update(deepseek_ffn_shapes(c, p, i))
             continue
-        shapes.update({a + "q_proj.weight": (nh * hd, H), a + "k_proj.weight": (nkv * hd, H),
-                       a + "v_proj.weight": (nkv * hd, H), a + "o_proj.weight": (H, nh * hd)})
-        if c["model_type"] in ("qwen2", "gpt_oss"):
+        qrows = nh * hd * (2 if c["model_type"] == "qwen3_next" else 1)  # [query | gate]
+        if not is_linear(c, i):
+            shapes.update({a + "q_proj.weight": (qrows, H), a + "k_proj.weight": (nkv * hd, H),
+                           a + "v_proj.weight": (nkv * hd, H), a + "o_proj.weight": (H, nh * hd)})
+        if c["model_type"] in ("qwen2", "qwen2_moe", "gpt_oss"):
             shapes.update({a + "q_proj.bias": (nh * hd,), a + "k_proj.bias": (nkv * hd,),
                            a + "v_proj.bias": (nkv * hd,)})
+        if is_llama4(c):
+            shapes.update(llama4_ffn_shapes(c, p + "feed_forward.", i))
+            continue
         if c["model_type"] == "gpt_oss":
             E, m = c["num_local_experts"], p + "mlp."
             shapes.update({a + "o_proj.bias": (H,), a + "sinks": (nh,),
@@ -165,7 +224,8 @@ def random_weights(c, seed):
                            m + "experts.gate_up_proj_bias": (E, 2 * I),
                            m + "experts.down_proj": (E, I, H), m + "experts.down_proj_bias": (E, H)})
             continue
-        if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
+        if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text") or (
+                c["model_type"] == "qwen3_next" and not is_linear(c, i)):
             shapes.update({a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
         if c["model_type"] == "mixtral":
             E, m = c["num_local_experts"], p + "block_sparse_moe."
@@ -181,13 +241,23 @@ def random_weights(c, seed):
                 shapes.update({f"{m}experts.{e}.gate_proj.weight": (Im, H),
                                f"{m}experts.{e}.up_proj.weight": (Im, H),
                                f"{m}experts.{e}.down_proj.weight": (H, Im)})
+            S = c.get("shared_expert_intermediate_size", 0)
+            if S:  # Qwen2-MoE / Qwen3-Next: one sigmoid-gated shared expert
+                shapes.update({m + "shared_expert.gate_proj.weight": (S, H),
+                               m + "shared_expert.up_proj.weight": (S, H),
+                               m + "shared_expert.down_proj.weight": (H, S),
+                               m + "shared_expert_gate.weight": (1, H)})
         else:
             shapes.update({p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
                            p + "mlp.down_proj.weight": (H, I)})
     out = {}
     for name, shape in shapes.items():
-        if name.endswith("norm.weight"):
-            w = (0.0 if is_gemma(c) else 1.0) + 0.3 * g.standard_normal(shape)
+        if name.endswith("linear_attn.norm.weight"):  # applied as w, never 1 + w
+            w = 1.0 + 0.3 * g.standard_normal(shape)
+        elif name.endswith("conv1d.weight"):
+            w = g.standard_normal(shape) / math.sqrt(shape[-1])
+        elif name.endswith("norm.weight"):
+            w = (0.0 if zero_centred(c) else 1.0) + 0.3 * g.standard_normal(shape)
         elif len(shape) == 1:
             w = 0.5 * g.standard_normal(shape)
         elif name.endswith("embed_tokens.weight"):
@@ -235,20 +305,28 @@ def attention_ref(c, w, p, x, i):
         y = x @ w[p + name + ".weight"].T
         return y + w[p + name + ".bias"] if p + name + ".bias" in w else y
 
-    q = lin("q_proj").view(b, s, nh, hd)
+    gated = c["model_type"] == "qwen3_next"
+    if gated:  # Qwen3NextAttention: q_proj gives [query | gate] per head
+        q, gate = lin("q_proj").view(b, s, nh, 2 * hd).chunk(2, dim=-1)
+        gate = gate.reshape(b, s, nh * hd)
+    else:
+        q = lin("q_proj").view(b, s, nh, hd)
     k = lin("k_proj").view(b, s, nkv, hd)
     v = lin("v_proj").view(b, s, nkv, hd)
     if p + "q_norm.weight" in w:
-        gemma = is_gemma(c)
-        q = rms(q, w[p + "q_norm.weight"], c["rms_norm_eps"], gemma)
-        k = rms(k, w[p + "k_norm.weight"], c["rms_norm_eps"], gemma)
+        q = rms(q, w[p + "q_norm.weight"], c["rms_norm_eps"], zero_centred(c))
+        k = rms(k, w[p + "k_norm.weight"], c["rms_norm_eps"], zero_centred(c))
     window, theta = layer_kind(c, i)
-    inv, factor = inv_freq_ref(hd, theta, c.get("rope_scaling"), c["max_position_embeddings"])
+    if is_llama4(c):
+        return llama4_attention_ref(c, w, p, q, k, v, i)
+    # Partial RoPE (Qwen3-Next): the first int(hd * factor) dims rotate.
+    rd = int(hd * c.get("partial_rotary_factor", 0.25 if gated else 1.0))
+    inv, factor = inv_freq_ref(rd, theta, c.get("rope_scaling"), c["max_position_embeddings"])
     freqs = torch.arange(s, dtype=torch.float64)[:, None] * torch.from_numpy(inv)[None, :]
     emb = torch.cat((freqs, freqs), -1)
     cos, sin = emb.cos()[None, :, None, :] * factor, emb.sin()[None, :, None, :] * factor
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
+    q = torch.cat((q[..., :rd] * cos + rotate_half(q[..., :rd]) * sin, q[..., rd:]), -1)
+    k = torch.cat((k[..., :rd] * cos + rotate_half(k[..., :rd]) * sin, k[..., rd:]), -1)
     k = k.repeat_interleave(nh // nkv, dim=2)
     v = v.repeat_interleave(nh // nkv, dim=2)
     scale = c["query_pre_attn_scalar"] ** -0.5 if is_gemma(c) else hd ** -0.5
@@ -268,8 +346,94 @@ def attention_ref(c, w, p, x, i):
     else:
         probs = torch.softmax(scores, -1)
     o = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, nh * hd)
+    if gated:
+        o = o * torch.sigmoid(gate)
     o = o @ w[p + "o_proj.weight"].T
     return o + w[p + "o_proj.bias"] if p + "o_proj.bias" in w else o
+
+
+def llama4_attention_ref(c, w, p, q, k, v, i):
+    """Llama4TextAttention from the projections q [b, s, nh, hd], k, v:
+    RoPE layers rotate the pairs (2i, 2i + 1) (view_as_complex), then the
+    weightless L2 qk-norm, and attend within their attention_chunk_size
+    chunk; NoPE layers scale q by the temperature log1p(floor((pos + 1) /
+    floor_scale)) * attn_scale + 1 and attend causally."""
+    b, s, nh, hd = q.shape
+    rope = llama4_rope_layer(c, i)
+    pos = torch.arange(s, dtype=torch.float64)
+    if rope:
+        q, k = rope_pairs(q, c["rope_theta"]), rope_pairs(k, c["rope_theta"])
+        if c.get("use_qk_norm", True):
+            eps = c["rms_norm_eps"]
+            q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + eps)
+            k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps)
+    elif c.get("attn_temperature_tuning", True):
+        t = torch.log1p(torch.floor((pos + 1.0) / c["floor_scale"])) * c["attn_scale"] + 1.0
+        q = q * t[None, :, None, None]
+    nkv = k.shape[2]
+    k = k.repeat_interleave(nh // nkv, dim=2)
+    v = v.repeat_interleave(nh // nkv, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * hd ** -0.5
+    qi, ki = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    visible = ki <= qi
+    if rope:
+        visible &= (ki // c["attention_chunk_size"]) == (qi // c["attention_chunk_size"])
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    o = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, nh * hd)
+    return o @ w[p + "o_proj.weight"].T
+
+
+def llama4_moe_ref(c, w, f, x):
+    """Llama4TextMoe: the top-k router logits through a sigmoid scale each
+    chosen expert's INPUT; experts x @ W with gate_up_proj's first half the
+    gate and second half the up (chunk(2)); plus the shared expert."""
+    E, k, I = c["num_local_experts"], c["num_experts_per_tok"], c["intermediate_size"]
+    logits = x @ w[f + "router.weight"].T
+    top_v, top_i = logits.topk(k, dim=-1)
+    y = mlp_ref(c, w, f + "shared_expert.", x)
+    for e in range(E):
+        scale = (torch.sigmoid(top_v) * (top_i == e)).sum(-1, keepdim=True)  # 0 if not chosen
+        gu = (x * scale) @ w[f + "experts.gate_up_proj"][e]
+        gate, up = gu[..., :I], gu[..., I:]
+        y = y + (up * gate * torch.sigmoid(gate)) @ w[f + "experts.down_proj"][e]
+    return y
+
+
+def gated_deltanet_ref(c, w, la, x):
+    """Qwen3NextGatedDeltaNet over whole sequences from a zero state, the
+    gated delta rule in its recurrent form: x [b, s, H] -> [b, s, H]."""
+    b, s, _ = x.shape
+    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv, K = c["linear_key_head_dim"], c["linear_value_head_dim"], c["linear_conv_kernel_dim"]
+    r = hv // hk
+    # Projections grouped per key head: [q | k | v of its r value heads | z of the same].
+    qkvz = (x @ w[la + "in_proj_qkvz.weight"].T).view(b, s, hk, 2 * dk + 2 * r * dv)
+    q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], -1)
+    ba = (x @ w[la + "in_proj_ba.weight"].T).view(b, s, hk, 2 * r)
+    beta = torch.sigmoid(ba[..., :r].reshape(b, s, hv))
+    a = ba[..., r:].reshape(b, s, hv)
+    mixed = torch.cat((q.reshape(b, s, -1), k.reshape(b, s, -1), v.reshape(b, s, -1)), -1)
+    # Causal depthwise conv over time (K - 1 zeros before the first token), then SiLU.
+    conv = F.conv1d(F.pad(mixed.transpose(1, 2), (K - 1, 0)), w[la + "conv1d.weight"],
+                    groups=mixed.shape[-1])
+    mixed = F.silu(conv).transpose(1, 2)
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], -1)
+    q, k, v = q.reshape(b, s, hk, dk), k.reshape(b, s, hk, dk), v.reshape(b, s, hv, dv)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    g = -w[la + "A_log"].exp() * F.softplus(a + w[la + "dt_bias"])
+    S = torch.zeros(b, hv, dk, dv, dtype=torch.float64)
+    o = torch.zeros(b, s, hv, dv, dtype=torch.float64)
+    for t in range(s):
+        for h in range(hv):
+            kt, qt = k[:, t, h // r], q[:, t, h // r]
+            St = S[:, h] * g[:, t, h].exp()[:, None, None]
+            delta = (v[:, t, h] - torch.einsum("bij,bi->bj", St, kt)) * beta[:, t, h, None]
+            S[:, h] = St + kt[:, :, None] * delta[:, None, :]
+            o[:, t, h] = torch.einsum("bij,bi->bj", S[:, h], qt)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c["rms_norm_eps"])
+    o = o * w[la + "norm.weight"] * F.silu(z.reshape(b, s, hv, dv))
+    return o.reshape(b, s, hv * dv) @ w[la + "out_proj.weight"].T
 
 
 def rope_pairs(x, theta):
@@ -371,8 +535,9 @@ def mlp_ref(c, w, p, x):
 
 
 def moe_ref(c, w, p, x):
-    """Mixtral / Qwen3-MoE: softmax over the router logits, top-k,
-    renormalised (Mixtral always, Qwen3-MoE when norm_topk_prob)."""
+    """Mixtral / Qwen2-MoE / Qwen3-MoE / Qwen3-Next: softmax over the router
+    logits, top-k, renormalised (Mixtral always, the Qwens when
+    norm_topk_prob), plus the Qwens' sigmoid-gated shared expert."""
     mixtral = c["model_type"] == "mixtral"
     m = p + ("block_sparse_moe." if mixtral else "mlp.")
     E = c["num_local_experts" if mixtral else "num_experts"]
@@ -388,28 +553,38 @@ def moe_ref(c, w, p, x):
                ) @ w[e_p + names[2] + ".weight"].T
         weight = (top_w * (top_i == e)).sum(-1, keepdim=True)
         y = y + weight * out
+    if m + "shared_expert_gate.weight" in w:  # Qwen2-MoE / Qwen3-Next
+        y = y + torch.sigmoid(x @ w[m + "shared_expert_gate.weight"].T) * mlp_ref(
+            c, w, m + "shared_expert.", x)
     return y
 
 
 def decoder_ref(c, weights, tokens):
     """tokens [b, s] -> float64 logits [b, s, vocab]."""
     w = {n: torch.from_numpy(a.astype(np.float64)) for n, a in weights.items()}
-    eps, gemma = c["rms_norm_eps"], is_gemma(c)
+    eps, gemma, zc = c["rms_norm_eps"], is_gemma(c), zero_centred(c)
     h = w["model.embed_tokens.weight"][torch.from_numpy(np.asarray(tokens, np.int64))]
     if gemma:  # the normalizer is a tensor of the embedding's dtype
         h = h * float(np.float32(math.sqrt(c["hidden_size"])))
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        x = rms(h, w[p + "input_layernorm.weight"], eps, gemma)
-        a = mla_ref(c, w, p + "self_attn.", x) if is_deepseek(c) else attention_ref(
-            c, w, p + "self_attn.", x, i)
+        x = rms(h, w[p + "input_layernorm.weight"], eps, zc)
+        if is_linear(c, i):
+            a = gated_deltanet_ref(c, w, p + "linear_attn.", x)
+        elif is_deepseek(c):
+            a = mla_ref(c, w, p + "self_attn.", x)
+        else:
+            a = attention_ref(c, w, p + "self_attn.", x, i)
         if gemma:
             a = rms(a, w[p + "post_attention_layernorm.weight"], eps, True)
             x = rms(h + a, w[p + "pre_feedforward_layernorm.weight"], eps, True)
         else:
-            x = rms(h + a, w[p + "post_attention_layernorm.weight"], eps, False)
+            x = rms(h + a, w[p + "post_attention_layernorm.weight"], eps, zc)
         h = h + a
-        if c["model_type"] == "gpt_oss":
+        if is_llama4(c):
+            ff = p + "feed_forward."
+            f = llama4_moe_ref(c, w, ff, x) if llama4_moe_layer(c, i) else mlp_ref(c, w, ff, x)
+        elif c["model_type"] == "gpt_oss":
             f = gpt_oss_moe_ref(c, w, p + "mlp.", x)
         elif is_deepseek(c) and i >= c["first_k_dense_replace"]:
             f = deepseek_moe_ref(c, w, p + "mlp.", x)
@@ -418,7 +593,7 @@ def decoder_ref(c, weights, tokens):
         if gemma:
             f = rms(f, w[p + "post_feedforward_layernorm.weight"], eps, True)
         h = h + f
-    h = rms(h, w["model.norm.weight"], eps, gemma)
+    h = rms(h, w["model.norm.weight"], eps, zc)
     head = w["model.embed_tokens.weight" if c["tie_word_embeddings"] else "lm_head.weight"]
     logits = h @ head.T
     cap = c.get("final_logit_softcapping") or 0.0
@@ -472,6 +647,30 @@ FAMILIES = {
                            rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                          "beta_slow": 1.0, "truncate": True,
                                          "original_max_position_embeddings": 64}),
+    # Linear (Gated DeltaNet), gated full attention with partial RoPE, MoE
+    # with the gated shared expert, a dense layer; zero-centred norms.
+    "qwen3_next": base_config("qwen3_next", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                              norm_topk_prob=True, mlp_only_layers=[2], decoder_sparse_step=1,
+                              partial_rotary_factor=0.25,
+                              layer_types=["linear_attention", "full_attention",
+                                           "linear_attention"],
+                              linear_num_key_heads=2, linear_num_value_heads=4,
+                              linear_key_head_dim=16, linear_value_head_dim=12,
+                              linear_conv_kernel_dim=4, rms_norm_eps=1e-6),
+    # Chunked attention (chunk 4) with interleaved RoPE and L2 qk-norm on
+    # layers 0-2, NoPE with temperature tuning on layer 3; top-1 experts on
+    # layers 1 and 3 (input-scaled), dense intermediate_size_mlp on 0 and 2.
+    "llama4_text": base_config("llama4_text", num_hidden_layers=4, head_dim=16,
+                               intermediate_size=32, intermediate_size_mlp=96,
+                               num_local_experts=4, num_experts_per_tok=1,
+                               interleave_moe_layer_step=2, attention_chunk_size=4,
+                               use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4,
+                               attn_scale=0.1, rope_scaling=None, rope_theta=10000.0),
+    # qkv biases, no renormalising, a shared expert twice a routed one's width.
+    "qwen2_moe": base_config("qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=24, shared_expert_intermediate_size=48,
+                             norm_topk_prob=False, use_sliding_window=False),
     # V2-Lite's shape: q_proj without the low-rank query, greedy softmax routing.
     "deepseek_v2": base_config("deepseek_v2", num_key_value_heads=4, q_lora_rank=None,
                                kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -521,12 +720,14 @@ def test_sharded_checkpoint_equals_single_file(tmp_path):
     check_logits("mixtral sharded", three, decoder_ref(c, weights, tokens))
 
 
-def test_bf16_checkpoint_stays_bf16(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3_next", "llama4_text"])
+def test_bf16_checkpoint_stays_bf16(tmp_path, family):
     """bf16 weights run as bf16 GEMMs (inputs rounded to bf16, fp32 sums):
     against the reference on the same bf16 weights the error is that of
     rounding activations to bf16 (2^-9 relative per rounding), far above
-    fp32's; half the weight bytes of the f32 checkpoint."""
-    c = FAMILIES["llama"]
+    fp32's; half the weight bytes of the f32 checkpoint (Qwen3-Next's and
+    Llama 4's fused experts and Gated DeltaNet projections included)."""
+    c = FAMILIES[family]
     weights = random_weights(c, seed=5)
     rounded = {n: torch.from_numpy(w).to(torch.bfloat16).float().numpy()
                for n, w in weights.items()}
@@ -642,3 +843,86 @@ def test_batch_rows_are_independent_sequences(tmp_path):
     batch = model.forward(tokens)
     for r in range(3):
         check_logits(f"row {r}", batch[r], model.forward(tokens[r]), rel=1e-5)
+
+
+def test_hybrid_and_llama4_bad_tensors_are_named(tmp_path):
+    """Qwen3-Next's linear-attention and gated-shared-expert tensors and
+    Llama 4's fused experts are read strictly: missing, extra and
+    mis-shaped tensors are named (a down_proj stored nn.Linear-style,
+    [E, H, I], is the likely mistake)."""
+    c = FAMILIES["qwen3_next"]
+    w = random_weights(c, seed=21)
+    del w["model.layers.2.linear_attn.A_log"]
+    write_checkpoint(str(tmp_path / "a"), c, w)
+    msg = load_error(tmp_path / "a")
+    assert "layer 2" in msg and "model.layers.2.linear_attn.A_log" in msg
+    w = random_weights(c, seed=21)
+    w["model.layers.1.mlp.shared_expert_gate.weight"] = np.zeros((HIDDEN,), np.float32)
+    write_checkpoint(str(tmp_path / "b"), c, w)
+    msg = load_error(tmp_path / "b")
+    assert "model.layers.1.mlp.shared_expert_gate.weight" in msg and "[1, 64]" in msg
+    w = random_weights(c, seed=21)
+    w["model.layers.0.self_attn.q_proj.weight"] = np.zeros((8, HIDDEN), np.float32)
+    write_checkpoint(str(tmp_path / "c"), c, w)
+    assert "model.layers.0.self_attn.q_proj.weight" in load_error(tmp_path / "c")
+
+    c = FAMILIES["llama4_text"]
+    E, I = c["num_local_experts"], c["intermediate_size"]
+    w = random_weights(c, seed=22)
+    w["model.layers.1.feed_forward.experts.down_proj"] = np.zeros((E, HIDDEN, I), np.float32)
+    write_checkpoint(str(tmp_path / "d"), c, w)
+    msg = load_error(tmp_path / "d")
+    assert "model.layers.1.feed_forward.experts.down_proj" in msg
+    assert f"[{E}, {HIDDEN}, {I}]" in msg and f"[{E}, {I}, {HIDDEN}]" in msg
+    w = random_weights(c, seed=22)
+    w["model.layers.3.feed_forward.experts.gate_up_proj_bias"] = np.zeros((E, 2 * I), np.float32)
+    write_checkpoint(str(tmp_path / "e"), c, w)
+    assert "model.layers.3.feed_forward.experts.gate_up_proj_bias" in load_error(tmp_path / "e")
+    w = random_weights(c, seed=22)
+    del w["model.layers.0.feed_forward.up_proj.weight"]
+    write_checkpoint(str(tmp_path / "f"), c, w)
+    assert "model.layers.0.feed_forward.up_proj.weight" in load_error(tmp_path / "f")
+
+
+def test_llama4_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """Llama4ForConditionalGeneration's checkpoint (model_type llama4, the
+    text model's config in text_config, its tensors under language_model.,
+    a vision tower beside them) loads the text model: the same logits as
+    the Llama4ForCausalLM checkpoint. Another wrapper (gemma3) is refused
+    by name, and so is a tensor outside language_model. and the vision parts."""
+    c = FAMILIES["llama4_text"]
+    weights = random_weights(c, seed=24)
+    write_checkpoint(str(tmp_path / "text"), c, weights)
+    wrapped = {"language_model." + n: w for n, w in weights.items()}
+    wrapped["vision_model.patch_embedding.linear.weight"] = np.zeros((8, 4), np.float32)
+    wrapped["multi_modal_projector.linear_1.weight"] = np.zeros((HIDDEN, 8), np.float32)
+    wrapper = {"model_type": "llama4", "text_config": dict(c), "vision_config": {}}
+    write_checkpoint(str(tmp_path / "wrapped"), wrapper, wrapped, shards=2)
+    tokens = np.random.default_rng(6).integers(0, VOCAB, size=(1, 9))
+    text = attnkit.Model.from_pretrained(str(tmp_path / "text")).forward(tokens)
+    model = attnkit.Model.from_pretrained(str(tmp_path / "wrapped"))
+    assert model.model_type == "llama4_text"
+    np.testing.assert_array_equal(model.forward(tokens), text)
+    check_logits("llama4 wrapper", text, decoder_ref(c, weights, tokens))
+
+    wrapped["image_newline"] = np.zeros((HIDDEN,), np.float32)
+    write_checkpoint(str(tmp_path / "extra"), wrapper, wrapped)
+    assert "image_newline" in load_error(tmp_path / "extra")
+    g = FAMILIES["gemma3_text"]
+    write_checkpoint(str(tmp_path / "gemma3"), {"model_type": "gemma3", "text_config": g}, {})
+    msg = load_error(tmp_path / "gemma3")
+    assert "gemma3" in msg and "multimodal wrapper" in msg
+
+
+def test_qwen3_next_forward_in_pieces_equals_one_call(tmp_path):
+    """The linear layers' state carries across forward()'s positions: a
+    sequence's logits do not depend on the rows batched beside it, and the
+    first 5 positions of an 11-token row equal a 5-token call (causal)."""
+    c = FAMILIES["qwen3_next"]
+    weights = random_weights(c, seed=23)
+    write_checkpoint(str(tmp_path), c, weights)
+    model = attnkit.Model.from_pretrained(str(tmp_path))
+    tokens = np.random.default_rng(5).integers(0, VOCAB, size=(2, 11))
+    full = model.forward(tokens)
+    check_logits("prefix", model.forward(tokens[:1, :5])[0], full[0, :5], rel=1e-5)
+    check_logits("row 1 alone", model.forward(tokens[1]), full[1], rel=1e-5)
