@@ -76,6 +76,23 @@ class MoeLayer {
 
   const MoeConfig& config() const { return config_; }
 
+  // One weight: its name after the block prefix ("gate.weight",
+  // "experts.3.w1.weight"), shape [rows, cols] (cols == 0: [rows]; depth >
+  // 0: [rows, cols, depth]) and what the dims mean, for error messages.
+  struct WeightSpec {
+    std::string name;
+    int64_t rows = 0, cols = 0;
+    const char* meaning = "";
+    int64_t depth = 0;
+  };
+  // Every weight in load order, as weight_names() lists them (with the
+  // block prefix): the gate, the correction bias (noaux_tc), gate/up/down
+  // of expert 0, 1, ..., those of the shared experts, then the shared
+  // expert's gate (Qwen2-MoE, Qwen3-Next); the fused namings differ (see
+  // load_weights). The layer's tensors follow this order; a benchmark's
+  // random weights are made from it.
+  std::vector<WeightSpec> weight_specs() const;
+
   // The names load_weights() reads, relative to its prefix, with shapes
   // (E = n_routed_experts, H = hidden_size, I = moe_intermediate_size,
   // S = I * n_shared_experts):
@@ -144,21 +161,6 @@ class MoeLayer {
 
  private:
   MoeLayer() = default;
-
-  // One weight: its name after the block prefix ("gate.weight",
-  // "experts.3.w1.weight"), shape [rows, cols] (cols == 0: [rows]; depth >
-  // 0: [rows, cols, depth]) and what the dims mean, for error messages.
-  struct WeightSpec {
-    std::string name;
-    int64_t rows = 0, cols = 0;
-    const char* meaning = "";
-    int64_t depth = 0;
-  };
-  // Every weight in load order; tensors_ follows it: gate, the correction
-  // bias (noaux_tc), then gate/up/down of expert 0, 1, ..., then gate/up/down
-  // of the shared experts, then the shared expert's gate (Qwen2-MoE,
-  // Qwen3-Next). The fused namings differ (see load_weights).
-  std::vector<WeightSpec> weight_specs() const;
 
   MoeConfig config_;
   // nn.Linear layout, matrices f32 or bf16 (as loaded); empty until

@@ -166,37 +166,16 @@ Status SyntheticModel::add_mixer(const StackLayer& spec, uint64_t seed) {
 }
 
 Status SyntheticModel::add_feed_forward(uint64_t seed) {
-  const MoeConfig& c = spec_.moe;
-  ATTNKIT_ASSIGN_OR_RETURN(MoeLayer ffn, MoeLayer::create(c));
-  const int64_t E = c.n_routed_experts, H = c.hidden_size, I = c.moe_intermediate_size;
+  ATTNKIT_ASSIGN_OR_RETURN(MoeLayer ffn, MoeLayer::create(spec_.moe));
   RandomWeights fw(spec_.weight_dtype, seed);
-  if (c.naming == MoeWeightNaming::kGptOss) {
-    // Fused experts, x @ W layouts (moe.h); biases as small random values.
-    ATTNKIT_RETURN_IF_ERROR(fw.add("mlp.router.weight", E, H));
-    ATTNKIT_RETURN_IF_ERROR(fw.add("mlp.router.bias", E, 0));
-    ATTNKIT_RETURN_IF_ERROR(fw.add("mlp.experts.gate_up_proj", E, H, 2 * I, H));
-    ATTNKIT_RETURN_IF_ERROR(fw.add("mlp.experts.gate_up_proj_bias", E, 2 * I));
-    ATTNKIT_RETURN_IF_ERROR(fw.add("mlp.experts.down_proj", E, I, H, I));
-    ATTNKIT_RETURN_IF_ERROR(fw.add("mlp.experts.down_proj_bias", E, H));
-  } else {
-    const bool mixtral = c.naming == MoeWeightNaming::kMixtral;
-    const std::string block = mixtral ? "block_sparse_moe." : "mlp.";
-    ATTNKIT_RETURN_IF_ERROR(fw.add(block + "gate.weight", E, H));
-    if (c.topk_method == MoeTopkMethod::kNoauxTc)
-      ATTNKIT_RETURN_IF_ERROR(fw.add(block + "gate.e_score_correction_bias", E, 0));
-    for (int64_t e = 0; e < E; ++e) {
-      const std::string p = block + "experts." + std::to_string(e) + ".";
-      ATTNKIT_RETURN_IF_ERROR(fw.add(p + (mixtral ? "w1" : "gate_proj") + ".weight", I, H));
-      ATTNKIT_RETURN_IF_ERROR(fw.add(p + (mixtral ? "w3" : "up_proj") + ".weight", I, H));
-      ATTNKIT_RETURN_IF_ERROR(fw.add(p + (mixtral ? "w2" : "down_proj") + ".weight", H, I));
-    }
-    if (c.n_shared_experts > 0) {
-      const int64_t S = I * c.n_shared_experts;
-      ATTNKIT_RETURN_IF_ERROR(fw.add(block + "shared_experts.gate_proj.weight", S, H));
-      ATTNKIT_RETURN_IF_ERROR(fw.add(block + "shared_experts.up_proj.weight", S, H));
-      ATTNKIT_RETURN_IF_ERROR(fw.add(block + "shared_experts.down_proj.weight", H, S));
-    }
-  }
+  // Every weight the layer reads, by its own list: matrices in nn.Linear's
+  // range for their fan-in (the cols of [rows, cols] and of x @ W's
+  // [rows, cols, depth]), vectors (biases) of ones.
+  const std::vector<MoeLayer::WeightSpec> specs = ffn.weight_specs();
+  const std::vector<std::string> names = ffn.weight_names();
+  for (size_t i = 0; i < specs.size(); ++i)
+    ATTNKIT_RETURN_IF_ERROR(
+        fw.add(names[i], specs[i].rows, specs[i].cols, specs[i].depth, specs[i].cols));
   ATTNKIT_RETURN_IF_ERROR(ffn.load_weights(fw.map()));
   for (const std::string& n : ffn.weight_names()) weight_bytes_ += view_bytes(ffn.weight(n));
   ffn_.push_back(std::move(ffn));
