@@ -955,8 +955,7 @@ std::string stored_dtypes(const std::string& dir) {
   return out;
 }
 
-// --model-dir: the checkpoint (attnkit::Model), one row per configuration,
-// named by its attention (mla, or layer 0's mha, mqa, gqa-N).
+// --model-dir: the checkpoint (attnkit::Model), one row per configuration.
 Built load_checkpoint(const Options& o) {
   ModelLoadOptions lo;
   lo.run = {backend_of(o.backend), static_cast<int>(o.threads)};
@@ -969,8 +968,18 @@ Built load_checkpoint(const Options& o) {
   return b;
 }
 
+// The checkpoint's row is named by its attention: mla, or its first
+// softmax-attention layer's mha, mqa, gqa-N (a hybrid's layer 0 may be
+// linear).
 std::vector<Variant> checkpoint_variant(const Source& src) {
-  return {{src.shape.mla ? "mla" : label_of(base_attention(src)), {}}};
+  if (src.shape.mla) return {{"mla", {}}};
+  const auto spec = model_spec_from_json(src.json);
+  for (int64_t l = 0; spec.ok() && l < spec->num_layers; ++l)
+    if (spec->layers[static_cast<size_t>(l)].kind == LayerKind::kAttention) {
+      const auto c = attention_config_from_json(src.json, l);
+      if (c.ok()) return {{label_of(*c), {}}};
+    }
+  return {{"model", {}}};
 }
 
 // The served models, built first (their weights are the big allocation),
