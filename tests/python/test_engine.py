@@ -4,11 +4,16 @@ sequence at a time, its prompt in one step): with the reference kernels a
 sequence's logits depend on its own tokens only, so its greedy tokens must
 not change with what shares its steps, how its prompt is chunked or whether
 it is preempted. Bad requests raise ValueError naming the argument and the
-engine goes on serving the others."""
+engine goes on serving the others.
+
+attnkit.Model loaded from a tiny random checkpoint (test_model.py's writer)
+is served the same way, and its greedy tokens are those of greedy decoding
+with model.forward on the growing sequence."""
 import numpy as np
 import pytest
 
 import attnkit
+from test_model import FAMILIES, VOCAB, random_weights, write_checkpoint
 
 # hidden 32, 4 query heads and 2 kv heads of 8, two layers.
 TINY = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
@@ -167,3 +172,33 @@ def test_synthetic_model_reads_configs_and_refuses_what_it_cannot_serve():
         attnkit.SyntheticModel("no-such-model")
     with pytest.raises(ValueError, match=r"vocab_size = 0 must be in \[1, 2\^24\]"):
         attnkit.SyntheticModel(TINY, vocab_size=0)
+
+
+@pytest.mark.parametrize("family, bf16", [("llama", True), ("gemma2", False),
+                                          ("deepseek_v3", False)])
+def test_a_checkpoint_serves_model_forwards_greedy_tokens(tmp_path, family, bf16):
+    """16 requests at once, prompts chunked under a 48-token step budget, with
+    and without the prefix cache (pairs of requests share a 9-token system
+    prompt, two whole pages of 4): every request's tokens are those of
+    greedy decoding with model.forward, which runs the reference kernels
+    over an f32 pool as the engine does here."""
+    c = FAMILIES[family]
+    write_checkpoint(str(tmp_path), c, random_weights(c, seed=2), bf16=bf16)
+    m = attnkit.Model.from_pretrained(str(tmp_path), backend="reference")
+    assert isinstance(m, attnkit.StepModel) and m.vocab_size == VOCAB
+    rng = np.random.default_rng(8)
+    systems = [rng.integers(0, VOCAB, size=9).tolist() for _ in range(8)]
+    reqs = [systems[i // 2] + rng.integers(0, VOCAB, size=1 + i % 6).tolist()
+            for i in range(16)]
+    want = []
+    for p in reqs:
+        seq = list(p)
+        for _ in range(6):
+            seq.append(int(np.argmax(m.forward(np.array(seq))[-1])))
+        want.append(seq[len(p):])
+    for prefix in (False, True):
+        e = attnkit.Engine(m, kv_memory="4MiB", page_size=4, kv_dtype="float32",
+                           prefix_caching=prefix, max_tokens_per_step=48, backend="reference")
+        assert serve(e, reqs, [6] * 16) == want, f"prefix_caching={prefix}"
+        assert e.stats["peak_running"] == 16
+        assert (e.stats["prompt_tokens_cached"] > 0) == prefix

@@ -45,13 +45,14 @@ ROW_FIELDS = {"variant", "kv_dtype", "cache", "memory_bytes", "kv_bytes_per_toke
               "tpot_s", "peak_running",
               "mean_running", "kv_used_bytes", "kv_reserved_bytes", "preemptions", "steps",
               "tokens_computed", "weight_bytes", "prefix_cache", "queue_s",
-              "prefill_tokens_computed", "prefix_hit_rate"}
+              "prefill_tokens_computed", "prefix_hit_rate", "weights", "model_dir"}
 
 
 def test_rows_have_the_documented_fields_and_exact_kv_arithmetic(config):
     j = serve_json(config, "--kv-dtypes", "bf16,f32", "--memory", "64KiB")
     assert j["kind"] == "serve-bench"
     assert j["config"]["layers"] == 1 and j["config"]["weights"] == "bf16"
+    assert j["config"]["model_dir"] is None
     trace = j["trace"]
     assert trace["requests"] == 10
     # The default variants of a 4-head GQA model: as configured, mqa, mla.
@@ -71,6 +72,7 @@ def test_rows_have_the_documented_fields_and_exact_kv_arithmetic(config):
         assert 1 <= r["mean_running"] <= r["peak_running"] <= 10
         assert r["kv_used_bytes"]["peak"] <= r["kv_reserved_bytes"]["peak"] <= 64 << 10
         assert r["static_slots"] is None
+        assert r["weights"] == "bf16" and r["model_dir"] is None
 
 
 def test_eight_bit_kv_dtypes_count_their_scales_and_admit_more(config):
@@ -340,3 +342,81 @@ def test_the_gemm_field_names_what_ran_for_the_weights_used(config):
     assert f32.startswith("oneDNN") and "widened" not in f32 and "stream" not in f32, f32
     assert "bf16" in bf16 or "widened" in bf16, bf16
     assert f32 != bf16
+
+
+def write_checkpoint(path, vocab=50, drop=None):
+    """A 2-layer Llama of hidden 32 (4 query heads, 2 kv heads of 8): its
+    matrices stored as float16, its norms as float32, N(0, 1/in) and
+    1 + N(0, 0.1); `drop` leaves one tensor out."""
+    import numpy as np
+    import attnkit
+    os.makedirs(path, exist_ok=True)
+    config = {"model_type": "llama", "vocab_size": vocab, "hidden_size": 32,
+              "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": False}
+    (path / "config.json").write_text(json.dumps(config))
+    shapes = {"model.embed_tokens.weight": (vocab, 32), "lm_head.weight": (vocab, 32),
+              "model.norm.weight": (32,)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (32,),
+                       p + "post_attention_layernorm.weight": (32,),
+                       p + "self_attn.q_proj.weight": (32, 32),
+                       p + "self_attn.k_proj.weight": (16, 32),
+                       p + "self_attn.v_proj.weight": (16, 32),
+                       p + "self_attn.o_proj.weight": (32, 32),
+                       p + "mlp.gate_proj.weight": (48, 32), p + "mlp.up_proj.weight": (48, 32),
+                       p + "mlp.down_proj.weight": (32, 48)})
+    g = np.random.default_rng(0)
+    tensors = {n: (1 + 0.1 * g.standard_normal(s)).astype(np.float32) if len(s) == 1
+               else (g.standard_normal(s) / np.sqrt(s[1])).astype(np.float16)
+               for n, s in shapes.items() if n != drop}
+    attnkit.save_safetensors(str(path / "model.safetensors"), tensors)
+    return str(path)
+
+
+def test_model_dir_serves_the_checkpoint_through_the_same_engine(tmp_path):
+    d = write_checkpoint(tmp_path / "llama")
+    r = run("serve-bench", "--model-dir", d, *TRACE, "--shared-prefix", "16",
+            "--prefix-cache", "off,on", "--page-size", "4", "--max-seqs", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    c = j["config"]
+    assert c["model_dir"] == d and c["layers"] == 2 and c["mlp"] and c["weights"] == "f16+f32"
+    off, on = j["rows"]
+    for row in (off, on):
+        assert set(row) == ROW_FIELDS
+        assert row["model_dir"] == d and row["weights"] == "f16+f32" and row["variant"] == "gqa-2"
+        # The synthetic prompts' ids are below the checkpoint's 50 (the
+        # engine refuses any other), and every request got its tokens.
+        assert row["output_tokens"] == j["trace"]["output_tokens"]
+        assert row["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 2  # (k, v) x kv heads x 8 x bf16 x layers
+    assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"] == j["trace"]["prompt_tokens"]
+    table = run("serve-bench", "--model-dir", d, *TRACE)
+    assert table.returncode == 0, table.stderr
+    assert f"serving {d}: 2 layers + feed-forward, f16+f32 weights" in table.stdout
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"arrival_s": 0, "prompt_token_ids": [1, 50], "output_tokens": 2}\n')
+    bad = run("serve-bench", "--model-dir", d, "--trace", str(trace))
+    assert bad.returncode == 2 and "must be integers in [0, 50)" in bad.stderr
+
+
+@pytest.mark.parametrize("flag", [["--layers", "1"], ["--variants", "mqa"], ["--weights", "f32"],
+                                  ["--mlp"], ["--model", "llama-3-8b"], ["--config", "c.json"]])
+def test_model_dir_refuses_the_random_models_flags_by_name(tmp_path, flag):
+    r = run("serve-bench", "--model-dir", write_checkpoint(tmp_path / "llama"), *flag)
+    assert r.returncode == 2
+    assert r.stderr.strip() == (f"attnkit serve-bench: {flag[0]} does not apply with --model-dir "
+                                "(the checkpoint gives its layers, attention, feed-forward and "
+                                "weights)")
+
+
+def test_model_dir_bad_checkpoints_exit_2_naming_what(tmp_path):
+    r = run("serve-bench", "--model-dir", str(tmp_path / "nothing"))
+    assert r.returncode == 2 and "--model-dir '" in r.stderr and "is not a directory" in r.stderr
+    d = write_checkpoint(tmp_path / "llama", drop="model.layers.1.mlp.up_proj.weight")
+    r = run("serve-bench", "--model-dir", d)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "--model-dir: Model::from_pretrained" in r.stderr
+    assert "model.layers.1.mlp.up_proj.weight' is missing" in r.stderr

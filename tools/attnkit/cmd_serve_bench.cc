@@ -17,14 +17,18 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
+#include <memory>
 #include <sstream>
 #include <thread>
 
 #include "attnkit/analysis.h"
 #include "attnkit/config.h"
 #include "attnkit/machine.h"
+#include "attnkit/model.h"
 #include "attnkit/model_spec.h"
 #include "attnkit/serve.h"
+#include "attnkit/weights.h"
 #include "cli.h"
 #include "commands.h"
 #include "measure.h"
@@ -35,7 +39,7 @@ namespace {
 using ojson = nlohmann::ordered_json;
 
 struct Options {
-  std::string model, config, trace, rate = "inf", prompt = "32-256", output = "16-128";
+  std::string model, config, model_dir, trace, rate = "inf", prompt = "32-256", output = "16-128";
   std::string weights = "bf16", backend = "auto";
   std::vector<std::string> variants, kv_dtypes = {"bf16"}, caches = {"paged"}, memory;
   std::vector<std::string> prefix_cache = {"off"};
@@ -53,10 +57,27 @@ struct Source {
   std::string label;
 };
 
-// With neither --model nor --config: compare's layer (d_model 2048, 32
-// query heads of 64, MHA, RoPE).
+std::string file_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// With neither --model, --config nor --model-dir: compare's layer (d_model
+// 2048, 32 query heads of 64, MHA, RoPE).
 Source load_source(const Options& o) {
   Source s;
+  if (!o.model_dir.empty()) {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(o.model_dir, ec))
+      throw UsageError{"--model-dir '" + o.model_dir + "' is not a directory"};
+    const std::string config = (std::filesystem::path(o.model_dir) / "config.json").string();
+    s.shape = load_model("", config);  // a usage error when it is not there
+    s.label = o.model_dir;
+    s.json = file_text(config);
+    return s;
+  }
   if (o.model.empty() && o.config.empty()) {
     s.shape.name = "d_model 2048 (compare's layer)";
     s.shape.hidden_size = 2048;
@@ -71,10 +92,7 @@ Source load_source(const Options& o) {
   if (!o.model.empty()) {
     s.json = value_or_throw(preset_config_json(o.model), "preset");
   } else {
-    std::ifstream in(o.config, std::ios::binary);
-    std::ostringstream text;
-    text << in.rdbuf();
-    s.json = text.str();
+    s.json = file_text(o.config);
   }
   return s;
 }
@@ -412,17 +430,30 @@ std::pair<int64_t, int64_t> parse_range(const std::string& flag, const std::stri
 // The fixture's vocabulary: the ids a trace's prompts may use.
 constexpr int64_t kVocab = serve::ModelSpec{}.vocab_size;
 
-// A trace line's prompt: its prompt_token_ids, or prompt_tokens seeded ids.
-std::vector<int32_t> prompt_of(const nlohmann::json& j, const std::string& where, int64_t line) {
+// The served model's vocabulary: the fixture's, or the checkpoint's.
+int64_t vocab_of(const Options& o, const Source& src) {
+  if (o.model_dir.empty()) return kVocab;
+  const auto j = nlohmann::json::parse(src.json, nullptr, false);
+  if (j.is_discarded() || !j.contains("vocab_size") || !j["vocab_size"].is_number_integer() ||
+      j["vocab_size"].get<int64_t>() < 1 || j["vocab_size"].get<int64_t>() > (int64_t{1} << 31))
+    throw UsageError{"--model-dir " + o.model_dir +
+                     ": config.json has no vocab_size in [1, 2^31] (the ids prompts may use)"};
+  return j["vocab_size"].get<int64_t>();
+}
+
+// A trace line's prompt: its prompt_token_ids, or prompt_tokens seeded ids
+// below vocab.
+std::vector<int32_t> prompt_of(const nlohmann::json& j, const std::string& where, int64_t line,
+                               int64_t vocab) {
   std::vector<int32_t> ids;
   if (j.contains("prompt_token_ids")) {
     const auto& a = j["prompt_token_ids"];
     if (!a.is_array() || a.empty() || a.size() > (size_t{1} << 30))
       throw UsageError{where + "prompt_token_ids must be a non-empty array of token ids"};
     for (const auto& t : a) {
-      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= kVocab)
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= vocab)
         throw UsageError{where + "prompt_token_ids entries must be integers in [0, " +
-                         std::to_string(kVocab) + ") (the benchmark model's vocabulary), got " +
+                         std::to_string(vocab) + ") (the served model's vocabulary), got " +
                          t.dump()};
       ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
     }
@@ -438,13 +469,14 @@ std::vector<int32_t> prompt_of(const nlohmann::json& j, const std::string& where
   t.prompt_min = t.prompt_max = n;
   t.output_min = t.output_max = 1;
   t.seed = static_cast<uint64_t>(line);
+  t.vocab_size = vocab;
   return serve::synthetic_trace(t)[0].prompt_token_ids;
 }
 
 // JSON lines {"arrival_s": x, "prompt_tokens": n, "output_tokens": n}, or
 // "prompt_token_ids": [...] for prompt_tokens; blank lines are skipped.
 // Any other line is a usage error naming it.
-std::vector<serve::Request> read_trace(const std::string& path) {
+std::vector<serve::Request> read_trace(const std::string& path, int64_t vocab) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
     throw UsageError{"--trace '" + path + "' is a directory"};
@@ -478,7 +510,7 @@ std::vector<serve::Request> read_trace(const std::string& path) {
         throw UsageError{where + key + " must be an integer in [1, 2^30], got " +
                          (j.contains(key) ? j[key].dump() : std::string("nothing"))};
     }
-    r.prompt_token_ids = prompt_of(j, where, n);
+    r.prompt_token_ids = prompt_of(j, where, n, vocab);
     r.output_tokens = j["output_tokens"].get<int64_t>();
     out.push_back(std::move(r));
   }
@@ -502,6 +534,7 @@ struct Row {
   serve::Report r;  // the run of median output tokens/s
   size_t weight_bytes = 0;
   std::vector<double> tokens_per_s;  // every run's, in run order
+  std::string weights, model_dir;    // the weights' dtype as kept; --model-dir
 };
 
 double output_tokens_per_s(const serve::Report& r) {
@@ -564,7 +597,9 @@ ojson row_json(const Row& row) {
           {"tokens_computed", r.stats.tokens_computed},
           {"prefill_tokens_computed", r.stats.prompt_tokens_computed},
           {"prefix_hit_rate", r.prefix_hit_rate},
-          {"weight_bytes", row.weight_bytes}};
+          {"weight_bytes", row.weight_bytes},
+          {"weights", row.weights},
+          {"model_dir", row.model_dir.empty() ? ojson(nullptr) : ojson(row.model_dir)}};
 }
 
 // CSV cells: nested objects flatten to key_sub columns.
@@ -709,8 +744,10 @@ constexpr const char* kAbout =
     "per sequence beside the pool), as the variant changes their kv heads (+ the config's\n"
     "feed-forward with --mlp) with seeded random weights, a 512-token vocabulary and greedy\n"
     "sampling (attnkit/serve.h's fixture). Without --model or --config the layer is\n"
-    "compare's (d_model 2048, 32 heads of 64). docs/SERVING.md says how the scheduler\n"
-    "decides; docs/TOOL.md what the figures include.";
+    "compare's (d_model 2048, 32 heads of 64). --model-dir DIR serves a checkpoint instead\n"
+    "(attnkit::Model: all its layers, feed-forward, vocabulary and LM head, weights in the\n"
+    "dtype stored). docs/SERVING.md says how the scheduler decides; docs/TOOL.md what the\n"
+    "figures include.";
 
 // The flags of the synthetic trace, and --trace.
 void add_trace_flags(Flags& f, Options& o) {
@@ -737,6 +774,17 @@ void add_trace_flags(Flags& f, Options& o) {
                "\"output_tokens\"} instead");
 }
 
+// The flags that shape the random model have nothing to shape with a
+// checkpoint: refused by name.
+void check_model_dir_flags(const Flags& f, const Options& o) {
+  if (o.model_dir.empty()) return;
+  for (const char* flag : {"--model", "--config", "--layers", "--variants", "--weights", "--mlp"})
+    if (f.given(flag))
+      throw UsageError{std::string(flag) +
+                       " does not apply with --model-dir (the checkpoint gives its layers, "
+                       "attention, feed-forward and weights)"};
+}
+
 bool parse_options(int argc, char** argv, Options& o) {
   Flags f("serve-bench", kAbout,
           {"attnkit serve-bench",
@@ -747,6 +795,9 @@ bool parse_options(int argc, char** argv, Options& o) {
            "attnkit serve-bench --model qwen3-next-80b-a3b --layers 4 --prompt-tokens 2048-4096"});
   f.add_string("--model", &o.model, "a built-in preset (see attnkit presets)");
   f.add_string("--config", &o.config, "a Hugging Face config.json");
+  f.add_string("--model-dir", &o.model_dir,
+               "serve this checkpoint (config.json + model.safetensors or its index) instead of "
+               "random layers");
   f.add_int("--layers", &o.layers, "the config's first layers in the served stack (default 2)", 1);
   f.add_string_list("--variants", &o.variants,
                     "as configured, gqa-N, mqa, mla, all-full (every layer full attention) "
@@ -785,6 +836,7 @@ bool parse_options(int argc, char** argv, Options& o) {
   if (o.json && o.csv) throw UsageError{"give at most one of --json and --csv"};
   if (!o.model.empty() && !o.config.empty())
     throw UsageError{"give at most one of --model NAME or --config PATH"};
+  check_model_dir_flags(f, o);
   for (const std::string& k : o.kv_dtypes) (void)kv_dtype_of(k, "--kv-dtypes entries");
   for (const std::string& c : o.caches)
     if (c != "paged" && c != "static")
@@ -816,11 +868,11 @@ struct Trace {
   std::vector<int64_t> prompt_lengths;  // each request's whole prompt
 };
 
-Trace make_trace(const Options& o) {
+Trace make_trace(const Options& o, int64_t vocab) {
   Trace t;
   t.static_len = o.max_seq_len;
   if (!o.trace.empty()) {
-    t.requests = read_trace(o.trace);
+    t.requests = read_trace(o.trace, vocab);
     t.label = o.trace;
   } else {
     double rate = std::numeric_limits<double>::infinity();
@@ -845,7 +897,7 @@ Trace make_trace(const Options& o) {
     to.shared_prefix = o.shared_prefix;
     to.prefix_groups = o.prefix_groups;
     to.turns = o.turns;
-    to.vocab_size = kVocab;
+    to.vocab_size = vocab;
     to.seed = static_cast<uint64_t>(o.seed);
     t.requests = serve::synthetic_trace(to);
     t.label = std::to_string(o.requests) + (o.turns > 1 ? " conversations" : " requests") + ", " +
@@ -870,11 +922,74 @@ Backend backend_of(const std::string& name) {
   return Backend::kAuto;
 }
 
+// A served model and what the rows say of its weights.
+struct Built {
+  std::unique_ptr<StepModel> model;
+  size_t weight_bytes = 0;
+  std::string weights;  // dtype: --weights, or the checkpoint's as stored
+};
+
+// The dtypes of a checkpoint's tensors as stored, most bytes first
+// ("bf16", or "bf16+f32" where some are kept wider), from the headers of
+// model.safetensors or of the shards its index names (which loading the
+// model has checked).
+std::string stored_dtypes(const std::string& dir) {
+  const std::filesystem::path index = std::filesystem::path(dir) / "model.safetensors.index.json";
+  std::vector<std::string> files = {"model.safetensors"};
+  if (std::filesystem::exists(index)) {
+    files.clear();
+    for (const auto& [name, file] : nlohmann::json::parse(file_text(index))["weight_map"].items())
+      if (std::find(files.begin(), files.end(), file) == files.end()) files.push_back(file);
+  }
+  std::map<std::string, size_t> bytes;
+  for (const std::string& f : files) {
+    auto st = value_or_throw(SafetensorsFile::open(dir + "/" + f), "--model-dir");
+    for (const auto& [name, v] : st.tensors())
+      bytes[dtype_name(v.dtype)] += static_cast<size_t>(v.numel()) * dtype_size(v.dtype);
+  }
+  std::vector<std::pair<size_t, std::string>> order;
+  for (const auto& [d, n] : bytes) order.push_back({n, d});
+  std::sort(order.rbegin(), order.rend());
+  std::string out;
+  for (const auto& [n, d] : order) out += (out.empty() ? "" : "+") + d;
+  return out;
+}
+
+// --model-dir: the checkpoint (attnkit::Model), one row per configuration.
+Built load_checkpoint(const Options& o) {
+  ModelLoadOptions lo;
+  lo.run = {backend_of(o.backend), static_cast<int>(o.threads)};
+  auto m = Model::from_pretrained(o.model_dir, lo);
+  if (!m.ok()) throw UsageError{"--model-dir: " + m.status().message()};
+  Built b;
+  b.weight_bytes = m->weight_bytes();
+  b.weights = stored_dtypes(o.model_dir);
+  b.model = std::make_unique<Model>(std::move(m).value());
+  return b;
+}
+
+// The checkpoint's row is named by its attention: mla, or its first
+// softmax-attention layer's mha, mqa, gqa-N (a hybrid's layer 0 may be
+// linear).
+std::vector<Variant> checkpoint_variant(const Source& src) {
+  if (src.shape.mla) return {{"mla", {}}};
+  const auto spec = model_spec_from_json(src.json);
+  for (int64_t l = 0; spec.ok() && l < spec->num_layers; ++l)
+    if (spec->layers[static_cast<size_t>(l)].kind == LayerKind::kAttention) {
+      const auto c = attention_config_from_json(src.json, l);
+      if (c.ok()) return {{label_of(*c), {}}};
+    }
+  return {{"model", {}}};
+}
+
 // The served models, built first (their weights are the big allocation),
-// where they fit in this machine's memory; *weights gets their bytes.
-std::vector<serve::SyntheticModel> build_models(const Options& o,
-                                                const std::vector<Variant>& variants,
-                                                size_t* weights) {
+// where they fit in this machine's memory.
+std::vector<Built> build_models(const Options& o, const std::vector<Variant>& variants) {
+  std::vector<Built> models;
+  if (!o.model_dir.empty()) {
+    models.push_back(load_checkpoint(o));
+    return models;
+  }
   double planned = 0;
   for (const Variant& v : variants) planned += planned_weight_bytes(v.spec);
   const double physical =
@@ -884,11 +999,11 @@ std::vector<serve::SyntheticModel> build_models(const Options& o,
                      std::to_string(variants.size()) + " variant(s) x " + std::to_string(o.layers) +
                      " layer(s)), more than this machine's " + format_bytes(physical) +
                      "; give fewer --layers or --variants" + (o.mlp ? ", or leave out --mlp" : "")};
-  std::vector<serve::SyntheticModel> models;
-  *weights = 0;
   for (const Variant& v : variants) {
-    models.push_back(value_or_throw(serve::SyntheticModel::create(v.spec), v.name + " model"));
-    *weights += models.back().weight_bytes();
+    auto m = std::make_unique<serve::SyntheticModel>(
+        value_or_throw(serve::SyntheticModel::create(v.spec), v.name + " model"));
+    const size_t bytes = m->weight_bytes();
+    models.push_back({std::move(m), bytes, o.weights});
   }
   return models;
 }
@@ -896,8 +1011,7 @@ std::vector<serve::SyntheticModel> build_models(const Options& o,
 // --memory, or the configured variant's cache (and states) for a quarter of
 // the trace's tokens (and requests), in whole MiB: it runs about a quarter
 // of the requests at once, and the smaller caches more.
-std::vector<int64_t> budgets_of(const Options& o, const Trace& t,
-                                const serve::SyntheticModel& first) {
+std::vector<int64_t> budgets_of(const Options& o, const Trace& t, const StepModel& first) {
   std::vector<int64_t> budgets;
   for (const std::string& m : o.memory) {
     int64_t b = 0;
@@ -952,9 +1066,9 @@ EngineOptions options_for(const Options& o, const Trace& t, const Config& c) {
 // impossible budget is the user's to fix: said before any run).
 std::vector<Config> plan_configs(const Options& o, const Trace& t,
                                  const std::vector<Variant>& variants,
-                                 const std::vector<serve::SyntheticModel>& models) {
+                                 const std::vector<Built>& models) {
   std::vector<Config> configs;
-  for (int64_t mem : budgets_of(o, t, models[0]))
+  for (int64_t mem : budgets_of(o, t, *models[0].model))
     for (size_t v = 0; v < variants.size(); ++v)
       for (const std::string& k : o.kv_dtypes)
         for (const std::string& c : o.caches)
@@ -966,7 +1080,8 @@ std::vector<Config> plan_configs(const Options& o, const Trace& t,
             configs.push_back({v, kv_type(k), kv_dtype_label(kv_type(k)), c, mem, p == "on"});
           }
   for (const Config& c : configs) {
-    const Status st = serve::check_feasible(models[c.variant], t.requests, options_for(o, t, c));
+    const Status st =
+        serve::check_feasible(*models[c.variant].model, t.requests, options_for(o, t, c));
     if (!st.ok())
       throw UsageError{variants[c.variant].name + " " + c.kv_name + " " + c.cache + " --memory " +
                        format_bytes(static_cast<double>(c.memory)) + ": " + st.message()};
@@ -978,8 +1093,7 @@ std::vector<Config> plan_configs(const Options& o, const Trace& t,
 // spell of the machine falls on all of them alike; a row per
 // configuration, its run of median output tokens/s.
 std::vector<Row> run_configs(const Options& o, const Trace& t, const std::vector<Variant>& variants,
-                             std::vector<serve::SyntheticModel>& models,
-                             const std::vector<Config>& configs) {
+                             std::vector<Built>& models, const std::vector<Config>& configs) {
   Progress progress("serve-bench", static_cast<int64_t>(configs.size()) * o.repeats *
                                        static_cast<int64_t>(t.requests.size()));
   std::vector<std::vector<serve::Report>> runs(configs.size());
@@ -994,14 +1108,22 @@ std::vector<Row> run_configs(const Options& o, const Trace& t, const std::vector
         for (; shown < done; ++shown) progress.step(what);
       };
       runs[i].push_back(
-          value_or_throw(serve::run(models[c.variant], t.requests, so, on_progress), what));
+          value_or_throw(serve::run(*models[c.variant].model, t.requests, so, on_progress), what));
     }
   progress.finish();
   std::vector<Row> rows;
   for (size_t i = 0; i < configs.size(); ++i) {
     const Config& c = configs[i];
-    Row row{variants[c.variant].name,         c.kv_name, c.cache, c.prefix, c.memory, {},
-            models[c.variant].weight_bytes(), {}};
+    Row row{variants[c.variant].name,
+            c.kv_name,
+            c.cache,
+            c.prefix,
+            c.memory,
+            {},
+            models[c.variant].weight_bytes,
+            {},
+            models[c.variant].weights,
+            o.model_dir};
     for (const serve::Report& r : runs[i]) row.tokens_per_s.push_back(output_tokens_per_s(r));
     std::vector<size_t> order(runs[i].size());
     for (size_t k = 0; k < order.size(); ++k) order[k] = k;
@@ -1044,9 +1166,11 @@ void print_json(const Served& s, const ojson& jrows, const std::vector<std::stri
     prompt += s.t.prompt_lengths[i];
     output += s.t.requests[i].output_tokens;
   }
+  const bool bf16_weights = o.weights.starts_with("bf16");  // a checkpoint's: "bf16+f32"
   ojson j = {{"kind", "serve-bench"},
              {"config",
               {{"model", s.src.label},
+               {"model_dir", o.model_dir.empty() ? ojson(nullptr) : ojson(o.model_dir)},
                {"layers", o.layers},
                {"layer_mix", layer_mix(first_layers(s.src.shape, o.layers))},
                {"hidden_size", s.src.shape.hidden_size},
@@ -1058,7 +1182,7 @@ void print_json(const Served& s, const ojson& jrows, const std::vector<std::stri
                {"max_seqs", o.max_seqs},
                {"backend", o.backend},
                {"threads", s.threads},
-               {"gemm", gemm_backend_name(o.weights == "bf16" ? DType::kBF16 : DType::kF32)},
+               {"gemm", gemm_backend_name(bf16_weights ? DType::kBF16 : DType::kF32)},
                {"seed", o.seed},
                {"repeats", o.repeats}}},
              {"trace",
@@ -1144,13 +1268,21 @@ int run_serve_bench(int argc, char** argv) {
   Options o;
   if (!parse_options(argc, argv, o)) return 0;
   const Source src = load_source(o);
-  check_servable(src, o.layers);
-  const std::vector<Variant> variants = plan_variants(o, src);
-  const Trace trace = make_trace(o);
+  const bool checkpoint = !o.model_dir.empty();
+  if (!checkpoint) check_servable(src, o.layers);
+  const std::vector<Variant> variants =
+      checkpoint ? checkpoint_variant(src) : plan_variants(o, src);
+  const Trace trace = make_trace(o, vocab_of(o, src));
   try {
     const double t_start = now_seconds();
+    std::vector<Built> models = build_models(o, variants);
     size_t weights = 0;
-    std::vector<serve::SyntheticModel> models = build_models(o, variants, &weights);
+    for (const Built& b : models) weights += b.weight_bytes;
+    if (checkpoint) {  // what was served, for the heading and the JSON
+      o.layers = src.shape.num_layers;
+      o.mlp = true;
+      o.weights = models[0].weights;
+    }
     const std::vector<Config> configs = plan_configs(o, trace, variants, models);
     const std::vector<Row> rows = run_configs(o, trace, variants, models, configs);
     ojson jrows = ojson::array();
