@@ -171,6 +171,13 @@ TEST(PagedInvariance, RowsAreTheSameBitsHoweverTheSequenceIsChunkedOrBatched) {
               step(sh, pool, {id}, {&x}, {len}, threads, Backend::kAuto, &out);
               EXPECT_EQ(first_difference(sh, whole[0], out[0]), "") << "all at once";
             }
+            // vdpbf16ps sums P V over pairs of keys from a task's first
+            // key, which under a window is its first row's first visible
+            // key: a row's pairs then depend on its task's first row
+            // (tile_policy.h). Only the thread count is held there.
+            if (sh.window_left >= 0 && dtype == DType::kBF16 &&
+                target == attnkit::SimdTarget::kAvx512Bf16)
+              continue;
             // (b) Prefix, then the suffix in one call.
             {
               std::vector<std::vector<float>> out(1);

@@ -42,7 +42,7 @@ struct Plan {
   int64_t block_k = 1;  // keys per tile
   int64_t split_k = 0;  // keys per split; 0 = no split
   // Batch-invariant plans (AttentionParams::batch_invariant, tile_policy.h):
-  // every task walks its keys in tiles that start at multiples of block_k,
+  // every task walks its keys in tiles that end at multiples of block_k,
   // wherever its rows' visible keys start, and fp32 / bf16 K/V take the
   // tile kernels for any number of rows (never qk_rows_*, whose sums over
   // head_dim run in another order), so that a row's arithmetic does not

@@ -23,6 +23,7 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.group = p.num_heads / p.num_kv_heads;
   g.heads = std::clamp<int64_t>(plan.kv_heads_per_task, 1, p.num_kv_heads);
   g.k_then_v = plan.k_then_v;
+  g.fixed_tiles = plan.batch_invariant;
   g.head_blocks = ceil_div(p.num_kv_heads, g.heads);
   g.bq = plan.block_q;
   g.bk = plan.block_k;
@@ -133,8 +134,6 @@ int64_t plan_tasks(const AttentionParams& p, const Plan& plan, const Geometry& g
         key_range(p, b, i0 + offset, &lo, &hi_first);
         key_range(p, b, i1 - 1 + offset, &lo_last, &hi);
         const int64_t m_count = (i1 - i0) * g.group * std::min(g.heads, p.num_kv_heads - kvh);
-        // Keys before lo are masked for every row of the task.
-        if (plan.batch_invariant && hi > lo) lo = lo / g.bk * g.bk;
         const int64_t split = plan.split_k;
         if (split > 0 && hi > lo && ceil_div(hi, split) - lo / split >= 2) {
           base.first_part = num_parts;

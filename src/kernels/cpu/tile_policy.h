@@ -208,10 +208,14 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
     //    or chunk depends on the task's first row;
     //  - QK for tasks of 1-16 packed rows (decode) by qk_rows_*, which sums
     //    over head_dim in another order than the tile kernels.
-    // So keys are never split, tiles are kKeysPerTile keys from multiples
-    // of kKeysPerTile on every target, and fp32 / bf16 K/V take the tile
-    // kernels for any rows (Plan::batch_invariant). 8-bit K/V are not
-    // covered: their 1-4, 5-16 and 32+ row paths round differently.
+    // So keys are never split, tiles end at multiples of kKeysPerTile on
+    // every target (a task's first may be shorter), and fp32 / bf16 K/V take the tile
+    // kernels for any rows (Plan::batch_invariant). Not covered: 8-bit K/V
+    // (their 1-4, 5-16 and 32+ row paths round differently), and bf16 K/V
+    // through vdpbf16ps under a window or chunk, whose P V sums pairs of
+    // keys from the task's first visible key (reading the key before it
+    // could touch a page the pool released). Prefix caching has neither
+    // (a pool with a window or chunks refuses it).
     // Decode keeps the threads busy with fewer kv heads per task instead: a
     // head's arithmetic is the same whichever heads share its task. A call
     // with fewer (batch item, kv head, query block) tasks than threads (one
