@@ -128,6 +128,9 @@ struct Shape {
   bool sinks = false;     // one sink logit per query head (gpt-oss)
   int64_t chunk = 0;      // chunked local attention (Llama 4), 0 = off
   int64_t window_left = -1;
+  // AttentionParams::batch_invariant, as PagedKVCache::attend runs: no key
+  // split, fixed key tiles (src/kernels/cpu/tile_policy.h).
+  bool invariant = false;
 };
 
 bool eight_bit(DType kv) { return kv == DType::kI8 || kv == DType::kFp8E4M3; }
@@ -287,7 +290,8 @@ class Problem {
     const size_t set = next_set_;
     next_set_ = (next_set_ + 1) % sets_;
     const size_t k_at = k_.size() / sets_ * set, v_at = v_.size() / sets_ * set;
-    if (eight_bit(s_.kv)) return run_8bit(backend, threads, k_.data() + k_at, v_.data() + v_at);
+    if (eight_bit(s_.kv) || s_.invariant)
+      return run_params(backend, threads, k_.data() + k_at, v_.data() + v_at);
     auto shaped = [&](char* data, int64_t dim) {
       return cache_layout_ ? kv_cache_view(data, s_.kv, s_.batch, s_.seqlen_k, s_.kv_heads, dim)
                            : make_view(data, s_.kv, {s_.batch, s_.seqlen_k, s_.kv_heads, dim});
@@ -332,9 +336,10 @@ class Problem {
   }
 
  private:
-  // sdpa() takes f32 and bf16 K/V only: 8-bit ones are given to the kernels
-  // as KVCache and LatentCache give them (src/ops/kv_cache.cc).
-  Status run_8bit(Backend backend, int threads, const char* k, const char* v) {
+  // sdpa() takes f32 and bf16 K/V only and plans for the call: 8-bit K/V
+  // and batch-invariant calls are given to the kernels as KVCache,
+  // LatentCache (src/ops/kv_cache.cc) and PagedKVCache give them.
+  Status run_params(Backend backend, int threads, const char* k, const char* v) {
     kernels::AttentionParams p;
     p.batch = s_.batch;
     p.seqlen_q = s_.seqlen_q;
@@ -351,13 +356,15 @@ class Problem {
     p.v = s_.mla_view ? k : v;
     p.v_stride =
         s_.mla_view ? p.k_stride : kernels::Strides4{s_.seqlen_k * v_row_, v_row_, s_.dv, 1};
-    const KvRowLayout& vl = s_.mla_view ? k_layout_ : v_layout_;
-    const int64_t v_row = s_.mla_view ? k_row_ : v_row_;
-    p.k_scale = reinterpret_cast<const float*>(k + k_layout_.scale_offset);
-    p.k_scale_stride = {s_.seqlen_k * k_row_ / 4, k_row_ / 4, k_layout_.scales_per_head, 1};
-    p.v_scale = reinterpret_cast<const float*>((s_.mla_view ? k : v) + vl.scale_offset);
-    p.v_scale_stride = {s_.seqlen_k * v_row / 4, v_row / 4, vl.scales_per_head, 1};
-    p.scale_block = s_.mla_view ? kLatentScaleBlock : 0;
+    if (eight_bit(s_.kv)) {
+      const KvRowLayout& vl = s_.mla_view ? k_layout_ : v_layout_;
+      const int64_t v_row = s_.mla_view ? k_row_ : v_row_;
+      p.k_scale = reinterpret_cast<const float*>(k + k_layout_.scale_offset);
+      p.k_scale_stride = {s_.seqlen_k * k_row_ / 4, k_row_ / 4, k_layout_.scales_per_head, 1};
+      p.v_scale = reinterpret_cast<const float*>((s_.mla_view ? k : v) + vl.scale_offset);
+      p.v_scale_stride = {s_.seqlen_k * v_row / 4, v_row / 4, vl.scales_per_head, 1};
+      p.scale_block = s_.mla_view ? kLatentScaleBlock : 0;
+    }
     p.out = out_.data();
     p.out_stride = {s_.seqlen_q * s_.heads * s_.dv, s_.heads * s_.dv, s_.dv, 1};
     p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s_.d)));
@@ -366,6 +373,7 @@ class Problem {
     if (s_.sinks) p.sinks = sinks_.data();
     p.chunk_size = s_.chunk;
     p.window_left = s_.window_left;
+    p.batch_invariant = s_.invariant;
     p.num_threads = threads;
     return kernels::run_attention(p, backend);
   }
@@ -578,6 +586,11 @@ Shape on_threads(Shape s, int threads) {
   return s;
 }
 
+Shape invariant(Shape s) {
+  s.invariant = true;
+  return s;
+}
+
 Shape ragged(Shape s) {
   s.ragged = true;
   return s;
@@ -641,6 +654,17 @@ void register_all() {
   for (DType kv : {DType::kI8, DType::kFp8E4M3})
     add_ratio("paired/mla/h128/k4096/q1/" + kv_name(kv) + "_over_bf16", mla_decode(kv),
               mla_decode(DType::kBF16));
+  // What batch invariance (PagedKVCache::attend's plans) costs: the same
+  // call planned batch-invariant and as usual.
+  for (auto [name, shape] :
+       {std::pair{"prefill/causal/gqa32-8/s2048/f32", gqa_prefill(8, DType::kF32)},
+        std::pair{"prefill/causal/gqa32-8/s2048/bf16", gqa_prefill(8, DType::kBF16)},
+        std::pair{"decode/gqa32-8/k16384/q1/f32", gqa_decode(1, DType::kF32)},
+        std::pair{"decode/gqa32-8/k16384/q1/bf16", gqa_decode(1, DType::kBF16)},
+        std::pair{"decode/gqa32-8/k16384/q4/f32", gqa_decode(4, DType::kF32)},
+        std::pair{"decode/gqa32-8/k16384/b8/q1/bf16", gqa_decode(1, DType::kBF16, 8)},
+        std::pair{"mla/h128/k4096/q1/bf16", mla_decode(DType::kBF16)}})
+    add_ratio(std::string("paired/invariant_over_default/") + name, invariant(shape), shape);
   // Thread scaling: the same shapes on one thread.
   add("threads1/prefill/causal/gqa32-8/s2048/f32", on_threads(gqa_prefill(8, DType::kF32), 1));
   for (DType kv : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3})

@@ -103,10 +103,10 @@ struct AttentionParams {
   int64_t block_table_stride = 0;
   int64_t page_size = 0;
 
-  // Plan every batch item from its own shape only (its keys' split, in
-  // particular), so that an item's output is the same bits whatever else
-  // shares the call. The caller must give every item the same rows_of(b)
-  // (PagedKVCache::attend groups its sequences that way).
+  // Order every row's reduction over its keys by fixed facts only (no key
+  // split, fixed key tiles: tile_policy.h): a row's output bits then do not
+  // depend on what else shares the call or how its sequence was chunked.
+  // Every item must have the same rows_of(b) (PagedKVCache::attend groups so).
   bool batch_invariant = false;
 
   int num_threads = 1;

@@ -7,8 +7,9 @@
 // attend() groups its sequences by query count and runs one kernel call per
 // group with batch-invariant plans (AttentionParams::batch_invariant): a
 // sequence's output then depends on its own tokens only, not on which other
-// sequences share the step, and decode groups keep the decode tiling
-// (several kv heads per task, split keys) while prompt chunks keep prefill's.
+// sequences share the step nor on how its prompt was chunked, and decode
+// groups keep the decode walk (several kv heads per task) while prompt
+// chunks keep prefill's tiling.
 #include "attnkit/paged_kv_cache.h"
 
 #include <algorithm>

@@ -11,9 +11,9 @@
 // of the others (double-accumulated attention per query, the loop GEMM per
 // row), so chunking, batching and recomputation must all give the same
 // bits. The fast kernels are batch-invariant where
-// kernels::linear_rows_independent() (docs/PAGED.md), but a prompt chunked
-// differently rounds differently (docs/RELIABILITY.md), so they are held
-// bit for bit on unchunked prompts.
+// kernels::linear_rows_independent() (docs/PAGED.md), and the pool's
+// attention is chunk-invariant too (docs/PERFORMANCE.md#batch-invariance),
+// so they are held bit for bit batched, chunked and with prefix caching.
 #include "attnkit/serve.h"
 
 #include <gtest/gtest.h>
@@ -827,6 +827,52 @@ TEST(ServeEngine, PrefixCachingChangesNoBitsAndSkipsTheSharedPrefill) {
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("cannot restore their per-sequence state"),
             std::string::npos);
+}
+
+// The same target on the fast kernels (the paged pool's attention is
+// batch-invariant: no key split, fixed key tiles), for each weight dtype
+// whose GEMM rows do not depend on their neighbours: requests sharing a
+// 4100-token prompt prefix, served one at a time, so that each later one
+// takes 4096 cached tokens and computes only its own 1-77 (a whole prompt's
+// call has tasks enough that the kernel once left its keys unsplit, while a
+// suffix's call split them); the same with prompts chunked by a small
+// budget, and batched. Every logits row, bit for bit.
+TEST(ServeEngine, PrefixCachingAndChunkingChangeNoBitsWithTheFastKernels) {
+  int tested = 0;
+  for (DType w : {DType::kF32, DType::kBF16}) {
+    if (!kernels::linear_rows_independent(Backend::kAuto, w)) continue;
+    for (auto [name, spec] : models()) {
+      spec.weight_dtype = w;
+      SCOPED_TRACE(std::string(name) + ", " + dtype_name(w) + " weights");
+      SyntheticModel m = make(spec);
+      const std::vector<int32_t> shared = prompt(4100, 99);
+      std::vector<Request> reqs;
+      for (int64_t own : {76, 1, 13, 77}) {
+        std::vector<int32_t> p = shared;
+        const std::vector<int32_t> mine = prompt(own, own);
+        p.insert(p.end(), mine.begin(), mine.end());
+        reqs.push_back({0.0, p, 3});
+      }
+      EngineOptions o;
+      o.max_seqs = 1;  // each request alone, after the one before finished
+      o.max_tokens_per_step = 5000;
+      o.kv_memory = page_bytes(m, 16) * 2048;
+      const Served plain = serve_all(m, reqs, o);
+      EngineOptions on = o;
+      on.prefix_caching = true;
+      const Served cached = serve_all(m, reqs, on);
+      EXPECT_EQ(cached.stats.prompt_tokens_cached, 3 * 4096);
+      expect_same(cached, plain, "prefix cache on vs off");
+      on.max_tokens_per_step = 300;  // prompts in chunks of up to 300 tokens
+      expect_same(serve_all(m, reqs, on), plain, "chunked, prefix cache on vs off");
+      EngineOptions batched = o;
+      batched.max_seqs = 256;
+      batched.max_tokens_per_step = 1 << 20;
+      expect_same(serve_all(m, reqs, batched), plain, "batched vs alone");
+      ++tested;
+    }
+  }
+  if (tested == 0) GTEST_SKIP() << "this GEMM's rows depend on their neighbours (docs/GEMM.md)";
 }
 
 }  // namespace

@@ -41,10 +41,13 @@ struct Plan {
   int64_t block_q = 1;  // query rows per task (times the group's heads = packed rows)
   int64_t block_k = 1;  // keys per tile
   int64_t split_k = 0;  // keys per split; 0 = no split
-  // Batch-invariant plans (AttentionParams::batch_invariant): each batch
-  // item splits its keys only if its own tasks are few, into at most
-  // kMaxSplitsPerItem splits of split_k * 2^i keys (tile_policy.h).
-  bool split_per_item = false;
+  // Batch-invariant plans (AttentionParams::batch_invariant, tile_policy.h):
+  // every task walks its keys in tiles that end at multiples of block_k,
+  // wherever its rows' visible keys start, and fp32 / bf16 K/V take the
+  // tile kernels for any number of rows (never qk_rows_*, whose sums over
+  // head_dim run in another order), so that a row's arithmetic does not
+  // depend on which rows share its task.
+  bool batch_invariant = false;
   // kv heads one task walks together, tile by tile; 1 = a task per kv head.
   int64_t kv_heads_per_task = 1;
   // With several kv heads per task, how a tile is walked: every head's QK,

@@ -23,13 +23,13 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.group = p.num_heads / p.num_kv_heads;
   g.heads = std::clamp<int64_t>(plan.kv_heads_per_task, 1, p.num_kv_heads);
   g.k_then_v = plan.k_then_v;
+  g.fixed_tiles = plan.batch_invariant;
   g.head_blocks = ceil_div(p.num_kv_heads, g.heads);
   g.bq = plan.block_q;
   g.bk = plan.block_k;
   g.q_blocks = ceil_div(p.seqlen_q, g.bq);
   g.bases = p.batch * g.head_blocks * g.q_blocks;
   g.max_parts = plan.split_k > 0 ? std::max<int64_t>(1, ceil_div(p.seqlen_k, plan.split_k)) : 1;
-  if (plan.split_per_item) g.max_parts = std::min(g.max_parts, kMaxSplitsPerItem);
   g.m_max = g.bq * g.group;
   g.m_pad = round_up(g.m_max, lanes);
   g.d = p.head_dim;
@@ -62,7 +62,8 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
                (p.v_stride.row * elem_bytes) % kCopyValuesStrideBytes == 0;
     const bool widen = g.bf16 && !g.dot_bf16;
     g.pv_copies = g.copy_v || (widen && g.kt->pv_widen == nullptr);
-    g.rows_qk = takes_rows_qk(*g.kt, g.m_max, p.kv_dtype, g.dot_bf16, false);
+    g.rows_qk =
+        !plan.batch_invariant && takes_rows_qk(*g.kt, g.m_max, p.kv_dtype, g.dot_bf16, false);
     g.k_copies = widen && !(g.rows_qk && g.kt->qk_rows_widen != nullptr);
   }
   g.s_stride = score_stride(g.m_pad, g.rows_qk);
@@ -133,13 +134,7 @@ int64_t plan_tasks(const AttentionParams& p, const Plan& plan, const Geometry& g
         key_range(p, b, i0 + offset, &lo, &hi_first);
         key_range(p, b, i1 - 1 + offset, &lo_last, &hi);
         const int64_t m_count = (i1 - i0) * g.group * std::min(g.heads, p.num_kv_heads - kvh);
-        int64_t split = plan.split_k;
-        if (plan.split_per_item && split > 0) {
-          if (g.head_blocks * ceil_div(p.rows_of(b), g.bq) >= kMinTasksWithoutSplit)
-            split = 0;  // the item alone has tasks enough
-          else
-            while (ceil_div(hi, split) - lo / split > kMaxSplitsPerItem) split *= 2;
-        }
+        const int64_t split = plan.split_k;
         if (split > 0 && hi > lo && ceil_div(hi, split) - lo / split >= 2) {
           base.first_part = num_parts;
           for (int64_t sidx = lo / split; sidx * split < hi; ++sidx) {

@@ -57,6 +57,10 @@ struct Geometry {
   // tile of at most 4 rows, m_pad for qk_groups, else 0 (none).
   int64_t q16_rows = 0;
   bool k_then_v = true;  // Plan::k_then_v
+  // Plan::batch_invariant: key tiles end at multiples of bk (a task's
+  // first tile may be shorter), so a row's visible keys fall into the same
+  // tiles whichever rows share its task.
+  bool fixed_tiles = false;
   int64_t qt_row = 0;
   int64_t group = 1, bq = 1, bk = 1, q_blocks = 0, bases = 0, max_parts = 1;
   int64_t heads = 1, head_blocks = 1;  // kv heads per task, blocks of them

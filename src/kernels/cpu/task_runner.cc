@@ -35,8 +35,13 @@ void TaskRunner::run(const Task& task) {
   }
 
   task_end_ = task.k1;
-  for (int64_t j0 = task.k0; j0 < task.k1; j0 += g_.bk)
-    tile(j0, std::min(g_.bk, task.k1 - j0), row_lo, row_hi);
+  // Fixed tiles start the walk with the rest of k0's tile: never keys
+  // before k0, which no row sees and a paged window may have released.
+  for (int64_t j0 = task.k0; j0 < task.k1;) {
+    const int64_t j1 = std::min(task.k1, g_.fixed_tiles ? (j0 / g_.bk + 1) * g_.bk : j0 + g_.bk);
+    tile(j0, j1 - j0, row_lo, row_hi);
+    j0 = j1;
+  }
 
   for (int64_t h = 0; h < heads_; ++h) {
     select_head(h);

@@ -165,13 +165,6 @@ inline int64_t padded_token_row(int64_t row_elems, int64_t elem_bytes) {
              : row_elems;
 }
 
-// Batch-invariant plans split a batch item's keys when the item alone has
-// fewer than kMinTasksWithoutSplit tasks, into at most this many splits: a
-// long item doubles its split size (from kSplitKeys) rather than its
-// partials, which every item of a large batch would otherwise multiply.
-// 32 splits of 512 keys are a 16K-key decode step's, as in the shared plan.
-inline constexpr int64_t kMaxSplitsPerItem = 32;
-
 // Packed rows per merge item when split partials are combined: items are
 // spread over the threads, and 16 rows of 512 values from 8 splits (256
 // KiB) are work enough to amortise claiming an item.
@@ -198,9 +191,46 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
   plan.k_then_v = walks_k_then_v(target, p.kv_dtype);
   plan.dequant_bf16 = dequantizes_to_bf16(cpu_features());
   plan.int8_score_groups = scores_int8_in_groups(target, plan.block_q * group);
-  if (p.batch_invariant) {  // splits decided per item, in attention()
-    plan.split_k = kSplitKeys;
-    plan.split_per_item = true;
+  if (p.batch_invariant) {
+    // Batch-invariant plans fix everything that orders a row's reduction
+    // over its keys from the SIMD target alone, so that a row's output bits
+    // depend on the row, its keys and the options only: not on how many
+    // rows or sequences share the call, how a sequence was chunked into
+    // calls (a prefix-cache hit computes only the suffix), nor the thread
+    // count. Three choices depended on the call:
+    //  - splitting the keys: a split row merges partial softmaxes, which
+    //    rounds otherwise than one online softmax, and the split was taken
+    //    by the call's task count, so a 76-row suffix after 1024 cached
+    //    tokens (16 tasks: split) and the same rows of a 1100-row call (144
+    //    tasks: not) differed by up to 1.2e-7;
+    //  - AVX2's short decode tiles, taken for tasks of few packed rows;
+    //  - tiles starting at a task's first visible key, which under a window
+    //    or chunk depends on the task's first row;
+    //  - QK for tasks of 1-16 packed rows (decode) by qk_rows_*, which sums
+    //    over head_dim in another order than the tile kernels.
+    // So keys are never split, tiles end at multiples of kKeysPerTile on
+    // every target (a task's first may be shorter), and fp32 / bf16 K/V take the tile
+    // kernels for any rows (Plan::batch_invariant). Not covered: 8-bit K/V
+    // (their 1-4, 5-16 and 32+ row paths round differently), and bf16 K/V
+    // through vdpbf16ps under a window or chunk, whose P V sums pairs of
+    // keys from the task's first visible key (reading the key before it
+    // could touch a page the pool released). Prefix caching has neither
+    // (a pool with a window or chunks refuses it).
+    // Decode keeps the threads busy with fewer kv heads per task instead: a
+    // head's arithmetic is the same whichever heads share its task. A call
+    // with fewer (batch item, kv head, query block) tasks than threads (one
+    // long sequence of a one-kv-head layer such as absorbed MLA) runs on
+    // fewer threads; fixed 512-key segments merged in order, within a task
+    // or across tasks by the same code, would restore the split. Cost:
+    // docs/PERFORMANCE.md#batch-invariance.
+    plan.block_k = kKeysPerTile;
+    plan.batch_invariant = true;
+    const int64_t tasks_per_head_block = p.batch * q_blocks;
+    while (plan.kv_heads_per_task > 1 &&
+           tasks_per_head_block *
+                   ((p.num_kv_heads + plan.kv_heads_per_task - 1) / plan.kv_heads_per_task) <
+               num_threads)
+      plan.kv_heads_per_task = (plan.kv_heads_per_task + 1) / 2;
     return plan;
   }
   const int64_t head_blocks =
