@@ -225,6 +225,18 @@ class PagedKVCache {
   int64_t num_sequences() const { return static_cast<int64_t>(sequences_.size()); }
 
   // Plain free pages plus cached-free ones (which an append may evict).
+  // Whether attend() plans batch-invariant (the default, and what a new
+  // pool does): a row's output bits depend on its own sequence's tokens
+  // only, never on which sequences share the call, how the prompt was
+  // chunked, what came from the prefix cache, or the thread count (fp32
+  // and bf16 K/V; docs/PERFORMANCE.md "Batch invariance" says what 8-bit
+  // K/V and windows keep). Off, attend() plans as sdpa does and may split a
+  // long sequence's keys across threads: decode attention at 16K keys ran
+  // 1.4-1.7x faster in the paired benchmark there, and outputs then agree
+  // with the invariant ones to rounding only. May change between calls.
+  bool batch_invariant() const { return batch_invariant_; }
+  void set_batch_invariant(bool on) { batch_invariant_ = on; }
+
   int64_t free_pages() const { return static_cast<int64_t>(free_.size()) + lru_size_; }
   int64_t pages_in_use() const { return spec_.num_pages - free_pages(); }
   // Bytes of K/V values one page holds across all layers (the KV memory
@@ -376,6 +388,7 @@ class PagedKVCache {
   Result<const Sequence*> find(const char* fn, int64_t seq_id) const;
 
   PagedKVCacheSpec spec_;
+  bool batch_invariant_ = true;
   int64_t k_token_stride_ = 0, v_token_stride_ = 0;  // elements between token rows
   // 8-bit types: bytes from a row's start to its scales, scales per head.
   int64_t k_scale_offset_ = 0, v_scale_offset_ = 0, k_scales_per_head_ = 0, v_scales_per_head_ = 0;

@@ -61,7 +61,12 @@ struct EngineOptions {
   int64_t kv_memory = int64_t{256} << 20;  // bytes: KV pages and linear states, all layers
   int64_t page_size = 16;
   DType kv_dtype = DType::kBF16;
-  bool prefix_caching = false;        // reuse cached full pages of a shared prompt prefix
+  bool prefix_caching = false;  // reuse cached full pages of a shared prompt prefix
+  // The pool's attention plans (PagedKVCache::set_batch_invariant): on, a
+  // request's tokens and logits do not depend on what else runs, how its
+  // prompt was chunked or what the prefix cache held; off, decode attention
+  // is faster (key splits) and outputs agree to rounding only.
+  bool batch_invariant = true;
   int64_t max_tokens_per_step = 512;  // vLLM's max_num_batched_tokens
   int64_t max_seqs = 256;             // vLLM's max_num_seqs
   CacheMode cache = CacheMode::kPaged;

@@ -112,8 +112,8 @@ struct PyEngine {
 
 std::unique_ptr<PyEngine> make_engine(StepModel& model, py::handle kv_memory, int64_t page_size,
                                       const std::string& kv_dtype, bool prefix_caching,
-                                      int64_t max_tokens_per_step, int64_t max_seqs,
-                                      py::object sample, int num_threads,
+                                      bool batch_invariant, int64_t max_tokens_per_step,
+                                      int64_t max_seqs, py::object sample, int num_threads,
                                       const std::string& backend) {
   constexpr const char* kFn = "Engine";
   EngineOptions o;
@@ -121,6 +121,7 @@ std::unique_ptr<PyEngine> make_engine(StepModel& model, py::handle kv_memory, in
   o.page_size = page_size;
   o.kv_dtype = parse_cache_dtype(kv_dtype, kFn, "kv_dtype");
   o.prefix_caching = prefix_caching;
+  o.batch_invariant = batch_invariant;
   o.max_tokens_per_step = max_tokens_per_step;
   o.max_seqs = max_seqs;
   o.run.num_threads = num_threads;
@@ -262,13 +263,17 @@ engine. kv_memory: bytes (int) or a size string ("256MiB"), for KV pages and
 linear-attention states. sample: None (greedy) or a callable taking a
 float32 logits array [vocab_size] and returning a token id; a token outside
 the vocabulary, or an exception, ends that request with an error
-(metrics(request_id)["error"]). Bad requests raise ValueError and leave the
+(metrics(request_id)["error"]). batch_invariant: True (default) makes a
+request's tokens independent of what else runs, its prompt's chunking and
+the prefix cache; False lets decode attention split keys (faster, equal to
+rounding only). Bad requests raise ValueError and leave the
 engine serving the others.)doc")
       .def(py::init(&make_engine), py::arg("model"), py::arg("kv_memory") = "256MiB",
            py::arg("page_size") = 16, py::arg("kv_dtype") = "bf16",
-           py::arg("prefix_caching") = false, py::arg("max_tokens_per_step") = 512,
-           py::arg("max_seqs") = 256, py::arg("sample") = py::none(), py::arg("num_threads") = 0,
-           py::arg("backend") = "auto", py::keep_alive<1, 2>())
+           py::arg("prefix_caching") = false, py::arg("batch_invariant") = true,
+           py::arg("max_tokens_per_step") = 512, py::arg("max_seqs") = 256,
+           py::arg("sample") = py::none(), py::arg("num_threads") = 0, py::arg("backend") = "auto",
+           py::keep_alive<1, 2>())
       .def("add_request", &add_request_py, py::arg("prompt_token_ids"), py::arg("max_tokens"),
            "Queues a request; returns its id (0, 1, ...).")
       .def("step", &step_py,

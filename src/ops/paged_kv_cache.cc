@@ -5,7 +5,8 @@
 // first write, so a failed call changes nothing.
 //
 // attend() groups its sequences by query count and runs one kernel call per
-// group with batch-invariant plans (AttentionParams::batch_invariant): a
+// group with batch-invariant plans (AttentionParams::batch_invariant; off
+// only after set_batch_invariant(false)): a
 // sequence's output then depends on its own tokens only, not on which other
 // sequences share the step nor on how its prompt was chunked, and decode
 // groups keep the decode walk (several kv heads per task) while prompt
@@ -994,7 +995,7 @@ void PagedKVCache::plan_calls(int64_t layer, const TensorView& q, const TensorVi
     base.sinks_stride = options.sinks.strides[0];
   }
   base.page_size = ps;
-  base.batch_invariant = true;
+  base.batch_invariant = batch_invariant_;
   base.num_threads = options.num_threads;
   // Index arrays first (they may reallocate), then the params that point
   // into them.

@@ -136,6 +136,7 @@ Result<Engine> Engine::create(StepModel& model, const EngineOptions& options) {
       PagedKVCache pool,
       model.new_pool(b.pages, options.page_size, options.kv_dtype, options.prefix_caching));
   ATTNKIT_ASSIGN_OR_RETURN(LinearStatePool states, model.new_state_pool(0));
+  pool.set_batch_invariant(options.batch_invariant);
   e.pool_.emplace(std::move(pool));
   e.states_.emplace(std::move(states));
   return e;

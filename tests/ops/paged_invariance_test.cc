@@ -222,4 +222,31 @@ TEST(PagedInvariance, RowsAreTheSameBitsHoweverTheSequenceIsChunkedOrBatched) {
   attnkit::set_simd_target(best);
 }
 
+// set_batch_invariant(false) plans attend() as sdpa does (a long
+// sequence's keys may split across threads in decode): rows then agree with
+// the invariant ones and the reference to rounding, not bit for bit.
+TEST(PagedInvariance, OffDecodeAgreesWithTheReferenceToRounding) {
+  const Shape sh{"GQA 8/2 128", 8, 2, 128, 128};
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    const int64_t prefix = 4096, decode = 3, len = prefix + decode;
+    const Seq x = make_seq(sh, len, dtype == DType::kF32 ? 11 : 12);
+    std::vector<std::vector<float>> ref(1), off(1);
+    {
+      PagedKVCache pool = make_pool(sh, dtype);
+      const int64_t id = pool.add_sequence();
+      step(sh, pool, {id}, {&x}, {len}, 1, Backend::kReference, &ref);
+    }
+    PagedKVCache pool = make_pool(sh, dtype);
+    EXPECT_TRUE(pool.batch_invariant());
+    pool.set_batch_invariant(false);
+    const int64_t id = pool.add_sequence();
+    step(sh, pool, {id}, {&x}, {prefix}, 2, Backend::kAuto, &off);
+    for (int64_t i = 0; i < decode; ++i) step(sh, pool, {id}, {&x}, {1}, 2, Backend::kAuto, &off);
+    EXPECT_TRUE(attnkit_test::all_close(
+        dtype == DType::kF32 ? "f32, invariance off" : "bf16, invariance off", off[0],
+        attnkit_test::widen(std::span<const float>(ref[0])),
+        attnkit_test::attention_tolerance(sh.head_dim, len, dtype, Backend::kAuto)));
+  }
+}
+
 }  // namespace

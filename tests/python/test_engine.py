@@ -56,6 +56,20 @@ def test_sixteen_concurrent_requests_give_each_one_alone_greedy_tokens():
         assert len(tokens) == want_len and all(0 <= t < 512 for t in tokens)
 
 
+def test_fast_kernels_batch_invariant_by_default_and_optionally_not():
+    """On the fast kernels the default (batch_invariant=True) still gives
+    each request its alone tokens; batch_invariant=False serves every
+    request in full (its rows agree to rounding only, so tokens may
+    differ at near-ties: tests/ops/paged_invariance_test.cc bounds them)."""
+    m = model()
+    reqs, lengths = prompts(8, seed=4), [6] * 8
+    got = serve(attnkit.Engine(m, kv_memory="1MiB"), reqs, lengths)
+    for p, n, tokens in zip(reqs, lengths, got):
+        assert serve(attnkit.Engine(m, kv_memory="1MiB", max_seqs=1), [p], [n]) == [tokens]
+    fast = serve(attnkit.Engine(m, kv_memory="1MiB", batch_invariant=False), reqs, lengths)
+    assert [len(t) for t in fast] == lengths
+
+
 def test_a_tight_pool_preempts_and_chunks_without_changing_tokens():
     m = model()
     reqs = prompts(10, seed=1)
