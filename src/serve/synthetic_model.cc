@@ -39,10 +39,11 @@ class RandomWeights {
   RandomWeights(DType dtype, uint64_t seed) : dtype_(dtype), seed_(seed) {}
 
   // A matrix [rows, cols] ~ U(+-1/sqrt(cols)) (nn.Linear's range, so
-  // activations stay O(1)); a vector [rows] (cols = 0) of ones (norm gains);
-  // with depth > 0 a [rows, cols, depth] tensor ~ U(+-1/sqrt(fan_in)).
+  // activations stay O(1)); a vector [rows] (cols = 0) of `constant` (ones
+  // for norm gains, zeros for a norm's bias); with depth > 0 a [rows, cols,
+  // depth] tensor ~ U(+-1/sqrt(fan_in)).
   Status add(const std::string& name, int64_t rows, int64_t cols, int64_t depth = 0,
-             int64_t fan_in = 0) {
+             int64_t fan_in = 0, float constant = 1.0f) {
     const bool vector = cols == 0;
     const int64_t numel = rows * (vector ? 1 : cols) * (depth > 0 ? depth : 1);
     std::vector<float> v;
@@ -52,7 +53,7 @@ class RandomWeights {
       return resource_exhausted("serve: cannot allocate the weight " + name);
     }
     if (vector)
-      std::fill(v.begin(), v.end(), 1.0f);
+      std::fill(v.begin(), v.end(), constant);
     else
       fill(v, seed_++, 1.0 / std::sqrt(static_cast<double>(depth > 0 ? fan_in : cols)));
     const DType dtype = vector ? DType::kF32 : dtype_;
@@ -105,6 +106,16 @@ Status SyntheticModel::add_latent(uint64_t seed) {
   ATTNKIT_RETURN_IF_ERROR(
       w.add("kv_b_proj.weight", H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank));
   ATTNKIT_RETURN_IF_ERROR(w.add("o_proj.weight", d, H * c.v_head_dim));
+  if (c.sparse()) {
+    // DeepSeek-V3.2's lightning indexer (latent_attention.h): LayerNorm
+    // gain ones and bias zeros, as a freshly initialised LayerNorm.
+    const int64_t Hi = c.index_n_heads, Di = c.index_head_dim;
+    ATTNKIT_RETURN_IF_ERROR(w.add("indexer.wq_b.weight", Hi * Di, c.q_lora_rank));
+    ATTNKIT_RETURN_IF_ERROR(w.add("indexer.wk.weight", Di, d));
+    ATTNKIT_RETURN_IF_ERROR(w.add("indexer.k_norm.weight", Di, 0));
+    ATTNKIT_RETURN_IF_ERROR(w.add("indexer.k_norm.bias", Di, 0, 0, 0, 0.0f));
+    ATTNKIT_RETURN_IF_ERROR(w.add("indexer.weights_proj.weight", Hi, d));
+  }
   ATTNKIT_RETURN_IF_ERROR(layer.load_weights(w.map()));
   for (const std::string& n : layer.weight_names()) weight_bytes_ += view_bytes(layer.weight(n));
   index_.push_back(static_cast<int64_t>(latent_.size()));

@@ -45,7 +45,8 @@ ROW_FIELDS = {"variant", "kv_dtype", "cache", "memory_bytes", "kv_bytes_per_toke
               "tpot_s", "peak_running",
               "mean_running", "kv_used_bytes", "kv_reserved_bytes", "preemptions", "steps",
               "tokens_computed", "weight_bytes", "prefix_cache", "queue_s",
-              "prefill_tokens_computed", "prefix_hit_rate", "weights", "model_dir"}
+              "prefill_tokens_computed", "prefix_hit_rate", "weights", "model_dir",
+              "index_key_bytes_per_token", "indexer"}
 
 
 def test_rows_have_the_documented_fields_and_exact_kv_arithmetic(config):
@@ -180,7 +181,8 @@ def test_an_impossible_budget_exits_2_naming_the_request(config, tmp_path):
     (["--kv-dtypes", "int3"], "--kv-dtypes entries must be f32, bf16, int8 or fp8_e4m3, got 'int3'"),
     (["--weights", "f16"], "--weights must be f32 or bf16, got 'f16'"),
     (["--variants", "gqa-3"], "--variants: gqa-3: 3 kv heads must divide the model's 4 heads"),
-    (["--variants", "mha,bogus"], "--variants: unknown variant 'bogus' (mha, mqa, gqa-N, mla, all-full)"),
+    (["--variants", "mha,bogus"],
+     "--variants: unknown variant 'bogus' (mha, mqa, gqa-N, mla, mla-dsa, all-full)"),
     (["--rate", "0"], "--rate must be a number > 0 (requests per second) or inf, got '0'"),
     (["--prompt-tokens", "9-3"], "--prompt-tokens must be N or A-B with 1 <= A <= B, got '9-3'"),
     (["--output-tokens", "x"], "--output-tokens must be N or A-B (token counts >= 1), got 'x'"),
@@ -420,3 +422,79 @@ def test_model_dir_bad_checkpoints_exit_2_naming_what(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "--model-dir: Model::from_pretrained" in r.stderr
     assert "model.layers.1.mlp.up_proj.weight' is missing" in r.stderr
+
+
+# A DeepSeek-V3.2 indexer key per token and layer: index_head_dim fp8 codes
+# and one f32 scale per 128 of them.
+def index_key_bytes(index_head_dim):
+    return index_head_dim + 4 * (index_head_dim // 128)
+
+
+def test_dsa_model_serves_mla_and_mla_dsa_with_the_indexer_keys_in_the_pool():
+    r = run("serve-bench", "--model", "deepseek-v3.2", "--layers", "1", "--variants", "mla,mla-dsa",
+            "--requests", "2", "--prompt-tokens", "8-12", "--output-tokens", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    rows = {row["variant"]: row for row in j["rows"]}
+    assert [row["variant"] for row in j["rows"]] == ["mla", "mla-dsa"]
+    mla, dsa = rows["mla"], rows["mla-dsa"]
+    # One layer of bf16 latent [512 + 64]; DSA adds its 128-dim indexer key.
+    assert mla["kv_bytes_per_token"] == 2 * (512 + 64)
+    assert dsa["kv_bytes_per_token"] - mla["kv_bytes_per_token"] == index_key_bytes(128) == 132
+    assert dsa["index_key_bytes_per_token"] == 132 and mla["index_key_bytes_per_token"] == 0
+    assert mla["indexer"] is None
+    assert dsa["indexer"] == {"n_heads": 64, "head_dim": 128, "topk": 2048, "scales": "ue8m0",
+                              "from": "config", "key_bytes_per_token_per_layer": 132}
+    for row in (mla, dsa):
+        assert row["output_tokens"] == j["trace"]["output_tokens"]
+    assert dsa["weight_bytes"] > mla["weight_bytes"]  # the indexer's projections
+    assert any(line.startswith("paged bf16 ") and "mla-dsa (top-2048) serves" in line
+               for line in j["conclusions"])
+
+
+TINY_MLA = {"model_type": "deepseek_v3", "hidden_size": 64, "num_attention_heads": 4,
+            "num_hidden_layers": 2, "q_lora_rank": 32, "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+            "rope_theta": 10000.0}
+
+
+def test_mla_dsa_of_a_plain_mla_model_takes_deepseek_v32_indexer_and_a_dsa_config_its_own(
+        tmp_path):
+    plain = tmp_path / "mla.json"
+    plain.write_text(json.dumps(TINY_MLA))
+    j = serve_json(str(plain), "--variants", "mla,mla-dsa", "--kv-dtypes", "bf16,f32")
+    rows = {(r["variant"], r["kv_dtype"]): r for r in j["rows"]}
+    for dtype, size in (("bf16", 2), ("f32", 4)):
+        assert rows["mla", dtype]["kv_bytes_per_token"] == size * (32 + 8)
+        assert (rows["mla-dsa", dtype]["kv_bytes_per_token"]
+                == size * (32 + 8) + index_key_bytes(128))
+        assert rows["mla-dsa", dtype]["indexer"]["from"] == "DeepSeek-V3.2 defaults"
+        assert rows["mla-dsa", dtype]["indexer"]["topk"] == 2048
+    # A deepseek_v32 config: its own indexer, 2 layers of 256-dim keys; by
+    # default both variants.
+    v32 = dict(TINY_MLA, model_type="deepseek_v32", index_n_heads=2, index_head_dim=256,
+               index_topk=8)
+    (tmp_path / "v32.json").write_text(json.dumps(v32))
+    r = run("serve-bench", "--config", str(tmp_path / "v32.json"), "--layers", "2", *TRACE,
+            "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {row["variant"]: row for row in json.loads(r.stdout)["rows"]}
+    assert list(rows) == ["mla", "mla-dsa"]
+    assert rows["mla-dsa"]["indexer"]["from"] == "config"
+    assert rows["mla-dsa"]["indexer"]["n_heads"] == 2 and rows["mla-dsa"]["indexer"]["topk"] == 8
+    assert rows["mla-dsa"]["index_key_bytes_per_token"] == 2 * index_key_bytes(256)
+    assert (rows["mla-dsa"]["kv_bytes_per_token"] - rows["mla"]["kv_bytes_per_token"]
+            == 2 * index_key_bytes(256))
+
+
+def test_mla_dsa_is_refused_where_it_is_not_defined(config, tmp_path):
+    r = run("serve-bench", "--config", config, "--layers", "1", *TRACE, "--variants", "mla-dsa")
+    assert r.returncode == 2
+    assert "mla-dsa" in r.stderr and "is not MLA" in r.stderr
+    no_q = dict(TINY_MLA)
+    no_q["q_lora_rank"] = None  # DeepSeek-V2-Lite's: no query compression
+    (tmp_path / "noq.json").write_text(json.dumps(no_q))
+    r = run("serve-bench", "--config", str(tmp_path / "noq.json"), "--layers", "1", *TRACE,
+            "--variants", "mla-dsa")
+    assert r.returncode == 2
+    assert "q_lora_rank" in r.stderr and "mla-dsa" in r.stderr

@@ -208,7 +208,35 @@ std::string label_of(const AttentionConfig& c) {
 struct Variant {
   std::string name;
   serve::ModelSpec spec;
+  ojson indexer = nullptr;  // mla-dsa: the lightning indexer's sizes and their source
 };
+
+// mla-dsa of an MLA config: DeepSeek-V3.2's sparse attention with the
+// config's indexer, or V3.2's own (64 heads of 128, top-2048, ue8m0
+// scales) when the config has none; the indexer query reads MLA's
+// compressed query, so q_lora_rank is required.
+Variant dsa_variant(serve::ModelSpec spec, const std::string& label) {
+  MlaConfig& c = spec.latent;
+  const bool configured = c.sparse();
+  if (!configured) {
+    c.index_n_heads = 64;
+    c.index_head_dim = 128;
+    c.index_topk = 2048;
+    c.index_scale_ue8m0 = true;
+  }
+  if (c.q_lora_rank < 1)
+    throw UsageError{"--variants: mla-dsa: " + label +
+                     " has no q_lora_rank; DeepSeek's lightning indexer projects its query from "
+                     "MLA's compressed query"};
+  const int64_t key = c.index_head_dim + 4 * (c.index_head_dim / 128);  // fp8 codes + f32 scales
+  return {"mla-dsa", spec,
+          ojson{{"n_heads", c.index_n_heads},
+                {"head_dim", c.index_head_dim},
+                {"topk", c.index_topk},
+                {"scales", c.index_scale_ue8m0 ? "ue8m0" : "amax/448"},
+                {"from", configured ? "config" : "DeepSeek-V3.2 defaults"},
+                {"key_bytes_per_token_per_layer", key}}};
+}
 
 // The feed-forward of the config: its MoE, or its dense SwiGLU MLP
 // (intermediate_size) as a one-expert MoE, which computes exactly
@@ -273,7 +301,8 @@ int64_t kv_heads_of(const std::string& n, int64_t H) {
       n.find_first_not_of("0123456789", 4) == std::string::npos)
     kv = std::stoll(n.substr(4));
   if (kv < 1)
-    throw UsageError{"--variants: unknown variant '" + n + "' (mha, mqa, gqa-N, mla, all-full)"};
+    throw UsageError{"--variants: unknown variant '" + n +
+                     "' (mha, mqa, gqa-N, mla, mla-dsa, all-full)"};
   if (H % kv != 0)
     throw UsageError{"--variants: " + n + ": " + std::to_string(kv) +
                      " kv heads must divide the model's " + std::to_string(H) + " heads"};
@@ -300,8 +329,8 @@ std::vector<Variant> stack_variants(std::vector<std::string> names, const Source
   std::vector<Variant> out;
   for (const std::string& n : names) {
     serve::ModelSpec spec = base;
-    if (n == "mla")
-      throw UsageError{"--variants: mla: " + src.label +
+    if (n == "mla" || n == "mla-dsa")
+      throw UsageError{"--variants: " + n + ": " + src.label +
                        "'s served layers differ in kind; an MLA variant of them is not defined "
                        "(give --layers to serve layers of one kind)"};
     spec.stack = n == "all-full" ? all_full(stack) : stack;
@@ -319,16 +348,26 @@ std::vector<Variant> plan_variants(const Options& o, const Source& src) {
   serve::ModelSpec base = base_spec(o, src);
   std::vector<Variant> out;
   if (src.shape.mla) {
-    if (names.empty()) names = {"mla"};
-    for (const std::string& n : names)
-      if (n != "mla")
-        throw UsageError{"--variants: " + n + ": " + src.label +
-                         " is MLA; its only variant here is mla"};
     base.mla = true;
     auto c = mla_config_from_json(src.json);
     if (!c.ok()) throw UsageError{src.label + ": " + c.status().message()};
     base.latent = *c;
-    out.push_back({"mla", base});
+    // A DSA model's default: both, dense first.
+    if (names.empty())
+      names = c->sparse() ? std::vector<std::string>{"mla", "mla-dsa"}
+                          : std::vector<std::string>{"mla"};
+    for (const std::string& n : names) {
+      if (n == "mla-dsa") {
+        out.push_back(dsa_variant(base, src.label));
+        continue;
+      }
+      if (n != "mla")
+        throw UsageError{"--variants: " + n + ": " + src.label +
+                         " is MLA; its variants here are mla and mla-dsa"};
+      serve::ModelSpec dense = base;  // mla: dense attention, the indexer left out
+      dense.latent.index_n_heads = dense.latent.index_head_dim = dense.latent.index_topk = 0;
+      out.push_back({"mla", dense});
+    }
     return out;
   }
   if (!src.json.empty()) {
@@ -348,6 +387,10 @@ std::vector<Variant> plan_variants(const Options& o, const Source& src) {
   for (const std::string& n : names) {
     serve::ModelSpec spec = base;
     spec.attention = attn;
+    if (n == "mla-dsa")
+      throw UsageError{"--variants: mla-dsa: " + src.label +
+                       " is not MLA; DeepSeek's sparse attention runs on an MLA model with "
+                       "q_lora_rank (e.g. --model deepseek-v3 or deepseek-v3.2)"};
     if (n == "mla") {
       spec.mla = true;
       ModelShape shape = src.shape;
@@ -387,6 +430,9 @@ double planned_weight_bytes(const serve::ModelSpec& s) {
              (dc + static_cast<double>(c.qk_rope_head_dim)) * d +
              H * static_cast<double>(c.qk_nope_head_dim + c.v_head_dim) * dc +
              d * H * static_cast<double>(c.v_head_dim);
+    const double hi = static_cast<double>(c.index_n_heads),
+                 di = static_cast<double>(c.index_head_dim);
+    params += hi * di * dq + di * d + hi * d;  // the indexer (0 for dense MLA)
   } else if (s.stack.empty()) {
     params = attention_params(s.attention);
   } else {
@@ -535,6 +581,8 @@ struct Row {
   size_t weight_bytes = 0;
   std::vector<double> tokens_per_s;  // every run's, in run order
   std::string weights, model_dir;    // the weights' dtype as kept; --model-dir
+  ojson indexer = nullptr;           // Variant::indexer
+  int64_t layers = 1;
 };
 
 double output_tokens_per_s(const serve::Report& r) {
@@ -572,6 +620,12 @@ ojson row_json(const Row& row) {
           {"prefix_cache", row.prefix_cache},
           {"memory_bytes", row.memory},
           {"kv_bytes_per_token", r.kv_bytes_per_token},
+          // Of kv_bytes_per_token, the indexer keys' (mla-dsa; all layers).
+          {"index_key_bytes_per_token",
+           row.indexer.is_null()
+               ? 0
+               : row.indexer["key_bytes_per_token_per_layer"].get<int64_t>() * row.layers},
+          {"indexer", row.indexer},
           {"state_bytes_per_sequence", r.state_bytes_per_sequence},
           {"pool_releases_pages", r.pool_releases_pages},
           {"pool_pages", r.pool_pages},
@@ -712,6 +766,20 @@ std::vector<std::string> conclude(const ojson& rows) {
                         format_sig3(s["mean_running"].get<double>(), "") +
                         " sequences at a time).");
   }
+  for (const ojson& a : rows) {  // DSA against dense MLA on the same pool
+    if (a["indexer"].is_null()) continue;
+    for (const ojson& b : rows)
+      if (b["variant"] == "mla" && group_of(b) == group_of(a) && !a["tpot_s"].is_null() &&
+          !b["tpot_s"].is_null())
+        lines.push_back(
+            group_of(a) + ": mla-dsa (top-" + a["indexer"]["topk"].dump() + ") serves " +
+            format_ratio(a["output_tokens_per_s"].get<double>() /
+                         std::max(b["output_tokens_per_s"].get<double>(), 1e-12)) +
+            " dense mla's output tokens/s; TPOT p50 " +
+            format_seconds(a["tpot_s"]["p50"].get<double>()) + " vs " +
+            format_seconds(b["tpot_s"]["p50"].get<double>()) + "; its KV/token holds " +
+            format_bytes(a["index_key_bytes_per_token"].get<double>()) + " of indexer keys.");
+  }
   conclude_prefix(rows, lines);
   return lines;
 }
@@ -800,9 +868,12 @@ bool parse_options(int argc, char** argv, Options& o) {
                "random layers");
   f.add_int("--layers", &o.layers, "the config's first layers in the served stack (default 2)", 1);
   f.add_string_list("--variants", &o.variants,
-                    "as configured, gqa-N, mqa, mla, all-full (every layer full attention) "
-                    "(default: the model's, gqa-8, gqa-4, mqa, mla; a stack of several layer "
-                    "kinds: the model's, and all-full when it has linear layers)");
+                    "as configured, gqa-N, mqa, mla, all-full (every layer full attention); "
+                    "an MLA model: mla (dense) and mla-dsa (DeepSeek-V3.2's indexer + top-k: "
+                    "the config's, else 64 heads of 128, top-2048) "
+                    "(default: the model's, gqa-8, gqa-4, mqa, mla; a DSA model: mla, mla-dsa; "
+                    "a stack of several layer kinds: the model's, and all-full when it has "
+                    "linear layers)");
   f.add_string_list("--kv-dtypes", &o.kv_dtypes,
                     "KV cache dtypes: f32, bf16, int8, fp8_e4m3 (default bf16)");
   f.add_string("--weights", &o.weights, "f32 or bf16 weights (default bf16)");
@@ -1124,6 +1195,8 @@ std::vector<Row> run_configs(const Options& o, const Trace& t, const std::vector
             {},
             models[c.variant].weights,
             o.model_dir};
+    row.indexer = variants[c.variant].indexer;
+    row.layers = o.layers;
     for (const serve::Report& r : runs[i]) row.tokens_per_s.push_back(output_tokens_per_s(r));
     std::vector<size_t> order(runs[i].size());
     for (size_t k = 0; k < order.size(); ++k) order[k] = k;
@@ -1215,6 +1288,18 @@ void print_notes(const std::vector<Row>& rows, double elapsed) {
           "a sliding or chunked layer holds every token's K/V, as a full layer does (KV/token "
           "counts every attention layer).\n",
           r.variant.c_str());
+      break;
+    }
+  for (const Row& r : rows)
+    if (!r.indexer.is_null()) {
+      const ojson& i = r.indexer;
+      std::printf(
+          "%s: DeepSeek-V3.2's lightning indexer (%s: %s heads of %s, top-%s, %s scales) picks "
+          "each query's keys; KV/token includes its fp8 keys, %s B per token per layer.\n",
+          r.variant.c_str(), i["from"].get<std::string>().c_str(), i["n_heads"].dump().c_str(),
+          i["head_dim"].dump().c_str(), i["topk"].dump().c_str(),
+          i["scales"].get<std::string>().c_str(),
+          i["key_bytes_per_token_per_layer"].dump().c_str());
       break;
     }
   for (const Row& r : rows)
