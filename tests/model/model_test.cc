@@ -416,6 +416,10 @@ TEST(Model, DeepseekV32PoolCarriesIndexerKeysAndTheTopkSelects) {
   ASSERT_TRUE(pool.ok()) << pool.status().message();
   EXPECT_EQ(pool->spec().index_head_dim, 128);
   EXPECT_EQ(pool->spec().num_layers, 2);
+  auto cached = sparse.new_pool(4, 4, DType::kBF16, true);  // the engine's prefix-caching pool
+  ASSERT_TRUE(cached.ok()) << cached.status().message();
+  EXPECT_EQ(cached->spec().index_head_dim, 128);
+  EXPECT_TRUE(cached->spec().prefix_caching);
   for (int64_t l = 0; l < 2; ++l) {
     auto keys = pool->index_keys(l);
     ASSERT_TRUE(keys.ok() && keys->present());
