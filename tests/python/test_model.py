@@ -1026,7 +1026,8 @@ def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path, scheme, tie
     c = dict(FAMILIES["gemma3_text"], tie_word_embeddings=tied)
     weights = random_weights(c, seed=25)
     write_checkpoint(str(tmp_path / "text"), c, weights)
-    text_config = {k: v for k, v in c.items() if k != "model_type"}  # as released: often absent
+    # Without its model_type, text_config is read as the wrapper's text family.
+    text_config = {k: v for k, v in c.items() if k != "model_type"}
     wrapper = {"model_type": "gemma3", "text_config": text_config,
                "vision_config": {"model_type": "siglip_vision_model"}, "mm_tokens_per_image": 4}
     write_checkpoint(str(tmp_path / "wrapped"), wrapper, gemma3_wrapped(weights, scheme), shards=2)
