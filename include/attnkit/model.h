@@ -40,9 +40,10 @@
 //
 // Loading is strict: every tensor the description implies must be present
 // with its exact shape, and a tensor nothing reads is an error naming it
-// (rotary_emb.inv_freq buffers excepted, and Qwen3-Next's mtp.* multi-
-// token-prediction head, which Hugging Face also skips), so a checkpoint
-// and a config that disagree never load silently.
+// (rotary_emb.inv_freq buffers excepted, Qwen3-Next's mtp.* multi-
+// token-prediction head, which Hugging Face also skips, and a multimodal
+// wrapper's vision tower and projector, by their exact prefixes), so a
+// checkpoint and a config that disagree never load silently.
 #pragma once
 
 #include <cstdint>
@@ -70,9 +71,13 @@ struct ModelLoadOptions {
 // Families from_pretrained loads (config.json's model_type): "llama",
 // "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
 // "qwen3_next", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3",
-// "gpt_oss", "llama4_text" (Llama4ForCausalLM's names, or the text model of
-// a "llama4" wrapper's checkpoint: its language_model.* tensors, the vision
-// tower left unread). Other families and wrappers are refused by name.
+// "deepseek_v32" (sparse attention: the pool carries the indexer keys),
+// "gpt_oss", "llama4_text". The text model of a multimodal wrapper's
+// checkpoint loads too: "gemma3" (Gemma3ForConditionalGeneration, its
+// language_model.model.* / model.language_model.* tensors) and "llama4"
+// (language_model.*), the vision tower and projector unread (docs/MODEL.md
+// has the names). Other families and wrappers, and quantized checkpoints
+// (quantization_config), are refused by name.
 std::span<const char* const> supported_model_types();
 
 class Model final : public StepModel {

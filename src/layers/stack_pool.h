@@ -23,7 +23,9 @@ bool stack_shares_window(std::span<const AttentionLayer> attention);
 // A pool for `latent` (MLA: non-empty, then `attention` is ignored) or
 // `attention` (non-empty) with num_pages pages of page_size tokens in
 // kv_dtype, and prefix caching as asked (refused by the pool with a
-// window or chunk).
+// window or chunk). A sparse-attention MLA stack (DeepSeek-V3.2) gets
+// the lightning indexer's key slots beside each latent row
+// (LatentAttention::new_paged_cache), with or without prefix caching.
 Result<PagedKVCache> new_stack_pool(std::span<const AttentionLayer> attention,
                                     std::span<const LatentAttention> latent, int64_t num_pages,
                                     int64_t page_size, DType kv_dtype, bool prefix_caching);

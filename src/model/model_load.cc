@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <map>
 #include <set>
 #include <string>
 #include <utility>
@@ -17,10 +18,46 @@ namespace {
 
 constexpr const char* kFn = "Model::from_pretrained";
 
-constexpr std::array<const char*, 14> kSupported = {
-    "llama",       "mistral",     "qwen2",      "qwen3",      "mixtral",
-    "qwen2_moe",   "qwen3_moe",   "qwen3_next", "gemma2",     "gemma3_text",
-    "deepseek_v2", "deepseek_v3", "gpt_oss",    "llama4_text"};
+constexpr std::array<const char*, 15> kSupported = {
+    "llama",       "mistral",     "qwen2",        "qwen3",   "mixtral",
+    "qwen2_moe",   "qwen3_moe",   "qwen3_next",   "gemma2",  "gemma3_text",
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "gpt_oss", "llama4_text"};
+
+// How a multimodal wrapper's checkpoint names its text model's tensors:
+// each `renames` prefix of the checkpoint stands for the text model's
+// (Gemma3ForCausalLM's / Llama4ForCausalLM's) prefix beside it, and the
+// tensors under `skipped` (vision tower, projector) are not text weights.
+// A name under neither keeps its name, and is then read or reported as
+// unread like any other.
+struct WrapperNaming {
+  const char* wrapper;
+  std::array<std::pair<const char*, const char*>, 3> renames;
+  std::array<const char*, 4> skipped;
+};
+
+constexpr std::array<WrapperNaming, 2> kWrappers = {{
+    // Llama4ForConditionalGeneration as released (Scout, Maverick):
+    // language_model.model.*, language_model.lm_head.weight.
+    {"llama4",
+     {{{"language_model.", ""}, {nullptr, nullptr}, {nullptr, nullptr}}},
+     {"vision_model.", "multi_modal_projector.", nullptr, nullptr}},
+    // Gemma3ForConditionalGeneration: the names transformers saved before
+    // its 4.52 multimodal refactor (language_model.model.*,
+    // language_model.lm_head.weight) and since (model.language_model.*,
+    // lm_head.weight), as its _checkpoint_conversion_mapping relates them.
+    {"gemma3",
+     {{{"language_model.model.", "model."},
+       {"model.language_model.", "model."},
+       {"language_model.lm_head.", "lm_head."}}},
+     {"vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+      "model.multi_modal_projector."}},
+}};
+
+const WrapperNaming* wrapper_naming(const std::string& wrapper) {
+  for (const WrapperNaming& w : kWrappers)
+    if (wrapper == w.wrapper) return &w;
+  return nullptr;
+}
 
 bool is_gemma(const ModelSpec& spec) {
   return spec.model_type == "gemma2" || spec.model_type == "gemma3_text";
@@ -59,14 +96,19 @@ Status check_supported(const ModelSpec& spec) {
     return invalid_argument(std::string(kFn) + ": model_type \"" + spec.model_type +
                             "\" is not loaded as a whole model yet (supported: " + list + ")");
   }
-  if (!spec.wrapper_model_type.empty() && spec.wrapper_model_type != "llama4")
+  if (!spec.wrapper_model_type.empty() && wrapper_naming(spec.wrapper_model_type) == nullptr)
     return invalid_argument(std::string(kFn) + ": model_type \"" + spec.wrapper_model_type +
-                            "\" is a multimodal wrapper; only its text model (\"" +
-                            spec.model_type + "\") checkpoint loads");
+                            "\" is a multimodal wrapper whose text model is not loaded from it "
+                            "(wrappers loaded: gemma3, llama4); only its text model's (\"" +
+                            spec.model_type + "\") own checkpoint loads");
   if (!spec.quantization.quant_method.empty())
-    return invalid_argument(std::string(kFn) + ": quantization_config.quant_method = \"" +
-                            spec.quantization.quant_method +
-                            "\": quantized checkpoints are not loaded (f32, bf16, f16, f64 are)");
+    return invalid_argument(
+        std::string(kFn) + ": quantization_config.quant_method = \"" +
+        spec.quantization.quant_method +
+        "\": quantized weights are not loaded (f32, bf16, f16 and f64 are); load a bf16 "
+        "dequantized checkpoint instead (e.g. transformers' from_pretrained with "
+        "Mxfp4Config(dequantize=True) for mxfp4, then save_pretrained, which writes no "
+        "quantization_config)");
   // The first layer with K/V in the pool: every such layer shares its kind
   // and shape (one pool); linear-attention layers keep theirs in the state
   // pool.
@@ -82,9 +124,6 @@ Status check_supported(const ModelSpec& spec) {
     const std::string where = std::string(kFn) + ": layer " + std::to_string(i);
     if (l.kind != LayerKind::kLinearAttention && l.kind != first->kind)
       return invalid_argument(where + " mixes MLA and softmax attention in one model");
-    if (l.kind == LayerKind::kLatentAttention && l.mla.sparse())
-      return invalid_argument(where + ": DeepSeek sparse attention (index_n_heads = " +
-                              std::to_string(l.mla.index_n_heads) + ") is not loaded yet");
     if (l.kind == LayerKind::kAttention &&
         (l.attention.num_kv_heads != first->attention.num_kv_heads ||
          l.attention.head_dim != first->attention.head_dim))
@@ -274,19 +313,33 @@ Status load_ends(const WeightMap& weights, Model::Impl* m, std::set<std::string>
   return Status::Ok();
 }
 
-// Llama4ForConditionalGeneration's checkpoint (the released Llama 4
-// Scout / Maverick): the text model's tensors are those under
-// "language_model." (language_model.model.layers..., language_model.lm_head),
-// renamed here to Llama4ForCausalLM's; the vision tower and projector are
-// not read. Anything else keeps its name, and is then reported as unread.
-WeightMap llama4_text_tensors(const WeightMap& all) {
-  const std::string text = "language_model.";
+// The text model's tensors of a wrapper's checkpoint, under the text
+// model's names; `original` maps each renamed tensor back to its name in
+// the checkpoint (for messages). Two checkpoint names for one text tensor
+// (both naming schemes in one checkpoint) are an error naming both.
+Result<WeightMap> wrapper_text_tensors(const WrapperNaming& naming, const model::Checkpoint& ckpt,
+                                       std::map<std::string, std::string>* original) {
   WeightMap out;
-  for (const auto& [name, view] : all) {
-    if (name.starts_with(text))
-      out[name.substr(text.size())] = view;
-    else if (!name.starts_with("vision_model.") && !name.starts_with("multi_modal_projector."))
-      out[name] = view;
+  for (const auto& [name, view] : ckpt.tensors) {
+    if (std::any_of(naming.skipped.begin(), naming.skipped.end(),
+                    [&](const char* p) { return p != nullptr && name.starts_with(p); }))
+      continue;
+    std::string text = name;
+    for (const auto& [from, to] : naming.renames)
+      if (from != nullptr && name.starts_with(from)) {
+        text = to + name.substr(std::char_traits<char>::length(from));
+        break;
+      }
+    if (out.count(text) != 0) {
+      const auto first = original->find(text);
+      return invalid_argument(std::string(kFn) + ": " + ckpt.where + " has tensors \"" +
+                              (first != original->end() ? first->second : text) + "\" and \"" +
+                              name + "\", which are both the " + naming.wrapper +
+                              " text model's \"" + text +
+                              "\" (two naming schemes in one checkpoint?)");
+    }
+    if (text != name) (*original)[text] = name;
+    out[text] = view;
   }
   return out;
 }
@@ -295,6 +348,21 @@ bool is_ignored_buffer(const std::string& name) {
   for (const std::string& b : io::ignored_buffers())
     if (name == b || (name.size() > b.size() && name.ends_with("." + b))) return true;
   return false;
+}
+
+// Embedding, final norm, LM head and every decoder layer, their names
+// added to `used`.
+Status load_layers(const WeightMap& tensors, Model::Impl* m, std::set<std::string>* used) {
+  ATTNKIT_RETURN_IF_ERROR(load_ends(tensors, m, used));
+  for (size_t i = 0; i < m->spec.layers.size(); ++i) {
+    Block b;
+    const std::string where = "layer " + std::to_string(i);
+    ATTNKIT_RETURN_IF_ERROR(prefixed(where, load_block_norms(tensors, i, m, &b, used)));
+    ATTNKIT_RETURN_IF_ERROR(prefixed(where, load_mixer(tensors, i, m, &b, used)));
+    ATTNKIT_RETURN_IF_ERROR(prefixed(where, load_ffn(tensors, i, m, &b, used)));
+    m->blocks.push_back(std::move(b));
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -307,27 +375,30 @@ Result<Model> Model::from_pretrained(const std::string& dir, const ModelLoadOpti
   if (!spec.ok()) return prefixed(dir + "/config.json", spec.status());
   ATTNKIT_RETURN_IF_ERROR(check_supported(*spec));
   ATTNKIT_ASSIGN_OR_RETURN(model::Checkpoint ckpt, model::open_checkpoint(dir, kFn));
-  if (spec->wrapper_model_type == "llama4") ckpt.tensors = llama4_text_tensors(ckpt.tensors);
+  // A wrapper's tensors under the text model's names, and their own names.
+  std::map<std::string, std::string> original;
+  const WrapperNaming* wrapper = wrapper_naming(spec->wrapper_model_type);
+  if (wrapper != nullptr) {
+    ATTNKIT_ASSIGN_OR_RETURN(ckpt.tensors, wrapper_text_tensors(*wrapper, ckpt, &original));
+  }
   auto m = std::make_unique<Impl>();
   m->spec = std::move(spec).value();
   m->options = options;
   std::set<std::string> used;
-  ATTNKIT_RETURN_IF_ERROR(load_ends(ckpt.tensors, m.get(), &used));
-  for (size_t i = 0; i < m->spec.layers.size(); ++i) {
-    Block b;
-    const std::string where = "layer " + std::to_string(i);
-    ATTNKIT_RETURN_IF_ERROR(prefixed(where, load_block_norms(ckpt.tensors, i, m.get(), &b, &used)));
-    ATTNKIT_RETURN_IF_ERROR(prefixed(where, load_mixer(ckpt.tensors, i, m.get(), &b, &used)));
-    ATTNKIT_RETURN_IF_ERROR(prefixed(where, load_ffn(ckpt.tensors, i, m.get(), &b, &used)));
-    m->blocks.push_back(std::move(b));
-  }
+  Status st = load_layers(ckpt.tensors, m.get(), &used);
+  if (!st.ok() && wrapper != nullptr)
+    return Status(st.code(), st.message() + " (a " + wrapper->wrapper +
+                                 " checkpoint: its text tensors are read under the " +
+                                 m->spec.model_type + " model's names, docs/MODEL.md)");
+  ATTNKIT_RETURN_IF_ERROR(st);
   for (const auto& [name, view] : ckpt.tensors)
-    if (used.count(name) == 0 && !is_ignored_buffer(name) && !is_skipped_module(m->spec, name))
-      return invalid_argument(std::string(kFn) + ": " + ckpt.where + " has tensor \"" + name +
-                              "\" " + view.describe() + ", which no part of this " +
-                              m->spec.model_type +
-                              " model reads (a config that disagrees "
-                              "with the checkpoint?)");
+    if (used.count(name) == 0 && !is_ignored_buffer(name) && !is_skipped_module(m->spec, name)) {
+      const auto renamed = original.find(name);
+      return invalid_argument(std::string(kFn) + ": " + ckpt.where + " has tensor \"" +
+                              (renamed != original.end() ? renamed->second : name) + "\" " +
+                              view.describe() + ", which no part of this " + m->spec.model_type +
+                              " model reads (a config that disagrees with the checkpoint?)");
+    }
   return Model(std::move(m));
 }
 

@@ -38,9 +38,17 @@ struct Checkpoint {
 };
 
 // The MLA and feed-forward weights of a DeepSeek-V3 layer with the sizes
-// tiny() configures.
-void add_deepseek_layer(Checkpoint* c, const std::string& p, bool moe) {
+// tiny() configures; `sparse`: DeepSeek-V3.2's lightning indexer too (2
+// heads of 128).
+void add_deepseek_layer(Checkpoint* c, const std::string& p, bool moe, bool sparse) {
   const std::string a = p + "self_attn.";
+  if (sparse) {
+    c->shapes[a + "indexer.wq_b.weight"] = {2 * 128, 24};
+    c->shapes[a + "indexer.wk.weight"] = {128, kHidden};
+    c->shapes[a + "indexer.k_norm.weight"] = {128};
+    c->shapes[a + "indexer.k_norm.bias"] = {128};
+    c->shapes[a + "indexer.weights_proj.weight"] = {2, kHidden};
+  }
   c->shapes[a + "q_a_proj.weight"] = {24, kHidden};
   c->shapes[a + "q_a_layernorm.weight"] = {24};
   c->shapes[a + "q_b_proj.weight"] = {kHeads * 24, 24};
@@ -152,7 +160,8 @@ Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
     c.config["sliding_window"] = 4;
     c.config["query_pre_attn_scalar"] = 16;
   }
-  const bool deepseek = model_type == "deepseek_v3";
+  const bool sparse = model_type == "deepseek_v32";
+  const bool deepseek = model_type == "deepseek_v3" || sparse;
   if (deepseek) {
     // MLA (q_lora_rank 24, kv_lora_rank 32, d_n 16, d_r 8, d_v 12) and, from
     // layer 1 on, 8 routed experts (top 2 by noaux_tc) and a shared one.
@@ -172,6 +181,9 @@ Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
                      {"rope_scaling", nullptr}});
     c.config.erase("head_dim");
   }
+  // DeepSeek-V3.2: each query attends to the 4 keys its indexer ranks best,
+  // so every position past the 4th of the tests' sequences is sparse.
+  if (sparse) c.config.update({{"index_n_heads", 2}, {"index_head_dim", 128}, {"index_topk", 4}});
   if (next) {
     json types = json::array();
     for (int64_t i = 0; i < layers; ++i)
@@ -211,7 +223,7 @@ Checkpoint tiny(const std::string& model_type, int64_t layers, uint64_t seed) {
       for (const char* n : {"pre_feedforward_layernorm", "post_feedforward_layernorm"})
         c.shapes[p + n + ".weight"] = {kHidden};
     if (deepseek) {
-      add_deepseek_layer(&c, p, i >= 1);
+      add_deepseek_layer(&c, p, i >= 1, sparse);
       continue;
     }
     if (next) {
@@ -382,6 +394,52 @@ TEST(Model, DeepseekStepsOverTheLatentPoolEqualForward) {
   check_steps_equal_forward("deepseek_v3");
 }
 
+// DeepSeek-V3.2: the lightning indexer's keys stored in the latent pool
+// beside each token's latent row, top-4 sparse MLA from the 5th position
+// on, in prefill chunks and in decode. The two paths score the keys alike
+// up to fp32 rounding (a one-token step's indexer projections take the
+// one-row GEMV); a near-tie at the top-k cut broken differently would move
+// a logit far past the bound, and none occurs for this seed.
+TEST(Model, DeepseekV32SparseStepsOverTheLatentPoolEqualForward) {
+  check_steps_equal_forward("deepseek_v32");
+}
+
+// The pool of a sparse model carries the indexer key of every token and
+// layer (128 fp8 codes and one f32 scale), and the top-k is in force: the
+// same weights with index_topk 64 (every key selected) give the dense
+// logits at every position, which differ from the sparse ones past the
+// 4th position only.
+TEST(Model, DeepseekV32PoolCarriesIndexerKeysAndTheTopkSelects) {
+  Checkpoint c = tiny("deepseek_v32", 2, 12);
+  Model sparse = load(write(c, "sparse"));
+  auto pool = sparse.new_pool(4, 4, DType::kF32, false);
+  ASSERT_TRUE(pool.ok()) << pool.status().message();
+  EXPECT_EQ(pool->spec().index_head_dim, 128);
+  EXPECT_EQ(pool->spec().num_layers, 2);
+  auto cached = sparse.new_pool(4, 4, DType::kBF16, true);  // the engine's prefix-caching pool
+  ASSERT_TRUE(cached.ok()) << cached.status().message();
+  EXPECT_EQ(cached->spec().index_head_dim, 128);
+  EXPECT_TRUE(cached->spec().prefix_caching);
+  for (int64_t l = 0; l < 2; ++l) {
+    auto keys = pool->index_keys(l);
+    ASSERT_TRUE(keys.ok() && keys->present());
+    EXPECT_EQ(keys->shape[1], 128);
+  }
+  c.config["index_topk"] = 64;
+  Model wide = load(write(c, "wide"));
+  const std::vector<int32_t> tokens = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3};
+  const std::vector<float> s = forward_all(sparse, tokens), w = forward_all(wide, tokens);
+  const auto row = [](const std::vector<float>& v, int64_t t) {
+    return std::span<const float>(v).subspan(static_cast<size_t>(t * kVocab), kVocab);
+  };
+  for (int64_t t = 0; t < 4; ++t)
+    expect_close(row(s, t), row(w, t), "position " + std::to_string(t));
+  double moved = 0.0;
+  for (size_t i = 4 * kVocab; i < s.size(); ++i)
+    moved = std::max(moved, std::fabs(static_cast<double>(s[i]) - w[i]));
+  EXPECT_GT(moved, 1e-2) << "top-4 of up to 10 keys must change some logit";
+}
+
 // Qwen3-Next: Gated DeltaNet layers 0 and 2 carry each sequence's state
 // across steps in the state pool (same ids as the paged pool), gated full
 // attention on layer 1 in the paged pool; MoE with the gated shared expert.
@@ -526,6 +584,22 @@ TEST(Model, BadCheckpointsAreNamed) {
   unknown.config["model_type"] = "gemma";  // read for the analysis only
   msg = load_error(write(unknown, "family"));
   EXPECT_NE(msg.find("model_type \"gemma\" is not loaded"), std::string::npos) << msg;
+}
+
+// A quantized checkpoint (gpt-oss ships MXFP4 experts) is refused before
+// any weight is read, naming the method and the way out.
+TEST(Model, QuantizedCheckpointIsRefusedNamingTheMethodAndTheWayOut) {
+  for (const char* method : {"mxfp4", "fp8"}) {
+    Checkpoint c = tiny("llama", 1, 2);
+    c.config["quantization_config"] = {{"quant_method", method},
+                                       {"modules_to_not_convert", json::array({"lm_head"})}};
+    const std::string msg = load_error(write(c, method));
+    EXPECT_NE(msg.find("Model::from_pretrained: quantization_config.quant_method = \"" +
+                       std::string(method) + "\""),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("load a bf16 dequantized checkpoint instead"), std::string::npos) << msg;
+  }
 }
 
 TEST(Model, BadStepsChangeNothing) {

@@ -1,7 +1,9 @@
 """attnkit.Model against a float64 decoder written here from Hugging Face's
 modeling files (LlamaModel, MistralModel, Qwen2/Qwen3Model, MixtralModel,
 Qwen2MoeModel, Qwen3MoeModel, Qwen3NextModel, Gemma2Model, Gemma3TextModel,
-DeepseekV2/V3Model, GptOssModel, Llama4TextModel), on tiny random checkpoints
+DeepseekV2/V3Model, GptOssModel, Llama4TextModel; DeepSeek-V3.2 from
+DeepSeek's inference/model.py, its lightning indexer scored by
+test_sparse_attention.py's float64 reference), on tiny random checkpoints
 written by a safetensors writer of this file: config.json + model.safetensors
 or a sharded model.safetensors.index.json. Nothing here calls attnkit except
 to load and run the model under test. Bad checkpoints and bad token ids raise
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit
+from test_sparse_attention import _indexer_reference, _nearest_e4m3
 from torch_ref import check_close, inv_freq_ref, rotate_half
 
 VOCAB = 97
@@ -108,7 +111,7 @@ def moe_layer(c, i):
 
 
 def is_deepseek(c):
-    return c["model_type"] in ("deepseek_v2", "deepseek_v3")
+    return c["model_type"] in ("deepseek_v2", "deepseek_v3", "deepseek_v32")
 
 
 def is_llama4(c):
@@ -145,6 +148,11 @@ def mla_shapes(c, a):
     r, qr = c["kv_lora_rank"], c["q_lora_rank"]
     q = ({a + "q_a_proj.weight": (qr, H), a + "q_a_layernorm.weight": (qr,),
           a + "q_b_proj.weight": (nh * qk, qr)} if qr else {a + "q_proj.weight": (nh * qk, H)})
+    if c.get("index_n_heads"):  # DeepSeek-V3.2's lightning indexer
+        hi, di = c["index_n_heads"], c["index_head_dim"]
+        q.update({a + "indexer.wq_b.weight": (hi * di, qr), a + "indexer.wk.weight": (di, H),
+                  a + "indexer.k_norm.weight": (di,), a + "indexer.k_norm.bias": (di,),
+                  a + "indexer.weights_proj.weight": (hi, H)})
     return {**q, a + "kv_a_proj_with_mqa.weight": (r + c["qk_rope_head_dim"], H),
             a + "kv_a_layernorm.weight": (r,),
             a + "kv_b_proj.weight": (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), r),
@@ -448,15 +456,59 @@ def rope_pairs(x, theta):
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
 
 
+def hadamard(n):
+    """Sylvester's Hadamard matrix of order n (a power of 2) times n^-1/2,
+    the rotation DeepSeek's rotate_activation applies."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h * n ** -0.5
+
+
+def fp8_blocks(x):
+    """DeepSeek's act_quant with scale_fmt "ue8m0": per block of 128 values
+    of x [..., D] float64, scale = 2^ceil(log2(max(amax, 1e-4) / 448)) and the
+    nearest E4M3 codes of x / scale -> (codes [..., D], scales [..., D/128])."""
+    blocks = x.numpy().reshape(*x.shape[:-1], -1, 128)
+    scale = 2.0 ** np.ceil(np.log2(np.maximum(np.abs(blocks).max(-1), 1e-4) / 448))
+    return _nearest_e4m3(blocks / scale[..., None]).reshape(x.shape), scale
+
+
+def dsa_selection(c, w, a, x, cq):
+    """DeepSeek-V3.2's lightning indexer (inference/model.py's Indexer, at
+    its half-split RoPE fix): indexer queries from the normed compressed
+    query cq, one LayerNorm'd key per token, RoPE (pairs (i, i + d_r/2)) on
+    the first d_r features, the Hadamard rotation, fp8 blocks; head weights
+    weights_proj(x) Hi^-1/2 Di^-1/2. The scores and the top-k are
+    test_sparse_attention.py's float64 reference: [b, s, index_topk] key
+    indices, -1 where a query sees fewer keys."""
+    b, s, _ = x.shape
+    hi, di, dr = c["index_n_heads"], c["index_head_dim"], c["qk_rope_head_dim"]
+    q = (cq @ w[a + "indexer.wq_b.weight"].T).view(b, s, hi, di)
+    k = F.layer_norm(x @ w[a + "indexer.wk.weight"].T, (di,), w[a + "indexer.k_norm.weight"],
+                     w[a + "indexer.k_norm.bias"], 1e-6).view(b, s, 1, di)
+    inv = 1.0 / c["rope_theta"] ** (torch.arange(0, dr, 2, dtype=torch.float64) / dr)
+    ang = torch.arange(s, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = torch.cat((ang, ang), -1).cos()[:, None], torch.cat((ang, ang), -1).sin()[:, None]
+    rot = hadamard(di)
+    q, k = [torch.cat((t[..., :dr] * cos + rotate_half(t[..., :dr]) * sin, t[..., dr:]), -1) @ rot
+            for t in (q, k)]
+    qc, qs = fp8_blocks(q)
+    kc, ks = fp8_blocks(k[:, :, 0])
+    weights = (x @ w[a + "indexer.weights_proj.weight"].T) * (hi * di) ** -0.5
+    return _indexer_reference(qc, qs, weights.numpy(), kc, ks, c["index_topk"])[0]
+
+
 def mla_ref(c, w, a, x):
-    """DeepseekV2/V3Attention (no rope_scaling) in float64."""
+    """DeepseekV2/V3Attention (no rope_scaling) in float64; DeepSeek-V3.2
+    attends only to the keys its indexer selects."""
     b, s, _ = x.shape
     nh, dn, dr, dv = (c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
                       c["v_head_dim"])
     eps = c["rms_norm_eps"]
     if c["q_lora_rank"]:
-        q = rms(x @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], eps, False)
-        q = (q @ w[a + "q_b_proj.weight"].T).view(b, s, nh, dn + dr)
+        cq = rms(x @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], eps, False)
+        q = (cq @ w[a + "q_b_proj.weight"].T).view(b, s, nh, dn + dr)
     else:
         q = (x @ w[a + "q_proj.weight"].T).view(b, s, nh, dn + dr)
     q_nope, q_pe = q[..., :dn], q[..., dn:]
@@ -469,7 +521,14 @@ def mla_ref(c, w, a, x):
     k_pe = rope_pairs(k_pe.view(b, s, 1, dr), c["rope_theta"]).expand(b, s, nh, dr)
     qf, kf = torch.cat((q_nope, q_pe), -1), torch.cat((k_nope, k_pe), -1)
     scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * (dn + dr) ** -0.5
-    mask = torch.ones(s, s, dtype=torch.bool).tril()
+    mask = torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s).clone()
+    if c.get("index_n_heads"):
+        idx = dsa_selection(c, w, a, x, cq)
+        picked = torch.zeros(b, 1, s, s, dtype=torch.bool)
+        for bi in range(b):
+            for t in range(s):
+                picked[bi, 0, t, [int(j) for j in idx[bi, t] if j >= 0]] = True
+        mask &= picked
     p = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
     o = torch.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, s, nh * dv)
     return o @ w[a + "o_proj.weight"].T
@@ -639,6 +698,17 @@ FAMILIES = {
                                topk_method="noaux_tc", scoring_func="sigmoid",
                                norm_topk_prob=True, routed_scaling_factor=2.5,
                                rope_interleave=True, rope_scaling=None, rms_norm_eps=1e-6),
+    # DeepSeek-V3's shape plus the lightning indexer (2 heads of 128): each
+    # query attends to its best 4 keys of up to 11, so most rows are sparse.
+    "deepseek_v32": base_config("deepseek_v32", num_key_value_heads=4, q_lora_rank=24,
+                                kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=32, n_shared_experts=1,
+                                first_k_dense_replace=1, n_group=4, topk_group=2,
+                                topk_method="noaux_tc", scoring_func="sigmoid",
+                                norm_topk_prob=True, routed_scaling_factor=2.5,
+                                rope_interleave=True, rope_scaling=None, rms_norm_eps=1e-6,
+                                index_n_heads=2, index_head_dim=128, index_topk=4),
     # Alternating windows, sinks, biases, YaRN RoPE, the clamped SwiGLU experts.
     "gpt_oss": base_config("gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                            sliding_window=4, swiglu_limit=1.0, attention_bias=True,
@@ -908,10 +978,134 @@ def test_llama4_multimodal_checkpoint_loads_its_text_model(tmp_path):
     wrapped["image_newline"] = np.zeros((HIDDEN,), np.float32)
     write_checkpoint(str(tmp_path / "extra"), wrapper, wrapped)
     assert "image_newline" in load_error(tmp_path / "extra")
-    g = FAMILIES["gemma3_text"]
-    write_checkpoint(str(tmp_path / "gemma3"), {"model_type": "gemma3", "text_config": g}, {})
-    msg = load_error(tmp_path / "gemma3")
-    assert "gemma3" in msg and "multimodal wrapper" in msg
+    m = base_config("mistral")
+    write_checkpoint(str(tmp_path / "mistral3"), {"model_type": "mistral3", "text_config": m}, {})
+    msg = load_error(tmp_path / "mistral3")
+    assert "mistral3" in msg and "multimodal wrapper" in msg
+
+
+# Gemma3ForConditionalGeneration's names for the text model's tensors, as
+# transformers' _checkpoint_conversion_mapping relates them: before 4.52
+# language_model.model.* and language_model.lm_head.weight, since then
+# model.language_model.* and lm_head.weight; the vision tower and the
+# projector beside them.
+GEMMA3_SCHEMES = {
+    "language_model.model": (("model.", "language_model.model."),
+                             ("lm_head.", "language_model.lm_head."),
+                             ("vision_tower.vision_model.", "multi_modal_projector.")),
+    "model.language_model": (("model.", "model.language_model."), ("lm_head.", "lm_head."),
+                             ("model.vision_tower.vision_model.",
+                              "model.multi_modal_projector.")),
+}
+
+
+def gemma3_wrapped(weights, scheme):
+    """The text model's tensors under a Gemma3ForConditionalGeneration
+    scheme's names, and a vision tower and projector beside them."""
+    (text_from, text_to), (head_from, head_to), (vision, projector) = GEMMA3_SCHEMES[scheme]
+    out = {}
+    for n, w in weights.items():
+        if n.startswith(text_from):
+            out[text_to + n[len(text_from):]] = w
+        else:
+            out[head_to + n[len(head_from):]] = w
+    out[vision + "embeddings.patch_embedding.weight"] = np.ones((8, 3, 2, 2), np.float32)
+    out[vision + "encoder.layers.0.self_attn.q_proj.weight"] = np.ones((8, 8), np.float32)
+    out[projector + "mm_input_projection_weight"] = np.ones((8, HIDDEN), np.float32)
+    out[projector + "mm_soft_emb_norm.weight"] = np.ones((8,), np.float32)
+    return out
+
+
+@pytest.mark.parametrize("scheme", sorted(GEMMA3_SCHEMES))
+@pytest.mark.parametrize("tied", [True, False])
+def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path, scheme, tied):
+    """A gemma3 wrapper checkpoint (text model in text_config, tensors under
+    either naming scheme, a vision tower and projector beside them) gives
+    the logits of the gemma3_text checkpoint of the same weights, bit for
+    bit, and those match the float64 decoder."""
+    c = dict(FAMILIES["gemma3_text"], tie_word_embeddings=tied)
+    weights = random_weights(c, seed=25)
+    write_checkpoint(str(tmp_path / "text"), c, weights)
+    # Without its model_type, text_config is read as the wrapper's text family.
+    text_config = {k: v for k, v in c.items() if k != "model_type"}
+    wrapper = {"model_type": "gemma3", "text_config": text_config,
+               "vision_config": {"model_type": "siglip_vision_model"}, "mm_tokens_per_image": 4}
+    write_checkpoint(str(tmp_path / "wrapped"), wrapper, gemma3_wrapped(weights, scheme), shards=2)
+    tokens = np.random.default_rng(8).integers(0, VOCAB, size=(2, 9))
+    text = attnkit.Model.from_pretrained(str(tmp_path / "text"))
+    model = attnkit.Model.from_pretrained(str(tmp_path / "wrapped"))
+    assert model.model_type == "gemma3_text" and model.weight_bytes == text.weight_bytes
+    np.testing.assert_array_equal(model.forward(tokens), text.forward(tokens))
+    check_logits(f"gemma3 wrapper ({scheme})", model.forward(tokens),
+                 decoder_ref(c, weights, tokens))
+
+
+def test_gemma3_wrapper_stays_strict(tmp_path):
+    """Only the vision tower and projector prefixes are skipped, exactly;
+    a stray tensor, a missing one and one tensor under both schemes are
+    named by the checkpoint's own names."""
+    c = FAMILIES["gemma3_text"]
+    weights = random_weights(c, seed=26)
+    wrapper = {"model_type": "gemma3", "text_config": dict(c)}
+    old = gemma3_wrapped(weights, "language_model.model")
+
+    def error(name, tensors):
+        write_checkpoint(str(tmp_path / name), wrapper, tensors)
+        return load_error(tmp_path / name)
+
+    msg = error("stray", dict(old, **{"language_model.model.extra.weight": np.zeros(2, np.float32)}))
+    assert '"language_model.model.extra.weight"' in msg and "gemma3_text" in msg
+    msg = error("near", dict(old, **{"vision_towers.x": np.zeros(2, np.float32)}))
+    assert '"vision_towers.x"' in msg
+    missing = dict(old)
+    del missing["language_model.model.layers.1.mlp.up_proj.weight"]
+    msg = error("missing", missing)
+    assert "model.layers.1.mlp.up_proj.weight" in msg and "missing" in msg
+    assert "gemma3 checkpoint" in msg
+    both = dict(old, **{"model.language_model.norm.weight": weights["model.norm.weight"]})
+    msg = error("both", both)
+    assert '"language_model.model.norm.weight"' in msg
+    assert '"model.language_model.norm.weight"' in msg and "two naming schemes" in msg
+
+
+@pytest.mark.parametrize("method", ["mxfp4", "fp8"])
+def test_quantized_checkpoint_is_refused_naming_method_and_way_out(tmp_path, method):
+    """gpt-oss as released: MXFP4 experts, quantization_config in
+    config.json. Refused before any tensor is read, with the method and
+    the way out (a bf16 dequantized checkpoint)."""
+    c = dict(FAMILIES["gpt_oss"], quantization_config={
+        "quant_method": method, "modules_to_not_convert": ["model.layers.*.self_attn"]})
+    write_checkpoint(str(tmp_path), c, {})
+    msg = load_error(tmp_path)
+    assert f'Model.from_pretrained: quantization_config.quant_method = "{method}"' in msg
+    assert "bf16 dequantized checkpoint" in msg
+
+
+def test_deepseek_v32_top_k_is_in_force(tmp_path, backend):
+    """The same weights with index_topk covering every key (the dense MLA of
+    DeepSeek-V3) give other logits from the 5th position on, the same
+    before it: the sparse model's agreement with its reference is the
+    indexer's selection at work, not dense attention. Both backends.
+
+    Near-ties: a top-k whose k-th and (k+1)-th scores lie within the
+    scoring's rounding could be broken differently by attnkit's fp32 and
+    the reference's float64. For this seed (and test_forward_matches_
+    reference's) the smallest nonzero gap at the cut is 2.6e-3 of the row's
+    largest |score|, against an fp32 scoring error below 2e-5 of it; exact
+    ties (score 0 where ReLU clears every head's q.k) go to the lower key
+    in both."""
+    c = FAMILIES["deepseek_v32"]
+    weights = random_weights(c, seed=27)
+    write_checkpoint(str(tmp_path / "sparse"), c, weights)
+    write_checkpoint(str(tmp_path / "wide"), dict(c, index_topk=64), weights)
+    tokens = np.random.default_rng(9).integers(0, VOCAB, size=(1, 11))
+    sparse = attnkit.Model.from_pretrained(str(tmp_path / "sparse"), backend=backend)
+    wide = attnkit.Model.from_pretrained(str(tmp_path / "wide"), backend=backend).forward(tokens)
+    got = sparse.forward(tokens)
+    check_logits("sparse reference", got, decoder_ref(c, weights, tokens))
+    check_logits("positions 0-3", got[:, :4], wide[:, :4], rel=1e-5)
+    assert np.abs(got[:, 4:] - wide[:, 4:]).max() > 1e-2 * np.abs(wide).max()
+    check_logits("dense reference", wide, decoder_ref(dict(c, index_topk=64), weights, tokens))
 
 
 def test_qwen3_next_forward_in_pieces_equals_one_call(tmp_path):

@@ -1,8 +1,10 @@
 // The serving engine (attnkit/serve.h) over a real decoder, attnkit::Model,
 // loaded from tiny random checkpoints written here: a Llama (bf16 weights,
 // as checkpoints ship), a Gemma-2 (sliding and full layers alternating,
-// softcaps, sandwich norms; f32) and a DeepSeek-V3 (MLA over the latent
-// pool, a dense layer then MoE layers; f32).
+// softcaps, sandwich norms; f32), a DeepSeek-V3 (MLA over the latent
+// pool, a dense layer then MoE layers; f32) and a DeepSeek-V3.2 (the same
+// with the lightning indexer's keys in the pool and top-6 sparse MLA, so
+// most requests' later tokens attend to fewer keys than they see; f32).
 //
 // Three references for each request's greedy tokens:
 //   - the same request served alone (max_seqs = 1, its prompt in one step);
@@ -52,7 +54,8 @@ void add_mlp(Shapes& s, const std::string& m, int64_t inter) {
 }
 
 // config.json and the tensors it implies for a 2-layer (DeepSeek: 3-layer)
-// "llama", "gemma2" or "deepseek_v3" of hidden 32 and 4 query heads.
+// "llama", "gemma2", "deepseek_v3" or "deepseek_v32" of hidden 32 and 4
+// query heads.
 json config_of(const std::string& model_type) {
   json c = {{"model_type", model_type},
             {"vocab_size", kVocab},
@@ -70,7 +73,7 @@ json config_of(const std::string& model_type) {
               {"query_pre_attn_scalar", 8},
               {"attn_logit_softcapping", 50.0},
               {"final_logit_softcapping", 30.0}});
-  if (model_type == "deepseek_v3") {
+  if (model_type == "deepseek_v3" || model_type == "deepseek_v32") {
     c.update({{"num_hidden_layers", 3},
               {"num_key_value_heads", 4},
               {"q_lora_rank", 16},
@@ -88,11 +91,14 @@ json config_of(const std::string& model_type) {
               {"rope_scaling", nullptr}});
     c.erase("head_dim");
   }
+  if (model_type == "deepseek_v32")
+    c.update({{"index_n_heads", 2}, {"index_head_dim", 128}, {"index_topk", 6}});
   return c;
 }
 
 Shapes shapes_of(const json& c) {
-  const bool gemma = c["model_type"] == "gemma2", deepseek = c["model_type"] == "deepseek_v3";
+  const bool gemma = c["model_type"] == "gemma2", sparse = c["model_type"] == "deepseek_v32";
+  const bool deepseek = c["model_type"] == "deepseek_v3" || sparse;
   Shapes s;
   s["model.embed_tokens.weight"] = {kVocab, kHidden};
   s["model.norm.weight"] = {kHidden};
@@ -119,6 +125,13 @@ Shapes shapes_of(const json& c) {
     s[a + "kv_a_layernorm.weight"] = {16};
     s[a + "kv_b_proj.weight"] = {4 * (8 + 8), 16};
     s[a + "o_proj.weight"] = {kHidden, 4 * 8};
+    if (sparse) {
+      s[a + "indexer.wq_b.weight"] = {2 * 128, 16};
+      s[a + "indexer.wk.weight"] = {128, kHidden};
+      s[a + "indexer.k_norm.weight"] = {128};
+      s[a + "indexer.k_norm.bias"] = {128};
+      s[a + "indexer.weights_proj.weight"] = {2, kHidden};
+    }
     if (i == 0) {
       add_mlp(s, p + "mlp.", kInter);
       continue;
@@ -178,7 +191,8 @@ struct Family {
   bool as_bf16;
 };
 
-const std::vector<Family> kFamilies = {{"llama", true}, {"gemma2", false}, {"deepseek_v3", false}};
+const std::vector<Family> kFamilies = {
+    {"llama", true}, {"gemma2", false}, {"deepseek_v3", false}, {"deepseek_v32", false}};
 
 Model load(const Family& f, uint64_t seed) {
   ModelLoadOptions lo;
