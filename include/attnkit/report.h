@@ -16,7 +16,9 @@
 namespace attnkit {
 
 // One attention layer of `shape` (its first attention layer's kind):
-// weights in f32, `batch` sequences, KV stored in `kv`.
+// weights in f32, `batch` sequences, KV stored in `kv`. A DeepSeek sparse
+// attention shape (index_topk > 0) counts its indexer and its sparse path
+// (dsa_layer_figures).
 struct LayerFigures {
   double params = 0;              // attention_params_per_layer
   double kv_bytes_per_token = 0;  // kv_bytes_per_token (scales included)

@@ -15,6 +15,14 @@ LayerFigures layer_figures(const ModelShape& s, DType kv, int64_t prompt, int64_
   f.prefill_flops = prefill_flops_per_layer(s, prompt) * static_cast<double>(batch);
   f.decode_flops = decode_flops_per_layer(s, context) * static_cast<double>(batch);
   f.decode_bytes = decode_bytes_per_layer(s, context, batch, kv, DType::kF32);
+  if (s.mla && s.index_topk > 0 && s.index_n_heads > 0) {
+    // DeepSeek sparse attention: the indexer's weights, and the sparse path.
+    f.params += static_cast<double>(indexer_params(s));
+    f.prefill_flops = dsa_layer_figures(s, prompt, batch, kv, DType::kF32).dsa_prefill_flops;
+    const DsaLayerFigures d = dsa_layer_figures(s, context, batch, kv, DType::kF32);
+    f.decode_flops = d.dsa_decode_flops;
+    f.decode_bytes = d.dsa_decode_bytes;
+  }
   return f;
 }
 

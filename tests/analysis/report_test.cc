@@ -35,6 +35,30 @@ TEST(Report, LayerFiguresMatchTheHandCount) {
   EXPECT_DOUBLE_EQ(f.decode_bytes, 16384.0 * 4 + 2 * 512.0 * 64);
 }
 
+// A DSA layer (64 indexer heads of 128, top 8) is counted with its
+// indexer's weights and on its sparse path; dense MLA of the same sizes is
+// not. Hand count: d_model 64, 4 heads, kv_lora_rank 64, rope 8,
+// q_lora_rank 192 (as `compare --variants mla,mla-dsa` builds them).
+TEST(Report, LayerFiguresOfADsaLayerCountTheIndexerAndTheSparsePath) {
+  ModelShape m = small_mha();
+  m = *with_mla(m, 64, 8, 192);
+  const LayerFigures dense = layer_figures(m, DType::kF32, 16, 64, 1);
+  m.index_n_heads = 64;
+  m.index_head_dim = 128;
+  m.index_topk = 8;
+  const LayerFigures f = layer_figures(m, DType::kF32, 16, 64, 1);
+  const double indexer = 64.0 * 128 * 192 + 128 * 64 + 2 * 128 + 64 * 64;
+  EXPECT_DOUBLE_EQ(f.params, dense.params + indexer);
+  // f32 weights, every cached token's indexer key (128 codes + a scale),
+  // and the 8 chosen latent rows of (64 + 8) f32 values.
+  EXPECT_DOUBLE_EQ(f.decode_bytes, f.params * 4 + 64.0 * 132 + 8.0 * 72 * 4);
+  const DsaLayerFigures d = dsa_layer_figures(m, 64, 1, DType::kF32, DType::kF32);
+  EXPECT_DOUBLE_EQ(f.decode_flops, d.dsa_decode_flops);
+  EXPECT_DOUBLE_EQ(f.prefill_flops,
+                   dsa_layer_figures(m, 16, 1, DType::kF32, DType::kF32).dsa_prefill_flops);
+  EXPECT_GT(f.prefill_flops, dense.prefill_flops);  // 16 <= top-k: dense plus the keys
+}
+
 TEST(Report, ModelFiguresSumLayersWithTheirWindows) {
   ModelShape m = small_mha(2);
   m.layers.resize(2);

@@ -443,6 +443,35 @@ def test_compare_mla_diff_is_null_and_pooling_one_head_per_group_is_exact():
         assert row["kv_cache_bytes"] == row["kv_bytes_per_token"] * 32
 
 
+def test_compare_mla_dsa_row_counts_the_indexer_and_the_sparse_path():
+    """mla-dsa: the mla layer plus DeepSeek-V3.2's indexer (64 heads of 128,
+    top --index-topk). Both MLA rows then have q_lora_rank 3 x kv_lora_rank;
+    the DSA row's parameters add the indexer's and its decode step reads
+    the weights, every cached token's fp8 indexer key (128 codes + one f32
+    scale) and the chosen latent rows only."""
+    r = run("compare", *TINY, "--variants", "mla,mla-dsa", "--context", "64", "--prompt", "16",
+            "--steps", "1", "--repeats", "1", "--index-topk", "8", "--no-serve", "--json", *FIXED)
+    assert r.returncode == 0, r.stderr
+    rows = {row["variant"]: row for row in json.loads(r.stdout)["variants"]}
+    mla, dsa = rows["mla"], rows["mla-dsa"]
+    assert mla["mla"]["q_lora_rank"] == dsa["mla"]["q_lora_rank"] == 3 * 64
+    assert "dsa" not in mla
+    assert dsa["dsa"] == {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 8}
+    q = 3 * 64
+    indexer = 64 * 128 * q + 128 * 64 + 2 * 128 + 64 * 64  # wq_b, wk, k_norm, weights_proj
+    assert dsa["params"] == mla["params"] + indexer
+    latent_row = (64 + 8) * 4
+    assert dsa["decode_bytes"] == dsa["params"] * 4 + 64 * (128 + 4) + 8 * latent_row
+    assert dsa["kv_bytes_per_token"] == mla["kv_bytes_per_token"] + 128 + 4
+    # Without mla-dsa the MLA row keeps its direct q_proj.
+    r = run("compare", *TINY, "--variants", "mla", "--context", "16", "--prompt", "8", "--steps", "1",
+            "--repeats", "1", "--no-serve", "--json", *FIXED)
+    assert json.loads(r.stdout)["variants"][0]["mla"]["q_lora_rank"] == 0
+    text = run("compare", *TINY, "--variants", "mla,mla-dsa", "--context", "64", "--prompt", "8",
+               "--steps", "1", "--repeats", "1", "--index-topk", "8", "--no-serve", *FIXED)
+    assert "DSA attends to 8 of 64 cached tokens" in text.stdout
+
+
 def test_compare_table_has_units_and_no_progress_bar_when_piped():
     r = run("compare", *TINY, "--context", "32", "--prompt", "8", "--steps", "1", "--repeats", "1",
             "--kv-dtype", "bf16", *FIXED)

@@ -15,6 +15,13 @@
 //   what the conversion loses. MLA has its own random weights (no exact
 //   conversion exists: its latent RMSNorm and decoupled RoPE are not
 //   linear in MHA's weights), so its diff is n/a.
+// - mla-dsa is the mla layer with DeepSeek-V3.2's lightning indexer (64
+//   heads of 128, top --index-topk keys, 2048 by default): its decode and
+//   prefill attend only to each query's chosen keys. The indexer's query
+//   reads MLA's compressed query, so with mla-dsa in the list both MLA rows
+//   get a q_lora_rank (3 x kv_lora_rank, DeepSeek-V3's ratio) and differ
+//   only by the indexer. Its caches are filled by the layer itself (the
+//   indexer keys cannot be derived from latent rows).
 // - Decode caches are filled cheaply (random K/V appended through a
 //   block-sparse pattern, see fill_kv_cache), since only their size, not
 //   their values, sets the decode time. Each variant is decoded on enough copies of (layer, cache)
@@ -61,8 +68,12 @@ struct Options {
   std::string model, config;
   int64_t steps = 8, repeats = 3, threads = 0, seed = 1;
   int64_t mla_rank = 0, mla_rope_dim = 0;
+  int64_t index_topk = 2048;  // mla-dsa
   std::string kv = "f32", backend = "auto";
   std::vector<std::string> variants = {"mha", "gqa-8", "gqa-4", "mqa", "mla"};
+  bool has_variant(const std::string& v) const {
+    return std::find(variants.begin(), variants.end(), v) != variants.end();
+  }
   bool bias = false, no_rope = false, json = false, no_serve = false;
   double peak = 0, bw = 0;
 };
@@ -151,25 +162,41 @@ Weights derived_weights(const Weights& mha, const Options& o, int64_t kv_heads) 
   return w;
 }
 
+// MLA's weights by their Hugging Face names: q_proj, or q_a_proj +
+// q_a_layernorm + q_b_proj with a q_lora_rank; the indexer's with DSA.
 Weights random_mla_weights(const MlaConfig& c, uint64_t seed) {
-  const int64_t d = c.hidden_size, H = c.num_attention_heads;
+  const int64_t d = c.hidden_size, H = c.num_attention_heads, dq = c.q_lora_rank;
+  const int64_t hi = c.index_n_heads, di = c.index_head_dim;
   const auto stdev = [](int64_t fan_in) { return 1.0 / std::sqrt(static_cast<double>(fan_in)); };
   Weights w;
-  const struct {
-    const char* name;
-    int64_t rows, cols;
-  } mats[] = {{"q_proj.weight", H * c.qk_head_dim(), d},
-              {"kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, d},
-              {"kv_b_proj.weight", H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank},
-              {"o_proj.weight", d, H * c.v_head_dim}};
-  for (const auto& m : mats) {
-    Tensor t = zeros({m.rows, m.cols});
-    fill_uniform(t.view(), seed++, stdev(m.cols));
-    w.add(m.name, std::move(t));
+  const auto matrix = [&](const std::string& name, int64_t rows, int64_t cols) {
+    Tensor t = zeros({rows, cols});
+    fill_uniform(t.view(), seed++, stdev(cols));
+    w.add(name, std::move(t));
+  };
+  const auto constant = [&](const std::string& name, int64_t n, float value) {
+    Tensor t = zeros({n});
+    std::fill_n(t.ptr<float>(), n, value);
+    w.add(name, std::move(t));
+  };
+  if (dq > 0) {
+    matrix("q_a_proj.weight", dq, d);
+    constant("q_a_layernorm.weight", dq, 1.0f);
+    matrix("q_b_proj.weight", H * c.qk_head_dim(), dq);
+  } else {
+    matrix("q_proj.weight", H * c.qk_head_dim(), d);
   }
-  Tensor g = zeros({c.kv_lora_rank});
-  std::fill_n(g.ptr<float>(), c.kv_lora_rank, 1.0f);
-  w.add("kv_a_layernorm.weight", std::move(g));
+  matrix("kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, d);
+  matrix("kv_b_proj.weight", H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank);
+  matrix("o_proj.weight", d, H * c.v_head_dim);
+  constant("kv_a_layernorm.weight", c.kv_lora_rank, 1.0f);
+  if (c.sparse()) {
+    matrix("indexer.wq_b.weight", hi * di, dq);
+    matrix("indexer.wk.weight", di, d);
+    constant("indexer.k_norm.weight", di, 1.0f);
+    constant("indexer.k_norm.bias", di, 0.0f);
+    matrix("indexer.weights_proj.weight", hi, d);
+  }
   return w;
 }
 
@@ -199,6 +226,22 @@ void fill_kv_cache(KVCache* cache, int64_t context, const RunOptions& run, uint6
   }
 }
 
+// A DSA layer's cache, filled by the layer's own forward over random
+// hidden states (its indexer keys cannot be appended as rows): the
+// sparse prefill of `context` tokens, 1024 at a time.
+void fill_sparse_latent_cache(LatentAttention& layer, LatentCache* cache, int64_t context,
+                              int64_t hidden, const RunOptions& run, uint64_t seed) {
+  const int64_t B = cache->batch_size();
+  const int64_t chunk = std::min<int64_t>(context, 1024);
+  Tensor x = zeros({B, chunk, hidden}), y = zeros({B, chunk, hidden});
+  for (int64_t t = 0; t < context; t += chunk) {
+    const int64_t n = std::min(chunk, context - t);
+    fill_uniform(x.view(), seed + static_cast<uint64_t>(t), 1.0);
+    auto view = [&](const Tensor& a) { return make_view(a.data(), DType::kF32, {B, n, hidden}); };
+    ok_or_throw(layer.forward(view(x), view(y), {}, cache, run), "filling the DSA cache");
+  }
+}
+
 void fill_latent_cache(LatentCache* cache, int64_t context, uint64_t seed) {
   const int64_t B = cache->batch_size(), W = cache->values_per_token();
   const int64_t chunk = std::min<int64_t>(context, 1024);
@@ -225,7 +268,7 @@ template <typename Layer, typename Cache, typename Forward>
 void measure(const Options& o, const ModelShape& shape, DType kv,
              const std::function<Layer()>& make,
              const std::function<Cache(Layer&, int64_t)>& new_cache,
-             const std::function<void(Cache*, uint64_t)>& fill, const Forward& forward,
+             const std::function<void(Layer&, Cache*, uint64_t)>& fill, const Forward& forward,
              const TensorView& x, const TensorView& y, Measured* m) {
   std::vector<Layer> layers;
   layers.push_back(make());
@@ -241,7 +284,8 @@ void measure(const Options& o, const ModelShape& shape, DType kv,
   std::vector<Cache> caches;
   for (int i = 0; i < m->instances; ++i) {
     caches.push_back(new_cache(layers[static_cast<size_t>(i)], max_len));
-    fill(&caches.back(), static_cast<uint64_t>(o.seed) * 1000 + static_cast<uint64_t>(i));
+    fill(layers[static_cast<size_t>(i)], &caches.back(),
+         static_cast<uint64_t>(o.seed) * 1000 + static_cast<uint64_t>(i));
   }
   Tensor x1 = zeros({o.batch, 1, o.d_model}), y1 = zeros({o.batch, 1, o.d_model});
   fill_uniform(x1.view(), static_cast<uint64_t>(o.seed) + 7, 1.0);
@@ -400,13 +444,22 @@ Plan plan_variant(const std::string& v, const Options& o, const Setup& s) {
   p.name = v;
   p.shape = s.base;
   p.model = s.model;
-  if (v == "mla") {
-    auto m = with_mla(s.base, o.mla_rank, o.mla_rope_dim, 0);
-    if (!m.ok()) throw UsageError{"mla: " + m.status().message()};
+  if (v == "mla" || v == "mla-dsa") {
+    // With mla-dsa in the list both MLA rows have a compressed query (the
+    // indexer reads it), so that they differ by the indexer alone.
+    const int64_t q_rank = o.has_variant("mla-dsa") ? 3 * o.mla_rank : 0;
+    auto m = with_mla(s.base, o.mla_rank, o.mla_rope_dim, q_rank);
+    if (!m.ok()) throw UsageError{v + ": " + m.status().message()};
     if (o.mla_rope_dim < 2) throw UsageError{"--mla-rope-dim must be >= 2"};
     p.shape = *m;
     if (s.whole_model)
-      p.model = value_or_throw(with_mla(s.model, o.mla_rank, o.mla_rope_dim, 0), "mla");
+      p.model = value_or_throw(with_mla(s.model, o.mla_rank, o.mla_rope_dim, q_rank), v);
+    if (v == "mla-dsa")  // DeepSeek-V3.2's indexer
+      for (ModelShape* shape : {&p.shape, &p.model}) {
+        shape->index_n_heads = 64;
+        shape->index_head_dim = 128;
+        shape->index_topk = o.index_topk;
+      }
     return p;
   }
   auto c = attention_config_from_variant(v, o.d_model, o.heads, o.bias);
@@ -478,7 +531,12 @@ Measured measure_variant(const Options& o, const Setup& s, const Plan& p, const 
         [&](LatentAttention& l, int64_t len) {
           return value_or_throw(l.new_cache(o.batch, len, kv), "mla cache");
         },
-        [&](LatentCache* cache, uint64_t seed) { fill_latent_cache(cache, o.context, seed); },
+        [&](LatentAttention& l, LatentCache* cache, uint64_t seed) {
+          if (c.sparse())
+            fill_sparse_latent_cache(l, cache, o.context, o.d_model, run, seed);
+          else
+            fill_latent_cache(cache, o.context, seed);
+        },
         [&](LatentAttention& l, const TensorView& in, const TensorView& out, LatentCache* cache) {
           return l.forward(in, out, {}, cache, run);
         },
@@ -499,7 +557,9 @@ Measured measure_variant(const Options& o, const Setup& s, const Plan& p, const 
       [&](AttentionLayer& l, int64_t len) {
         return value_or_throw(l.new_cache(o.batch, len, kv), p.name + " cache");
       },
-      [&](KVCache* cache, uint64_t seed) { fill_kv_cache(cache, o.context, run, seed); },
+      [&](AttentionLayer&, KVCache* cache, uint64_t seed) {
+        fill_kv_cache(cache, o.context, run, seed);
+      },
       [&](AttentionLayer& l, const TensorView& in, const TensorView& out, KVCache* cache) {
         return l.forward(in, out, {}, cache, run);
       },
@@ -608,6 +668,7 @@ Conclusions conclusion_text(const std::vector<VariantTiming>& rows, DType kv, in
 
   for (int i : cc.mla) {
     const VariantTiming& m = rows[static_cast<size_t>(i)];
+    if (m.shape.index_topk > 0) continue;  // DSA: its own line below
     const double bytes = per_token(m) / per_token(*mha),
                  flops = decode_flops(m) / decode_flops(*mha);
     std::snprintf(line, sizeof line,
@@ -620,6 +681,24 @@ Conclusions conclusion_text(const std::vector<VariantTiming>& rows, DType kv, in
     c.lines.push_back(line);
     c.summary["mla_kv_bytes_vs_mha"] = bytes;
     c.summary["mla_decode_flops_vs_mha"] = flops;
+  }
+  // DSA against the dense MLA row of the same sizes, when both ran.
+  const auto dense_mla = std::find_if(rows.begin(), rows.end(), [](const VariantTiming& r) {
+    return r.shape.mla && r.shape.index_topk == 0;
+  });
+  for (const VariantTiming& m : rows) {
+    if (!m.shape.mla || m.shape.index_topk == 0 || dense_mla == rows.end()) continue;
+    const DsaLayerFigures f = dsa_layer_figures(m.shape, context, 1, kv, DType::kF32);
+    std::snprintf(line, sizeof line,
+                  "DSA attends to %lld of %lld cached tokens: a decode step reads %s of dense "
+                  "MLA's bytes and does %s of its FLOPs; here it decodes in %s (mla %s).",
+                  (long long)std::min(m.shape.index_topk, context), (long long)context,
+                  format_ratio(f.dsa_decode_bytes / f.dense_decode_bytes).c_str(),
+                  format_ratio(f.dsa_decode_flops / f.dense_decode_flops).c_str(),
+                  format_seconds(m.decode_seconds).c_str(),
+                  format_seconds(dense_mla->decode_seconds).c_str());
+    c.lines.push_back(line);
+    c.summary["dsa_decode_seconds_vs_mla"] = m.decode_seconds / dense_mla->decode_seconds;
   }
   return c;
 }
@@ -657,9 +736,14 @@ nlohmann::json variant_json(const Measured& m, const VariantRates& r, const Roof
       {"above_roof", r.above_roof}};
   if (s.mla)
     j["mla"] = {{"kv_lora_rank", s.kv_lora_rank},
+                {"q_lora_rank", s.q_lora_rank},
                 {"qk_rope_head_dim", s.qk_rope_head_dim},
                 {"qk_nope_head_dim", s.qk_nope_head_dim},
                 {"v_head_dim", s.v_head_dim}};
+  if (s.index_topk > 0)
+    j["dsa"] = {{"index_n_heads", s.index_n_heads},
+                {"index_head_dim", s.index_head_dim},
+                {"index_topk", s.index_topk}};
   return j;
 }
 
@@ -882,7 +966,8 @@ bool parse_options(int argc, char** argv, Options* po, std::unique_ptr<Flags>* f
           "attnkit compare --context 16384 --kv-dtype bf16 --variants mha,gqa-8,mla",
           "attnkit compare --d-model 4096 --heads 32 --batch 4 --json",
           "attnkit compare --d-model 64 --heads 4 --prompt 16 --context 64   # seconds",
-          "attnkit compare --model gpt-oss-20b --variants gqa-8,mqa --context 8192"});
+          "attnkit compare --model gpt-oss-20b --variants gqa-8,mqa --context 8192",
+          "attnkit compare --variants mla,mla-dsa --context 16384 --index-topk 2048"});
   Flags& f = **flags;
   f.add_string("--model", &o.model,
                "a preset: layers of its attention sizes, plus the whole model's per-layer sums");
@@ -890,7 +975,7 @@ bool parse_options(int argc, char** argv, Options* po, std::unique_ptr<Flags>* f
   f.add_int("--d-model", &o.d_model, "hidden size (default 2048)", 1);
   f.add_int("--heads", &o.heads, "query heads (default 32); head_dim = d_model / heads", 1);
   f.add_string_list("--variants", &o.variants,
-                    "mha, mqa, gqa-N, mla (default mha,gqa-8,gqa-4,mqa,mla)");
+                    "mha, mqa, gqa-N, mla, mla-dsa (default mha,gqa-8,gqa-4,mqa,mla)");
   f.add_int("--prompt", &o.prompt, "prefill tokens (default 256)", 1);
   f.add_int("--context", &o.context, "cached tokens a decode step attends to (default 4096)", 1);
   f.add_int("--batch", &o.batch, "sequences (default 1)", 1);
@@ -899,6 +984,8 @@ bool parse_options(int argc, char** argv, Options* po, std::unique_ptr<Flags>* f
             0);
   f.add_int("--mla-rope-dim", &o.mla_rope_dim, "MLA qk_rope_head_dim (default head_dim / 2, even)",
             0);
+  f.add_int("--index-topk", &o.index_topk,
+            "mla-dsa: keys each query attends to (default 2048, DeepSeek-V3.2's)", 1);
   f.add_bool("--bias", &o.bias, "q/k/v/o biases, as nn.Linear's default in the seeds' modules");
   f.add_bool("--no-rope", &o.no_rope, "no RoPE in MHA/GQA/MQA (the seeds' modules)");
   f.add_int("--steps", &o.steps, "timed decode steps (default 8)", 1);

@@ -65,7 +65,8 @@ std::string variant_label(const ModelShape& m);
 // qk_rope_head_dim min(64, head_dim / 2), even and >= 2.
 int64_t default_mla_rank(int64_t head_dim);
 int64_t default_mla_rope_dim(int64_t head_dim);
-// The MLA layer of a shape with MLA fields (as with_mla() makes them).
+// The MLA layer of a shape with MLA fields (as with_mla() makes them),
+// with its q_lora_rank and, where index_topk > 0, its DSA indexer.
 MlaConfig mla_layer_config(const ModelShape& mla_shape, double rope_theta = 10000.0);
 
 }  // namespace attnkit::cli

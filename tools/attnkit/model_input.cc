@@ -110,11 +110,17 @@ MlaConfig mla_layer_config(const ModelShape& s, double rope_theta) {
   c.model_type = "attnkit";
   c.hidden_size = s.hidden_size;
   c.num_attention_heads = s.num_heads;
+  c.q_lora_rank = s.q_lora_rank;
   c.kv_lora_rank = s.kv_lora_rank;
   c.qk_nope_head_dim = s.qk_nope_head_dim;
   c.qk_rope_head_dim = s.qk_rope_head_dim;
   c.v_head_dim = s.v_head_dim;
   c.rope_theta = rope_theta;
+  if (s.index_topk > 0) {  // DeepSeek sparse attention
+    c.index_n_heads = s.index_n_heads;
+    c.index_head_dim = s.index_head_dim;
+    c.index_topk = s.index_topk;
+  }
   return c;
 }
 
