@@ -44,6 +44,7 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/task_plan.h"
 #include "kernels/dispatch.h"
+#include "kernels/indexer_amx.h"
 #include "kernels/kv_load.h"
 
 namespace attnkit::kernels {
@@ -151,7 +152,18 @@ struct IndexerScratch {
   float* keys;  // [kTileKeys][d_pad]: a tile of keys, decoded
   float* s;     // [kTileKeys][ss]: their scores per head
   int64_t d_pad, m_pad, ss;
+  // AMX form (uses_amx): qt holds the query's codes as bf16 in AMX tiles
+  // (indexer_amx_query_index), w the weights times q's scales, keys a
+  // tile's codes as bf16 [kTileKeys][128].
+  bool amx;
 };
+
+// AMX on the top SIMD target (ATTNKIT_SIMD=avx512 and below turn it off),
+// for rows of one scale block (DeepSeek-V3.2's 128) with unit-stride codes.
+bool uses_amx(const cpu::KernelTable& kt, const IndexerParams& p) {
+  return simd_target() == SimdTarget::kAvx512Bf16 && kt.dequant_bf16 != nullptr &&
+         p.head_dim == kAmxIndexerDim && p.k_codes_stride.col == 1 && indexer_amx_available();
+}
 
 int64_t indexer_scratch_floats(const cpu::KernelTable& kt, int64_t H, int64_t D) {
   const int64_t m_pad = cpu::round_up(H, kt.lanes);
@@ -160,7 +172,11 @@ int64_t indexer_scratch_floats(const cpu::KernelTable& kt, int64_t H, int64_t D)
          align16(kTileKeys * cpu::odd_line_stride(m_pad));
 }
 
-IndexerScratch indexer_scratch(const cpu::KernelTable& kt, int64_t H, int64_t D, float* base) {
+// (The AMX form's buffers fit in the fp32 form's: its query takes
+// round_up(H, 16) * 64 floats, its keys kTileKeys * 64, its scores
+// kTileKeys * round_up(H, 16).)
+IndexerScratch indexer_scratch(const cpu::KernelTable& kt, const IndexerParams& p, float* base) {
+  const int64_t H = p.n_heads, D = p.head_dim;
   IndexerScratch x;
   x.d_pad = cpu::round_up(D, kt.lanes);
   x.m_pad = cpu::round_up(H, kt.lanes);
@@ -169,15 +185,31 @@ IndexerScratch indexer_scratch(const cpu::KernelTable& kt, int64_t H, int64_t D,
   x.w = x.qt + align16(cpu::round_up(H, kt.qk_block_cols) * D);
   x.keys = x.w + align16(H);
   x.s = x.keys + align16(kTileKeys * x.d_pad);
+  x.amx = uses_amx(kt, p);
   return x;
 }
 
-// Query row (b, t) dequantized into x.qt and its weights into x.w.
+// Query row (b, t) dequantized (in the AMX form: its codes) into x.qt and
+// its weights into x.w.
 void load_query(const cpu::KernelTable& kt, const IndexerParams& p, int64_t b, int64_t t,
                 const IndexerScratch& x) {
   const float* lut = fp8_table();
   const uint8_t* qc = p.q_codes + b * p.q_codes_stride.batch + t * p.q_codes_stride.row;
   const float* qs = p.q_scales + b * p.q_scales_stride.batch + t * p.q_scales_stride.row;
+  if (x.amx) {
+    const int64_t H = p.n_heads, Hp = cpu::round_up(H, 16);
+    uint16_t* q = reinterpret_cast<uint16_t*>(x.qt);
+    for (int64_t h = 0; h < Hp; ++h)
+      for (int64_t c = 0; c < kAmxIndexerDim; ++c)
+        q[indexer_amx_query_index(h, c)] =
+            h < H
+                ? float_to_bf16(lut[qc[h * p.q_codes_stride.head + c * p.q_codes_stride.dim]]).bits
+                : uint16_t{0};
+    const float* w = p.weights + b * p.weights_stride.batch + t * p.weights_stride.row;
+    for (int64_t h = 0; h < Hp; ++h)
+      x.w[h] = h < H ? w[h * p.weights_stride.col] * qs[h * p.q_scales_stride.head] : 0.0f;
+    return;
+  }
   pack_transposed(
       p.n_heads, p.head_dim, kt.qk_block_cols,
       [&](int64_t h, int64_t c) {
@@ -202,6 +234,17 @@ void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
     const int64_t n = std::min(kTileKeys, s1 - n0);
     const uint8_t* kc = p.k_codes + b * p.k_codes_stride.batch + n0 * p.k_codes_stride.row;
     const float* ks = p.k_scales + b * p.k_scales_stride.batch + n0 * p.k_scales_stride.row;
+    if (x.amx) {
+      // The codes' values, unscaled, as bf16 (exact); rows up to a whole
+      // AMX tile of 16 zero.
+      static constexpr float kOne = 1.0f;
+      uint16_t* keys = reinterpret_cast<uint16_t*>(x.keys);
+      kt.dequant_bf16(kc, p.k_codes_stride.row, n, D, &kOne, 0, 0, true, keys, D, 0);
+      std::fill(keys + n * D, keys + cpu::round_up(n, 16) * D, uint16_t{0});
+      indexer_amx_scores(keys, n, reinterpret_cast<const uint16_t*>(x.qt), H, x.w, ks,
+                         p.k_scales_stride.row, x.s, score + n0);
+      continue;
+    }
     if (dequant) {
       kt.dequant_f32(kc, p.k_codes_stride.row, n, D, ks, p.k_scales_stride.row, kIndexerBlock, true,
                      x.keys, x.d_pad, 0);
@@ -302,7 +345,7 @@ Status run_indexer(const IndexerParams& p, Backend backend) {
   if (!alloc(&fbuf, per * threads) || !alloc(&score, S * threads) || !alloc(&order, S * threads))
     return no_memory("the indexer's scratch");
   const auto slot = [&](int w) {
-    return indexer_scratch(kt, H, D, fbuf.get() + static_cast<int64_t>(w) * per);
+    return indexer_scratch(kt, p, fbuf.get() + static_cast<int64_t>(w) * per);
   };
   if (rows >= threads) {
     // Prefill (or a batch of decodes): whole rows per task, longest first.
