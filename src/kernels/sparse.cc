@@ -221,6 +221,15 @@ void load_query(const cpu::KernelTable& kt, const IndexerParams& p, int64_t b, i
   for (int64_t h = 0; h < p.n_heads; ++h) x.w[h] = w[h * p.weights_stride.col];
 }
 
+// True when n codes (stride apart) hold one of E4M3's NaN codes (0x7f,
+// 0xff). The tables' decoders move the bits into binary16, which reads them
+// as 480; the reference's score of such a key is NaN, hence -inf.
+bool has_nan_code(const uint8_t* codes, int64_t stride, int64_t n) {
+  bool nan = false;
+  for (int64_t c = 0; c < n; ++c) nan |= (codes[c * stride] & 0x7f) == 0x7f;
+  return nan;
+}
+
 // Scores of keys [s0, s1) for the query row in x, into score[s].
 void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int64_t b,
                          const IndexerScratch& x, int64_t s0, int64_t s1, float* score) {
@@ -243,6 +252,9 @@ void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
       std::fill(keys + n * D, keys + cpu::round_up(n, 16) * D, uint16_t{0});
       indexer_amx_scores(keys, n, reinterpret_cast<const uint16_t*>(x.qt), H, x.w, ks,
                          p.k_scales_stride.row, x.s, score + n0);
+      for (int64_t r = 0; r < n; ++r)
+        if (has_nan_code(kc + r * p.k_codes_stride.row, 1, D))
+          score[n0 + r] = -std::numeric_limits<float>::infinity();
       continue;
     }
     if (dequant) {
@@ -267,7 +279,9 @@ void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
       float total = 0.0f;
       for (; h < H; ++h) total += x.w[h] * std::max(row[h], 0.0f);
       for (int l = 0; l < 8; ++l) total += lanes[l];
-      score[n0 + r] = finite_or_lowest(total);
+      score[n0 + r] = dequant && has_nan_code(kc + r * p.k_codes_stride.row, 1, D)
+                          ? -std::numeric_limits<float>::infinity()
+                          : finite_or_lowest(total);
     }
   }
 }
