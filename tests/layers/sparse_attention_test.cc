@@ -897,6 +897,36 @@ TEST(LightningIndexer, EveryTargetAndTileShapeMatchesAFloat64Loop) {
   set_simd_target(saved);
 }
 
+// E4M3's NaN codes (0x7f, 0xff) make a key's score NaN in the reference,
+// so -inf: never chosen ahead of a finite score. The tile forms decode
+// codes through binary16, which reads them as 480, and must mark them.
+TEST(LightningIndexer, NanKeyCodesScoreMinusInfinityOnEveryTarget) {
+  const SimdTarget saved = simd_target();
+  for (const int64_t D : {128, 256}) {
+    IndexerInputs in = random_indexer(1, 2, 100, 20, D, 77);
+    in.kc[size_t(5 * D + 3)] = 0x7f;
+    in.kc[size_t(70 * D + D - 1)] = 0xff;
+    for (SimdTarget target : kAllSimdTargets) {
+      if (!set_simd_target(target)) continue;
+      for (Backend be : {Backend::kFast, Backend::kReference}) {
+        std::vector<int32_t> idx(2 * 98);
+        std::vector<float> scores(2 * 100);
+        ASSERT_TRUE(run_indexer(in, 98, idx, &scores, be).ok());
+        for (int64_t t = 0; t < 2; ++t) {
+          EXPECT_EQ(scores[size_t(t * 100 + 5)], -INFINITY) << simd_target_name(target);
+          EXPECT_EQ(scores[size_t(t * 100 + 70)], -INFINITY) << simd_target_name(target);
+          EXPECT_GT(scores[size_t(t * 100 + 6)], -INFINITY);
+        }
+        // Row 1 sees all 100 keys and keeps 98: the two NaN keys are out.
+        const int32_t* row1 = idx.data() + 98;
+        EXPECT_EQ(std::count(row1, row1 + 98, 5) + std::count(row1, row1 + 98, 70), 0)
+            << simd_target_name(target) << " D" << D;
+      }
+    }
+  }
+  set_simd_target(saved);
+}
+
 // The fast sparse attention's tiles against the double reference on every
 // SIMD target: 128 heads of one kv head in a decode step (split into one
 // block of heads per thread), a head count that leaves a vector partly
