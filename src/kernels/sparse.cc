@@ -221,13 +221,14 @@ void load_query(const cpu::KernelTable& kt, const IndexerParams& p, int64_t b, i
   for (int64_t h = 0; h < p.n_heads; ++h) x.w[h] = w[h * p.weights_stride.col];
 }
 
-// True when n codes (stride apart) hold one of E4M3's NaN codes (0x7f,
-// 0xff). The tables' decoders move the bits into binary16, which reads them
-// as 480; the reference's score of such a key is NaN, hence -inf.
-bool has_nan_code(const uint8_t* codes, int64_t stride, int64_t n) {
-  bool nan = false;
-  for (int64_t c = 0; c < n; ++c) nan |= (codes[c * stride] & 0x7f) == 0x7f;
-  return nan;
+// True when n contiguous codes hold one of E4M3's NaN codes (0x7f, 0xff).
+// The tables' decoders move the bits into binary16, which reads them as
+// 480; the reference's score of such a key is NaN, hence -inf. Byte
+// arithmetic that vectorizes: (code & 0x7f) + 1 has bit 7 set only for NaN.
+bool has_nan_code(const uint8_t* codes, int64_t n) {
+  uint8_t any = 0;
+  for (int64_t c = 0; c < n; ++c) any |= static_cast<uint8_t>((codes[c] & 0x7f) + 1);
+  return (any & 0x80) != 0;
 }
 
 // Scores of keys [s0, s1) for the query row in x, into score[s].
@@ -253,7 +254,7 @@ void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
       indexer_amx_scores(keys, n, reinterpret_cast<const uint16_t*>(x.qt), H, x.w, ks,
                          p.k_scales_stride.row, x.s, score + n0);
       for (int64_t r = 0; r < n; ++r)
-        if (has_nan_code(kc + r * p.k_codes_stride.row, 1, D))
+        if (has_nan_code(kc + r * p.k_codes_stride.row, D))
           score[n0 + r] = -std::numeric_limits<float>::infinity();
       continue;
     }
@@ -279,7 +280,7 @@ void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
       float total = 0.0f;
       for (; h < H; ++h) total += x.w[h] * std::max(row[h], 0.0f);
       for (int l = 0; l < 8; ++l) total += lanes[l];
-      score[n0 + r] = dequant && has_nan_code(kc + r * p.k_codes_stride.row, 1, D)
+      score[n0 + r] = dequant && has_nan_code(kc + r * p.k_codes_stride.row, D)
                           ? -std::numeric_limits<float>::infinity()
                           : finite_or_lowest(total);
     }
