@@ -109,11 +109,47 @@ void key_tile(const uint16_t* keys, const uint16_t* q, int64_t j0, float* s, int
   if constexpr (kBlocks > 3) _tile_stored(3, s + 16 * (j0 + 3), stride);
 }
 
+// keys [round_up(count, 16)][128] = the values of `count` rows of 128 E4M3
+// codes (row_stride apart) as bf16, rows past count 0; returns bit r set
+// for each row r that holds a NaN code (0x7f, 0xff). Exact, subnormals
+// included: a code's magnitude bits m = e << 3 | f with e > 0 move into
+// bf16's fields as (m << 4) + (120 << 7) (the exponent bias 7 becomes
+// 127); e = 0 is f * 2^-9, from a table of eight.
+uint64_t decode_keys(const uint8_t* codes, int64_t row_stride, int64_t count, uint16_t* keys) {
+  alignas(64) static constexpr uint16_t kSubnormal[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0,
+                                                          0x3C00, 0x3C20, 0x3C40, 0x3C60};
+  const __m512i table = _mm512_load_si512(kSubnormal);
+  const __m512i low7 = _mm512_set1_epi16(0x7f), sign = _mm512_set1_epi16(0x80);
+  const __m512i bias = _mm512_set1_epi16(0x3C00), eight = _mm512_set1_epi16(8);
+  uint64_t nan_rows = 0;
+  for (int64_t r = 0; r < count; ++r) {
+    const uint8_t* row = codes + r * row_stride;
+    __mmask32 nan = 0;
+    for (int64_t c = 0; c < kAmxIndexerDim; c += 32) {
+      const __m512i code =
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
+      const __m512i mag = _mm512_and_si512(code, low7);
+      const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), bias);
+      const __m512i small = _mm512_permutexvar_epi16(mag, table);  // low 5 bits index
+      __m512i v = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(mag, eight), normal, small);
+      v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(code, sign), 8));
+      nan |= _mm512_cmpeq_epi16_mask(mag, low7);
+      _mm512_storeu_si512(keys + r * kAmxIndexerDim + c, v);
+    }
+    if (nan != 0) nan_rows |= uint64_t{1} << r;
+  }
+  const int64_t padded = (count + 15) / 16 * 16;
+  std::memset(keys + count * kAmxIndexerDim, 0,
+              static_cast<size_t>((padded - count) * kAmxIndexerDim) * sizeof(uint16_t));
+  return nan_rows;
+}
+
 }  // namespace
 
-void indexer_amx_scores(const uint16_t* keys, int64_t count, const uint16_t* q, int64_t heads,
-                        const float* w, const float* ks, int64_t ks_stride, float* s,
-                        float* score) {
+void indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
+                        int64_t heads, const float* w, const float* ks, int64_t ks_stride,
+                        uint16_t* keys, float* s, float* score) {
+  const uint64_t nan_rows = decode_keys(codes, code_stride, count, keys);
   TileConfig cfg;
   for (int r = 0; r < 6; ++r) {
     cfg.rows[r] = 16;
@@ -143,7 +179,8 @@ void indexer_amx_scores(const uint16_t* keys, int64_t count, const uint16_t* q, 
   }
   _tile_release();
   // score = ks * sum_h w_h ReLU(dot_h); max(0, x) keeps a NaN x (vmaxps
-  // returns its second operand when either is NaN), so NaN reaches -inf.
+  // returns its second operand when either is NaN), so NaN reaches -inf,
+  // as does a key with a NaN code (its bf16 pattern above is 480).
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t n = 0; n < count; ++n) {
     __m512 acc = zero;
@@ -151,7 +188,9 @@ void indexer_amx_scores(const uint16_t* keys, int64_t count, const uint16_t* q, 
       acc = _mm512_fmadd_ps(_mm512_max_ps(zero, _mm512_loadu_ps(s + n * ss + 16 * j)),
                             _mm512_loadu_ps(w + 16 * j), acc);
     const float total = _mm512_reduce_add_ps(acc) * ks[n * ks_stride];
-    score[n] = std::isnan(total) ? -std::numeric_limits<float>::infinity() : total;
+    score[n] = std::isnan(total) || ((nan_rows >> n) & 1u) != 0
+                   ? -std::numeric_limits<float>::infinity()
+                   : total;
   }
 }
 
@@ -165,8 +204,8 @@ void indexer_amx_scores(const uint16_t* keys, int64_t count, const uint16_t* q, 
 
 bool indexer_amx_available() { return false; }
 
-void indexer_amx_scores(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*,
-                        const float*, int64_t, float*, float*) {}
+void indexer_amx_scores(const uint8_t*, int64_t, int64_t, const uint16_t*, int64_t, const float*,
+                        const float*, int64_t, uint16_t*, float*, float*) {}
 
 #endif
 

@@ -33,11 +33,13 @@ inline int64_t indexer_amx_query_index(int64_t h, int64_t c) {
 inline int64_t indexer_amx_query_elems(int64_t heads) { return (heads + 15) / 16 * 16 * 128; }
 
 // For n < count (<= 64): score[n] = ks[n * ks_stride] * sum_h w[h] *
-// ReLU(sum_c key[n][c] q[h][c]), keys `keys` [round_up(count, 16)][128]
-// bf16 (rows past count zero), q as indexer_amx_query_index lays it out,
-// w [round_up(heads, 16)] (zero past heads), s scratch of 64 *
-// round_up(heads, 16) floats. NaN totals become -inf, as the other forms.
-void indexer_amx_scores(const uint16_t* keys, int64_t count, const uint16_t* q, int64_t heads,
-                        const float* w, const float* ks, int64_t ks_stride, float* s, float* score);
+// ReLU(sum_c key[n][c] q[h][c]), key n the 128 E4M3 codes at codes + n *
+// code_stride, q as indexer_amx_query_index lays it out, w
+// [round_up(heads, 16)] (zero past heads); scratch: keys of 64 * 128
+// uint16s, s of 64 * round_up(heads, 16) floats. A key with a NaN code,
+// or a NaN total, scores -inf, as in the other forms.
+void indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
+                        int64_t heads, const float* w, const float* ks, int64_t ks_stride,
+                        uint16_t* keys, float* s, float* score);
 
 }  // namespace attnkit::kernels

@@ -2,7 +2,11 @@
 // the dense attention's microkernels (kernels/cpu/kernel_table.h, one table
 // per SIMD target) on tiles of gathered rows.
 //
-// Indexer, fast form: one query row's indexer heads are packed transposed
+// Indexer, fast forms. On the avx512bf16 target, with AMX and 128-feature
+// rows (DeepSeek-V3.2's), kernels/indexer_amx.h: the fp8 codes of 64 keys
+// at a time become bf16 in registers and tdpbf16ps multiplies them with
+// the query's codes, all heads per key read. Otherwise one query row's
+// indexer heads are packed transposed
 // (heads along the vector lanes, as the dense kernels pack a tile's query
 // rows), and each tile of 64 consecutive keys is decoded once from its fp8
 // codes and block scales into fp32 in registers (dequant_f32, an L1-sized
@@ -153,16 +157,16 @@ struct IndexerScratch {
   float* s;     // [kTileKeys][ss]: their scores per head
   int64_t d_pad, m_pad, ss;
   // AMX form (uses_amx): qt holds the query's codes as bf16 in AMX tiles
-  // (indexer_amx_query_index), w the weights times q's scales, keys a
-  // tile's codes as bf16 [kTileKeys][128].
+  // (indexer_amx_query_index), w the weights times q's scales, keys the
+  // scratch of indexer_amx_scores.
   bool amx;
 };
 
 // AMX on the top SIMD target (ATTNKIT_SIMD=avx512 and below turn it off),
 // for rows of one scale block (DeepSeek-V3.2's 128) with unit-stride codes.
-bool uses_amx(const cpu::KernelTable& kt, const IndexerParams& p) {
-  return simd_target() == SimdTarget::kAvx512Bf16 && kt.dequant_bf16 != nullptr &&
-         p.head_dim == kAmxIndexerDim && p.k_codes_stride.col == 1 && indexer_amx_available();
+bool uses_amx(const IndexerParams& p) {
+  return simd_target() == SimdTarget::kAvx512Bf16 && p.head_dim == kAmxIndexerDim &&
+         p.k_codes_stride.col == 1 && indexer_amx_available();
 }
 
 int64_t indexer_scratch_floats(const cpu::KernelTable& kt, int64_t H, int64_t D) {
@@ -185,7 +189,7 @@ IndexerScratch indexer_scratch(const cpu::KernelTable& kt, const IndexerParams& 
   x.w = x.qt + align16(cpu::round_up(H, kt.qk_block_cols) * D);
   x.keys = x.w + align16(H);
   x.s = x.keys + align16(kTileKeys * x.d_pad);
-  x.amx = uses_amx(kt, p);
+  x.amx = uses_amx(p);
   return x;
 }
 
@@ -245,17 +249,9 @@ void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
     const uint8_t* kc = p.k_codes + b * p.k_codes_stride.batch + n0 * p.k_codes_stride.row;
     const float* ks = p.k_scales + b * p.k_scales_stride.batch + n0 * p.k_scales_stride.row;
     if (x.amx) {
-      // The codes' values, unscaled, as bf16 (exact); rows up to a whole
-      // AMX tile of 16 zero.
-      static constexpr float kOne = 1.0f;
-      uint16_t* keys = reinterpret_cast<uint16_t*>(x.keys);
-      kt.dequant_bf16(kc, p.k_codes_stride.row, n, D, &kOne, 0, 0, true, keys, D, 0);
-      std::fill(keys + n * D, keys + cpu::round_up(n, 16) * D, uint16_t{0});
-      indexer_amx_scores(keys, n, reinterpret_cast<const uint16_t*>(x.qt), H, x.w, ks,
-                         p.k_scales_stride.row, x.s, score + n0);
-      for (int64_t r = 0; r < n; ++r)
-        if (has_nan_code(kc + r * p.k_codes_stride.row, D))
-          score[n0 + r] = -std::numeric_limits<float>::infinity();
+      indexer_amx_scores(kc, p.k_codes_stride.row, n, reinterpret_cast<const uint16_t*>(x.qt), H,
+                         x.w, ks, p.k_scales_stride.row, reinterpret_cast<uint16_t*>(x.keys), x.s,
+                         score + n0);
       continue;
     }
     if (dequant) {

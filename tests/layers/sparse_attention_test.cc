@@ -927,6 +927,42 @@ TEST(LightningIndexer, NanKeyCodesScoreMinusInfinityOnEveryTarget) {
   set_simd_target(saved);
 }
 
+// Every E4M3 code through each form's key decoder: key s holds code s at
+// one feature and 0 elsewhere, two heads hold +1 and -1 there with weights
+// +1 and -1, so key s scores ReLU(v) - ReLU(-v) = v, the code's value
+// exactly (one nonzero product per head), subnormals and -0 included;
+// the NaN codes score -inf.
+TEST(LightningIndexer, EveryKeyCodeDecodesExactlyOnEveryTarget) {
+  const SimdTarget saved = simd_target();
+  const int64_t S = 256, H = 2, D = 128, at = 37;
+  IndexerInputs in{1,
+                   1,
+                   S,
+                   H,
+                   D,
+                   std::vector<uint8_t>(size_t(H * D), 0),
+                   std::vector<uint8_t>(size_t(S * D), 0),
+                   std::vector<float>(2, 1.0f),
+                   std::vector<float>(size_t(S), 1.0f),
+                   std::vector<float>{1.0f, -1.0f}};
+  in.qc[size_t(at)] = 0x38;      // +1.0
+  in.qc[size_t(D + at)] = 0xb8;  // -1.0
+  for (int64_t s = 0; s < S; ++s) in.kc[size_t(s * D + at)] = static_cast<uint8_t>(s);
+  for (SimdTarget target : kAllSimdTargets) {
+    if (!set_simd_target(target)) continue;
+    for (Backend be : {Backend::kFast, Backend::kReference}) {
+      std::vector<int32_t> idx(4);
+      std::vector<float> scores(static_cast<size_t>(S));
+      ASSERT_TRUE(run_indexer(in, 4, idx, &scores, be).ok());
+      for (int64_t s = 0; s < S; ++s) {
+        const float want = (s & 0x7f) == 0x7f ? -INFINITY : fp8_e4m3_to_float(uint8_t(s));
+        EXPECT_EQ(scores[size_t(s)], want) << simd_target_name(target) << " code " << s;
+      }
+    }
+  }
+  set_simd_target(saved);
+}
+
 // The fast sparse attention's tiles against the double reference on every
 // SIMD target: 128 heads of one kv head in a decode step (split into one
 // block of heads per thread), a head count that leaves a vector partly
