@@ -12,7 +12,10 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+// AMX intrinsics: GCC 11 and clang 12 on; older compilers build the stubs.
+#if defined(__x86_64__) && defined(__linux__) &&      \
+    ((defined(__clang__) && __clang_major__ >= 12) || \
+     (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11))
 #define ATTNKIT_INDEXER_AMX 1
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12's own AVX-512 headers trip -W(maybe-)uninitialized (GCC bug
