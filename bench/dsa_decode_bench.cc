@@ -10,17 +10,29 @@
 // dsa:   lightning_indexer_topk (64 heads x 128 fp8 over every cached
 //        indexer key, top 2048) + sdpa with key_indices over the chosen
 //        latent rows, read in place.
+// read:  the paired memory read: every byte the indexer pass reads (fp8
+//        codes and scales of every cached token), summed as 64-bit words
+//        on as many threads, right after the DSA run; idx_rate = read_s /
+//        indexer_s is the indexer's fraction of that read's speed.
+// --threads 1 adds cpu_rate, the same ratio of the calling thread's CPU
+// seconds (CLOCK_THREAD_CPUTIME_ID): on a machine shared with other work a
+// 2 ms read fits in one time slice where a longer indexer pass is
+// preempted, which wall seconds charge to the indexer.
 // The projections both share (and the indexer's own, ~14M MACs per token)
 // are not timed. Runs are paired and alternate which goes first; each
-// cell is the median over --reps of wall seconds; dsa/dense is the median
-// of the paired ratios.
+// cell is the median over --reps of wall seconds; dsa/dense and idx_rate
+// are medians of the per-rep ratios.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "attnkit/attention.h"
@@ -48,8 +60,63 @@ struct Fill {
   float next() { return static_cast<float>(static_cast<double>(bits() >> 11) * 0x1p-53 * 2 - 1); }
 };
 
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Sum of the 64-bit words of each of `parts` (sizes multiples of 8) on
+// `threads` threads (the caller's one of them), so the read cannot be
+// elided; returns the wall seconds of the read alone: the helper threads
+// are started before the clock and spin until it starts.
+double read_words(const std::vector<std::pair<const uint8_t*, size_t>>& parts, int threads,
+                  uint64_t* sink) {
+  std::atomic<bool> go{false};
+  std::atomic<int> done{0};
+  std::vector<uint64_t> sums(static_cast<size_t>(threads), 0);
+  const auto work = [&](int t) {
+    uint64_t a[8] = {};
+    for (const auto& [p, bytes] : parts) {
+      const size_t words = bytes / 8, per = (words + static_cast<size_t>(threads) - 1) / threads;
+      const size_t w0 = std::min(words, per * static_cast<size_t>(t)),
+                   w1 = std::min(words, w0 + per);
+      size_t w = w0;
+      for (; w + 8 <= w1; w += 8)
+        for (size_t l = 0; l < 8; ++l) {
+          uint64_t x;
+          std::memcpy(&x, p + 8 * (w + l), 8);
+          a[l] += x;
+        }
+      for (; w < w1; ++w) {
+        uint64_t x;
+        std::memcpy(&x, p + 8 * w, 8);
+        a[0] += x;
+      }
+    }
+    for (int l = 0; l < 8; ++l) sums[static_cast<size_t>(t)] += a[l];
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      while (!go.load(std::memory_order_acquire)) {
+      }
+      work(t);
+      done.fetch_add(1, std::memory_order_release);
+    });
+  const auto t0 = std::chrono::steady_clock::now();
+  go.store(true, std::memory_order_release);
+  work(0);
+  while (done.load(std::memory_order_acquire) < threads - 1) {
+  }
+  const double seconds = seconds_since(t0);
+  for (std::thread& th : pool) th.join();
+  for (uint64_t s : sums) *sink += s;
+  return seconds;
 }
 
 }  // namespace
@@ -80,8 +147,11 @@ int main(int argc, char** argv) {
   }
   std::printf("# %s; cache %s; %d reps; threads %d (0 = all)\n", attnkit::bench::cpu_name().c_str(),
               attnkit::dtype_name(cache_dtype), reps, threads);
-  std::printf("%10s %12s %12s %12s %10s\n", "context", "dense_s", "dsa_s", "indexer_s",
-              "dsa/dense");
+  std::printf("%10s %12s %12s %12s %10s %12s %10s%s\n", "context", "dense_s", "dsa_s", "indexer_s",
+              "dsa/dense", "read_s", "idx_rate", threads == 1 ? "   cpu_rate" : "");
+  const int read_threads =
+      threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  uint64_t sink = 0;
   Fill fill;
   for (const int64_t L : contexts) {
     // Latent cache [1, L, 1, 576]; value = the first 512 of each row.
@@ -123,9 +193,10 @@ int main(int argc, char** argv) {
       if (!attnkit::sdpa(qv, k, v, ov, dense).ok()) std::abort();
       return seconds_since(t0);
     };
-    double index_s = 0;
+    double index_s = 0, index_cpu = 0;
     const auto run_dsa = [&] {
       const auto t0 = std::chrono::steady_clock::now();
+      const double c0 = thread_cpu_seconds();
       const attnkit::Status st = attnkit::lightning_indexer_topk(
           make_view(qc.data(), DType::kFp8E4M3, {1, 1, kIndexHeads, kIndexDim}),
           make_view(qs.data(), DType::kF32, {1, 1, kIndexHeads, 1}),
@@ -135,10 +206,17 @@ int main(int argc, char** argv) {
           make_view(idx.data(), DType::kI32, {1, 1, kTopk}), {}, io);
       if (!st.ok()) std::abort();
       index_s = seconds_since(t0);
+      index_cpu = thread_cpu_seconds() - c0;
       if (!attnkit::sdpa(qv, k, v, ov, sparse).ok()) std::abort();
       return seconds_since(t0);
     };
-    std::vector<double> d, s, ix, ratio;
+    // The indexer's own buffers, read where the indexer reads them.
+    const auto run_read = [&] {
+      return read_words({{kc.data(), kc.size()},
+                         {reinterpret_cast<const uint8_t*>(ks.data()), ks.size() * sizeof(float)}},
+                        read_threads, &sink);
+    };
+    std::vector<double> d, s, ix, ratio, rd, rate, cpu_rate;
     run_dense();  // warm
     run_dsa();
     for (int r = 0; r < reps; ++r) {
@@ -154,11 +232,19 @@ int main(int argc, char** argv) {
       s.push_back(ts);
       ix.push_back(index_s);
       ratio.push_back(ts / td);
+      const double c0 = thread_cpu_seconds();
+      const double tr = run_read();
+      cpu_rate.push_back((thread_cpu_seconds() - c0) / index_cpu);
+      rd.push_back(tr);
+      rate.push_back(tr / index_s);
     }
-    std::printf("%10lld %12.5f %12.5f %12.5f %10.3f\n", static_cast<long long>(L),
+    std::printf("%10lld %12.5f %12.5f %12.5f %10.3f %12.6f %10.3f", static_cast<long long>(L),
                 attnkit::bench::median(d), attnkit::bench::median(s), attnkit::bench::median(ix),
-                attnkit::bench::median(ratio));
+                attnkit::bench::median(ratio), attnkit::bench::median(rd),
+                attnkit::bench::median(rate));
+    if (threads == 1) std::printf(" %10.3f", attnkit::bench::median(cpu_rate));
+    std::printf("\n");
     std::fflush(stdout);
   }
-  return 0;
+  return sink == 42 ? 1 : 0;  // uses the sums, so that the reads stay
 }

@@ -26,8 +26,9 @@
 // rows) gives each segment's time, and their sums the whole prefill's.
 // Every rep times all samples of both methods, alternating which goes
 // first; cells are medians over reps, dsa/dense the median of per-rep
-// ratios. "pays from" is the first segment end where DSA's running total
-// drops below dense's (a prefill of that many tokens).
+// ratios. "pays from" is the segment end from which on DSA's running total
+// stays below dense's (prefills of that many tokens or more; on a noisy
+// machine the totals of the first segments may cross more than once).
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -229,6 +230,7 @@ int main(int argc, char** argv) {
     const double md = attnkit::bench::median(d[g]), ms = attnkit::bench::median(s[g]);
     cd += md;
     cs += ms;
+    if (cs >= cd) pays_from = 0;
     if (pays_from == 0 && cs < cd) pays_from = static_cast<int64_t>(g + 1) * seg;
     std::printf("%12lld %12.3f %12.3f %12.3f %10.3f %14.2f %14.2f\n",
                 static_cast<long long>(static_cast<int64_t>(g + 1) * seg), md, ms,

@@ -29,12 +29,12 @@ if ! grep -qs '^ATTNKIT_BUILD_FUZZERS:BOOL=ON$' "$build/CMakeCache.txt"; then
     -DATTNKIT_BUILD_TESTS=OFF -DATTNKIT_BUILD_PYTHON=OFF -DATTNKIT_BUILD_TOOLS=OFF >/dev/null
 fi
 
-targets=(safetensors_fuzz attention_fuzz paged_fuzz)
+targets=(safetensors_fuzz attention_fuzz paged_fuzz sparse_fuzz)
 # The config fuzzer needs attention_config_from_json (src/io/hf_config.cc).
 if [[ -f $root/src/io/hf_config.cc ]]; then targets+=(config_fuzz); fi
-# Last, for two thirds of the time: with five targets on two cores it runs
-# alone after the others, so the whole run grows by that much, not by a
-# full batch.
+# Last, for two thirds of the time: in the last batch, beside the config
+# fuzzer (six targets on two cores), or alone after the others when the
+# count is odd, so that it does not lengthen the run.
 targets+=(gated_delta_fuzz)
 t0=$SECONDS
 cmake --build "$build" -j "${ATTNKIT_FUZZ_BUILD_JOBS:-2}" --target "${targets[@]}"

@@ -1,23 +1,34 @@
-// DeepSeek sparse attention kernels (kernels/sparse.h).
+// DeepSeek sparse attention kernels (kernels/sparse.h). The fast forms run
+// the dense attention's microkernels (kernels/cpu/kernel_table.h, one table
+// per SIMD target) on tiles of gathered rows.
 //
-// Indexer, fast form: one query row's indexer heads, dequantized and laid
-// out [head_dim, n_heads] (heads innermost), meet every visible key once:
-// the key's 128-value block is decoded through a 256-entry table and each
-// decoded value multiplies all heads' features at once, a loop over heads
-// with one accumulator per head that compilers vectorize without
-// reassociating a sum. A decode step (one query row) splits its keys over
-// the threads; prefill gives each thread whole rows.
+// Indexer, fast forms. On the avx512bf16 target, with AMX and 128-feature
+// rows (DeepSeek-V3.2's), kernels/indexer_amx.h: the fp8 codes of 64 keys
+// at a time become bf16 in registers and tdpbf16ps multiplies them with
+// the query's codes, all heads per key read. Otherwise one query row's
+// indexer heads are packed transposed
+// (heads along the vector lanes, as the dense kernels pack a tile's query
+// rows), and each tile of 64 consecutive keys is decoded once from its fp8
+// codes and block scales into fp32 in registers (dequant_f32, an L1-sized
+// buffer), then qk_f32 scores every head against it: each key value is
+// broadcast against all heads at once. ReLU and the per-head weights then
+// reduce each key's row of head scores. A decode step (one query row)
+// splits its keys over the threads; prefill gives each thread whole rows.
 //
 // Top-k: std::nth_element over the visible keys' indices under a total
 // order (higher score first, equal scores by lower index), then the chosen
 // are sorted by index: O(visible) expected, and the chosen set is a
 // function of the scores alone.
 //
-// Sparse attention, fast form: tasks are (batch item, query row, kv head,
-// group of query heads); each task reads its selected keys in place
-// (key_row()), widening one key row at a time to fp32 only when the cache
-// is not fp32, scores all its heads against it, then does the same for the
-// values. No gathered copy of the keys is made.
+// Sparse attention, fast form: a task is (batch item, query row, kv head,
+// block of that group's query heads); the heads are the rows of one tile
+// (all 128 of absorbed MLA's, in prefill), so each chosen key row is read
+// once for all of them. The chosen rows are read where they lie
+// (params.key_row(), pages included) and copied, widened to fp32 where the
+// cache is not, 64 at a time into a scratch tile that stays in L2; on it
+// run S = K Q^T, softcap, the online softmax and O += P V of the dense
+// path. Values that are the keys' leading features (MLA's latent rows)
+// come from the same tile. No copy of the whole selection is made.
 #include "kernels/sparse.h"
 
 #include "attnkit/sparse_attention.h"
@@ -33,67 +44,38 @@
 
 #include "core/cpu_features.h"
 #include "core/threads.h"
+#include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/task_plan.h"
 #include "kernels/dispatch.h"
+#include "kernels/indexer_amx.h"
 #include "kernels/kv_load.h"
 
 namespace attnkit::kernels {
 namespace {
 
-namespace base {
-#include "kernels/sparse_loops.inc"
-}  // namespace base
-// The same loops compiled for AVX2 and AVX-512: GCC through its target
-// pragmas, clang (the sanitizer and fuzz builds) through a target attribute
-// applied to every function of the region.
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#endif
-namespace avx2 {
-#include "kernels/sparse_loops.inc"
-}  // namespace avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,fma"))), \
-                             apply_to = function)
-#else
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,fma,prefer-vector-width=512")
-#endif
-namespace avx512 {
-#include "kernels/sparse_loops.inc"
-}  // namespace avx512
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+namespace cpu = kernels::cpu;
 
-struct Loops {
-  decltype(&base::score_heads) score_heads;
-  decltype(&base::accumulate_heads) accumulate_heads;
-  decltype(&base::accumulate_heads4) accumulate_heads4;
-  decltype(&base::indexer_key) indexer_key;
-};
+// Keys per tile of both fast forms: the indexer's decoded tile (64 x 128
+// fp32, 32 KiB) stays in L1; a sparse tile of MLA latent rows (64 x 576
+// fp32, 144 KiB) in L2 beside its scores.
+constexpr int64_t kTileKeys = 64;
 
-// The loops for the active SIMD target (set_simd_target() can lower it).
-Loops loops() {
-  switch (simd_target()) {
-    case SimdTarget::kAvx512:
-    case SimdTarget::kAvx512Bf16:
-      return {avx512::score_heads, avx512::accumulate_heads, avx512::accumulate_heads4,
-              avx512::indexer_key};
-    case SimdTarget::kAvx2:
-      return {avx2::score_heads, avx2::accumulate_heads, avx2::accumulate_heads4,
-              avx2::indexer_key};
-    default:
-      return {base::score_heads, base::accumulate_heads, base::accumulate_heads4,
-              base::indexer_key};
+int64_t align16(int64_t floats) { return cpu::round_up(floats, 16); }
+
+// qt in the kernel tables' layout, [cols / w][d][w] for cols = m rounded up
+// to w: qt[(x / w) * d * w + c * w + x % w] = value(x, c) for x < m, 0 past.
+template <class Value>
+void pack_transposed(int64_t m, int64_t d, int64_t w, Value value, float* qt) {
+  const int64_t cols = cpu::round_up(m, w);
+  for (int64_t x0 = 0; x0 < cols; x0 += w) {
+    float* block = qt + x0 * d;
+    for (int64_t c = 0; c < d; ++c)
+      for (int64_t x = 0; x < w; ++x) block[c * w + x] = x0 + x < m ? value(x0 + x, c) : 0.0f;
   }
 }
+
+const cpu::KernelTable& active_kernels() { return *cpu::kernel_table(simd_target()); }
 
 constexpr double kFp8Max = 448.0;
 
@@ -167,36 +149,137 @@ void indexer_row_ref(const IndexerParams& p, int64_t b, int64_t t, double* score
               p.indices_stride.col);
 }
 
-// qt [D, H]: query row (b, t) dequantized, heads innermost.
-void load_query_transposed(const IndexerParams& p, int64_t b, int64_t t, float* qt) {
-  const float* lut = fp8_table();
-  const int64_t H = p.n_heads, D = p.head_dim;
-  for (int64_t h = 0; h < H; ++h) {
-    const uint8_t* qc = p.q_codes + b * p.q_codes_stride.batch + t * p.q_codes_stride.row +
-                        h * p.q_codes_stride.head;
-    const float* qs = p.q_scales + b * p.q_scales_stride.batch + t * p.q_scales_stride.row +
-                      h * p.q_scales_stride.head;
-    for (int64_t c = 0; c < D; ++c)
-      qt[c * H + h] =
-          lut[qc[c * p.q_codes_stride.dim]] * qs[(c / kIndexerBlock) * p.q_scales_stride.dim];
-  }
+// One worker's scratch of the fast indexer, in floats from `base`.
+struct IndexerScratch {
+  float* qt;    // [round_up(H, w) / w][D][w]: query row, dequantized, transposed
+  float* w;     // [H]: the row's head weights, contiguous
+  float* keys;  // [kTileKeys][d_pad]: a tile of keys, decoded
+  float* s;     // [kTileKeys][ss]: their scores per head
+  int64_t d_pad, m_pad, ss;
+  // AMX form (uses_amx): qt holds the query's codes as bf16 in AMX tiles
+  // (indexer_amx_query_index), w the weights times q's scales, keys the
+  // scratch of indexer_amx_scores.
+  bool amx;
+};
+
+// AMX on the top SIMD target (ATTNKIT_SIMD=avx512 and below turn it off),
+// for rows of one scale block (DeepSeek-V3.2's 128) with unit-stride codes.
+bool uses_amx(const IndexerParams& p) {
+  return simd_target() == SimdTarget::kAvx512Bf16 && p.head_dim == kAmxIndexerDim &&
+         p.k_codes_stride.col == 1 && indexer_amx_available();
 }
 
-// Scores of keys [s0, s1) for query row (b, t); acc [H] and kv [D] scratch.
-void indexer_scores_fast(const IndexerParams& p, int64_t b, int64_t t, const float* qt, int64_t s0,
-                         int64_t s1, float* acc, float* dot, float* kv, float* score) {
-  const float* lut = fp8_table();
-  const Loops fns = loops();
+int64_t indexer_scratch_floats(const cpu::KernelTable& kt, int64_t H, int64_t D) {
+  const int64_t m_pad = cpu::round_up(H, kt.lanes);
+  return align16(cpu::round_up(H, kt.qk_block_cols) * D) + align16(H) +
+         align16(kTileKeys * cpu::round_up(D, kt.lanes)) +
+         align16(kTileKeys * cpu::odd_line_stride(m_pad));
+}
+
+// (The AMX form's buffers fit in the fp32 form's: its query takes
+// round_up(H, 16) * 64 floats, its keys kTileKeys * 64, its scores
+// kTileKeys * round_up(H, 16).)
+IndexerScratch indexer_scratch(const cpu::KernelTable& kt, const IndexerParams& p, float* base) {
   const int64_t H = p.n_heads, D = p.head_dim;
+  IndexerScratch x;
+  x.d_pad = cpu::round_up(D, kt.lanes);
+  x.m_pad = cpu::round_up(H, kt.lanes);
+  x.ss = cpu::odd_line_stride(x.m_pad);
+  x.qt = base;
+  x.w = x.qt + align16(cpu::round_up(H, kt.qk_block_cols) * D);
+  x.keys = x.w + align16(H);
+  x.s = x.keys + align16(kTileKeys * x.d_pad);
+  x.amx = uses_amx(p);
+  return x;
+}
+
+// Query row (b, t) dequantized (in the AMX form: its codes) into x.qt and
+// its weights into x.w.
+void load_query(const cpu::KernelTable& kt, const IndexerParams& p, int64_t b, int64_t t,
+                const IndexerScratch& x) {
+  const float* lut = fp8_table();
+  const uint8_t* qc = p.q_codes + b * p.q_codes_stride.batch + t * p.q_codes_stride.row;
+  const float* qs = p.q_scales + b * p.q_scales_stride.batch + t * p.q_scales_stride.row;
+  if (x.amx) {
+    const int64_t H = p.n_heads, Hp = cpu::round_up(H, 16);
+    uint16_t* q = reinterpret_cast<uint16_t*>(x.qt);
+    for (int64_t h = 0; h < Hp; ++h)
+      for (int64_t c = 0; c < kAmxIndexerDim; ++c)
+        q[indexer_amx_query_index(h, c)] =
+            h < H
+                ? float_to_bf16(lut[qc[h * p.q_codes_stride.head + c * p.q_codes_stride.dim]]).bits
+                : uint16_t{0};
+    const float* w = p.weights + b * p.weights_stride.batch + t * p.weights_stride.row;
+    for (int64_t h = 0; h < Hp; ++h)
+      x.w[h] = h < H ? w[h * p.weights_stride.col] * qs[h * p.q_scales_stride.head] : 0.0f;
+    return;
+  }
+  pack_transposed(
+      p.n_heads, p.head_dim, kt.qk_block_cols,
+      [&](int64_t h, int64_t c) {
+        return lut[qc[h * p.q_codes_stride.head + c * p.q_codes_stride.dim]] *
+               qs[h * p.q_scales_stride.head + (c / kIndexerBlock) * p.q_scales_stride.dim];
+      },
+      x.qt);
   const float* w = p.weights + b * p.weights_stride.batch + t * p.weights_stride.row;
-  for (int64_t s = s0; s < s1; ++s) {
-    const uint8_t* kc = p.k_codes + b * p.k_codes_stride.batch + s * p.k_codes_stride.row;
-    const float* ks = p.k_scales + b * p.k_scales_stride.batch + s * p.k_scales_stride.row;
-    for (int64_t c = 0; c < D; ++c) kv[c] = lut[kc[c * p.k_codes_stride.col]];
-    fns.indexer_key(qt, kv, ks, p.k_scales_stride.col, H, D, acc, dot);
-    float total = 0.0f;
-    for (int64_t h = 0; h < H; ++h) total += w[h * p.weights_stride.col] * std::max(dot[h], 0.0f);
-    score[s] = finite_or_lowest(total);
+  for (int64_t h = 0; h < p.n_heads; ++h) x.w[h] = w[h * p.weights_stride.col];
+}
+
+// True when n contiguous codes hold one of E4M3's NaN codes (0x7f, 0xff).
+// The tables' decoders move the bits into binary16, which reads them as
+// 480; the reference's score of such a key is NaN, hence -inf. Byte
+// arithmetic that vectorizes: (code & 0x7f) + 1 has bit 7 set only for NaN.
+bool has_nan_code(const uint8_t* codes, int64_t n) {
+  uint8_t any = 0;
+  for (int64_t c = 0; c < n; ++c) any |= static_cast<uint8_t>((codes[c] & 0x7f) + 1);
+  return (any & 0x80) != 0;
+}
+
+// Scores of keys [s0, s1) for the query row in x, into score[s].
+void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int64_t b,
+                         const IndexerScratch& x, int64_t s0, int64_t s1, float* score) {
+  const int64_t H = p.n_heads, D = p.head_dim;
+  // The table's decoder wants unit-stride codes and, past one block, unit-
+  // stride scales; other views take the portable loop.
+  const bool dequant =
+      p.k_codes_stride.col == 1 && (D == kIndexerBlock || p.k_scales_stride.col == 1);
+  const float* lut = fp8_table();
+  for (int64_t n0 = s0; n0 < s1; n0 += kTileKeys) {
+    const int64_t n = std::min(kTileKeys, s1 - n0);
+    const uint8_t* kc = p.k_codes + b * p.k_codes_stride.batch + n0 * p.k_codes_stride.row;
+    const float* ks = p.k_scales + b * p.k_scales_stride.batch + n0 * p.k_scales_stride.row;
+    if (x.amx) {
+      indexer_amx_scores(kc, p.k_codes_stride.row, n, reinterpret_cast<const uint16_t*>(x.qt), H,
+                         x.w, ks, p.k_scales_stride.row, reinterpret_cast<uint16_t*>(x.keys), x.s,
+                         score + n0);
+      continue;
+    }
+    if (dequant) {
+      kt.dequant_f32(kc, p.k_codes_stride.row, n, D, ks, p.k_scales_stride.row, kIndexerBlock, true,
+                     x.keys, x.d_pad, 0);
+    } else {
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t c = 0; c < D; ++c)
+          x.keys[r * x.d_pad + c] =
+              lut[kc[r * p.k_codes_stride.row + c * p.k_codes_stride.col]] *
+              ks[r * p.k_scales_stride.row + (c / kIndexerBlock) * p.k_scales_stride.col];
+    }
+    kt.qk_f32(x.keys, x.d_pad, n, D, x.qt, x.m_pad, x.s, x.ss, 0, nullptr);
+    for (int64_t r = 0; r < n; ++r) {
+      // sum_h w[h] ReLU(s[r][h]) over 8 independent lanes, so that it
+      // vectorizes without reassociating a sum.
+      const float* row = x.s + r * x.ss;
+      float lanes[8] = {};
+      int64_t h = 0;
+      for (; h + 8 <= H; h += 8)
+        for (int l = 0; l < 8; ++l) lanes[l] += x.w[h + l] * std::max(row[h + l], 0.0f);
+      float total = 0.0f;
+      for (; h < H; ++h) total += x.w[h] * std::max(row[h], 0.0f);
+      for (int l = 0; l < 8; ++l) total += lanes[l];
+      score[n0 + r] = dequant && has_nan_code(kc + r * p.k_codes_stride.row, D)
+                          ? -std::numeric_limits<float>::infinity()
+                          : finite_or_lowest(total);
+    }
   }
 }
 
@@ -266,38 +349,42 @@ Status run_indexer(const IndexerParams& p, Backend backend) {
       for (int64_t t = 0; t < p.seqlen_q; ++t) indexer_row_ref(p, b, t, score.get(), order.get());
     return Status::Ok();
   }
-  // Per worker: qt [D, H], acc [H], dot [H], kv [D], score [S], order [S].
-  const int64_t per = D * H + 2 * H + D;
+  const cpu::KernelTable& kt = active_kernels();
+  const int64_t per = indexer_scratch_floats(kt, H, D);
   std::unique_ptr<float[]> fbuf, score;
   std::unique_ptr<int32_t[]> order;
   if (!alloc(&fbuf, per * threads) || !alloc(&score, S * threads) || !alloc(&order, S * threads))
     return no_memory("the indexer's scratch");
-  const auto slot = [&](int w) { return fbuf.get() + static_cast<int64_t>(w) * per; };
+  const auto slot = [&](int w) {
+    return indexer_scratch(kt, p, fbuf.get() + static_cast<int64_t>(w) * per);
+  };
   if (rows >= threads) {
     // Prefill (or a batch of decodes): whole rows per task, longest first.
     parallel_for(rows, threads, [&](int64_t task, int worker) {
       const int64_t r = rows - 1 - task, b = r / p.seqlen_q, t = r % p.seqlen_q;
-      float* qt = slot(worker);
+      const IndexerScratch x = slot(worker);
       float* sc = score.get() + static_cast<int64_t>(worker) * S;
-      load_query_transposed(p, b, t, qt);
-      indexer_scores_fast(p, b, t, qt, 0, S - p.seqlen_q + t + 1, qt + D * H, qt + D * H + H,
-                          qt + D * H + 2 * H, sc);
+      load_query(kt, p, b, t, x);
+      indexer_scores_fast(kt, p, b, x, 0, S - p.seqlen_q + t + 1, sc);
       finish_row_fast(p, b, t, sc, order.get() + static_cast<int64_t>(worker) * S);
     });
     return Status::Ok();
   }
-  // Fewer rows than threads (a decode step): split each row's keys.
+  // Fewer rows than threads (a decode step): split each row's keys, in
+  // whole tiles.
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = r / p.seqlen_q, t = r % p.seqlen_q, visible = S - p.seqlen_q + t + 1;
-    float* qt = slot(0);
-    load_query_transposed(p, b, t, qt);
-    const int64_t chunk = std::max<int64_t>(256, (visible + 4 * threads - 1) / (4 * threads));
-    const int64_t tasks = (visible + chunk - 1) / chunk;
+    const IndexerScratch first = slot(0);
+    load_query(kt, p, b, t, first);
+    const int64_t chunk =
+        cpu::round_up(std::max<int64_t>(256, cpu::ceil_div(visible, 4 * threads)), kTileKeys);
+    const int64_t tasks = cpu::ceil_div(visible, chunk);
     parallel_for(tasks, threads, [&](int64_t task, int worker) {
-      float* own = slot(worker);
+      IndexerScratch own = slot(worker);
+      own.qt = first.qt;  // the row's query and weights, shared read-only
+      own.w = first.w;
       const int64_t s0 = task * chunk, s1 = std::min(visible, s0 + chunk);
-      indexer_scores_fast(p, b, t, qt, s0, s1, own + D * H, own + D * H + H, own + D * H + 2 * H,
-                          score.get());
+      indexer_scores_fast(kt, p, b, own, s0, s1, score.get());
     });
     finish_row_fast(p, b, t, score.get(), order.get());
   }
@@ -369,116 +456,148 @@ void sparse_ref(const AttentionParams& p, const KeyIndices& idx, double* s, doub
     }
 }
 
-// Row r of k (value = false) or v for kv head kvh as fp32: in place when the
-// cache is fp32 with unit channel stride, else widened into buf.
-const float* load_row(const AttentionParams& p, bool value, int64_t b, int64_t r, int64_t kvh,
-                      int64_t n, float* buf) {
+// Row r of k (value = false) or v, kv head kvh, first n channels, as fp32
+// into dst: copied, widened or decoded once for all the heads of a tile.
+void load_row(const cpu::KernelTable& kt, const AttentionParams& p, bool value, int64_t b,
+              int64_t r, int64_t kvh, int64_t n, float* dst) {
   const Strides4& st = value ? p.v_stride : p.k_stride;
   const int64_t base = b * st.batch + r * st.row + kvh * st.head;
-  if (p.kv_dtype == DType::kF32 && st.dim == 1)
-    return static_cast<const float*>(value ? p.v : p.k) + base;
-  for (int64_t c = 0; c < n; ++c)
-    buf[c] = static_cast<float>(kv_element(p, value, base + c * st.dim, b, r, kvh, c));
-  return buf;
+  if (st.dim == 1 && p.kv_dtype == DType::kF32) {
+    const float* src = static_cast<const float*>(value ? p.v : p.k) + base;
+    std::copy(src, src + n, dst);
+  } else if (st.dim == 1 && p.kv_dtype == DType::kBF16) {
+    const uint16_t* src = static_cast<const uint16_t*>(value ? p.v : p.k) + base;
+    kt.widen_bf16(src, 0, 1, n, dst, cpu::round_up(n, kt.lanes), 0);
+  } else {
+    for (int64_t c = 0; c < n; ++c)
+      dst[c] = static_cast<float>(kv_element(p, value, base + c * st.dim, b, r, kvh, c));
+  }
+}
+
+// Values that are the first head_dim_v features of the key rows (MLA's
+// absorbed form: value = the latent, key = latent + rope) come from the
+// key tile. 8-bit caches, whose value scales lie apart, load both.
+bool values_in_keys(const AttentionParams& p) {
+  return (p.kv_dtype == DType::kF32 || p.kv_dtype == DType::kBF16) && p.v == p.k &&
+         p.head_dim_v <= p.head_dim && p.v_stride.batch == p.k_stride.batch &&
+         p.v_stride.row == p.k_stride.row && p.v_stride.head == p.k_stride.head &&
+         p.v_stride.dim == p.k_stride.dim;
+}
+
+// One worker's scratch of the fast sparse attention, for tasks of at most
+// hc heads.
+struct SparseScratch {
+  float* qt;       // [round_up(hc, w) / w][D][w]: the heads' queries, scaled, transposed
+  float* keys;     // [kTileKeys][d_pad]: a tile of chosen key rows
+  float* values;   // [kTileKeys][dv_pad]: their value rows (= keys when values_in_keys)
+  float* s;        // [kTileKeys][ss]: scores, then weights
+  float* o;        // [hc][dv_pad]: unnormalised outputs
+  float* row_max;  // [m_pad]
+  float* row_sum;  // [m_pad]
+  float* alpha;    // [m_pad]
+  int64_t d_pad, dv_pad, m_pad, ss, v_stride;
+};
+
+// The layout from `base` (nullptr: only the size), its size in *floats.
+SparseScratch sparse_scratch(const cpu::KernelTable& kt, const AttentionParams& p, int64_t hc,
+                             bool shared_v, float* base, int64_t* floats) {
+  SparseScratch x;
+  x.d_pad = cpu::round_up(p.head_dim, kt.lanes);
+  x.dv_pad = cpu::round_up(p.head_dim_v, kt.lanes);
+  x.m_pad = cpu::round_up(hc, kt.lanes);
+  x.ss = cpu::odd_line_stride(x.m_pad);
+  x.v_stride = shared_v ? x.d_pad : x.dv_pad;
+  int64_t at = 0;
+  const auto take = [&](int64_t n) {
+    float* start = base == nullptr ? nullptr : base + at;
+    at += align16(n);
+    return start;
+  };
+  x.qt = take(cpu::round_up(hc, kt.qk_block_cols) * p.head_dim);
+  x.keys = take(kTileKeys * x.d_pad);
+  x.values = shared_v ? x.keys : take(kTileKeys * x.dv_pad);
+  x.s = take(kTileKeys * x.ss);
+  x.o = take(hc * x.dv_pad);
+  x.row_max = take(x.m_pad);
+  x.row_sum = take(x.m_pad);
+  x.alpha = take(x.m_pad);
+  *floats = at;
+  return x;
 }
 
 }  // namespace
 
 Status run_sparse_attention(const AttentionParams& p, const KeyIndices& idx, Backend backend) {
   if (p.batch == 0 || p.seqlen_q == 0 || p.num_heads == 0) return Status::Ok();
-  const int64_t D = p.head_dim, Dv = p.head_dim_v, K = std::max<int64_t>(idx.topk, 1);
+  const int64_t D = p.head_dim, Dv = p.head_dim_v;
   if (resolve_backend(backend) == Backend::kReference) {
     std::unique_ptr<double[]> s, acc;
-    if (!alloc(&s, K) || !alloc(&acc, Dv)) return no_memory("the reference's scores");
+    if (!alloc(&s, std::max<int64_t>(idx.topk, 1)) || !alloc(&acc, Dv))
+      return no_memory("the reference's scores");
     sparse_ref(p, idx, s.get(), acc.get());
     return Status::Ok();
   }
+  const cpu::KernelTable& kt = active_kernels();
   const int threads = resolve_num_threads(p.num_threads);
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t units = p.batch * p.seqlen_q * p.num_kv_heads;
-  // Split the heads of a group until there are a few tasks per thread (a
-  // decode step of MLA's absorbed form has one kv head and 128 heads).
-  int64_t hc = group;
-  while (hc > 8 && units * ((group + hc - 1) / hc) < 4 * threads) hc = (hc + 1) / 2;
-  const int64_t chunks = (group + hc - 1) / hc;
-  // Per worker: s [hc, K], acc [hc, Dv], qf [hc, D] (q with unit stride),
-  // rows [4, max(D, Dv)] (key or value rows widened to fp32, when not fp32).
-  const int64_t per = hc * K + hc * Dv + hc * D + 4 * std::max(D, Dv);
+  // All of a group's heads in one task, unless there are fewer units than
+  // threads (a decode step of absorbed MLA: one kv head, 128 heads): then
+  // the heads split into one block per thread, whole vectors each. Every
+  // block reads all the chosen rows, so no more blocks than that.
+  const int64_t blocks =
+      std::clamp<int64_t>(cpu::ceil_div(threads, units), 1, cpu::ceil_div(group, kt.lanes));
+  const int64_t hc = cpu::round_up(cpu::ceil_div(group, blocks), kt.lanes);
+  const int64_t chunks = cpu::ceil_div(group, hc);
+  const bool shared_v = values_in_keys(p);
+  int64_t per = 0;
+  sparse_scratch(kt, p, hc, shared_v, nullptr, &per);
   std::unique_ptr<float[]> buf;
   if (!alloc(&buf, per * threads)) return no_memory("the sparse attention's scratch");
-  const Loops fns = loops();
+  const float ninf = -std::numeric_limits<float>::infinity();
   parallel_for(units * chunks, threads, [&](int64_t task, int worker) {
     const int64_t chunk = task % chunks, u = task / chunks;
     const int64_t kvh = u % p.num_kv_heads, bi = u / p.num_kv_heads;
     const int64_t b = bi / p.seqlen_q, i = bi % p.seqlen_q;
     if (i >= p.rows_of(b)) return;
     const int64_t h0 = kvh * group + chunk * hc, nh = std::min(hc, (kvh + 1) * group - h0);
-    float* s = buf.get() + static_cast<int64_t>(worker) * per;
-    float* acc = s + hc * K;
-    float* qf = acc + hc * Dv;
-    float* row = qf + hc * D;
-    for (int64_t g = 0; g < nh; ++g) {
-      const float* q = q_ptr(p, b, i, h0 + g);
-      for (int64_t c = 0; c < D; ++c) qf[g * D + c] = q[c * p.q_stride.dim];
-    }
+    int64_t unused = 0;
+    const SparseScratch x = sparse_scratch(kt, p, hc, shared_v,
+                                           buf.get() + static_cast<int64_t>(worker) * per, &unused);
+    const int64_t m_pad = cpu::round_up(nh, kt.lanes);
+    pack_transposed(
+        nh, D, kt.qk_block_cols,
+        [&](int64_t g, int64_t c) { return q_ptr(p, b, i, h0 + g)[c * p.q_stride.dim] * p.scale; },
+        x.qt);
+    std::fill(x.o, x.o + nh * x.dv_pad, 0.0f);
+    std::fill(x.row_max, x.row_max + m_pad, ninf);
+    std::fill(x.row_sum, x.row_sum + m_pad, 0.0f);
     const int32_t* sel = idx.data + b * idx.stride.batch + i * idx.stride.row;
-    const float ninf = -std::numeric_limits<float>::infinity();
-    for (int64_t n = 0; n < idx.topk; ++n) {
-      const int32_t j = sel[n * idx.stride.col];
-      if (j < 0) {
-        for (int64_t g = 0; g < nh; ++g) s[g * K + n] = ninf;
-        continue;
+    for (int64_t n = 0; n < idx.topk;) {
+      // The next tile of chosen rows (unused slots, -1, skipped).
+      int64_t count = 0;
+      for (; n < idx.topk && count < kTileKeys; ++n) {
+        const int32_t j = sel[n * idx.stride.col];
+        if (j < 0) continue;
+        const int64_t r = p.key_row(b, j);
+        load_row(kt, p, false, b, r, kvh, D, x.keys + count * x.d_pad);
+        if (!shared_v) load_row(kt, p, true, b, r, kvh, Dv, x.values + count * x.dv_pad);
+        ++count;
       }
-      const float* k = load_row(p, false, b, p.key_row(b, j), kvh, D, row);
-      fns.score_heads(qf, k, D, nh, K, p.scale, s + n);
-      if (p.softcap > 0.0f)
-        for (int64_t g = 0; g < nh; ++g)
-          s[g * K + n] = p.softcap * std::tanh(s[g * K + n] / p.softcap);
+      if (count == 0) break;
+      kt.qk_f32(x.keys, x.d_pad, count, D, x.qt, m_pad, x.s, x.ss, 0, nullptr);
+      if (p.softcap > 0.0f) kt.softcap(x.s, count, m_pad, x.ss, p.softcap);
+      kt.softmax(x.s, count, m_pad, x.ss, x.row_max, x.row_sum, x.alpha);
+      kt.pv_f32(x.s, count, x.ss, nh, x.values, x.v_stride, Dv, x.o, x.dv_pad, x.alpha, 0, nullptr);
     }
-    std::fill(acc, acc + nh * Dv, 0.0f);
-    float sums[8];
-    for (int64_t g0 = 0; g0 < nh; g0 += 8) {
-      const int64_t gn = std::min<int64_t>(8, nh - g0);
-      float m[8];
-      for (int64_t g = 0; g < gn; ++g) {
-        m[g] = ninf;
-        for (int64_t n = 0; n < idx.topk; ++n) m[g] = std::max(m[g], s[(g0 + g) * K + n]);
-        sums[g] = 0.0f;
-        for (int64_t n = 0; n < idx.topk; ++n) {
-          float& e = s[(g0 + g) * K + n];
-          e = m[g] == ninf ? 0.0f : std::exp(e - m[g]);
-          sums[g] += e;
-        }
-        write_lse(p, b, i, h0 + g0 + g,
-                  sums[g] > 0.0f
-                      ? static_cast<double>(m[g]) + std::log(static_cast<double>(sums[g]))
-                      : -std::numeric_limits<double>::infinity());
-      }
-      for (int64_t g = 0; g < gn; ++g) {
-        // Normalise the weights now, so the output is the plain weighted sum.
-        const float inv = sums[g] > 0.0f ? 1.0f / sums[g] : 0.0f;
-        for (int64_t n = 0; n < idx.topk; ++n) s[(g0 + g) * K + n] *= inv;
-      }
-    }
-    // Values four keys at a time (each head's accumulator row is then
-    // read and written once per four keys), the remainder one by one.
-    const float* vrows[4];
-    const float* wcols[4];
-    int held = 0;
-    for (int64_t n = 0; n < idx.topk; ++n) {
-      const int32_t j = sel[n * idx.stride.col];
-      if (j < 0) continue;
-      vrows[held] = load_row(p, true, b, p.key_row(b, j), kvh, Dv, row + held * std::max(D, Dv));
-      wcols[held] = s + n;
-      if (++held == 4) {
-        fns.accumulate_heads4(wcols, K, vrows, Dv, nh, acc);
-        held = 0;
-      }
-    }
-    for (int r = 0; r < held; ++r) fns.accumulate_heads(wcols[r], K, vrows[r], Dv, nh, acc);
     for (int64_t g = 0; g < nh; ++g) {
+      const float sum = x.row_sum[g];
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       float* o = out_ptr(p, b, i, h0 + g);
-      for (int64_t c = 0; c < Dv; ++c) o[c * p.out_stride.dim] = acc[g * Dv + c];
+      for (int64_t c = 0; c < Dv; ++c) o[c * p.out_stride.dim] = x.o[g * x.dv_pad + c] * inv;
+      write_lse(p, b, i, h0 + g,
+                sum > 0.0f ? static_cast<double>(x.row_max[g]) + std::log(static_cast<double>(sum))
+                           : -std::numeric_limits<double>::infinity());
     }
   });
   return Status::Ok();

@@ -840,6 +840,206 @@ TEST(SparseKernels, EverySimdTargetMatchesTheReference) {
   set_simd_target(saved);
 }
 
+// Shapes that reach every fast form of the indexer on every SIMD target:
+// 128 features (AMX on avx512bf16 where the CPU and OS allow it, else
+// fp32 tiles) and 256 (two scale blocks, fp32 tiles); heads that fill four
+// 16-head blocks, leave one partly empty, or need a second group of four;
+// key counts that end in partial 64- and 16-key tiles; one query row
+// (decode: its keys split over the threads) and several (rows over the
+// threads).
+TEST(LightningIndexer, EveryTargetAndTileShapeMatchesAFloat64Loop) {
+  const SimdTarget saved = simd_target();
+  struct Shape {
+    int64_t T, S, H, D;
+  };
+  for (const Shape sh : {Shape{1, 1000, 64, 128}, Shape{3, 300, 40, 128}, Shape{2, 150, 80, 128},
+                         Shape{1, 77, 24, 256}}) {
+    const int64_t T = sh.T, S = sh.S, H = sh.H, D = sh.D, topk = 20;
+    IndexerInputs in = random_indexer(1, T, S, H, D, static_cast<uint64_t>(31 + H));
+    std::vector<double> want(size_t(T * S)), bound(size_t(T * S));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t s = 0; s < S - T + t + 1; ++s) {
+        double total = 0.0, magnitude = 0.0;
+        for (int64_t h = 0; h < H; ++h) {
+          double dot = 0.0, abs_dot = 0.0;
+          for (int64_t c = 0; c < D; ++c) {
+            const double term = double(fp8_e4m3_to_float(in.qc[size_t((t * H + h) * D + c)])) *
+                                in.qs[size_t((t * H + h) * (D / 128) + c / 128)] *
+                                fp8_e4m3_to_float(in.kc[size_t(s * D + c)]) *
+                                in.ks[size_t(s * (D / 128) + c / 128)];
+            dot += term;
+            abs_dot += std::fabs(term);
+          }
+          const double wh = in.w[size_t(t * H + h)];
+          total += wh * std::max(dot, 0.0);
+          magnitude += std::fabs(wh) * abs_dot;
+        }
+        want[size_t(t * S + s)] = total;
+        bound[size_t(t * S + s)] = 1e-5 * magnitude + 1e-30;
+      }
+    std::vector<int32_t> ref(size_t(T * topk));
+    ASSERT_TRUE(run_indexer(in, topk, ref, nullptr, Backend::kReference).ok());
+    for (SimdTarget target : kAllSimdTargets) {
+      if (!set_simd_target(target)) continue;
+      const std::string where = std::string(simd_target_name(target)) + " T" + std::to_string(T) +
+                                " S" + std::to_string(S) + " H" + std::to_string(H) + " D" +
+                                std::to_string(D);
+      std::vector<int32_t> idx(ref.size(), 99);
+      std::vector<float> scores(size_t(T * S));
+      ASSERT_TRUE(run_indexer(in, topk, idx, &scores, Backend::kFast).ok()) << where;
+      EXPECT_EQ(idx, ref) << where;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t s = 0; s < S - T + t + 1; ++s)
+          ASSERT_NEAR(scores[size_t(t * S + s)], want[size_t(t * S + s)], bound[size_t(t * S + s)])
+              << where << " row " << t << " key " << s;
+    }
+  }
+  set_simd_target(saved);
+}
+
+// E4M3's NaN codes (0x7f, 0xff) make a key's score NaN in the reference,
+// so -inf: never chosen ahead of a finite score. The tile forms decode
+// codes through binary16, which reads them as 480, and must mark them.
+TEST(LightningIndexer, NanKeyCodesScoreMinusInfinityOnEveryTarget) {
+  const SimdTarget saved = simd_target();
+  for (const int64_t D : {128, 256}) {
+    IndexerInputs in = random_indexer(1, 2, 100, 20, D, 77);
+    in.kc[size_t(5 * D + 3)] = 0x7f;
+    in.kc[size_t(70 * D + D - 1)] = 0xff;
+    for (SimdTarget target : kAllSimdTargets) {
+      if (!set_simd_target(target)) continue;
+      for (Backend be : {Backend::kFast, Backend::kReference}) {
+        std::vector<int32_t> idx(2 * 98);
+        std::vector<float> scores(2 * 100);
+        ASSERT_TRUE(run_indexer(in, 98, idx, &scores, be).ok());
+        for (int64_t t = 0; t < 2; ++t) {
+          EXPECT_EQ(scores[size_t(t * 100 + 5)], -INFINITY) << simd_target_name(target);
+          EXPECT_EQ(scores[size_t(t * 100 + 70)], -INFINITY) << simd_target_name(target);
+          EXPECT_GT(scores[size_t(t * 100 + 6)], -INFINITY);
+        }
+        // Row 1 sees all 100 keys and keeps 98: the two NaN keys are out.
+        const int32_t* row1 = idx.data() + 98;
+        EXPECT_EQ(std::count(row1, row1 + 98, 5) + std::count(row1, row1 + 98, 70), 0)
+            << simd_target_name(target) << " D" << D;
+      }
+    }
+  }
+  set_simd_target(saved);
+}
+
+// Every E4M3 code through each form's key decoder: key s holds code s at
+// one feature and 0 elsewhere, two heads hold +1 and -1 there with weights
+// +1 and -1, so key s scores ReLU(v) - ReLU(-v) = v, the code's value
+// exactly (one nonzero product per head), subnormals and -0 included;
+// the NaN codes score -inf.
+TEST(LightningIndexer, EveryKeyCodeDecodesExactlyOnEveryTarget) {
+  const SimdTarget saved = simd_target();
+  const int64_t S = 256, H = 2, D = 128, at = 37;
+  IndexerInputs in{1,
+                   1,
+                   S,
+                   H,
+                   D,
+                   std::vector<uint8_t>(size_t(H * D), 0),
+                   std::vector<uint8_t>(size_t(S * D), 0),
+                   std::vector<float>(2, 1.0f),
+                   std::vector<float>(size_t(S), 1.0f),
+                   std::vector<float>{1.0f, -1.0f}};
+  in.qc[size_t(at)] = 0x38;      // +1.0
+  in.qc[size_t(D + at)] = 0xb8;  // -1.0
+  for (int64_t s = 0; s < S; ++s) in.kc[size_t(s * D + at)] = static_cast<uint8_t>(s);
+  for (SimdTarget target : kAllSimdTargets) {
+    if (!set_simd_target(target)) continue;
+    for (Backend be : {Backend::kFast, Backend::kReference}) {
+      std::vector<int32_t> idx(4);
+      std::vector<float> scores(static_cast<size_t>(S));
+      ASSERT_TRUE(run_indexer(in, 4, idx, &scores, be).ok());
+      for (int64_t s = 0; s < S; ++s) {
+        const float want = (s & 0x7f) == 0x7f ? -INFINITY : fp8_e4m3_to_float(uint8_t(s));
+        EXPECT_EQ(scores[size_t(s)], want) << simd_target_name(target) << " code " << s;
+      }
+    }
+  }
+  set_simd_target(saved);
+}
+
+// The fast sparse attention's tiles against the double reference on every
+// SIMD target: 128 heads of one kv head in a decode step (split into one
+// block of heads per thread), a head count that leaves a vector partly
+// empty, GQA with values of their own, selections longer than one 64-row
+// tile with unused (-1) slots, f32 and bf16 rows, head dims that are not a
+// multiple of the vector, softcap and the log-sum-exp.
+TEST(SparseKernels, TilesOfManyHeadsAndChosenRowsMatchTheReference) {
+  const SimdTarget saved = simd_target();
+  struct Tiles {
+    int64_t T, H, KH, D, Dv, K;
+    bool values_in_keys, bf16;
+    float softcap;
+    int threads;
+  };
+  const int64_t S = 200;
+  for (const Tiles c : {Tiles{1, 128, 1, 72, 64, 150, true, false, 0.0f, 2},
+                        Tiles{3, 40, 1, 72, 64, 150, true, true, 0.0f, 0},
+                        Tiles{2, 12, 4, 40, 24, 70, false, false, 5.0f, 0},
+                        Tiles{2, 6, 2, 40, 24, 70, false, true, 0.0f, 1}}) {
+    Rng rng(static_cast<uint64_t>(c.H * 7 + c.K));
+    const std::vector<float> q = attnkit_test::uniform_vector(size_t(c.T * c.H * c.D), rng);
+    const int64_t vd = c.values_in_keys ? c.D : c.Dv;
+    const std::vector<float> kf = attnkit_test::uniform_vector(size_t(S * c.KH * c.D), rng);
+    const std::vector<float> vf = attnkit_test::uniform_vector(size_t(S * c.KH * vd), rng);
+    std::vector<bf16> kb(kf.size()), vb(vf.size());
+    for (size_t e = 0; e < kf.size(); ++e) kb[e] = float_to_bf16(kf[e]);
+    for (size_t e = 0; e < vf.size(); ++e) vb[e] = float_to_bf16(vf[e]);
+    const DType dt = c.bf16 ? DType::kBF16 : DType::kF32;
+    const void* kp = c.bf16 ? static_cast<const void*>(kb.data()) : kf.data();
+    const void* vp = c.values_in_keys ? kp
+                     : c.bf16         ? static_cast<const void*>(vb.data())
+                                      : vf.data();
+    TensorView k = make_view(kp, dt, {1, S, c.KH, c.D});
+    TensorView v = make_view(vp, dt, {1, S, c.KH, c.Dv});
+    if (c.values_in_keys) v.strides = k.strides;  // the first Dv features of each key row
+    // Row i sees keys <= S - T + i: distinct ones at random, every 7th slot
+    // unused.
+    std::vector<int32_t> idx(size_t(c.T * c.K));
+    for (int64_t i = 0; i < c.T; ++i) {
+      std::vector<int32_t> keys(size_t(S - c.T + i + 1));
+      std::iota(keys.begin(), keys.end(), 0);
+      for (size_t e = keys.size() - 1; e > 0; --e)
+        std::swap(keys[e], keys[size_t(rng.integer(0, int64_t(e)))]);
+      for (int64_t n = 0; n < c.K; ++n)
+        idx[size_t(i * c.K + n)] = n % 7 == 3 ? -1 : keys[size_t(n)];
+    }
+    AttentionOptions o;
+    o.causal = true;
+    o.softmax_scale = 1.0f / std::sqrt(float(c.D));
+    o.softcap = c.softcap;
+    o.num_threads = c.threads;
+    o.key_indices = make_view(idx.data(), DType::kI32, {1, c.T, c.K});
+    o.backend = Backend::kReference;
+    const TensorView qv = make_view(q.data(), DType::kF32, {1, c.T, c.H, c.D});
+    std::vector<float> ref(size_t(c.T * c.H * c.Dv)), ref_lse(size_t(c.H * c.T));
+    ASSERT_TRUE(sdpa(qv, k, v, make_view(ref.data(), DType::kF32, {1, c.T, c.H, c.Dv}), o,
+                     make_view(ref_lse.data(), DType::kF32, {1, c.H, c.T}))
+                    .ok());
+    o.backend = Backend::kFast;
+    for (SimdTarget target : kAllSimdTargets) {
+      if (!set_simd_target(target)) continue;
+      const std::string where = std::string(simd_target_name(target)) + " H" + std::to_string(c.H) +
+                                "/" + std::to_string(c.KH) + (c.bf16 ? " bf16" : " f32");
+      std::vector<float> out(ref.size(), NAN), lse(ref_lse.size(), NAN);
+      ASSERT_TRUE(sdpa(qv, k, v, make_view(out.data(), DType::kF32, {1, c.T, c.H, c.Dv}), o,
+                       make_view(lse.data(), DType::kF32, {1, c.H, c.T}))
+                      .ok())
+          << where;
+      for (size_t e = 0; e < out.size(); ++e)
+        ASSERT_NEAR(out[e], ref[e], 1e-5) << where << " " << e;
+      for (size_t e = 0; e < lse.size(); ++e)
+        ASSERT_NEAR(lse[e], ref_lse[e], 1e-5) << where << " lse " << e;
+    }
+  }
+  set_simd_target(saved);
+}
+
 TEST(SdpaKeyIndices, EqualsTheMaskedDenseCallAndRefusesBadIndices) {
   const int64_t B = 2, T = 3, S = 40, H = 4, KH = 2, D = 24, Dv = 16, K = 7;
   Rng rng(17);
