@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 
 #include "core/threads.h"
@@ -352,6 +353,23 @@ ATTNKIT_GDR_INLINE void prefetch_lines(const float* p, int64_t n) {
   __builtin_prefetch(p + n - 1);
 }
 
+// The chunked form's phase clocks: NoClock (the kernel: every mark compiles
+// to nothing) and PhaseClock (gated_delta_rule_chunked_timed: the time
+// since the previous mark is added to the phase just finished).
+struct NoClock {
+  ATTNKIT_GDR_INLINE void mark(GdrPhase) {}
+};
+struct PhaseClock {
+  using Steady = std::chrono::steady_clock;
+  Steady::time_point last = Steady::now();
+  double* seconds;  // [kGdrNumPhases]
+  void mark(GdrPhase phase) {
+    const Steady::time_point now = Steady::now();
+    seconds[phase] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
+
 // Below f32's smallest normal a decay is written as 0: its terms are below
 // 1e-38 of the others, and denormal operands would slow every product.
 constexpr double kMinDecay = 1.1754943508222875e-38;
@@ -366,9 +384,9 @@ struct Chunk {
 
 // The chunk's keys transposed into s.kt, then the key-only products, once
 // for the key head's group of value heads: s.kk = K K^T, s.qk = Q K^T.
-template <class V, int R, int NV>
+template <class V, int R, int NV, class Clock>
 ATTNKIT_GDR_INLINE void chunk_keys(const GatedDeltaRuleParams& p, const Chunk& c,
-                                   const ChunkScratch& s) {
+                                   const ChunkScratch& s, Clock& clock) {
   constexpr int64_t C = kGdrChunk;
   const int64_t dk = p.key_head_dim;
   // Row by row: the rows lie a token's width apart (pages apart at
@@ -379,6 +397,7 @@ ATTNKIT_GDR_INLINE void chunk_keys(const GatedDeltaRuleParams& p, const Chunk& c
   }
   if (c.n < C)
     for (int64_t d = 0; d < dk; ++d) std::fill(s.kt + d * C + c.n, s.kt + (d + 1) * C, 0.0f);
+  clock.mark(kGdrPhasePack);
   Product kk;
   kk.a1 = c.k0;
   kk.lda1 = p.k_stride;
@@ -393,6 +412,7 @@ ATTNKIT_GDR_INLINE void chunk_keys(const GatedDeltaRuleParams& p, const Chunk& c
   qk.lda1 = p.q_stride;
   qk.c = s.qk;
   for_tiles<R, NV>(ProductTiles<V>{qk}, c.n, C / lanes<V>);
+  clock.mark(kGdrPhaseKeyProducts);
 }
 
 // Value head h (the hi-th of its group) over the chunk: eg[i] = exp(G_i),
@@ -449,10 +469,10 @@ ATTNKIT_GDR_INLINE void chunk_decays(const GatedDeltaRuleParams& p, const Chunk&
 
 // Value head hi of the group over the chunk, from its state S ([dk, dvp],
 // S0 in, the chunk's end out): the deltas U, the outputs O, the new S.
-template <class V, int R, int NV>
+template <class V, int R, int NV, class Clock>
 ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Chunk& c, int64_t hi,
                                          const ChunkScratch& s, float* S, const float* eg,
-                                         const double* drow) {
+                                         const double* drow, Clock& clock) {
   constexpr int64_t C = kGdrChunk;
   const int64_t dk = p.key_head_dim, dv = p.value_head_dim, dvp = padded(dv), nv = dvp / lanes<V>;
   const int64_t H = p.num_v_heads, h = c.kh * (H / p.num_k_heads) + hi;
@@ -474,7 +494,9 @@ ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Ch
     float* ui = s.u + i * dvp;
     for (int64_t j = 0; j < dv; ++j) ui[j] = bi * (vi[j] - ei * ui[j]);
   }
+  clock.mark(kGdrPhaseKS0);
   for_tiles<R, NV>(SolveTiles<V>{s.nl, C, s.u, dvp}, c.n, nv);
+  clock.mark(kGdrPhaseSolve);
 
   // O = exp(G) * (Q S0) + lower-incl(D * Q K^T) U.
   Product o;
@@ -494,6 +516,7 @@ ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Ch
   o.ldc = p.out_stride;
   o.width = dv;
   for_tiles<R, NV>(ProductTiles<V>{o}, c.n, nv);
+  clock.mark(kGdrPhaseOutput);
 
   // S = exp(G_n-1) S0 + K^T (D[n-1][:] * U).
   for (int64_t j = 0; j < c.n; ++j) {
@@ -511,13 +534,14 @@ ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Ch
   st.ldc = st.width = dvp;
   st.keep = eg[c.n - 1];  // 0 (total forgetting) overwrites S0
   for_tiles<R, NV>(ProductTiles<V>{st}, dk, nv);
+  clock.mark(kGdrPhaseState);
 }
 
 // Key head kh of sequence b and its r value heads, chunk by chunk, their
 // states in s.s (padded to dvp columns) meanwhile; R x NV the target's tile.
-template <class V, int R, int NV>
+template <class V, int R, int NV, class Clock>
 ATTNKIT_GDR_INLINE void chunked_group_impl(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
-                                           const ChunkScratch& s) {
+                                           const ChunkScratch& s, Clock& clock) {
   constexpr int64_t C = kGdrChunk;
   const int64_t dk = p.key_head_dim, dv = p.value_head_dim, dvp = padded(dv);
   const int64_t H = p.num_v_heads, r = H / p.num_k_heads;
@@ -537,14 +561,16 @@ ATTNKIT_GDR_INLINE void chunked_group_impl(const GatedDeltaRuleParams& p, int64_
                   row0,
                   p.q + row0 * p.q_stride + kh * dk,
                   p.k + row0 * p.k_stride + kh * dk};
-    chunk_keys<V, R, NV>(p, c, s);
+    chunk_keys<V, R, NV>(p, c, s, clock);
     for (int64_t hi = 0; hi < r; ++hi) {
       chunk_decays(p, c, hi, s, eg.data(), drow.data());
-      chunk_value_head<V, R, NV>(p, c, hi, s, s.s + hi * dk * dvp, eg.data(), drow.data());
+      clock.mark(kGdrPhaseDecays);
+      chunk_value_head<V, R, NV>(p, c, hi, s, s.s + hi * dk * dvp, eg.data(), drow.data(), clock);
     }
   }
   for (int64_t d = 0; d < r * dk; ++d)
     std::copy(s.s + d * dvp, s.s + d * dvp + dv, states + d * dv);
+  clock.mark(kGdrPhasePack);
 }
 
 // Tiles: 4 rows x 4 zmm on AVX-512 (16 sums of its 32 registers, loads
@@ -552,17 +578,20 @@ ATTNKIT_GDR_INLINE void chunked_group_impl(const GatedDeltaRuleParams& p, int64_
 // xmm on the baseline (8 of 16). Each target's own vector width: GCC keeps
 // 64-byte vectors on AVX2 in memory, and a tile of them ran at a tenth of
 // the AVX-512 tile's rate.
+template <class Clock>
 ATTNKIT_GDR_AVX512 void chunked_group_avx512(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
-                                             const ChunkScratch& s) {
-  chunked_group_impl<V16, 4, 4>(p, b, kh, s);
+                                             const ChunkScratch& s, Clock& clock) {
+  chunked_group_impl<V16, 4, 4>(p, b, kh, s, clock);
 }
+template <class Clock>
 ATTNKIT_GDR_AVX2 void chunked_group_avx2(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
-                                         const ChunkScratch& s) {
-  chunked_group_impl<V8, 6, 2>(p, b, kh, s);
+                                         const ChunkScratch& s, Clock& clock) {
+  chunked_group_impl<V8, 6, 2>(p, b, kh, s, clock);
 }
+template <class Clock>
 void chunked_group_scalar(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
-                          const ChunkScratch& s) {
-  chunked_group_impl<V4, 4, 2>(p, b, kh, s);
+                          const ChunkScratch& s, Clock& clock) {
+  chunked_group_impl<V4, 4, 2>(p, b, kh, s, clock);
 }
 
 bool avx512(SimdTarget t) { return t == SimdTarget::kAvx512 || t == SimdTarget::kAvx512Bf16; }
@@ -585,9 +614,9 @@ void gated_delta_rule_recurrent(const GatedDeltaRuleParams& p, int threads, Simd
 
 void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int threads, SimdTarget target,
                               float* scratch) {
-  auto group = avx512(target)                ? chunked_group_avx512
-               : target == SimdTarget::kAvx2 ? chunked_group_avx2
-                                             : chunked_group_scalar;
+  auto group = avx512(target)                ? chunked_group_avx512<NoClock>
+               : target == SimdTarget::kAvx2 ? chunked_group_avx2<NoClock>
+                                             : chunked_group_scalar<NoClock>;
   // One pointer captured: std::function keeps it without allocating.
   const struct {
     const GatedDeltaRuleParams& p;
@@ -598,8 +627,34 @@ void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int threads, SimdTa
   parallel_for(p.batch * p.num_k_heads, threads, [c = &ctx](int64_t task, int worker) {
     ChunkScratch s;
     chunk_floats(c->p, &s, c->scratch + static_cast<size_t>(worker) * c->per_worker);
-    c->run(c->p, task / c->p.num_k_heads, task % c->p.num_k_heads, s);
+    NoClock clock;
+    c->run(c->p, task / c->p.num_k_heads, task % c->p.num_k_heads, s, clock);
   });
+}
+
+void gated_delta_rule_chunked_timed(const GatedDeltaRuleParams& p, SimdTarget target,
+                                    float* scratch, double* seconds) {
+  auto group = avx512(target)                ? chunked_group_avx512<PhaseClock>
+               : target == SimdTarget::kAvx2 ? chunked_group_avx2<PhaseClock>
+                                             : chunked_group_scalar<PhaseClock>;
+  ChunkScratch s;
+  chunk_floats(p, &s, scratch);
+  std::fill_n(seconds, kGdrNumPhases, 0.0);
+  for (int64_t task = 0; task < p.batch * p.num_k_heads; ++task) {
+    PhaseClock clock{.seconds = seconds};
+    group(p, task / p.num_k_heads, task % p.num_k_heads, s, clock);
+  }
+}
+
+const char* gdr_phase_name(GdrPhase phase) {
+  static constexpr const char* kNames[kGdrNumPhases] = {"pack (keys transposed, states in/out)",
+                                                        "K K^T and Q K^T",
+                                                        "decays (D, -L, D*QK^T)",
+                                                        "K S0 and the right-hand side",
+                                                        "triangular solve (U)",
+                                                        "outputs (Q S0 + A U)",
+                                                        "state update (K^T U)"};
+  return kNames[phase];
 }
 
 }  // namespace attnkit::kernels::cpu

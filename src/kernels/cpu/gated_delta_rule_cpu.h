@@ -55,4 +55,26 @@ void gated_delta_rule_recurrent(const GatedDeltaRuleParams& p, int threads, Simd
 void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int threads, SimdTarget target,
                               float* scratch);
 
+// The chunked form's phases, in the order a chunk runs them (a key head's
+// keys once, then per value head the rest).
+enum GdrPhase : int {
+  kGdrPhasePack,         // the keys transposed into scratch; states into / out of scratch
+  kGdrPhaseKeyProducts,  // K K^T and Q K^T
+  kGdrPhaseDecays,       // D, -L and D * Q K^T (and the next chunk's prefetches)
+  kGdrPhaseKS0,          // K S0 and the solve's right-hand side
+  kGdrPhaseSolve,        // the forward substitution for U
+  kGdrPhaseOutput,       // exp(G) * (Q S0) + lower-incl(D * Q K^T) U
+  kGdrPhaseState,        // the state update K^T (D[n-1][:] * U)
+  kGdrNumPhases
+};
+const char* gdr_phase_name(GdrPhase phase);
+
+// The chunked form on the calling thread alone, with a clock read between
+// phases: `seconds` [kGdrNumPhases] gets each phase's wall time summed over
+// every task (bench/gated_delta_rule_bench.cc prints the split). The
+// results are those of gated_delta_rule_chunked. `scratch` holds one
+// worker's gated_delta_rule_chunked_scratch(p) floats.
+void gated_delta_rule_chunked_timed(const GatedDeltaRuleParams& p, SimdTarget target,
+                                    float* scratch, double* seconds);
+
 }  // namespace attnkit::kernels::cpu
