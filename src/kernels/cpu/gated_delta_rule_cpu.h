@@ -2,10 +2,13 @@
 // has the contract; ref/gated_delta_rule_ref.h is the reference twin).
 //
 // Work is one task per (sequence, value head) in the recurrent form and
-// per (sequence, key head) in the chunked form (the key head's value heads
-// share its K K^T and Q K^T); a task's results do not depend on the thread
-// count (each task owns its states, outputs and scratch slot), so the
-// output is the same bits for 1 or N threads.
+// per (sequence, run of key heads) in the chunked form (a key head's value
+// heads share its K K^T and Q K^T; a task runs its key heads chunk by
+// chunk, so that a chunk's rows are read while they are in the TLB and
+// caches; how many key heads a task takes depends on the shape alone);
+// a task's results do not depend on the thread count (each task owns its
+// states, outputs and scratch slot), so the output is the same bits for 1
+// or N threads.
 //
 // recurrent  The state's value columns are independent (column j of S only
 //            meets column j of delta), so a head's state is walked in groups
@@ -23,7 +26,9 @@
 //                   (forward substitution, blocked: no inverse formed)
 //              O  = exp(G) * (Q S0) + (lower-incl (D * Q K^T)) U  [n, dv]
 //              S  = exp(G_n-1) S0 + K^T (exp(G_n-1 - G) * U)      [dk, dv]
-//            U holds the deltas of the recurrent form. The products run on
+//            U holds the deltas of the recurrent form. Q and K are packed
+//            per chunk into scratch (their rows lie a token's width apart).
+//            The products run on
 //            register tiles written in the .cc (R rows x NV vectors of 16
 //            columns per target), which apply the steps around them (row
 //            scales, the solve, the state update) while the sums are in
