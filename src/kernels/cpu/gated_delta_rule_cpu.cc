@@ -395,12 +395,12 @@ struct PhaseClock {
 // 1e-38 of the others, and denormal operands would slow every product.
 constexpr double kMinDecay = 1.1754943508222875e-38;
 
-// One chunk of key head kh of sequence b: tokens [c0, c0 + n), their rows
-// from row0. `next_row0`, `next_kh`, `next_n`: the rows the task runs after
+// One chunk of key head kh: n tokens, their rows from row0 (of the
+// sequence's rows b * seq + t). `next_row0`, `next_kh`, `next_n`: the rows the task runs after
 // this key head's (the next key head of the chunk, else the task's first
 // of the next chunk; next_n = 0 after the last), prefetched meanwhile.
 struct Chunk {
-  int64_t b, kh, c0, n, row0;
+  int64_t kh, n, row0;
   int64_t next_row0, next_kh, next_n;
 };
 
@@ -601,9 +601,7 @@ ATTNKIT_GDR_INLINE void chunked_task_impl(const GatedDeltaRuleParams& p, int64_t
     const int64_t row0 = b * p.seq + c0, n = std::min(C, p.seq - c0);
     for (int64_t kh = kh0; kh < kh1; ++kh) {
       const bool last = kh + 1 == kh1;
-      const Chunk c{b,
-                    kh,
-                    c0,
+      const Chunk c{kh,
                     n,
                     row0,
                     last ? row0 + C : row0,
