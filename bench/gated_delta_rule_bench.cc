@@ -17,6 +17,17 @@
 //            time the process got (`frac_fma_peak_cpu`: FMAs / process CPU
 //            seconds, against the peak / threads, so time lost to other
 //            processes does not count, and pool threads that spin do).
+//   phases   the chunked prefill of 8K / 32K tokens on one thread with a
+//            clock read between its phases
+//            (kernels::cpu::gated_delta_rule_chunked_timed): each phase's
+//            share of the time, and each product phase's FMA rate against
+//            the peak measured for ATTNKIT_BENCH_THREADS threads (run it
+//            with 1).
+//   layer    one GatedDeltaNet layer's forward (random f32 weights,
+//            hidden 2048) over one sequence of 8K / 32K tokens: time per
+//            token, with the recurrence's share measured beside it; the
+//            split of the rest (projections, conv, norms, gates) comes from
+//            a profile (docs/LINEAR_ATTENTION.md).
 // The summary at the end prints the ratios.
 //
 //   build/bench/gated_delta_rule_bench                     # everything
@@ -34,8 +45,11 @@
 #include <string>
 #include <vector>
 
+#include "attnkit/gated_deltanet.h"
 #include "attnkit/machine.h"
 #include "bench_stats.h"
+#include "core/cpu_features.h"
+#include "kernels/cpu/gated_delta_rule_cpu.h"
 #include "kernels/dispatch.h"
 #include "kernels/gated_delta_rule_params.h"
 
@@ -135,6 +149,8 @@ struct Summary {
   std::map<int64_t, double> decode_paired, decode_gbs;  // by batch
   std::map<int64_t, double> prefill_s, prefill_frac;    // by seq (best repetition)
   std::map<int64_t, double> prefill_frac_cpu;
+  std::map<int64_t, std::vector<double>> phases;  // by seq: seconds per phase
+  std::map<int64_t, double> layer_s;              // by seq
 };
 Summary& summary() {
   static Summary s;
@@ -246,6 +262,120 @@ BENCHMARK(BM_Prefill)
     ->Unit(benchmark::kMillisecond)
     ->Iterations(3);
 
+// FMAs of each phase of the chunked form (kernels::cpu::GdrPhase) for one
+// sequence of `seq` tokens, as they execute (see chunked_fmas); 0 for the
+// phases that are no products.
+std::vector<double> phase_fmas(int64_t seq) {
+  using namespace kernels::cpu;
+  std::vector<double> f(kGdrNumPhases, 0.0);
+  for (int64_t c0 = 0; c0 < seq; c0 += kernels::kGdrChunk) {
+    const double n = static_cast<double>(std::min(kernels::kGdrChunk, seq - c0));
+    f[kGdrPhaseKeyProducts] += kHk * 2 * n * n * kDk;
+    f[kGdrPhaseKS0] += kHv * n * kDk * kDv;
+    f[kGdrPhaseSolve] += kHv * n * (n - 1) / 2 * kDv;
+    f[kGdrPhaseOutput] += kHv * (n * kDk * kDv + n * (n + 1) / 2 * kDv);
+    f[kGdrPhaseState] += kHv * n * kDk * kDv;
+  }
+  return f;
+}
+
+void BM_PrefillPhases(benchmark::State& st) {
+  const int64_t seq = st.range(0);
+  Floats rows(seq * kWidth), g(seq * kHv), beta(seq * kHv), out(seq * kHv * kDv),
+      state(kStateFloats);
+  fill(rows, -0.1f, 0.1f, 5);
+  fill(g, -0.1f, 0.0f, 6);
+  fill(beta, 0.0f, 1.0f, 7);
+  GatedDeltaRuleParams p = params(1, seq, rows, g, beta, state.data(), out, GdrForm::kChunked);
+  p.num_threads = 1;
+  Floats scratch(kernels::cpu::gated_delta_rule_chunked_scratch(p));
+  (void)machine();
+  std::vector<double> best;
+  double best_total = 1e30;
+  for (auto _ : st) {
+    std::fill_n(state.data(), kStateFloats, 0.0f);
+    std::vector<double> sec(kernels::cpu::kGdrNumPhases);
+    const auto t0 = Clock::now();
+    kernels::cpu::gated_delta_rule_chunked_timed(p, simd_target(), scratch.data(), sec.data());
+    const double total = seconds_since(t0);
+    st.SetIterationTime(total);
+    if (total < best_total) {
+      best_total = total;
+      best = sec;
+    }
+  }
+  const std::vector<double> fmas = phase_fmas(seq);
+  for (int i = 0; i < kernels::cpu::kGdrNumPhases; ++i)
+    st.counters["ms_phase" + std::to_string(i)] = best[i] * 1e3;
+  st.counters["frac_fma_peak"] =
+      2 * chunked_fmas(seq) / best_total / 1e9 / machine().fp32_peak_gflops;
+  summary().phases[seq] = best;
+}
+BENCHMARK(BM_PrefillPhases)
+    ->Name("phases/qwen3next80b/chunked")
+    ->Arg(8192)
+    ->Arg(32768)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
+
+// One layer at Qwen3-Next-80B-A3B's linear shape, f32 weights drawn at the
+// scale of the layer tests (any values do for time).
+void BM_Layer(benchmark::State& st) {
+  const int64_t seq = st.range(0), hidden = 2048;
+  const int64_t kd = kHk * kDk, vd = kHv * kDv, channels = 2 * kd + vd;
+  GatedDeltaNetConfig c{.hidden_size = hidden,
+                        .num_k_heads = kHk,
+                        .num_v_heads = kHv,
+                        .key_head_dim = kDk,
+                        .value_head_dim = kDv,
+                        .conv_kernel = 4};
+  Floats qkvz((2 * kd + 2 * vd) * hidden), ba(2 * kHv * hidden), conv(channels * 4), a_log(kHv),
+      dt_bias(kHv), norm(kDv), wout(hidden * vd), x(seq * hidden), y(seq * hidden);
+  fill(qkvz, -0.02f, 0.02f, 11);
+  fill(ba, -0.02f, 0.02f, 12);
+  fill(conv, -0.5f, 0.5f, 13);
+  fill(a_log, -1.0f, 1.0f, 14);
+  fill(dt_bias, -4.0f, 1.0f, 15);
+  fill(norm, 0.5f, 1.5f, 16);
+  fill(wout, -0.015f, 0.015f, 17);
+  fill(x, -1.0f, 1.0f, 18);
+  WeightMap m;
+  m["in_proj_qkvz.weight"] = make_view(qkvz.data(), DType::kF32, {2 * kd + 2 * vd, hidden});
+  m["in_proj_ba.weight"] = make_view(ba.data(), DType::kF32, {2 * kHv, hidden});
+  m["conv1d.weight"] = make_view(conv.data(), DType::kF32, {channels, 1, 4});
+  m["A_log"] = make_view(a_log.data(), DType::kF32, {kHv});
+  m["dt_bias"] = make_view(dt_bias.data(), DType::kF32, {kHv});
+  m["norm.weight"] = make_view(norm.data(), DType::kF32, {kDv});
+  m["out_proj.weight"] = make_view(wout.data(), DType::kF32, {hidden, vd});
+  auto layer = GatedDeltaNet::create(c);
+  if (!layer.ok()) return st.SkipWithError(layer.status().message().c_str());
+  if (Status s = layer->load_weights(m); !s.ok()) return st.SkipWithError(s.message().c_str());
+  const TensorView xv = make_view(x.data(), DType::kF32, {1, seq, hidden});
+  const TensorView yv = make_view(y.data(), DType::kF32, {1, seq, hidden});
+  RunOptions run;
+  run.num_threads = threads();
+  double best = 1e30;
+  for (auto _ : st) {
+    const auto t0 = Clock::now();
+    const Status ok = layer->forward(xv, yv, nullptr, run);
+    const double s = seconds_since(t0);
+    if (!ok.ok()) st.SkipWithError(ok.message().c_str());
+    st.SetIterationTime(s);
+    best = std::min(best, s);
+  }
+  st.counters["best_ms"] = best * 1e3;
+  st.counters["us_per_token"] = best / static_cast<double>(seq) * 1e6;
+  summary().layer_s[seq] = best;
+}
+BENCHMARK(BM_Layer)
+    ->Name("layer/qwen3next80b")
+    ->Arg(8192)
+    ->Arg(32768)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(1);
+
 void print_summary() {
   const Summary& s = summary();
   const MachineProfile& m = machine();
@@ -266,6 +396,27 @@ void print_summary() {
   if (s.prefill_s.count(2048) && s.prefill_s.count(8192))
     std::printf("prefill 8K / 2K time: %.2f (linear: 4)\n",
                 s.prefill_s.at(8192) / s.prefill_s.at(2048));
+  for (const auto& [seq, sec] : s.phases) {
+    double total = 0;
+    for (double x : sec) total += x;
+    const std::vector<double> fmas = phase_fmas(seq);
+    std::printf("phases of the chunked prefill, %lld tokens, 1 thread (%s): %.3f s\n",
+                static_cast<long long>(seq), simd_target_name(simd_target()), total);
+    for (int i = 0; i < kernels::cpu::kGdrNumPhases; ++i) {
+      const auto phase = static_cast<kernels::cpu::GdrPhase>(i);
+      std::printf("  %-40s %8.1f ms %5.1f%%", kernels::cpu::gdr_phase_name(phase), sec[i] * 1e3,
+                  100 * sec[i] / total);
+      if (fmas[i] > 0)
+        std::printf("  %.2f of FMA peak", 2 * fmas[i] / sec[i] / 1e9 / m.fp32_peak_gflops);
+      std::printf("\n");
+    }
+  }
+  for (auto [seq, sec] : s.layer_s)
+    std::printf("layer, %lld tokens: %.3f s, %.1f us/token\n", static_cast<long long>(seq), sec,
+                sec / static_cast<double>(seq) * 1e6);
+  if (s.layer_s.count(8192) && s.layer_s.count(32768))
+    std::printf("layer 32K / 8K time: %.2f (linear: 4)\n",
+                s.layer_s.at(32768) / s.layer_s.at(8192));
 }
 
 }  // namespace

@@ -329,7 +329,21 @@ class Rows {
   }
   float* out_at(const Piece& p) const { return segs_[p.seg].out + p.t0 * ldo_; }
 
-  void conv(const Piece& p);
+  // f(lo, hi) over [0, n) in tasks of `per_task`, on the layer's threads
+  // (each element is computed the same way whichever thread runs it).
+  template <class F>
+  void parallel(int64_t n, int64_t per_task, const F& f) const {
+    const struct {
+      const F& f;
+      int64_t n, per_task;
+    } ctx{f, n, per_task};
+    // One pointer captured: std::function keeps it without allocating.
+    parallel_for((n + per_task - 1) / per_task, lin_.num_threads, [c = &ctx](int64_t task, int) {
+      const int64_t lo = task * c->per_task;
+      c->f(lo, std::min(c->n, lo + c->per_task));
+    });
+  }
+  void conv(const Piece& p, int64_t ch0, int64_t ch1);
   void recurrence(std::span<const Piece> pieces, int64_t rows);
 
   const GatedDeltaNetConfig& c_;
@@ -343,11 +357,12 @@ class Rows {
 };
 
 // The causal depthwise conv with SiLU over a piece's rows of mixed, in
-// place: position t reads inputs t - K + 1 .. t, those before the piece
+// place, channels [ch0, ch1) (channels are independent, so tasks split
+// them): position t reads inputs t - K + 1 .. t, those before the piece
 // from its sequence's conv inputs (oldest first), so walking t downwards
 // never reads an input already overwritten. The new conv inputs (the last
 // K - 1) are taken first and replace the old after the walk.
-void Rows::conv(const Piece& p) {
+void Rows::conv(const Piece& p, int64_t ch0, int64_t ch1) {
   const int64_t K = K_, C = C_, len = p.len;
   float* in = mixed_ + p.row * C;
   float* old = hist_ + static_cast<int64_t>(p.seg) * (K - 1) * C;
@@ -356,15 +371,16 @@ void Rows::conv(const Piece& p) {
     return u >= 0 ? in[u * C + ch] : old[(K - 1 + u) * C + ch];
   };
   for (int64_t s = 0; s < K - 1; ++s)
-    for (int64_t ch = 0; ch < C; ++ch) next_[s * C + ch] = input(len - (K - 1) + s, ch);
+    for (int64_t ch = ch0; ch < ch1; ++ch) next_[s * C + ch] = input(len - (K - 1) + s, ch);
   for (int64_t t = len - 1; t >= 0; --t) {
-    for (int64_t ch = 0; ch < C; ++ch) {
+    for (int64_t ch = ch0; ch < ch1; ++ch) {
       float acc = 0.0f;
       for (int64_t j = 0; j < K; ++j) acc += wconv[ch * K + j] * input(t - (K - 1) + j, ch);
       in[t * C + ch] = static_cast<float>(silu(acc));
     }
   }
-  std::copy_n(next_, (K - 1) * C, old);
+  for (int64_t s = 0; s < K - 1; ++s)
+    std::copy(next_ + s * C + ch0, next_ + s * C + ch1, old + s * C + ch0);
 }
 
 // The gated delta rule over the block's pieces: one kernel call per run of
@@ -412,18 +428,27 @@ void Rows::block(std::span<const Piece> pieces, int64_t rows) {
                     2 * Hv, n, 2 * Hv, H_, lin_);
   });
 
+  // The elementwise steps run on the layer's threads too: on one, the
+  // conv, norms and gates were about a seventh of a long prefill's time
+  // (docs/LINEAR_ATTENTION.md). Rows, or conv channels, per task:
+  constexpr int64_t kRowsPerTask = 16, kChannelsPerTask = 512;
+
   // mixed = [q of every key head | k of every key head | v of every value head].
-  for (int64_t t = 0; t < rows; ++t) {
-    const float* src = qkvz_ + t * wq_;
-    float* dst = mixed_ + t * C;
-    for (int64_t g = 0; g < Hk_; ++g) {
-      const float* grp = src + g * group_w;
-      std::copy(grp, grp + dk, dst + g * dk);
-      std::copy(grp + dk, grp + 2 * dk, dst + kd + g * dk);
-      std::copy(grp + 2 * dk, grp + 2 * dk + r * dv, dst + 2 * kd + g * r * dv);
+  parallel(rows, kRowsPerTask, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* src = qkvz_ + t * wq_;
+      float* dst = mixed_ + t * C;
+      for (int64_t g = 0; g < Hk_; ++g) {
+        const float* grp = src + g * group_w;
+        std::copy(grp, grp + dk, dst + g * dk);
+        std::copy(grp + dk, grp + 2 * dk, dst + kd + g * dk);
+        std::copy(grp + 2 * dk, grp + 2 * dk + r * dv, dst + 2 * kd + g * r * dv);
+      }
     }
-  }
-  for (const Piece& p : pieces) conv(p);
+  });
+  parallel(C, kChannelsPerTask, [&](int64_t ch0, int64_t ch1) {
+    for (const Piece& p : pieces) conv(p, ch0, ch1);
+  });
 
   // L2-normalised q and k per head, q scaled by dk^-0.5; g and beta.
   const double q_scale = 1.0 / std::sqrt(static_cast<double>(dk));
@@ -431,40 +456,44 @@ void Rows::block(std::span<const Piece> pieces, int64_t rows) {
   const float* dt_bias = w_[kDtBias].ptr<const float>();
   float* g = gb_;
   float* beta = gb_ + rows * Hv;
-  for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t hh = 0; hh < 2 * Hk_; ++hh) {
-      float* v = mixed_ + t * C + hh * dk;
-      double ss = 0.0;
-      for (int64_t d = 0; d < dk; ++d) ss += static_cast<double>(v[d]) * v[d];
-      const double f = (hh < Hk_ ? q_scale : 1.0) / std::sqrt(ss + kL2NormEps);
-      for (int64_t d = 0; d < dk; ++d) v[d] = static_cast<float>(v[d] * f);
+  parallel(rows, kRowsPerTask, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t hh = 0; hh < 2 * Hk_; ++hh) {
+        float* v = mixed_ + t * C + hh * dk;
+        double ss = 0.0;
+        for (int64_t d = 0; d < dk; ++d) ss += static_cast<double>(v[d]) * v[d];
+        const double f = (hh < Hk_ ? q_scale : 1.0) / std::sqrt(ss + kL2NormEps);
+        for (int64_t d = 0; d < dk; ++d) v[d] = static_cast<float>(v[d] * f);
+      }
+      const float* row = ba_ + t * 2 * Hv;
+      for (int64_t h = 0; h < Hv; ++h) {
+        const int64_t grp = h / r, i = h % r;
+        const double bv = row[grp * 2 * r + i], av = row[grp * 2 * r + r + i];
+        const double gv = -std::exp(static_cast<double>(a_log[h])) *
+                          softplus(av + static_cast<double>(dt_bias[h]));
+        g[t * Hv + h] = static_cast<float>(std::max(gv, kMinLogDecay));
+        beta[t * Hv + h] = static_cast<float>(1.0 / (1.0 + std::exp(-bv)));
+      }
     }
-    const float* row = ba_ + t * 2 * Hv;
-    for (int64_t h = 0; h < Hv; ++h) {
-      const int64_t grp = h / r, i = h % r;
-      const double bv = row[grp * 2 * r + i], av = row[grp * 2 * r + r + i];
-      const double gv =
-          -std::exp(static_cast<double>(a_log[h])) * softplus(av + static_cast<double>(dt_bias[h]));
-      g[t * Hv + h] = static_cast<float>(std::max(gv, kMinLogDecay));
-      beta[t * Hv + h] = static_cast<float>(1.0 / (1.0 + std::exp(-bv)));
-    }
-  }
+  });
 
   recurrence(pieces, rows);
 
   // Gated RMSNorm over each value head: o / rms(o) * w * silu(z).
   const float* w = w_[kNorm].ptr<const float>();
-  for (int64_t t = 0; t < rows; ++t) {
-    const float* zrow = qkvz_ + t * wq_;
-    for (int64_t h = 0; h < Hv; ++h) {
-      float* o = core_ + t * vd + h * dv;
-      const float* z = zrow + (h / r) * group_w + 2 * dk + r * dv + (h % r) * dv;
-      double ss = 0.0;
-      for (int64_t d = 0; d < dv; ++d) ss += static_cast<double>(o[d]) * o[d];
-      const double inv = 1.0 / std::sqrt(ss / static_cast<double>(dv) + c_.rms_norm_eps);
-      for (int64_t d = 0; d < dv; ++d) o[d] = static_cast<float>(o[d] * inv * w[d] * silu(z[d]));
+  parallel(rows, kRowsPerTask, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* zrow = qkvz_ + t * wq_;
+      for (int64_t h = 0; h < Hv; ++h) {
+        float* o = core_ + t * vd + h * dv;
+        const float* z = zrow + (h / r) * group_w + 2 * dk + r * dv + (h % r) * dv;
+        double ss = 0.0;
+        for (int64_t d = 0; d < dv; ++d) ss += static_cast<double>(o[d]) * o[d];
+        const double inv = 1.0 / std::sqrt(ss / static_cast<double>(dv) + c_.rms_norm_eps);
+        for (int64_t d = 0; d < dv; ++d) o[d] = static_cast<float>(o[d] * inv * w[d] * silu(z[d]));
+      }
     }
-  }
+  });
 
   // out_proj: one GEMM per run of rows at one stride.
   runs(pieces, false, [&](const Piece& p, int64_t n) {

@@ -3,8 +3,9 @@
 // other, on seeded random inputs laid out as the layer lays them out (q, k
 // and v interleaved in one row per token), across chunk edges (63, 64, 65
 // tokens), value widths below, at and above the recurrent column blocks,
-// grouped value heads, decays from none to total, and thread counts (which
-// must not change a bit).
+// grouped value heads, key heads split across the chunked form's tasks,
+// decays from none to total, and thread counts (which must not change a
+// bit).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -130,6 +131,12 @@ TEST(GatedDeltaRule, FastFormsMatchReference) {
       {1, 127, 3, 6, 48, 130, -0.2f, 0.0f},
       {3, 1, 1, 3, 8, 17, -0.3f, 0.0f},
       {2, 66, 1, 4, 7, 5, -2.0f, 0.0f},
+      // Chunked tasks of several key heads, chunk by chunk (at most half
+      // the key heads, ceil, and 512 KiB of states: 4 key heads' of 128 x
+      // 128 with 2 value heads each): 5 key heads split 3 + 2, 7 at 128 x
+      // 128 split 4 + 3, the last chunk short.
+      {2, 70, 5, 10, 16, 16, -0.3f, 0.0f},
+      {1, 70, 7, 14, 128, 128, -0.1f, 0.0f},
   };
   uint64_t seed = 1;
   for (const Case& c : cases) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 
 #include "core/threads.h"
@@ -317,11 +318,14 @@ struct SolveTiles {
   }
 };
 
-// The chunked form's scratch, one worker's (one key head's group of r
-// value heads at a time), carved from one float array; C = kGdrChunk.
+// The chunked form's scratch, one worker's (one task: the groups of r value
+// heads of `task_groups` key heads), carved from one float array; C =
+// kGdrChunk.
 struct ChunkScratch {
-  float* s;   // [r, dk, dvp]: the group's states
-  float* kt;  // [dk, C]: the chunk's keys transposed (columns past n zero)
+  float* s;   // [task_groups * r, dk, dvp]: the task's states
+  float* qp;  // [C, dk]: the chunk's queries of one key head, packed
+  float* kp;  // [C, dk]: its keys, packed
+  float* kt;  // [dk, C]: the keys transposed (columns past n zero)
   float* kk;  // [C, C]: K K^T, shared by the group
   float* qk;  // [C, C]: Q K^T, shared by the group
   float* nl;  // [C, C]: -L = -(beta_i D[i][j] k_i.k_j), j < i
@@ -331,12 +335,28 @@ struct ChunkScratch {
 
 int64_t padded(int64_t dv) { return (dv + 15) / 16 * 16; }
 
+// A task's states stay in scratch from its first chunk to its last; this
+// many bytes of them (4 key heads' groups at Qwen3-Next's shape: 512 KiB)
+// stay in L2 beside the chunk's operands, and a task still reads its
+// groups' q, k and v as runs of several KiB per token row.
+constexpr int64_t kGdrTaskStateBytes = int64_t{512} << 10;
+
+// Key heads per task of the chunked form: from the shape alone (never the
+// thread count), at least 1, at most half of them, so that one sequence
+// makes at least two tasks when it has two key heads.
+int64_t task_groups(const GatedDeltaRuleParams& p) {
+  const int64_t group_bytes = (p.num_v_heads / p.num_k_heads) * p.key_head_dim *
+                              padded(p.value_head_dim) * int64_t{sizeof(float)};
+  return std::clamp<int64_t>(kGdrTaskStateBytes / group_bytes, 1, (p.num_k_heads + 1) / 2);
+}
+
 size_t chunk_floats(const GatedDeltaRuleParams& p, ChunkScratch* s, float* base) {
   constexpr int64_t C = kGdrChunk;
   const int64_t dk = p.key_head_dim, dvp = padded(p.value_head_dim);
   const int64_t r = p.num_v_heads / p.num_k_heads;
-  const int64_t sizes[] = {r * dk * dvp, dk * C, C * C, C * C, C * C, C * C, C * dvp};
-  float** slots[] = {&s->s, &s->kt, &s->kk, &s->qk, &s->nl, &s->am, &s->u};
+  const int64_t sizes[] = {
+      task_groups(p) * r * dk * dvp, C * dk, C * dk, dk * C, C * C, C * C, C * C, C * C, C * dvp};
+  float** slots[] = {&s->s, &s->qp, &s->kp, &s->kt, &s->kk, &s->qk, &s->nl, &s->am, &s->u};
   size_t total = 0;
   for (size_t i = 0; i < std::size(sizes); ++i) {
     // 16-float (64-byte) alignment for every block.
@@ -346,42 +366,94 @@ size_t chunk_floats(const GatedDeltaRuleParams& p, ChunkScratch* s, float* base)
   return total;
 }
 
-// Every 64-byte line of floats [p, p + n) towards the caches.
+// Every 64-byte line of floats [p, p + n) towards the caches; kWrite: for
+// a store (the line arrives owned, so the store does not wait for it).
+template <bool kWrite = false>
 ATTNKIT_GDR_INLINE void prefetch_lines(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
-  __builtin_prefetch(p + n - 1);
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, kWrite);
+  __builtin_prefetch(p + n - 1, kWrite);
 }
+
+// The chunked form's phase clocks: NoClock (the kernel: every mark compiles
+// to nothing) and PhaseClock (gated_delta_rule_chunked_timed: the time
+// since the previous mark is added to the phase just finished).
+struct NoClock {
+  ATTNKIT_GDR_INLINE void mark(GdrPhase) {}
+};
+struct PhaseClock {
+  using Steady = std::chrono::steady_clock;
+  Steady::time_point last = Steady::now();
+  double* seconds;  // [kGdrNumPhases]
+  void mark(GdrPhase phase) {
+    const Steady::time_point now = Steady::now();
+    seconds[phase] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
 
 // Below f32's smallest normal a decay is written as 0: its terms are below
 // 1e-38 of the others, and denormal operands would slow every product.
 constexpr double kMinDecay = 1.1754943508222875e-38;
 
-// One chunk of key head kh of sequence b: tokens [c0, c0 + n), their rows
-// from row0, the head's q and k of its first token.
+// One chunk of key head kh: n tokens, their rows from row0 (of the
+// sequence's rows b * seq + t). `next_row0`, `next_kh`, `next_n`: the rows the task runs after
+// this key head's (the next key head of the chunk, else the task's first
+// of the next chunk; next_n = 0 after the last), prefetched meanwhile.
 struct Chunk {
-  int64_t b, kh, c0, n, row0;
-  const float* q0;
-  const float* k0;
+  int64_t kh, n, row0;
+  int64_t next_row0, next_kh, next_n;
 };
 
-// The chunk's keys transposed into s.kt, then the key-only products, once
-// for the key head's group of value heads: s.kk = K K^T, s.qk = Q K^T.
-template <class V, int R, int NV>
+// Row i of the next key head's operands towards the caches, one kind per
+// call (Prefetch), each from a different loop over the chunk's rows, so
+// that the lines are asked for a few at a time between the products rather
+// than all at once (which stalls the loop that asks once the line fill
+// buffers are full): the rows lie a token's width apart (pages apart at
+// Qwen3-Next's shape), which the hardware prefetchers do not follow.
+enum class Prefetch { kQueryKeyGates, kValue, kOutput };
+template <Prefetch kWhat>
+ATTNKIT_GDR_INLINE void prefetch_next(const GatedDeltaRuleParams& p, const Chunk& c, int64_t hi,
+                                      int64_t i) {
+  if (i >= c.next_n) return;
+  const int64_t H = p.num_v_heads, r = H / p.num_k_heads, kh = c.next_kh, h = kh * r + hi;
+  const int64_t row = c.next_row0 + i, dk = p.key_head_dim, dv = p.value_head_dim;
+  if constexpr (kWhat == Prefetch::kQueryKeyGates) {
+    prefetch_lines(p.q + row * p.q_stride + kh * dk, dk);
+    prefetch_lines(p.k + row * p.k_stride + kh * dk, dk);
+    prefetch_lines(p.g + row * H + kh * r, r);
+    prefetch_lines(p.beta + row * H + kh * r, r);
+  } else if constexpr (kWhat == Prefetch::kValue) {
+    prefetch_lines(p.v + row * p.v_stride + h * dv, dv);
+  } else {
+    prefetch_lines<true>(p.out + row * p.out_stride + h * dv, dv);
+  }
+}
+
+// The chunk's queries and keys packed into s.qp and s.kp and the keys
+// transposed into s.kt, then the key-only products, once for the key
+// head's group of value heads: s.kk = K K^T, s.qk = Q K^T. The rows lie a
+// token's width apart in q and k (pages apart at Qwen3-Next's shape): as
+// the A operand of a product, 64 of them would share a few L1 sets and
+// evict each other; packed, they are 32 KiB in a row.
+template <class V, int R, int NV, class Clock>
 ATTNKIT_GDR_INLINE void chunk_keys(const GatedDeltaRuleParams& p, const Chunk& c,
-                                   const ChunkScratch& s) {
+                                   const ChunkScratch& s, Clock& clock) {
   constexpr int64_t C = kGdrChunk;
   const int64_t dk = p.key_head_dim;
-  // Row by row: the rows lie a token's width apart (pages apart at
-  // Qwen3-Next's shape), the transposed columns in L1.
+  const float* q0 = p.q + c.row0 * p.q_stride + c.kh * dk;
+  const float* k0 = p.k + c.row0 * p.k_stride + c.kh * dk;
   for (int64_t j = 0; j < c.n; ++j) {
-    const float* kj = c.k0 + j * p.k_stride;
+    const float* kj = k0 + j * p.k_stride;
+    std::copy(q0 + j * p.q_stride, q0 + j * p.q_stride + dk, s.qp + j * dk);
+    std::copy(kj, kj + dk, s.kp + j * dk);
     for (int64_t d = 0; d < dk; ++d) s.kt[d * C + j] = kj[d];
   }
   if (c.n < C)
     for (int64_t d = 0; d < dk; ++d) std::fill(s.kt + d * C + c.n, s.kt + (d + 1) * C, 0.0f);
+  clock.mark(kGdrPhasePack);
   Product kk;
-  kk.a1 = c.k0;
-  kk.lda1 = p.k_stride;
+  kk.a1 = s.kp;
+  kk.lda1 = dk;
   kk.b1 = s.kt;
   kk.ldb1 = C;
   kk.depth1 = dk;
@@ -389,10 +461,11 @@ ATTNKIT_GDR_INLINE void chunk_keys(const GatedDeltaRuleParams& p, const Chunk& c
   kk.ldc = kk.width = C;
   for_tiles<R, NV>(ProductTiles<V>{kk}, c.n, C / lanes<V>);
   Product qk = kk;
-  qk.a1 = c.q0;
-  qk.lda1 = p.q_stride;
+  qk.a1 = s.qp;
+  qk.lda1 = dk;
   qk.c = s.qk;
   for_tiles<R, NV>(ProductTiles<V>{qk}, c.n, C / lanes<V>);
+  clock.mark(kGdrPhaseKeyProducts);
 }
 
 // Value head h (the hi-th of its group) over the chunk: eg[i] = exp(G_i),
@@ -406,31 +479,18 @@ ATTNKIT_GDR_INLINE void chunk_keys(const GatedDeltaRuleParams& p, const Chunk& c
 // n^2. A row falls below kMinDecay from the left (its entries shrink as j
 // moves away from i), so columns below `lo` are 0 from then on.
 //
-// The next chunk's rows go towards the caches here, a row per step and
-// head (q, k, g and beta with the first), spread out so that the
-// prefetches do not queue: rows lie a token's width apart (pages apart at
-// Qwen3-Next's shape), which the hardware prefetchers do not follow.
+// The next key head's values of this value head's place go towards the
+// caches here, a row per step (prefetch_next).
 ATTNKIT_GDR_INLINE void chunk_decays(const GatedDeltaRuleParams& p, const Chunk& c, int64_t hi,
                                      const ChunkScratch& s, float* eg, double* drow) {
   constexpr int64_t C = kGdrChunk;
-  const int64_t dk = p.key_head_dim, dv = p.value_head_dim;
   const int64_t H = p.num_v_heads, r = H / p.num_k_heads, h = c.kh * r + hi;
   const float* g0 = p.g + c.row0 * H + h;
   const float* beta0 = p.beta + c.row0 * H + h;
-  const int64_t next = std::min(C, p.seq - c.c0 - C);
   double acc = 1.0;
   int64_t lo = 0;
   for (int64_t i = 0; i < c.n; ++i) {
-    if (i < next) {
-      const int64_t row = c.row0 + C + i;
-      prefetch_lines(p.v + row * p.v_stride + h * dv, dv);
-      if (hi == 0) {
-        prefetch_lines(p.q + row * p.q_stride + c.kh * dk, dk);
-        prefetch_lines(p.k + row * p.k_stride + c.kh * dk, dk);
-        prefetch_lines(p.g + row * H + c.kh * r, r);
-        prefetch_lines(p.beta + row * H + c.kh * r, r);
-      }
-    }
+    prefetch_next<Prefetch::kValue>(p, c, hi, i);
     const double decay = std::exp(static_cast<double>(g0[i * H]));
     acc = acc * decay < kMinDecay ? 0.0 : acc * decay;
     eg[i] = static_cast<float>(acc);
@@ -449,18 +509,18 @@ ATTNKIT_GDR_INLINE void chunk_decays(const GatedDeltaRuleParams& p, const Chunk&
 
 // Value head hi of the group over the chunk, from its state S ([dk, dvp],
 // S0 in, the chunk's end out): the deltas U, the outputs O, the new S.
-template <class V, int R, int NV>
+template <class V, int R, int NV, class Clock>
 ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Chunk& c, int64_t hi,
                                          const ChunkScratch& s, float* S, const float* eg,
-                                         const double* drow) {
+                                         const double* drow, Clock& clock) {
   constexpr int64_t C = kGdrChunk;
   const int64_t dk = p.key_head_dim, dv = p.value_head_dim, dvp = padded(dv), nv = dvp / lanes<V>;
   const int64_t H = p.num_v_heads, h = c.kh * (H / p.num_k_heads) + hi;
   const float* beta0 = p.beta + c.row0 * H + h;
   // rhs = beta * (V - exp(G) * (K S0)), then U = (I + L)^-1 rhs.
   Product ks;
-  ks.a1 = c.k0;
-  ks.lda1 = p.k_stride;
+  ks.a1 = s.kp;
+  ks.lda1 = dk;
   ks.b1 = S;
   ks.ldb1 = dvp;
   ks.depth1 = dk;
@@ -469,17 +529,20 @@ ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Ch
   for_tiles<R, NV>(ProductTiles<V>{ks}, c.n, nv);
   const float* v0 = p.v + c.row0 * p.v_stride + h * dv;
   for (int64_t i = 0; i < c.n; ++i) {
+    if (hi == 0) prefetch_next<Prefetch::kQueryKeyGates>(p, c, hi, i);
     const float bi = beta0[i * H], ei = eg[i];
     const float* vi = v0 + i * p.v_stride;
     float* ui = s.u + i * dvp;
     for (int64_t j = 0; j < dv; ++j) ui[j] = bi * (vi[j] - ei * ui[j]);
   }
+  clock.mark(kGdrPhaseKS0);
   for_tiles<R, NV>(SolveTiles<V>{s.nl, C, s.u, dvp}, c.n, nv);
+  clock.mark(kGdrPhaseSolve);
 
   // O = exp(G) * (Q S0) + lower-incl(D * Q K^T) U.
   Product o;
-  o.a1 = c.q0;
-  o.lda1 = p.q_stride;
+  o.a1 = s.qp;
+  o.lda1 = dk;
   o.b1 = S;
   o.ldb1 = dvp;
   o.depth1 = dk;
@@ -494,9 +557,11 @@ ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Ch
   o.ldc = p.out_stride;
   o.width = dv;
   for_tiles<R, NV>(ProductTiles<V>{o}, c.n, nv);
+  clock.mark(kGdrPhaseOutput);
 
   // S = exp(G_n-1) S0 + K^T (D[n-1][:] * U).
   for (int64_t j = 0; j < c.n; ++j) {
+    prefetch_next<Prefetch::kOutput>(p, c, hi, j);
     const float w = static_cast<float>(drow[j]);
     float* uj = s.u + j * dvp;
     for (int64_t col = 0; col < dvp; ++col) uj[col] *= w;
@@ -511,58 +576,72 @@ ATTNKIT_GDR_INLINE void chunk_value_head(const GatedDeltaRuleParams& p, const Ch
   st.ldc = st.width = dvp;
   st.keep = eg[c.n - 1];  // 0 (total forgetting) overwrites S0
   for_tiles<R, NV>(ProductTiles<V>{st}, dk, nv);
+  clock.mark(kGdrPhaseState);
 }
 
-// Key head kh of sequence b and its r value heads, chunk by chunk, their
+// Key heads [kh0, kh1) of sequence b and their value heads, chunk by
+// chunk and, within a chunk, key head by key head (a chunk's rows are read
+// while they are in the TLB and caches, as runs of the task's heads), their
 // states in s.s (padded to dvp columns) meanwhile; R x NV the target's tile.
-template <class V, int R, int NV>
-ATTNKIT_GDR_INLINE void chunked_group_impl(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
-                                           const ChunkScratch& s) {
+template <class V, int R, int NV, class Clock>
+ATTNKIT_GDR_INLINE void chunked_task_impl(const GatedDeltaRuleParams& p, int64_t b, int64_t kh0,
+                                          int64_t kh1, const ChunkScratch& s, Clock& clock) {
   constexpr int64_t C = kGdrChunk;
   const int64_t dk = p.key_head_dim, dv = p.value_head_dim, dvp = padded(dv);
   const int64_t H = p.num_v_heads, r = H / p.num_k_heads;
-  float* const states = p.state + (b * H + kh * r) * dk * dv;  // the group's, [r, dk, dv]
-  for (int64_t d = 0; d < r * dk; ++d) {
+  // The task's states, [(kh1 - kh0) * r, dk, dv], one after another.
+  float* const states = p.state + (b * H + kh0 * r) * dk * dv;
+  for (int64_t d = 0; d < (kh1 - kh0) * r * dk; ++d) {
     std::copy(states + d * dv, states + (d + 1) * dv, s.s + d * dvp);
     std::fill(s.s + d * dvp + dv, s.s + (d + 1) * dvp, 0.0f);
   }
   std::array<double, C> drow;  // D[n-1][:] after chunk_decays
   std::array<float, C> eg;     // exp(G_i)
   for (int64_t c0 = 0; c0 < p.seq; c0 += C) {
-    const int64_t row0 = b * p.seq + c0;
-    const Chunk c{b,
-                  kh,
-                  c0,
-                  std::min(C, p.seq - c0),
-                  row0,
-                  p.q + row0 * p.q_stride + kh * dk,
-                  p.k + row0 * p.k_stride + kh * dk};
-    chunk_keys<V, R, NV>(p, c, s);
-    for (int64_t hi = 0; hi < r; ++hi) {
-      chunk_decays(p, c, hi, s, eg.data(), drow.data());
-      chunk_value_head<V, R, NV>(p, c, hi, s, s.s + hi * dk * dvp, eg.data(), drow.data());
+    const int64_t row0 = b * p.seq + c0, n = std::min(C, p.seq - c0);
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
+      const bool last = kh + 1 == kh1;
+      const Chunk c{kh,
+                    n,
+                    row0,
+                    last ? row0 + C : row0,
+                    last ? kh0 : kh + 1,
+                    last ? std::max<int64_t>(0, std::min(C, p.seq - c0 - C)) : n};
+      chunk_keys<V, R, NV>(p, c, s, clock);
+      for (int64_t hi = 0; hi < r; ++hi) {
+        chunk_decays(p, c, hi, s, eg.data(), drow.data());
+        clock.mark(kGdrPhaseDecays);
+        chunk_value_head<V, R, NV>(p, c, hi, s, s.s + ((kh - kh0) * r + hi) * dk * dvp, eg.data(),
+                                   drow.data(), clock);
+      }
     }
   }
-  for (int64_t d = 0; d < r * dk; ++d)
+  for (int64_t d = 0; d < (kh1 - kh0) * r * dk; ++d)
     std::copy(s.s + d * dvp, s.s + d * dvp + dv, states + d * dv);
+  clock.mark(kGdrPhasePack);
 }
 
-// Tiles: 4 rows x 4 zmm on AVX-512 (16 sums of its 32 registers, loads
-// and FMAs balanced); 6 x 2 ymm on AVX2 (12 of its 16 registers); 4 x 2
-// xmm on the baseline (8 of 16). Each target's own vector width: GCC keeps
-// 64-byte vectors on AVX2 in memory, and a tile of them ran at a tenth of
-// the AVX-512 tile's rate.
-ATTNKIT_GDR_AVX512 void chunked_group_avx512(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
-                                             const ChunkScratch& s) {
-  chunked_group_impl<V16, 4, 4>(p, b, kh, s);
+// Tiles: 8 rows x 2 zmm on AVX-512 (16 sums of its 32 registers; a panel
+// of B 128 deep is then 16 KiB, so that the two threads of one core keep
+// theirs in its 48 KiB L1 together, where 4 x 4 zmm tiles' 32 KiB panels
+// did not); 6 x 2 ymm on AVX2 (12 of its 16 registers); 4 x 2 xmm on the
+// baseline (8 of 16). Each target's own vector width: GCC keeps 64-byte
+// vectors on AVX2 in memory, and a tile of them ran at a tenth of the
+// AVX-512 tile's rate.
+template <class Clock>
+ATTNKIT_GDR_AVX512 void chunked_task_avx512(const GatedDeltaRuleParams& p, int64_t b, int64_t kh0,
+                                            int64_t kh1, const ChunkScratch& s, Clock& clock) {
+  chunked_task_impl<V16, 8, 2>(p, b, kh0, kh1, s, clock);
 }
-ATTNKIT_GDR_AVX2 void chunked_group_avx2(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
-                                         const ChunkScratch& s) {
-  chunked_group_impl<V8, 6, 2>(p, b, kh, s);
+template <class Clock>
+ATTNKIT_GDR_AVX2 void chunked_task_avx2(const GatedDeltaRuleParams& p, int64_t b, int64_t kh0,
+                                        int64_t kh1, const ChunkScratch& s, Clock& clock) {
+  chunked_task_impl<V8, 6, 2>(p, b, kh0, kh1, s, clock);
 }
-void chunked_group_scalar(const GatedDeltaRuleParams& p, int64_t b, int64_t kh,
-                          const ChunkScratch& s) {
-  chunked_group_impl<V4, 4, 2>(p, b, kh, s);
+template <class Clock>
+void chunked_task_scalar(const GatedDeltaRuleParams& p, int64_t b, int64_t kh0, int64_t kh1,
+                         const ChunkScratch& s, Clock& clock) {
+  chunked_task_impl<V4, 4, 2>(p, b, kh0, kh1, s, clock);
 }
 
 bool avx512(SimdTarget t) { return t == SimdTarget::kAvx512 || t == SimdTarget::kAvx512Bf16; }
@@ -585,21 +664,54 @@ void gated_delta_rule_recurrent(const GatedDeltaRuleParams& p, int threads, Simd
 
 void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int threads, SimdTarget target,
                               float* scratch) {
-  auto group = avx512(target)                ? chunked_group_avx512
-               : target == SimdTarget::kAvx2 ? chunked_group_avx2
-                                             : chunked_group_scalar;
+  auto task_fn = avx512(target)                ? chunked_task_avx512<NoClock>
+                 : target == SimdTarget::kAvx2 ? chunked_task_avx2<NoClock>
+                                               : chunked_task_scalar<NoClock>;
+  const int64_t per_task = task_groups(p),
+                tasks_per_seq = (p.num_k_heads + per_task - 1) / per_task;
   // One pointer captured: std::function keeps it without allocating.
   const struct {
     const GatedDeltaRuleParams& p;
-    decltype(group) run;
+    decltype(task_fn) run;
     float* scratch;
     size_t per_worker;
-  } ctx{p, group, scratch, gated_delta_rule_chunked_scratch(p)};
-  parallel_for(p.batch * p.num_k_heads, threads, [c = &ctx](int64_t task, int worker) {
+    int64_t per_task, tasks_per_seq;
+  } ctx{p, task_fn, scratch, gated_delta_rule_chunked_scratch(p), per_task, tasks_per_seq};
+  parallel_for(p.batch * tasks_per_seq, threads, [c = &ctx](int64_t task, int worker) {
     ChunkScratch s;
     chunk_floats(c->p, &s, c->scratch + static_cast<size_t>(worker) * c->per_worker);
-    c->run(c->p, task / c->p.num_k_heads, task % c->p.num_k_heads, s);
+    const int64_t kh0 = task % c->tasks_per_seq * c->per_task;
+    NoClock clock;
+    c->run(c->p, task / c->tasks_per_seq, kh0, std::min(kh0 + c->per_task, c->p.num_k_heads), s,
+           clock);
   });
+}
+
+void gated_delta_rule_chunked_timed(const GatedDeltaRuleParams& p, SimdTarget target,
+                                    float* scratch, double* seconds) {
+  auto run = avx512(target)                ? chunked_task_avx512<PhaseClock>
+             : target == SimdTarget::kAvx2 ? chunked_task_avx2<PhaseClock>
+                                           : chunked_task_scalar<PhaseClock>;
+  ChunkScratch s;
+  chunk_floats(p, &s, scratch);
+  std::fill_n(seconds, kGdrNumPhases, 0.0);
+  const int64_t per_task = task_groups(p);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t kh0 = 0; kh0 < p.num_k_heads; kh0 += per_task) {
+      PhaseClock clock{.seconds = seconds};
+      run(p, b, kh0, std::min(kh0 + per_task, p.num_k_heads), s, clock);
+    }
+}
+
+const char* gdr_phase_name(GdrPhase phase) {
+  static constexpr const char* kNames[kGdrNumPhases] = {"pack (keys transposed, states in/out)",
+                                                        "K K^T and Q K^T",
+                                                        "decays (D, -L, D*QK^T)",
+                                                        "K S0 and the right-hand side",
+                                                        "triangular solve (U)",
+                                                        "outputs (Q S0 + A U)",
+                                                        "state update (K^T U)"};
+  return kNames[phase];
 }
 
 }  // namespace attnkit::kernels::cpu

@@ -2,10 +2,13 @@
 // has the contract; ref/gated_delta_rule_ref.h is the reference twin).
 //
 // Work is one task per (sequence, value head) in the recurrent form and
-// per (sequence, key head) in the chunked form (the key head's value heads
-// share its K K^T and Q K^T); a task's results do not depend on the thread
-// count (each task owns its states, outputs and scratch slot), so the
-// output is the same bits for 1 or N threads.
+// per (sequence, run of key heads) in the chunked form (a key head's value
+// heads share its K K^T and Q K^T; a task runs its key heads chunk by
+// chunk, so that a chunk's rows are read while they are in the TLB and
+// caches; how many key heads a task takes depends on the shape alone);
+// a task's results do not depend on the thread count (each task owns its
+// states, outputs and scratch slot), so the output is the same bits for 1
+// or N threads.
 //
 // recurrent  The state's value columns are independent (column j of S only
 //            meets column j of delta), so a head's state is walked in groups
@@ -23,7 +26,9 @@
 //                   (forward substitution, blocked: no inverse formed)
 //              O  = exp(G) * (Q S0) + (lower-incl (D * Q K^T)) U  [n, dv]
 //              S  = exp(G_n-1) S0 + K^T (exp(G_n-1 - G) * U)      [dk, dv]
-//            U holds the deltas of the recurrent form. The products run on
+//            U holds the deltas of the recurrent form. Q and K are packed
+//            per chunk into scratch (their rows lie a token's width apart).
+//            The products run on
 //            register tiles written in the .cc (R rows x NV vectors of 16
 //            columns per target), which apply the steps around them (row
 //            scales, the solve, the state update) while the sums are in
@@ -54,5 +59,27 @@ void gated_delta_rule_recurrent(const GatedDeltaRuleParams& p, int threads, Simd
 // `scratch` holds threads * gated_delta_rule_chunked_scratch(p) floats.
 void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int threads, SimdTarget target,
                               float* scratch);
+
+// The chunked form's phases, in the order a chunk runs them (a key head's
+// keys once, then per value head the rest).
+enum GdrPhase : int {
+  kGdrPhasePack,         // the keys transposed into scratch; states into / out of scratch
+  kGdrPhaseKeyProducts,  // K K^T and Q K^T
+  kGdrPhaseDecays,       // D, -L and D * Q K^T (and the next chunk's prefetches)
+  kGdrPhaseKS0,          // K S0 and the solve's right-hand side
+  kGdrPhaseSolve,        // the forward substitution for U
+  kGdrPhaseOutput,       // exp(G) * (Q S0) + lower-incl(D * Q K^T) U
+  kGdrPhaseState,        // the state update K^T (D[n-1][:] * U)
+  kGdrNumPhases
+};
+const char* gdr_phase_name(GdrPhase phase);
+
+// The chunked form on the calling thread alone, with a clock read between
+// phases: `seconds` [kGdrNumPhases] gets each phase's wall time summed over
+// every task (bench/gated_delta_rule_bench.cc prints the split). The
+// results are those of gated_delta_rule_chunked. `scratch` holds one
+// worker's gated_delta_rule_chunked_scratch(p) floats.
+void gated_delta_rule_chunked_timed(const GatedDeltaRuleParams& p, SimdTarget target,
+                                    float* scratch, double* seconds);
 
 }  // namespace attnkit::kernels::cpu
