@@ -18,13 +18,33 @@
 //
 //   build/bench/linear_bf16_bench [threads, default 2] [reps, default 7]
 //                                 [rows, default 1,4,16,32,64,128]
+//
+// --kernel: the GEMMs alone, for the plan's row limit (linear.cc,
+// bf16_stream_max_rows) and the tiles' efficiency: one thread, one
+// 1024 x 4096 W (8 MiB bf16, cache-resident: arithmetic, not memory),
+// GFLOP per thread-CPU second (a busy machine takes the core away, which
+// wall time would count), median of `reps` alternated calls of each:
+//   stream        the bf16 stream GEMM
+//   oneDNN bf16   oneDNN on bf16 W (its bf16 kernel, or W widened)
+//   oneDNN f32    oneDNN on the same weights as f32
+//   stream/oneDNN the plan streams up to the last M where this is >= 1
+//   %peak         stream and f32 over one core's fp32 FMA peak at the
+//                 active target's vector width, timed the same way
+//
+//   build/bench/linear_bf16_bench --kernel [reps, default 9]
+//                                 [rows, default 1,4,8,16,24,32,48,64,96]
 // ATTNKIT_SIMD=avx2 runs attnkit's AVX2 kernels; DNNL_MAX_CPU_ISA=AVX2
 // makes oneDNN run as on a CPU without AVX-512 (an AMD Zen 3, say).
+#include <immintrin.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <new>
 #include <random>
 #include <sstream>
 #include <string>
@@ -41,6 +61,26 @@ using attnkit::DType;
 using attnkit::kernels::LinearOptions;
 using Clock = std::chrono::steady_clock;
 
+// Weights 64-byte aligned, as attnkit's tensors hold them (a std::vector's
+// large blocks start 16 bytes past a page, so every other 32-byte load
+// would split a cache line).
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  explicit Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  bool operator==(const Aligned64&) const { return true; }
+};
+template <class T>
+using AlignedVector = std::vector<T, Aligned64<T>>;
+
 struct Shape {
   int64_t out, in;
 };
@@ -51,8 +91,8 @@ constexpr size_t kRotateBytes = size_t{1} << 30;
 // The layer's weights in one dtype, `copies` times.
 struct Stack {
   DType dtype;
-  std::vector<std::vector<uint16_t>> b16;  // per copy, all shapes back to back
-  std::vector<std::vector<float>> f32;
+  std::vector<AlignedVector<uint16_t>> b16;  // per copy, all shapes back to back
+  std::vector<AlignedVector<float>> f32;
   size_t layer_bytes = 0;
   size_t copies() const { return dtype == DType::kBF16 ? b16.size() : f32.size(); }
 };
@@ -101,9 +141,123 @@ std::vector<int64_t> parse_rows(const char* text) {
   return out;
 }
 
+double thread_cpu_seconds() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
+
+volatile float g_sink;
+
+// 16 independent FMA chains, enough to fill two FMA ports of 4-cycle
+// latency.
+__attribute__((target("avx2,fma"))) float fma_loop_avx2(int64_t iters) {
+  __m256 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm256_set1_ps(0.001f * float(i));
+  const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
+  for (int64_t n = 0; n < iters; ++n)
+    for (int i = 0; i < 16; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+  for (int i = 1; i < 16; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);
+  return _mm256_cvtss_f32(acc[0]);
+}
+__attribute__((target("avx512f"))) float fma_loop_avx512(int64_t iters) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(0.001f * float(i));
+  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+  for (int64_t n = 0; n < iters; ++n)
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+  for (int i = 1; i < 16; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
+  return _mm512_cvtss_f32(acc[0]);
+}
+
+// One core's fp32 FMA peak, GFLOP per thread-CPU second, at the active
+// target's vector width: the best of 5.
+double core_peak(bool avx512) {
+  const int64_t iters = 4'000'000;
+  double best = 1e30;
+  for (int r = 0; r < 5; ++r) {
+    const double t0 = thread_cpu_seconds();
+    g_sink = avx512 ? fma_loop_avx512(iters) : fma_loop_avx2(iters);
+    best = std::min(best, thread_cpu_seconds() - t0);
+  }
+  return 2.0 * 16 * (avx512 ? 16 : 8) * double(iters) / best * 1e-9;
+}
+
+int kernel_mode(int reps, const std::vector<int64_t>& row_list) {
+  constexpr int64_t kOut = 1024, kIn = 4096;
+  const bool avx512 = attnkit::simd_target() != attnkit::SimdTarget::kAvx2 &&
+                      attnkit::simd_target() != attnkit::SimdTarget::kScalar;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-0.02f, 0.02f);
+  AlignedVector<uint16_t> wb(size_t(kOut * kIn));
+  AlignedVector<float> wf(wb.size());
+  for (size_t i = 0; i < wb.size(); ++i) {
+    wb[i] = attnkit::float_to_bf16(u(rng)).bits;
+    wf[i] = attnkit::bf16_to_float(attnkit::bf16{wb[i]});
+  }
+  std::printf("linear_bf16_bench --kernel: %s, 1 thread, attnkit SIMD %s\n",
+              attnkit::bench::cpu_name().c_str(),
+              attnkit::simd_target_name(attnkit::simd_target()));
+  std::printf("  f32 weights:  %s\n  bf16 weights: %s\n",
+              attnkit::gemm_backend_name(DType::kF32).c_str(),
+              attnkit::gemm_backend_name(DType::kBF16).c_str());
+  const double peak = core_peak(avx512);
+  std::printf(
+      "  W %lld x %lld, GFLOP per thread-CPU second, median of %d; fp32 FMA peak %.1f (%s)\n",
+      static_cast<long long>(kOut), static_cast<long long>(kIn), reps, peak,
+      avx512 ? "zmm" : "ymm");
+  std::printf("%5s %8s %12s %11s %14s %11s %12s %9s\n", "M", "stream", "oneDNN bf16", "oneDNN f32",
+              "stream/oneDNN", "stream/f32", "stream %peak", "f32 %peak");
+  using Choice = LinearOptions::Bf16Gemm;
+  for (const int64_t rows : row_list) {
+    std::vector<float> x(size_t(rows * kIn)), y(size_t(rows * kOut));
+    for (float& v : x) v = u(rng) * 50.0f;
+    LinearOptions base{.num_threads = 1, .backend = attnkit::Backend::kFast};
+    LinearOptions stream = base, onednn = base;
+    stream.bf16_gemm = Choice::kStream;
+    onednn.bf16_gemm = Choice::kOneDnn;
+    const attnkit::kernels::Weight b16{wb.data(), DType::kBF16}, f32{wf.data(), DType::kF32};
+    // Calls of at least ~20 ms, so that the clock's tick does not count.
+    const double flop = 2.0 * double(rows) * kOut * kIn;
+    const int calls = std::max(1, int(2e9 / flop));
+    const auto time = [&](const attnkit::kernels::Weight& w, const LinearOptions& opt) {
+      const double t0 = thread_cpu_seconds();
+      for (int c = 0; c < calls; ++c)
+        attnkit::kernels::linear(x.data(), kIn, w, nullptr, y.data(), kOut, rows, kOut, kIn, opt);
+      return flop * calls / (thread_cpu_seconds() - t0) * 1e-9;
+    };
+    time(b16, stream);  // warm-up: JIT, scratch
+    time(b16, onednn);
+    time(f32, base);
+    std::vector<double> gs, go, gf, rs, rf;
+    for (int r = 0; r < reps; ++r) {
+      gs.push_back(time(b16, stream));
+      go.push_back(time(b16, onednn));
+      gf.push_back(time(f32, base));
+      rs.push_back(gs.back() / go.back());
+      rf.push_back(gs.back() / gf.back());
+    }
+    using attnkit::bench::median;
+    std::printf("%5lld %8.1f %12.1f %11.1f %14.2f %11.2f %12.2f %9.2f\n",
+                static_cast<long long>(rows), median(gs), median(go), median(gf), median(rs),
+                median(rf), median(gs) / peak, median(gf) / peak);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "--kernel") == 0) {
+    const int reps = argc > 2 ? std::atoi(argv[2]) : 9;
+    const std::vector<int64_t> rows = parse_rows(argc > 3 ? argv[3] : "1,4,8,16,24,32,48,64,96");
+    if (reps < 1 || rows.empty()) {
+      std::fprintf(stderr, "usage: linear_bf16_bench --kernel [reps] [rows,rows,...]\n");
+      return 2;
+    }
+    return kernel_mode(reps, rows);
+  }
   const int threads = argc > 1 ? std::atoi(argv[1]) : 2;
   const int reps = argc > 2 ? std::atoi(argv[2]) : 7;
   const std::vector<int64_t> row_list = parse_rows(argc > 3 ? argv[3] : "1,4,16,32,64,128");

@@ -5,8 +5,10 @@ the CPU it ran on into docs/perf/<cpu-slug>.md, as one dated section.
     scripts/perf_report.py [--build build] [--out docs/perf] [--reps 3] [--pairs 20]
 
 Run it in a built tree (cmake --build build --target attnkit_bench
-decode_tile_bench decode_read_bench) on a machine as quiet as you can get;
-it takes 3-8 minutes on 2 cores. Each row of the table is one case, its
+decode_tile_bench decode_read_bench linear_bf16_bench) on a machine as quiet
+as you can get; it takes 4-10 minutes on 2 cores. Under ATTNKIT_SIMD (and
+DNNL_MAX_CPU_ISA, to cap oneDNN alike) it reports the kernels of that
+target, in a section of its own. Each row of the table is one case, its
 figure, and the command that measures that case alone. A run on the same
 date and commit replaces its own section; other sections (older runs,
 other commits, rows copied from earlier reports) are kept as they are.
@@ -136,6 +138,19 @@ def parse_tile_bench(text):
     return out
 
 
+def parse_linear_bf16_bench(text, columns):
+    """linear_bf16_bench's table (decode step or --kernel): M -> its numbers."""
+    out = {}
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) == columns and re.match(r"\d+$", f[0]):
+            try:
+                out[int(f[0])] = [float(x) for x in f[1:]]
+            except ValueError:
+                pass
+    return out
+
+
 def parse_read_bench(text):
     out = {}
     for line in text.splitlines():
@@ -241,6 +256,29 @@ def measure(build, reps, pairs):
             rows.append(("1-token decode's reads without arithmetic, %s-key tiles, %s: of a "
                          "sequential read (2 threads)" % (tile_keys, what), "%.2f" % walks[walk],
                          "`%s/decode_read_bench 2 %d %s`" % (rel, pairs, tile_keys)))
+
+    # Decode steps with bf16 weights (issue 33): the Llama-3-8B layer's seven
+    # projections for M sequences, bf16 weights' time over f32 weights'
+    # (alternated), and the stream GEMM's share of the FMA peak.
+    step_reps = max(reps, 5)
+    text = run([os.path.join(bench, "linear_bf16_bench"), "2", str(step_reps), "1,16,32"])
+    steps = parse_linear_bf16_bench(text, 8)
+    step_cmd = "`%s/linear_bf16_bench 2 %d 1,16,32`" % (rel, step_reps)
+    for m in sorted(steps):
+        plan_over_f32, of_read = steps[m][4], steps[m][5]
+        rows.append(("decode step, Llama-3-8B layer projections, %d row(s), bf16 weights: time "
+                     "over f32 weights' (alternated, 2 threads)" % m, "%.2f" % plan_over_f32,
+                     step_cmd))
+        rows.append(("the same, bf16 weights: of a read of their bytes at the run's bandwidth" +
+                     (" (%d row(s))" % m), "%.2f" % of_read, step_cmd))
+    text = run([os.path.join(bench, "linear_bf16_bench"), "--kernel", str(step_reps), "16,32"])
+    kernel = parse_linear_bf16_bench(text, 8)
+    kernel_cmd = "`%s/linear_bf16_bench --kernel %d 16,32`" % (rel, step_reps)
+    for m in sorted(kernel):
+        stream_peak, f32_peak = kernel[m][5], kernel[m][6]
+        rows.append(("bf16 stream GEMM, 1024 x 4096, %d rows, 1 thread: of the fp32 FMA peak "
+                     "(oneDNN's f32 GEMM: %.2f)" % (m, f32_peak), "%.2f" % stream_peak,
+                     kernel_cmd))
     return target, limit_text, rows
 
 
@@ -255,14 +293,21 @@ def header(cpu):
             % (cpu["name"], cpu["family"], cpu["model"]))
 
 
+def marker(date, commit, target):
+    return "<!-- perf_report %s %s %s -->" % (date, commit, target)
+
+
 def section(date, commit, cpu, target, limits, rows, load):
+    simd = os.environ.get("ATTNKIT_SIMD")
     lines = [
-        "## %s · %s · scripts/perf_report.py" % (date, commit),
-        "<!-- perf_report %s %s -->" % (date, commit),
+        "## %s · %s · `%s` · scripts/perf_report.py" % (date, commit, target),
+        marker(date, commit, target),
         "",
-        "CPU: %s, family %s, model %s, stepping %s, %s CPUs; flags: %s; kernels `%s`." %
+        "CPU: %s, family %s, model %s, stepping %s, %s CPUs; flags: %s; kernels `%s`%s." %
         (cpu["name"], cpu["family"], cpu["model"], cpu["stepping"], cpu["cpus"], cpu["flags"],
-         target),
+         target, "" if not simd else " (`ATTNKIT_SIMD=%s%s`)" % (
+             simd, "" if "DNNL_MAX_CPU_ISA" not in os.environ else
+             " DNNL_MAX_CPU_ISA=" + os.environ["DNNL_MAX_CPU_ISA"])),
         "Limits measured by attnkit_bench: %s." % limits,
         "Load average (1 minute) at the start / end of the run: %.1f / %.1f; on a busy machine "
         "the limits fall and single rows move: compare with a quiet run." % load,
@@ -274,12 +319,13 @@ def section(date, commit, cpu, target, limits, rows, load):
     return "\n".join(lines) + "\n"
 
 
-def write(path, head, date, commit, body):
-    """Puts body first under the header, replacing a section of the same date and commit."""
-    marker = "<!-- perf_report %s %s -->" % (date, commit)
+def write(path, head, date, commit, target, body):
+    """Puts body first under the header, replacing a section of the same date, commit and
+    kernels (runs under two ATTNKIT_SIMD values keep a section each)."""
+    mark = marker(date, commit, target)
     old = open(path).read() if os.path.exists(path) else head
     parts = re.split(r"(?=^## )", old, flags=re.M)
-    kept = [p.strip("\n") + "\n" for p in parts[1:] if marker not in p]
+    kept = [p.strip("\n") + "\n" for p in parts[1:] if mark not in p]
     with open(path, "w") as f:
         f.write("\n".join([parts[0].rstrip("\n") + "\n", body] + kept))
 
@@ -300,7 +346,8 @@ def main():
     load = (load_start, os.getloadavg()[0])
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, slug(cpu) + ".md")
-    write(path, header(cpu), date, commit, section(date, commit, cpu, target, limits, rows, load))
+    write(path, header(cpu), date, commit, target,
+          section(date, commit, cpu, target, limits, rows, load))
     print(path)
 
 

@@ -32,9 +32,9 @@
 // registers; longer calls take the same grid as f32. x is rounded to bf16
 // once, on the calling thread (the contract: bf16 x times bf16 W, fp32
 // sums), then each block runs oneDNN's bf16 matmul primitive, or, where
-// oneDNN has only its reference code for bf16 (no AVX-512), widens its
-// block of W into per-thread f32 scratch and runs the f32 path on the
-// rounded x.
+// oneDNN has no bf16 arithmetic in hardware (AVX2; AVX-512 without
+// AVX512_BF16: bf16_matmul_native), widens its block of W into per-thread
+// f32 scratch and runs the f32 path on the rounded x.
 #include "kernels/linear.h"
 
 #include <oneapi/dnnl/dnnl.h>
@@ -100,22 +100,25 @@ constexpr double kMinSplitMacs = 1 << 22;
 // (kernels/linear_bf16.h) instead of oneDNN, by what oneDNN 2.6 has for
 // bf16 on this CPU (bf16_stream_max_rows). Each is the largest row count
 // at which the stream GEMM was at least as fast as oneDNN, measured as
-// GFLOP/s per thread-CPU second of one thread on a 1024 x 4096 bf16 W
-// (stream against oneDNN; the machine was shared, so CPU time, not wall
-// time), on the Intel Xeon (family 6, model 167, AVX-512 + AMX) with
+// GFLOP per thread-CPU second of one thread on a 1024 x 4096 bf16 W
+// (`linear_bf16_bench --kernel`: the machine was shared, so CPU time, not
+// wall time), on the Intel Xeon (family 6, model 167, AVX-512 + AMX) with
 // oneDNN capped by DNNL_MAX_CPU_ISA to stand in for the other CPUs,
 // 2026-11-27. Fewer rows are memory-bound, where reading half the bytes
 // of f32 wins by more.
-//   no bf16 kernel (AVX2: AMD Zen 3, older Intel): oneDNN widens W per
-//     call; at 8 rows 57.9 against 25.2, 32 rows 59.2 against 56.8,
-//     48 rows 58.8 against 59.0, 64 rows 58.7 against 66.6
-constexpr int64_t kStreamMaxRowsWidened = 48;
-//   avx512_core, bf16 emulated by oneDNN (Skylake-SP, Ice Lake):
-//     16 rows 84.9 against 29.0, 256 rows 51.1 against 35.3
-constexpr int64_t kStreamMaxRowsEmulated = 256;
-//   avx512_core_bf16, vdpbf16ps (AMD Zen 4 and 5, Cooper Lake): 4 rows
-//     78.4 against 42.4, 16 rows 87.4 against 72.4, 32 rows 83.8 against
-//     83.3
+//   no bf16 kernel (AVX2: AMD Zen 3, older Intel): oneDNN's f32 GEMM on W
+//     widened per call; 4x3 assembly tiles (ATTNKIT_SIMD=avx2): 16 rows
+//     78.3 against 42.1, 48 rows 72.7 against 57.4, 88 rows 67.7 against
+//     66.0, 96 rows 65.5 against 69.8
+constexpr int64_t kStreamMaxRowsWidened = 88;
+//   AVX-512 without AVX512_BF16 (Skylake-SP, Cascade Lake, Ice Lake):
+//     oneDNN's bf16 there emulates the products (34 GFLOP/s at 256-1024
+//     rows, against 145-158 for its f32 GEMM), so these CPUs widen W for
+//     oneDNN's f32 GEMM as AVX2 ones do (bf16_matmul_native); stream
+//     (ATTNKIT_SIMD=avx512, 6x4 tiles) against that: 16 rows 106.1
+//     against 42.2, 64 rows 105.7 against 85.1, 96 rows 95.1 against 93.4,
+//     128 rows 82.2 against 103.7
+constexpr int64_t kStreamMaxRowsWidened512 = 96;
 constexpr int64_t kStreamMaxRowsBf16Dot = 32;
 //   AMX tiles (Sapphire Rapids and later): 4 rows 88.8 against 57.9,
 //     8 rows 82.7 against 104.7, 32 rows 93.2 against 298.4
@@ -423,11 +426,17 @@ bool rows_independent(bool bf16_operands) {
   return bf16_operands ? bf16 : f32;
 }
 
-// Whether oneDNN has more than its reference code for bf16 matmul here.
+// Whether oneDNN multiplies bf16 in hardware here (AVX512_BF16 or AMX).
+// Without it, oneDNN 2.6 has only its reference code for bf16 matmul
+// (AVX2), or emulates the products with AVX-512F at a quarter of its f32
+// GEMM's speed (docs/GEMM.md); both run slower than its f32 GEMM on W
+// widened to f32.
 bool bf16_matmul_native() {
   static const bool native = [] {
     const std::string& impl = matmul_impl(true);
-    return !impl.empty() && impl.rfind("ref", 0) != 0;
+    // oneDNN's ISA values are sets of feature bits.
+    const unsigned isa = dnnl_get_effective_cpu_isa(), bf16 = dnnl_cpu_isa_avx512_core_bf16;
+    return !impl.empty() && impl.rfind("ref", 0) != 0 && (isa & bf16) == bf16;
   }();
   return native;
 }
@@ -682,13 +691,13 @@ bool linear_rows_independent(Backend backend, DType weight_dtype) {
 
 int64_t bf16_stream_max_rows() {
   if (bf16_stream_kernel(simd_target()) == nullptr) return 0;
-  if (!bf16_matmul_native()) return kStreamMaxRowsWidened;
-  static const int64_t native = [] {
-    if (matmul_impl(true).find("amx") != std::string::npos) return kStreamMaxRowsAmx;
-    // oneDNN's ISA values are sets of feature bits.
-    const unsigned isa = dnnl_get_effective_cpu_isa(), bf16 = dnnl_cpu_isa_avx512_core_bf16;
-    return (isa & bf16) == bf16 ? kStreamMaxRowsBf16Dot : kStreamMaxRowsEmulated;
-  }();
+  if (!bf16_matmul_native()) {
+    const unsigned isa = dnnl_get_effective_cpu_isa(), avx512 = dnnl_cpu_isa_avx512_core;
+    return (isa & avx512) == avx512 ? kStreamMaxRowsWidened512 : kStreamMaxRowsWidened;
+  }
+  static const int64_t native = matmul_impl(true).find("amx") != std::string::npos
+                                    ? kStreamMaxRowsAmx
+                                    : kStreamMaxRowsBf16Dot;
   return native;
 }
 

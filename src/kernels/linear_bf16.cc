@@ -52,21 +52,25 @@ bool linear_bf16_stream(const Bf16StreamKernel& kernel, const float* x, int64_t 
                         const float* bias, float* y, int64_t ldy, int64_t rows,
                         int64_t out_features, int64_t in_features, int num_threads) {
   if (rows <= 0 || out_features <= 0) return true;
-  thread_local Scratch<float> xp;
-  if (!xp.grow(static_cast<size_t>(rows * in_features))) return false;
-  kernel.prepare_x(x, ldx, rows, in_features, xp.get());
+  // xp starts on a cache line (operator new[] gives 16 bytes): the
+  // kernels' 32- and 64-byte x loads then split no line where in_features
+  // is a multiple of 16.
+  thread_local Scratch<float> scratch;
+  if (!scratch.grow(static_cast<size_t>(rows * in_features) + 15)) return false;
+  const uintptr_t at = reinterpret_cast<uintptr_t>(scratch.get());
+  float* const xp = scratch.get() + ((64 - at % 64) % 64) / sizeof(float);
+  kernel.prepare_x(x, ldx, rows, in_features, xp);
   const double macs = static_cast<double>(rows) * static_cast<double>(out_features) * in_features;
   const int64_t blocks =
       macs < kMinSplitMacs ? 1 : std::clamp<int64_t>(out_features / kBlockCols, 1, kMaxBlocks);
   const int64_t size = (out_features + blocks - 1) / blocks;
   const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
-  const float* xs = xp.get();
   // The tasks reach parallel_for through a closure holding one reference,
   // which std::function stores without allocating.
   const auto body = [&](int64_t task) {
     const int64_t c0 = task * size, cols = std::min(size, out_features - c0);
     if (cols > 0)
-      kernel.run(xs, rows, in_features, wb + c0 * in_features, cols, bias ? bias + c0 : nullptr,
+      kernel.run(xp, rows, in_features, wb + c0 * in_features, cols, bias ? bias + c0 : nullptr,
                  y + c0, ldy);
   };
   parallel_for(blocks, num_threads, [&body](int64_t task, int) { body(task); });

@@ -33,9 +33,10 @@ struct V512 {
   using Part = __m512;
   using Acc = __m512;
   static constexpr int kChunk = 32, kParts = 2;
-  // 32 registers: 4 rows x 4 columns = 16 accumulators + 4 widened weights
+  // 32 registers: 6 rows x 4 columns = 24 accumulators + 4 widened weights
   // + 1 x vector; one row: 8 columns, 8 FMA chains.
-  static constexpr int kNrOne = 8, kMr = 4, kNr = 4;
+  static constexpr int kNrOne = 8, kMr = 6, kNr = 4;
+  static constexpr bool kMainTile = false;
 
   static Raw load_w(const uint16_t* p) { return _mm512_loadu_si512(p); }
   static Part part(Raw raw, int i) {
@@ -63,6 +64,7 @@ struct V512Bf16 {
   using Acc = __m512;
   static constexpr int kChunk = 32, kParts = 1;
   static constexpr int kNrOne = 8, kMr = 4, kNr = 4;
+  static constexpr bool kMainTile = false;
 
   static Raw load_w(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static Part part(Raw raw, int) { return raw; }

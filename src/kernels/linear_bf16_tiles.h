@@ -15,6 +15,11 @@
 //   kMr, kNr      rows and columns per tile for more rows
 //   x_value(p, k) the rounded x[k] of a prepared row (the tail k >= a
 //                 multiple of kChunk, where rows keep their natural order)
+//   kMainTile     true where V::main_tile(xp, ldxp, w, ldw, whole, acc)
+//                 computes the whole chunks of a full kMr x kNr tile itself
+//                 (hand-allocated registers, linear_bf16_avx2.cc), with the
+//                 same operations in the same order as the loop below, so a
+//                 row's bits do not depend on which tile computed it
 //
 // Tiles are MR rows (<= kMr) by NR columns of W: each chunk of W's NR rows is
 // loaded once and multiplied with the MR x rows, so W crosses the memory
@@ -71,18 +76,22 @@ template <class V, int MR, int NR>
 void tile(const float* xp, int64_t ldxp, int64_t depth, const uint16_t* w, const float* bias,
           float* y, int64_t ldy) {
   typename V::Acc acc[MR][NR];
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) acc[m][n] = V::zero();
   const int64_t whole = depth - depth % V::kChunk;
-  for (int64_t k = 0; k < whole; k += V::kChunk) {
-    typename V::Raw raw[NR];
-    for (int n = 0; n < NR; ++n) raw[n] = V::load_w(w + n * depth + k);
-    for (int i = 0; i < V::kParts; ++i) {
-      typename V::Part wp[NR];
-      for (int n = 0; n < NR; ++n) wp[n] = V::part(raw[n], i);
-      for (int m = 0; m < MR; ++m) {
-        const typename V::Part xv = V::load_x(xp + m * ldxp, k, i);
-        for (int n = 0; n < NR; ++n) acc[m][n] = V::mac(acc[m][n], wp[n], xv);
+  if constexpr (V::kMainTile && MR == V::kMr && NR == V::kNr) {
+    V::main_tile(xp, ldxp, w, depth, whole, acc);
+  } else {
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NR; ++n) acc[m][n] = V::zero();
+    for (int64_t k = 0; k < whole; k += V::kChunk) {
+      typename V::Raw raw[NR];
+      for (int n = 0; n < NR; ++n) raw[n] = V::load_w(w + n * depth + k);
+      for (int i = 0; i < V::kParts; ++i) {
+        typename V::Part wp[NR];
+        for (int n = 0; n < NR; ++n) wp[n] = V::part(raw[n], i);
+        for (int m = 0; m < MR; ++m) {
+          const typename V::Part xv = V::load_x(xp + m * ldxp, k, i);
+          for (int n = 0; n < NR; ++n) acc[m][n] = V::mac(acc[m][n], wp[n], xv);
+        }
       }
     }
   }

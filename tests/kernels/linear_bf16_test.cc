@@ -215,6 +215,30 @@ TEST(LinearBf16Stream, NanAndInfPropagateAsTheReference) {
   }
 }
 
+// Zero rows of W give exactly the bias (or +0), and magnitudes near the
+// top of fp32's range (products up to 2^120, sums below its maximum) meet
+// the same bound: no step of a kernel (widening, vdpbf16ps, the tiles)
+// scales or overflows on its own.
+TEST(LinearBf16Stream, ZeroAndLargeInputs) {
+  for (SimdTarget t : stream_targets()) {
+    const Bf16StreamKernel& k = *bf16_stream_kernel(t);
+    for (const Case& c : {Case{16, 31, 200, 0, 0, 0, true, 41}, Case{5, 7, 33, 1, 0, 0, false, 42},
+                          Case{32, 12, 64, 0, 2, 0, true, 43}}) {
+      Data d(c);
+      for (int64_t i = 0; i < c.out * c.in; ++i)
+        d.w[i] = float_to_bf16(bf16_to_float(d.w[i]) * 0x1p60f);
+      for (float& v : d.xbuf) v *= 0x1p60f;
+      for (int64_t k2 = 0; k2 < c.in; ++k2) d.w[2 * c.in + k2] = float_to_bf16(0.0f);  // W row 2
+      ASSERT_TRUE(d.run(k, 2));
+      EXPECT_TRUE(check(d, std::string(k.name) + ", large"));
+      for (int64_t m = 0; m < c.rows; ++m) {
+        const float want = c.bias ? d.b[2] : 0.0f;
+        EXPECT_EQ(want, d.y()[m * d.ldy + 2]) << k.name << " " << c.describe() << " row " << m;
+      }
+    }
+  }
+}
+
 // kernels::linear runs the active target's stream kernel for calls of up
 // to bf16_stream_max_rows() rows (the same bits), oneDNN above; the
 // forced choices both meet the bound; the names say which runs.
