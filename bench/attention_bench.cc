@@ -663,6 +663,11 @@ void register_all() {
         std::pair{"decode/gqa32-8/k16384/q1/bf16", gqa_decode(1, DType::kBF16)},
         std::pair{"decode/gqa32-8/k16384/q4/f32", gqa_decode(4, DType::kF32)},
         std::pair{"decode/gqa32-8/k16384/b8/q1/bf16", gqa_decode(1, DType::kBF16, 8)},
+        std::pair{"decode/gqa32-8/k16384/q1/int8", gqa_decode(1, DType::kI8)},
+        std::pair{"decode/gqa32-8/k16384/q1/fp8_e4m3", gqa_decode(1, DType::kFp8E4M3)},
+        std::pair{"decode/gqa32-8/k16384/b8/q1/int8", gqa_decode(1, DType::kI8, 8)},
+        std::pair{"decode/gqa32-8/k16384/b8/q1/fp8_e4m3", gqa_decode(1, DType::kFp8E4M3, 8)},
+        std::pair{"prefill/causal/gqa32-8/s2048/int8", gqa_prefill(8, DType::kI8)},
         std::pair{"mla/h128/k4096/q1/bf16", mla_decode(DType::kBF16)}})
     add_ratio(std::string("paired/invariant_over_default/") + name, invariant(shape), shape);
   // Thread scaling: the same shapes on one thread.

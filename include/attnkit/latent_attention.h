@@ -220,9 +220,12 @@ class LatentAttention {
   // Sparse attention: the indexer keys of x's T tokens, quantized into
   // codes [B, T, Di] and scales [B, T, Di / 128] at the given strides
   // (batch, row; codes in bytes, scales in floats); ik [B*T, Di] is scratch.
+  // gemv_for_one_row as in LinearOptions: forward_batch passes false, so
+  // that a lone decode row rounds its projection as a batched one does.
   Status index_keys(const float* x, int64_t B, int64_t T, std::span<const int64_t> positions,
                     const RunOptions& run, float* ik, uint8_t* codes, int64_t codes_bs,
-                    int64_t codes_rs, float* scales, int64_t scales_bs, int64_t scales_rs) const;
+                    int64_t codes_rs, float* scales, int64_t scales_bs, int64_t scales_rs,
+                    bool gemv_for_one_row = true) const;
   // forward_batch's sparse attention: stores the indexer keys of the new
   // rows (x [total, hidden], positions [total]) in the pool; when some
   // sequence holds more than index_topk tokens, selects each query's keys,
@@ -236,10 +239,11 @@ class LatentAttention {
                              bool* attended) const;
   // Sparse attention: indexer queries (codes [B*T, Hi, Di], scales
   // [B*T, Hi, Di / 128]) and head weights w [B*T, Hi] from x and the normed
-  // compressed query cq [B*T, d_q]; iq [B*T, Hi, Di] is scratch.
+  // compressed query cq [B*T, d_q]; iq [B*T, Hi, Di] is scratch;
+  // gemv_for_one_row as for index_keys.
   Status index_queries(const float* x, const float* cq, int64_t B, int64_t T,
                        std::span<const int64_t> positions, const RunOptions& run, float* iq,
-                       uint8_t* codes, float* scales, float* w) const;
+                       uint8_t* codes, float* scales, float* w, bool gemv_for_one_row = true) const;
 
   struct Weights {
     // Projections f32 or bf16 (as loaded), norms f32.

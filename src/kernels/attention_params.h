@@ -123,15 +123,12 @@ struct AttentionParams {
     if (block_table != nullptr) {
       // Pages that follow each other in the pool extend the run: a fresh
       // pool hands a sequence consecutive pages, and one long run costs the
-      // tile loop one kernel call instead of one per page.
-      // The int8 P V kernel rounds the weights of a run's keys together, so
-      // its bits depend on where runs end: batch-invariant int8 calls end
-      // them at page ends, which stay put wherever the pool put the pages.
+      // tile loop one kernel call instead of one per page. (No kernel that
+      // batch-invariant calls take rounds by where a run ends: tile_policy.h.)
       const int32_t* table = block_table + b * block_table_stride + j / page_size;
       const int64_t in_page = j % page_size;
       int64_t rows = page_size - in_page;
-      const bool merge = !(batch_invariant && kv_dtype == DType::kI8);
-      for (int64_t p = 1; merge && rows < n && table[p] == table[0] + p; ++p) rows += page_size;
+      for (int64_t p = 1; rows < n && table[p] == table[0] + p; ++p) rows += page_size;
       *run = n < rows ? n : rows;
       return table[0] * page_size + in_page;
     }

@@ -692,11 +692,12 @@ Status LatentAttention::project(const float* x, int64_t B, int64_t T,
 Status LatentAttention::index_keys(const float* x, int64_t B, int64_t T,
                                    std::span<const int64_t> positions, const RunOptions& run,
                                    float* ik, uint8_t* codes, int64_t codes_bs, int64_t codes_rs,
-                                   float* scales, int64_t scales_bs, int64_t scales_rs) const {
+                                   float* scales, int64_t scales_bs, int64_t scales_rs,
+                                   bool gemv_for_one_row) const {
   const MlaConfig& c = config_;
   const int64_t rows = B * T, d = c.hidden_size, di = c.index_head_dim, dr = c.qk_rope_head_dim;
   const kernels::LinearOptions lin{
-      .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = true};
+      .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = gemv_for_one_row};
   kernels::linear(x, d, kernels::weight_of(w_.idx_wk), nullptr, ik, di, rows, di, d, lin);
   // LayerNorm with gain and bias (DeepSeek's eps 1e-6), in double per row.
   const float* gain = w_.idx_k_norm.ptr<float>();
@@ -730,12 +731,13 @@ Status LatentAttention::index_keys(const float* x, int64_t B, int64_t T,
 
 Status LatentAttention::index_queries(const float* x, const float* cq, int64_t B, int64_t T,
                                       std::span<const int64_t> positions, const RunOptions& run,
-                                      float* iq, uint8_t* codes, float* scales, float* w) const {
+                                      float* iq, uint8_t* codes, float* scales, float* w,
+                                      bool gemv_for_one_row) const {
   const MlaConfig& c = config_;
   const int64_t rows = B * T, d = c.hidden_size, dq = c.q_lora_rank, hi = c.index_n_heads,
                 di = c.index_head_dim, dr = c.qk_rope_head_dim, nsc = di / kIndexerBlock;
   const kernels::LinearOptions lin{
-      .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = true};
+      .num_threads = run.num_threads, .backend = run.backend, .gemv_for_one_row = gemv_for_one_row};
   kernels::linear(cq, dq, kernels::weight_of(w_.idx_wq_b), nullptr, iq, hi * di, rows, hi * di, dq,
                   lin);
   TensorView rot;  // [B, T, Hi, d_r]: the first d_r features of each head
@@ -950,7 +952,8 @@ Status LatentAttention::attend_paged_sparse(const float* x, const float* cq,
   // ---- the new tokens' indexer keys, into their slots ---------------------
   // Slots of reserved, unwritten tokens: nothing visible changes yet.
   ATTNKIT_RETURN_IF_ERROR(index_keys(x, 1, total, positions, run, ik.data(), new_codes.get(),
-                                     total * di, di, new_scales.data(), total * nsc, nsc));
+                                     total * di, di, new_scales.data(), total * nsc, nsc,
+                                     /*gemv_for_one_row=*/false));
   ATTNKIT_ASSIGN_OR_RETURN(const TensorView pool_codes, cache.index_keys(layer));
   ATTNKIT_ASSIGN_OR_RETURN(const TensorView pool_scales, cache.index_scales(layer));
   for (int64_t s = 0; s < n; ++s)
@@ -966,7 +969,7 @@ Status LatentAttention::attend_paged_sparse(const float* x, const float* cq,
 
   // ---- each sequence's selection: the indexer over its gathered keys ------
   ATTNKIT_RETURN_IF_ERROR(index_queries(x, cq, 1, total, positions, run, iq.data(), iq_codes.get(),
-                                        iq_scales.data(), iw.data()));
+                                        iq_scales.data(), iw.data(), /*gemv_for_one_row=*/false));
   for (int64_t s = 0; s < n; ++s) {
     const size_t si = static_cast<size_t>(s);
     if (rows[si] == 0) continue;

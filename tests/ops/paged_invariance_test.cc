@@ -102,6 +102,19 @@ void step(const Shape& sh, PagedKVCache& pool, const std::vector<int64_t>& ids,
     (*outs)[i].insert((*outs)[i].end(), o.begin() + cu[i] * H * Dv, o.begin() + cu[i + 1] * H * Dv);
 }
 
+const char* dtype_label(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return "bf16";
+    case DType::kI8:
+      return "int8";
+    case DType::kFp8E4M3:
+      return "fp8_e4m3";
+    default:
+      return "f32";
+  }
+}
+
 // Where two runs of a sequence's rows first differ, or "" if bit-identical.
 std::string first_difference(const Shape& sh, const std::vector<float>& a,
                              const std::vector<float>& b) {
@@ -124,7 +137,7 @@ TEST(PagedInvariance, RowsAreTheSameBitsHoweverTheSequenceIsChunkedOrBatched) {
                                      attnkit::SimdTarget::kAvx512Bf16}) {
     if (target > best || !attnkit::set_simd_target(target)) continue;
     for (const Shape& sh : shapes)
-      for (DType dtype : {DType::kF32, DType::kBF16})
+      for (DType dtype : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3})
         for (int rep = 0; rep < 2; ++rep, ++trial) {
           std::mt19937 rng(1000 + uint32_t(trial));
           // Prefixes around 512 and 1024 (on and off page and split
@@ -137,8 +150,8 @@ TEST(PagedInvariance, RowsAreTheSameBitsHoweverTheSequenceIsChunkedOrBatched) {
           const int64_t suffix = rep == 0 ? 76 : std::uniform_int_distribution<int64_t>(1, 77)(rng);
           const int64_t len = prefix + suffix;
           SCOPED_TRACE(std::string("target ") + attnkit::simd_target_name(target) + " " + sh.name +
-                       (dtype == DType::kBF16 ? " bf16" : " f32") + " prefix " +
-                       std::to_string(prefix) + " suffix " + std::to_string(suffix));
+                       " " + dtype_label(dtype) + " prefix " + std::to_string(prefix) + " suffix " +
+                       std::to_string(suffix));
           const Seq x = make_seq(sh, len, 7 * uint32_t(trial) + 1);
           const Seq y = make_seq(sh, len + 40, 7 * uint32_t(trial) + 2);
           const Seq z = make_seq(sh, 300, 7 * uint32_t(trial) + 3);

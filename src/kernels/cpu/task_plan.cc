@@ -56,6 +56,24 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
     g.pv_copies = !g.row_scales || g.m_max >= kCopyValuesMinRows ||
                   (g.fp8 ? g.kt->pv_fp8 == nullptr : g.kt->pv_i8 == nullptr);
     g.dot_bf16 = g.k_copies && g.pv_copies && g.kt->dequant_bf16 != nullptr && plan.dequant_bf16;
+    if (plan.batch_invariant) {
+      // The paths above round by the task's row count (qk_rows_fp8 and
+      // the copies' qk_f32 sum over head_dim in other orders; pv_i8 takes
+      // int16 weights for up to 16 rows, fp32 ones beyond; 32+ rows take
+      // the copies), and a row's count is its call's: a prefix-cache
+      // hit's suffix or a decode step took another path than the same rows
+      // in one call. So every count takes one path: V dequantized into the
+      // fp32 copy for pv_f32 (exact per value; over fixed tiles the fp32
+      // K/V batch-invariant kernel), and int8 keys with row scales scored
+      // by qk_rows_i8 in groups of 4 rows, whose int32 sums are exact and
+      // whose factors are each row's own; fp8 (and block-scaled) keys the
+      // fp32 copy for qk_f32.
+      g.rows_qk = g.dot_bf16 = false;
+      g.qk_groups = !g.fp8 && g.row_scales && g.kt->qk_rows_i8 != nullptr;
+      g.k_copies = !g.qk_groups;
+      g.pv_copies = true;
+      g.q16_rows = g.qk_groups ? g.m_pad : 0;
+    }
   } else {
     const int64_t elem_bytes = g.bf16 ? 2 : 4;
     g.copy_v = !g.dot_bf16 && g.m_max >= kCopyValuesMinRows &&

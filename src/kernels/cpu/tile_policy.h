@@ -210,8 +210,10 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
     //    over head_dim in another order than the tile kernels.
     // So keys are never split, tiles end at multiples of kKeysPerTile on
     // every target (a task's first may be shorter), and fp32 / bf16 K/V take the tile
-    // kernels for any rows (Plan::batch_invariant). Not covered: 8-bit K/V
-    // (their 1-4, 5-16 and 32+ row paths round differently), and bf16 K/V
+    // kernels for any rows (Plan::batch_invariant); 8-bit K/V take one
+    // path for any rows too (make_geometry: int8 keys scored in integers
+    // by groups of 4 rows, fp8 keys and all values dequantized to fp32
+    // copies). Not covered: bf16 K/V
     // through vdpbf16ps under a window or chunk, whose P V sums pairs of
     // keys from the task's first visible key (reading the key before it
     // could touch a page the pool released). Prefix caching has neither
