@@ -38,6 +38,7 @@
 #include "attnkit/attention.h"
 #include "attnkit/sparse_attention.h"
 #include "bench_stats.h"
+#include "dsa_setup.h"
 
 namespace {
 
@@ -46,28 +47,13 @@ using attnkit::DType;
 using attnkit::make_view;
 using attnkit::TensorView;
 
-constexpr int64_t kHeads = 128, kLatent = 512, kRope = 64, kRow = kLatent + kRope;
-constexpr int64_t kIndexHeads = 64, kIndexDim = 128, kTopk = 2048;
-
-struct Fill {
-  uint64_t s = 0x9E3779B97F4A7C15ull;
-  uint64_t bits() {
-    s ^= s >> 12;
-    s ^= s << 25;
-    s ^= s >> 27;
-    return s * 2685821657736338717ull;
-  }
-  float next() { return static_cast<float>(static_cast<double>(bits() >> 11) * 0x1p-53 * 2 - 1); }
-};
+// DeepSeek-V3.2's sizes, Fill and seconds_since (dsa_setup.h).
+using namespace attnkit::bench::dsa;
 
 double thread_cpu_seconds() {
   timespec t{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
   return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // Sum of the 64-bit words of each of `parts` (sizes multiples of 8) on

@@ -40,6 +40,7 @@
 #include "attnkit/attention.h"
 #include "attnkit/sparse_attention.h"
 #include "bench_stats.h"
+#include "dsa_setup.h"
 
 namespace {
 
@@ -47,24 +48,11 @@ using attnkit::DType;
 using attnkit::make_view;
 using attnkit::TensorView;
 
-constexpr int64_t kHeads = 128, kNope = 128, kRopeDim = 64, kQk = kNope + kRopeDim, kV = 128;
-constexpr int64_t kLatent = 512, kRow = kLatent + kRopeDim;
-constexpr int64_t kIndexHeads = 64, kIndexDim = 128, kTopk = 2048;
+// DeepSeek-V3.2's sizes, Fill and seconds_since (dsa_setup.h).
+using namespace attnkit::bench::dsa;
 
-struct Fill {
-  uint64_t s = 0x9E3779B97F4A7C15ull;
-  uint64_t bits() {
-    s ^= s >> 12;
-    s ^= s << 25;
-    s ^= s >> 27;
-    return s * 2685821657736338717ull;
-  }
-  float next() { return static_cast<float>(static_cast<double>(bits() >> 11) * 0x1p-53 * 2 - 1); }
-};
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
+// The naive form's per-head dims: qk_nope_head_dim 128, v_head_dim 128.
+constexpr int64_t kNope = 128, kQk = kNope + kRope, kV = 128;
 
 struct Options {
   int64_t length = 32768, segments = 8, rows = 64, dense_heads = 32;

@@ -11,7 +11,16 @@
 # in tests/common/emulated_kernels.h); without SIMDe (libsimde-dev) or off
 # x86-64 it says so and does nothing. The options pick the optimisation
 # level: GCC at -O2 spends minutes on SIMDe's inlined lane loops.
-function(attnkit_link_avx512_emulation program)
+#
+#   attnkit_avx512_emulation_object(<program> [compile options...])
+#
+# defines that object (<program>_avx512_emulated) alone, before <program>
+# exists; attnkit_link_avx512_emulation(<program>) then links it. Ninja
+# starts compiles that are ready in the order the build file lists them,
+# which is the order the targets were defined: a long object defined after
+# its program is compiled last, alone on one core, while the other waits
+# for it to link (docs/RELIABILITY.md, CI).
+function(attnkit_avx512_emulation_object program)
   find_path(ATTNKIT_SIMDE_INCLUDE_DIR simde/x86/avx512.h)
   if(NOT ATTNKIT_SIMDE_INCLUDE_DIR OR NOT CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
     message(STATUS "attnkit: SIMDe not found (libsimde-dev) or not x86-64; ${program} runs the "
@@ -27,6 +36,15 @@ function(attnkit_link_avx512_emulation program)
   target_compile_options(${object} PRIVATE
     -include ${PROJECT_SOURCE_DIR}/tests/common/avx512_emulation.h -Wno-psabi ${ARGN})
   target_link_libraries(${object} PRIVATE attnkit_warnings)
-  target_sources(${program} PRIVATE $<TARGET_OBJECTS:${object}>)
-  target_compile_definitions(${program} PRIVATE ATTNKIT_TEST_AVX512_EMULATION=1)
+endfunction()
+
+function(attnkit_link_avx512_emulation program)
+  set(object ${program}_avx512_emulated)
+  if(NOT TARGET ${object})
+    attnkit_avx512_emulation_object(${program} ${ARGN})
+  endif()
+  if(TARGET ${object})
+    target_sources(${program} PRIVATE $<TARGET_OBJECTS:${object}>)
+    target_compile_definitions(${program} PRIVATE ATTNKIT_TEST_AVX512_EMULATION=1)
+  endif()
 endfunction()

@@ -36,15 +36,14 @@
 
 #include "attnkit/gated_deltanet.h"
 #include "attnkit/tensor.h"
+#include "common/gated_delta_rows.h"
 #include "core/cpu_features.h"
-#include "kernels/dispatch.h"
-#include "kernels/gated_delta_rule_params.h"
 
 namespace {
 
 using attnkit::Backend;
-using attnkit::kernels::GatedDeltaRuleParams;
 using attnkit::kernels::GdrForm;
+using attnkit_test::GdrInputs;
 
 std::string g_case;
 
@@ -72,49 +71,16 @@ float special(FuzzedDataProvider& fdp) {
 // Whether v keeps the computation inside f32 (subnormals and -0 do).
 bool tame(float v) { return std::isfinite(v) && std::fabs(v) < 1e4f; }
 
-// A token's q and k unit vectors, q scaled by dk^-0.5, as the layer hands them.
-void normalise(float* v, int64_t n, double scale) {
-  double ss = 0;
-  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(v[i]) * v[i];
-  const double f = scale / std::sqrt(ss + 1e-6);
-  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(v[i] * f);
-}
-
-struct KernelCase {
-  int64_t batch, seq, hk, hv, dk, dv, width;
-  std::vector<float> rows, g, beta, state0;
-};
-
 // out [T, hv * dv] then the final state.
-std::vector<float> run(const KernelCase& c, Backend backend, GdrForm form, int threads) {
-  std::vector<float> out(static_cast<size_t>(c.batch * c.seq * c.hv * c.dv), -7.0f);
-  std::vector<float> state = c.state0;
-  GatedDeltaRuleParams p;
-  p.batch = c.batch;
-  p.seq = c.seq;
-  p.num_k_heads = c.hk;
-  p.num_v_heads = c.hv;
-  p.key_head_dim = c.dk;
-  p.value_head_dim = c.dv;
-  p.q = c.rows.data();
-  p.k = p.q + c.hk * c.dk;
-  p.v = p.q + 2 * c.hk * c.dk;
-  p.q_stride = p.k_stride = p.v_stride = c.width;
-  p.g = c.g.data();
-  p.beta = c.beta.data();
-  p.state = state.data();
-  p.out = out.data();
-  p.out_stride = c.hv * c.dv;
-  p.num_threads = threads;
-  p.form = form;
-  const attnkit::Status st = attnkit::kernels::run_gated_delta_rule(p, backend);
+std::vector<float> run(const GdrInputs& c, Backend backend, GdrForm form, int threads) {
+  std::vector<float> out;
+  const attnkit::Status st = attnkit_test::run_gdr(c, backend, form, threads, -7.0f, &out);
   if (!st.ok()) fail("run_gated_delta_rule failed: " + st.message());
-  out.insert(out.end(), state.begin(), state.end());
   return out;
 }
 
 void fuzz_kernel(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
-  KernelCase c;
+  GdrInputs c;
   c.batch = fdp.ConsumeIntegralInRange<int64_t>(1, 3);
   c.seq = fdp.ConsumeIntegralInRange<int64_t>(1, 200);
   c.hk = fdp.ConsumeIntegralInRange<int64_t>(1, 3);
@@ -132,11 +98,7 @@ void fuzz_kernel(FuzzedDataProvider& fdp, std::mt19937_64& rng) {
   const int64_t T = c.batch * c.seq;
   c.rows.resize(static_cast<size_t>(T * c.width));
   for (float& v : c.rows) v = uniform(rng, -1.0f, 1.0f);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < 2 * c.hk; ++h)
-      normalise(c.rows.data() + t * c.width + h * c.dk, c.dk,
-                h < c.hk ? 1.0 / std::sqrt(static_cast<double>(c.dk)) : 1.0);
-  }
+  attnkit_test::normalise_qk(c);
   c.g.resize(static_cast<size_t>(T * c.hv));
   for (float& v : c.g) v = std::max(-1000.0f, uniform(rng, g_lo, g_hi));
   c.beta.resize(c.g.size());

@@ -10,7 +10,9 @@
 #         test binary is built from the test files that hold those tests
 #         only (the library is whole).
 #
-# Both run as gtest shards side by side, one per core.
+# Both run as gtest shards, several per core, one per core at a time: a
+# core that finishes its shard takes the next, so a few long tests landing
+# in one shard cannot leave the other core idle (docs/RELIABILITY.md, CI).
 #
 #   scripts/sanitize.sh [asan] [tsan]      # default: both
 #
@@ -23,7 +25,9 @@
 # Debian's libgtest, built by GCC, links with either.
 #
 # Environment: ATTNKIT_SANITIZE_JOBS (build jobs, default nproc),
-# ATTNKIT_SANITIZE_SHARDS (test processes, default nproc),
+# ATTNKIT_SANITIZE_PARALLEL (test processes at a time, default nproc),
+# ATTNKIT_SANITIZE_SHARDS (gtest shards in all, default 8 per process at a
+# time),
 # ATTNKIT_ASAN_BUILD_DIR (default build-asan), ATTNKIT_TSAN_BUILD_DIR
 # (default build-tsan), ATTNKIT_ASAN_FILTER (a gtest filter replacing the
 # default one below for ASan), ATTNKIT_TSAN_FILTER (a gtest filter replacing the
@@ -54,7 +58,8 @@ tsan_filter=${ATTNKIT_TSAN_FILTER:-'Threads.*:ReliabilityConcurrency.*:Reliabili
 # build's ctest runs them.
 asan_filter=${ATTNKIT_ASAN_FILTER:-'-ServeEngine.PrefixCachingAndChunkingChangeNoBitsWithTheFastKernels'}
 
-shards=${ATTNKIT_SANITIZE_SHARDS:-$(nproc)}
+parallel=${ATTNKIT_SANITIZE_PARALLEL:-$(nproc)}
+shards=${ATTNKIT_SANITIZE_SHARDS:-$((8 * parallel))}
 
 # The test files that hold the filter's suites, ';'-separated, for a TSan
 # build of only those (tests/CMakeLists.txt, ATTNKIT_TEST_FILES); empty, so
@@ -93,17 +98,25 @@ configure_and_build() {  # dir sanitizers compiler opt [cmake args...]
   echo "   build: $((SECONDS - t0)) s"
 }
 
-# Runs the suite as `shards` gtest shards side by side (each test runs in
-# exactly one), one log per shard.
+# Runs the suite as `shards` gtest shards (each test runs in exactly one),
+# `parallel` processes at a time, one log per shard. gtest deals tests to
+# shards by index, not by cost; with several small shards per process the
+# cores stay busy to the end, where two shards of half the suite each
+# differed by a factor of 2 to 9 in time.
 run_suite() {  # name dir log [gtest args...]
   local name=$1 dir=$2 log=$3
   shift 3
-  local t0=$SECONDS i failed=0 passed=0 n
+  local t0=$SECONDS i failed=0 passed=0 n running=0
   local -a pids=()
   for ((i = 0; i < shards; ++i)); do
+    if ((running == parallel)); then
+      wait -n || true  # statuses are collected below, shard by shard
+      running=$((running - 1))
+    fi
     GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i \
       "$dir/tests/attnkit_tests" --gtest_brief=1 "$@" >"$log.$i" 2>&1 &
     pids+=($!)
+    running=$((running + 1))
   done
   for ((i = 0; i < shards; ++i)); do
     if wait "${pids[i]}"; then
@@ -120,7 +133,7 @@ run_suite() {  # name dir log [gtest args...]
     status=1
     summary+=("$name: FAILED after $((SECONDS - t0)) s (logs: $log.*)")
   else
-    summary+=("$name: ok, $passed tests in $((SECONDS - t0)) s ($shards shards)")
+    summary+=("$name: ok, $passed tests in $((SECONDS - t0)) s ($shards shards, $parallel at a time)")
   fi
 }
 

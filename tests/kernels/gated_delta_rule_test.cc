@@ -14,10 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "common/gated_delta_rows.h"
 #include "common/random.h"
 #include "core/cpu_features.h"
-#include "kernels/dispatch.h"
-#include "kernels/gated_delta_rule_params.h"
 
 namespace attnkit::kernels {
 namespace {
@@ -29,26 +28,22 @@ struct Case {
   float g_lo, g_hi;  // log-decays drawn uniformly in [g_lo, g_hi]
 };
 
-struct Problem {
-  Case c;
-  int64_t width;  // floats per token row: q | k | v
-  std::vector<float> rows, g, beta, state0;
-};
+using Problem = attnkit_test::GdrInputs;
 
+// q | k | v rows of uniform values, q and k normalised as the layer does.
 Problem make_problem(const Case& c, uint64_t seed) {
   Rng rng(seed);
-  Problem p{c, 2 * c.hk * c.dk + c.hv * c.dv, {}, {}, {}, {}};
+  Problem p;
+  p.batch = c.batch;
+  p.seq = c.seq;
+  p.hk = c.hk;
+  p.hv = c.hv;
+  p.dk = c.dk;
+  p.dv = c.dv;
+  p.width = 2 * c.hk * c.dk + c.hv * c.dv;
   const int64_t T = c.batch * c.seq;
   p.rows = attnkit_test::uniform_vector(T * p.width, rng);
-  // q and k unit vectors (the layer's L2 norm), q scaled by dk^-0.5.
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t hh = 0; hh < 2 * c.hk; ++hh) {
-      float* v = p.rows.data() + t * p.width + hh * c.dk;
-      double ss = 0;
-      for (int64_t d = 0; d < c.dk; ++d) ss += double{v[d]} * v[d];
-      const double f = (hh < c.hk ? 1.0 / std::sqrt(double(c.dk)) : 1.0) / std::sqrt(ss);
-      for (int64_t d = 0; d < c.dk; ++d) v[d] = static_cast<float>(v[d] * f);
-    }
+  attnkit_test::normalise_qk(p);
   p.g = attnkit_test::uniform_vector(T * c.hv, rng, c.g_lo, c.g_hi);
   p.beta = attnkit_test::uniform_vector(T * c.hv, rng, 0.0f, 1.0f);
   p.state0 = attnkit_test::uniform_vector(c.batch * c.hv * c.dk * c.dv, rng, -0.5f, 0.5f);
@@ -57,29 +52,8 @@ Problem make_problem(const Case& c, uint64_t seed) {
 
 // Runs one form; returns out [T, hv * dv] followed by the final state.
 std::vector<float> run(const Problem& pr, Backend backend, GdrForm form, int threads) {
-  const Case& c = pr.c;
-  const int64_t T = c.batch * c.seq;
-  std::vector<float> out(T * c.hv * c.dv, -9.0f), state = pr.state0;
-  GatedDeltaRuleParams p;
-  p.batch = c.batch;
-  p.seq = c.seq;
-  p.num_k_heads = c.hk;
-  p.num_v_heads = c.hv;
-  p.key_head_dim = c.dk;
-  p.value_head_dim = c.dv;
-  p.q = pr.rows.data();
-  p.k = p.q + c.hk * c.dk;
-  p.v = p.q + 2 * c.hk * c.dk;
-  p.q_stride = p.k_stride = p.v_stride = pr.width;
-  p.g = pr.g.data();
-  p.beta = pr.beta.data();
-  p.state = state.data();
-  p.out = out.data();
-  p.out_stride = c.hv * c.dv;
-  p.num_threads = threads;
-  p.form = form;
-  EXPECT_TRUE(run_gated_delta_rule(p, backend).ok());
-  out.insert(out.end(), state.begin(), state.end());
+  std::vector<float> out;
+  EXPECT_TRUE(attnkit_test::run_gdr(pr, backend, form, threads, -9.0f, &out).ok());
   return out;
 }
 

@@ -25,10 +25,15 @@
 #include <string>
 #include <vector>
 
+#include "common/engine_runs.h"
 #include "kernels/linear.h"
 
 namespace attnkit::serve {
 namespace {
+
+using attnkit_test::expect_same;
+using attnkit_test::serve_all;
+using attnkit_test::Served;
 
 AttentionConfig gqa_config(int64_t kv_heads) {
   AttentionConfig c;
@@ -142,53 +147,6 @@ std::vector<Request> trace_of(const std::vector<Shape>& shapes) {
   return out;
 }
 
-// What the engine gave each request: its tokens and, per token, the logits
-// it was sampled from.
-struct Served {
-  std::vector<std::vector<int32_t>> tokens;
-  std::vector<std::vector<float>> logits;  // [tokens, vocab] per request
-  EngineStats stats;
-};
-
-// Every request added at once (a sequence's company then depends on the
-// scheduler alone), stepped to the end; greedy sampling, with each logits
-// row recorded: the sampler runs once per token, in the order of the
-// step's outputs that carry one.
-Served serve_all(StepModel& m, const std::vector<Request>& reqs, EngineOptions o) {
-  Served out;
-  std::vector<std::vector<float>> rows;
-  o.sample = [&rows](std::span<const float> logits) {
-    rows.emplace_back(logits.begin(), logits.end());
-    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-  };
-  auto e = Engine::create(m, o);
-  EXPECT_TRUE(e.ok()) << e.status().to_string();
-  if (!e.ok()) return out;
-  out.tokens.resize(reqs.size());
-  out.logits.resize(reqs.size());
-  for (const Request& r : reqs) {
-    auto id = e->add_request(r.prompt_token_ids, r.output_tokens);
-    EXPECT_TRUE(id.ok()) << id.status().to_string();
-  }
-  while (e->has_unfinished()) {
-    rows.clear();
-    auto step = e->step();
-    EXPECT_TRUE(step.ok()) << step.status().to_string();
-    if (!step.ok()) return out;
-    size_t k = 0;
-    for (const StepOutput& s : *step)
-      for (int32_t t : s.new_token_ids) {
-        const size_t r = static_cast<size_t>(s.request_id);
-        out.tokens[r].push_back(t);
-        out.logits[r].insert(out.logits[r].end(), rows[k].begin(), rows[k].end());
-        ++k;
-      }
-    EXPECT_EQ(k, rows.size());
-  }
-  out.stats = e->stats();
-  return out;
-}
-
 // One sequence at a time, each prompt in one chunk, room for everything.
 EngineOptions alone(EngineOptions o) {
   o.cache = CacheMode::kPaged;
@@ -196,18 +154,6 @@ EngineOptions alone(EngineOptions o) {
   o.max_tokens_per_step = 1 << 20;
   o.kv_memory = int64_t{1} << 24;
   return o;
-}
-
-void expect_same(const Served& got, const Served& want, const std::string& what) {
-  ASSERT_EQ(got.tokens.size(), want.tokens.size());
-  for (size_t i = 0; i < got.tokens.size(); ++i) {
-    EXPECT_EQ(got.tokens[i], want.tokens[i]) << what << ", request " << i;
-    const auto& a = got.logits[i];
-    const auto& b = want.logits[i];
-    ASSERT_EQ(a.size(), b.size()) << what << ", request " << i;
-    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)))
-        << what << ", request " << i;
-  }
 }
 
 // Logits within `rel` of the reference's largest magnitude.

@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -34,6 +33,7 @@
 #include "attnkit/model.h"
 #include "attnkit/serve.h"
 #include "attnkit/weights.h"
+#include "common/engine_runs.h"
 #include "common/random.h"
 
 namespace attnkit {
@@ -41,7 +41,10 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using attnkit_test::expect_same;
 using attnkit_test::Rng;
+using attnkit_test::serve_all;
+using attnkit_test::Served;
 
 constexpr int64_t kVocab = 89, kHidden = 32, kInter = 48;
 
@@ -206,58 +209,6 @@ std::vector<int32_t> tokens(Rng& rng, int64_t n) {
   std::vector<int32_t> t;
   for (int64_t i = 0; i < n; ++i) t.push_back(static_cast<int32_t>(rng.integer(0, kVocab - 1)));
   return t;
-}
-
-struct Served {
-  std::vector<std::vector<int32_t>> tokens;
-  std::vector<std::vector<float>> logits;  // [tokens, vocab] per request, as sampled
-  EngineStats stats;
-};
-
-// Every request added at once and stepped to the end, greedy, recording
-// the logits each token was sampled from (the sampler runs once per token
-// in the order of the step's outputs).
-Served serve_all(StepModel& m, const std::vector<std::vector<int32_t>>& prompts, int64_t max_tokens,
-                 EngineOptions o) {
-  Served out;
-  std::vector<std::vector<float>> rows;
-  o.sample = [&rows](std::span<const float> logits) {
-    rows.emplace_back(logits.begin(), logits.end());
-    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-  };
-  auto e = Engine::create(m, o);
-  EXPECT_TRUE(e.ok()) << e.status().message();
-  if (!e.ok()) return out;
-  out.tokens.resize(prompts.size());
-  out.logits.resize(prompts.size());
-  for (const auto& p : prompts) EXPECT_TRUE(e->add_request(p, max_tokens).ok());
-  while (e->has_unfinished()) {
-    rows.clear();
-    auto step = e->step();
-    EXPECT_TRUE(step.ok()) << step.status().message();
-    if (!step.ok()) return out;
-    size_t k = 0;
-    for (const StepOutput& s : *step)
-      for (int32_t t : s.new_token_ids) {
-        const auto r = static_cast<size_t>(s.request_id);
-        out.tokens[r].push_back(t);
-        out.logits[r].insert(out.logits[r].end(), rows[k].begin(), rows[k].end());
-        ++k;
-      }
-  }
-  out.stats = e->stats();
-  return out;
-}
-
-void expect_same(const Served& got, const Served& want, const std::string& what) {
-  ASSERT_EQ(got.tokens.size(), want.tokens.size());
-  for (size_t i = 0; i < got.tokens.size(); ++i) {
-    EXPECT_EQ(got.tokens[i], want.tokens[i]) << what << ", request " << i;
-    ASSERT_EQ(got.logits[i].size(), want.logits[i].size()) << what << ", request " << i;
-    EXPECT_EQ(0, std::memcmp(got.logits[i].data(), want.logits[i].data(),
-                             got.logits[i].size() * sizeof(float)))
-        << what << ", request " << i;
-  }
 }
 
 EngineOptions reference_options() {
