@@ -320,7 +320,9 @@ Status load_ends(const WeightMap& weights, Model::Impl* m, std::set<std::string>
 Result<WeightMap> wrapper_text_tensors(const WrapperNaming& naming, const model::Checkpoint& ckpt,
                                        std::map<std::string, std::string>* original) {
   WeightMap out;
-  for (const auto& [name, view] : ckpt.tensors) {
+  for (const auto& tensor : ckpt.tensors) {
+    // Named, not a structured binding: clang 14 cannot capture those.
+    const std::string& name = tensor.first;
     if (std::any_of(naming.skipped.begin(), naming.skipped.end(),
                     [&](const char* p) { return p != nullptr && name.starts_with(p); }))
       continue;
@@ -339,7 +341,7 @@ Result<WeightMap> wrapper_text_tensors(const WrapperNaming& naming, const model:
                               "\" (two naming schemes in one checkpoint?)");
     }
     if (text != name) (*original)[text] = name;
-    out[text] = view;
+    out[text] = tensor.second;
   }
   return out;
 }
