@@ -42,3 +42,12 @@ if(ATTNKIT_COMPILER_HAS_AVX512)
     ${PROJECT_SOURCE_DIR}/src/kernels/linear_bf16_avx512.cc PROPERTIES COMPILE_OPTIONS "${ATTNKIT_AVX512_FLAGS}")
   target_compile_definitions(attnkit PRIVATE ATTNKIT_HAVE_AVX512=1)
 endif()
+
+# The kernels under UBSan: ATTNKIT_KERNEL_UBSAN_OPTIONS (CMakeLists.txt).
+if(ATTNKIT_KERNEL_UBSAN_OPTIONS)
+  set_property(SOURCE ${PROJECT_SOURCE_DIR}/src/kernels/cpu/kernels_avx2.cc
+    ${PROJECT_SOURCE_DIR}/src/kernels/cpu/kernels_avx512.cc
+    ${PROJECT_SOURCE_DIR}/src/kernels/cpu/gated_delta_rule_cpu.cc
+    ${PROJECT_SOURCE_DIR}/src/kernels/cpu/gated_delta_rule_timed.cc
+    APPEND PROPERTY COMPILE_OPTIONS ${ATTNKIT_KERNEL_UBSAN_OPTIONS})
+endif()
