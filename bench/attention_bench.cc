@@ -2,8 +2,11 @@
 // targets, reported against this machine's own limits, measured in-process
 // (per thread count, attnkit::measure_machine) before the benchmarks run and
 // again after them:
-//   fp32 FMA peak   independent FMAs on the widest vectors the CPU has, on
-//                   as many threads as the benchmark uses (GFLOP/s, 2 per FMA)
+//   fp32 FMA peak   independent FMAs on the vectors the benchmark's kernels
+//                   use (512-bit for the AVX-512 targets, 256-bit for
+//                   AVX2: an AVX2 row on an AVX-512 CPU is judged against
+//                   what 256-bit FMAs can do), on as many threads as the
+//                   benchmark uses (GFLOP/s, 2 per FMA)
 //   DRAM read BW    streaming reads of a 512 MiB buffer, same threads
 // Each benchmark reports GFLOP/s (2 per multiply-add of QK^T and PV, over
 // the visible (query, key) pairs only) as `frac_fma_peak`, and for decode
@@ -25,7 +28,9 @@
 //
 //   build/bench/attnkit_bench --benchmark_repetitions=5      # everything
 //   build/bench/attnkit_bench --benchmark_filter=decode
-// ATTNKIT_BENCH_THREADS sets the default thread count (2).
+// ATTNKIT_BENCH_THREADS sets the default thread count (2); ATTNKIT_SIMD
+// lowers the kernels of the rows that do not name a target (a row named
+// .../avx2 runs the AVX2 kernels whatever it says).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -95,25 +100,38 @@ float read_plain(const float* p, int64_t n) {
 }
 
 struct Limits {
-  double fma_gflops = 0;  // fp32 peak of `threads` threads, 2 flops per FMA
+  double fma_gflops = 0;  // fp32 peak of `threads` threads on `bits` vectors, 2 flops per FMA
   double dram_gbs = 0;    // read bandwidth of `threads` threads
-  std::string isa;
 };
 
-Limits measure_limits(int threads) {
-  const MachineProfile m = measure_machine(threads);
-  return {m.fp32_peak_gflops, m.dram_read_gbps, m.simd};
+// The vector width a target's kernels run on, which their FMA peak is
+// measured at.
+int vector_bits(SimdTarget target) {
+  return target >= SimdTarget::kAvx512 ? 512 : target == SimdTarget::kAvx2 ? 256 : 32;
 }
 
-// Measured once per thread count before its first benchmark (for the
-// per-benchmark counters) and again after all of them; the summary uses the
-// higher of the two, so that a busy moment while measuring cannot flatter
-// the fractions.
-const Limits& limits(int threads) {
-  static std::map<int, Limits> measured;
-  auto it = measured.find(threads);
-  if (it == measured.end()) it = measured.emplace(threads, measure_limits(threads)).first;
+Limits measure_limits(int threads, int bits) {
+  const MachineProfile m = measure_machine(threads);
+  return {measure_fp32_peak(threads, bits), m.dram_read_gbps};
+}
+
+// Measured once per (thread count, vector width) before its first benchmark
+// (for the per-benchmark counters) and again after all of them; the summary
+// uses the higher of the two, so that a busy moment while measuring cannot
+// flatter the fractions.
+const Limits& limits(int threads, int bits) {
+  static std::map<std::pair<int, int>, Limits> measured;
+  auto it = measured.find({threads, bits});
+  if (it == measured.end())
+    it = measured.emplace(std::pair{threads, bits}, measure_limits(threads, bits)).first;
   return it->second;
+}
+
+// The target the rows that name none run: the best one, or what
+// ATTNKIT_SIMD lowered it to (read before any row changes it).
+SimdTarget default_target() {
+  static const SimdTarget target = simd_target();
+  return target;
 }
 
 // ---- problems ---------------------------------------------------------------
@@ -395,6 +413,7 @@ struct Record {
   double flops = 0, kv_bytes = 0;
   bool decode = false;
   int threads = 0;
+  int bits = 0;                // the vector width of the kernels, which the peak is measured at
   std::vector<double> paired;  // decode: read time / call time, alternated pairs
   double paired_median() const { return bench::median(paired); }
 };
@@ -445,14 +464,15 @@ void run_benchmark(benchmark::State& state, const std::string& name, Shape shape
   rec.kv_bytes = problem.kv_bytes();
   rec.decode = is_decode(shape);
   rec.threads = threads;
-  const Limits& lim = limits(threads);
+  rec.bits = vector_bits(target);
+  const Limits& lim = limits(threads, rec.bits);
   state.counters["GFLOPs"] = problem.flops() / per_call / 1e9;
   state.counters["frac_fma_peak"] = problem.flops() / per_call / 1e9 / lim.fma_gflops;
   if (is_decode(shape)) {
     state.counters["GBs"] = problem.kv_bytes() / per_call / 1e9;
     state.counters["frac_dram_bw"] = problem.kv_bytes() / per_call / 1e9 / lim.dram_gbs;
   }
-  set_simd_target(best_simd_target(cpu_features()));
+  set_simd_target(default_target());
 }
 
 // Paired ratios: the 4-token target is a ratio of two call times, and this
@@ -518,7 +538,7 @@ void add_ratio(const std::string& name, const Shape& num, const Shape& den, int 
 }
 
 void add(const std::string& name, const Shape& shape, Backend backend = Backend::kFast,
-         SimdTarget target = best_simd_target(cpu_features())) {
+         SimdTarget target = default_target()) {
   benchmark::RegisterBenchmark(
       name.c_str(), [=](benchmark::State& st) { run_benchmark(st, name, shape, backend, target); })
       ->UseRealTime()
@@ -700,25 +720,30 @@ void ratio(const char* what, const std::string& num, const std::string& den, dou
 }
 
 void summary() {
-  std::map<int, std::pair<Limits, Limits>> lim;  // threads -> (before, after)
-  for (const auto& [name, r] : records())
-    if (!lim.count(r.threads)) lim[r.threads] = {limits(r.threads), measure_limits(r.threads)};
+  // (threads, vector bits) -> (before, after)
+  std::map<std::pair<int, int>, std::pair<Limits, Limits>> lim;
+  for (const auto& [name, r] : records()) {
+    const std::pair key{r.threads, r.bits};
+    if (!lim.count(key)) lim[key] = {limits(r.threads, r.bits), measure_limits(r.threads, r.bits)};
+  }
   std::printf(
       "\nsummary: best time per call; fractions of the higher of the limits measured\n"
-      "before and after the run, on the benchmark's thread count:\n");
-  for (const auto& [threads, ba] : lim)
-    std::printf("  %d thread(s): before %.1f GFLOP/s, %.1f GB/s; after %.1f GFLOP/s, %.1f GB/s\n",
-                threads, ba.first.fma_gflops, ba.first.dram_gbs, ba.second.fma_gflops,
-                ba.second.dram_gbs);
-  std::printf("  %-46s %3s %10s %9s %8s %8s %8s %8s\n", "benchmark", "thr", "ms", "GFLOP/s",
-              "of peak", "GB/s", "of DRAM", "of read");
+      "before and after the run, on the benchmark's thread count and vector width\n"
+      "(bits: the FMA peak of the vectors its kernels use):\n");
+  for (const auto& [key, ba] : lim)
+    std::printf(
+        "  %d thread(s), %d-bit: before %.1f GFLOP/s, %.1f GB/s; after %.1f GFLOP/s, %.1f GB/s\n",
+        key.first, key.second, ba.first.fma_gflops, ba.first.dram_gbs, ba.second.fma_gflops,
+        ba.second.dram_gbs);
+  std::printf("  %-46s %3s %4s %10s %9s %8s %8s %8s %8s\n", "benchmark", "thr", "bits", "ms",
+              "GFLOP/s", "of peak", "GB/s", "of DRAM", "of read");
   for (const auto& [name, r] : records()) {
-    const auto& [before, after] = lim.at(r.threads);
+    const auto& [before, after] = lim.at({r.threads, r.bits});
     const double peak = std::max(before.fma_gflops, after.fma_gflops);
     const double bw = std::max(before.dram_gbs, after.dram_gbs);
     const double gflops = r.flops / r.seconds / 1e9, gbs = r.kv_bytes / r.seconds / 1e9;
-    std::printf("  %-46s %3d %10.3f %9.1f %8.3f", name.c_str(), r.threads, r.seconds * 1e3, gflops,
-                gflops / peak);
+    std::printf("  %-46s %3d %4d %10.3f %9.1f %8.3f", name.c_str(), r.threads, r.bits,
+                r.seconds * 1e3, gflops, gflops / peak);
     if (r.decode) std::printf(" %8.1f %8.3f %8.3f", gbs, gbs / bw, r.paired_median());
     std::printf("\n");
   }
@@ -761,11 +786,13 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   attnkit::register_all();
-  const attnkit::Limits& lim = attnkit::limits(attnkit::bench_threads());
+  const attnkit::SimdTarget target = attnkit::default_target();
+  const int bits = attnkit::vector_bits(target);
+  const attnkit::Limits& lim = attnkit::limits(attnkit::bench_threads(), bits);
   std::printf(
-      "threads %d, kernels %s; measured fp32 FMA peak %.1f GFLOP/s (%s), DRAM read %.1f GB/s\n",
-      attnkit::bench_threads(), attnkit::simd_target_name(attnkit::simd_target()), lim.fma_gflops,
-      lim.isa.c_str(), lim.dram_gbs);
+      "threads %d, kernels %s; measured fp32 FMA peak %.1f GFLOP/s (%d-bit), DRAM read %.1f GB/s\n",
+      attnkit::bench_threads(), attnkit::simd_target_name(target), lim.fma_gflops, bits,
+      lim.dram_gbs);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   attnkit::summary();

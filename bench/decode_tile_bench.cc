@@ -12,7 +12,8 @@
 //            or a widened copy)
 //   tile     the three in sequence
 // for 4 packed rows (1-token GQA 32/8 decode) and 16 (4 tokens), fp32 and
-// bf16 K/V, and three row strides: `compact` (a kv head's rows adjacent),
+// bf16 K/V (fp32 also a prefill tile of 256 rows: GQA 32/8's 64 query rows
+// of 4 heads), and three row strides: `compact` (a kv head's rows adjacent),
 // `cache` (a dense [token, 8 kv heads, 128] cache: rows 4 KiB apart in
 // fp32, 2 KiB in bf16, which fold a tile onto a few L1 sets) and `padded`
 // (the same cache as KVCache stores it, kv_token_stride() apart).
@@ -313,14 +314,18 @@ std::string bench_name(DType kv, int64_t keys, int64_t rows, Layout layout, Stag
 }
 
 // The (keys, rows) tiles measured: 64 keys at 4 and 16 rows, and the short
-// tile at 4 rows (fp32 and bf16).
+// tile at 4 rows (fp32 and bf16); for fp32 also the prefill tile of
+// kTargetRows packed rows (GQA 32/8: 64 query rows of 4 heads), whose q
+// tile and accumulators live in L2 as in the kernel.
 std::vector<std::pair<int64_t, int64_t>> tiles(DType kv) {
   const int64_t full = kernels::cpu::kKeysPerTile;
   if (eight_bit(kv)) return {{full, 4}, {full, 16}};
-  return {
+  std::vector<std::pair<int64_t, int64_t>> t = {
       {full, 4},
       {kv == DType::kBF16 ? kernels::cpu::kShortTileKeysBf16 : kernels::cpu::kShortTileKeysF32, 4},
       {full, 16}};
+  if (kv == DType::kF32) t.push_back({full, kernels::cpu::kTargetRows});
+  return t;
 }
 
 void register_all() {

@@ -106,16 +106,18 @@ def parse_attnkit_bench(text):
             continue
         if section is None:
             continue
-        m = re.match(r"\s+(\d+) thread\(s\): before ([\d.]+) GFLOP/s, ([\d.]+) GB/s; "
+        m = re.match(r"\s+(\d+) thread\(s\), (\d+)-bit: before ([\d.]+) GFLOP/s, ([\d.]+) GB/s; "
                      r"after ([\d.]+) GFLOP/s, ([\d.]+) GB/s", line)
         if m:
             limits.append(m.groups())
             continue
         if section == "rows":
             f = line.split()
-            if len(f) >= 5 and "/" in f[0]:
-                rows[f[0]] = {"ms": float(f[2]), "of_peak": float(f[4]),
-                              "of_read": float(f[7]) if len(f) >= 8 else None}
+            # name, threads, vector bits (the width of the peak), ms,
+            # GFLOP/s, of peak[, GB/s, of DRAM, of read]
+            if len(f) >= 6 and "/" in f[0]:
+                rows[f[0]] = {"ms": float(f[3]), "of_peak": float(f[5]), "bits": int(f[2]),
+                              "of_read": float(f[8]) if len(f) >= 9 else None}
         elif section == "ratios":
             m = re.match(r"\s+(.*\S)\s+([\d.]+)$", line)
             if m:
@@ -173,8 +175,8 @@ def measure(build, reps, pairs):
     target = m.group(1) if m else "?"
     b, ratios, paired, limits = parse_attnkit_bench(text)
     limit_text = "; ".join(
-        "%s thread(s): fp32 peak %s / %s GFLOP/s, read %s / %s GB/s (before / after)" %
-        (t, pb, pa, rb, ra) for t, pb, rb, pa, ra in limits)
+        "%s thread(s): %s-bit fp32 FMA peak %s / %s GFLOP/s, read %s / %s GB/s (before / after)" %
+        (t, bits, pb, pa, rb, ra) for t, bits, pb, rb, pa, ra in limits)
 
     def cmd(flt):
         return "`%s/attnkit_bench --benchmark_filter='%s' %s`" % (rel, flt, rep)
@@ -182,6 +184,9 @@ def measure(build, reps, pairs):
     def frac(case, name, key):
         r = b.get(name)
         if r and r[key] is not None:
+            # Each row is judged against the FMA peak of its kernels' vectors
+            # (256-bit for AVX2 kernels, on any CPU), measured in the run.
+            case = case.replace("of the fp32 FMA peak", "of the %d-bit fp32 FMA peak" % r["bits"])
             rows.append((case, "%.2f" % r[key], cmd("^" + name + "/")))
 
     def ratio(case, what, flt):
@@ -196,6 +201,9 @@ def measure(build, reps, pairs):
     for kv, label in (("f32", "fp32"), ("bf16", "bf16 K/V")):
         frac("prefill GQA 32/8, causal s2048, %s: of the fp32 FMA peak" % label,
              "prefill/causal/gqa32-8/s2048/" + kv, "of_peak")
+    if target != "avx2":
+        frac("prefill GQA 32/8, causal s2048, fp32, avx2 kernels: of the fp32 FMA peak",
+             "prefill/causal/gqa32-8/s2048/f32/avx2", "of_peak")
     for kv, label in (("f32", "fp32"), ("bf16", "bf16 K/V")):
         frac("prefill MHA 32/32, causal s1024, %s: of the fp32 FMA peak" % label,
              "prefill/causal/mha32/s1024/" + kv, "of_peak")

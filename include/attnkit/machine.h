@@ -12,7 +12,10 @@
 namespace attnkit {
 
 struct MachineProfile {
-  std::string simd;                 // widest SIMD target in use: "avx512", "avx2" or "scalar"
+  // The widest vectors the active SIMD target uses (ATTNKIT_SIMD=avx2 on an
+  // AVX-512 CPU: "avx2"), which the peak is measured on: "avx512", "avx2"
+  // or "scalar".
+  std::string simd;
   bool has_avx512_bf16 = false;     // vdpbf16ps available
   int threads = 1;                  // threads the figures were measured with
   double fp32_peak_gflops = 0;      // FMA throughput, all threads (1 FMA = 2 FLOPs)
@@ -30,6 +33,13 @@ struct MachineProfile {
 // matched within 5 % by another and keeps the fastest: at least 3 and at
 // most 20 runs (quick: 2 and 8, with shorter runs, for interactive tools).
 MachineProfile measure_machine(int threads = 0, bool quick = false);
+
+// The fp32 FMA peak of `threads` threads (0 = all cores) on vectors of
+// `bits` bits, whatever the active SIMD target: 512 (AVX-512F), 256 (AVX2
+// with FMA; what AVX2 kernels are to be judged against on an AVX-512 CPU)
+// or anything else for scalar code; GFLOP/s, 2 per FMA, measured as
+// measure_machine measures its peak. 0 where the CPU lacks that width.
+double measure_fp32_peak(int threads, int bits, bool quick = false);
 
 // Two measurements of the same machine, typically before and after the
 // work they are the yardstick for: a machine that was busy during one of

@@ -4,6 +4,7 @@
 #include "attnkit/machine.h"
 
 #include "core/best_run.h"
+#include "core/cpu_features.h"
 
 #include <immintrin.h>
 
@@ -145,20 +146,64 @@ float fma_scalar(int64_t iters) {
   return s;
 }
 
+// The widest vectors the active SIMD target uses (core/cpu_features.h):
+// under ATTNKIT_SIMD=avx2 on an AVX-512 CPU the kernels run on 256-bit
+// vectors, and a 512-bit peak would judge them against twice what they
+// can reach.
+int active_vector_bits() {
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const SimdTarget t = simd_target();
+  if (avx512 && t >= SimdTarget::kAvx512) return 512;
+  if (avx2 && t >= SimdTarget::kAvx2) return 256;
+  return 32;
+}
+
+// The FMA probe at `bits` (512, 256, else scalar) on `threads` threads:
+// the fastest run, once another matched it.
+BestRun fma_probe(int threads, int bits, int64_t iters, int min_runs, int max_runs, double stable) {
+  return best_until_stable(
+      [&] {
+        return timed_parallel(threads, [&](int) {
+          g_sink = bits == 512   ? fma_avx512(iters)
+                   : bits == 256 ? fma_avx2(iters)
+                                 : fma_scalar(iters / 4);
+        });
+      },
+      min_runs, max_runs, stable);
+}
+
+double peak_gflops(int threads, int bits, int64_t iters, const BestRun& fma) {
+  const int lanes = bits == 512 ? 16 : bits == 256 ? 8 : 1;
+  const int chains = bits == 512 ? kFmaChains512 : bits == 256 ? kFmaChains256 : 16;
+  const double fma_iters = bits >= 256 ? static_cast<double>(iters) : iters / 4.0;
+  return 2.0 * chains * lanes * fma_iters * threads / fma.seconds / 1e9;
+}
+
 }  // namespace
+
+double measure_fp32_peak(int threads, int bits, bool quick) {
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  __builtin_cpu_init();
+  if (bits == 512 && !__builtin_cpu_supports("avx512f")) return 0;
+  if (bits == 256 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
+  if (bits != 512 && bits != 256) bits = 32;
+  const int64_t iters = quick ? 2'000'000 : 6'000'000;
+  return peak_gflops(threads, bits, iters,
+                     fma_probe(threads, bits, iters, quick ? 2 : 3, quick ? 8 : 20, 0.05));
+}
 
 MachineProfile measure_machine(int threads, bool quick) {
   const auto t_start = Clock::now();
   MachineProfile p;
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   p.threads = threads;
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f");
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const int bits = active_vector_bits();
+  const bool avx512 = bits == 512;
+  const bool avx2 = bits == 256;
   p.has_avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
   p.simd = avx512 ? "avx512" : avx2 ? "avx2" : "scalar";
-  const int lanes = avx512 ? 16 : avx2 ? 8 : 1;
-  const int chains = avx512 ? kFmaChains512 : avx2 ? kFmaChains256 : 16;
   // Each probe keeps its fastest run (the one least disturbed by whatever
   // else the machine runs) once another run matches it: a peak measured
   // while other work held the cores came out at half, and a single run
@@ -167,15 +212,8 @@ MachineProfile measure_machine(int threads, bool quick) {
   constexpr double kStable = 0.05;
 
   const int64_t iters = quick ? 2'000'000 : 6'000'000;
-  const BestRun fma = best_until_stable(
-      [&] {
-        return timed_parallel(threads, [&](int) {
-          g_sink = avx512 ? fma_avx512(iters) : avx2 ? fma_avx2(iters) : fma_scalar(iters / 4);
-        });
-      },
-      min_runs, max_runs, kStable);
-  const double fma_iters = avx512 || avx2 ? static_cast<double>(iters) : iters / 4.0;
-  p.fp32_peak_gflops = 2.0 * chains * lanes * fma_iters * threads / fma.seconds / 1e9;
+  const BestRun fma = fma_probe(threads, bits, iters, min_runs, max_runs, kStable);
+  p.fp32_peak_gflops = peak_gflops(threads, bits, iters, fma);
   p.stable = fma.stable;
 
   if (p.has_avx512_bf16) {

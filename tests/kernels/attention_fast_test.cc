@@ -1526,5 +1526,71 @@ TEST(AttentionFast, TilesOutsideTheChunkAreSkipped) {
   }
 }
 
+// The online-softmax step of every target (KernelTable::softmax, whose
+// weights the AVX targets compute as 2^((s - max) log2 e)) against exp in
+// float64, over score spreads up to 400 (weights down to e^-400, below
+// fp32's smallest subnormal), with -inf scores (weights exactly 0), a column
+// of none but -inf (alpha 0, sums 0) and running maxima above and below the
+// tile's. Each weight within 8 + 2 |s - max| ulp of the true one (the
+// difference is rounded to fp32 before any exp), or within the smallest
+// normal where the true one is below it (fp32 flushes those toward 0).
+TEST(AttentionFast, SoftmaxStepOfEveryTargetOverWideScoreRanges) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (SimdTarget t : available_targets()) {
+    const cpu::KernelTable& kt = *cpu::kernel_table(t);
+    std::mt19937 rng(11);
+    for (int64_t nk : {1, 7, 64}) {
+      const int64_t m_pad = 3 * kt.lanes, ss = cpu::odd_line_stride(m_pad);
+      // s [nk][ss]: column m spreads its scores over `spread`.
+      std::vector<float> s(static_cast<size_t>(nk * ss), 0.0f);
+      std::vector<float> row_max(static_cast<size_t>(m_pad)), row_sum(row_max.size(), 0.5f),
+          alpha(row_max.size());
+      for (int64_t m = 0; m < m_pad; ++m) {
+        const float spread = m % 3 == 0 ? 1.0f : m % 3 == 1 ? 40.0f : 400.0f;
+        std::uniform_real_distribution<float> u(-spread, spread);
+        for (int64_t n = 0; n < nk; ++n)
+          s[n * ss + m] = (n + m) % 5 == 4 ? ninf : u(rng) + (m % 4 == 0 ? 80.0f : 0.0f);
+        row_max[m] = m % 2 == 0 ? ninf : u(rng);
+      }
+      for (int64_t n = 0; n < nk; ++n) s[n * ss + 1] = ninf;  // a column with no finite score
+      row_max[1] = ninf;
+      const std::vector<float> s0 = s, max0 = row_max, sum0 = row_sum;
+      kt.softmax(s.data(), nk, m_pad, ss, row_max.data(), row_sum.data(), alpha.data());
+      for (int64_t m = 0; m < m_pad; ++m) {
+        double mx = max0[m];
+        for (int64_t n = 0; n < nk; ++n) mx = std::max(mx, double(s0[n * ss + m]));
+        ASSERT_EQ(row_max[m], float(mx)) << simd_target_name(t) << " column " << m;
+        const double shift = std::isinf(mx) ? 0.0 : mx;
+        double sum = 0;
+        for (int64_t n = 0; n < nk; ++n) {
+          const double want = std::exp(double(s0[n * ss + m]) - shift);
+          const float got = s[n * ss + m];
+          sum += got;
+          if (s0[n * ss + m] == ninf) {
+            ASSERT_EQ(got, 0.0f) << simd_target_name(t) << " key " << n << " column " << m;
+            continue;
+          }
+          // The difference s - max is rounded to fp32 (and scaled by log2
+          // e), which costs up to |s - max| ulp of the weight besides exp's
+          // few.
+          const double diff = std::abs(double(s0[n * ss + m]) - shift);
+          const double bound =
+              std::max((8 + 2 * diff) * kU * want, double(std::numeric_limits<float>::min()));
+          ASSERT_LE(std::abs(got - want), bound)
+              << simd_target_name(t) << " nk " << nk << " key " << n << " column " << m
+              << ": score " << s0[n * ss + m] << ", max " << mx;
+        }
+        const double a = std::exp(double(max0[m]) - shift);
+        const double alpha_bound =
+            a == 0 ? 0.0 : (8 + 2 * std::abs(double(max0[m]) - shift)) * kU * a;
+        EXPECT_LE(std::abs(alpha[m] - a), std::max(alpha_bound, 1e-37)) << simd_target_name(t);
+        const double want_sum = sum0[m] * a + sum;
+        EXPECT_LE(std::abs(row_sum[m] - want_sum), 8 * kU * (want_sum + 1e-30) * nk)
+            << simd_target_name(t) << " column " << m;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attnkit::kernels
