@@ -3,12 +3,12 @@
 // per SIMD target) on tiles of gathered rows.
 //
 // Indexer, fast forms. On the avx512bf16 target, with AMX and 128-feature
-// rows (DeepSeek-V3.2's), kernels/indexer_amx.h: the fp8 codes of 64 keys
-// at a time become bf16 in registers and tdpbf16ps multiplies them with
-// the query's codes, all heads per key read. Otherwise one query row's
-// indexer heads are packed transposed
-// (heads along the vector lanes, as the dense kernels pack a tile's query
-// rows), and each tile of 64 consecutive keys is decoded once from its fp8
+// rows (DeepSeek-V3.2's), kernels/indexer_amx.h: the fp8 codes of 16 keys
+// at a time become bf16 by byte table lookups (kernels/cpu/fp8_bf16.h) and
+// tdpbf16ps multiplies them with the query's codes, all heads per key read.
+// Otherwise one query row's indexer heads are packed transposed (heads
+// along the vector lanes, as the dense kernels pack a tile's query rows),
+// and each tile of 64 consecutive keys is decoded once from its fp8
 // codes and block scales into fp32 in registers (dequant_f32, an L1-sized
 // buffer), then qk_f32 scores every head against it: each key value is
 // broadcast against all heads at once. ReLU and the per-head weights then
@@ -45,6 +45,7 @@
 #include "core/cpu_features.h"
 #include "core/threads.h"
 #include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/fp8_bf16.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/task_plan.h"
 #include "kernels/dispatch.h"
@@ -204,11 +205,13 @@ void load_query(const cpu::KernelTable& kt, const IndexerParams& p, int64_t b, i
     const int64_t H = p.n_heads, Hp = cpu::round_up(H, 16);
     uint16_t* q = reinterpret_cast<uint16_t*>(x.qt);
     for (int64_t h = 0; h < Hp; ++h)
-      for (int64_t c = 0; c < kAmxIndexerDim; ++c)
-        q[indexer_amx_query_index(h, c)] =
+      for (int64_t at = 0; at < kAmxIndexerDim; ++at) {
+        const int64_t c = cpu::fp8_bf16_feature(at);  // the keys' decoded order
+        q[indexer_amx_query_index(h, at)] =
             h < H
                 ? float_to_bf16(lut[qc[h * p.q_codes_stride.head + c * p.q_codes_stride.dim]]).bits
                 : uint16_t{0};
+      }
     const float* w = p.weights + b * p.weights_stride.batch + t * p.weights_stride.row;
     for (int64_t h = 0; h < Hp; ++h)
       x.w[h] = h < H ? w[h * p.weights_stride.col] * qs[h * p.q_scales_stride.head] : 0.0f;
@@ -244,16 +247,18 @@ void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
   const bool dequant =
       p.k_codes_stride.col == 1 && (D == kIndexerBlock || p.k_scales_stride.col == 1);
   const float* lut = fp8_table();
+  if (x.amx) {
+    // All of [s0, s1) in one call, which pipelines its 16-key groups.
+    indexer_amx_scores(p.k_codes + b * p.k_codes_stride.batch + s0 * p.k_codes_stride.row,
+                       p.k_codes_stride.row, s1 - s0, reinterpret_cast<const uint16_t*>(x.qt), H,
+                       x.w, p.k_scales + b * p.k_scales_stride.batch + s0 * p.k_scales_stride.row,
+                       p.k_scales_stride.row, reinterpret_cast<uint16_t*>(x.keys), x.s, score + s0);
+    return;
+  }
   for (int64_t n0 = s0; n0 < s1; n0 += kTileKeys) {
     const int64_t n = std::min(kTileKeys, s1 - n0);
     const uint8_t* kc = p.k_codes + b * p.k_codes_stride.batch + n0 * p.k_codes_stride.row;
     const float* ks = p.k_scales + b * p.k_scales_stride.batch + n0 * p.k_scales_stride.row;
-    if (x.amx) {
-      indexer_amx_scores(kc, p.k_codes_stride.row, n, reinterpret_cast<const uint16_t*>(x.qt), H,
-                         x.w, ks, p.k_scales_stride.row, reinterpret_cast<uint16_t*>(x.keys), x.s,
-                         score + n0);
-      continue;
-    }
     if (dequant) {
       kt.dequant_f32(kc, p.k_codes_stride.row, n, D, ks, p.k_scales_stride.row, kIndexerBlock, true,
                      x.keys, x.d_pad, 0);
