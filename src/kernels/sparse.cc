@@ -15,10 +15,12 @@
 // reduce each key's row of head scores. A decode step (one query row)
 // splits its keys over the threads; prefill gives each thread whole rows.
 //
-// Top-k: std::nth_element over the visible keys' indices under a total
-// order (higher score first, equal scores by lower index), then the chosen
-// are sorted by index: O(visible) expected, and the chosen set is a
-// function of the scores alone.
+// Top-k: the reference runs std::nth_element over the visible keys'
+// indices under a total order (higher score first, equal scores by lower
+// index), then sorts the chosen by index; the fast forms find the same set
+// by a radix select on the scores' bits (select_topk_scores), O(visible)
+// in three passes over the scores, its output in index order as it is
+// found. The chosen set is a function of the scores alone.
 //
 // Sparse attention, fast form: a task is (batch item, query row, kv head,
 // block of that group's query heads); the heads are the rows of one tile
@@ -35,6 +37,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <new>
@@ -104,6 +107,15 @@ void select_topk(const T* score, int64_t visible, int64_t topk, int32_t* order, 
   std::sort(order, order + k);
   for (int64_t n = 0; n < k; ++n) out[n * out_stride] = order[n];
   for (int64_t n = k; n < topk; ++n) out[n * out_stride] = -1;
+}
+
+// A key that orders floats as uint32s: a > b iff key(a) > key(b); -0 and
+// +0 one key (x + 0 is +0 for both), NaN that of -inf.
+inline uint32_t order_key(float x) {
+  x = x == x ? x + 0.0f : -std::numeric_limits<float>::infinity();
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
 }
 
 template <class T>
@@ -288,6 +300,71 @@ void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
   }
 }
 
+}  // namespace
+
+void select_topk_scores(const float* score, int64_t visible, int64_t topk, int32_t* scratch,
+                        int32_t* out, int64_t out_stride) {
+  const int64_t k = std::min(topk, visible);
+  for (int64_t n = k; n < topk; ++n) out[n * out_stride] = -1;
+  if (k == visible) {
+    for (int64_t n = 0; n < k; ++n) out[n * out_stride] = static_cast<int32_t>(n);
+    return;
+  }
+  if (k <= 0) return;
+  // Digits of the key, most significant first: bits 21-31, 10-20, 0-9.
+  constexpr int kShift[3] = {21, 10, 0};
+  constexpr uint32_t kBins[3] = {2048, 2048, 1024};
+  uint32_t hist[2048];
+  uint32_t prefix = 0;  // the k-th key's digits found so far
+  int64_t need = k;     // how many of the keys that share `prefix` are chosen
+  int64_t cand = 0;     // those keys' indices in scratch[0, cand), in order
+  for (int level = 0; level < 3; ++level) {
+    const int shift = kShift[level];
+    const uint32_t mask = kBins[level] - 1;
+    std::fill(hist, hist + kBins[level], 0u);
+    if (level == 0) {
+      for (int64_t i = 0; i < visible; ++i) ++hist[order_key(score[i]) >> shift];
+    } else {
+      for (int64_t c = 0; c < cand; ++c) ++hist[(order_key(score[scratch[c]]) >> shift) & mask];
+    }
+    // The bin of the k-th: from the top, the first bin whose count reaches
+    // what is still needed.
+    uint32_t bin = kBins[level] - 1;
+    for (;; --bin) {
+      if (need <= hist[bin]) break;
+      need -= hist[bin];
+    }
+    prefix |= bin << shift;
+    // Keep the keys in that bin (in index order), the next level's input.
+    const uint32_t high = level == 2 ? 0xffffffffu : ~((1u << shift) - 1u);
+    int64_t kept = 0;
+    if (level == 0) {
+      for (int64_t i = 0; i < visible; ++i) {
+        scratch[kept] = static_cast<int32_t>(i);
+        kept += (order_key(score[i]) & high) == prefix;
+      }
+    } else {
+      for (int64_t c = 0; c < cand; ++c) {
+        const int32_t i = scratch[c];
+        scratch[kept] = i;
+        kept += (order_key(score[i]) & high) == prefix;
+      }
+    }
+    cand = kept;
+  }
+  // prefix is the k-th key; of the scores equal to it, the `need` lowest
+  // indices are chosen, the last of them scratch[need - 1].
+  const int32_t last = scratch[need - 1];
+  int64_t n = 0;
+  for (int64_t i = 0; i < visible; ++i) {
+    const uint32_t key = order_key(score[i]);
+    if (key > prefix || (key == prefix && i <= last))
+      out[(n++) * out_stride] = static_cast<int32_t>(i);
+  }
+}
+
+namespace {
+
 void finish_row_fast(const IndexerParams& p, int64_t b, int64_t t, const float* score,
                      int32_t* order) {
   const int64_t S = p.seqlen_k, visible = S - p.seqlen_q + t + 1;
@@ -297,9 +374,9 @@ void finish_row_fast(const IndexerParams& p, int64_t b, int64_t t, const float* 
       row[s * p.scores_stride.col] =
           s < visible ? score[s] : -std::numeric_limits<float>::infinity();
   }
-  select_topk(score, visible, p.topk, order,
-              p.indices + b * p.indices_stride.batch + t * p.indices_stride.row,
-              p.indices_stride.col);
+  select_topk_scores(score, visible, p.topk, order,
+                     p.indices + b * p.indices_stride.batch + t * p.indices_stride.row,
+                     p.indices_stride.col);
 }
 
 template <class T>

@@ -61,6 +61,18 @@ Status run_sparse_attention(const AttentionParams& params, const KeyIndices& ind
 void indexer_quantize_row(const float* x, int64_t stride, int64_t n, bool ue8m0, uint8_t* codes,
                           float* scales);
 
+// The fast indexer's top-k: out[n * out_stride], n < topk, = the indices
+// of the min(topk, visible) best of score[0 .. visible) in increasing
+// order, then -1; best = higher score, equal scores (-0 = +0) by lower
+// index; a NaN score counts as -inf. The same set as std::nth_element
+// under that order (the reference's select), found in O(visible) by a
+// radix select on the scores' bits: three histograms of 11, 11 and 10 bits
+// (the first over every score, the next two over the keys left in the
+// bin that holds the k-th), then one pass that keeps the scores above the
+// k-th and, at its value, the lowest indices. scratch: visible int32s.
+void select_topk_scores(const float* score, int64_t visible, int64_t topk, int32_t* scratch,
+                        int32_t* out, int64_t out_stride);
+
 // x <- H x / sqrt(n) in place, H Sylvester's Hadamard matrix of order n (a
 // power of two).
 void hadamard_inplace(float* x, int64_t n);
