@@ -81,9 +81,12 @@ bool indexer_amx_available() {
 namespace {
 
 // C (tmm0 .. tmm0 + blocks - 1) = the 16 keys at `keys` times `blocks` head
-// blocks of q from head block j0, stored to s [16][ss] at column 16 j0.
-template <int kBlocks>
-void key_tile(const uint16_t* keys, const uint16_t* q, int64_t j0, float* s, int64_t ss) {
+// blocks of q from head block j0, stored to s [16][ss] at column 16 j0;
+// between(t) runs after step t's products are issued (see
+// indexer_amx_scores).
+template <int kBlocks, class Between>
+void key_tile(const uint16_t* keys, const uint16_t* q, int64_t j0, float* s, int64_t ss,
+              const Between& between) {
   if constexpr (kBlocks > 0) _tile_zero(0);
   if constexpr (kBlocks > 1) _tile_zero(1);
   if constexpr (kBlocks > 2) _tile_zero(2);
@@ -109,6 +112,7 @@ void key_tile(const uint16_t* keys, const uint16_t* q, int64_t j0, float* s, int
       _tile_loadd(5, b + 3 * kBlock, kPairRowBytes);
       _tile_dpbf16ps(3, 4, 5);
     }
+    between(t);
   }
   const int64_t stride = ss * static_cast<int64_t>(sizeof(float));
   if constexpr (kBlocks > 0) _tile_stored(0, s + 16 * j0, stride);
@@ -119,54 +123,60 @@ void key_tile(const uint16_t* keys, const uint16_t* q, int64_t j0, float* s, int
 
 constexpr int64_t kGroup = 16;  // keys per A tile
 
-// keys [16][128] = the codes of rows r0 .. r0 + 15 (row_stride apart) as
-// bf16 in fp8_bf16_feature's order, rows at or past count 0.
-void decode_group(const cpu::Fp8Bf16Tables& t, const uint8_t* codes, int64_t row_stride, int64_t r0,
-                  int64_t count, uint16_t* keys) {
-  const int64_t n = std::min(kGroup, count - r0);
-  for (int64_t r = 0; r < n; ++r) {
+// Rows r0 + r, r in [r_begin, r_end), of keys [16][128] = the codes of
+// those rows (row_stride apart) as bf16 in fp8_bf16_feature's order, rows
+// at or past count 0.
+void decode_rows(const cpu::Fp8Bf16Tables& t, const uint8_t* codes, int64_t row_stride, int64_t r0,
+                 int64_t r_begin, int64_t r_end, int64_t count, uint16_t* keys) {
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    uint16_t* out = keys + r * kAmxIndexerDim;
+    if (r0 + r >= count) {
+      std::memset(out, 0, kAmxIndexerDim * sizeof(uint16_t));
+      continue;
+    }
     const uint8_t* row = codes + (r0 + r) * row_stride;
     // The same row four groups on: the codes are read from memory once, so
     // their lines are in flight well before they are needed. A hint,
     // harmless past the end.
     _mm_prefetch(reinterpret_cast<const char*>(row + 4 * kGroup * row_stride), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(row + 4 * kGroup * row_stride + 64), _MM_HINT_T0);
-    cpu::fp8_bf16_decode64(t, row, keys + r * kAmxIndexerDim);
-    cpu::fp8_bf16_decode64(t, row + 64, keys + r * kAmxIndexerDim + 64);
+    cpu::fp8_bf16_decode64(t, row, out);
+    cpu::fp8_bf16_decode64(t, row + 64, out + 64);
   }
-  if (n < kGroup)
-    std::memset(keys + n * kAmxIndexerDim, 0,
-                static_cast<size_t>((kGroup - n) * kAmxIndexerDim) * sizeof(uint16_t));
 }
 
 // score[n] = ks[n * ks_stride] * sum_h w_h ReLU(s[n][h]) for the n < count
 // (<= 16) keys whose head scores s [16][ss] holds; NaN -> -inf. Each key's
 // 16-lane partial sums are reduced across lanes for all 16 keys at once (a
 // transpose by unpack and shuffle, 15 adds), not one key at a time.
-void reduce_group(const float* s, int64_t ss, int64_t blocks, const float* w, const float* ks,
+// kBlocks > 0: blocks is kBlocks (64 heads: 4), so the loops unroll.
+template <int kBlocks>
+void reduce_group(const float* s, int64_t ss, int64_t any_blocks, const float* w, const float* ks,
                   int64_t ks_stride, int64_t count, float* score) {
+  const int64_t blocks = kBlocks > 0 ? kBlocks : any_blocks;
   const __m512 zero = _mm512_setzero_ps();
-  __m512 v[kGroup];
-  for (int64_t n = 0; n < kGroup; ++n) {
-    // max(0, x) keeps a NaN x (vmaxps returns its second operand when
-    // either is NaN), so a NaN head score reaches the total.
-    __m512 acc =
-        _mm512_mul_ps(_mm512_max_ps(zero, _mm512_loadu_ps(s + n * ss)), _mm512_loadu_ps(w));
+  // sum_j w_j max(0, row_j) in 16 lanes. max(0, x) keeps a NaN x (vmaxps
+  // returns its second operand when either is NaN), so a NaN head score
+  // reaches the total.
+  const auto lanes = [&](const float* row) {
+    __m512 acc = _mm512_mul_ps(_mm512_max_ps(zero, _mm512_loadu_ps(row)), _mm512_loadu_ps(w));
     for (int64_t j = 1; j < blocks; ++j)
-      acc = _mm512_fmadd_ps(_mm512_max_ps(zero, _mm512_loadu_ps(s + n * ss + 16 * j)),
+      acc = _mm512_fmadd_ps(_mm512_max_ps(zero, _mm512_loadu_ps(row + 16 * j)),
                             _mm512_loadu_ps(w + 16 * j), acc);
-    v[n] = acc;
-  }
-  // Pairs: per 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3].
-  __m512 p[8];
-  for (int i = 0; i < 8; ++i)
-    p[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  // Quads: per lane, the lane's sums of keys 4i .. 4i + 3.
+    return acc;
+  };
+  // Keys 4i .. 4i + 3 at a time, so that only four vectors stay live.
+  // Pairs: per 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3]; quads: per lane,
+  // the lane's sums of keys 4i .. 4i + 3.
   __m512 q[4];
-  for (int i = 0; i < 4; ++i)
-    q[i] = _mm512_add_ps(_mm512_shuffle_ps(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i) {
+    const float* r = s + 4 * i * ss;
+    const __m512 v0 = lanes(r), v1 = lanes(r + ss), v2 = lanes(r + 2 * ss), v3 = lanes(r + 3 * ss);
+    const __m512 p0 = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+    const __m512 p1 = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+    q[i] = _mm512_add_ps(_mm512_shuffle_ps(p0, p1, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(p0, p1, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
   // Lanes: add lane pairs, twice; lane i of the result holds keys 4i .. 4i + 3.
   const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                  _mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -190,21 +200,26 @@ void reduce_group(const float* s, int64_t ss, int64_t blocks, const float* w, co
       _mm512_mask_blend_ps(nan, total, _mm512_set1_ps(-std::numeric_limits<float>::infinity())));
 }
 
-// C = the 16 keys at `keys` times every head block, stored to s [16][ss].
-void multiply_group(const uint16_t* keys, const uint16_t* q, int64_t blocks, float* s, int64_t ss) {
+// C = the 16 keys at `keys` times every head block, stored to s [16][ss];
+// between(t) after step t of the first four head blocks.
+template <class Between>
+void multiply_group(const uint16_t* keys, const uint16_t* q, int64_t blocks, float* s, int64_t ss,
+                    const Between& between) {
+  const auto none = [](int64_t) {};
   for (int64_t j0 = 0; j0 < blocks; j0 += 4) {
+    const bool first = j0 == 0;
     switch (blocks - j0) {
       case 1:
-        key_tile<1>(keys, q, j0, s, ss);
+        first ? key_tile<1>(keys, q, j0, s, ss, between) : key_tile<1>(keys, q, j0, s, ss, none);
         break;
       case 2:
-        key_tile<2>(keys, q, j0, s, ss);
+        first ? key_tile<2>(keys, q, j0, s, ss, between) : key_tile<2>(keys, q, j0, s, ss, none);
         break;
       case 3:
-        key_tile<3>(keys, q, j0, s, ss);
+        first ? key_tile<3>(keys, q, j0, s, ss, between) : key_tile<3>(keys, q, j0, s, ss, none);
         break;
       default:
-        key_tile<4>(keys, q, j0, s, ss);
+        first ? key_tile<4>(keys, q, j0, s, ss, between) : key_tile<4>(keys, q, j0, s, ss, none);
         break;
     }
   }
@@ -212,13 +227,16 @@ void multiply_group(const uint16_t* keys, const uint16_t* q, int64_t blocks, flo
 
 }  // namespace
 
-// By groups of 16 keys: the tile unit multiplies group g while, behind it
-// in program order, the vector units decode group g + 1 and reduce group
-// g - 1 (each in its own of two scratch slots). Measured on the bench's
-// 128K keys, the order of these three steps changes little (within the
-// noise of 4.0-4.5 ms on one thread: decode all 64 keys, then multiply,
-// then reduce, as before, was as fast); what paid was making each step
-// cheaper.
+// By groups of 16 keys: the tile unit multiplies group g while the vector
+// units decode group g + 1, four rows after each of g's four steps of
+// products, and then reduce group g - 1 (decoded keys and head scores each
+// in two scratch slots). The decoding is spread between the products
+// because of its stores: a store leaves the store buffer only after it
+// retires, behind every tdpbf16ps issued before it, so 64 stores (a
+// group's decoding) queued behind 16 products stall the core (by ~35 ns a
+// group here: a loop of 16 products and 64 stores took 137 ns, 100 ns
+// without the stores, 105 ns with them in four batches between the
+// products), where the lookups' arithmetic overlaps the products freely.
 void indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
                         int64_t heads, const float* w, const float* ks, int64_t ks_stride,
                         uint16_t* keys, float* s, float* score) {
@@ -235,14 +253,18 @@ void indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count
   const auto key_slot = [&](int64_t g) { return keys + (g % 2) * kGroup * kAmxIndexerDim; };
   const auto score_slot = [&](int64_t g) { return s + (g % 2) * kGroup * ss; };
   const auto reduce = [&](int64_t g) {
-    reduce_group(score_slot(g), ss, blocks, w, ks + g * kGroup * ks_stride, ks_stride,
-                 std::min(kGroup, count - g * kGroup), score + g * kGroup);
+    const auto run = blocks == 4 ? reduce_group<4> : reduce_group<0>;
+    run(score_slot(g), ss, blocks, w, ks + g * kGroup * ks_stride, ks_stride,
+        std::min(kGroup, count - g * kGroup), score + g * kGroup);
   };
-  decode_group(tables, codes, code_stride, 0, count, key_slot(0));
+  decode_rows(tables, codes, code_stride, 0, 0, kGroup, count, key_slot(0));
   for (int64_t g = 0; g < groups; ++g) {
-    multiply_group(key_slot(g), q, blocks, score_slot(g), ss);
-    if (g + 1 < groups)
-      decode_group(tables, codes, code_stride, (g + 1) * kGroup, count, key_slot(g + 1));
+    uint16_t* next = key_slot(g + 1);
+    const int64_t r0 = (g + 1) * kGroup;
+    const auto decode_next = [&](int64_t t) {
+      if (r0 < count) decode_rows(tables, codes, code_stride, r0, 4 * t, 4 * t + 4, count, next);
+    };
+    multiply_group(key_slot(g), q, blocks, score_slot(g), ss, decode_next);
     if (g > 0) reduce(g - 1);
   }
   _tile_release();
