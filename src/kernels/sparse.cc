@@ -315,65 +315,57 @@ void select_topk_scores(const float* score, int64_t visible, int64_t topk, int32
   }
   if (k <= 0) return;
   // Digits of the key, most significant first: bits 21-31, 10-20, 0-9.
-  constexpr int kShift[3] = {21, 10, 0};
-  constexpr uint32_t kBins[3] = {2048, 2048, 1024};
-  uint32_t hist[2048];
-  uint32_t prefix = 0;  // the k-th key's digits found so far
-  int64_t need = k;     // how many of the keys that share `prefix` are chosen
-  int64_t cand = 0;     // those keys' indices in scratch[0, cand), in order
-  for (int level = 0; level < 3; ++level) {
-    const int shift = kShift[level];
-    const uint32_t mask = kBins[level] - 1;
-    std::fill(hist, hist + kBins[level], 0u);
-    if (level == 0) {
-      // Scores of one magnitude share a few bins, and increments of one
-      // counter wait on each other through memory: four histograms, summed.
-      uint32_t part[3][2048] = {};
-      int64_t i = 0;
-      for (; i + 4 <= visible; i += 4) {
-        ++hist[order_key(score[i]) >> shift];
-        ++part[0][order_key(score[i + 1]) >> shift];
-        ++part[1][order_key(score[i + 2]) >> shift];
-        ++part[2][order_key(score[i + 3]) >> shift];
-      }
-      for (; i < visible; ++i) ++hist[order_key(score[i]) >> shift];
-      for (uint32_t b = 0; b < kBins[0]; ++b) hist[b] += part[0][b] + part[1][b] + part[2][b];
-    } else {
-      for (int64_t c = 0; c < cand; ++c) ++hist[(order_key(score[scratch[c]]) >> shift) & mask];
-    }
-    // The bin of the k-th: from the top, the first bin whose count reaches
-    // what is still needed.
-    uint32_t bin = kBins[level] - 1;
-    for (;; --bin) {
-      if (need <= hist[bin]) break;
-      need -= hist[bin];
-    }
-    prefix |= bin << shift;
-    // Keep the keys in that bin (in index order), the next level's input.
-    const uint32_t high = level == 2 ? 0xffffffffu : ~((1u << shift) - 1u);
-    int64_t kept = 0;
-    if (level == 0) {
-      for (int64_t i = 0; i < visible; ++i) {
-        scratch[kept] = static_cast<int32_t>(i);
-        kept += (order_key(score[i]) & high) == prefix;
-      }
-    } else {
-      for (int64_t c = 0; c < cand; ++c) {
-        const int32_t i = scratch[c];
-        scratch[kept] = i;
-        kept += (order_key(score[i]) & high) == prefix;
-      }
-    }
-    cand = kept;
+  // First digit: a histogram over every score. Scores of one magnitude
+  // share a few bins, and increments of one counter wait on each other
+  // through memory: four histograms, summed.
+  uint32_t hist[4][2048] = {};
+  int64_t i = 0;
+  for (; i + 4 <= visible; i += 4) {
+    ++hist[0][order_key(score[i]) >> 21];
+    ++hist[1][order_key(score[i + 1]) >> 21];
+    ++hist[2][order_key(score[i + 2]) >> 21];
+    ++hist[3][order_key(score[i + 3]) >> 21];
   }
-  // prefix is the k-th key; of the scores equal to it, the `need` lowest
-  // indices are chosen, the last of them scratch[need - 1].
-  const int32_t last = scratch[need - 1];
-  int64_t n = 0;
-  for (int64_t i = 0; i < visible; ++i) {
-    const uint32_t key = order_key(score[i]);
-    if (key > prefix || (key == prefix && i <= last))
-      out[(n++) * out_stride] = static_cast<int32_t>(i);
+  for (; i < visible; ++i) ++hist[0][order_key(score[i]) >> 21];
+  for (int b = 0; b < 2048; ++b) hist[0][b] += hist[1][b] + hist[2][b] + hist[3][b];
+  // The k-th key's digit: from the top, the first bin whose count reaches
+  // what is still needed (`need`: how many of the keys that share the
+  // digits found so far, `prefix`, are chosen).
+  int64_t need = k;
+  const auto find_bin = [&need](const uint32_t* h, uint32_t top) {
+    uint32_t bin = top;
+    for (; need > h[bin]; --bin) need -= h[bin];
+    return bin;
+  };
+  uint32_t prefix = find_bin(hist[0], 2047) << 21;
+  // One pass keeps, in index order, the keys of that first digit or above:
+  // every chosen key is among them. The other digits and the choice come
+  // from those alone (typically not many more than k).
+  int64_t cand = 0;
+  for (i = 0; i < visible; ++i) {
+    scratch[cand] = static_cast<int32_t>(i);
+    cand += order_key(score[i]) >= prefix;
+  }
+  constexpr int kShift[2] = {10, 0};
+  constexpr uint32_t kBins[2] = {2048, 1024};
+  constexpr uint32_t kKnown[2] = {0xffe00000u, 0xfffffc00u};  // the digits found before
+  for (int level = 0; level < 2; ++level) {
+    const int shift = kShift[level];
+    const uint32_t known = kKnown[level];
+    std::fill(hist[0], hist[0] + kBins[level], 0u);
+    for (int64_t c = 0; c < cand; ++c) {
+      const uint32_t key = order_key(score[scratch[c]]);
+      if ((key & known) == prefix) ++hist[0][(key >> shift) & (kBins[level] - 1)];
+    }
+    prefix |= find_bin(hist[0], kBins[level] - 1) << shift;
+  }
+  // prefix is the k-th key: every key above it is chosen, and of those
+  // equal to it the `need` lowest indices.
+  int64_t n = 0, equal = 0;
+  for (int64_t c = 0; c < cand && n < k; ++c) {
+    const int32_t at = scratch[c];
+    const uint32_t key = order_key(score[at]);
+    if (key > prefix || (key == prefix && equal++ < need)) out[(n++) * out_stride] = at;
   }
 }
 

@@ -66,10 +66,12 @@ void indexer_quantize_row(const float* x, int64_t stride, int64_t n, bool ue8m0,
 // order, then -1; best = higher score, equal scores (-0 = +0) by lower
 // index; a NaN score counts as -inf. The same set as std::nth_element
 // under that order (the reference's select), found in O(visible) by a
-// radix select on the scores' bits: three histograms of 11, 11 and 10 bits
-// (the first over every score, the next two over the keys left in the
-// bin that holds the k-th), then one pass that keeps the scores above the
-// k-th and, at its value, the lowest indices. scratch: visible int32s.
+// radix select on the scores' bits: a histogram of the top 11 bits over
+// every score gives the k-th's first digit; one pass keeps the keys at or
+// above it (in index order: every chosen one among them), and histograms
+// of the next 11 and last 10 bits over those give the k-th score; the
+// kept keys above it and, equal to it, the lowest indices are the choice.
+// scratch: visible int32s.
 void select_topk_scores(const float* score, int64_t visible, int64_t topk, int32_t* scratch,
                         int32_t* out, int64_t out_stride);
 
