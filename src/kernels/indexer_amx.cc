@@ -145,14 +145,18 @@ void decode_rows(const cpu::Fp8Bf16Tables& t, const uint8_t* codes, int64_t row_
   }
 }
 
-// score[n] = ks[n * ks_stride] * sum_h w_h ReLU(s[n][h]) for the n < count
-// (<= 16) keys whose head scores s [16][ss] holds; NaN -> -inf. Each key's
-// 16-lane partial sums are reduced across lanes for all 16 keys at once (a
-// transpose by unpack and shuffle, 15 adds), not one key at a time.
-// kBlocks > 0: blocks is kBlocks (64 heads: 4), so the loops unroll.
+// The reduction of 16 keys' head scores s [16][ss] to score[n] = ks[n *
+// ks_stride] * sum_h w_h ReLU(s[n][h]), NaN -> -inf, in two parts so that
+// it can run between the products: reduce_quad(i) for keys 4i .. 4i + 3,
+// then reduce_finish. Each key's 16-lane partial sums are reduced across
+// lanes for all 16 keys at once (a transpose by unpack and shuffle, 15
+// adds), not one key at a time. kBlocks > 0: blocks is kBlocks (64 heads:
+// 4), so the loops unroll.
+//
+// Per 128-bit lane, the lane's sums of keys 4i .. 4i + 3 (via pairs: per
+// lane, [a0+a2, b0+b2, a1+a3, b1+b3]).
 template <int kBlocks>
-void reduce_group(const float* s, int64_t ss, int64_t any_blocks, const float* w, const float* ks,
-                  int64_t ks_stride, int64_t count, float* score) {
+__m512 reduce_quad(const float* s, int64_t ss, int64_t any_blocks, const float* w, int64_t i) {
   const int64_t blocks = kBlocks > 0 ? kBlocks : any_blocks;
   const __m512 zero = _mm512_setzero_ps();
   // sum_j w_j max(0, row_j) in 16 lanes. max(0, x) keeps a NaN x (vmaxps
@@ -165,18 +169,17 @@ void reduce_group(const float* s, int64_t ss, int64_t any_blocks, const float* w
                             _mm512_loadu_ps(w + 16 * j), acc);
     return acc;
   };
-  // Keys 4i .. 4i + 3 at a time, so that only four vectors stay live.
-  // Pairs: per 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3]; quads: per lane,
-  // the lane's sums of keys 4i .. 4i + 3.
-  __m512 q[4];
-  for (int i = 0; i < 4; ++i) {
-    const float* r = s + 4 * i * ss;
-    const __m512 v0 = lanes(r), v1 = lanes(r + ss), v2 = lanes(r + 2 * ss), v3 = lanes(r + 3 * ss);
-    const __m512 p0 = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
-    const __m512 p1 = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
-    q[i] = _mm512_add_ps(_mm512_shuffle_ps(p0, p1, _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(p0, p1, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
+  const float* r = s + 4 * i * ss;
+  const __m512 v0 = lanes(r), v1 = lanes(r + ss), v2 = lanes(r + 2 * ss), v3 = lanes(r + 3 * ss);
+  const __m512 p0 = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+  const __m512 p1 = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+  return _mm512_add_ps(_mm512_shuffle_ps(p0, p1, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(p0, p1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+// score[n], n < count (<= 16), from the four quads.
+void reduce_finish(const __m512* q, const float* ks, int64_t ks_stride, int64_t count,
+                   float* score) {
   // Lanes: add lane pairs, twice; lane i of the result holds keys 4i .. 4i + 3.
   const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                  _mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -225,50 +228,62 @@ void multiply_group(const uint16_t* keys, const uint16_t* q, int64_t blocks, flo
   }
 }
 
+// By groups of 16 keys: the tile unit multiplies group g while the vector
+// units, after each of g's four steps of products, decode four rows of
+// group g + 1 and reduce four keys of group g - 1 (decoded keys and head
+// scores each in two scratch slots). The work is spread between the
+// products because of the decoding's stores: a store leaves the store
+// buffer only after it retires, behind every tdpbf16ps issued before it,
+// so 64 stores (a group's decoding) queued behind 16 products stall the
+// core (by ~35 ns a group here: a loop of 16 products and 64 stores took
+// 137 ns, 100 ns without the stores, 105 ns with them in four batches
+// between the products), where arithmetic overlaps the products freely.
+template <int kBlocks>
+void scores_by_groups(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
+                      int64_t blocks, const float* w, const float* ks, int64_t ks_stride,
+                      uint16_t* keys, float* s, float* score) {
+  const cpu::Fp8Bf16Tables tables = cpu::fp8_bf16_tables();
+  const int64_t ss = blocks * 16, groups = (count + kGroup - 1) / kGroup;
+  const auto key_slot = [&](int64_t g) { return keys + (g % 2) * kGroup * kAmxIndexerDim; };
+  const auto score_slot = [&](int64_t g) { return s + (g % 2) * kGroup * ss; };
+  const auto finish = [&](int64_t g, const __m512* quads) {
+    reduce_finish(quads, ks + g * kGroup * ks_stride, ks_stride,
+                  std::min(kGroup, count - g * kGroup), score + g * kGroup);
+  };
+  __m512 quads[4];
+  decode_rows(tables, codes, code_stride, 0, 0, kGroup, count, key_slot(0));
+  for (int64_t g = 0; g < groups; ++g) {
+    uint16_t* next = key_slot(g + 1);
+    const float* prev = score_slot(g + 1);  // group g - 1's
+    const int64_t r0 = (g + 1) * kGroup;
+    const auto between = [&](int64_t t) {
+      if (r0 < count) decode_rows(tables, codes, code_stride, r0, 4 * t, 4 * t + 4, count, next);
+      if (g > 0) quads[t] = reduce_quad<kBlocks>(prev, ss, blocks, w, t);
+    };
+    multiply_group(key_slot(g), q, blocks, score_slot(g), ss, between);
+    if (g > 0) finish(g - 1, quads);
+  }
+  _tile_release();
+  for (int64_t t = 0; t < 4; ++t)
+    quads[t] = reduce_quad<kBlocks>(score_slot(groups - 1), ss, blocks, w, t);
+  finish(groups - 1, quads);
+}
+
 }  // namespace
 
-// By groups of 16 keys: the tile unit multiplies group g while the vector
-// units decode group g + 1, four rows after each of g's four steps of
-// products, and then reduce group g - 1 (decoded keys and head scores each
-// in two scratch slots). The decoding is spread between the products
-// because of its stores: a store leaves the store buffer only after it
-// retires, behind every tdpbf16ps issued before it, so 64 stores (a
-// group's decoding) queued behind 16 products stall the core (by ~35 ns a
-// group here: a loop of 16 products and 64 stores took 137 ns, 100 ns
-// without the stores, 105 ns with them in four batches between the
-// products), where the lookups' arithmetic overlaps the products freely.
 void indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
                         int64_t heads, const float* w, const float* ks, int64_t ks_stride,
                         uint16_t* keys, float* s, float* score) {
   if (count <= 0) return;
-  const cpu::Fp8Bf16Tables tables = cpu::fp8_bf16_tables();
   TileConfig cfg;
   for (int r = 0; r < 6; ++r) {
     cfg.rows[r] = 16;
     cfg.colsb[r] = 64;
   }
   _tile_loadconfig(&cfg);
-  const int64_t blocks = (heads + 15) / 16, ss = blocks * 16;
-  const int64_t groups = (count + kGroup - 1) / kGroup;
-  const auto key_slot = [&](int64_t g) { return keys + (g % 2) * kGroup * kAmxIndexerDim; };
-  const auto score_slot = [&](int64_t g) { return s + (g % 2) * kGroup * ss; };
-  const auto reduce = [&](int64_t g) {
-    const auto run = blocks == 4 ? reduce_group<4> : reduce_group<0>;
-    run(score_slot(g), ss, blocks, w, ks + g * kGroup * ks_stride, ks_stride,
-        std::min(kGroup, count - g * kGroup), score + g * kGroup);
-  };
-  decode_rows(tables, codes, code_stride, 0, 0, kGroup, count, key_slot(0));
-  for (int64_t g = 0; g < groups; ++g) {
-    uint16_t* next = key_slot(g + 1);
-    const int64_t r0 = (g + 1) * kGroup;
-    const auto decode_next = [&](int64_t t) {
-      if (r0 < count) decode_rows(tables, codes, code_stride, r0, 4 * t, 4 * t + 4, count, next);
-    };
-    multiply_group(key_slot(g), q, blocks, score_slot(g), ss, decode_next);
-    if (g > 0) reduce(g - 1);
-  }
-  _tile_release();
-  reduce(groups - 1);
+  const int64_t blocks = (heads + 15) / 16;
+  (blocks == 4 ? scores_by_groups<4> : scores_by_groups<0>)(codes, code_stride, count, q, blocks, w,
+                                                            ks, ks_stride, keys, s, score);
 }
 
 #if defined(__clang__)
