@@ -1,5 +1,6 @@
 // The fast indexer's top-k (kernels/sparse.h, select_topk_scores: a radix
-// select on the scores' bits) against a selection written here: a stable
+// select on the scores' bits, its first histogram made by itself or given
+// in parts) against a selection written here: a stable
 // sort by score, highest first (so equal scores keep the lower index
 // first), the first k, sorted by index. Seeded random scores with many
 // ties, -inf, NaN (which counts as -inf), -0 and +0 (equal), subnormals,
@@ -81,13 +82,23 @@ TEST(SelectTopkScores, MatchesAStableSortOnRandomScoresWithTiesAndSpecialValues)
     const std::vector<float> s = random_scores(n, rng);
     std::vector<int32_t> scratch(static_cast<size_t>(std::max<int64_t>(n, 1)));
     // A strided output, as the indices tensor may be.
-    std::vector<int32_t> out(static_cast<size_t>(2 * topk + 1), 77);
-    select_topk_scores(s.data(), n, topk, scratch.data(), out.data(), 2);
-    std::vector<int32_t> got(static_cast<size_t>(topk));
-    for (int64_t i = 0; i < topk; ++i)
-      got[static_cast<size_t>(i)] = out[static_cast<size_t>(2 * i)];
-    ASSERT_EQ(got, expected_topk(s, topk)) << "trial " << trial << " n " << n << " topk " << topk;
-    for (int64_t i = 0; i < topk; ++i) ASSERT_EQ(out[static_cast<size_t>(2 * i + 1)], 77);
+    // The first histogram made by the select itself, or given: gathered
+    // in two sets over two stretches of the scores, as two threads would.
+    const int64_t split = rng.integer(0, n);
+    std::vector<uint32_t> hist(size_t(2 * kTopkHistogram), 0u);
+    add_topk_histogram(s.data(), split, hist.data());
+    add_topk_histogram(s.data() + split, n - split, hist.data() + kTopkHistogram);
+    for (const uint32_t* given :
+         {static_cast<const uint32_t*>(nullptr), static_cast<const uint32_t*>(hist.data())}) {
+      std::vector<int32_t> out(static_cast<size_t>(2 * topk + 1), 77);
+      select_topk_scores(s.data(), n, topk, given, 2, scratch.data(), out.data(), 2);
+      std::vector<int32_t> got(static_cast<size_t>(topk));
+      for (int64_t i = 0; i < topk; ++i)
+        got[static_cast<size_t>(i)] = out[static_cast<size_t>(2 * i)];
+      ASSERT_EQ(got, expected_topk(s, topk))
+          << "trial " << trial << " n " << n << " topk " << topk << " given " << (given != nullptr);
+      for (int64_t i = 0; i < topk; ++i) ASSERT_EQ(out[static_cast<size_t>(2 * i + 1)], 77);
+    }
   }
 }
 
@@ -96,7 +107,7 @@ TEST(SelectTopkScores, AllEqualScoresGoToTheLowestIndices) {
     std::vector<float> s(5000, v);
     s[100] = -0.0f * v;  // -0 next to +0 (and +-0 among others): equal when v is 0
     std::vector<int32_t> scratch(s.size()), out(7);
-    select_topk_scores(s.data(), 5000, 7, scratch.data(), out.data(), 1);
+    select_topk_scores(s.data(), 5000, 7, nullptr, 0, scratch.data(), out.data(), 1);
     EXPECT_EQ(out, expected_topk(s, 7)) << v;
   }
 }
