@@ -12,15 +12,17 @@
 // codes and block scales into fp32 in registers (dequant_f32, an L1-sized
 // buffer), then qk_f32 scores every head against it: each key value is
 // broadcast against all heads at once. ReLU and the per-head weights then
-// reduce each key's row of head scores. A decode step (one query row)
-// splits its keys over the threads; prefill gives each thread whole rows.
+// reduce each key's row of head scores. A decode step (one query row, or
+// fewer rows than threads) splits its keys over the threads; prefill gives
+// each thread whole rows.
 //
 // Top-k: the reference runs std::nth_element over the visible keys'
 // indices under a total order (higher score first, equal scores by lower
 // index), then sorts the chosen by index; the fast forms find the same set
 // by a radix select on the scores' bits (select_topk_scores), O(visible)
-// in three passes over the scores, its output in index order as it is
-// found. The chosen set is a function of the scores alone.
+// in two passes over the scores (in a decode step the first, a histogram,
+// runs on the scoring threads as they go), its output in index order as
+// it is found. The chosen set is a function of the scores alone.
 //
 // Sparse attention, fast form: a task is (batch item, query row, kv head,
 // block of that group's query heads); the heads are the rows of one tile
