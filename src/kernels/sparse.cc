@@ -56,6 +56,7 @@
 #include "kernels/dispatch.h"
 #include "kernels/indexer_amx.h"
 #include "kernels/kv_load.h"
+#include "kernels/scratch.h"
 
 namespace attnkit::kernels {
 namespace {
@@ -465,16 +466,28 @@ Status run_indexer(const IndexerParams& p, Backend backend) {
   }
   const cpu::KernelTable& kt = active_kernels();
   const int64_t per = indexer_scratch_floats(kt, H, D);
-  std::unique_ptr<float[]> fbuf, score;
-  std::unique_ptr<int32_t[]> order;
-  if (!alloc(&fbuf, per * threads + 16) || !alloc(&score, S * threads) ||
-      !alloc(&order, S * threads))
+  // Kept per calling thread from call to call (kernels/scratch.h): a
+  // decode step over 128K keys needs 1 MB of scores and indices, which
+  // fresh allocations would map and fault in at every step. The workers
+  // use the calling thread's buffers through the pointers taken here (in
+  // their code the thread_local names would mean their own, empty ones).
+  thread_local Scratch<float> kept_fbuf, kept_score;
+  thread_local Scratch<int32_t> kept_order;
+  thread_local Scratch<uint32_t> kept_hist;
+  if (!kept_fbuf.grow(static_cast<size_t>(per * threads + 16)) ||
+      !kept_score.grow(static_cast<size_t>(S * threads)) ||
+      !kept_order.grow(static_cast<size_t>(S * threads)) ||
+      !kept_hist.grow(static_cast<size_t>(kTopkHistogram * threads)))
     return no_memory("the indexer's scratch");
+  float* const fbuf = kept_fbuf.get();
+  float* const score = kept_score.get();
+  int32_t* const order = kept_order.get();
+  uint32_t* const hist = kept_hist.get();
   const auto slot = [&](int w) {
     // On a 64-byte line: every buffer in it starts a multiple of 16 floats
     // in, so none of its vector and tile rows straddles two lines (a 16-
     // byte-aligned base cost the AMX form up to 70 % more time).
-    float* base = fbuf.get() + (16 - reinterpret_cast<uintptr_t>(fbuf.get()) / 4 % 16) % 16;
+    float* base = fbuf + (16 - reinterpret_cast<uintptr_t>(fbuf) / 4 % 16) % 16;
     return indexer_scratch(kt, p, base + static_cast<int64_t>(w) * per);
   };
   if (rows >= threads && rows > 1) {
@@ -482,18 +495,16 @@ Status run_indexer(const IndexerParams& p, Backend backend) {
     parallel_for(rows, threads, [&](int64_t task, int worker) {
       const int64_t r = rows - 1 - task, b = r / p.seqlen_q, t = r % p.seqlen_q;
       const IndexerScratch x = slot(worker);
-      float* sc = score.get() + static_cast<int64_t>(worker) * S;
+      float* sc = score + static_cast<int64_t>(worker) * S;
       load_query(kt, p, b, t, x);
       indexer_scores_fast(kt, p, b, x, 0, S - p.seqlen_q + t + 1, sc, nullptr);
-      finish_row_fast(p, b, t, sc, nullptr, 0, order.get() + static_cast<int64_t>(worker) * S);
+      finish_row_fast(p, b, t, sc, nullptr, 0, order + static_cast<int64_t>(worker) * S);
     });
     return Status::Ok();
   }
   // Fewer rows than threads, or one (a decode step): split each row's keys,
   // in whole tiles; each worker adds the scores it computes to its own
   // histogram for the top-k.
-  std::unique_ptr<uint32_t[]> hist;
-  if (!alloc(&hist, kTopkHistogram * threads)) return no_memory("the indexer's scratch");
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = r / p.seqlen_q, t = r % p.seqlen_q, visible = S - p.seqlen_q + t + 1;
     const IndexerScratch first = slot(0);
@@ -501,15 +512,15 @@ Status run_indexer(const IndexerParams& p, Backend backend) {
     const int64_t chunk =
         cpu::round_up(std::max<int64_t>(256, cpu::ceil_div(visible, 4 * threads)), kTileKeys);
     const int64_t tasks = cpu::ceil_div(visible, chunk);
-    std::fill(hist.get(), hist.get() + kTopkHistogram * threads, 0u);
+    std::fill(hist, hist + kTopkHistogram * threads, 0u);
     parallel_for(tasks, threads, [&](int64_t task, int worker) {
       IndexerScratch own = slot(worker);
       own.qt = first.qt;  // the row's query and weights, shared read-only
       own.w = first.w;
       const int64_t s0 = task * chunk, s1 = std::min(visible, s0 + chunk);
-      indexer_scores_fast(kt, p, b, own, s0, s1, score.get(), hist.get() + kTopkHistogram * worker);
+      indexer_scores_fast(kt, p, b, own, s0, s1, score, hist + kTopkHistogram * worker);
     });
-    finish_row_fast(p, b, t, score.get(), hist.get(), threads, order.get());
+    finish_row_fast(p, b, t, score, hist, threads, order);
   }
   return Status::Ok();
 }
