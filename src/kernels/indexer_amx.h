@@ -25,19 +25,21 @@ bool indexer_amx_available();
 
 // The query's layout for indexer_amx_scores: AMX B tiles of bf16 pairs,
 // [ceil(heads / 16)][4 steps of 32 features][16 feature pairs][16 heads][2].
-// Element (h, c) of the query sits at this index; heads past `heads` up to
-// a multiple of 16 hold 0.
-inline int64_t indexer_amx_query_index(int64_t h, int64_t c) {
-  return (((h / 16) * 4 + c / 32) * 16 + (c % 32) / 2) * 32 + (h % 16) * 2 + (c & 1);
+// Slot (h, p) of this layout, at this index, holds head h's feature
+// cpu::fp8_bf16_feature(p) (kernels/cpu/fp8_bf16.h: the order in which the
+// keys' codes are decoded); heads past `heads` up to a multiple of 16 hold 0.
+inline int64_t indexer_amx_query_index(int64_t h, int64_t p) {
+  return (((h / 16) * 4 + p / 32) * 16 + (p % 32) / 2) * 32 + (h % 16) * 2 + (p & 1);
 }
 inline int64_t indexer_amx_query_elems(int64_t heads) { return (heads + 15) / 16 * 16 * 128; }
 
-// For n < count (<= 64): score[n] = ks[n * ks_stride] * sum_h w[h] *
-// ReLU(sum_c key[n][c] q[h][c]), key n the 128 E4M3 codes at codes + n *
-// code_stride, q as indexer_amx_query_index lays it out, w
+// For n < count (any count >= 0): score[n] = ks[n * ks_stride] * sum_h
+// w[h] * ReLU(sum_c key[n][c] q[h][c]), key n the 128 E4M3 codes at codes
+// + n * code_stride, q as indexer_amx_query_index lays it out, w
 // [round_up(heads, 16)] (zero past heads); scratch: keys of 64 * 128
 // uint16s, s of 64 * round_up(heads, 16) floats. A key with a NaN code,
-// or a NaN total, scores -inf, as in the other forms.
+// or a NaN total, scores -inf, as in the other forms. Tile state is
+// configured on entry and released on return.
 void indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
                         int64_t heads, const float* w, const float* ks, int64_t ks_stride,
                         uint16_t* keys, float* s, float* score);

@@ -3,22 +3,26 @@
 // per SIMD target) on tiles of gathered rows.
 //
 // Indexer, fast forms. On the avx512bf16 target, with AMX and 128-feature
-// rows (DeepSeek-V3.2's), kernels/indexer_amx.h: the fp8 codes of 64 keys
-// at a time become bf16 in registers and tdpbf16ps multiplies them with
-// the query's codes, all heads per key read. Otherwise one query row's
-// indexer heads are packed transposed
-// (heads along the vector lanes, as the dense kernels pack a tile's query
-// rows), and each tile of 64 consecutive keys is decoded once from its fp8
+// rows (DeepSeek-V3.2's), kernels/indexer_amx.h: the fp8 codes of 16 keys
+// at a time become bf16 by byte table lookups (kernels/cpu/fp8_bf16.h) and
+// tdpbf16ps multiplies them with the query's codes, all heads per key read.
+// Otherwise one query row's indexer heads are packed transposed (heads
+// along the vector lanes, as the dense kernels pack a tile's query rows),
+// and each tile of 64 consecutive keys is decoded once from its fp8
 // codes and block scales into fp32 in registers (dequant_f32, an L1-sized
 // buffer), then qk_f32 scores every head against it: each key value is
 // broadcast against all heads at once. ReLU and the per-head weights then
-// reduce each key's row of head scores. A decode step (one query row)
-// splits its keys over the threads; prefill gives each thread whole rows.
+// reduce each key's row of head scores. A decode step (one query row, or
+// fewer rows than threads) splits its keys over the threads; prefill gives
+// each thread whole rows.
 //
-// Top-k: std::nth_element over the visible keys' indices under a total
-// order (higher score first, equal scores by lower index), then the chosen
-// are sorted by index: O(visible) expected, and the chosen set is a
-// function of the scores alone.
+// Top-k: the reference runs std::nth_element over the visible keys'
+// indices under a total order (higher score first, equal scores by lower
+// index), then sorts the chosen by index; the fast forms find the same set
+// by a radix select on the scores' bits (select_topk_scores), O(visible)
+// in two passes over the scores (in a decode step the first, a histogram,
+// runs on the scoring threads as they go), its output in index order as
+// it is found. The chosen set is a function of the scores alone.
 //
 // Sparse attention, fast form: a task is (batch item, query row, kv head,
 // block of that group's query heads); the heads are the rows of one tile
@@ -35,6 +39,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <new>
@@ -45,11 +50,13 @@
 #include "core/cpu_features.h"
 #include "core/threads.h"
 #include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/fp8_bf16.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/task_plan.h"
 #include "kernels/dispatch.h"
 #include "kernels/indexer_amx.h"
 #include "kernels/kv_load.h"
+#include "kernels/scratch.h"
 
 namespace attnkit::kernels {
 namespace {
@@ -103,6 +110,18 @@ void select_topk(const T* score, int64_t visible, int64_t topk, int32_t* order, 
   std::sort(order, order + k);
   for (int64_t n = 0; n < k; ++n) out[n * out_stride] = order[n];
   for (int64_t n = k; n < topk; ++n) out[n * out_stride] = -1;
+}
+
+// A key that orders floats as uint32s: a > b iff key(a) > key(b); -0 and
+// +0 one key (x + 0 is +0 for both), NaN that of -inf. Negative floats
+// flip every bit, others the sign bit.
+inline uint32_t order_key(float x) {
+  const float y = x + 0.0f;
+  uint32_t bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  const uint32_t key =
+      bits ^ (static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) | 0x80000000u);
+  return x != x ? 0x007fffffu : key;
 }
 
 template <class T>
@@ -204,11 +223,13 @@ void load_query(const cpu::KernelTable& kt, const IndexerParams& p, int64_t b, i
     const int64_t H = p.n_heads, Hp = cpu::round_up(H, 16);
     uint16_t* q = reinterpret_cast<uint16_t*>(x.qt);
     for (int64_t h = 0; h < Hp; ++h)
-      for (int64_t c = 0; c < kAmxIndexerDim; ++c)
-        q[indexer_amx_query_index(h, c)] =
+      for (int64_t at = 0; at < kAmxIndexerDim; ++at) {
+        const int64_t c = cpu::fp8_bf16_feature(at);  // the keys' decoded order
+        q[indexer_amx_query_index(h, at)] =
             h < H
                 ? float_to_bf16(lut[qc[h * p.q_codes_stride.head + c * p.q_codes_stride.dim]]).bits
                 : uint16_t{0};
+      }
     const float* w = p.weights + b * p.weights_stride.batch + t * p.weights_stride.row;
     for (int64_t h = 0; h < Hp; ++h)
       x.w[h] = h < H ? w[h * p.weights_stride.col] * qs[h * p.q_scales_stride.head] : 0.0f;
@@ -236,24 +257,35 @@ bool has_nan_code(const uint8_t* codes, int64_t n) {
 }
 
 // Scores of keys [s0, s1) for the query row in x, into score[s].
+// With hist (kTopkHistogram counts), each stretch of scores is added to
+// it while it is still in L1.
 void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int64_t b,
-                         const IndexerScratch& x, int64_t s0, int64_t s1, float* score) {
+                         const IndexerScratch& x, int64_t s0, int64_t s1, float* score,
+                         uint32_t* hist) {
   const int64_t H = p.n_heads, D = p.head_dim;
   // The table's decoder wants unit-stride codes and, past one block, unit-
   // stride scales; other views take the portable loop.
   const bool dequant =
       p.k_codes_stride.col == 1 && (D == kIndexerBlock || p.k_scales_stride.col == 1);
   const float* lut = fp8_table();
+  if (x.amx) {
+    // 2,048 keys a call (a call pipelines its 16-key groups), whose 8 KiB
+    // of scores the histogram then reads from L1.
+    for (int64_t n0 = s0; n0 < s1; n0 += 2048) {
+      const int64_t n = std::min<int64_t>(2048, s1 - n0);
+      indexer_amx_scores(p.k_codes + b * p.k_codes_stride.batch + n0 * p.k_codes_stride.row,
+                         p.k_codes_stride.row, n, reinterpret_cast<const uint16_t*>(x.qt), H, x.w,
+                         p.k_scales + b * p.k_scales_stride.batch + n0 * p.k_scales_stride.row,
+                         p.k_scales_stride.row, reinterpret_cast<uint16_t*>(x.keys), x.s,
+                         score + n0);
+      if (hist != nullptr) add_topk_histogram(score + n0, n, hist);
+    }
+    return;
+  }
   for (int64_t n0 = s0; n0 < s1; n0 += kTileKeys) {
     const int64_t n = std::min(kTileKeys, s1 - n0);
     const uint8_t* kc = p.k_codes + b * p.k_codes_stride.batch + n0 * p.k_codes_stride.row;
     const float* ks = p.k_scales + b * p.k_scales_stride.batch + n0 * p.k_scales_stride.row;
-    if (x.amx) {
-      indexer_amx_scores(kc, p.k_codes_stride.row, n, reinterpret_cast<const uint16_t*>(x.qt), H,
-                         x.w, ks, p.k_scales_stride.row, reinterpret_cast<uint16_t*>(x.keys), x.s,
-                         score + n0);
-      continue;
-    }
     if (dequant) {
       kt.dequant_f32(kc, p.k_codes_stride.row, n, D, ks, p.k_scales_stride.row, kIndexerBlock, true,
                      x.keys, x.d_pad, 0);
@@ -280,11 +312,94 @@ void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
                           ? -std::numeric_limits<float>::infinity()
                           : finite_or_lowest(total);
     }
+    if (hist != nullptr) add_topk_histogram(score + n0, n, hist);
   }
 }
 
+}  // namespace
+
+// Scores of one magnitude share a few bins, and increments of one counter
+// wait on each other through memory: four histograms, summed at the end.
+void add_topk_histogram(const float* score, int64_t n, uint32_t* hist) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    ++hist[order_key(score[i]) >> 21];
+    ++hist[2048 + (order_key(score[i + 1]) >> 21)];
+    ++hist[4096 + (order_key(score[i + 2]) >> 21)];
+    ++hist[6144 + (order_key(score[i + 3]) >> 21)];
+  }
+  for (; i < n; ++i) ++hist[order_key(score[i]) >> 21];
+}
+
+void select_topk_scores(const float* score, int64_t visible, int64_t topk, const uint32_t* given,
+                        int64_t sets, int32_t* scratch, int32_t* out, int64_t out_stride) {
+  const int64_t k = std::min(topk, visible);
+  for (int64_t n = k; n < topk; ++n) out[n * out_stride] = -1;
+  if (k == visible) {
+    for (int64_t n = 0; n < k; ++n) out[n * out_stride] = static_cast<int32_t>(n);
+    return;
+  }
+  if (k <= 0) return;
+  // Digits of the key, most significant first: bits 21-31, 10-20, 0-9.
+  // First digit: a histogram over every score, made here or given.
+  uint32_t hist[kTopkHistogram] = {};
+  if (given == nullptr) {
+    add_topk_histogram(score, visible, hist);
+    given = hist;
+    sets = 1;
+  }
+  uint32_t first[2048];
+  for (int b = 0; b < 2048; ++b) {
+    uint32_t c = 0;
+    for (int64_t set = 0; set < 4 * sets; ++set) c += given[set * 2048 + b];
+    first[b] = c;
+  }
+  // The k-th key's digit: from the top, the first bin whose count reaches
+  // what is still needed (`need`: how many of the keys that share the
+  // digits found so far, `prefix`, are chosen).
+  int64_t need = k;
+  const auto find_bin = [&need](const uint32_t* h, uint32_t top) {
+    uint32_t bin = top;
+    for (; need > h[bin]; --bin) need -= h[bin];
+    return bin;
+  };
+  uint32_t prefix = find_bin(first, 2047) << 21;
+  // One pass keeps, in index order, the keys of that first digit or above:
+  // every chosen key is among them. The other digits and the choice come
+  // from those alone (typically not many more than k).
+  int64_t cand = 0;
+  for (int64_t i = 0; i < visible; ++i) {
+    scratch[cand] = static_cast<int32_t>(i);
+    cand += order_key(score[i]) >= prefix;
+  }
+  constexpr int kShift[2] = {10, 0};
+  constexpr uint32_t kBins[2] = {2048, 1024};
+  constexpr uint32_t kKnown[2] = {0xffe00000u, 0xfffffc00u};  // the digits found before
+  for (int level = 0; level < 2; ++level) {
+    const int shift = kShift[level];
+    const uint32_t known = kKnown[level];
+    std::fill(first, first + kBins[level], 0u);
+    for (int64_t c = 0; c < cand; ++c) {
+      const uint32_t key = order_key(score[scratch[c]]);
+      if ((key & known) == prefix) ++first[(key >> shift) & (kBins[level] - 1)];
+    }
+    prefix |= find_bin(first, kBins[level] - 1) << shift;
+  }
+  // prefix is the k-th key: every key above it is chosen, and of those
+  // equal to it the `need` lowest indices.
+  int64_t n = 0, equal = 0;
+  for (int64_t c = 0; c < cand && n < k; ++c) {
+    const int32_t at = scratch[c];
+    const uint32_t key = order_key(score[at]);
+    if (key > prefix || (key == prefix && equal++ < need)) out[(n++) * out_stride] = at;
+  }
+}
+
+namespace {
+
+// hist, sets: as select_topk_scores takes them.
 void finish_row_fast(const IndexerParams& p, int64_t b, int64_t t, const float* score,
-                     int32_t* order) {
+                     const uint32_t* hist, int64_t sets, int32_t* order) {
   const int64_t S = p.seqlen_k, visible = S - p.seqlen_q + t + 1;
   if (p.scores) {
     float* row = p.scores + b * p.scores_stride.batch + t * p.scores_stride.row;
@@ -292,9 +407,9 @@ void finish_row_fast(const IndexerParams& p, int64_t b, int64_t t, const float* 
       row[s * p.scores_stride.col] =
           s < visible ? score[s] : -std::numeric_limits<float>::infinity();
   }
-  select_topk(score, visible, p.topk, order,
-              p.indices + b * p.indices_stride.batch + t * p.indices_stride.row,
-              p.indices_stride.col);
+  select_topk_scores(score, visible, p.topk, hist, sets, order,
+                     p.indices + b * p.indices_stride.batch + t * p.indices_stride.row,
+                     p.indices_stride.col);
 }
 
 template <class T>
@@ -351,27 +466,45 @@ Status run_indexer(const IndexerParams& p, Backend backend) {
   }
   const cpu::KernelTable& kt = active_kernels();
   const int64_t per = indexer_scratch_floats(kt, H, D);
-  std::unique_ptr<float[]> fbuf, score;
-  std::unique_ptr<int32_t[]> order;
-  if (!alloc(&fbuf, per * threads) || !alloc(&score, S * threads) || !alloc(&order, S * threads))
+  // Kept per calling thread from call to call (kernels/scratch.h): a
+  // decode step over 128K keys needs 1 MB of scores and indices, which
+  // fresh allocations would map and fault in at every step. The workers
+  // use the calling thread's buffers through the pointers taken here (in
+  // their code the thread_local names would mean their own, empty ones).
+  thread_local Scratch<float> kept_fbuf, kept_score;
+  thread_local Scratch<int32_t> kept_order;
+  thread_local Scratch<uint32_t> kept_hist;
+  if (!kept_fbuf.grow(static_cast<size_t>(per * threads + 16)) ||
+      !kept_score.grow(static_cast<size_t>(S * threads)) ||
+      !kept_order.grow(static_cast<size_t>(S * threads)) ||
+      !kept_hist.grow(static_cast<size_t>(kTopkHistogram * threads)))
     return no_memory("the indexer's scratch");
+  float* const fbuf = kept_fbuf.get();
+  float* const score = kept_score.get();
+  int32_t* const order = kept_order.get();
+  uint32_t* const hist = kept_hist.get();
   const auto slot = [&](int w) {
-    return indexer_scratch(kt, p, fbuf.get() + static_cast<int64_t>(w) * per);
+    // On a 64-byte line: every buffer in it starts a multiple of 16 floats
+    // in, so none of its vector and tile rows straddles two lines (a 16-
+    // byte-aligned base cost the AMX form up to 70 % more time).
+    float* base = fbuf + (16 - reinterpret_cast<uintptr_t>(fbuf) / 4 % 16) % 16;
+    return indexer_scratch(kt, p, base + static_cast<int64_t>(w) * per);
   };
-  if (rows >= threads) {
+  if (rows >= threads && rows > 1) {
     // Prefill (or a batch of decodes): whole rows per task, longest first.
     parallel_for(rows, threads, [&](int64_t task, int worker) {
       const int64_t r = rows - 1 - task, b = r / p.seqlen_q, t = r % p.seqlen_q;
       const IndexerScratch x = slot(worker);
-      float* sc = score.get() + static_cast<int64_t>(worker) * S;
+      float* sc = score + static_cast<int64_t>(worker) * S;
       load_query(kt, p, b, t, x);
-      indexer_scores_fast(kt, p, b, x, 0, S - p.seqlen_q + t + 1, sc);
-      finish_row_fast(p, b, t, sc, order.get() + static_cast<int64_t>(worker) * S);
+      indexer_scores_fast(kt, p, b, x, 0, S - p.seqlen_q + t + 1, sc, nullptr);
+      finish_row_fast(p, b, t, sc, nullptr, 0, order + static_cast<int64_t>(worker) * S);
     });
     return Status::Ok();
   }
-  // Fewer rows than threads (a decode step): split each row's keys, in
-  // whole tiles.
+  // Fewer rows than threads, or one (a decode step): split each row's keys,
+  // in whole tiles; each worker adds the scores it computes to its own
+  // histogram for the top-k.
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = r / p.seqlen_q, t = r % p.seqlen_q, visible = S - p.seqlen_q + t + 1;
     const IndexerScratch first = slot(0);
@@ -379,14 +512,15 @@ Status run_indexer(const IndexerParams& p, Backend backend) {
     const int64_t chunk =
         cpu::round_up(std::max<int64_t>(256, cpu::ceil_div(visible, 4 * threads)), kTileKeys);
     const int64_t tasks = cpu::ceil_div(visible, chunk);
+    std::fill(hist, hist + kTopkHistogram * threads, 0u);
     parallel_for(tasks, threads, [&](int64_t task, int worker) {
       IndexerScratch own = slot(worker);
       own.qt = first.qt;  // the row's query and weights, shared read-only
       own.w = first.w;
       const int64_t s0 = task * chunk, s1 = std::min(visible, s0 + chunk);
-      indexer_scores_fast(kt, p, b, own, s0, s1, score.get());
+      indexer_scores_fast(kt, p, b, own, s0, s1, score, hist + kTopkHistogram * worker);
     });
-    finish_row_fast(p, b, t, score.get(), order.get());
+    finish_row_fast(p, b, t, score, hist, threads, order);
   }
   return Status::Ok();
 }

@@ -61,6 +61,26 @@ Status run_sparse_attention(const AttentionParams& params, const KeyIndices& ind
 void indexer_quantize_row(const float* x, int64_t stride, int64_t n, bool ue8m0, uint8_t* codes,
                           float* scales);
 
+// The fast indexer's top-k: out[n * out_stride], n < topk, = the indices
+// of the min(topk, visible) best of score[0 .. visible) in increasing
+// order, then -1; best = higher score, equal scores (-0 = +0) by lower
+// index; a NaN score counts as -inf. The same set as std::nth_element
+// under that order (the reference's select), found in O(visible) by a
+// radix select on the scores' bits: a histogram of the top 11 bits over
+// every score gives the k-th's first digit; one pass keeps the scores at
+// or above it (in index order: every chosen one among them), and
+// histograms of the next 11 and last 10 bits over those give the k-th
+// score; the kept scores above it and, equal to it, the lowest indices
+// are the choice. scratch: visible int32s. hist: nullptr, or `sets`
+// histograms of kTopkHistogram counts whose add_topk_histogram calls
+// covered score[0 .. visible) exactly once (gathered while the scores were
+// computed, on the threads that computed them: the first pass is then
+// not made here).
+inline constexpr int64_t kTopkHistogram = 4 * 2048;
+void add_topk_histogram(const float* score, int64_t n, uint32_t* hist);
+void select_topk_scores(const float* score, int64_t visible, int64_t topk, const uint32_t* hist,
+                        int64_t sets, int32_t* scratch, int32_t* out, int64_t out_stride);
+
 // x <- H x / sqrt(n) in place, H Sylvester's Hadamard matrix of order n (a
 // power of two).
 void hadamard_inplace(float* x, int64_t n);

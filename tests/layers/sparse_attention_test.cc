@@ -18,6 +18,7 @@
 #include <cmath>
 #include <complex>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -771,11 +772,27 @@ TEST(LightningIndexer, BadInputsNameTheArgumentAndWriteNothing) {
   refused(lightning_indexer_topk(make_view(in.qc.data(), DType::kFp8E4M3, {1, 2, 4, 64}), qs, w, kc,
                                  ks, 4, iv),
           "head_dim");
-  in.ks[2] = 0.0f;
-  refused(lightning_indexer_topk(qc, qs, w, kc, ks, 4, iv), "k_scales");
+  // Scales must be finite and > 0 (the smallest subnormal is), weights
+  // finite (of any sign); each refusal names the element.
+  for (const float bad : {0.0f, -0.0f, -1.0f, NAN, -NAN, INFINITY, -INFINITY}) {
+    in.ks[2] = bad;
+    refused(lightning_indexer_topk(qc, qs, w, kc, ks, 4, iv), "k_scales holds");
+    refused(lightning_indexer_topk(qc, qs, w, kc, ks, 4, iv), "(element 2)");
+  }
+  in.ks[2] = std::numeric_limits<float>::denorm_min();
+  std::vector<int32_t> fine(8);
+  EXPECT_TRUE(
+      lightning_indexer_topk(qc, qs, w, kc, ks, 4, make_view(fine.data(), DType::kI32, {1, 2, 4}))
+          .ok());
   in.ks[2] = 0.01f;
-  in.w[1] = INFINITY;
-  refused(lightning_indexer_topk(qc, qs, w, kc, ks, 4, iv), "weights");
+  for (const float bad : {NAN, INFINITY, -INFINITY}) {
+    in.w[1] = bad;
+    refused(lightning_indexer_topk(qc, qs, w, kc, ks, 4, iv), "weights holds");
+  }
+  in.w[1] = -1e30f;
+  EXPECT_TRUE(
+      lightning_indexer_topk(qc, qs, w, kc, ks, 4, make_view(fine.data(), DType::kI32, {1, 2, 4}))
+          .ok());
 }
 
 TEST(IndexerQuantize, MatchesDeepSeekActQuantRounding) {
