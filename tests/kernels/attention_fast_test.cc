@@ -380,7 +380,10 @@ class Problem {
   //   weights times the value scale (pv_i8 / pv_fp8): 2u Vmax
   //   copies as bf16 (`dot`: the vdpbf16ps kernels): q and k rounded to
   //     bf16, E += 2^-8 S; values and weights rounded, 2 * 2^-8 Vmax
-  Bounds bounds_for_row(int64_t b, int64_t i, int64_t h, SimdTarget target, bool dot) const {
+  //   keys decoded exactly to bf16 for AMX (`amx_q`, decode_amx.h): q
+  //     rounded to bf16, E += 2^-8 S
+  Bounds bounds_for_row(int64_t b, int64_t i, int64_t h, SimdTarget target, bool dot,
+                        bool amx_q) const {
     if (s_max_.empty()) compute_row_maxima();
     const int64_t row = (b * c_.seqlen_q + i) * c_.heads + h;
     const double s_max = s_max_[row];
@@ -395,7 +398,7 @@ class Problem {
       const double qmax = std::min(32767.0, std::floor(2147483647.0 / (127.0 * double(c_.d))));
       e += 0.5 * q_amax_[row] / qmax * k1_max_[b * c_.kv_heads + h / (c_.heads / c_.kv_heads)];
     }
-    if (q8 && dot) e += kUBf16 * s_max;
+    if (q8 && (dot || amx_q)) e += kUBf16 * s_max;
     const double n = static_cast<double>(c_.seqlen_k);
     double out = v_max * (std::expm1(2 * e) + 8 * kU + (3 * n + 32) * kU);
     if (c_.kv == DType::kBF16 && target == SimdTarget::kAvx512Bf16) out += v_max * kUBf16;
@@ -589,7 +592,7 @@ std::string plan_str(const cpu::Plan& plan) {
          " k_then_v=" + std::to_string(plan.k_then_v) +
          " dequant_bf16=" + std::to_string(plan.dequant_bf16) +
          " int8_score_groups=" + std::to_string(plan.int8_score_groups) +
-         " threads=" + std::to_string(plan.num_threads);
+         " amx_qk=" + std::to_string(plan.amx_qk) + " threads=" + std::to_string(plan.num_threads);
 }
 
 // Compares fast against reference element by element; NaN must match NaN
@@ -599,8 +602,9 @@ void expect_close(const Problem& pr, const Outputs& ref, const Outputs& fast,
                   const cpu::Plan& plan) {
   const Case& c = pr.spec();
   // 8-bit K/V copied as bf16 for the vdpbf16ps kernels round them.
-  const bool dot =
-      is_kv_quantized(c.kv) && cpu::make_geometry(pr.params(nullptr, nullptr), plan).dot_bf16;
+  const cpu::Geometry geo = cpu::make_geometry(pr.params(nullptr, nullptr), plan);
+  const bool dot = is_kv_quantized(c.kv) && geo.dot_bf16;
+  const bool amx_q = is_kv_quantized(c.kv) && geo.amx_qk;
   std::vector<uint8_t> logical(ref.out.size(), 0), logical_lse(ref.lse.size(), 0);
   double worst_ratio = 0.0;
   std::string worst;
@@ -608,7 +612,7 @@ void expect_close(const Problem& pr, const Outputs& ref, const Outputs& fast,
   for (int64_t b = 0; b < c.batch; ++b)
     for (int64_t i = 0; i < pr.rows(b); ++i)
       for (int64_t h = 0; h < c.heads; ++h) {
-        const Problem::Bounds bound = pr.bounds_for_row(b, i, h, plan.target, dot);
+        const Problem::Bounds bound = pr.bounds_for_row(b, i, h, plan.target, dot, amx_q);
         auto check = [&](const char* what, float r, float f, double tol) {
           std::ostringstream where;
           where << what << "[b=" << b << ", i=" << i << ", h=" << h << "]";
@@ -1118,6 +1122,7 @@ TEST(AttentionFast, EightBitMultiTokenDecodeByRowGroups) {
             EXPECT_EQ(plan.int8_score_groups, t.target != SimdTarget::kScalar && tokens * group > 4)
                 << c.describe();
             plan.int8_score_groups = groups;
+            plan.amx_qk = false;  // AMX's QK: AmxMultiTokenDecode
             t.apply(plan);
             const cpu::Geometry g = cpu::make_geometry(pr.params(nullptr, nullptr), plan);
             EXPECT_EQ(g.qk_groups, groups && tokens * group > 4 && g.kt->qk_rows_i8 != nullptr)

@@ -61,6 +61,10 @@ struct Plan {
   // int16 query rows at a time over the codes where they lie (true), or over
   // a dequantized fp32 / bf16 copy of the tile (false).
   bool int8_score_groups = false;
+  // bf16 and 8-bit (one scale per row) keys in tiles of 5-16 packed rows
+  // (multi-token decode): S = K Q^T on AMX tiles (decode_amx.h), the keys
+  // copied or decoded to bf16 (tile_policy.h, scores_on_amx).
+  bool amx_qk = false;
   int num_threads = 1;  // resolved, >= 1
   // Tests only: kernels to run instead of kernel_table(target), which still
   // names the target (the emulated AVX-512 tables,

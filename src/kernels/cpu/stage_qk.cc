@@ -7,6 +7,8 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/cpu/decode_amx.h"
+
 namespace attnkit::kernels::cpu {
 
 // qt = scale * q in the KernelTable's blocked, transposed layout (fp32, or
@@ -23,6 +25,14 @@ void TaskRunner::pack_q() {
   const int64_t w = g_.kt->qk_block_cols, dim = p_.q_stride.dim;
   const KernelTable& kt = *g_.kt;
   if (g_.q16_rows > 0) return pack_q_int16(rows);
+  if (g_.amx_qk) {  // decode_amx.h's operand, zero past m_ and head_dim
+    uint16_t* out = reinterpret_cast<uint16_t*>(qt_);
+    std::fill(out, out + 16 * g_.qt_row, uint16_t{0});
+    for (int64_t m = 0; m < m_; ++m)
+      for (int64_t c = 0; c < g_.d; ++c)
+        out[amx_q_index(m, c)] = float_to_bf16(rows[m][c * dim] * scale).bits;
+    return;
+  }
   if (g_.rows_qk) {  // 4 row-major rows, zero-padded
     // One plain loop per row and dtype, so that the compiler vectorises
     // it (a loop over the padded row with the dtype test inside did not,
@@ -146,6 +156,7 @@ void TaskRunner::scores(int64_t j0, int64_t nk, float* s, Prefetch pf, const int
   auto fetch = [&](int64_t at, int64_t row) {
     return prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
   };
+  if (g_.amx_qk) return scores_amx(j0, nk, s, pf);
   if (g_.q8) return scores_8bit(j0, nk, s, pf, seen);
   if (g_.rows_qk && g_.dot_bf16) {
     const uint16_t* q = reinterpret_cast<const uint16_t*>(qt_);
@@ -258,6 +269,41 @@ void TaskRunner::scores_int8_groups(int64_t j0, int64_t nk, float* s, Prefetch p
         std::memcpy(out + i * g_.s_stride, packed + 4 * i, 4 * sizeof(float));
     }
   });
+}
+
+}  // namespace attnkit::kernels::cpu
+
+namespace attnkit::kernels::cpu {
+
+// scores() on AMX tiles (Geometry::amx_qk): each run of the tile's keys
+// copied (bf16) or decoded (8-bit) into bf16 rows in the kw buffer, with
+// their scales beside them, then one product for the whole tile. Every
+// column of s is written (pad rows' with the scores of zero queries).
+void TaskRunner::scores_amx(int64_t j0, int64_t nk, float* s, Prefetch pf) {
+  if (!amx_loaded_) {
+    amx_tiles_begin();
+    amx_loaded_ = true;
+  }
+  uint16_t* keys = reinterpret_cast<uint16_t*>(ws_ + g_.kw);
+  float* kscale = g_.q8 ? ws_ + g_.kw + g_.bk * g_.qt_row / 2 : nullptr;
+  const int64_t kd = g_.qt_row;
+  for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+    const int64_t fetch = prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
+    uint16_t* dst = keys + at * kd;
+    if (g_.bf16) {
+      amx_keys_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, dst, kd,
+                    fetch);
+      return;
+    }
+    if (g_.fp8)
+      amx_keys_fp8(static_cast<const uint8_t*>(k_row(row)), p_.k_stride.row, n, g_.d, dst, kd,
+                   fetch);
+    else
+      amx_keys_i8(static_cast<const int8_t*>(k_row(row)), p_.k_stride.row, n, g_.d, dst, kd, fetch);
+    const float* sc = k_scales(row);
+    for (int64_t i = 0; i < n; ++i) kscale[at + i] = sc[i * p_.k_scale_stride.row];
+  });
+  amx_qk(keys, nk, kd, reinterpret_cast<const uint16_t*>(qt_), kscale, s, g_.s_stride);
 }
 
 }  // namespace attnkit::kernels::cpu

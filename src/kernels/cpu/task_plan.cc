@@ -84,6 +84,14 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
         !plan.batch_invariant && takes_rows_qk(*g.kt, g.m_max, p.kv_dtype, g.dot_bf16, false);
     g.k_copies = widen && !(g.rows_qk && g.kt->qk_rows_widen != nullptr);
   }
+  if (plan.amx_qk && plan.target == SimdTarget::kAvx512Bf16 && !plan.batch_invariant &&
+      g.m_max > 4 && g.m_pad == 16 && g.bk % 16 == 0 && (g.bf16 || (g.q8 && g.row_scales))) {
+    // The product leaves the K copy and the int8 groups; bf16 V keeps
+    // pv_bf16, 8-bit V pv_i8 / pv_fp8 (or the copy of block-scaled V).
+    g.amx_qk = true;
+    g.rows_qk = g.qk_groups = g.k_copies = false;
+    g.q16_rows = 0;
+  }
   g.s_stride = score_stride(g.m_pad, g.rows_qk);
   g.qt_row = round_up(g.d, 32);
   g.part_floats = plan.split_k > 0 ? round_up(g.heads * g.m_max * (g.dv + 2), 16) : 0;
@@ -98,8 +106,9 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   const int64_t qt_cols = round_up(g.m_pad, g.kt->qk_block_cols);
   // Also holds the bf16 pairs, or qk_rows_*'s 4 row-major rows (int8 keys:
   // q16_rows int16 rows, then their factors).
-  g.qt = take(std::max(
-      {round_up(g.d, 2) * qt_cols, 4 * g.qt_row, ceil_div(g.q16_rows * g.qt_row, 2) + g.q16_rows}));
+  g.qt = take(
+      std::max({round_up(g.d, 2) * qt_cols, 4 * g.qt_row,
+                ceil_div(g.q16_rows * g.qt_row, 2) + g.q16_rows, g.amx_qk ? 8 * g.qt_row : 0}));
   g.o = take(g.m_max * g.dv_pad);
   g.row_max = take(g.m_pad);
   g.row_sum = take(g.m_pad);
@@ -110,7 +119,10 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.s = take(g.heads * g.s_head);
   g.alpha = take(g.m_pad);
   g.ones = take(g.m_pad);
-  g.kw = take(g.k_copies ? g.bk * g.d_pad : g.qk_groups ? g.bk * 4 : 0);
+  g.kw = take(g.k_copies    ? g.bk * g.d_pad
+              : g.qk_groups ? g.bk * 4
+              : g.amx_qk    ? g.bk * g.qt_row / 2 + g.bk
+                            : 0);
   g.vw = take(g.pv_copies ? g.bk * g.vw_stride : 0);
   g.seen = take(4 * g.m_pad);  // int64 pairs
   g.pack = take(g.dot_bf16             ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2)

@@ -53,6 +53,11 @@ struct Geometry {
   // group of 4 rows (Plan::int8_score_groups), each group's packed scores
   // in the kw buffer (nk x 4), then copied into s's columns.
   bool qk_groups = false;
+  // Plan::amx_qk, for bf16 keys or 8-bit keys with row scales in tiles of
+  // 16 padded rows: the keys copied or decoded to bf16 rows in the kw
+  // buffer (bk x qt_row uint16s, then the tile's bk key scales), the
+  // queries in qt as decode_amx.h's operand.
+  bool amx_qk = false;
   // Rows of int16 queries in qt (pack_q_int16): 4 for qk_rows_i8 on a
   // tile of at most 4 rows, m_pad for qk_groups, else 0 (none).
   int64_t q16_rows = 0;

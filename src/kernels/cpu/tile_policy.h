@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "core/cpu_features.h"
+#include "kernels/amx.h"
 #include "kernels/attention_params.h"
 #include "kernels/cpu/attention_cpu.h"
 
@@ -141,6 +142,22 @@ inline bool scores_int8_in_groups(SimdTarget target, int64_t rows) {
   return target != SimdTarget::kScalar && rows > 4 && rows <= kInt8ScoreGroupsMaxRows;
 }
 
+// bf16 and 8-bit keys in tiles of 5 to kAmxScoresMaxRows packed rows (2-4
+// tokens under GQA 32/8) take S = K Q^T on AMX tiles (Plan::amx_qk,
+// decode_amx.h) where the CPU has AMX-BF16, the OS grants its tiles and the
+// active target is the top one (ATTNKIT_SIMD=avx512 or avx2 keep the FMA
+// and VNNI kernels). A 16-row tile of 64 keys is exactly four C tiles: its
+// QK is 16 tdpbf16ps, where vdpbf16ps needs 4,096 and the int8 groups
+// (vpdpwssd) as many again. fp32 keys stay on their kernels: AMX would
+// round them to bf16. Not in batch-invariant plans, whose rows must take
+// one path for any row count (make_plan below). Measured:
+// docs/PERFORMANCE.md#multi-token-decode-on-amx.
+inline constexpr int64_t kAmxScoresMaxRows = 16;
+inline bool scores_on_amx(SimdTarget target, int64_t rows, DType kv_dtype) {
+  return target == SimdTarget::kAvx512Bf16 && rows > 4 && rows <= kAmxScoresMaxRows &&
+         kv_dtype != DType::kF32 && amx_bf16_available();
+}
+
 // attnkit's own KV caches (KVCache) pad a token's row by one 64-byte line
 // when its bytes are a multiple of this. Rows 4 KiB apart (GQA 8 kv heads x
 // 128 fp32) put all 64 rows of a kv head's tile into the same 8 of the
@@ -191,6 +208,7 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
   plan.k_then_v = walks_k_then_v(target, p.kv_dtype);
   plan.dequant_bf16 = dequantizes_to_bf16(cpu_features());
   plan.int8_score_groups = scores_int8_in_groups(target, plan.block_q * group);
+  plan.amx_qk = scores_on_amx(target, plan.block_q * group, p.kv_dtype);
   if (p.batch_invariant) {
     // Batch-invariant plans fix everything that orders a row's reduction
     // over its keys from the SIMD target alone, so that a row's output bits
@@ -227,6 +245,7 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
     // docs/PERFORMANCE.md#batch-invariance.
     plan.block_k = kKeysPerTile;
     plan.batch_invariant = true;
+    plan.amx_qk = false;  // its sums over head_dim run in another order than the tiles'
     const int64_t tasks_per_head_block = p.batch * q_blocks;
     while (plan.kv_heads_per_task > 1 &&
            tasks_per_head_block *

@@ -1,0 +1,55 @@
+// S = K Q^T on AMX tiles for decode tiles of 5-16 packed rows (2-4 tokens
+// of GQA-4 decode), bf16 or 8-bit keys (tile_policy.h, decodes_on_amx).
+//
+// One tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one: 8,192
+// multiply-adds, where a 512-bit FMA does 16 and vdpbf16ps or vpdpwssd 32.
+// A 16-row tile of 64 keys at head_dim 128 (131,072 multiply-adds for QK)
+// is 16 of them. The keys are the A operand, row-major as they lie in the
+// cache (16 keys x 32 dims); the queries the B operand, packed once per
+// task and head; C is the tile of scores s[key][packed row], the
+// key-major layout the softmax walks.
+//
+// Exact operands: bf16 keys are copied; int8 codes (|v| <= 128) and fp8
+// E4M3 values have at most 8 significant bits and exponents well inside
+// bf16's normal range (E4M3's smallest subnormal is 2^-9), so they decode
+// to bf16 exactly and never to a bf16 denormal (which AMX reads as 0).
+// Their scales (one per key row) multiply the scores afterwards, in fp32.
+// The queries are rounded to bf16 (relative error 2^-9), as the vdpbf16ps
+// kernels round them for bf16 keys; sums accumulate in fp32.
+#pragma once
+
+#include <cstdint>
+
+namespace attnkit::kernels::cpu {
+
+// The queries' operand: bf16 pairs, element (packed row m < 16, dim c) at
+// amx_q_index(m, c); dims up to round_up(head_dim, 32) (zero past head_dim).
+inline int64_t amx_q_index(int64_t m, int64_t c) { return (c / 2) * 32 + m * 2 + (c & 1); }
+
+// A tile's keys as bf16 rows of `kd` = round_up(head_dim, 32) elements,
+// zero past head_dim: n rows of the caller's keys (`stride` elements
+// apart) into dst[n][kd], prefetching for each row read the row `prefetch`
+// elements further on (0: none), as the KernelTable's kernels do. E4M3
+// codes 0x7f / 0xff decode to +-480, as the other fast kernels' decoding
+// (kernel_table.h) does.
+void amx_keys_bf16(const uint16_t* k, int64_t stride, int64_t n, int64_t head_dim, uint16_t* dst,
+                   int64_t kd, int64_t prefetch);
+void amx_keys_i8(const int8_t* k, int64_t stride, int64_t n, int64_t head_dim, uint16_t* dst,
+                 int64_t kd, int64_t prefetch);
+void amx_keys_fp8(const uint8_t* k, int64_t stride, int64_t n, int64_t head_dim, uint16_t* dst,
+                  int64_t kd, int64_t prefetch);
+
+// s[n][m] = kscale[n] * sum_c keys[n][c] * q(m, c) for n < nk (<= 64), m <
+// 16, s_stride >= 16 floats apart (kscale nullptr: 1). Rows of s from nk up
+// to round_up(nk, 16) are overwritten too (with scores of zero keys:
+// keys' rows past nk are zeroed here). Must run between amx_tiles_begin()
+// and amx_tiles_end() in the calling thread.
+void amx_qk(uint16_t* keys, int64_t nk, int64_t kd, const uint16_t* q, const float* kscale,
+            float* s, int64_t s_stride);
+
+// Loads the tile configuration amx_qk uses into this thread's tile state,
+// and releases the tiles (so that context switches need not save them).
+void amx_tiles_begin();
+void amx_tiles_end();
+
+}  // namespace attnkit::kernels::cpu
