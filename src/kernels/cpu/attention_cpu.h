@@ -65,6 +65,9 @@ struct Plan {
   // (multi-token decode): S = K Q^T on AMX tiles (decode_amx.h), the keys
   // copied or decoded to bf16 (tile_policy.h, scores_on_amx).
   bool amx_qk = false;
+  // With amx_qk: O = alpha O + P V on AMX tiles too (amx_pv), the weights
+  // and the values (decoded to bf16) as two keys' pairs.
+  bool amx_pv = false;
   int num_threads = 1;  // resolved, >= 1
   // Tests only: kernels to run instead of kernel_table(target), which still
   // names the target (the emulated AVX-512 tables,

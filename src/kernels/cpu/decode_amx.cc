@@ -157,6 +157,123 @@ void amx_qk(uint16_t* keys, int64_t nk, int64_t kd, const uint16_t* q, const flo
                      _mm512_mul_ps(_mm512_loadu_ps(s + n * s_stride), _mm512_set1_ps(kscale[n])));
 }
 
+namespace {
+
+// r[0..15] = the 16 x 16 block's columns: r[c][x] = in[x][c]. Unpacks
+// interleave pairs of rows within 128-bit lanes, shuffles gather each
+// lane's four columns of four rows, and two lane shuffles move lane L of
+// four registers into one.
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4 i + e], lane L: rows 4 i .. 4 i + 3 at column 4 L + e.
+  __m512 u[16];
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512 x0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x44);
+    const __m512 x1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xEE);
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    r[4 + e] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+    r[8 + e] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    r[12 + e] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+  }
+}
+
+// 16 keys' weights from s (rows n0.. of the tile, zero from nk on), times
+// their value scales, transposed: r[m][x] = weight of key n0 + x for row m.
+inline void weights16(const float* s, int64_t n0, int64_t nk, int64_t s_stride, const float* vscale,
+                      __m512* r) {
+  for (int x = 0; x < 16; ++x) {
+    const int64_t n = n0 + x;
+    if (n >= nk) {
+      r[x] = _mm512_setzero_ps();
+      continue;
+    }
+    r[x] = _mm512_loadu_ps(s + n * s_stride);
+    if (vscale != nullptr) r[x] = _mm512_mul_ps(r[x], _mm512_set1_ps(vscale[n]));
+  }
+  transpose16(r);
+}
+
+}  // namespace
+
+void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
+            const uint16_t* values, int64_t vd, float* o, int64_t dv_pad, const float* alpha,
+            uint16_t* pairs, uint16_t* w) {
+  const int64_t steps = (nk + 31) / 32;
+  // A: w[m][n], 64 keys a row, bf16.
+  for (int64_t t = 0; t < steps; ++t) {
+    __m512 lo[16], hi[16];
+    weights16(s, 32 * t, nk, s_stride, vscale, lo);
+    weights16(s, 32 * t + 16, nk, s_stride, vscale, hi);
+    for (int m = 0; m < 16; ++m)
+      _mm512_storeu_si512(w + m * 64 + 32 * t, (__m512i)_mm512_cvtne2ps_pbh(hi[m], lo[m]));
+  }
+  // B: keys 2 p and 2 p + 1 interleaved, pairs[p][c][2] (zero past nk).
+  const int64_t prow = 2 * dv_pad;
+  for (int64_t p = 0; p < 16 * steps; ++p) {
+    const uint16_t* a = values + 2 * p * vd;
+    const uint16_t* b = a + vd;
+    const bool has_a = 2 * p < nk, has_b = 2 * p + 1 < nk;
+    for (int64_t c = 0; c < dv_pad; c += 16) {
+      const __m512i x = has_a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + c)))
+                              : _mm512_setzero_si512();
+      const __m512i y = has_b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(b + c)))
+                              : _mm512_setzero_si512();
+      _mm512_storeu_si512(pairs + p * prow + 2 * c, _mm512_or_si512(x, _mm512_slli_epi32(y, 16)));
+    }
+  }
+  // o *= alpha, rows whose alpha is not 1.
+  for (int m = 0; m < 16; ++m) {
+    if (alpha[m] == 1.0f) continue;
+    const __m512 a = _mm512_set1_ps(alpha[m]);
+    for (int64_t c = 0; c < dv_pad; c += 16)
+      _mm512_storeu_ps(o + m * dv_pad + c, _mm512_mul_ps(_mm512_loadu_ps(o + m * dv_pad + c), a));
+  }
+  // C: o in blocks of 16 x 16, four at a time.
+  const int64_t o_stride = dv_pad * 4, p_stride = prow * 2;
+  for (int64_t c0 = 0; c0 < dv_pad; c0 += 64) {
+    const int64_t blocks = dv_pad - c0 >= 64 ? 4 : (dv_pad - c0) / 16;
+    float* oc = o + c0;
+    _tile_loadd(0, oc, o_stride);
+    if (blocks > 1) _tile_loadd(1, oc + 16, o_stride);
+    if (blocks > 2) _tile_loadd(2, oc + 32, o_stride);
+    if (blocks > 3) _tile_loadd(3, oc + 48, o_stride);
+    for (int64_t t = 0; t < steps; ++t) {
+      _tile_loadd(4, w + 32 * t, 128);
+      const uint16_t* bt = pairs + 16 * t * prow + 2 * c0;
+      _tile_loadd(5, bt, p_stride);
+      _tile_dpbf16ps(0, 4, 5);
+      if (blocks > 1) {
+        _tile_loadd(5, bt + 32, p_stride);
+        _tile_dpbf16ps(1, 4, 5);
+      }
+      if (blocks > 2) {
+        _tile_loadd(5, bt + 64, p_stride);
+        _tile_dpbf16ps(2, 4, 5);
+      }
+      if (blocks > 3) {
+        _tile_loadd(5, bt + 96, p_stride);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    }
+    _tile_stored(0, oc, o_stride);
+    if (blocks > 1) _tile_stored(1, oc + 16, o_stride);
+    if (blocks > 2) _tile_stored(2, oc + 32, o_stride);
+    if (blocks > 3) _tile_stored(3, oc + 48, o_stride);
+  }
+}
+
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -169,6 +286,8 @@ void amx_keys_bf16(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*, int64_
 void amx_keys_i8(const int8_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) {}
 void amx_keys_fp8(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) {}
 void amx_qk(uint16_t*, int64_t, int64_t, const uint16_t*, const float*, float*, int64_t) {}
+void amx_pv(const float*, int64_t, int64_t, const float*, const uint16_t*, int64_t, float*, int64_t,
+            const float*, uint16_t*, uint16_t*) {}
 void amx_tiles_begin() {}
 void amx_tiles_end() {}
 

@@ -47,7 +47,20 @@ void amx_keys_fp8(const uint8_t* k, int64_t stride, int64_t n, int64_t head_dim,
 void amx_qk(uint16_t* keys, int64_t nk, int64_t kd, const uint16_t* q, const float* kscale,
             float* s, int64_t s_stride);
 
-// Loads the tile configuration amx_qk uses into this thread's tile state,
+// o[m][c] = alpha[m] * o[m][c] + sum_n w[m][n] * values[n][c] for m < 16,
+// c < dv_pad, n < nk (<= 64), where w[m][n] = s[n * s_stride + m] (times
+// vscale[n] unless nullptr), rounded to bf16 (relative error 2^-9, as
+// pv_bf16 rounds its weights). values: nk rows of bf16, vd apart (vd >= dv_pad,
+// a multiple of 32), zero past head_dim_v (the amx_keys_* functions make
+// them); o: 16 rows dv_pad apart (a multiple of 16), so pad rows must exist.
+// Scratch: pairs of 32 * dv_pad * 2 uint16s (the values as two keys'
+// pairs, AMX's B layout), w of 16 * 64 uint16s. Between amx_tiles_begin()
+// and amx_tiles_end().
+void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
+            const uint16_t* values, int64_t vd, float* o, int64_t dv_pad, const float* alpha,
+            uint16_t* pairs, uint16_t* w);
+
+// Loads the tile configuration amx_qk and amx_pv use into this thread's tile state,
 // and releases the tiles (so that context switches need not save them).
 void amx_tiles_begin();
 void amx_tiles_end();

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/cpu/decode_amx.h"
 #include "kernels/kv_load.h"
 
 namespace attnkit::kernels::cpu {
@@ -36,6 +37,7 @@ bool rows_finite(const void* base, DType dtype, int64_t stride, int64_t rows, in
 // Rows [m_lo_, m_) of o += P V (s and alpha indexed by packed row).
 void TaskRunner::accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha, Prefetch pf,
                             const int64_t* seen) {
+  if (g_.amx_pv) return accumulate_amx(j0, nk, s, alpha, pf);
   if (g_.q8 && g_.pv_copies) return accumulate_dequantized(j0, nk, s, alpha, pf, seen);
   const KernelTable& kt = *g_.kt;
   auto fetch = [&](int64_t at, int64_t row) {
@@ -133,6 +135,37 @@ void TaskRunner::accumulate_dequantized(int64_t j0, int64_t nk, const float* s, 
   else
     kt.pv_f32(s + m_lo_, nk, g_.s_stride, rows, vw, g_.vw_stride, g_.dv, o, g_.dv_pad,
               alpha + m_lo_, 0, seen);
+}
+
+// accumulate() on AMX tiles (Geometry::amx_pv): each run of the tile's
+// values copied (bf16) or decoded (8-bit) into bf16 rows in the kw buffer,
+// their scales before them, then one product for the whole tile (all 16
+// rows: o has m_pad of them).
+void TaskRunner::accumulate_amx(int64_t j0, int64_t nk, const float* s, const float* alpha,
+                                Prefetch pf) {
+  amx_begin();
+  float* vscale = g_.q8 ? ws_ + g_.kw : nullptr;
+  uint16_t* values = reinterpret_cast<uint16_t*>(ws_ + g_.kw + g_.bk);
+  const int64_t vd = g_.amx_vd;
+  for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+    const int64_t fetch = prefetch_at(pf, j0, nk, at, row, p_.v_stride.row);
+    uint16_t* dst = values + at * vd;
+    if (g_.bf16) {
+      amx_keys_bf16(static_cast<const uint16_t*>(v_row(row)), p_.v_stride.row, n, g_.dv, dst, vd,
+                    fetch);
+      return;
+    }
+    if (g_.fp8)
+      amx_keys_fp8(static_cast<const uint8_t*>(v_row(row)), p_.v_stride.row, n, g_.dv, dst, vd,
+                   fetch);
+    else
+      amx_keys_i8(static_cast<const int8_t*>(v_row(row)), p_.v_stride.row, n, g_.dv, dst, vd,
+                  fetch);
+    const float* sc = v_scales(row);
+    for (int64_t i = 0; i < n; ++i) vscale[at + i] = sc[i * p_.v_scale_stride.row];
+  });
+  amx_pv(s, nk, g_.s_stride, vscale, values, vd, o_, g_.dv_pad, alpha,
+         reinterpret_cast<uint16_t*>(ws_ + g_.vw), reinterpret_cast<uint16_t*>(ws_ + g_.pack));
 }
 
 // Whether the tile's V values are finite (8-bit V: its scales, the codes

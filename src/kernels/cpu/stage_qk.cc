@@ -279,13 +279,16 @@ namespace attnkit::kernels::cpu {
 // copied (bf16) or decoded (8-bit) into bf16 rows in the kw buffer, with
 // their scales beside them, then one product for the whole tile. Every
 // column of s is written (pad rows' with the scores of zero queries).
+void TaskRunner::amx_begin() {
+  if (amx_loaded_) return;
+  amx_tiles_begin();
+  amx_loaded_ = true;
+}
+
 void TaskRunner::scores_amx(int64_t j0, int64_t nk, float* s, Prefetch pf) {
-  if (!amx_loaded_) {
-    amx_tiles_begin();
-    amx_loaded_ = true;
-  }
-  uint16_t* keys = reinterpret_cast<uint16_t*>(ws_ + g_.kw);
-  float* kscale = g_.q8 ? ws_ + g_.kw + g_.bk * g_.qt_row / 2 : nullptr;
+  amx_begin();
+  float* kscale = g_.q8 ? ws_ + g_.kw : nullptr;
+  uint16_t* keys = reinterpret_cast<uint16_t*>(ws_ + g_.kw + g_.bk);
   const int64_t kd = g_.qt_row;
   for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
     const int64_t fetch = prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);

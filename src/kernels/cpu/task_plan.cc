@@ -91,6 +91,11 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
     g.amx_qk = true;
     g.rows_qk = g.qk_groups = g.k_copies = false;
     g.q16_rows = 0;
+    if (plan.amx_pv) {
+      g.amx_pv = true;
+      g.pv_copies = false;
+      g.amx_vd = round_up(g.dv, 32);
+    }
   }
   g.s_stride = score_stride(g.m_pad, g.rows_qk);
   g.qt_row = round_up(g.d, 32);
@@ -109,7 +114,7 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.qt = take(
       std::max({round_up(g.d, 2) * qt_cols, 4 * g.qt_row,
                 ceil_div(g.q16_rows * g.qt_row, 2) + g.q16_rows, g.amx_qk ? 8 * g.qt_row : 0}));
-  g.o = take(g.m_max * g.dv_pad);
+  g.o = take((g.amx_pv ? g.m_pad : g.m_max) * g.dv_pad);
   g.row_max = take(g.m_pad);
   g.row_sum = take(g.m_pad);
   g.head_floats = at;
@@ -121,11 +126,12 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.ones = take(g.m_pad);
   g.kw = take(g.k_copies    ? g.bk * g.d_pad
               : g.qk_groups ? g.bk * 4
-              : g.amx_qk    ? g.bk * g.qt_row / 2 + g.bk
+              : g.amx_qk    ? g.bk + g.bk * std::max(g.qt_row, g.amx_vd) / 2
                             : 0);
-  g.vw = take(g.pv_copies ? g.bk * g.vw_stride : 0);
-  g.seen = take(4 * g.m_pad);  // int64 pairs
-  g.pack = take(g.dot_bf16             ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2)
+  g.vw = take(g.pv_copies ? g.bk * g.vw_stride : g.amx_pv ? 32 * g.dv_pad : 0);
+  g.seen = take(4 * g.m_pad);                         // int64 pairs
+  g.pack = take(g.amx_pv               ? 16 * 64 / 2  // amx_pv's weights
+                : g.dot_bf16           ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2)
                 : g.q8 && !g.pv_copies ? ceil_div(pv_8bit_pack_elems(g.bk, g.s_stride), 2)
                                        : 0);
   g.bitmap = take(p.sparse.kind != SparsePattern::Kind::kNone ? ceil_div(g.bq * g.bk, 4) : 0);

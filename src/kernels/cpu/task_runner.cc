@@ -32,7 +32,7 @@ void TaskRunner::run(const Task& task) {
     pack_q();
     std::fill_n(row_max_, g_.m_pad, kNegInf);
     std::fill_n(row_sum_, g_.m_pad, 0.0f);
-    std::fill_n(o_, m_ * g_.dv_pad, 0.0f);
+    std::fill_n(o_, (g_.amx_pv ? g_.m_pad : m_) * g_.dv_pad, 0.0f);
   }
 
   task_end_ = task.k1;

@@ -59,6 +59,7 @@ class TaskRunner {
   void scores_8bit(int64_t j0, int64_t nk, float* s, Prefetch pf, const int64_t* seen);
   void scores_int8_groups(int64_t j0, int64_t nk, float* s, Prefetch pf);
   void scores_amx(int64_t j0, int64_t nk, float* s, Prefetch pf);
+  void amx_begin();
   // stage_softmax.cc
   void finish_head(int64_t j0, int64_t nk, float* s, Prefetch prefetch, const int64_t* seen,
                    bool masked, bool sparse_partial, const int64_t* row_lo, const int64_t* row_hi);
@@ -71,6 +72,7 @@ class TaskRunner {
                   const int64_t* seen);
   void accumulate_dequantized(int64_t j0, int64_t nk, const float* s, const float* alpha,
                               Prefetch pf, const int64_t* seen);
+  void accumulate_amx(int64_t j0, int64_t nk, const float* s, const float* alpha, Prefetch pf);
   bool values_finite(int64_t j0, int64_t nk) const;
   void accumulate_skipping_zeros(int64_t j0, int64_t nk, const float* s, const float* alpha);
   // stage_merge.cc

@@ -209,6 +209,7 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
   plan.dequant_bf16 = dequantizes_to_bf16(cpu_features());
   plan.int8_score_groups = scores_int8_in_groups(target, plan.block_q * group);
   plan.amx_qk = scores_on_amx(target, plan.block_q * group, p.kv_dtype);
+  plan.amx_pv = plan.amx_qk;
   if (p.batch_invariant) {
     // Batch-invariant plans fix everything that orders a row's reduction
     // over its keys from the SIMD target alone, so that a row's output bits
@@ -245,7 +246,8 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
     // docs/PERFORMANCE.md#batch-invariance.
     plan.block_k = kKeysPerTile;
     plan.batch_invariant = true;
-    plan.amx_qk = false;  // its sums over head_dim run in another order than the tiles'
+    plan.amx_qk = plan.amx_pv =
+        false;  // its sums over head_dim run in another order than the tiles'
     const int64_t tasks_per_head_block = p.batch * q_blocks;
     while (plan.kv_heads_per_task > 1 &&
            tasks_per_head_block *
