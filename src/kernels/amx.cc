@@ -1,6 +1,8 @@
 // AMX permission (kernels/amx.h).
 #include "kernels/amx.h"
 
+#include <atomic>
+
 #if defined(ATTNKIT_AMX_BUILD)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -8,6 +10,12 @@
 #endif
 
 namespace attnkit::kernels {
+
+namespace {
+std::atomic<bool> allowed{true};
+}  // namespace
+
+void set_amx_allowed(bool allow) { allowed.store(allow, std::memory_order_relaxed); }
 
 #if defined(ATTNKIT_AMX_BUILD)
 
@@ -31,7 +39,7 @@ bool request_amx() {
 
 bool amx_bf16_available() {
   static const bool available = request_amx();
-  return available;
+  return available && allowed.load(std::memory_order_relaxed);
 }
 
 #else

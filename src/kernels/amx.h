@@ -22,6 +22,11 @@ namespace attnkit::kernels {
 // refuses, or predates it, leaves AMX off).
 bool amx_bf16_available();
 
+// Benchmarks only: forbids (false) or allows again the AMX forms in this
+// process, so that one process can time a call with and without them.
+// Takes effect for calls planned afterwards.
+void set_amx_allowed(bool allowed);
+
 // The 64-byte operand of ldtilecfg, palette 1: per tile register, its rows
 // and the bytes of each row.
 struct AmxTileConfig {

@@ -207,10 +207,81 @@ inline void weights16(const float* s, int64_t n0, int64_t nk, int64_t s_stride, 
 
 }  // namespace
 
-void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
-            const uint16_t* values, int64_t vd, float* o, int64_t dv_pad, const float* alpha,
-            uint16_t* pairs, uint16_t* w) {
+namespace {
+
+// 32 columns from c of a row of values as bf16 (zero past dv), by code type.
+struct Bf16Values {
+  static __m512i load(const void* row, int64_t c, int64_t dv) {
+    return _mm512_maskz_loadu_epi16(step_mask(c, dv), static_cast<const uint16_t*>(row) + c);
+  }
+};
+struct Int8Values {
+  static __m512i load(const void* row, int64_t c, int64_t dv) {
+    const __m256i codes =
+        _mm256_maskz_loadu_epi8(step_mask(c, dv), static_cast<const int8_t*>(row) + c);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+};
+struct Fp8Values {  // as amx_keys_fp8
+  static __m512i load(const void* row, int64_t c, int64_t dv) {
+    alignas(64) static constexpr uint16_t kSubnormal[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0,
+                                                            0x3C00, 0x3C20, 0x3C40, 0x3C60};
+    const __m512i code = _mm512_cvtepu8_epi16(
+        _mm256_maskz_loadu_epi8(step_mask(c, dv), static_cast<const uint8_t*>(row) + c));
+    const __m512i mag = _mm512_and_si512(code, _mm512_set1_epi16(0x7f));
+    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3C00));
+    const __m512i small = _mm512_permutexvar_epi16(mag, _mm512_load_si512(kSubnormal));
+    const __m512i v =
+        _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), normal, small);
+    return _mm512_or_si512(v,
+                           _mm512_slli_epi16(_mm512_and_si512(code, _mm512_set1_epi16(0x80)), 8));
+  }
+};
+
+template <class Values>
+void value_pairs(const void* const* rows, const int64_t* fetch, int64_t elem_bytes, int64_t nk,
+                 int64_t dv, int64_t dv_pad, uint16_t* pairs) {
+  // pairs[p][c][2] = (key 2 p, key 2 p + 1) at column c.
+  alignas(64) static constexpr uint16_t kFirst[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                      37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                      11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i first = _mm512_load_si512(kFirst);
+  const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
   const int64_t steps = (nk + 31) / 32;
+  for (int64_t n = 0; n < nk; ++n)
+    if (fetch[n] != 0)
+      prefetch_row(static_cast<const char*>(rows[n]) + fetch[n] * elem_bytes, dv * elem_bytes);
+  for (int64_t p = 0; p < 16 * steps; ++p) {
+    uint16_t* out = pairs + p * 2 * dv_pad;
+    const bool has_a = 2 * p < nk, has_b = 2 * p + 1 < nk;
+    for (int64_t c = 0; c < dv_pad; c += 32) {
+      const __m512i a = has_a ? Values::load(rows[2 * p], c, dv) : _mm512_setzero_si512();
+      const __m512i b = has_b ? Values::load(rows[2 * p + 1], c, dv) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi16(a, first, b));
+      if (c + 16 < dv_pad)
+        _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi16(a, second, b));
+    }
+  }
+}
+
+}  // namespace
+
+void amx_value_pairs(const void* const* rows, const int64_t* fetch, int64_t nk, int64_t dv,
+                     int64_t dv_pad, int kind, uint16_t* pairs) {
+  if (kind == 0)
+    value_pairs<Bf16Values>(rows, fetch, 2, nk, dv, dv_pad, pairs);
+  else if (kind == 1)
+    value_pairs<Int8Values>(rows, fetch, 1, nk, dv, dv_pad, pairs);
+  else
+    value_pairs<Fp8Values>(rows, fetch, 1, nk, dv, dv_pad, pairs);
+}
+
+void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
+            const uint16_t* pairs, float* o, int64_t dv_pad, const float* alpha, uint16_t* w) {
+  const int64_t steps = (nk + 31) / 32;
+  const int64_t prow = 2 * dv_pad;
   // A: w[m][n], 64 keys a row, bf16.
   for (int64_t t = 0; t < steps; ++t) {
     __m512 lo[16], hi[16];
@@ -218,20 +289,6 @@ void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
     weights16(s, 32 * t + 16, nk, s_stride, vscale, hi);
     for (int m = 0; m < 16; ++m)
       _mm512_storeu_si512(w + m * 64 + 32 * t, (__m512i)_mm512_cvtne2ps_pbh(hi[m], lo[m]));
-  }
-  // B: keys 2 p and 2 p + 1 interleaved, pairs[p][c][2] (zero past nk).
-  const int64_t prow = 2 * dv_pad;
-  for (int64_t p = 0; p < 16 * steps; ++p) {
-    const uint16_t* a = values + 2 * p * vd;
-    const uint16_t* b = a + vd;
-    const bool has_a = 2 * p < nk, has_b = 2 * p + 1 < nk;
-    for (int64_t c = 0; c < dv_pad; c += 16) {
-      const __m512i x = has_a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + c)))
-                              : _mm512_setzero_si512();
-      const __m512i y = has_b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(b + c)))
-                              : _mm512_setzero_si512();
-      _mm512_storeu_si512(pairs + p * prow + 2 * c, _mm512_or_si512(x, _mm512_slli_epi32(y, 16)));
-    }
   }
   // o *= alpha, rows whose alpha is not 1.
   for (int m = 0; m < 16; ++m) {
@@ -286,8 +343,10 @@ void amx_keys_bf16(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*, int64_
 void amx_keys_i8(const int8_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) {}
 void amx_keys_fp8(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) {}
 void amx_qk(uint16_t*, int64_t, int64_t, const uint16_t*, const float*, float*, int64_t) {}
-void amx_pv(const float*, int64_t, int64_t, const float*, const uint16_t*, int64_t, float*, int64_t,
-            const float*, uint16_t*, uint16_t*) {}
+void amx_value_pairs(const void* const*, const int64_t*, int64_t, int64_t, int64_t, int,
+                     uint16_t*) {}
+void amx_pv(const float*, int64_t, int64_t, const float*, const uint16_t*, float*, int64_t,
+            const float*, uint16_t*) {}
 void amx_tiles_begin() {}
 void amx_tiles_end() {}
 

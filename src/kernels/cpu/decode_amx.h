@@ -47,18 +47,23 @@ void amx_keys_fp8(const uint8_t* k, int64_t stride, int64_t n, int64_t head_dim,
 void amx_qk(uint16_t* keys, int64_t nk, int64_t kd, const uint16_t* q, const float* kscale,
             float* s, int64_t s_stride);
 
-// o[m][c] = alpha[m] * o[m][c] + sum_n w[m][n] * values[n][c] for m < 16,
-// c < dv_pad, n < nk (<= 64), where w[m][n] = s[n * s_stride + m] (times
-// vscale[n] unless nullptr), rounded to bf16 (relative error 2^-9, as
-// pv_bf16 rounds its weights). values: nk rows of bf16, vd apart (vd >= dv_pad,
-// a multiple of 32), zero past head_dim_v (the amx_keys_* functions make
-// them); o: 16 rows dv_pad apart (a multiple of 16), so pad rows must exist.
-// Scratch: pairs of 32 * dv_pad * 2 uint16s (the values as two keys'
-// pairs, AMX's B layout), w of 16 * 64 uint16s. Between amx_tiles_begin()
-// and amx_tiles_end().
+// The values of a tile as AMX's B operand: pairs[p][c][2] = (bf16 value of
+// key 2 p, of key 2 p + 1) at column c < dv_pad (a multiple of 16), for p <
+// 16 * ceil(nk / 32), zero past dv and past nk (<= 64). Key n's row is
+// rows[n]; for each, the row fetch[n] elements further on is prefetched (0:
+// none). kind: 0 bf16 values, 1 int8 codes, 2 fp8 E4M3 codes (decoded as
+// amx_keys_*, exactly; their scales go to amx_pv).
+void amx_value_pairs(const void* const* rows, const int64_t* fetch, int64_t nk, int64_t dv,
+                     int64_t dv_pad, int kind, uint16_t* pairs);
+
+// o[m][c] = alpha[m] * o[m][c] + sum_n w[m][n] * value(n, c) for m < 16, c
+// < dv_pad, n < nk (<= 64), the values as amx_value_pairs lays them out,
+// where w[m][n] = s[n * s_stride + m] (times vscale[n] unless nullptr),
+// rounded to bf16 (relative error 2^-9, as pv_bf16 rounds its weights). o:
+// 16 rows dv_pad apart, so pad rows must exist. Scratch w: 16 * 64
+// uint16s. Between amx_tiles_begin() and amx_tiles_end().
 void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
-            const uint16_t* values, int64_t vd, float* o, int64_t dv_pad, const float* alpha,
-            uint16_t* pairs, uint16_t* w);
+            const uint16_t* pairs, float* o, int64_t dv_pad, const float* alpha, uint16_t* w);
 
 // Loads the tile configuration amx_qk and amx_pv use into this thread's tile state,
 // and releases the tiles (so that context switches need not save them).

@@ -137,35 +137,30 @@ void TaskRunner::accumulate_dequantized(int64_t j0, int64_t nk, const float* s, 
               alpha + m_lo_, 0, seen);
 }
 
-// accumulate() on AMX tiles (Geometry::amx_pv): each run of the tile's
-// values copied (bf16) or decoded (8-bit) into bf16 rows in the kw buffer,
-// their scales before them, then one product for the whole tile (all 16
-// rows: o has m_pad of them).
+// accumulate() on AMX tiles (Geometry::amx_pv): the tile's values (each
+// key's row wherever its run puts it) decoded straight into AMX's pairs in
+// the vw buffer, their scales in kw, then one product for the whole tile
+// (all 16 rows: o has m_pad of them).
 void TaskRunner::accumulate_amx(int64_t j0, int64_t nk, const float* s, const float* alpha,
                                 Prefetch pf) {
   amx_begin();
   float* vscale = g_.q8 ? ws_ + g_.kw : nullptr;
-  uint16_t* values = reinterpret_cast<uint16_t*>(ws_ + g_.kw + g_.bk);
-  const int64_t vd = g_.amx_vd;
+  const void** rows = reinterpret_cast<const void**>(ws_ + g_.kw + g_.bk);
+  int64_t* fetch = reinterpret_cast<int64_t*>(rows + g_.bk);
   for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-    const int64_t fetch = prefetch_at(pf, j0, nk, at, row, p_.v_stride.row);
-    uint16_t* dst = values + at * vd;
-    if (g_.bf16) {
-      amx_keys_bf16(static_cast<const uint16_t*>(v_row(row)), p_.v_stride.row, n, g_.dv, dst, vd,
-                    fetch);
-      return;
+    const int64_t f = prefetch_at(pf, j0, nk, at, row, p_.v_stride.row);
+    for (int64_t i = 0; i < n; ++i) {
+      rows[at + i] = v_row(row + i);
+      fetch[at + i] = f;
     }
-    if (g_.fp8)
-      amx_keys_fp8(static_cast<const uint8_t*>(v_row(row)), p_.v_stride.row, n, g_.dv, dst, vd,
-                   fetch);
-    else
-      amx_keys_i8(static_cast<const int8_t*>(v_row(row)), p_.v_stride.row, n, g_.dv, dst, vd,
-                  fetch);
+    if (!g_.q8) return;
     const float* sc = v_scales(row);
     for (int64_t i = 0; i < n; ++i) vscale[at + i] = sc[i * p_.v_scale_stride.row];
   });
-  amx_pv(s, nk, g_.s_stride, vscale, values, vd, o_, g_.dv_pad, alpha,
-         reinterpret_cast<uint16_t*>(ws_ + g_.vw), reinterpret_cast<uint16_t*>(ws_ + g_.pack));
+  uint16_t* pairs = reinterpret_cast<uint16_t*>(ws_ + g_.vw);
+  amx_value_pairs(rows, fetch, nk, g_.dv, g_.dv_pad, g_.bf16 ? 0 : g_.fp8 ? 2 : 1, pairs);
+  amx_pv(s, nk, g_.s_stride, vscale, pairs, o_, g_.dv_pad, alpha,
+         reinterpret_cast<uint16_t*>(ws_ + g_.pack));
 }
 
 // Whether the tile's V values are finite (8-bit V: its scales, the codes

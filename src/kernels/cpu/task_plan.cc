@@ -94,7 +94,6 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
     if (plan.amx_pv) {
       g.amx_pv = true;
       g.pv_copies = false;
-      g.amx_vd = round_up(g.dv, 32);
     }
   }
   g.s_stride = score_stride(g.m_pad, g.rows_qk);
@@ -126,7 +125,7 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.ones = take(g.m_pad);
   g.kw = take(g.k_copies    ? g.bk * g.d_pad
               : g.qk_groups ? g.bk * 4
-              : g.amx_qk    ? g.bk + g.bk * std::max(g.qt_row, g.amx_vd) / 2
+              : g.amx_qk    ? g.bk + std::max(g.bk * g.qt_row / 2, 4 * g.bk)
                             : 0);
   g.vw = take(g.pv_copies ? g.bk * g.vw_stride : g.amx_pv ? 32 * g.dv_pad : 0);
   g.seen = take(4 * g.m_pad);                         // int64 pairs

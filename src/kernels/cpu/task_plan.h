@@ -58,11 +58,10 @@ struct Geometry {
   // buffer (the tile's bk key scales, then bk x qt_row uint16s), the
   // queries in qt as decode_amx.h's operand.
   bool amx_qk = false;
-  // Plan::amx_pv (with amx_qk): each tile's values decoded to bf16 rows in
-  // the kw buffer (after its scales), their pairs in vw, the weights in
-  // pack; o holds m_pad rows.
+  // Plan::amx_pv (with amx_qk): each tile's values decoded to bf16 pairs
+  // in vw, their scales, row pointers and prefetch distances in kw, the
+  // weights in pack; o holds m_pad rows.
   bool amx_pv = false;
-  int64_t amx_vd = 0;  // the bf16 value rows' stride
   // Rows of int16 queries in qt (pack_q_int16): 4 for qk_rows_i8 on a
   // tile of at most 4 rows, m_pad for qk_groups, else 0 (none).
   int64_t q16_rows = 0;
