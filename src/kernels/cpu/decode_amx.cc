@@ -3,6 +3,8 @@
 // amx_bf16_available() and the active SIMD target is kAvx512Bf16.
 #include "kernels/cpu/decode_amx.h"
 
+#include <cstring>
+
 #include "kernels/amx.h"
 
 #if defined(ATTNKIT_AMX_BUILD)
@@ -108,6 +110,22 @@ constexpr AmxTileConfig tile_config() {
     cfg.colsb[t] = 64;
   }
   return cfg;
+}
+
+void amx_pack_q(const float* const* rows, int64_t count, int64_t head_dim, float scale, uint16_t* q,
+                int64_t kd) {
+  std::memset(q, 0, static_cast<size_t>(16 * kd) * sizeof(uint16_t));
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(q);  // [kd / 2][16]
+  const __m512 k = _mm512_set1_ps(scale);
+  alignas(64) uint32_t word[16];
+  for (int64_t m = 0; m < count; ++m)
+    for (int64_t c = 0; c < head_dim; c += 32) {
+      const __mmask32 valid = step_mask(c, head_dim);
+      const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid & 0xffff, rows[m] + c), k);
+      const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid >> 16, rows[m] + c + 16), k);
+      _mm512_store_si512(word, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      for (int64_t j = 0; j < 16; ++j) pairs[(c / 2 + j) * 16 + m] = word[j];
+    }
 }
 
 void amx_tiles_begin() {
@@ -347,6 +365,7 @@ void amx_value_pairs(const void* const*, const int64_t*, int64_t, int64_t, int64
                      uint16_t*) {}
 void amx_pv(const float*, int64_t, int64_t, const float*, const uint16_t*, float*, int64_t,
             const float*, uint16_t*) {}
+void amx_pack_q(const float* const*, int64_t, int64_t, float, uint16_t*, int64_t) {}
 void amx_tiles_begin() {}
 void amx_tiles_end() {}
 

@@ -26,6 +26,13 @@ namespace attnkit::kernels::cpu {
 // amx_q_index(m, c); dims up to round_up(head_dim, 32) (zero past head_dim).
 inline int64_t amx_q_index(int64_t m, int64_t c) { return (c / 2) * 32 + m * 2 + (c & 1); }
 
+// The queries' operand from count <= 16 contiguous rows of head_dim floats,
+// times scale, rounded to bf16 (as vcvtne2ps2bf16 rounds: to nearest even,
+// fp32 denormals to 0, which AMX would read as 0 anyway); rows past count
+// and dims past head_dim (up to kd = round_up(head_dim, 32)) are 0.
+void amx_pack_q(const float* const* rows, int64_t count, int64_t head_dim, float scale, uint16_t* q,
+                int64_t kd);
+
 // A tile's keys as bf16 rows of `kd` = round_up(head_dim, 32) elements,
 // zero past head_dim: n rows of the caller's keys (`stride` elements
 // apart) into dst[n][kd], prefetching for each row read the row `prefetch`

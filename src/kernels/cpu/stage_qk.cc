@@ -25,6 +25,8 @@ void TaskRunner::pack_q() {
   const int64_t w = g_.kt->qk_block_cols, dim = p_.q_stride.dim;
   const KernelTable& kt = *g_.kt;
   if (g_.q16_rows > 0) return pack_q_int16(rows);
+  if (g_.amx_qk && dim == 1)
+    return amx_pack_q(rows, m_, g_.d, scale, reinterpret_cast<uint16_t*>(qt_), g_.qt_row);
   if (g_.amx_qk) {  // decode_amx.h's operand, zero past m_ and head_dim
     uint16_t* out = reinterpret_cast<uint16_t*>(qt_);
     std::fill(out, out + 16 * g_.qt_row, uint16_t{0});
