@@ -24,7 +24,9 @@
 // Precision: fp32 K/V, and bf16 K/V widened exactly, accumulate in fp32.
 // On kAvx512Bf16, bf16 K/V go through vdpbf16ps, which rounds the scaled
 // queries and the softmax weights to bf16 (relative error 2^-8 each) and
-// accumulates in fp32.
+// accumulates in fp32. Decode tiles of 5-16 rows on AMX (tile_policy.h,
+// scores_on_amx) round the scaled queries and the weights to bf16 for bf16
+// and 8-bit K/V alike; the 8-bit codes themselves decode exactly.
 #pragma once
 
 #include <cstddef>
