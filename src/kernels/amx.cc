@@ -21,6 +21,11 @@ void set_amx_allowed(bool allow) { allowed.store(allow, std::memory_order_relaxe
 
 namespace {
 
+bool has_amx_int8() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) != 0 && ((d >> 25) & 1u) != 0;
+}
+
 bool request_amx() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
@@ -42,9 +47,15 @@ bool amx_bf16_available() {
   return available && allowed.load(std::memory_order_relaxed);
 }
 
+bool amx_int8_available() {
+  static const bool int8 = has_amx_int8();
+  return int8 && amx_bf16_available();
+}
+
 #else
 
 bool amx_bf16_available() { return false; }
+bool amx_int8_available() { return false; }
 
 #endif
 

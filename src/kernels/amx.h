@@ -27,6 +27,9 @@ bool amx_bf16_available();
 // Takes effect for calls planned afterwards.
 void set_amx_allowed(bool allowed);
 
+// amx_bf16_available() and the CPU has AMX-INT8 too.
+bool amx_int8_available();
+
 // The 64-byte operand of ldtilecfg, palette 1: per tile register, its rows
 // and the bytes of each row.
 struct AmxTileConfig {

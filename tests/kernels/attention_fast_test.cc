@@ -381,11 +381,12 @@ class Problem {
   //   weights times the value scale (pv_i8 / pv_fp8): 2u Vmax
   //   copies as bf16 (`dot`: the vdpbf16ps kernels): q and k rounded to
   //     bf16, E += 2^-8 S; values and weights rounded, 2 * 2^-8 Vmax
-  //   keys decoded exactly to bf16 for AMX (`amx_q`, decode_amx.h): q
-  //     rounded to bf16, E += 2^-8 S; P V on AMX (`amx_w`): values
-  //     exact, weights rounded to bf16, 2^-8 Vmax
+  //   fp8 keys decoded exactly to bf16 for AMX (`amx_q`, decode_amx.h): q
+  //     rounded to bf16, E += 2^-8 S; int8 keys on AMX-INT8 (`amx_i8`): as
+  //     qk_rows_i8 with qmax at most 127 * 256 + 127; P V on AMX (`amx_w`):
+  //     values exact, weights rounded to bf16, 2^-8 Vmax
   Bounds bounds_for_row(int64_t b, int64_t i, int64_t h, SimdTarget target, bool dot, bool amx_q,
-                        bool amx_w) const {
+                        bool amx_i8, bool amx_w) const {
     if (s_max_.empty()) compute_row_maxima();
     const int64_t row = (b * c_.seqlen_q + i) * c_.heads + h;
     const double s_max = s_max_[row];
@@ -397,7 +398,8 @@ class Problem {
     if (c_.inexact_q && c_.kv == DType::kBF16 && target == SimdTarget::kAvx512Bf16)
       e += kUBf16 * s_max;
     if (c_.kv == DType::kI8) {
-      const double qmax = std::min(32767.0, std::floor(2147483647.0 / (127.0 * double(c_.d))));
+      const double qmax =
+          std::min(amx_i8 ? 32639.0 : 32767.0, std::floor(2147483647.0 / (127.0 * double(c_.d))));
       e += 0.5 * q_amax_[row] / qmax * k1_max_[b * c_.kv_heads + h / (c_.heads / c_.kv_heads)];
     }
     if (q8 && (dot || amx_q)) e += kUBf16 * s_max;
@@ -607,7 +609,7 @@ void expect_close(const Problem& pr, const Outputs& ref, const Outputs& fast,
   // 8-bit K/V copied as bf16 for the vdpbf16ps kernels round them.
   const cpu::Geometry geo = cpu::make_geometry(pr.params(nullptr, nullptr), plan);
   const bool dot = is_kv_quantized(c.kv) && geo.dot_bf16;
-  const bool amx_q = is_kv_quantized(c.kv) && geo.amx_qk;
+  const bool amx_q = is_kv_quantized(c.kv) && geo.amx_qk && !geo.amx_int8;
   const bool amx_w = is_kv_quantized(c.kv) && geo.amx_pv;
   std::vector<uint8_t> logical(ref.out.size(), 0), logical_lse(ref.lse.size(), 0);
   double worst_ratio = 0.0;
@@ -616,7 +618,8 @@ void expect_close(const Problem& pr, const Outputs& ref, const Outputs& fast,
   for (int64_t b = 0; b < c.batch; ++b)
     for (int64_t i = 0; i < pr.rows(b); ++i)
       for (int64_t h = 0; h < c.heads; ++h) {
-        const Problem::Bounds bound = pr.bounds_for_row(b, i, h, plan.target, dot, amx_q, amx_w);
+        const Problem::Bounds bound =
+            pr.bounds_for_row(b, i, h, plan.target, dot, amx_q, geo.amx_int8, amx_w);
         auto check = [&](const char* what, float r, float f, double tol) {
           std::ostringstream where;
           where << what << "[b=" << b << ", i=" << i << ", h=" << h << "]";
@@ -1164,7 +1167,9 @@ TEST(AttentionFast, EightBitMultiTokenDecodeByRowGroups) {
 // causal (bottom-right) with ragged valid-key counts, windows, softcap,
 // sinks, boolean masks over NaN rows, saturated codes and scales, paged
 // and strided K/V, split and unsplit keys, and the plan with AMX's QK only
-// (the FMA / VNNI P V after it). fp32 K/V never take it, nor do
+// (the FMA / VNNI P V after it). int8 keys go through AMX-INT8 (their codes
+// against the int16 queries split in two int8 halves), the others through
+// bf16 tiles. fp32 K/V never take it, nor do
 // batch-invariant plans, avx512 / avx2 targets or tiles of 1-4 rows.
 TEST(AttentionFast, AmxMultiTokenDecode) {
   if (!amx_bf16_available() || !simd_target_available(SimdTarget::kAvx512Bf16))
@@ -1199,10 +1204,15 @@ TEST(AttentionFast, AmxMultiTokenDecode) {
         const Outputs ref = run_reference(pr);
         for (bool pv : {true, false}) {
           cpu::Plan plan = default_plan(pr, 2, SimdTarget::kAvx512Bf16);
-          EXPECT_TRUE(plan.amx_qk && plan.amx_pv) << c.describe();
-          plan.amx_pv = pv;
+          // int8 keys take AMX-INT8 (their codes as they are).
+          const bool takes = kv != DType::kI8 || amx_int8_available();
+          EXPECT_EQ(plan.amx_qk && plan.amx_pv, takes) << c.describe();
+          plan.amx_qk = takes;
+          plan.amx_pv = takes && pv;
           const cpu::Geometry g = cpu::make_geometry(pr.params(nullptr, nullptr), plan);
-          EXPECT_TRUE(g.amx_qk && g.amx_pv == pv) << c.describe() << "\n" << plan_str(plan);
+          EXPECT_EQ(g.amx_qk, takes) << c.describe() << "\n" << plan_str(plan);
+          EXPECT_EQ(g.amx_pv, takes && pv) << c.describe() << "\n" << plan_str(plan);
+          EXPECT_EQ(g.amx_int8, takes && kv == DType::kI8) << c.describe();
           expect_close(pr, ref, run_fast(pr, plan), plan);
         }
       }

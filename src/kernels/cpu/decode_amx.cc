@@ -22,13 +22,13 @@ namespace attnkit::kernels::cpu {
 #if defined(ATTNKIT_AMX_BUILD)
 
 #if defined(__clang__)
-#pragma clang attribute push(                                                     \
-    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq," \
-                          "avx512bf16,fma"))),                                    \
+#pragma clang attribute push(                                                              \
+    __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq," \
+                          "avx512bf16,fma"))),                                             \
     apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 #endif
 
 namespace {
@@ -37,6 +37,20 @@ namespace {
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
+// The 16 bf16 values of h widened (exactly) to fp32.
+inline __m512 widen(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// x rounded to bf16 pairs: hi = bf16(x), lo = bf16(x - hi), for 32 values
+// (a: the first 16, b: the next); hi + lo is x within 2^-17 of |x|.
+inline void split_bf16(__m512 a, __m512 b, __m512i* hi, __m512i* lo) {
+  *hi = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+  const __m512 ra = _mm512_sub_ps(a, widen(_mm512_castsi512_si256(*hi)));
+  const __m512 rb = _mm512_sub_ps(b, widen(_mm512_extracti64x4_epi64(*hi, 1)));
+  *lo = (__m512i)_mm512_cvtne2ps_pbh(rb, ra);
 }
 
 // Lanes c0 .. min(head_dim, c0 + 32) - 1 of a 32-lane step.
@@ -55,22 +69,6 @@ void amx_keys_bf16(const uint16_t* k, int64_t stride, int64_t n, int64_t head_di
     for (int64_t c = 0; c < kd; c += 32)
       _mm512_storeu_si512(dst + r * kd + c,
                           _mm512_maskz_loadu_epi16(step_mask(c, head_dim), row + c));
-  }
-}
-
-void amx_keys_i8(const int8_t* k, int64_t stride, int64_t n, int64_t head_dim, uint16_t* dst,
-                 int64_t kd, int64_t prefetch) {
-  for (int64_t r = 0; r < n; ++r) {
-    const int8_t* row = k + r * stride;
-    if (prefetch != 0) prefetch_row(row + prefetch, head_dim);
-    for (int64_t c = 0; c < kd; c += 32) {
-      // |code| <= 128: exact in fp32 and in bf16.
-      const __m256i codes = _mm256_maskz_loadu_epi8(step_mask(c, head_dim), row + c);
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
-      const __m512 hi =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
-      _mm512_storeu_si512(dst + r * kd + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
   }
 }
 
@@ -101,11 +99,12 @@ void amx_keys_fp8(const uint8_t* k, int64_t stride, int64_t n, int64_t head_dim,
   }
 }
 
-// tmm0-3: C, 16 keys x 16 rows fp32; tmm4: A, 16 keys x 32 dims bf16;
-// tmm5: B, 16 dim pairs x 16 rows x 2. Every tile 16 rows of 64 bytes.
+// tmm0-3: C, 16 keys x 16 rows fp32 (int32 for amx_qk_i8); tmm4: A, 16
+// keys x 32 dims bf16 (64 int8); tmm5 (and tmm6 for amx_qk_i8): B, 16 dim
+// pairs (quads) x 16 rows. Every tile 16 rows of 64 bytes.
 constexpr AmxTileConfig tile_config() {
   AmxTileConfig cfg;
-  for (int t = 0; t < 6; ++t) {
+  for (int t = 0; t < 7; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
@@ -113,19 +112,91 @@ constexpr AmxTileConfig tile_config() {
 }
 
 void amx_pack_q(const float* const* rows, int64_t count, int64_t head_dim, float scale, uint16_t* q,
-                int64_t kd) {
+                uint16_t* q_lo, int64_t kd) {
   std::memset(q, 0, static_cast<size_t>(16 * kd) * sizeof(uint16_t));
+  if (q_lo != nullptr) std::memset(q_lo, 0, static_cast<size_t>(16 * kd) * sizeof(uint16_t));
   uint32_t* pairs = reinterpret_cast<uint32_t*>(q);  // [kd / 2][16]
+  uint32_t* pairs_lo = reinterpret_cast<uint32_t*>(q_lo);
   const __m512 k = _mm512_set1_ps(scale);
-  alignas(64) uint32_t word[16];
+  alignas(64) uint32_t word[16], word_lo[16];
   for (int64_t m = 0; m < count; ++m)
     for (int64_t c = 0; c < head_dim; c += 32) {
       const __mmask32 valid = step_mask(c, head_dim);
-      const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid & 0xffff, rows[m] + c), k);
-      const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid >> 16, rows[m] + c + 16), k);
-      _mm512_store_si512(word, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      const __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid & 0xffff, rows[m] + c), k);
+      const __m512 b = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid >> 16, rows[m] + c + 16), k);
+      __m512i hi, lo;
+      split_bf16(a, b, &hi, &lo);
+      _mm512_store_si512(word, hi);
+      _mm512_store_si512(word_lo, lo);
       for (int64_t j = 0; j < 16; ++j) pairs[(c / 2 + j) * 16 + m] = word[j];
+      if (pairs_lo != nullptr)
+        for (int64_t j = 0; j < 16; ++j) pairs_lo[(c / 2 + j) * 16 + m] = word_lo[j];
     }
+}
+
+void amx_split_q(const int16_t* q16, int64_t qt, int64_t head_dim, int8_t* hi, int8_t* lo,
+                 int64_t kd) {
+  // Element (m, c) of an int8 B operand: 4 consecutive dims of row m in
+  // one 32-bit lane, [c / 4][m][c % 4].
+  std::memset(hi, 0, static_cast<size_t>(16 * kd));
+  std::memset(lo, 0, static_cast<size_t>(16 * kd));
+  for (int64_t m = 0; m < 16; ++m)
+    for (int64_t c = 0; c < head_dim; ++c) {
+      const int32_t v = q16[m * qt + c];
+      const int32_t h = (v + 128) >> 8;  // floor: v - 256 h in [-128, 127]
+      hi[(c / 4) * 64 + m * 4 + (c & 3)] = static_cast<int8_t>(h);
+      lo[(c / 4) * 64 + m * 4 + (c & 3)] = static_cast<int8_t>(v - 256 * h);
+    }
+}
+
+void amx_keys_copy_i8(const int8_t* k, int64_t stride, int64_t n, int64_t head_dim, int8_t* dst,
+                      int64_t kd, int64_t prefetch) {
+  for (int64_t r = 0; r < n; ++r) {
+    const int8_t* row = k + r * stride;
+    if (prefetch != 0) prefetch_row(row + prefetch, head_dim);
+    for (int64_t c = 0; c < kd; c += 32)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * kd + c),
+                          _mm256_maskz_loadu_epi8(step_mask(c, head_dim), row + c));
+  }
+}
+
+void amx_qk_i8(int8_t* keys, int64_t nk, int64_t kd, const int8_t* hi, const int8_t* lo,
+               const float* qf, const float* kscale, float* s, int64_t s_stride, int32_t* c32) {
+  const int64_t blocks = (nk + 15) / 16, pairs = (blocks + 1) / 2;
+  for (int64_t r = nk; r < pairs * 32; ++r)
+    for (int64_t c = 0; c < kd; c += 32)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + r * kd + c), _mm256_setzero_si256());
+  const __m512 q_factor = _mm512_loadu_ps(qf);
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    // tmm0 / tmm1: hi sums of the pair's two key blocks, tmm2 / tmm3: lo.
+    const int8_t* a = keys + pair * 32 * kd;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < kd; c += 64) {
+      _tile_loadd(5, hi + c * 16, 64);
+      _tile_loadd(6, lo + c * 16, 64);
+      _tile_loadd(4, a + c, kd);
+      _tile_dpbssd(0, 4, 5);
+      _tile_dpbssd(2, 4, 6);
+      _tile_loadd(4, a + 16 * kd + c, kd);
+      _tile_dpbssd(1, 4, 5);
+      _tile_dpbssd(3, 4, 6);
+    }
+    _tile_stored(0, c32, 64);
+    _tile_stored(1, c32 + 256, 64);
+    _tile_stored(2, c32 + 512, 64);
+    _tile_stored(3, c32 + 768, 64);
+    for (int64_t x = 0; x < 32 && pair * 32 + x < nk; ++x) {
+      const int64_t n = pair * 32 + x;
+      const __m512 h = _mm512_cvtepi32_ps(_mm512_loadu_si512(c32 + x * 16));
+      const __m512 l = _mm512_cvtepi32_ps(_mm512_loadu_si512(c32 + 512 + x * 16));
+      const __m512 sum = _mm512_fmadd_ps(h, _mm512_set1_ps(256.0f), l);
+      _mm512_storeu_ps(s + n * s_stride,
+                       _mm512_mul_ps(sum, _mm512_mul_ps(q_factor, _mm512_set1_ps(kscale[n]))));
+    }
+  }
 }
 
 void amx_tiles_begin() {
@@ -137,8 +208,8 @@ void amx_tiles_begin() {
 
 void amx_tiles_end() { _tile_release(); }
 
-void amx_qk(uint16_t* keys, int64_t nk, int64_t kd, const uint16_t* q, const float* kscale,
-            float* s, int64_t s_stride) {
+void amx_qk(uint16_t* keys, int64_t nk, int64_t kd, const uint16_t* q, const uint16_t* q_lo,
+            const float* kscale, float* s, int64_t s_stride) {
   const int64_t blocks = (nk + 15) / 16;
   for (int64_t r = nk; r < blocks * 16; ++r)
     for (int64_t c = 0; c < kd; c += 32)
@@ -150,6 +221,28 @@ void amx_qk(uint16_t* keys, int64_t nk, int64_t kd, const uint16_t* q, const flo
   const int64_t a_stride = kd * 2, c_stride = s_stride * 4;
   for (int64_t c = 0; c < kd; c += 32) {
     _tile_loadd(5, q + c * 16, 64);
+    if (q_lo != nullptr) {  // the queries' remainders too (exact keys)
+      _tile_loadd(6, q_lo + c * 16, 64);
+      _tile_loadd(4, keys + c, a_stride);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(0, 4, 6);
+      if (blocks > 1) {
+        _tile_loadd(4, keys + 16 * kd + c, a_stride);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+      }
+      if (blocks > 2) {
+        _tile_loadd(4, keys + 32 * kd + c, a_stride);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(2, 4, 6);
+      }
+      if (blocks > 3) {
+        _tile_loadd(4, keys + 48 * kd + c, a_stride);
+        _tile_dpbf16ps(3, 4, 5);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+      continue;
+    }
     _tile_loadd(4, keys + c, a_stride);
     _tile_dpbf16ps(0, 4, 5);
     if (blocks > 1) {
@@ -284,6 +377,29 @@ void value_pairs(const void* const* rows, const int64_t* fetch, int64_t elem_byt
   }
 }
 
+// One step of amx_pv with split weights: C tiles 0 .. blocks - 1 += (tmm4
+// + tmm6) times the values' B tiles at bt.
+inline void pv_step_split(const uint16_t* bt, int64_t p_stride, int64_t blocks) {
+  _tile_loadd(5, bt, p_stride);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_dpbf16ps(0, 6, 5);
+  if (blocks > 1) {
+    _tile_loadd(5, bt + 32, p_stride);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_dpbf16ps(1, 6, 5);
+  }
+  if (blocks > 2) {
+    _tile_loadd(5, bt + 64, p_stride);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_dpbf16ps(2, 6, 5);
+  }
+  if (blocks > 3) {
+    _tile_loadd(5, bt + 96, p_stride);
+    _tile_dpbf16ps(3, 4, 5);
+    _tile_dpbf16ps(3, 6, 5);
+  }
+}
+
 }  // namespace
 
 void amx_value_pairs(const void* const* rows, const int64_t* fetch, int64_t nk, int64_t dv,
@@ -297,16 +413,21 @@ void amx_value_pairs(const void* const* rows, const int64_t* fetch, int64_t nk, 
 }
 
 void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
-            const uint16_t* pairs, float* o, int64_t dv_pad, const float* alpha, uint16_t* w) {
+            const uint16_t* pairs, float* o, int64_t dv_pad, const float* alpha, uint16_t* w,
+            bool split) {
   const int64_t steps = (nk + 31) / 32;
   const int64_t prow = 2 * dv_pad;
-  // A: w[m][n], 64 keys a row, bf16.
+  // A: w[m][n], 64 keys a row, bf16 (split: their remainders from w + 1024).
   for (int64_t t = 0; t < steps; ++t) {
-    __m512 lo[16], hi[16];
-    weights16(s, 32 * t, nk, s_stride, vscale, lo);
-    weights16(s, 32 * t + 16, nk, s_stride, vscale, hi);
-    for (int m = 0; m < 16; ++m)
-      _mm512_storeu_si512(w + m * 64 + 32 * t, (__m512i)_mm512_cvtne2ps_pbh(hi[m], lo[m]));
+    __m512 first[16], second[16];
+    weights16(s, 32 * t, nk, s_stride, vscale, first);
+    weights16(s, 32 * t + 16, nk, s_stride, vscale, second);
+    for (int m = 0; m < 16; ++m) {
+      __m512i hi, lo;
+      split_bf16(first[m], second[m], &hi, &lo);
+      _mm512_storeu_si512(w + m * 64 + 32 * t, hi);
+      if (split) _mm512_storeu_si512(w + 1024 + m * 64 + 32 * t, lo);
+    }
   }
   // o *= alpha, rows whose alpha is not 1.
   for (int m = 0; m < 16; ++m) {
@@ -327,6 +448,11 @@ void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
     for (int64_t t = 0; t < steps; ++t) {
       _tile_loadd(4, w + 32 * t, 128);
       const uint16_t* bt = pairs + 16 * t * prow + 2 * c0;
+      if (split) {
+        _tile_loadd(6, w + 1024 + 32 * t, 128);
+        pv_step_split(bt, p_stride, blocks);
+        continue;
+      }
       _tile_loadd(5, bt, p_stride);
       _tile_dpbf16ps(0, 4, 5);
       if (blocks > 1) {
@@ -358,14 +484,18 @@ void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
 #else  // no AMX in this build: never called (amx_bf16_available() is false)
 
 void amx_keys_bf16(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) {}
-void amx_keys_i8(const int8_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) {}
 void amx_keys_fp8(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) {}
-void amx_qk(uint16_t*, int64_t, int64_t, const uint16_t*, const float*, float*, int64_t) {}
+void amx_qk(uint16_t*, int64_t, int64_t, const uint16_t*, const uint16_t*, const float*, float*,
+            int64_t) {}
 void amx_value_pairs(const void* const*, const int64_t*, int64_t, int64_t, int64_t, int,
                      uint16_t*) {}
 void amx_pv(const float*, int64_t, int64_t, const float*, const uint16_t*, float*, int64_t,
-            const float*, uint16_t*) {}
-void amx_pack_q(const float* const*, int64_t, int64_t, float, uint16_t*, int64_t) {}
+            const float*, uint16_t*, bool) {}
+void amx_pack_q(const float* const*, int64_t, int64_t, float, uint16_t*, uint16_t*, int64_t) {}
+void amx_split_q(const int16_t*, int64_t, int64_t, int8_t*, int8_t*, int64_t) {}
+void amx_keys_copy_i8(const int8_t*, int64_t, int64_t, int64_t, int8_t*, int64_t, int64_t) {}
+void amx_qk_i8(int8_t*, int64_t, int64_t, const int8_t*, const int8_t*, const float*, const float*,
+               float*, int64_t, int32_t*) {}
 void amx_tiles_begin() {}
 void amx_tiles_end() {}
 

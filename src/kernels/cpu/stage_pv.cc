@@ -160,7 +160,7 @@ void TaskRunner::accumulate_amx(int64_t j0, int64_t nk, const float* s, const fl
   uint16_t* pairs = reinterpret_cast<uint16_t*>(ws_ + g_.vw);
   amx_value_pairs(rows, fetch, nk, g_.dv, g_.dv_pad, g_.bf16 ? 0 : g_.fp8 ? 2 : 1, pairs);
   amx_pv(s, nk, g_.s_stride, vscale, pairs, o_, g_.dv_pad, alpha,
-         reinterpret_cast<uint16_t*>(ws_ + g_.pack));
+         reinterpret_cast<uint16_t*>(ws_ + g_.pack), g_.q8);
 }
 
 // Whether the tile's V values are finite (8-bit V: its scales, the codes

@@ -159,7 +159,8 @@ inline bool scores_int8_in_groups(SimdTarget target, int64_t rows) {
 inline constexpr int64_t kAmxScoresMaxRows = 16;
 inline bool scores_on_amx(SimdTarget target, int64_t rows, DType kv_dtype) {
   return target == SimdTarget::kAvx512Bf16 && rows > 4 && rows <= kAmxScoresMaxRows &&
-         kv_dtype != DType::kF32 && amx_bf16_available();
+         kv_dtype != DType::kF32 &&
+         (kv_dtype == DType::kI8 ? amx_int8_available() : amx_bf16_available());
 }
 
 // attnkit's own KV caches (KVCache) pad a token's row by one 64-byte line
