@@ -671,7 +671,7 @@ void register_all() {
               gqa_decode(1, kv));
   // Multi-token decode with AMX tiles over without (tile_policy.h,
   // scores_on_amx); 1 token never takes them (a ratio of 1 but for noise).
-  for (int64_t tokens : {1, 2, 4})
+  for (int64_t tokens : {1, 2, 3, 4})
     for (DType kv : {DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
       const std::string name = "paired/decode/gqa32-8/k16384/q" + std::to_string(tokens) +
                                "/amx_over_none/" + kv_name(kv);

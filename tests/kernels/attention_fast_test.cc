@@ -1204,9 +1204,12 @@ TEST(AttentionFast, AmxMultiTokenDecode) {
         const Outputs ref = run_reference(pr);
         for (bool pv : {true, false}) {
           cpu::Plan plan = default_plan(pr, 2, SimdTarget::kAvx512Bf16);
-          // int8 keys take AMX-INT8 (their codes as they are).
+          // int8 keys take AMX-INT8 (their codes as they are), from 9 rows
+          // on; forced here for 5-8 rows too.
           const bool takes = kv != DType::kI8 || amx_int8_available();
-          EXPECT_EQ(plan.amx_qk && plan.amx_pv, takes) << c.describe();
+          EXPECT_EQ(plan.amx_qk && plan.amx_pv,
+                    takes && (kv != DType::kI8 || tokens * group >= cpu::kAmxInt8MinRows))
+              << c.describe();
           plan.amx_qk = takes;
           plan.amx_pv = takes && pv;
           const cpu::Geometry g = cpu::make_geometry(pr.params(nullptr, nullptr), plan);

@@ -138,14 +138,23 @@ void amx_split_q(const int16_t* q16, int64_t qt, int64_t head_dim, int8_t* hi, i
                  int64_t kd) {
   // Element (m, c) of an int8 B operand: 4 consecutive dims of row m in
   // one 32-bit lane, [c / 4][m][c % 4].
+  // q16 rows are zero past head_dim up to qt (a multiple of 32), so whole
+  // steps of 32 dims are split; dims past that up to kd stay 0.
   std::memset(hi, 0, static_cast<size_t>(16 * kd));
   std::memset(lo, 0, static_cast<size_t>(16 * kd));
+  const __m512i half = _mm512_set1_epi16(128);
+  alignas(32) uint32_t h4[8], l4[8];
   for (int64_t m = 0; m < 16; ++m)
-    for (int64_t c = 0; c < head_dim; ++c) {
-      const int32_t v = q16[m * qt + c];
-      const int32_t h = (v + 128) >> 8;  // floor: v - 256 h in [-128, 127]
-      hi[(c / 4) * 64 + m * 4 + (c & 3)] = static_cast<int8_t>(h);
-      lo[(c / 4) * 64 + m * 4 + (c & 3)] = static_cast<int8_t>(v - 256 * h);
+    for (int64_t c = 0; c < head_dim; c += 32) {
+      const __m512i v = _mm512_loadu_si512(q16 + m * qt + c);
+      const __m512i h = _mm512_srai_epi16(_mm512_add_epi16(v, half), 8);  // floor
+      const __m512i l = _mm512_sub_epi16(v, _mm512_slli_epi16(h, 8));     // in [-128, 127]
+      _mm256_store_si256(reinterpret_cast<__m256i*>(h4), _mm512_cvtepi16_epi8(h));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(l4), _mm512_cvtepi16_epi8(l));
+      for (int64_t j = 0; j < 8; ++j) {
+        std::memcpy(hi + (c / 4 + j) * 64 + m * 4, &h4[j], 4);
+        std::memcpy(lo + (c / 4 + j) * 64 + m * 4, &l4[j], 4);
+      }
     }
 }
 

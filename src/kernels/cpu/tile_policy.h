@@ -156,11 +156,24 @@ inline bool scores_int8_in_groups(SimdTarget target, int64_t rows) {
 // medians of 30 pairs: bf16 0.66, int8 0.72, fp8 0.64; 2 tokens 0.78, 1.01,
 // 0.75 (2026-11-27 at 4a1a1bc on an Intel Xeon family 6 model 167, load
 // average ~5: docs/PERFORMANCE.md#multi-token-decode-on-amx).
+// int8 K/V take it from kAmxInt8MinRows rows on (3-4 tokens under GQA-4):
+// their AMX form (AMX-INT8 keys against split int16 queries, split
+// weights) ran 1.16x the time of the int8 groups and pv_i8 at 2 tokens (8
+// rows), 0.81x at 4 (same bench, 2026-11-27 at fcf6827 + the vectorized
+// split of q, load average 6-8).
 inline constexpr int64_t kAmxScoresMaxRows = 16;
+inline constexpr int64_t kAmxInt8MinRows = 9;
 inline bool scores_on_amx(SimdTarget target, int64_t rows, DType kv_dtype) {
-  return target == SimdTarget::kAvx512Bf16 && rows > 4 && rows <= kAmxScoresMaxRows &&
-         kv_dtype != DType::kF32 &&
-         (kv_dtype == DType::kI8 ? amx_int8_available() : amx_bf16_available());
+  if (target != SimdTarget::kAvx512Bf16 || rows <= 4 || rows > kAmxScoresMaxRows) return false;
+  switch (kv_dtype) {
+    case DType::kI8:
+      return rows >= kAmxInt8MinRows && amx_int8_available();
+    case DType::kBF16:
+    case DType::kFp8E4M3:
+      return amx_bf16_available();
+    default:
+      return false;
+  }
 }
 
 // attnkit's own KV caches (KVCache) pad a token's row by one 64-byte line
