@@ -1204,8 +1204,8 @@ TEST(AttentionFast, AmxMultiTokenDecode) {
         const Outputs ref = run_reference(pr);
         for (bool pv : {true, false}) {
           cpu::Plan plan = default_plan(pr, 2, SimdTarget::kAvx512Bf16);
-          // int8 keys take AMX-INT8 (their codes as they are), from 9 rows
-          // on; forced here for 5-8 rows too.
+          // int8 keys take AMX-INT8 (their codes as they are), from 13
+          // rows on; forced here for 5-12 rows too.
           const bool takes = kv != DType::kI8 || amx_int8_available();
           EXPECT_EQ(plan.amx_qk && plan.amx_pv,
                     takes && (kv != DType::kI8 || tokens * group >= cpu::kAmxInt8MinRows))

@@ -6,9 +6,9 @@
 // multiply-adds, where a 512-bit FMA does 16 and vdpbf16ps or vpdpwssd 32.
 // A 16-row tile of 64 keys at head_dim 128 (131,072 multiply-adds for QK)
 // is 16 of them. The keys are the A operand, row-major as they lie in the
-// cache (16 keys x 32 dims); the queries the B operand, packed once per
-// task and head; C is the tile of scores s[key][packed row], the
-// key-major layout the softmax walks.
+// cache (16 keys x 32 dims, copied or decoded into an L1 buffer); the
+// queries the B operand, packed once per task and head; C is the tile of
+// scores s[key][packed row], the key-major layout the softmax walks.
 //
 // Exact operands: bf16 keys are copied; fp8 E4M3 values (and int8 values,
 // in P V) have at most 8 significant bits and exponents well inside
@@ -90,7 +90,7 @@ void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
 //   s[n][m] = kscale[n] * qf[m] * (256 sum_c k[n][c] hi[m][c] + sum_c k[n][c] lo[m][c]),
 // each sum exact in int32. keys: nk rows of kd codes (zero past head_dim;
 // rows from nk up to round_up(nk, 32) are zeroed here), as amx_keys_copy_i8
-// makes them.
+// makes them; c32: scratch of 4 * 256 int32s (the C tiles).
 inline constexpr int64_t kAmxQ16Max = 127 * 256 + 127;
 void amx_split_q(const int16_t* q16, int64_t qt, int64_t head_dim, int8_t* hi, int8_t* lo,
                  int64_t kd);
@@ -99,8 +99,9 @@ void amx_keys_copy_i8(const int8_t* k, int64_t stride, int64_t n, int64_t head_d
 void amx_qk_i8(int8_t* keys, int64_t nk, int64_t kd, const int8_t* hi, const int8_t* lo,
                const float* qf, const float* kscale, float* s, int64_t s_stride, int32_t* c32);
 
-// Loads the tile configuration amx_qk, amx_qk_i8 and amx_pv use into this thread's tile state,
-// and releases the tiles (so that context switches need not save them).
+// Loads the tile configuration amx_qk, amx_qk_i8 and amx_pv use into this
+// thread's tile state, and releases the tiles (so that context switches
+// need not save them).
 void amx_tiles_begin();
 void amx_tiles_end();
 

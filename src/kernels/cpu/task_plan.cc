@@ -86,8 +86,9 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   }
   if (plan.amx_qk && plan.target == SimdTarget::kAvx512Bf16 && !plan.batch_invariant &&
       g.m_max > 4 && g.m_pad == 16 && g.bk % 16 == 0 && (g.bf16 || (g.q8 && g.row_scales))) {
-    // The product leaves the K copy and the int8 groups; bf16 V keeps
-    // pv_bf16, 8-bit V pv_i8 / pv_fp8 (or the copy of block-scaled V).
+    // S = K Q^T on AMX (tile_policy.h, scores_on_amx) instead of the K
+    // copy, the int8 groups or the rows kernels; with amx_pv P V too,
+    // else bf16 V keep pv_bf16 and 8-bit V pv_i8 / pv_fp8.
     g.amx_qk = true;
     g.rows_qk = g.qk_groups = g.k_copies = false;
     g.q16_rows = 0;

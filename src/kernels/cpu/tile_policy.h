@@ -151,18 +151,18 @@ inline bool scores_int8_in_groups(SimdTarget target, int64_t rows) {
 // (vpdpwssd) as many again. fp32 keys stay on their kernels: AMX would
 // round them to bf16. Not in batch-invariant plans, whose rows must take
 // one path for any row count (make_plan below). P V goes on AMX too
-// (Plan::amx_pv). 4-token decode (GQA 32/8, head_dim 128, 16K keys, 2
-// threads) with AMX over without, alternated call by call in one process,
-// medians of 30 pairs: bf16 0.66, int8 0.72, fp8 0.64; 2 tokens 0.78, 1.01,
-// 0.75 (2026-11-27 at 4a1a1bc on an Intel Xeon family 6 model 167, load
-// average ~5: docs/PERFORMANCE.md#multi-token-decode-on-amx).
-// int8 K/V take it from kAmxInt8MinRows rows on (3-4 tokens under GQA-4):
+// (Plan::amx_pv). Decode (GQA 32/8, head_dim 128, 16K keys, 2 threads)
+// with AMX over without, alternated call by call in one process, medians
+// of 30 pairs: 4 tokens bf16 0.63, fp8 0.66, int8 0.83; 2 tokens bf16 0.79,
+// fp8 0.78 (2026-11-27 at 46ba3f3 on an Intel Xeon family 6 model 167,
+// load average 3.5-6: docs/PERFORMANCE.md#multi-token-decode-on-amx).
+// int8 K/V take it from kAmxInt8MinRows rows on (4 tokens under GQA-4):
 // their AMX form (AMX-INT8 keys against split int16 queries, split
-// weights) ran 1.16x the time of the int8 groups and pv_i8 at 2 tokens (8
-// rows), 0.81x at 4 (same bench, 2026-11-27 at fcf6827 + the vectorized
-// split of q, load average 6-8).
+// weights, to keep the int8 kernels' precision) took 1.16x the time of the
+// int8 groups and pv_i8 at 2 tokens (8 rows), 1.06x at 3 (12 rows), 0.83x
+// at 4 (same bench, 2026-11-27 at 46ba3f3, load average 3.5-6).
 inline constexpr int64_t kAmxScoresMaxRows = 16;
-inline constexpr int64_t kAmxInt8MinRows = 9;
+inline constexpr int64_t kAmxInt8MinRows = 13;
 inline bool scores_on_amx(SimdTarget target, int64_t rows, DType kv_dtype) {
   if (target != SimdTarget::kAvx512Bf16 || rows <= 4 || rows > kAmxScoresMaxRows) return false;
   switch (kv_dtype) {
