@@ -52,6 +52,7 @@
 #include "bench_stats.h"
 #include "core/cpu_features.h"
 #include "core/threads.h"
+#include "kernels/amx.h"
 #include "kernels/attention_params.h"
 #include "kernels/dispatch.h"
 #include "ops/kv_quant.h"
@@ -529,6 +530,42 @@ void run_ratio_benchmark(benchmark::State& state, const std::string& name, const
   }
 }
 
+// The same call with the AMX forms (kernels/amx.h) over without them,
+// alternated as run_ratio_benchmark alternates its two shapes.
+void run_amx_ratio_benchmark(benchmark::State& state, const std::string& name, const Shape& shape) {
+  if (!kernels::amx_bf16_available()) {
+    state.SkipWithError("no AMX tiles on this CPU");
+    return;
+  }
+  Problem a(shape);
+  const int threads = bench_threads();
+  auto seconds = [&](bool amx) {
+    kernels::set_amx_allowed(amx);
+    const auto t0 = Clock::now();
+    benchmark::DoNotOptimize(a.run(Backend::kFast, threads));
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  std::vector<double> ratios;
+  bool amx_first = true;
+  seconds(true);
+  for (auto _ : state) {
+    double tn = 0, td = 0;
+    if (amx_first) {
+      tn = seconds(true);
+      td = seconds(false);
+    } else {
+      td = seconds(false);
+      tn = seconds(true);
+    }
+    amx_first = !amx_first;
+    ratios.push_back(tn / td);
+  }
+  kernels::set_amx_allowed(true);
+  std::vector<double>& all = paired_ratios()[name];
+  all.insert(all.end(), ratios.begin(), ratios.end());
+  state.counters["ratio_median"] = bench::median(ratios);
+}
+
 void add_ratio(const std::string& name, const Shape& num, const Shape& den, int pairs = 15) {
   benchmark::RegisterBenchmark(
       name.c_str(), [=](benchmark::State& st) { run_ratio_benchmark(st, name, num, den); })
@@ -649,6 +686,22 @@ void register_all() {
   for (DType kv : {DType::kF32, DType::kBF16, DType::kI8, DType::kFp8E4M3})
     add_ratio("paired/decode/gqa32-8/k16384/q4_over_q1/" + kv_name(kv), gqa_decode(4, kv),
               gqa_decode(1, kv));
+  for (DType kv : {DType::kBF16, DType::kI8, DType::kFp8E4M3})
+    add_ratio("paired/decode/gqa32-8/k16384/q2_over_q1/" + kv_name(kv), gqa_decode(2, kv),
+              gqa_decode(1, kv));
+  // Multi-token decode with AMX tiles over without (tile_policy.h,
+  // scores_on_amx); 1 token never takes them (a ratio of 1 but for noise).
+  for (int64_t tokens : {1, 2, 3, 4})
+    for (DType kv : {DType::kBF16, DType::kI8, DType::kFp8E4M3}) {
+      const std::string name = "paired/decode/gqa32-8/k16384/q" + std::to_string(tokens) +
+                               "/amx_over_none/" + kv_name(kv);
+      const Shape shape = gqa_decode(tokens, kv);
+      benchmark::RegisterBenchmark(
+          name.c_str(), [=](benchmark::State& st) { run_amx_ratio_benchmark(st, name, shape); })
+          ->UseRealTime()
+          ->Iterations(15)
+          ->Unit(benchmark::kMillisecond);
+    }
   // 8-bit against 16-bit and 32-bit storage, 1 token.
   for (DType kv : {DType::kI8, DType::kFp8E4M3})
     for (DType wide : {DType::kBF16, DType::kF32})

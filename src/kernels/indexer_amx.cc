@@ -14,10 +14,9 @@
 #include <cstring>
 #include <limits>
 
-// AMX intrinsics: GCC 11 and clang 12 on; older compilers build the stubs.
-#if defined(__x86_64__) && defined(__linux__) &&      \
-    ((defined(__clang__) && __clang_major__ >= 12) || \
-     (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11))
+#include "kernels/amx.h"
+
+#if defined(ATTNKIT_AMX_BUILD)
 #define ATTNKIT_INDEXER_AMX 1
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12's own AVX-512 headers trip -W(maybe-)uninitialized (GCC bug
@@ -27,8 +26,6 @@
 #endif
 #include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "kernels/cpu/fp8_bf16.h"
 #endif
@@ -39,33 +36,18 @@ namespace attnkit::kernels {
 
 namespace {
 
-bool request_amx() {
+// The keys' decoding (kernels/cpu/fp8_bf16.h) looks bytes up with
+// AVX512-VBMI's vpermi2b, which the CPUs with AMX have; checked all the same.
+bool has_avx512_vbmi() {
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
-  const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u, vbmi = (c >> 1) & 1u;
-  if (!tile || !bf16 || !vbmi) return false;
-  // Linux hands out the 8 KiB of tile state per process, on request
-  // (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a kernel that
-  // refuses, or predates it, leaves AMX off.
-  constexpr int kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXtileData = 18;
-  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtileData) != 0) return false;
-  unsigned long granted = 0;
-  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &granted) != 0) return false;
-  return (granted >> kXtileData) & 1ul;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) != 0 && ((c >> 1) & 1u) != 0;
 }
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 }  // namespace
 
 bool indexer_amx_available() {
-  static const bool available = request_amx();
-  return available;
+  static const bool vbmi = has_avx512_vbmi();
+  return vbmi && amx_bf16_available();
 }
 
 #if defined(__clang__)
@@ -275,11 +257,16 @@ void indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count
                         int64_t heads, const float* w, const float* ks, int64_t ks_stride,
                         uint16_t* keys, float* s, float* score) {
   if (count <= 0) return;
-  TileConfig cfg;
-  for (int r = 0; r < 6; ++r) {
-    cfg.rows[r] = 16;
-    cfg.colsb[r] = 64;
-  }
+  // A constant, initialised once: GCC 12 has dropped the stores that fill a
+  // stack-local configuration before ldtilecfg (kernels/cpu/decode_amx.cc).
+  static const AmxTileConfig cfg = [] {
+    AmxTileConfig c;
+    for (int r = 0; r < 6; ++r) {
+      c.rows[r] = 16;
+      c.colsb[r] = 64;
+    }
+    return c;
+  }();
   _tile_loadconfig(&cfg);
   const int64_t blocks = (heads + 15) / 16;
   (blocks == 4 ? scores_by_groups<4> : scores_by_groups<0>)(codes, code_stride, count, q, blocks, w,

@@ -22,6 +22,7 @@
 #include "attnkit/attention.h"
 #include "common/emulated_kernels.h"
 #include "core/cpu_features.h"
+#include "kernels/amx.h"
 #include "kernels/cpu/attention_cpu.h"
 #include "kernels/cpu/task_plan.h"
 #include "kernels/cpu/tile_policy.h"
@@ -380,7 +381,12 @@ class Problem {
   //   weights times the value scale (pv_i8 / pv_fp8): 2u Vmax
   //   copies as bf16 (`dot`: the vdpbf16ps kernels): q and k rounded to
   //     bf16, E += 2^-8 S; values and weights rounded, 2 * 2^-8 Vmax
-  Bounds bounds_for_row(int64_t b, int64_t i, int64_t h, SimdTarget target, bool dot) const {
+  //   fp8 keys decoded exactly to bf16 for AMX (`amx_q`, decode_amx.h): q
+  //     rounded to bf16, E += 2^-8 S; int8 keys on AMX-INT8 (`amx_i8`): as
+  //     qk_rows_i8 with qmax at most 127 * 256 + 127; P V on AMX (`amx_w`):
+  //     values exact, weights rounded to bf16, 2^-8 Vmax
+  Bounds bounds_for_row(int64_t b, int64_t i, int64_t h, SimdTarget target, bool dot, bool amx_q,
+                        bool amx_i8, bool amx_w) const {
     if (s_max_.empty()) compute_row_maxima();
     const int64_t row = (b * c_.seqlen_q + i) * c_.heads + h;
     const double s_max = s_max_[row];
@@ -392,14 +398,15 @@ class Problem {
     if (c_.inexact_q && c_.kv == DType::kBF16 && target == SimdTarget::kAvx512Bf16)
       e += kUBf16 * s_max;
     if (c_.kv == DType::kI8) {
-      const double qmax = std::min(32767.0, std::floor(2147483647.0 / (127.0 * double(c_.d))));
+      const double qmax =
+          std::min(amx_i8 ? 32639.0 : 32767.0, std::floor(2147483647.0 / (127.0 * double(c_.d))));
       e += 0.5 * q_amax_[row] / qmax * k1_max_[b * c_.kv_heads + h / (c_.heads / c_.kv_heads)];
     }
-    if (q8 && dot) e += kUBf16 * s_max;
+    if (q8 && (dot || amx_q)) e += kUBf16 * s_max;
     const double n = static_cast<double>(c_.seqlen_k);
     double out = v_max * (std::expm1(2 * e) + 8 * kU + (3 * n + 32) * kU);
     if (c_.kv == DType::kBF16 && target == SimdTarget::kAvx512Bf16) out += v_max * kUBf16;
-    if (q8) out += v_max * (dot ? 2 * kUBf16 : 2 * kU);
+    if (q8) out += v_max * (dot ? 2 * kUBf16 : amx_w ? kUBf16 + 2 * kU : 2 * kU);
     return {out + 1e-30, e + (3 * n + 32) * kU};
   }
 
@@ -589,6 +596,7 @@ std::string plan_str(const cpu::Plan& plan) {
          " k_then_v=" + std::to_string(plan.k_then_v) +
          " dequant_bf16=" + std::to_string(plan.dequant_bf16) +
          " int8_score_groups=" + std::to_string(plan.int8_score_groups) +
+         " amx_qk=" + std::to_string(plan.amx_qk) + " amx_pv=" + std::to_string(plan.amx_pv) +
          " threads=" + std::to_string(plan.num_threads);
 }
 
@@ -599,8 +607,10 @@ void expect_close(const Problem& pr, const Outputs& ref, const Outputs& fast,
                   const cpu::Plan& plan) {
   const Case& c = pr.spec();
   // 8-bit K/V copied as bf16 for the vdpbf16ps kernels round them.
-  const bool dot =
-      is_kv_quantized(c.kv) && cpu::make_geometry(pr.params(nullptr, nullptr), plan).dot_bf16;
+  const cpu::Geometry geo = cpu::make_geometry(pr.params(nullptr, nullptr), plan);
+  const bool dot = is_kv_quantized(c.kv) && geo.dot_bf16;
+  const bool amx_q = is_kv_quantized(c.kv) && geo.amx_qk && !geo.amx_int8;
+  const bool amx_w = is_kv_quantized(c.kv) && geo.amx_pv;
   std::vector<uint8_t> logical(ref.out.size(), 0), logical_lse(ref.lse.size(), 0);
   double worst_ratio = 0.0;
   std::string worst;
@@ -608,7 +618,8 @@ void expect_close(const Problem& pr, const Outputs& ref, const Outputs& fast,
   for (int64_t b = 0; b < c.batch; ++b)
     for (int64_t i = 0; i < pr.rows(b); ++i)
       for (int64_t h = 0; h < c.heads; ++h) {
-        const Problem::Bounds bound = pr.bounds_for_row(b, i, h, plan.target, dot);
+        const Problem::Bounds bound =
+            pr.bounds_for_row(b, i, h, plan.target, dot, amx_q, geo.amx_int8, amx_w);
         auto check = [&](const char* what, float r, float f, double tol) {
           std::ostringstream where;
           where << what << "[b=" << b << ", i=" << i << ", h=" << h << "]";
@@ -1118,6 +1129,7 @@ TEST(AttentionFast, EightBitMultiTokenDecodeByRowGroups) {
             EXPECT_EQ(plan.int8_score_groups, t.target != SimdTarget::kScalar && tokens * group > 4)
                 << c.describe();
             plan.int8_score_groups = groups;
+            plan.amx_qk = false;  // AMX's QK: AmxMultiTokenDecode
             t.apply(plan);
             const cpu::Geometry g = cpu::make_geometry(pr.params(nullptr, nullptr), plan);
             EXPECT_EQ(g.qk_groups, groups && tokens * group > 4 && g.kt->qk_rows_i8 != nullptr)
@@ -1147,6 +1159,86 @@ TEST(AttentionFast, EightBitMultiTokenDecodeByRowGroups) {
         EXPECT_EQ(std::isnan(f.out[pr.out_index(0, i, h, 0)]), i == 3 && h >= 4)
             << target_str(plan) << " row " << i << " head " << h;
   }
+}
+
+// Multi-token decode on AMX tiles (decode_amx.h; tile_policy.h,
+// scores_on_amx): 5-16 packed rows per kv head, bf16 / int8 / fp8 K/V, head
+// dims 64-256 with head_dim_v apart from head_dim, against the reference:
+// causal (bottom-right) with ragged valid-key counts, windows, softcap,
+// sinks, boolean masks over NaN rows, saturated codes and scales, paged
+// and strided K/V, split and unsplit keys, and the plan with AMX's QK only
+// (the FMA / VNNI P V after it). int8 keys go through AMX-INT8 (their codes
+// against the int16 queries split in two int8 halves), the others through
+// bf16 tiles. fp32 K/V never take it, nor do
+// batch-invariant plans, avx512 / avx2 targets or tiles of 1-4 rows.
+TEST(AttentionFast, AmxMultiTokenDecode) {
+  if (!amx_bf16_available() || !simd_target_available(SimdTarget::kAvx512Bf16))
+    GTEST_SKIP() << "this CPU (or OS) offers no AMX-BF16 tiles to the avx512bf16 target";
+  uint64_t seed = 1400;
+  int cases = 0;
+  for (DType kv : {DType::kBF16, DType::kI8, DType::kFp8E4M3})
+    for (int64_t d : {64, 128, 192, 256})
+      for (int64_t tokens : {2, 3, 4}) {
+        const int64_t group = d == 64 ? 2 : d == 128 ? 4 : d == 192 ? 5 : 3;
+        if (tokens * group <= 4 || tokens * group > 16) continue;
+        Case c;
+        c.batch = 2;
+        c.seqlen_q = tokens;
+        c.seqlen_k = d == 128 ? 700 : 150 + 37 * tokens;  // split keys, and a short last tile
+        c.heads = 2 * group;
+        c.kv_heads = 2;
+        c.d = d;
+        c.dv = d == 192 ? 128 : d == 64 ? 80 : d;
+        c.kv = kv;
+        c.seed = ++seed;
+        const int variant = cases++ % 5;
+        c.causal = variant != 1;
+        c.seqlens = variant == 0 || variant == 3;
+        if (variant == 1) c.window_left = 40, c.window_right = 3;
+        if (variant == 2) c.softcap = 20.0f, c.sink = 0.5f, c.page_size = 16;
+        if (variant == 3) c.mask = MaskKind::kBool, c.poison = 0.05, c.strided = true;
+        if (variant == 4) c.window_left = 100, c.window_right = 0, c.page_size = 7;
+        if (kv == DType::kBF16) c.inexact_q = variant % 2 == 0;
+        Problem pr(c);
+        if (variant == 4 && kv != DType::kBF16) pr.saturate_rows();
+        const Outputs ref = run_reference(pr);
+        for (bool pv : {true, false}) {
+          cpu::Plan plan = default_plan(pr, 2, SimdTarget::kAvx512Bf16);
+          // int8 keys take AMX-INT8 (their codes as they are), from 13
+          // rows on; forced here for 5-12 rows too.
+          const bool takes = kv != DType::kI8 || amx_int8_available();
+          EXPECT_EQ(plan.amx_qk && plan.amx_pv,
+                    takes && (kv != DType::kI8 || tokens * group >= cpu::kAmxInt8MinRows))
+              << c.describe();
+          plan.amx_qk = takes;
+          plan.amx_pv = takes && pv;
+          const cpu::Geometry g = cpu::make_geometry(pr.params(nullptr, nullptr), plan);
+          EXPECT_EQ(g.amx_qk, takes) << c.describe() << "\n" << plan_str(plan);
+          EXPECT_EQ(g.amx_pv, takes && pv) << c.describe() << "\n" << plan_str(plan);
+          EXPECT_EQ(g.amx_int8, takes && kv == DType::kI8) << c.describe();
+          expect_close(pr, ref, run_fast(pr, plan), plan);
+        }
+      }
+  // Never for fp32 K/V, 1-4 rows, batch invariance or the lower targets.
+  Case c;
+  c.seqlen_q = 4;
+  c.seqlen_k = 100;
+  c.heads = 8;
+  c.kv_heads = 2;
+  c.d = c.dv = 64;
+  c.kv = DType::kF32;
+  EXPECT_FALSE(default_plan(Problem(c), 2, SimdTarget::kAvx512Bf16).amx_qk);
+  c.kv = DType::kBF16;
+  EXPECT_TRUE(default_plan(Problem(c), 2, SimdTarget::kAvx512Bf16).amx_qk);
+  EXPECT_FALSE(default_plan(Problem(c), 2, SimdTarget::kAvx512).amx_qk);
+  EXPECT_FALSE(default_plan(Problem(c), 2, SimdTarget::kAvx2).amx_qk);
+  c.seqlen_q = 1;
+  EXPECT_FALSE(default_plan(Problem(c), 2, SimdTarget::kAvx512Bf16).amx_qk);
+  c.seqlen_q = 4;
+  Problem invariant(c);
+  AttentionParams p = invariant.params(nullptr, nullptr);
+  p.batch_invariant = true;
+  EXPECT_FALSE(cpu::make_plan(p, SimdTarget::kAvx512Bf16, 2).amx_qk);
 }
 
 // ---- randomized sweep ----------------------------------------------------

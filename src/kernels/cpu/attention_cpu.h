@@ -24,7 +24,9 @@
 // Precision: fp32 K/V, and bf16 K/V widened exactly, accumulate in fp32.
 // On kAvx512Bf16, bf16 K/V go through vdpbf16ps, which rounds the scaled
 // queries and the softmax weights to bf16 (relative error 2^-8 each) and
-// accumulates in fp32.
+// accumulates in fp32. Decode tiles of 5-16 rows on AMX (tile_policy.h,
+// scores_on_amx) round the scaled queries and the weights to bf16 for bf16
+// and 8-bit K/V alike; the 8-bit codes themselves decode exactly.
 #pragma once
 
 #include <cstddef>
@@ -61,6 +63,13 @@ struct Plan {
   // int16 query rows at a time over the codes where they lie (true), or over
   // a dequantized fp32 / bf16 copy of the tile (false).
   bool int8_score_groups = false;
+  // bf16 and 8-bit (one scale per row) keys in tiles of 5-16 packed rows
+  // (multi-token decode): S = K Q^T on AMX tiles (decode_amx.h), the keys
+  // copied or decoded to bf16 (tile_policy.h, scores_on_amx).
+  bool amx_qk = false;
+  // With amx_qk: O = alpha O + P V on AMX tiles too (amx_pv), the weights
+  // and the values (decoded to bf16) as two keys' pairs.
+  bool amx_pv = false;
   int num_threads = 1;  // resolved, >= 1
   // Tests only: kernels to run instead of kernel_table(target), which still
   // names the target (the emulated AVX-512 tables,

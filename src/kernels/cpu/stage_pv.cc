@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/cpu/decode_amx.h"
 #include "kernels/kv_load.h"
 
 namespace attnkit::kernels::cpu {
@@ -36,6 +37,7 @@ bool rows_finite(const void* base, DType dtype, int64_t stride, int64_t rows, in
 // Rows [m_lo_, m_) of o += P V (s and alpha indexed by packed row).
 void TaskRunner::accumulate(int64_t j0, int64_t nk, const float* s, const float* alpha, Prefetch pf,
                             const int64_t* seen) {
+  if (g_.amx_pv) return accumulate_amx(j0, nk, s, alpha, pf);
   if (g_.q8 && g_.pv_copies) return accumulate_dequantized(j0, nk, s, alpha, pf, seen);
   const KernelTable& kt = *g_.kt;
   auto fetch = [&](int64_t at, int64_t row) {
@@ -133,6 +135,32 @@ void TaskRunner::accumulate_dequantized(int64_t j0, int64_t nk, const float* s, 
   else
     kt.pv_f32(s + m_lo_, nk, g_.s_stride, rows, vw, g_.vw_stride, g_.dv, o, g_.dv_pad,
               alpha + m_lo_, 0, seen);
+}
+
+// accumulate() on AMX tiles (Geometry::amx_pv): the tile's values (each
+// key's row wherever its run puts it) decoded straight into AMX's pairs in
+// the vw buffer, their scales in kw, then one product for the whole tile
+// (all 16 rows: o has m_pad of them).
+void TaskRunner::accumulate_amx(int64_t j0, int64_t nk, const float* s, const float* alpha,
+                                Prefetch pf) {
+  amx_begin();
+  float* vscale = g_.q8 ? ws_ + g_.kw : nullptr;
+  const void** rows = reinterpret_cast<const void**>(ws_ + g_.kw + g_.bk);
+  int64_t* fetch = reinterpret_cast<int64_t*>(rows + g_.bk);
+  for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+    const int64_t f = prefetch_at(pf, j0, nk, at, row, p_.v_stride.row);
+    for (int64_t i = 0; i < n; ++i) {
+      rows[at + i] = v_row(row + i);
+      fetch[at + i] = f;
+    }
+    if (!g_.q8) return;
+    const float* sc = v_scales(row);
+    for (int64_t i = 0; i < n; ++i) vscale[at + i] = sc[i * p_.v_scale_stride.row];
+  });
+  uint16_t* pairs = reinterpret_cast<uint16_t*>(ws_ + g_.vw);
+  amx_value_pairs(rows, fetch, nk, g_.dv, g_.dv_pad, g_.bf16 ? 0 : g_.fp8 ? 2 : 1, pairs);
+  amx_pv(s, nk, g_.s_stride, vscale, pairs, o_, g_.dv_pad, alpha,
+         reinterpret_cast<uint16_t*>(ws_ + g_.pack), g_.q8);
 }
 
 // Whether the tile's V values are finite (8-bit V: its scales, the codes

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/cpu/decode_amx.h"
+
 namespace attnkit::kernels::cpu {
 
 // qt = scale * q in the KernelTable's blocked, transposed layout (fp32, or
@@ -23,6 +25,23 @@ void TaskRunner::pack_q() {
   const int64_t w = g_.kt->qk_block_cols, dim = p_.q_stride.dim;
   const KernelTable& kt = *g_.kt;
   if (g_.q16_rows > 0) return pack_q_int16(rows);
+  if (g_.amx_qk && dim == 1)
+    return amx_pack_q(rows, m_, g_.d, scale, reinterpret_cast<uint16_t*>(qt_),
+                      g_.q8 ? reinterpret_cast<uint16_t*>(qt_) + 16 * g_.qt_row : nullptr,
+                      g_.qt_row);
+  if (g_.amx_qk) {  // decode_amx.h's operand, zero past m_ and head_dim
+    uint16_t* out = reinterpret_cast<uint16_t*>(qt_);
+    uint16_t* lo = out + 16 * g_.qt_row;  // 8-bit keys: the remainders
+    std::fill(out, out + (g_.q8 ? 32 : 16) * g_.qt_row, uint16_t{0});
+    for (int64_t m = 0; m < m_; ++m)
+      for (int64_t c = 0; c < g_.d; ++c) {
+        const float x = rows[m][c * dim] * scale;
+        const bf16 hi = float_to_bf16(x);
+        out[amx_q_index(m, c)] = hi.bits;
+        if (g_.q8) lo[amx_q_index(m, c)] = float_to_bf16(x - bf16_to_float(hi)).bits;
+      }
+    return;
+  }
   if (g_.rows_qk) {  // 4 row-major rows, zero-padded
     // One plain loop per row and dtype, so that the compiler vectorises
     // it (a loop over the padded row with the dtype test inside did not,
@@ -124,7 +143,8 @@ float quantize_q_row(const float* x, int64_t stride, int64_t n, float scale, flo
 // row's rounding is at most qf / 2 per element, 2^-16 of its largest |scale * q| at head dims up to
 // 516: small beside the int8 keys' own step of 2^-8 of theirs.
 void TaskRunner::pack_q_int16(const float* const* rows) {
-  const double limit = std::min(32767.0, std::floor(2147483647.0 / (127.0 * double(g_.d))));
+  const double limit = std::min(g_.amx_int8 ? double(kAmxQ16Max) : 32767.0,
+                                std::floor(2147483647.0 / (127.0 * double(g_.d))));
   const float qmax = static_cast<float>(limit);
   const int64_t dim = p_.q_stride.dim;
   int16_t* q16 = reinterpret_cast<int16_t*>(qt_);
@@ -136,6 +156,10 @@ void TaskRunner::pack_q_int16(const float* const* rows) {
                      : quantize_q_row<0>(rows[r], dim, valid, p_.scale, qmax, out);
     std::fill(out + valid, out + g_.qt_row, int16_t{0});
   }
+  if (g_.amx_int8) {
+    int8_t* hi = reinterpret_cast<int8_t*>(qf + g_.q16_rows);
+    amx_split_q(q16, g_.qt_row, g_.d, hi, hi + 16 * g_.amx_kd8, g_.amx_kd8);
+  }
 }
 
 // `seen`: see tile(); the kernels take it for a whole tile, not for a
@@ -146,6 +170,7 @@ void TaskRunner::scores(int64_t j0, int64_t nk, float* s, Prefetch pf, const int
   auto fetch = [&](int64_t at, int64_t row) {
     return prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
   };
+  if (g_.amx_qk) return scores_amx(j0, nk, s, pf);
   if (g_.q8) return scores_8bit(j0, nk, s, pf, seen);
   if (g_.rows_qk && g_.dot_bf16) {
     const uint16_t* q = reinterpret_cast<const uint16_t*>(qt_);
@@ -258,6 +283,57 @@ void TaskRunner::scores_int8_groups(int64_t j0, int64_t nk, float* s, Prefetch p
         std::memcpy(out + i * g_.s_stride, packed + 4 * i, 4 * sizeof(float));
     }
   });
+}
+
+}  // namespace attnkit::kernels::cpu
+
+namespace attnkit::kernels::cpu {
+
+// scores() on AMX tiles (Geometry::amx_qk): each run of the tile's keys
+// copied (bf16) or decoded (8-bit) into bf16 rows in the kw buffer, with
+// their scales beside them, then one product for the whole tile. Every
+// column of s is written (pad rows' with the scores of zero queries).
+void TaskRunner::amx_begin() {
+  if (amx_loaded_) return;
+  amx_tiles_begin();
+  amx_loaded_ = true;
+}
+
+void TaskRunner::scores_amx(int64_t j0, int64_t nk, float* s, Prefetch pf) {
+  amx_begin();
+  float* kscale = g_.q8 ? ws_ + g_.kw : nullptr;
+  uint16_t* keys = reinterpret_cast<uint16_t*>(ws_ + g_.kw + g_.bk);
+  if (g_.amx_int8) {
+    int8_t* codes = reinterpret_cast<int8_t*>(keys);
+    const int64_t kd8 = g_.amx_kd8;
+    for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+      amx_keys_copy_i8(static_cast<const int8_t*>(k_row(row)), p_.k_stride.row, n, g_.d,
+                       codes + at * kd8, kd8, prefetch_at(pf, j0, nk, at, row, p_.k_stride.row));
+      const float* sc = k_scales(row);
+      for (int64_t i = 0; i < n; ++i) kscale[at + i] = sc[i * p_.k_scale_stride.row];
+    });
+    const int16_t* q16 = reinterpret_cast<const int16_t*>(qt_);
+    const float* qf = reinterpret_cast<const float*>(q16 + g_.q16_rows * g_.qt_row);
+    const int8_t* hi = reinterpret_cast<const int8_t*>(qf + g_.q16_rows);
+    amx_qk_i8(codes, nk, kd8, hi, hi + 16 * kd8, qf, kscale, s, g_.s_stride,
+              reinterpret_cast<int32_t*>(ws_ + g_.kw + g_.bk + g_.bk * kd8 / 4));
+    return;
+  }
+  const int64_t kd = g_.qt_row;
+  for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
+    const int64_t fetch = prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
+    uint16_t* dst = keys + at * kd;
+    if (g_.bf16) {
+      amx_keys_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, dst, kd,
+                    fetch);
+      return;
+    }
+    amx_keys_fp8(static_cast<const uint8_t*>(k_row(row)), p_.k_stride.row, n, g_.d, dst, kd, fetch);
+    const float* sc = k_scales(row);
+    for (int64_t i = 0; i < n; ++i) kscale[at + i] = sc[i * p_.k_scale_stride.row];
+  });
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(qt_);
+  amx_qk(keys, nk, kd, q, g_.q8 ? q + 16 * g_.qt_row : nullptr, kscale, s, g_.s_stride);
 }
 
 }  // namespace attnkit::kernels::cpu

@@ -53,6 +53,20 @@ struct Geometry {
   // group of 4 rows (Plan::int8_score_groups), each group's packed scores
   // in the kw buffer (nk x 4), then copied into s's columns.
   bool qk_groups = false;
+  // Plan::amx_qk, for bf16 keys or 8-bit keys with row scales in tiles of
+  // 16 padded rows: the keys copied or decoded to bf16 rows in the kw
+  // buffer (the tile's bk key scales, then bk x qt_row uint16s), the
+  // queries in qt as decode_amx.h's operand.
+  bool amx_qk = false;
+  // Plan::amx_pv (with amx_qk): each tile's values decoded to bf16 pairs
+  // in vw, their scales, row pointers and prefetch distances in kw, the
+  // weights in pack; o holds m_pad rows.
+  bool amx_pv = false;
+  // amx_qk with int8 keys: their codes on AMX-INT8 (amx_qk_i8), int16
+  // queries (q16_rows = 16) split in two int8 operands after qf in qt;
+  // the codes copied into kw after the scales, then the int32 C tiles.
+  bool amx_int8 = false;
+  int64_t amx_kd8 = 0;  // round_up(head_dim, 64): the codes' row stride
   // Rows of int16 queries in qt (pack_q_int16): 4 for qk_rows_i8 on a
   // tile of at most 4 rows, m_pad for qk_groups, else 0 (none).
   int64_t q16_rows = 0;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/cpu/decode_amx.h"
 #include "kernels/mask.h"
 
 namespace attnkit::kernels::cpu {
@@ -31,7 +32,7 @@ void TaskRunner::run(const Task& task) {
     pack_q();
     std::fill_n(row_max_, g_.m_pad, kNegInf);
     std::fill_n(row_sum_, g_.m_pad, 0.0f);
-    std::fill_n(o_, m_ * g_.dv_pad, 0.0f);
+    std::fill_n(o_, (g_.amx_pv ? g_.m_pad : m_) * g_.dv_pad, 0.0f);
   }
 
   task_end_ = task.k1;
@@ -50,6 +51,7 @@ void TaskRunner::run(const Task& task) {
     else
       store_partial(c_.parts + task.part * g_.part_floats + h * g_.m_max * (g_.dv + 2));
   }
+  if (amx_loaded_) amx_tiles_end();
 }
 
 // Points the per-head members at kv head g0_ + h and its state.

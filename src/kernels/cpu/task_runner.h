@@ -58,6 +58,8 @@ class TaskRunner {
   void scores(int64_t j0, int64_t nk, float* s, Prefetch pf, const int64_t* seen);
   void scores_8bit(int64_t j0, int64_t nk, float* s, Prefetch pf, const int64_t* seen);
   void scores_int8_groups(int64_t j0, int64_t nk, float* s, Prefetch pf);
+  void scores_amx(int64_t j0, int64_t nk, float* s, Prefetch pf);
+  void amx_begin();
   // stage_softmax.cc
   void finish_head(int64_t j0, int64_t nk, float* s, Prefetch prefetch, const int64_t* seen,
                    bool masked, bool sparse_partial, const int64_t* row_lo, const int64_t* row_hi);
@@ -70,6 +72,7 @@ class TaskRunner {
                   const int64_t* seen);
   void accumulate_dequantized(int64_t j0, int64_t nk, const float* s, const float* alpha,
                               Prefetch pf, const int64_t* seen);
+  void accumulate_amx(int64_t j0, int64_t nk, const float* s, const float* alpha, Prefetch pf);
   bool values_finite(int64_t j0, int64_t nk) const;
   void accumulate_skipping_zeros(int64_t j0, int64_t nk, const float* s, const float* alpha);
   // stage_merge.cc
@@ -110,6 +113,7 @@ class TaskRunner {
   int64_t b_ = 0, i0_ = 0, rows_ = 0, m_ = 0, offset_ = 0, task_end_ = 0;
   int64_t g0_ = 0, heads_ = 1;  // the task's kv heads
   int64_t m_lo_ = 0;            // the tile's first live packed row (tile())
+  bool amx_loaded_ = false;     // this thread's AMX tiles are configured (scores_amx)
   // The selected head (select_head).
   int64_t kvh_ = 0;
   const char* k_ = nullptr;

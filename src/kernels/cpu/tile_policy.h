@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "core/cpu_features.h"
+#include "kernels/amx.h"
 #include "kernels/attention_params.h"
 #include "kernels/cpu/attention_cpu.h"
 
@@ -141,6 +142,40 @@ inline bool scores_int8_in_groups(SimdTarget target, int64_t rows) {
   return target != SimdTarget::kScalar && rows > 4 && rows <= kInt8ScoreGroupsMaxRows;
 }
 
+// bf16 and 8-bit keys in tiles of 5 to kAmxScoresMaxRows packed rows (2-4
+// tokens under GQA 32/8) take S = K Q^T on AMX tiles (Plan::amx_qk,
+// decode_amx.h) where the CPU has AMX-BF16, the OS grants its tiles and the
+// active target is the top one (ATTNKIT_SIMD=avx512 or avx2 keep the FMA
+// and VNNI kernels). A 16-row tile of 64 keys is exactly four C tiles: its
+// QK is 16 tdpbf16ps, where vdpbf16ps needs 4,096 and the int8 groups
+// (vpdpwssd) as many again. fp32 keys stay on their kernels: AMX would
+// round them to bf16. Not in batch-invariant plans, whose rows must take
+// one path for any row count (make_plan below). P V goes on AMX too
+// (Plan::amx_pv). Decode (GQA 32/8, head_dim 128, 16K keys, 2 threads)
+// with AMX over without, alternated call by call in one process, medians
+// of 30 pairs: 4 tokens bf16 0.63, fp8 0.66, int8 0.83; 2 tokens bf16 0.79,
+// fp8 0.78 (2026-11-27 at 46ba3f3 on an Intel Xeon family 6 model 167,
+// load average 3.5-6: docs/PERFORMANCE.md#multi-token-decode-on-amx).
+// int8 K/V take it from kAmxInt8MinRows rows on (4 tokens under GQA-4):
+// their AMX form (AMX-INT8 keys against split int16 queries, split
+// weights, to keep the int8 kernels' precision) took 1.16x the time of the
+// int8 groups and pv_i8 at 2 tokens (8 rows), 1.06x at 3 (12 rows), 0.83x
+// at 4 (same bench, 2026-11-27 at 46ba3f3, load average 3.5-6).
+inline constexpr int64_t kAmxScoresMaxRows = 16;
+inline constexpr int64_t kAmxInt8MinRows = 13;
+inline bool scores_on_amx(SimdTarget target, int64_t rows, DType kv_dtype) {
+  if (target != SimdTarget::kAvx512Bf16 || rows <= 4 || rows > kAmxScoresMaxRows) return false;
+  switch (kv_dtype) {
+    case DType::kI8:
+      return rows >= kAmxInt8MinRows && amx_int8_available();
+    case DType::kBF16:
+    case DType::kFp8E4M3:
+      return amx_bf16_available();
+    default:
+      return false;
+  }
+}
+
 // attnkit's own KV caches (KVCache) pad a token's row by one 64-byte line
 // when its bytes are a multiple of this. Rows 4 KiB apart (GQA 8 kv heads x
 // 128 fp32) put all 64 rows of a kv head's tile into the same 8 of the
@@ -191,6 +226,8 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
   plan.k_then_v = walks_k_then_v(target, p.kv_dtype);
   plan.dequant_bf16 = dequantizes_to_bf16(cpu_features());
   plan.int8_score_groups = scores_int8_in_groups(target, plan.block_q * group);
+  plan.amx_qk = scores_on_amx(target, plan.block_q * group, p.kv_dtype);
+  plan.amx_pv = plan.amx_qk;
   if (p.batch_invariant) {
     // Batch-invariant plans fix everything that orders a row's reduction
     // over its keys from the SIMD target alone, so that a row's output bits
@@ -227,6 +264,8 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
     // docs/PERFORMANCE.md#batch-invariance.
     plan.block_k = kKeysPerTile;
     plan.batch_invariant = true;
+    plan.amx_qk = plan.amx_pv =
+        false;  // its sums over head_dim run in another order than the tiles'
     const int64_t tasks_per_head_block = p.batch * q_blocks;
     while (plan.kv_heads_per_task > 1 &&
            tasks_per_head_block *

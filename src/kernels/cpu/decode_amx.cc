@@ -1,0 +1,513 @@
+// AMX QK for decode tiles of 5-16 packed rows (decode_amx.h). Compiled for
+// AMX and AVX512_BF16 with target attributes; the plan takes it only where
+// amx_bf16_available() and the active SIMD target is kAvx512Bf16.
+#include "kernels/cpu/decode_amx.h"
+
+#include <cstring>
+
+#include "kernels/amx.h"
+
+#if defined(ATTNKIT_AMX_BUILD)
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's own AVX-512 headers trip -W(maybe-)uninitialized (GCC bug
+// 105593: the `__m512 __Y = __Y;` idiom behind _mm512_undefined_ps).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#include <immintrin.h>
+#endif
+
+namespace attnkit::kernels::cpu {
+
+#if defined(ATTNKIT_AMX_BUILD)
+
+#if defined(__clang__)
+#pragma clang attribute push(                                                              \
+    __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq," \
+                          "avx512bf16,fma"))),                                             \
+    apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+#endif
+
+namespace {
+
+// Prefetches the `bytes` of the row at p.
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
+// The 16 bf16 values of h widened (exactly) to fp32.
+inline __m512 widen(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// x rounded to bf16 pairs: hi = bf16(x), lo = bf16(x - hi), for 32 values
+// (a: the first 16, b: the next); hi + lo is x within 2^-17 of |x|.
+inline void split_bf16(__m512 a, __m512 b, __m512i* hi, __m512i* lo) {
+  *hi = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+  const __m512 ra = _mm512_sub_ps(a, widen(_mm512_castsi512_si256(*hi)));
+  const __m512 rb = _mm512_sub_ps(b, widen(_mm512_extracti64x4_epi64(*hi, 1)));
+  *lo = (__m512i)_mm512_cvtne2ps_pbh(rb, ra);
+}
+
+// Lanes c0 .. min(head_dim, c0 + 32) - 1 of a 32-lane step.
+inline __mmask32 step_mask(int64_t c0, int64_t head_dim) {
+  const int64_t left = head_dim - c0;
+  return left >= 32 ? ~__mmask32{0} : left <= 0 ? 0 : (__mmask32{1} << left) - 1;
+}
+
+}  // namespace
+
+void amx_keys_bf16(const uint16_t* k, int64_t stride, int64_t n, int64_t head_dim, uint16_t* dst,
+                   int64_t kd, int64_t prefetch) {
+  for (int64_t r = 0; r < n; ++r) {
+    const uint16_t* row = k + r * stride;
+    if (prefetch != 0) prefetch_row(row + prefetch, head_dim * 2);
+    for (int64_t c = 0; c < kd; c += 32)
+      _mm512_storeu_si512(dst + r * kd + c,
+                          _mm512_maskz_loadu_epi16(step_mask(c, head_dim), row + c));
+  }
+}
+
+// A code's magnitude bits m = e << 3 | f with e > 0 move into bf16's fields
+// as (m << 4) + (120 << 7) (E4M3's exponent bias 7 becomes 127); e = 0 is f *
+// 2^-9, from a table of eight (bf16 normals: 2^-9 is far above bf16's
+// smallest normal).
+void amx_keys_fp8(const uint8_t* k, int64_t stride, int64_t n, int64_t head_dim, uint16_t* dst,
+                  int64_t kd, int64_t prefetch) {
+  alignas(64) static constexpr uint16_t kSubnormal[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0,
+                                                          0x3C00, 0x3C20, 0x3C40, 0x3C60};
+  const __m512i table = _mm512_load_si512(kSubnormal);
+  const __m512i low7 = _mm512_set1_epi16(0x7f), sign = _mm512_set1_epi16(0x80);
+  const __m512i bias = _mm512_set1_epi16(0x3C00), eight = _mm512_set1_epi16(8);
+  for (int64_t r = 0; r < n; ++r) {
+    const uint8_t* row = k + r * stride;
+    if (prefetch != 0) prefetch_row(row + prefetch, head_dim);
+    for (int64_t c = 0; c < kd; c += 32) {
+      const __m512i code =
+          _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(step_mask(c, head_dim), row + c));
+      const __m512i mag = _mm512_and_si512(code, low7);
+      const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), bias);
+      const __m512i small = _mm512_permutexvar_epi16(mag, table);  // low 5 bits index
+      __m512i v = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(mag, eight), normal, small);
+      v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(code, sign), 8));
+      _mm512_storeu_si512(dst + r * kd + c, v);
+    }
+  }
+}
+
+// tmm0-3: C, 16 keys x 16 rows fp32 (int32 for amx_qk_i8); tmm4: A, 16
+// keys x 32 dims bf16 (64 int8); tmm5 (and tmm6 for amx_qk_i8): B, 16 dim
+// pairs (quads) x 16 rows. Every tile 16 rows of 64 bytes.
+constexpr AmxTileConfig tile_config() {
+  AmxTileConfig cfg;
+  for (int t = 0; t < 7; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  return cfg;
+}
+
+void amx_pack_q(const float* const* rows, int64_t count, int64_t head_dim, float scale, uint16_t* q,
+                uint16_t* q_lo, int64_t kd) {
+  std::memset(q, 0, static_cast<size_t>(16 * kd) * sizeof(uint16_t));
+  if (q_lo != nullptr) std::memset(q_lo, 0, static_cast<size_t>(16 * kd) * sizeof(uint16_t));
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(q);  // [kd / 2][16]
+  uint32_t* pairs_lo = reinterpret_cast<uint32_t*>(q_lo);
+  const __m512 k = _mm512_set1_ps(scale);
+  alignas(64) uint32_t word[16], word_lo[16];
+  for (int64_t m = 0; m < count; ++m)
+    for (int64_t c = 0; c < head_dim; c += 32) {
+      const __mmask32 valid = step_mask(c, head_dim);
+      const __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid & 0xffff, rows[m] + c), k);
+      const __m512 b = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid >> 16, rows[m] + c + 16), k);
+      __m512i hi, lo;
+      split_bf16(a, b, &hi, &lo);
+      _mm512_store_si512(word, hi);
+      _mm512_store_si512(word_lo, lo);
+      for (int64_t j = 0; j < 16; ++j) pairs[(c / 2 + j) * 16 + m] = word[j];
+      if (pairs_lo != nullptr)
+        for (int64_t j = 0; j < 16; ++j) pairs_lo[(c / 2 + j) * 16 + m] = word_lo[j];
+    }
+}
+
+void amx_split_q(const int16_t* q16, int64_t qt, int64_t head_dim, int8_t* hi, int8_t* lo,
+                 int64_t kd) {
+  // Element (m, c) of an int8 B operand: 4 consecutive dims of row m in
+  // one 32-bit lane, [c / 4][m][c % 4].
+  // q16 rows are zero past head_dim up to qt (a multiple of 32), so whole
+  // steps of 32 dims are split; dims past that up to kd stay 0.
+  std::memset(hi, 0, static_cast<size_t>(16 * kd));
+  std::memset(lo, 0, static_cast<size_t>(16 * kd));
+  const __m512i half = _mm512_set1_epi16(128);
+  alignas(32) uint32_t h4[8], l4[8];
+  for (int64_t m = 0; m < 16; ++m)
+    for (int64_t c = 0; c < head_dim; c += 32) {
+      const __m512i v = _mm512_loadu_si512(q16 + m * qt + c);
+      const __m512i h = _mm512_srai_epi16(_mm512_add_epi16(v, half), 8);  // floor
+      const __m512i l = _mm512_sub_epi16(v, _mm512_slli_epi16(h, 8));     // in [-128, 127]
+      _mm256_store_si256(reinterpret_cast<__m256i*>(h4), _mm512_cvtepi16_epi8(h));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(l4), _mm512_cvtepi16_epi8(l));
+      for (int64_t j = 0; j < 8; ++j) {
+        std::memcpy(hi + (c / 4 + j) * 64 + m * 4, &h4[j], 4);
+        std::memcpy(lo + (c / 4 + j) * 64 + m * 4, &l4[j], 4);
+      }
+    }
+}
+
+void amx_keys_copy_i8(const int8_t* k, int64_t stride, int64_t n, int64_t head_dim, int8_t* dst,
+                      int64_t kd, int64_t prefetch) {
+  for (int64_t r = 0; r < n; ++r) {
+    const int8_t* row = k + r * stride;
+    if (prefetch != 0) prefetch_row(row + prefetch, head_dim);
+    for (int64_t c = 0; c < kd; c += 32)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * kd + c),
+                          _mm256_maskz_loadu_epi8(step_mask(c, head_dim), row + c));
+  }
+}
+
+void amx_qk_i8(int8_t* keys, int64_t nk, int64_t kd, const int8_t* hi, const int8_t* lo,
+               const float* qf, const float* kscale, float* s, int64_t s_stride, int32_t* c32) {
+  const int64_t blocks = (nk + 15) / 16, pairs = (blocks + 1) / 2;
+  for (int64_t r = nk; r < pairs * 32; ++r)
+    for (int64_t c = 0; c < kd; c += 32)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + r * kd + c), _mm256_setzero_si256());
+  const __m512 q_factor = _mm512_loadu_ps(qf);
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    // tmm0 / tmm1: hi sums of the pair's two key blocks, tmm2 / tmm3: lo.
+    const int8_t* a = keys + pair * 32 * kd;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < kd; c += 64) {
+      _tile_loadd(5, hi + c * 16, 64);
+      _tile_loadd(6, lo + c * 16, 64);
+      _tile_loadd(4, a + c, kd);
+      _tile_dpbssd(0, 4, 5);
+      _tile_dpbssd(2, 4, 6);
+      _tile_loadd(4, a + 16 * kd + c, kd);
+      _tile_dpbssd(1, 4, 5);
+      _tile_dpbssd(3, 4, 6);
+    }
+    _tile_stored(0, c32, 64);
+    _tile_stored(1, c32 + 256, 64);
+    _tile_stored(2, c32 + 512, 64);
+    _tile_stored(3, c32 + 768, 64);
+    for (int64_t x = 0; x < 32 && pair * 32 + x < nk; ++x) {
+      const int64_t n = pair * 32 + x;
+      const __m512 h = _mm512_cvtepi32_ps(_mm512_loadu_si512(c32 + x * 16));
+      const __m512 l = _mm512_cvtepi32_ps(_mm512_loadu_si512(c32 + 512 + x * 16));
+      const __m512 sum = _mm512_fmadd_ps(h, _mm512_set1_ps(256.0f), l);
+      _mm512_storeu_ps(s + n * s_stride,
+                       _mm512_mul_ps(sum, _mm512_mul_ps(q_factor, _mm512_set1_ps(kscale[n]))));
+    }
+  }
+}
+
+void amx_tiles_begin() {
+  // A constant in memory: GCC 12 dropped the stores that filled a local
+  // configuration before ldtilecfg read it, which then faulted.
+  alignas(64) static constexpr AmxTileConfig kConfig = tile_config();
+  _tile_loadconfig(&kConfig);
+}
+
+void amx_tiles_end() { _tile_release(); }
+
+void amx_qk(uint16_t* keys, int64_t nk, int64_t kd, const uint16_t* q, const uint16_t* q_lo,
+            const float* kscale, float* s, int64_t s_stride) {
+  const int64_t blocks = (nk + 15) / 16;
+  for (int64_t r = nk; r < blocks * 16; ++r)
+    for (int64_t c = 0; c < kd; c += 32)
+      _mm512_storeu_si512(keys + r * kd + c, _mm512_setzero_si512());
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t a_stride = kd * 2, c_stride = s_stride * 4;
+  for (int64_t c = 0; c < kd; c += 32) {
+    _tile_loadd(5, q + c * 16, 64);
+    if (q_lo != nullptr) {  // the queries' remainders too (exact keys)
+      _tile_loadd(6, q_lo + c * 16, 64);
+      _tile_loadd(4, keys + c, a_stride);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(0, 4, 6);
+      if (blocks > 1) {
+        _tile_loadd(4, keys + 16 * kd + c, a_stride);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+      }
+      if (blocks > 2) {
+        _tile_loadd(4, keys + 32 * kd + c, a_stride);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(2, 4, 6);
+      }
+      if (blocks > 3) {
+        _tile_loadd(4, keys + 48 * kd + c, a_stride);
+        _tile_dpbf16ps(3, 4, 5);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+      continue;
+    }
+    _tile_loadd(4, keys + c, a_stride);
+    _tile_dpbf16ps(0, 4, 5);
+    if (blocks > 1) {
+      _tile_loadd(4, keys + 16 * kd + c, a_stride);
+      _tile_dpbf16ps(1, 4, 5);
+    }
+    if (blocks > 2) {
+      _tile_loadd(4, keys + 32 * kd + c, a_stride);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if (blocks > 3) {
+      _tile_loadd(4, keys + 48 * kd + c, a_stride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, s, c_stride);
+  if (blocks > 1) _tile_stored(1, s + 16 * s_stride, c_stride);
+  if (blocks > 2) _tile_stored(2, s + 32 * s_stride, c_stride);
+  if (blocks > 3) _tile_stored(3, s + 48 * s_stride, c_stride);
+  if (kscale == nullptr) return;
+  for (int64_t n = 0; n < nk; ++n)
+    _mm512_storeu_ps(s + n * s_stride,
+                     _mm512_mul_ps(_mm512_loadu_ps(s + n * s_stride), _mm512_set1_ps(kscale[n])));
+}
+
+namespace {
+
+// r[0..15] = the 16 x 16 block's columns: r[c][x] = in[x][c]. Unpacks
+// interleave pairs of rows within 128-bit lanes, shuffles gather each
+// lane's four columns of four rows, and two lane shuffles move lane L of
+// four registers into one.
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4 i + e], lane L: rows 4 i .. 4 i + 3 at column 4 L + e.
+  __m512 u[16];
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512 x0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x44);
+    const __m512 x1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xEE);
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    r[4 + e] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+    r[8 + e] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    r[12 + e] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+  }
+}
+
+// 16 keys' weights from s (rows n0.. of the tile, zero from nk on), times
+// their value scales, transposed: r[m][x] = weight of key n0 + x for row m.
+inline void weights16(const float* s, int64_t n0, int64_t nk, int64_t s_stride, const float* vscale,
+                      __m512* r) {
+  for (int x = 0; x < 16; ++x) {
+    const int64_t n = n0 + x;
+    if (n >= nk) {
+      r[x] = _mm512_setzero_ps();
+      continue;
+    }
+    r[x] = _mm512_loadu_ps(s + n * s_stride);
+    if (vscale != nullptr) r[x] = _mm512_mul_ps(r[x], _mm512_set1_ps(vscale[n]));
+  }
+  transpose16(r);
+}
+
+}  // namespace
+
+namespace {
+
+// 32 columns from c of a row of values as bf16 (zero past dv), by code type.
+struct Bf16Values {
+  static __m512i load(const void* row, int64_t c, int64_t dv) {
+    return _mm512_maskz_loadu_epi16(step_mask(c, dv), static_cast<const uint16_t*>(row) + c);
+  }
+};
+struct Int8Values {
+  static __m512i load(const void* row, int64_t c, int64_t dv) {
+    const __m256i codes =
+        _mm256_maskz_loadu_epi8(step_mask(c, dv), static_cast<const int8_t*>(row) + c);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+};
+struct Fp8Values {  // as amx_keys_fp8
+  static __m512i load(const void* row, int64_t c, int64_t dv) {
+    alignas(64) static constexpr uint16_t kSubnormal[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0,
+                                                            0x3C00, 0x3C20, 0x3C40, 0x3C60};
+    const __m512i code = _mm512_cvtepu8_epi16(
+        _mm256_maskz_loadu_epi8(step_mask(c, dv), static_cast<const uint8_t*>(row) + c));
+    const __m512i mag = _mm512_and_si512(code, _mm512_set1_epi16(0x7f));
+    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3C00));
+    const __m512i small = _mm512_permutexvar_epi16(mag, _mm512_load_si512(kSubnormal));
+    const __m512i v =
+        _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), normal, small);
+    return _mm512_or_si512(v,
+                           _mm512_slli_epi16(_mm512_and_si512(code, _mm512_set1_epi16(0x80)), 8));
+  }
+};
+
+template <class Values>
+void value_pairs(const void* const* rows, const int64_t* fetch, int64_t elem_bytes, int64_t nk,
+                 int64_t dv, int64_t dv_pad, uint16_t* pairs) {
+  // pairs[p][c][2] = (key 2 p, key 2 p + 1) at column c.
+  alignas(64) static constexpr uint16_t kFirst[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                      37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                      11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i first = _mm512_load_si512(kFirst);
+  const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+  const int64_t steps = (nk + 31) / 32;
+  for (int64_t n = 0; n < nk; ++n)
+    if (fetch[n] != 0)
+      prefetch_row(static_cast<const char*>(rows[n]) + fetch[n] * elem_bytes, dv * elem_bytes);
+  for (int64_t p = 0; p < 16 * steps; ++p) {
+    uint16_t* out = pairs + p * 2 * dv_pad;
+    const bool has_a = 2 * p < nk, has_b = 2 * p + 1 < nk;
+    for (int64_t c = 0; c < dv_pad; c += 32) {
+      const __m512i a = has_a ? Values::load(rows[2 * p], c, dv) : _mm512_setzero_si512();
+      const __m512i b = has_b ? Values::load(rows[2 * p + 1], c, dv) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi16(a, first, b));
+      if (c + 16 < dv_pad)
+        _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi16(a, second, b));
+    }
+  }
+}
+
+// One step of amx_pv with split weights: C tiles 0 .. blocks - 1 += (tmm4
+// + tmm6) times the values' B tiles at bt.
+inline void pv_step_split(const uint16_t* bt, int64_t p_stride, int64_t blocks) {
+  _tile_loadd(5, bt, p_stride);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_dpbf16ps(0, 6, 5);
+  if (blocks > 1) {
+    _tile_loadd(5, bt + 32, p_stride);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_dpbf16ps(1, 6, 5);
+  }
+  if (blocks > 2) {
+    _tile_loadd(5, bt + 64, p_stride);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_dpbf16ps(2, 6, 5);
+  }
+  if (blocks > 3) {
+    _tile_loadd(5, bt + 96, p_stride);
+    _tile_dpbf16ps(3, 4, 5);
+    _tile_dpbf16ps(3, 6, 5);
+  }
+}
+
+}  // namespace
+
+void amx_value_pairs(const void* const* rows, const int64_t* fetch, int64_t nk, int64_t dv,
+                     int64_t dv_pad, int kind, uint16_t* pairs) {
+  if (kind == 0)
+    value_pairs<Bf16Values>(rows, fetch, 2, nk, dv, dv_pad, pairs);
+  else if (kind == 1)
+    value_pairs<Int8Values>(rows, fetch, 1, nk, dv, dv_pad, pairs);
+  else
+    value_pairs<Fp8Values>(rows, fetch, 1, nk, dv, dv_pad, pairs);
+}
+
+void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
+            const uint16_t* pairs, float* o, int64_t dv_pad, const float* alpha, uint16_t* w,
+            bool split) {
+  const int64_t steps = (nk + 31) / 32;
+  const int64_t prow = 2 * dv_pad;
+  // A: w[m][n], 64 keys a row, bf16 (split: their remainders from w + 1024).
+  for (int64_t t = 0; t < steps; ++t) {
+    __m512 first[16], second[16];
+    weights16(s, 32 * t, nk, s_stride, vscale, first);
+    weights16(s, 32 * t + 16, nk, s_stride, vscale, second);
+    for (int m = 0; m < 16; ++m) {
+      __m512i hi, lo;
+      split_bf16(first[m], second[m], &hi, &lo);
+      _mm512_storeu_si512(w + m * 64 + 32 * t, hi);
+      if (split) _mm512_storeu_si512(w + 1024 + m * 64 + 32 * t, lo);
+    }
+  }
+  // o *= alpha, rows whose alpha is not 1.
+  for (int m = 0; m < 16; ++m) {
+    if (alpha[m] == 1.0f) continue;
+    const __m512 a = _mm512_set1_ps(alpha[m]);
+    for (int64_t c = 0; c < dv_pad; c += 16)
+      _mm512_storeu_ps(o + m * dv_pad + c, _mm512_mul_ps(_mm512_loadu_ps(o + m * dv_pad + c), a));
+  }
+  // C: o in blocks of 16 x 16, four at a time.
+  const int64_t o_stride = dv_pad * 4, p_stride = prow * 2;
+  for (int64_t c0 = 0; c0 < dv_pad; c0 += 64) {
+    const int64_t blocks = dv_pad - c0 >= 64 ? 4 : (dv_pad - c0) / 16;
+    float* oc = o + c0;
+    _tile_loadd(0, oc, o_stride);
+    if (blocks > 1) _tile_loadd(1, oc + 16, o_stride);
+    if (blocks > 2) _tile_loadd(2, oc + 32, o_stride);
+    if (blocks > 3) _tile_loadd(3, oc + 48, o_stride);
+    for (int64_t t = 0; t < steps; ++t) {
+      _tile_loadd(4, w + 32 * t, 128);
+      const uint16_t* bt = pairs + 16 * t * prow + 2 * c0;
+      if (split) {
+        _tile_loadd(6, w + 1024 + 32 * t, 128);
+        pv_step_split(bt, p_stride, blocks);
+        continue;
+      }
+      _tile_loadd(5, bt, p_stride);
+      _tile_dpbf16ps(0, 4, 5);
+      if (blocks > 1) {
+        _tile_loadd(5, bt + 32, p_stride);
+        _tile_dpbf16ps(1, 4, 5);
+      }
+      if (blocks > 2) {
+        _tile_loadd(5, bt + 64, p_stride);
+        _tile_dpbf16ps(2, 4, 5);
+      }
+      if (blocks > 3) {
+        _tile_loadd(5, bt + 96, p_stride);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    }
+    _tile_stored(0, oc, o_stride);
+    if (blocks > 1) _tile_stored(1, oc + 16, o_stride);
+    if (blocks > 2) _tile_stored(2, oc + 32, o_stride);
+    if (blocks > 3) _tile_stored(3, oc + 48, o_stride);
+  }
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#else  // no AMX in this build: never called (amx_bf16_available() is false)
+
+void amx_keys_bf16(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) {}
+void amx_keys_fp8(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) {}
+void amx_qk(uint16_t*, int64_t, int64_t, const uint16_t*, const uint16_t*, const float*, float*,
+            int64_t) {}
+void amx_value_pairs(const void* const*, const int64_t*, int64_t, int64_t, int64_t, int,
+                     uint16_t*) {}
+void amx_pv(const float*, int64_t, int64_t, const float*, const uint16_t*, float*, int64_t,
+            const float*, uint16_t*, bool) {}
+void amx_pack_q(const float* const*, int64_t, int64_t, float, uint16_t*, uint16_t*, int64_t) {}
+void amx_split_q(const int16_t*, int64_t, int64_t, int8_t*, int8_t*, int64_t) {}
+void amx_keys_copy_i8(const int8_t*, int64_t, int64_t, int64_t, int8_t*, int64_t, int64_t) {}
+void amx_qk_i8(int8_t*, int64_t, int64_t, const int8_t*, const int8_t*, const float*, const float*,
+               float*, int64_t, int32_t*) {}
+void amx_tiles_begin() {}
+void amx_tiles_end() {}
+
+#endif
+
+}  // namespace attnkit::kernels::cpu
