@@ -57,7 +57,7 @@ class TaskRunner {
   void pack_q_int16(const float* const* rows);
   void scores(int64_t j0, int64_t nk, float* s, Prefetch pf, const int64_t* seen);
   void scores_8bit(int64_t j0, int64_t nk, float* s, Prefetch pf, const int64_t* seen);
-  void scores_int8_groups(int64_t j0, int64_t nk, float* s, Prefetch pf);
+  void scores_8bit_groups(int64_t j0, int64_t nk, float* s, Prefetch pf);
   // stage_softmax.cc
   void finish_head(int64_t j0, int64_t nk, float* s, Prefetch prefetch, const int64_t* seen,
                    bool masked, bool sparse_partial, const int64_t* row_lo, const int64_t* row_hi);
