@@ -42,11 +42,12 @@ void TaskRunner::pack_q() {
       }
     return;
   }
-  if (g_.rows_qk) {  // 4 row-major rows, zero-padded
+  if (g_.rows_qk || g_.qk_groups) {  // 4 (fp8 groups: m_pad) row-major rows, zero-padded
     // One plain loop per row and dtype, so that the compiler vectorises
     // it (a loop over the padded row with the dtype test inside did not,
     // and took ~6 % of a bf16 decode step).
-    for (int64_t r = 0; r < 4; ++r) {
+    const int64_t count = g_.qk_groups ? g_.m_pad : 4;
+    for (int64_t r = 0; r < count; ++r) {
       const int64_t valid = r < m_ ? g_.d : 0;
       if (g_.dot_bf16) {
         uint16_t* out = reinterpret_cast<uint16_t*>(qt_) + r * g_.qt_row;
@@ -223,7 +224,7 @@ void TaskRunner::scores_8bit(int64_t j0, int64_t nk, float* s, Prefetch pf, cons
     return prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
   };
   const int64_t kss = p_.k_scale_stride.row;
-  if (g_.qk_groups) return scores_int8_groups(j0, nk, s, pf);
+  if (g_.qk_groups) return scores_8bit_groups(j0, nk, s, pf);
   if (g_.rows_qk) {
     const int16_t* q16 = reinterpret_cast<const int16_t*>(qt_);
     const float* qf = reinterpret_cast<const float*>(q16 + 4 * g_.qt_row);
@@ -257,14 +258,16 @@ void TaskRunner::scores_8bit(int64_t j0, int64_t nk, float* s, Prefetch pf, cons
               0, seen);
 }
 
-// scores_8bit() for int8 keys on tiles of 5-16 rows (Geometry::qk_groups):
-// qk_rows_i8 over the codes where they lie, one group of 4 int16 query rows
-// at a time (the first group's pass brings the tile into L1 and issues the
-// prefetches, the others read it from there), each group's packed scores
-// copied into its 4 columns of s. Groups wholly before m_lo_ or past the
-// task's rows are skipped: their columns are not read (before m_lo_), or keep
-// the finite values run() and the softmax left there (past m_).
-void TaskRunner::scores_int8_groups(int64_t j0, int64_t nk, float* s, Prefetch pf) {
+// scores_8bit() by groups of 4 rows (Geometry::qk_groups: int8 keys on
+// tiles of 5-16 rows, or 8-bit keys of any rows in batch-invariant plans):
+// qk_rows_i8 (int16 query rows) or qk_rows_fp8 (fp32 ones) over the codes
+// where they lie, one group of 4 query rows at a time (the first group's
+// pass brings the tile into L1 and issues the prefetches, the others read
+// it from there), each group's packed scores copied into its 4 columns of
+// s. Groups wholly before m_lo_ or past the task's rows are skipped: their
+// columns are not read (before m_lo_), or keep the finite values run() and
+// the softmax left there (past m_).
+void TaskRunner::scores_8bit_groups(int64_t j0, int64_t nk, float* s, Prefetch pf) {
   const KernelTable& kt = *g_.kt;
   const int16_t* q16 = reinterpret_cast<const int16_t*>(qt_);
   const float* qf = reinterpret_cast<const float*>(q16 + g_.q16_rows * g_.qt_row);
@@ -272,11 +275,14 @@ void TaskRunner::scores_int8_groups(int64_t j0, int64_t nk, float* s, Prefetch p
   const int64_t kss = p_.k_scale_stride.row;
   const int64_t r_end = round_up(m_, 4);
   for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-    const int8_t* codes = static_cast<const int8_t*>(k_row(row));
     int64_t fetch = prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
     for (int64_t r0 = m_lo_ / 4 * 4; r0 < r_end; r0 += 4) {
-      kt.qk_rows_i8(codes, p_.k_stride.row, n, g_.d, q16 + r0 * g_.qt_row, g_.qt_row, qf + r0,
-                    k_scales(row), kss, packed, fetch);
+      if (g_.fp8)
+        kt.qk_rows_fp8(static_cast<const uint8_t*>(k_row(row)), p_.k_stride.row, n, g_.d,
+                       qt_ + r0 * g_.qt_row, g_.qt_row, k_scales(row), kss, packed, fetch);
+      else
+        kt.qk_rows_i8(static_cast<const int8_t*>(k_row(row)), p_.k_stride.row, n, g_.d,
+                      q16 + r0 * g_.qt_row, g_.qt_row, qf + r0, k_scales(row), kss, packed, fetch);
       fetch = 0;
       float* out = s + at * g_.s_stride + r0;
       for (int64_t i = 0; i < n; ++i)

@@ -62,17 +62,32 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
       // int16 weights for up to 16 rows, fp32 ones beyond; 32+ rows take
       // the copies), and a row's count is its call's: a prefix-cache
       // hit's suffix or a decode step took another path than the same rows
-      // in one call. So every count takes one path: V dequantized into the
-      // fp32 copy for pv_f32 (exact per value; over fixed tiles the fp32
-      // K/V batch-invariant kernel), and int8 keys with row scales scored
+      // in one call. So every count takes one path. V with row scales is
+      // read where it lies by pv_fp8 / pv_i8 where they multiply in fp32
+      // for every row count (pv_int_rows_max 0; fp8 on every target): the
+      // weights times each key's scale, then one FMA chain per row and
+      // output column over the keys in order (simd::pv_block), whatever
+      // the rows beside it or the register block; other V (int8 on
+      // AVX-512, whose int16 weights serve up to 16 rows; block scales) is
+      // dequantized into the fp32 copy for pv_f32 (exact per value; over
+      // fixed tiles the fp32 K/V batch-invariant kernel). int8 keys with
+      // row scales are scored
       // by qk_rows_i8 in groups of 4 rows, whose int32 sums are exact and
-      // whose factors are each row's own; fp8 (and block-scaled) keys the
-      // fp32 copy for qk_f32.
+      // whose factors are each row's own. fp8 keys with row scales take
+      // qk_rows_fp8 in groups of 4 rows too: it always computes 4 rows,
+      // each in its own accumulators, reduced by the same tree whatever the
+      // row's or key's slot in its block (hsum16 on AVX-512; hsum8 and
+      // hsum4 on AVX2 add a source's lanes in one order), so a row's score
+      // does not depend on the rows beside it. Block-scaled keys, and fp8
+      // on targets without the kernel (scalar), take the fp32 copy for
+      // qk_f32.
       g.rows_qk = g.dot_bf16 = false;
-      g.qk_groups = !g.fp8 && g.row_scales && g.kt->qk_rows_i8 != nullptr;
+      g.qk_groups =
+          g.row_scales && (g.fp8 ? g.kt->qk_rows_fp8 != nullptr : g.kt->qk_rows_i8 != nullptr);
       g.k_copies = !g.qk_groups;
-      g.pv_copies = true;
-      g.q16_rows = g.qk_groups ? g.m_pad : 0;
+      g.pv_copies = !g.row_scales || (g.fp8 ? g.kt->pv_fp8 == nullptr
+                                            : g.kt->pv_i8 == nullptr || g.kt->pv_int_rows_max > 0);
+      g.q16_rows = g.qk_groups && !g.fp8 ? g.m_pad : 0;
     }
   } else {
     const int64_t elem_bytes = g.bf16 ? 2 : 4;
@@ -115,10 +130,13 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   // Column blocks of qk_block_cols: m_pad rounded up to a whole block.
   const int64_t qt_cols = round_up(g.m_pad, g.kt->qk_block_cols);
   // Also holds the bf16 pairs, or qk_rows_*'s 4 row-major rows (int8 keys:
-  // q16_rows int16 rows, then their factors).
-  g.qt = take(std::max(
-      {round_up(g.d, 2) * qt_cols, 4 * g.qt_row, ceil_div(g.q16_rows * g.qt_row, 2) + g.q16_rows,
-       g.amx_qk ? 16 * g.qt_row : 0, g.amx_int8 ? 8 * g.qt_row + 16 + 8 * g.amx_kd8 : 0}));
+  // q16_rows int16 rows, then their factors; fp8 keys by groups: m_pad fp32
+  // rows).
+  const int64_t f32_rows = g.qk_groups && g.fp8 ? g.m_pad : 4;
+  g.qt =
+      take(std::max({round_up(g.d, 2) * qt_cols, f32_rows * g.qt_row,
+                     ceil_div(g.q16_rows * g.qt_row, 2) + g.q16_rows, g.amx_qk ? 16 * g.qt_row : 0,
+                     g.amx_int8 ? 8 * g.qt_row + 16 + 8 * g.amx_kd8 : 0}));
   g.o = take((g.amx_pv ? g.m_pad : g.m_max) * g.dv_pad);
   g.row_max = take(g.m_pad);
   g.row_sum = take(g.m_pad);

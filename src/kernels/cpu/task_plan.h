@@ -51,7 +51,9 @@ struct Geometry {
   bool k_copies = false;  // QK reads K from the kw buffer (bf16 widened, 8-bit dequantized)
   // int8 keys, tiles of 5 to kInt8ScoreGroupsMaxRows rows: qk_rows_i8 per
   // group of 4 rows (Plan::int8_score_groups), each group's packed scores
-  // in the kw buffer (nk x 4), then copied into s's columns.
+  // in the kw buffer (nk x 4), then copied into s's columns. Batch-invariant
+  // plans take it for 8-bit keys with row scales of any rows: qk_rows_i8,
+  // or qk_rows_fp8 over m_pad fp32 query rows in qt (qt_row apart).
   bool qk_groups = false;
   // Plan::amx_qk, for bf16 keys or 8-bit keys with row scales in tiles of
   // 16 padded rows: the keys copied or decoded to bf16 rows in the kw
@@ -68,7 +70,7 @@ struct Geometry {
   bool amx_int8 = false;
   int64_t amx_kd8 = 0;  // round_up(head_dim, 64): the codes' row stride
   // Rows of int16 queries in qt (pack_q_int16): 4 for qk_rows_i8 on a
-  // tile of at most 4 rows, m_pad for qk_groups, else 0 (none).
+  // tile of at most 4 rows, m_pad for int8 qk_groups, else 0 (none).
   int64_t q16_rows = 0;
   bool k_then_v = true;  // Plan::k_then_v
   // Plan::batch_invariant: key tiles end at multiples of bk (a task's

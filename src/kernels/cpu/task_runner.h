@@ -57,7 +57,7 @@ class TaskRunner {
   void pack_q_int16(const float* const* rows);
   void scores(int64_t j0, int64_t nk, float* s, Prefetch pf, const int64_t* seen);
   void scores_8bit(int64_t j0, int64_t nk, float* s, Prefetch pf, const int64_t* seen);
-  void scores_int8_groups(int64_t j0, int64_t nk, float* s, Prefetch pf);
+  void scores_8bit_groups(int64_t j0, int64_t nk, float* s, Prefetch pf);
   void scores_amx(int64_t j0, int64_t nk, float* s, Prefetch pf);
   void amx_begin();
   // stage_softmax.cc

@@ -248,9 +248,18 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
     // So keys are never split, tiles end at multiples of kKeysPerTile on
     // every target (a task's first may be shorter), and fp32 / bf16 K/V take the tile
     // kernels for any rows (Plan::batch_invariant); 8-bit K/V take one
-    // path for any rows too (make_geometry: int8 keys scored in integers
-    // by groups of 4 rows, fp8 keys and all values dequantized to fp32
-    // copies). Not covered: bf16 K/V
+    // path for any rows too (make_geometry): keys with one scale per row
+    // scored by groups of 4 rows where they lie (int8 by qk_rows_i8 in
+    // integers, fp8 by qk_rows_fp8, whose 4 rows each sum in their own
+    // accumulators reduced in one order), values read where they lie by
+    // pv_fp8 / pv_i8 where these multiply in fp32 for every row count
+    // (fp8; int8 but on AVX-512, whose int16 weights serve up to 16 rows),
+    // the rest dequantized to fp32 copies. Before this (fp8 keys and all
+    // values through copies), invariant fp8 decode took 1.8-2.4x the
+    // default plan's time, now 0.9-1.1x on avx512bf16 and avx2
+    // (attnkit_bench --benchmark_filter='invariant_over_default/decode',
+    // 2026-11-27, d083010 against 52335bf, Intel Xeon family 6 model 167:
+    // docs/PERFORMANCE.md#batch-invariance). Not covered: bf16 K/V
     // through vdpbf16ps under a window or chunk, whose P V sums pairs of
     // keys from the task's first visible key (reading the key before it
     // could touch a page the pool released). Prefix caching has neither
