@@ -104,10 +104,9 @@ inline Int8Bf16Tables int8_bf16_tables() {
   return t;
 }
 
-// As fp8_bf16_words_in_order, for 64 int8 codes.
-inline void int8_bf16_words_in_order(const Int8Bf16Tables& t, __m512i order, __m512i code,
-                                     __m512i* first, __m512i* second) {
-  code = _mm512_permutexvar_epi8(order, code);
+// As fp8_bf16_words, for 64 int8 codes.
+inline void int8_bf16_words(const Int8Bf16Tables& t, __m512i code, __m512i* first,
+                            __m512i* second) {
   const __mmask64 negative = _mm512_movepi8_mask(code);
   const __m512i hi =
       _mm512_mask_blend_epi8(negative, _mm512_permutex2var_epi8(t.hi[0], code, t.hi[1]),
@@ -382,34 +381,93 @@ inline void weights16(const float* s, int64_t n0, int64_t nk, int64_t s_stride, 
 
 namespace {
 
-// 64 columns from c of a row of values as bf16 (zero past dv), by code
-// type: *first columns c .. c + 31, *second the next 32. The 8-bit ones
-// decode by byte lookups, in order (fp8_bf16.h; int8_bf16_words_in_order).
+// The values of two keys (rows a and b; nullptr: none, zeros) at columns c
+// .. c + 63 as AMX's pairs: out[2 x + r] = key r's value (a: 0) at column
+// c + x, in four stores of 16 columns (those from dv_pad on skipped), zero
+// past dv. bf16 values: loaded and interleaved word by word.
 struct Bf16Values {
-  void load(const void* row, int64_t c, int64_t dv, __m512i* first, __m512i* second) const {
-    const uint16_t* v = static_cast<const uint16_t*>(row) + c;
-    *first = _mm512_maskz_loadu_epi16(step_mask(c, dv), v);
-    *second = _mm512_maskz_loadu_epi16(step_mask(c + 32, dv), v + 32);
+  __m512i first, second;
+  Bf16Values() {
+    alignas(64) static constexpr uint16_t kFirst[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                        37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                        11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    first = _mm512_load_si512(kFirst);
+    second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+  }
+  void pairs64(const void* a, const void* b, int64_t c, int64_t dv, int64_t dv_pad,
+               uint16_t* out) const {
+    for (int64_t x = c; x < c + 64 && x < dv_pad; x += 32) {
+      const __mmask32 m = step_mask(x, dv);
+      const __m512i va = a != nullptr
+                             ? _mm512_maskz_loadu_epi16(m, static_cast<const uint16_t*>(a) + x)
+                             : _mm512_setzero_si512();
+      const __m512i vb = b != nullptr
+                             ? _mm512_maskz_loadu_epi16(m, static_cast<const uint16_t*>(b) + x)
+                             : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + 2 * x, _mm512_permutex2var_epi16(va, first, vb));
+      if (x + 16 < dv_pad)
+        _mm512_storeu_si512(out + 2 * x + 32, _mm512_permutex2var_epi16(va, second, vb));
+    }
   }
 };
-struct Int8Values {
-  Int8Bf16Tables t;
-  __m512i order;
-  Int8Values() : t(int8_bf16_tables()), order(_mm512_load_si512(kFp8Bf16Order.at)) {}
-  void load(const void* row, int64_t c, int64_t dv, __m512i* first, __m512i* second) const {
-    int8_bf16_words_in_order(
-        t, order, _mm512_maskz_loadu_epi8(step_mask64(c, dv), static_cast<const int8_t*>(row) + c),
-        first, second);
+
+// 8-bit values: the two keys' codes interleaved byte by byte (vpermt2b)
+// in the order that makes the decoder's in-lane unpacking (fp8_bf16_words,
+// int8_bf16_words) write the pairs in place: byte 16 L + j of a 32-column
+// vector is key j % 2's code at column 4 L + j / 2 for j < 8 (the low
+// unpack's words 8 L ..), 16 + 4 L + (j - 8) / 2 for j >= 8 (the high
+// unpack's). About 9 (fp8) or 12 (int8) instructions per 32 columns of
+// two keys, where decoding each row then interleaving words took ~26.
+struct PairOrder {
+  uint8_t at[64];
+};
+constexpr PairOrder pair_order() {
+  PairOrder o{};
+  for (int q = 0; q < 64; ++q) {
+    const int lane = q / 16, j = q % 16;
+    const int column = j < 8 ? 4 * lane + j / 2 : 16 + 4 * lane + (j - 8) / 2;
+    o.at[q] = static_cast<uint8_t>((j % 2) * 64 + column);  // vpermt2b: b's bytes from 64
+  }
+  return o;
+}
+alignas(64) constexpr PairOrder kPairOrder = pair_order();
+
+struct Fp8Decoder {  // as amx_keys_fp8: 0x7f / 0xff as +-480
+  Fp8Bf16Tables t = fp8_bf16_tables(kFp8Bf16Bytes480);
+  void words(__m512i code, __m512i* first, __m512i* second) const {
+    fp8_bf16_words(t, code, first, second);
   }
 };
-struct Fp8Values {  // as amx_keys_fp8
-  Fp8Bf16Tables t;
-  __m512i order;
-  Fp8Values() : t(fp8_bf16_tables(kFp8Bf16Bytes480)), order(_mm512_load_si512(kFp8Bf16Order.at)) {}
-  void load(const void* row, int64_t c, int64_t dv, __m512i* first, __m512i* second) const {
-    fp8_bf16_words_in_order(
-        t, order, _mm512_maskz_loadu_epi8(step_mask64(c, dv), static_cast<const uint8_t*>(row) + c),
-        first, second);
+struct Int8Decoder {
+  Int8Bf16Tables t = int8_bf16_tables();
+  void words(__m512i code, __m512i* first, __m512i* second) const {
+    int8_bf16_words(t, code, first, second);
+  }
+};
+
+template <class Decoder>
+struct CodeValues {
+  Decoder d;
+  __m512i order0, order1;  // columns c .. c + 31, c + 32 .. c + 63
+  CodeValues() {
+    order0 = _mm512_load_si512(kPairOrder.at);
+    order1 = _mm512_add_epi8(order0, _mm512_set1_epi8(32));
+  }
+  void pairs64(const void* a, const void* b, int64_t c, int64_t dv, int64_t dv_pad,
+               uint16_t* out) const {
+    const __mmask64 m = step_mask64(c, dv);
+    const __m512i ca = a != nullptr ? _mm512_maskz_loadu_epi8(m, static_cast<const uint8_t*>(a) + c)
+                                    : _mm512_setzero_si512();
+    const __m512i cb = b != nullptr ? _mm512_maskz_loadu_epi8(m, static_cast<const uint8_t*>(b) + c)
+                                    : _mm512_setzero_si512();
+    __m512i w0, w1;
+    d.words(_mm512_permutex2var_epi8(ca, order0, cb), &w0, &w1);
+    _mm512_storeu_si512(out + 2 * c, w0);
+    if (c + 16 < dv_pad) _mm512_storeu_si512(out + 2 * c + 32, w1);
+    if (c + 32 >= dv_pad) return;
+    d.words(_mm512_permutex2var_epi8(ca, order1, cb), &w0, &w1);
+    _mm512_storeu_si512(out + 2 * c + 64, w0);
+    if (c + 48 < dv_pad) _mm512_storeu_si512(out + 2 * c + 96, w1);
   }
 };
 
@@ -417,31 +475,16 @@ template <class Values>
 void value_pairs(const void* const* rows, const int64_t* fetch, int64_t elem_bytes, int64_t nk,
                  int64_t dv, int64_t dv_pad, uint16_t* pairs) {
   // pairs[p][c][2] = (key 2 p, key 2 p + 1) at column c.
-  alignas(64) static constexpr uint16_t kFirst[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                                      37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-                                                      11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const Values values;
-  const __m512i first = _mm512_load_si512(kFirst);
-  const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
   const int64_t steps = (nk + 31) / 32;
   for (int64_t n = 0; n < nk; ++n)
     if (fetch[n] != 0)
       prefetch_row(static_cast<const char*>(rows[n]) + fetch[n] * elem_bytes, dv * elem_bytes);
   for (int64_t p = 0; p < 16 * steps; ++p) {
-    uint16_t* out = pairs + p * 2 * dv_pad;
-    const bool has_a = 2 * p < nk, has_b = 2 * p + 1 < nk;
-    for (int64_t c = 0; c < dv_pad; c += 64) {
-      __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;
-      if (has_a) values.load(rows[2 * p], c, dv, &a0, &a1);
-      if (has_b) values.load(rows[2 * p + 1], c, dv, &b0, &b1);
-      _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi16(a0, first, b0));
-      if (c + 16 < dv_pad)
-        _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi16(a0, second, b0));
-      if (c + 32 < dv_pad)
-        _mm512_storeu_si512(out + 2 * c + 64, _mm512_permutex2var_epi16(a1, first, b1));
-      if (c + 48 < dv_pad)
-        _mm512_storeu_si512(out + 2 * c + 96, _mm512_permutex2var_epi16(a1, second, b1));
-    }
+    const void* a = 2 * p < nk ? rows[2 * p] : nullptr;
+    const void* b = 2 * p + 1 < nk ? rows[2 * p + 1] : nullptr;
+    for (int64_t c = 0; c < dv_pad; c += 64)
+      values.pairs64(a, b, c, dv, dv_pad, pairs + p * 2 * dv_pad);
   }
 }
 
@@ -475,9 +518,9 @@ void amx_value_pairs(const void* const* rows, const int64_t* fetch, int64_t nk, 
   if (kind == 0)
     value_pairs<Bf16Values>(rows, fetch, 2, nk, dv, dv_pad, pairs);
   else if (kind == 1)
-    value_pairs<Int8Values>(rows, fetch, 1, nk, dv, dv_pad, pairs);
+    value_pairs<CodeValues<Int8Decoder>>(rows, fetch, 1, nk, dv, dv_pad, pairs);
   else
-    value_pairs<Fp8Values>(rows, fetch, 1, nk, dv, dv_pad, pairs);
+    value_pairs<CodeValues<Fp8Decoder>>(rows, fetch, 1, nk, dv, dv_pad, pairs);
 }
 
 void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
