@@ -1,7 +1,8 @@
 // fp8 E4M3 codes to bf16, exactly, for AMX's tdpbf16ps (every E4M3 value
 // is a bf16 value, and a normal one: E4M3's subnormals, k * 2^-9, are far
 // above bf16's smallest normal, so AMX, which reads bf16 denormals as 0,
-// sees every value). Shared by the AMX forms that multiply fp8 keys.
+// sees every value). Shared by the AMX forms that multiply fp8 codes (the
+// DSA indexer's keys; decode_amx.cc's keys and values, in order).
 //
 // The decoder turns 64 codes into 64 bf16 words with two byte lookups of
 // 128 entries (vpermi2b: one table for each byte of the bf16 word, indexed
