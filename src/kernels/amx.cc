@@ -30,7 +30,10 @@ bool request_amx() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
   const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
-  if (!tile || !bf16) return false;
+  // The tile kernels decode 8-bit codes by AVX512-VBMI byte lookups
+  // (cpu/fp8_bf16.h), which every CPU with AMX has; checked all the same.
+  const bool vbmi = (c >> 1) & 1u;
+  if (!tile || !bf16 || !vbmi) return false;
   // Linux hands out the 8 KiB of tile state per process, on request
   // (XFEATURE_XTILEDATA).
   constexpr int kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXtileData = 18;

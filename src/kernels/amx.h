@@ -16,7 +16,8 @@
 
 namespace attnkit::kernels {
 
-// True when this build has AMX kernels, the CPU has AMX-TILE and AMX-BF16,
+// True when this build has AMX kernels, the CPU has AMX-TILE and AMX-BF16
+// (and AVX512-VBMI, whose byte lookups decode the tiles' 8-bit operands),
 // and the OS lets this process use the tile registers (asked for once, on
 // the first call: Linux's arch_prctl ARCH_REQ_XCOMP_PERM; a kernel that
 // refuses, or predates it, leaves AMX off).

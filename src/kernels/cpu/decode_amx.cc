@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "kernels/amx.h"
+#include "kernels/cpu/fp8_bf16.h"
 
 #if defined(ATTNKIT_AMX_BUILD)
 #if defined(__GNUC__) && !defined(__clang__)
@@ -24,11 +25,12 @@ namespace attnkit::kernels::cpu {
 #if defined(__clang__)
 #pragma clang attribute push(                                                              \
     __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq," \
-                          "avx512bf16,fma"))),                                             \
+                          "avx512bf16,avx512vbmi,fma"))),                                  \
     apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+#pragma GCC target( \
+    "amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,fma")
 #endif
 
 namespace {
@@ -59,6 +61,63 @@ inline __mmask32 step_mask(int64_t c0, int64_t head_dim) {
   return left >= 32 ? ~__mmask32{0} : left <= 0 ? 0 : (__mmask32{1} << left) - 1;
 }
 
+// Lanes c0 .. min(head_dim, c0 + 64) - 1 of a 64-lane step.
+inline __mmask64 step_mask64(int64_t c0, int64_t head_dim) {
+  const int64_t left = head_dim - c0;
+  return left >= 64 ? ~__mmask64{0} : left <= 0 ? 0 : (__mmask64{1} << left) - 1;
+}
+
+// int8 codes to bf16, exactly (|v| <= 128 has at most 8 significant bits),
+// by byte lookups as fp8_bf16.h decodes E4M3: the bf16 word's high and low
+// bytes from tables of 256, each two vpermi2b over 128 entries (the code's
+// low 7 bits) and a blend on the sign bit. Words come out in
+// fp8_bf16_feature's order unless the codes were moved by kFp8Bf16Order.
+struct Int8Bf16Bytes {
+  uint8_t hi[256], lo[256];
+};
+constexpr Int8Bf16Bytes int8_bf16_bytes() {
+  Int8Bf16Bytes b{};
+  for (int code = 0; code < 256; ++code) {
+    const int v = code < 128 ? code : code - 256, mag = v < 0 ? -v : v;
+    int bits = 0;
+    if (mag != 0) {
+      int e = 0;
+      while ((mag >> (e + 1)) != 0) ++e;  // 2^e <= mag < 2^(e + 1), e <= 7
+      bits = (v < 0 ? 0x8000 : 0) | ((e + 127) << 7) | ((mag - (1 << e)) << (7 - e));
+    }
+    b.hi[code] = static_cast<uint8_t>(bits >> 8);
+    b.lo[code] = static_cast<uint8_t>(bits & 0xff);
+  }
+  return b;
+}
+alignas(64) constexpr Int8Bf16Bytes kInt8Bf16Bytes = int8_bf16_bytes();
+
+struct Int8Bf16Tables {
+  __m512i hi[4], lo[4];  // entries 0-63, 64-127, 128-191, 192-255
+};
+inline Int8Bf16Tables int8_bf16_tables() {
+  Int8Bf16Tables t;
+  for (int i = 0; i < 4; ++i) {
+    t.hi[i] = _mm512_load_si512(kInt8Bf16Bytes.hi + 64 * i);
+    t.lo[i] = _mm512_load_si512(kInt8Bf16Bytes.lo + 64 * i);
+  }
+  return t;
+}
+
+// As fp8_bf16_words, for 64 int8 codes.
+inline void int8_bf16_words(const Int8Bf16Tables& t, __m512i code, __m512i* first,
+                            __m512i* second) {
+  const __mmask64 negative = _mm512_movepi8_mask(code);
+  const __m512i hi =
+      _mm512_mask_blend_epi8(negative, _mm512_permutex2var_epi8(t.hi[0], code, t.hi[1]),
+                             _mm512_permutex2var_epi8(t.hi[2], code, t.hi[3]));
+  const __m512i lo =
+      _mm512_mask_blend_epi8(negative, _mm512_permutex2var_epi8(t.lo[0], code, t.lo[1]),
+                             _mm512_permutex2var_epi8(t.lo[2], code, t.lo[3]));
+  *first = _mm512_unpacklo_epi8(lo, hi);
+  *second = _mm512_unpackhi_epi8(lo, hi);
+}
+
 }  // namespace
 
 void amx_keys_bf16(const uint16_t* k, int64_t stride, int64_t n, int64_t head_dim, uint16_t* dst,
@@ -72,29 +131,22 @@ void amx_keys_bf16(const uint16_t* k, int64_t stride, int64_t n, int64_t head_di
   }
 }
 
-// A code's magnitude bits m = e << 3 | f with e > 0 move into bf16's fields
-// as (m << 4) + (120 << 7) (E4M3's exponent bias 7 becomes 127); e = 0 is f *
-// 2^-9, from a table of eight (bf16 normals: 2^-9 is far above bf16's
-// smallest normal).
+// By fp8_bf16.h's byte lookups, in order (kd may end in half a block of
+// 64), with 0x7f / 0xff as +-480 (kFp8Bf16Bytes480).
 void amx_keys_fp8(const uint8_t* k, int64_t stride, int64_t n, int64_t head_dim, uint16_t* dst,
                   int64_t kd, int64_t prefetch) {
-  alignas(64) static constexpr uint16_t kSubnormal[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0,
-                                                          0x3C00, 0x3C20, 0x3C40, 0x3C60};
-  const __m512i table = _mm512_load_si512(kSubnormal);
-  const __m512i low7 = _mm512_set1_epi16(0x7f), sign = _mm512_set1_epi16(0x80);
-  const __m512i bias = _mm512_set1_epi16(0x3C00), eight = _mm512_set1_epi16(8);
+  const Fp8Bf16Tables t = fp8_bf16_tables(kFp8Bf16Bytes480);
+  const __m512i order = _mm512_load_si512(kFp8Bf16Order.at);
   for (int64_t r = 0; r < n; ++r) {
     const uint8_t* row = k + r * stride;
     if (prefetch != 0) prefetch_row(row + prefetch, head_dim);
-    for (int64_t c = 0; c < kd; c += 32) {
-      const __m512i code =
-          _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(step_mask(c, head_dim), row + c));
-      const __m512i mag = _mm512_and_si512(code, low7);
-      const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), bias);
-      const __m512i small = _mm512_permutexvar_epi16(mag, table);  // low 5 bits index
-      __m512i v = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(mag, eight), normal, small);
-      v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(code, sign), 8));
-      _mm512_storeu_si512(dst + r * kd + c, v);
+    uint16_t* out = dst + r * kd;
+    for (int64_t c = 0; c < kd; c += 64) {
+      __m512i first, second;
+      fp8_bf16_words_in_order(t, order, _mm512_maskz_loadu_epi8(step_mask64(c, head_dim), row + c),
+                              &first, &second);
+      _mm512_storeu_si512(out + c, first);
+      if (c + 32 < kd) _mm512_storeu_si512(out + c + 32, second);
     }
   }
 }
@@ -329,34 +381,93 @@ inline void weights16(const float* s, int64_t n0, int64_t nk, int64_t s_stride, 
 
 namespace {
 
-// 32 columns from c of a row of values as bf16 (zero past dv), by code type.
+// The values of two keys (rows a and b; nullptr: none, zeros) at columns c
+// .. c + 63 as AMX's pairs: out[2 x + r] = key r's value (a: 0) at column
+// c + x, in four stores of 16 columns (those from dv_pad on skipped), zero
+// past dv. bf16 values: loaded and interleaved word by word.
 struct Bf16Values {
-  static __m512i load(const void* row, int64_t c, int64_t dv) {
-    return _mm512_maskz_loadu_epi16(step_mask(c, dv), static_cast<const uint16_t*>(row) + c);
+  __m512i first, second;
+  Bf16Values() {
+    alignas(64) static constexpr uint16_t kFirst[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                        37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                        11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    first = _mm512_load_si512(kFirst);
+    second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+  }
+  void pairs64(const void* a, const void* b, int64_t c, int64_t dv, int64_t dv_pad,
+               uint16_t* out) const {
+    for (int64_t x = c; x < c + 64 && x < dv_pad; x += 32) {
+      const __mmask32 m = step_mask(x, dv);
+      const __m512i va = a != nullptr
+                             ? _mm512_maskz_loadu_epi16(m, static_cast<const uint16_t*>(a) + x)
+                             : _mm512_setzero_si512();
+      const __m512i vb = b != nullptr
+                             ? _mm512_maskz_loadu_epi16(m, static_cast<const uint16_t*>(b) + x)
+                             : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + 2 * x, _mm512_permutex2var_epi16(va, first, vb));
+      if (x + 16 < dv_pad)
+        _mm512_storeu_si512(out + 2 * x + 32, _mm512_permutex2var_epi16(va, second, vb));
+    }
   }
 };
-struct Int8Values {
-  static __m512i load(const void* row, int64_t c, int64_t dv) {
-    const __m256i codes =
-        _mm256_maskz_loadu_epi8(step_mask(c, dv), static_cast<const int8_t*>(row) + c);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+
+// 8-bit values: the two keys' codes interleaved byte by byte (vpermt2b)
+// in the order that makes the decoder's in-lane unpacking (fp8_bf16_words,
+// int8_bf16_words) write the pairs in place: byte 16 L + j of a 32-column
+// vector is key j % 2's code at column 4 L + j / 2 for j < 8 (the low
+// unpack's words 8 L ..), 16 + 4 L + (j - 8) / 2 for j >= 8 (the high
+// unpack's). About 9 (fp8) or 12 (int8) instructions per 32 columns of
+// two keys, where decoding each row then interleaving words took ~26.
+struct PairOrder {
+  uint8_t at[64];
+};
+constexpr PairOrder pair_order() {
+  PairOrder o{};
+  for (int q = 0; q < 64; ++q) {
+    const int lane = q / 16, j = q % 16;
+    const int column = j < 8 ? 4 * lane + j / 2 : 16 + 4 * lane + (j - 8) / 2;
+    o.at[q] = static_cast<uint8_t>((j % 2) * 64 + column);  // vpermt2b: b's bytes from 64
+  }
+  return o;
+}
+alignas(64) constexpr PairOrder kPairOrder = pair_order();
+
+struct Fp8Decoder {  // as amx_keys_fp8: 0x7f / 0xff as +-480
+  Fp8Bf16Tables t = fp8_bf16_tables(kFp8Bf16Bytes480);
+  void words(__m512i code, __m512i* first, __m512i* second) const {
+    fp8_bf16_words(t, code, first, second);
   }
 };
-struct Fp8Values {  // as amx_keys_fp8
-  static __m512i load(const void* row, int64_t c, int64_t dv) {
-    alignas(64) static constexpr uint16_t kSubnormal[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0,
-                                                            0x3C00, 0x3C20, 0x3C40, 0x3C60};
-    const __m512i code = _mm512_cvtepu8_epi16(
-        _mm256_maskz_loadu_epi8(step_mask(c, dv), static_cast<const uint8_t*>(row) + c));
-    const __m512i mag = _mm512_and_si512(code, _mm512_set1_epi16(0x7f));
-    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3C00));
-    const __m512i small = _mm512_permutexvar_epi16(mag, _mm512_load_si512(kSubnormal));
-    const __m512i v =
-        _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), normal, small);
-    return _mm512_or_si512(v,
-                           _mm512_slli_epi16(_mm512_and_si512(code, _mm512_set1_epi16(0x80)), 8));
+struct Int8Decoder {
+  Int8Bf16Tables t = int8_bf16_tables();
+  void words(__m512i code, __m512i* first, __m512i* second) const {
+    int8_bf16_words(t, code, first, second);
+  }
+};
+
+template <class Decoder>
+struct CodeValues {
+  Decoder d;
+  __m512i order0, order1;  // columns c .. c + 31, c + 32 .. c + 63
+  CodeValues() {
+    order0 = _mm512_load_si512(kPairOrder.at);
+    order1 = _mm512_add_epi8(order0, _mm512_set1_epi8(32));
+  }
+  void pairs64(const void* a, const void* b, int64_t c, int64_t dv, int64_t dv_pad,
+               uint16_t* out) const {
+    const __mmask64 m = step_mask64(c, dv);
+    const __m512i ca = a != nullptr ? _mm512_maskz_loadu_epi8(m, static_cast<const uint8_t*>(a) + c)
+                                    : _mm512_setzero_si512();
+    const __m512i cb = b != nullptr ? _mm512_maskz_loadu_epi8(m, static_cast<const uint8_t*>(b) + c)
+                                    : _mm512_setzero_si512();
+    __m512i w0, w1;
+    d.words(_mm512_permutex2var_epi8(ca, order0, cb), &w0, &w1);
+    _mm512_storeu_si512(out + 2 * c, w0);
+    if (c + 16 < dv_pad) _mm512_storeu_si512(out + 2 * c + 32, w1);
+    if (c + 32 >= dv_pad) return;
+    d.words(_mm512_permutex2var_epi8(ca, order1, cb), &w0, &w1);
+    _mm512_storeu_si512(out + 2 * c + 64, w0);
+    if (c + 48 < dv_pad) _mm512_storeu_si512(out + 2 * c + 96, w1);
   }
 };
 
@@ -364,25 +475,16 @@ template <class Values>
 void value_pairs(const void* const* rows, const int64_t* fetch, int64_t elem_bytes, int64_t nk,
                  int64_t dv, int64_t dv_pad, uint16_t* pairs) {
   // pairs[p][c][2] = (key 2 p, key 2 p + 1) at column c.
-  alignas(64) static constexpr uint16_t kFirst[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                                      37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-                                                      11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i first = _mm512_load_si512(kFirst);
-  const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+  const Values values;
   const int64_t steps = (nk + 31) / 32;
   for (int64_t n = 0; n < nk; ++n)
     if (fetch[n] != 0)
       prefetch_row(static_cast<const char*>(rows[n]) + fetch[n] * elem_bytes, dv * elem_bytes);
   for (int64_t p = 0; p < 16 * steps; ++p) {
-    uint16_t* out = pairs + p * 2 * dv_pad;
-    const bool has_a = 2 * p < nk, has_b = 2 * p + 1 < nk;
-    for (int64_t c = 0; c < dv_pad; c += 32) {
-      const __m512i a = has_a ? Values::load(rows[2 * p], c, dv) : _mm512_setzero_si512();
-      const __m512i b = has_b ? Values::load(rows[2 * p + 1], c, dv) : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi16(a, first, b));
-      if (c + 16 < dv_pad)
-        _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi16(a, second, b));
-    }
+    const void* a = 2 * p < nk ? rows[2 * p] : nullptr;
+    const void* b = 2 * p + 1 < nk ? rows[2 * p + 1] : nullptr;
+    for (int64_t c = 0; c < dv_pad; c += 64)
+      values.pairs64(a, b, c, dv, dv_pad, pairs + p * 2 * dv_pad);
   }
 }
 
@@ -416,9 +518,9 @@ void amx_value_pairs(const void* const* rows, const int64_t* fetch, int64_t nk, 
   if (kind == 0)
     value_pairs<Bf16Values>(rows, fetch, 2, nk, dv, dv_pad, pairs);
   else if (kind == 1)
-    value_pairs<Int8Values>(rows, fetch, 1, nk, dv, dv_pad, pairs);
+    value_pairs<CodeValues<Int8Decoder>>(rows, fetch, 1, nk, dv, dv_pad, pairs);
   else
-    value_pairs<Fp8Values>(rows, fetch, 1, nk, dv, dv_pad, pairs);
+    value_pairs<CodeValues<Fp8Decoder>>(rows, fetch, 1, nk, dv, dv_pad, pairs);
 }
 
 void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,

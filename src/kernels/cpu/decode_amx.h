@@ -15,6 +15,8 @@
 // bf16's normal range (E4M3's smallest subnormal is 2^-9), so they decode
 // to bf16 exactly and never to a bf16 denormal (which AMX reads as 0).
 // Their scales (one per key row) multiply the scores afterwards, in fp32.
+// 8-bit codes decode by byte lookups (AVX512-VBMI's vpermi2b: fp8_bf16.h's
+// tables, and one of 256 int8 values), ~7-10 instructions per 64 codes.
 // For bf16 K/V the queries and the weights are rounded to bf16 (relative
 // error 2^-9), as the vdpbf16ps kernels round them; for 8-bit K/V, whose
 // other kernels keep them to 2^-15 or better, each is split into two bf16

@@ -1,7 +1,8 @@
 // fp8 E4M3 codes to bf16, exactly, for AMX's tdpbf16ps (every E4M3 value
 // is a bf16 value, and a normal one: E4M3's subnormals, k * 2^-9, are far
 // above bf16's smallest normal, so AMX, which reads bf16 denormals as 0,
-// sees every value). Shared by the AMX forms that multiply fp8 keys.
+// sees every value). Shared by the AMX forms that multiply fp8 codes (the
+// DSA indexer's keys; decode_amx.cc's keys and values, in order).
 //
 // The decoder turns 64 codes into 64 bf16 words with two byte lookups of
 // 128 entries (vpermi2b: one table for each byte of the bf16 word, indexed
@@ -54,19 +55,36 @@ constexpr int64_t fp8_bf16_feature(int64_t p) {
 
 #define ATTNKIT_FP8_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vbmi")))
 
-// The high and low bytes of fp8_e4m3_magnitude_bf16(m), m < 128.
+// The high and low bytes of fp8_e4m3_magnitude_bf16(m), m < 128; magnitude
+// 0x7f gets nan_bits (the kernels that decode it to +-480, kernel_table.h,
+// pass 480's bf16 bits, 0x43f0: the byte layout that would follow 448).
 struct Fp8Bf16Bytes {
   uint8_t hi[128], lo[128];
 };
-constexpr Fp8Bf16Bytes fp8_bf16_bytes() {
+constexpr Fp8Bf16Bytes fp8_bf16_bytes(uint16_t nan_bits = fp8_e4m3_magnitude_bf16(0x7f)) {
   Fp8Bf16Bytes b{};
   for (int m = 0; m < 128; ++m) {
-    b.hi[m] = static_cast<uint8_t>(fp8_e4m3_magnitude_bf16(m) >> 8);
-    b.lo[m] = static_cast<uint8_t>(fp8_e4m3_magnitude_bf16(m) & 0xff);
+    const uint16_t bits = m == 0x7f ? nan_bits : fp8_e4m3_magnitude_bf16(m);
+    b.hi[m] = static_cast<uint8_t>(bits >> 8);
+    b.lo[m] = static_cast<uint8_t>(bits & 0xff);
   }
   return b;
 }
 alignas(64) inline constexpr Fp8Bf16Bytes kFp8Bf16Bytes = fp8_bf16_bytes();
+alignas(64) inline constexpr Fp8Bf16Bytes kFp8Bf16Bytes480 = fp8_bf16_bytes(0x43f0);
+
+// The in-order form's byte shuffle: at[fp8_bf16_feature(p)] = p, so that
+// codes moved by it (vpermb: byte i <- byte at[i]) come out of the
+// decoder with word p holding code p.
+struct Fp8Bf16Order {
+  uint8_t at[64];
+};
+constexpr Fp8Bf16Order fp8_bf16_order() {
+  Fp8Bf16Order o{};
+  for (int64_t p = 0; p < 64; ++p) o.at[fp8_bf16_feature(p)] = static_cast<uint8_t>(p);
+  return o;
+}
+alignas(64) inline constexpr Fp8Bf16Order kFp8Bf16Order = fp8_bf16_order();
 
 // The two byte tables in registers: hi*/lo* for magnitudes 0-63 (*0) and
 // 64-127 (*1). Load once per call, outside the loop over keys.
@@ -74,24 +92,44 @@ struct Fp8Bf16Tables {
   __m512i hi0, hi1, lo0, lo1;
 };
 
-ATTNKIT_FP8_BF16_TARGET inline Fp8Bf16Tables fp8_bf16_tables() {
-  const uint8_t* hi = kFp8Bf16Bytes.hi;
-  const uint8_t* lo = kFp8Bf16Bytes.lo;
+ATTNKIT_FP8_BF16_TARGET inline Fp8Bf16Tables fp8_bf16_tables(
+    const Fp8Bf16Bytes& bytes = kFp8Bf16Bytes) {
+  const uint8_t* hi = bytes.hi;
+  const uint8_t* lo = bytes.lo;
   return {_mm512_loadu_si512(hi), _mm512_loadu_si512(hi + 64), _mm512_loadu_si512(lo),
           _mm512_loadu_si512(lo + 64)};
 }
 
-// out[p] = bf16 bits of codes[fp8_bf16_feature(p)], p < 64.
-ATTNKIT_FP8_BF16_TARGET inline void fp8_bf16_decode64(const Fp8Bf16Tables& t, const uint8_t* codes,
-                                                      uint16_t* out) {
-  const __m512i code = _mm512_loadu_si512(codes);
+// The 64 codes in `code` decoded: *first = words 0-31, *second = words
+// 32-63, word p the bf16 bits of code byte fp8_bf16_feature(p).
+ATTNKIT_FP8_BF16_TARGET inline void fp8_bf16_words(const Fp8Bf16Tables& t, __m512i code,
+                                                   __m512i* first, __m512i* second) {
   // vpermi2b indexes with bits 0-6 and ignores bit 7, the sign.
   const __m512i hi_mag = _mm512_permutex2var_epi8(t.hi0, code, t.hi1);
   const __m512i lo = _mm512_permutex2var_epi8(t.lo0, code, t.lo1);
   // hi = hi_mag | (code & 0x80): ternary-logic truth table A | (B & C).
   const __m512i hi = _mm512_ternarylogic_epi32(hi_mag, code, _mm512_set1_epi8(-128), 0xf8);
-  _mm512_storeu_si512(out, _mm512_unpacklo_epi8(lo, hi));
-  _mm512_storeu_si512(out + 32, _mm512_unpackhi_epi8(lo, hi));
+  *first = _mm512_unpacklo_epi8(lo, hi);
+  *second = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// out[p] = bf16 bits of codes[fp8_bf16_feature(p)], p < 64.
+ATTNKIT_FP8_BF16_TARGET inline void fp8_bf16_decode64(const Fp8Bf16Tables& t, const uint8_t* codes,
+                                                      uint16_t* out) {
+  __m512i first, second;
+  fp8_bf16_words(t, _mm512_loadu_si512(codes), &first, &second);
+  _mm512_storeu_si512(out, first);
+  _mm512_storeu_si512(out + 32, second);
+}
+
+// The in-order form, for operands whose features cannot take the permuted
+// order for free (P V's values: their features are the output's columns)
+// or whose rows end in half a block (keys padded to 32 dims): one vpermb
+// more (order: kFp8Bf16Order loaded) puts code p at word p, p < 64.
+ATTNKIT_FP8_BF16_TARGET inline void fp8_bf16_words_in_order(const Fp8Bf16Tables& t, __m512i order,
+                                                            __m512i code, __m512i* first,
+                                                            __m512i* second) {
+  fp8_bf16_words(t, _mm512_permutexvar_epi8(order, code), first, second);
 }
 
 // out[b * 64 + p] = bf16 bits of codes[b * 64 + fp8_bf16_feature(p)] for
