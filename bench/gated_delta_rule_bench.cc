@@ -19,6 +19,9 @@
 //            processes does not count, and pool threads that spin do).
 //            The peak is the active SIMD target's: with ATTNKIT_SIMD=avx2
 //            on an AVX-512 machine, a 256-bit FMA peak measured here.
+//   layouts  the chunked prefill of 8K / 32K tokens on token-major q, k, v
+//            (every head of a token in one row) and on a head-major copy
+//            (the layer's layout), alternated: `speedup_head_major`.
 //   phases   the chunked prefill of 8K / 32K tokens on one thread with a
 //            clock read between its phases
 //            (kernels::cpu::gated_delta_rule_chunked_timed): each phase's
