@@ -19,6 +19,9 @@
 //            processes does not count, and pool threads that spin do).
 //            The peak is the active SIMD target's: with ATTNKIT_SIMD=avx2
 //            on an AVX-512 machine, a 256-bit FMA peak measured here.
+//   layouts  the chunked prefill of 8K / 32K tokens on token-major q, k, v
+//            (every head of a token in one row) and on a head-major copy
+//            (the layer's layout), alternated: `speedup_head_major`.
 //   phases   the chunked prefill of 8K / 32K tokens on one thread with a
 //            clock read between its phases
 //            (kernels::cpu::gated_delta_rule_chunked_timed): each phase's
@@ -305,6 +308,68 @@ BENCHMARK(BM_Prefill)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->Iterations(3);
+
+// The chunked prefill of one sequence on two layouts of the same q, k, v,
+// alternated in each iteration (the order swapped every other one):
+// token-major (every head of a token in one row, as the public API passes
+// them) and head-major (each head's rows one run, [head][token][dim], as
+// the GatedDeltaNet layer writes its blocks). Medians of the repeats.
+void BM_PrefillLayouts(benchmark::State& st) {
+  const int64_t seq = st.range(0);
+  Floats rows(seq * kWidth), heads(seq * kWidth), g(seq * kHv), beta(seq * kHv),
+      out(seq * kHv * kDv), state(kStateFloats);
+  fill(rows, -0.1f, 0.1f, 5);
+  fill(g, -0.1f, 0.0f, 6);
+  fill(beta, 0.0f, 1.0f, 7);
+  const int64_t kd = kHk * kDk;
+  for (int64_t t = 0; t < seq; ++t) {
+    const float* row = rows.data() + t * kWidth;
+    for (int64_t h = 0; h < 2 * kHk; ++h)  // q heads, then k heads
+      std::copy(row + h * kDk, row + (h + 1) * kDk, heads.data() + (h * seq + t) * kDk);
+    for (int64_t h = 0; h < kHv; ++h)
+      std::copy(row + 2 * kd + h * kDv, row + 2 * kd + (h + 1) * kDv,
+                heads.data() + 2 * kd * seq + (h * seq + t) * kDv);
+  }
+  (void)peak_gflops();
+  GatedDeltaRuleParams tm = params(1, seq, rows, g, beta, state.data(), out, GdrForm::kChunked);
+  GatedDeltaRuleParams hm = tm;
+  hm.q = heads.data();
+  hm.k = hm.q + kd * seq;
+  hm.v = hm.q + 2 * kd * seq;
+  hm.q_stride = hm.k_stride = kDk;
+  hm.v_stride = kDv;
+  hm.q_head_stride = hm.k_head_stride = seq * kDk;
+  hm.v_head_stride = seq * kDv;
+  std::vector<double> t_tm, t_hm, ratio;
+  int64_t i = 0;
+  for (auto _ : st) {
+    double sec[2];
+    for (int k = 0; k < 2; ++k) {
+      const bool head_major = (k + i) % 2 == 1;
+      std::fill_n(state.data(), kStateFloats, 0.0f);
+      const auto t0 = Clock::now();
+      const Status ok = kernels::run_gated_delta_rule(head_major ? hm : tm, Backend::kFast);
+      sec[head_major] = seconds_since(t0);
+      if (!ok.ok()) st.SkipWithError(ok.message().c_str());
+    }
+    ++i;
+    st.SetIterationTime(sec[0] + sec[1]);
+    t_tm.push_back(sec[0]);
+    t_hm.push_back(sec[1]);
+    ratio.push_back(sec[0] / sec[1]);
+  }
+  const double flops = 2 * chunked_fmas(seq) / 1e9;
+  st.counters["frac_fma_peak_token_major"] = flops / bench::median(t_tm) / peak_gflops();
+  st.counters["frac_fma_peak_head_major"] = flops / bench::median(t_hm) / peak_gflops();
+  st.counters["speedup_head_major"] = bench::median(ratio);
+}
+BENCHMARK(BM_PrefillLayouts)
+    ->Name("layouts/qwen3next80b/chunked")
+    ->Arg(8192)
+    ->Arg(32768)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(5);
 
 // FMAs of each phase of the chunked form (kernels::cpu::GdrPhase) for one
 // sequence of `seq` tokens, as they execute (see chunked_fmas); 0 for the

@@ -49,11 +49,17 @@ struct GatedDeltaRuleParams {
   int64_t key_head_dim = 0, value_head_dim = 0;
 
   // Token t of sequence b, head h, starts at base + (b * seq + t) * stride
-  // + h * head_dim; each head's values are contiguous.
-  const float* q = nullptr;  // [batch, seq, num_k_heads, key_head_dim]
-  const float* k = nullptr;  // [batch, seq, num_k_heads, key_head_dim]
-  const float* v = nullptr;  // [batch, seq, num_v_heads, value_head_dim]
+  // + h * head_stride; each head's values are contiguous. A head stride of
+  // 0 stands for the head dim: the heads side by side in a token's row
+  // (token-major, [batch, seq, heads, head_dim] at a row stride). Head-major
+  // rows ([heads][batch * seq][head_dim]: stride = head_dim, head stride >=
+  // batch * seq * head_dim) put a chunk's rows of one head in one run of
+  // memory, which the hardware prefetchers follow (docs/LINEAR_ATTENTION.md).
+  const float* q = nullptr;  // [batch, seq, num_k_heads, key_head_dim] at the strides
+  const float* k = nullptr;  // [batch, seq, num_k_heads, key_head_dim] at the strides
+  const float* v = nullptr;  // [batch, seq, num_v_heads, value_head_dim] at the strides
   int64_t q_stride = 0, k_stride = 0, v_stride = 0;
+  int64_t q_head_stride = 0, k_head_stride = 0, v_head_stride = 0;
   const float* g = nullptr;     // [batch, seq, num_v_heads] contiguous, log-decays (<= 0)
   const float* beta = nullptr;  // [batch, seq, num_v_heads] contiguous, in [0, 1]
   float* state = nullptr;       // [batch, num_v_heads, key_head_dim, value_head_dim], in/out
@@ -62,6 +68,17 @@ struct GatedDeltaRuleParams {
 
   int num_threads = 0;  // 0 = default (core/threads.h)
   GdrForm form = GdrForm::kAuto;
+
+  // Row `row` (= b * seq + t) of key head kh's query / key, value head h's value.
+  const float* q_at(int64_t row, int64_t kh) const {
+    return q + row * q_stride + kh * (q_head_stride != 0 ? q_head_stride : key_head_dim);
+  }
+  const float* k_at(int64_t row, int64_t kh) const {
+    return k + row * k_stride + kh * (k_head_stride != 0 ? k_head_stride : key_head_dim);
+  }
+  const float* v_at(int64_t row, int64_t h) const {
+    return v + row * v_stride + h * (v_head_stride != 0 ? v_head_stride : value_head_dim);
+  }
 };
 
 }  // namespace attnkit::kernels

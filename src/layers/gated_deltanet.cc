@@ -343,7 +343,16 @@ class Rows {
       c->f(lo, std::min(c->n, lo + c->per_task));
     });
   }
-  void conv(const Piece& p, int64_t ch0, int64_t ch1);
+  // mixed holds a block's rows head-major: [2 Hk heads of dk, Hv heads of
+  // dv][rows][head dim], so that the recurrence reads a chunk's rows of one
+  // head as one run (64 rows of 128 floats: 32 KiB), which the hardware
+  // prefetchers follow; token-major, they lay a token's C floats apart. The
+  // first channel of the head of channel ch, whose values of row t then
+  // start at mixed_ + head_start(ch) * rows + t * head dim.
+  int64_t head_start(int64_t ch) const {
+    return ch < 2 * kd_ ? ch / dk_ * dk_ : 2 * kd_ + (ch - 2 * kd_) / dv_ * dv_;
+  }
+  void conv(const Piece& p, int64_t rows, int64_t ch0, int64_t ch1);
   void recurrence(std::span<const Piece> pieces, int64_t rows);
 
   const GatedDeltaNetConfig& c_;
@@ -356,28 +365,35 @@ class Rows {
   kernels::LinearOptions lin_;
 };
 
-// The causal depthwise conv with SiLU over a piece's rows of mixed, in
-// place, channels [ch0, ch1) (channels are independent, so tasks split
-// them): position t reads inputs t - K + 1 .. t, those before the piece
-// from its sequence's conv inputs (oldest first), so walking t downwards
-// never reads an input already overwritten. The new conv inputs (the last
-// K - 1) are taken first and replace the old after the walk.
-void Rows::conv(const Piece& p, int64_t ch0, int64_t ch1) {
+// The causal depthwise conv with SiLU over a piece's rows of mixed (a
+// block of `rows`, head-major), in place, channels [ch0, ch1) (channels
+// are independent, so tasks split them), a head's channels at a time:
+// position t reads inputs t - K + 1 .. t, those before the piece from its
+// sequence's conv inputs ([K - 1, C], oldest first), so walking t
+// downwards never reads an input already overwritten. The new conv inputs
+// (the last K - 1) are taken first and replace the old after the walk.
+void Rows::conv(const Piece& p, int64_t rows, int64_t ch0, int64_t ch1) {
   const int64_t K = K_, C = C_, len = p.len;
-  float* in = mixed_ + p.row * C;
   float* old = hist_ + static_cast<int64_t>(p.seg) * (K - 1) * C;
   const float* wconv = w_[kConv].ptr<const float>();  // [C, 1, K]
-  auto input = [&](int64_t u, int64_t ch) -> float {
-    return u >= 0 ? in[u * C + ch] : old[(K - 1 + u) * C + ch];
-  };
-  for (int64_t s = 0; s < K - 1; ++s)
-    for (int64_t ch = ch0; ch < ch1; ++ch) next_[s * C + ch] = input(len - (K - 1) + s, ch);
-  for (int64_t t = len - 1; t >= 0; --t) {
-    for (int64_t ch = ch0; ch < ch1; ++ch) {
-      float acc = 0.0f;
-      for (int64_t j = 0; j < K; ++j) acc += wconv[ch * K + j] * input(t - (K - 1) + j, ch);
-      in[t * C + ch] = static_cast<float>(silu(acc));
+  for (int64_t a = ch0; a < ch1;) {
+    const int64_t head = head_start(a), ld = a < 2 * kd_ ? dk_ : dv_;
+    const int64_t e = std::min(ch1, head + ld);
+    // Channel ch of row u of the piece at in[u * ld + ch].
+    float* in = mixed_ + head * rows + p.row * ld - head;
+    auto input = [&](int64_t u, int64_t ch) -> float {
+      return u >= 0 ? in[u * ld + ch] : old[(K - 1 + u) * C + ch];
+    };
+    for (int64_t s = 0; s < K - 1; ++s)
+      for (int64_t ch = a; ch < e; ++ch) next_[s * C + ch] = input(len - (K - 1) + s, ch);
+    for (int64_t t = len - 1; t >= 0; --t) {
+      for (int64_t ch = a; ch < e; ++ch) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < K; ++j) acc += wconv[ch * K + j] * input(t - (K - 1) + j, ch);
+        in[t * ld + ch] = static_cast<float>(silu(acc));
+      }
     }
+    a = e;
   }
   for (int64_t s = 0; s < K - 1; ++s)
     std::copy(next_ + s * C + ch0, next_ + s * C + ch1, old + s * C + ch0);
@@ -401,10 +417,14 @@ void Rows::recurrence(std::span<const Piece> pieces, int64_t rows) {
     p.num_v_heads = Hv_;
     p.key_head_dim = dk_;
     p.value_head_dim = dv_;
-    p.q = mixed_ + pieces[a].row * C_;
-    p.k = p.q + kd_;
-    p.v = p.q + 2 * kd_;
-    p.q_stride = p.k_stride = p.v_stride = C_;
+    // Head-major rows (head_start): a head's rows one after another.
+    p.q = mixed_ + pieces[a].row * dk_;
+    p.k = mixed_ + kd_ * rows + pieces[a].row * dk_;
+    p.v = mixed_ + 2 * kd_ * rows + pieces[a].row * dv_;
+    p.q_stride = p.k_stride = dk_;
+    p.v_stride = dv_;
+    p.q_head_stride = p.k_head_stride = rows * dk_;
+    p.v_head_stride = rows * dv_;
     p.g = gb_ + pieces[a].row * Hv_;
     p.beta = gb_ + rows * Hv_ + pieces[a].row * Hv_;
     p.state = segs_[pieces[a].seg].recurrent;
@@ -433,21 +453,23 @@ void Rows::block(std::span<const Piece> pieces, int64_t rows) {
   // (docs/LINEAR_ATTENTION.md). Rows, or conv channels, per task:
   constexpr int64_t kRowsPerTask = 16, kChannelsPerTask = 512;
 
-  // mixed = [q of every key head | k of every key head | v of every value head].
+  // mixed = [q of every key head | k of every key head | v of every value
+  // head], head-major (head_start).
   parallel(rows, kRowsPerTask, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* src = qkvz_ + t * wq_;
-      float* dst = mixed_ + t * C;
       for (int64_t g = 0; g < Hk_; ++g) {
         const float* grp = src + g * group_w;
-        std::copy(grp, grp + dk, dst + g * dk);
-        std::copy(grp + dk, grp + 2 * dk, dst + kd + g * dk);
-        std::copy(grp + 2 * dk, grp + 2 * dk + r * dv, dst + 2 * kd + g * r * dv);
+        std::copy(grp, grp + dk, mixed_ + (g * rows + t) * dk);
+        std::copy(grp + dk, grp + 2 * dk, mixed_ + ((Hk_ + g) * rows + t) * dk);
+        for (int64_t i = 0; i < r; ++i)
+          std::copy(grp + 2 * dk + i * dv, grp + 2 * dk + (i + 1) * dv,
+                    mixed_ + 2 * kd * rows + ((g * r + i) * rows + t) * dv);
       }
     }
   });
   parallel(C, kChannelsPerTask, [&](int64_t ch0, int64_t ch1) {
-    for (const Piece& p : pieces) conv(p, ch0, ch1);
+    for (const Piece& p : pieces) conv(p, rows, ch0, ch1);
   });
 
   // L2-normalised q and k per head, q scaled by dk^-0.5; g and beta.
@@ -459,7 +481,7 @@ void Rows::block(std::span<const Piece> pieces, int64_t rows) {
   parallel(rows, kRowsPerTask, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t hh = 0; hh < 2 * Hk_; ++hh) {
-        float* v = mixed_ + t * C + hh * dk;
+        float* v = mixed_ + (hh * rows + t) * dk;
         double ss = 0.0;
         for (int64_t d = 0; d < dk; ++d) ss += static_cast<double>(v[d]) * v[d];
         const double f = (hh < Hk_ ? q_scale : 1.0) / std::sqrt(ss + kL2NormEps);

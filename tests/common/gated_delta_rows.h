@@ -1,11 +1,12 @@
 // Inputs of the gated delta rule's kernels (src/kernels/gated_delta_rule_params.h)
-// laid out as the GatedDeltaNet layer lays them out, and one call of a
-// kernel form on them: shared by the kernel tests
+// token-major (every head of a token in one row), and one call of a kernel
+// form on them, on those rows or on a head-major copy (the layout the
+// GatedDeltaNet layer hands the kernels): shared by the kernel tests
 // (tests/kernels/gated_delta_rule_test.cc) and the fuzzer
-// (fuzz/gated_delta_fuzz.cc), so that both exercise the layout the layer
-// hands the kernels. No gtest here: the fuzzer links without it.
+// (fuzz/gated_delta_fuzz.cc). No gtest here: the fuzzer links without it.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -47,12 +48,30 @@ inline void normalise_qk(GdrInputs& in) {
 // [batch * seq, hv * dv] followed by the final state [batch, hv, dk, dv].
 // The outputs start as `unwritten`, so an output the kernel skips shows.
 // The kernel writes into buffers of exactly the extent it addresses, so
-// that ASan reports any access past them.
+// that ASan reports any access past them. head_gap >= 0: the kernel reads
+// q, k and v from a head-major copy instead ([2 hk + hv heads][batch * seq
+// rows][head dim], as the layer lays out its blocks), each head's rows
+// followed by head_gap unused floats, so that a head stride taken for
+// another shows.
 inline attnkit::Status run_gdr(const GdrInputs& in, attnkit::Backend backend,
                                attnkit::kernels::GdrForm form, int threads, float unwritten,
-                               std::vector<float>* out) {
+                               std::vector<float>* out, int64_t head_gap = -1) {
   std::vector<float> outputs(static_cast<size_t>(in.batch * in.seq * in.hv * in.dv), unwritten);
   std::vector<float> state = in.state0;
+  const int64_t T = in.batch * in.seq, qks = T * in.dk + head_gap, vs = T * in.dv + head_gap;
+  std::vector<float> heads;  // [2 hk, qks] then [hv, vs] when head-major
+  if (head_gap >= 0) {
+    heads.assign(static_cast<size_t>(2 * in.hk * qks + in.hv * vs), unwritten);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = in.rows.data() + t * in.width;
+      for (int64_t h = 0; h < 2 * in.hk; ++h)
+        std::copy(row + h * in.dk, row + (h + 1) * in.dk, heads.data() + h * qks + t * in.dk);
+      for (int64_t h = 0; h < in.hv; ++h) {
+        const float* v = row + 2 * in.hk * in.dk + h * in.dv;
+        std::copy(v, v + in.dv, heads.data() + 2 * in.hk * qks + h * vs + t * in.dv);
+      }
+    }
+  }
   attnkit::kernels::GatedDeltaRuleParams p;
   p.batch = in.batch;
   p.seq = in.seq;
@@ -64,6 +83,15 @@ inline attnkit::Status run_gdr(const GdrInputs& in, attnkit::Backend backend,
   p.k = p.q + in.hk * in.dk;
   p.v = p.q + 2 * in.hk * in.dk;
   p.q_stride = p.k_stride = p.v_stride = in.width;
+  if (head_gap >= 0) {
+    p.q = heads.data();
+    p.k = p.q + in.hk * qks;
+    p.v = p.q + 2 * in.hk * qks;
+    p.q_stride = p.k_stride = in.dk;
+    p.v_stride = in.dv;
+    p.q_head_stride = p.k_head_stride = qks;
+    p.v_head_stride = vs;
+  }
   p.g = in.g.data();
   p.beta = in.beta.data();
   p.state = state.data();

@@ -1,11 +1,11 @@
 // The gated delta rule's kernels held equal: the fast recurrent and chunked
 // forms against the reference twin (recurrent, double) and against each
-// other, on seeded random inputs laid out as the layer lays them out (q, k
-// and v interleaved in one row per token), across chunk edges (63, 64, 65
+// other, on seeded random inputs with q, k and v interleaved in one row per
+// token (the public layout), across chunk edges (63, 64, 65
 // tokens), value widths below, at and above the recurrent column blocks,
 // grouped value heads, key heads split across the chunked form's tasks,
-// decays from none to total, and thread counts (which must not change a
-// bit).
+// decays from none to total, thread counts (which must not change a
+// bit) and head-major rows (the layer's layout).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -160,6 +160,34 @@ TEST(GatedDeltaRule, LongSequenceStaysExact) {
   const std::vector<float> want = run(pr, Backend::kReference, GdrForm::kAuto, 1);
   expect_close(run(pr, Backend::kFast, GdrForm::kChunked, 2), want, "chunked, " + name(c));
   expect_close(run(pr, Backend::kFast, GdrForm::kRecurrent, 2), want, "recurrent, " + name(c));
+}
+
+TEST(GatedDeltaRule, HeadMajorRowsMatch) {
+  // q, k and v head-major (a head's rows one run, the layer's layout, with
+  // a gap after each head's rows) against the reference on token-major
+  // rows; the fast forms' sums do not depend on where a row lies, so each
+  // gives the token-major layout's bits.
+  const Case cases[] = {{2, 65, 2, 4, 16, 24, -0.3f, 0.0f},
+                        {1, 130, 2, 2, 32, 40, -0.2f, 0.0f},
+                        {3, 5, 1, 3, 8, 17, -0.3f, 0.0f},
+                        {1, 70, 5, 10, 16, 16, -0.3f, 0.0f}};
+  uint64_t seed = 60;
+  for (const Case& c : cases) {
+    const Problem pr = make_problem(c, seed++);
+    const std::vector<float> want = run(pr, Backend::kReference, GdrForm::kAuto, 1);
+    for (int64_t gap : {0, 5}) {
+      const std::string what = name(c) + ", head gap " + std::to_string(gap);
+      std::vector<float> got;
+      ASSERT_TRUE(
+          attnkit_test::run_gdr(pr, Backend::kReference, GdrForm::kAuto, 1, -9.0f, &got, gap).ok());
+      expect_close(got, want, "reference, " + what);
+      for (GdrForm form : {GdrForm::kRecurrent, GdrForm::kChunked}) {
+        ASSERT_TRUE(attnkit_test::run_gdr(pr, Backend::kFast, form, 2, -9.0f, &got, gap).ok());
+        expect_close(got, want, what);
+        EXPECT_EQ(got, run(pr, Backend::kFast, form, 2)) << what;
+      }
+    }
+  }
 }
 
 TEST(GatedDeltaRule, NonFiniteTokenLeavesEarlierTokensAlone) {

@@ -59,9 +59,9 @@ ATTNKIT_GDR_INLINE void recurrent_wide(const GatedDeltaRuleParams& p, int64_t b,
   float* S = p.state + (b * p.num_v_heads + h) * dk * dv + c0;  // row i at S + i * dv
   for (int64_t t = 0; t < p.seq; ++t) {
     const int64_t row = b * p.seq + t;
-    const float* q = p.q + row * p.q_stride + kh * dk;
-    const float* k = p.k + row * p.k_stride + kh * dk;
-    const float* v = p.v + row * p.v_stride + h * dv + c0;
+    const float* q = p.q_at(row, kh);
+    const float* k = p.k_at(row, kh);
+    const float* v = p.v_at(row, h) + c0;
     float* out = p.out + row * p.out_stride + h * dv + c0;
     const float decay = std::exp(p.g[row * p.num_v_heads + h]);
     const float beta = p.beta[row * p.num_v_heads + h];

@@ -20,9 +20,9 @@ void gated_delta_rule_ref(const GatedDeltaRuleParams& p, double* scratch) {
       for (int64_t i = 0; i < dk * dv; ++i) S[i] = state[i];
       for (int64_t t = 0; t < p.seq; ++t) {
         const int64_t row = b * p.seq + t;
-        const float* q = p.q + row * p.q_stride + kh * dk;
-        const float* k = p.k + row * p.k_stride + kh * dk;
-        const float* v = p.v + row * p.v_stride + h * dv;
+        const float* q = p.q_at(row, kh);
+        const float* k = p.k_at(row, kh);
+        const float* v = p.v_at(row, h);
         const double decay = std::exp(static_cast<double>(p.g[row * p.num_v_heads + h]));
         const double beta = p.beta[row * p.num_v_heads + h];
         for (int64_t i = 0; i < dk * dv; ++i) S[i] *= decay;
