@@ -34,8 +34,7 @@ function(attnkit_avx512_emulation_object program)
   # -Wno-psabi: the compilers note that 64-byte vector arguments have
   # another ABI without AVX-512; the object never meets AVX-512 code.
   target_compile_options(${object} PRIVATE
-    -include ${PROJECT_SOURCE_DIR}/tests/common/avx512_emulation.h -Wno-psabi ${ARGN}
-    ${ATTNKIT_KERNEL_UBSAN_OPTIONS})
+    -include ${PROJECT_SOURCE_DIR}/tests/common/avx512_emulation.h -Wno-psabi ${ARGN})
   target_link_libraries(${object} PRIVATE attnkit_warnings)
 endfunction()
 
