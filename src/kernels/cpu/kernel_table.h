@@ -160,6 +160,15 @@ struct KernelTable {
                  int64_t v_row_stride, const float* vscale, int64_t vscale_stride,
                  int64_t head_dim_v, float* o, int64_t dv_pad, const float* alpha, uint16_t* pack,
                  int64_t prefetch, const int64_t* seen);
+  // As pv_i8, in fp32 for every row count (simd::pv_i8: the weights times
+  // each key's scale, then one FMA chain per row and output column over the
+  // keys in order, simd::pv_block): a row's bits do not depend on the rows
+  // beside it, which batch-invariant plans need (task_plan.cc). The same
+  // function as pv_i8 where pv_int_rows_max is 0.
+  void (*pv_i8_f32)(const float* s, int64_t nk, int64_t s_stride, int64_t rows, const int8_t* v,
+                    int64_t v_row_stride, const float* vscale, int64_t vscale_stride,
+                    int64_t head_dim_v, float* o, int64_t dv_pad, const float* alpha,
+                    uint16_t* pack, int64_t prefetch, const int64_t* seen);
 };
 
 // A row stride of at least `floats` (a multiple of the lanes) that is not

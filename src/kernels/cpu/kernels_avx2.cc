@@ -506,6 +506,7 @@ constexpr KernelTable kAvx2Table = {
     0,
     simd::pv_i8<V256>,
     simd::pv_fp8<V256>,
+    simd::pv_i8<V256>,
 };
 
 }  // namespace

@@ -1166,6 +1166,7 @@ constexpr KernelTable kAvx512Table = {
     16,
     pv_i8<false>,
     simd::pv_fp8<V512>,
+    simd::pv_i8<V512>,
 };
 
 constexpr KernelTable kAvx512Bf16Table = {
@@ -1193,6 +1194,7 @@ constexpr KernelTable kAvx512Bf16Table = {
     16,
     pv_i8<true>,
     simd::pv_fp8<V512>,
+    simd::pv_i8<V512>,
 };
 
 }  // namespace

@@ -132,6 +132,7 @@ constexpr KernelTable kScalarTable = {
     0,
     simd::pv_i8<VScalar>,
     simd::pv_fp8<VScalar>,
+    simd::pv_i8<VScalar>,
 };
 
 }  // namespace

@@ -89,9 +89,10 @@ void TaskRunner::accumulate(int64_t j0, int64_t nk, const float* s, const float*
                   v_scales(row), p_.v_scale_stride.row, g_.dv, o, g_.dv_pad, a, pack,
                   fetch(at, row), whole(n));
       else
-        kt.pv_i8(w, n, g_.s_stride, rows, static_cast<const int8_t*>(v_row(row)), p_.v_stride.row,
-                 v_scales(row), p_.v_scale_stride.row, g_.dv, o, g_.dv_pad, a, pack, fetch(at, row),
-                 whole(n));
+        (g_.pv_i8_f32 ? kt.pv_i8_f32 : kt.pv_i8)(
+            w, n, g_.s_stride, rows, static_cast<const int8_t*>(v_row(row)), p_.v_stride.row,
+            v_scales(row), p_.v_scale_stride.row, g_.dv, o, g_.dv_pad, a, pack, fetch(at, row),
+            whole(n));
     });
     return;
   }

@@ -58,22 +58,24 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
     g.dot_bf16 = g.k_copies && g.pv_copies && g.kt->dequant_bf16 != nullptr && plan.dequant_bf16;
     if (plan.batch_invariant) {
       // The paths above round by the task's row count (qk_rows_fp8 and
-      // the copies' qk_f32 sum over head_dim in other orders; pv_i8 takes
-      // int16 weights for up to 16 rows, fp32 ones beyond; 32+ rows take
-      // the copies), and a row's count is its call's: a prefix-cache
-      // hit's suffix or a decode step took another path than the same rows
-      // in one call. So every count takes one path. V with row scales is
-      // read where it lies by pv_fp8 / pv_i8 where they multiply in fp32
-      // for every row count (pv_int_rows_max 0; fp8 on every target): the
-      // weights times each key's scale, then one FMA chain per row and
-      // output column over the keys in order (simd::pv_block), whatever
-      // the rows beside it or the register block; other V (int8 on
-      // AVX-512, whose int16 weights serve up to 16 rows; block scales) is
-      // dequantized into the fp32 copy for pv_f32 (exact per value; over
-      // fixed tiles the fp32 K/V batch-invariant kernel). int8 keys with
-      // row scales are scored
-      // by qk_rows_i8 in groups of 4 rows, whose int32 sums are exact and
-      // whose factors are each row's own. fp8 keys with row scales take
+      // the copies' qk_f32 sum over head_dim in other orders; pv_i8 on
+      // AVX-512 takes int16 weights for up to 16 rows, fp32 ones beyond;
+      // 32+ rows take the copies), and a row's count is its call's: a
+      // prefix-cache hit's suffix or a decode step took another path than
+      // the same rows in one call. So every count takes one path. V with
+      // row scales is read where it lies by pv_fp8 / pv_i8_f32, which
+      // multiply in fp32 for every row count on every target: the weights
+      // times each key's scale, then one FMA chain per row and output
+      // column over the keys in order (simd::pv_block), whatever the rows
+      // beside it or the register block. (Until 2026-11-27 int8 V on
+      // AVX-512 was dequantized into the fp32 copy instead, as pv_i8's
+      // int16 weights serve up to 16 rows: decode took 1.68x the default
+      // plan's time at 1 token, docs/PERFORMANCE.md#batch-invariance.)
+      // Block-scaled V is dequantized into the fp32 copy for pv_f32 (exact
+      // per value; over fixed tiles the fp32 K/V batch-invariant kernel).
+      // int8 keys with row scales are scored by qk_rows_i8 in groups of 4
+      // rows, whose int32 sums are exact and whose factors are each row's
+      // own. fp8 keys with row scales take
       // qk_rows_fp8 in groups of 4 rows too: it always computes 4 rows,
       // each in its own accumulators, reduced by the same tree whatever the
       // row's or key's slot in its block (hsum16 on AVX-512; hsum8 and
@@ -85,8 +87,8 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
       g.qk_groups =
           g.row_scales && (g.fp8 ? g.kt->qk_rows_fp8 != nullptr : g.kt->qk_rows_i8 != nullptr);
       g.k_copies = !g.qk_groups;
-      g.pv_copies = !g.row_scales || (g.fp8 ? g.kt->pv_fp8 == nullptr
-                                            : g.kt->pv_i8 == nullptr || g.kt->pv_int_rows_max > 0);
+      g.pv_copies = !g.row_scales || (g.fp8 ? g.kt->pv_fp8 == nullptr : g.kt->pv_i8_f32 == nullptr);
+      g.pv_i8_f32 = !g.pv_copies && !g.fp8;
       g.q16_rows = g.qk_groups && !g.fp8 ? g.m_pad : 0;
     }
   } else {

@@ -47,6 +47,9 @@ struct Geometry {
   // PV reads V from the vw buffer: copy_v, bf16 with no pv_widen, or 8-bit
   // V dequantized (with block scales, or for tiles of many rows).
   bool pv_copies = false;
+  // int8 V where it lies goes through KernelTable::pv_i8_f32 (fp32 weights
+  // for any rows) instead of pv_i8: batch-invariant plans.
+  bool pv_i8_f32 = false;
   bool rows_qk = false;   // S = K Q^T by qk_rows_* (q row-major, qt_row apart)
   bool k_copies = false;  // QK reads K from the kw buffer (bf16 widened, 8-bit dequantized)
   // int8 keys, tiles of 5 to kInt8ScoreGroupsMaxRows rows: qk_rows_i8 per

@@ -252,8 +252,8 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
     // scored by groups of 4 rows where they lie (int8 by qk_rows_i8 in
     // integers, fp8 by qk_rows_fp8, whose 4 rows each sum in their own
     // accumulators reduced in one order), values read where they lie by
-    // pv_fp8 / pv_i8 where these multiply in fp32 for every row count
-    // (fp8; int8 but on AVX-512, whose int16 weights serve up to 16 rows),
+    // pv_fp8 / pv_i8_f32, which multiply in fp32 for every row count on
+    // every target (pv_i8's int16 weights on AVX-512 serve up to 16 rows),
     // the rest dequantized to fp32 copies. Before this (fp8 keys and all
     // values through copies), invariant fp8 decode took 1.8-2.4x the
     // default plan's time, now 0.9-1.1x on avx512bf16 and avx2
