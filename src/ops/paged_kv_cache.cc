@@ -692,6 +692,11 @@ Result<int64_t> PagedKVCache::fork(int64_t seq_id) {
                               " reserved tokens that layer " + str(l) +
                               " has not written; fork after every layer's attend()");
   Sequence child = *parent;
+  // The child's tokens are the ones written so far: a prompt the parent has
+  // yet to write is the parent's, and ids taken from it would key the
+  // child's own rows under that prompt.
+  if (static_cast<int64_t>(child.tokens.size()) > child.length)
+    child.tokens.resize(static_cast<size_t>(child.length));
   for (int32_t page : child.pages)
     if (page >= 0) ++refs_[static_cast<size_t>(page)];
   const int64_t id = next_id_++;

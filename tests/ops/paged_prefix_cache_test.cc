@@ -92,6 +92,13 @@ class Engine {
     return m.seq_id;
   }
 
+  // add_sequence(prompt) alone: the prompt is known, nothing is written.
+  int64_t add(const Tokens& prompt) {
+    const int64_t id = pool_.add_sequence(prompt).value().seq_id;
+    tokens_[id] = prompt;
+    return id;
+  }
+
   // Appends counts[i] tokens to ids[i] (the tokens past its length in
   // tokens(id), extended with `more` when given) with their ids when
   // with_ids, attends every layer and checks every row against the oracle.
@@ -523,6 +530,23 @@ TEST(PagedPrefixCache, ForksShareKeyedPages) {
   e.request(concat(p, {20, 22, 24}), &cached);  // a's, cached-free
   EXPECT_EQ(cached, 12);
   e.remove(b);
+  EXPECT_EQ(attnkit_test::pool_state_error(e.pool()), "");
+}
+
+// A fork knows the tokens its parent has written, not a prompt the parent
+// has yet to write: the child's own tokens, appended without ids, key no
+// page under that prompt, so a later request for it computes it rather
+// than reading the child's rows (paged_fuzz found the pool keying them).
+TEST(PagedPrefixCache, AForkDoesNotInheritAnUnwrittenPrompt) {
+  Engine e(kGqa, spec_for(kGqa, 2, 30, 4));
+  const Tokens p{1, 2, 3, 4, 5, 6, 7, 8, 9};
+  const int64_t a = e.add(p);
+  const int64_t b = e.fork(a);
+  e.set_next(b, {20, 21, 22, 23, 24, 25, 26, 27, 28});
+  ASSERT_TRUE(e.step({b}, {9}, false));
+  int64_t cached = -1;
+  e.request(p, &cached);  // checks every row against the oracle
+  EXPECT_EQ(cached, 0);
   EXPECT_EQ(attnkit_test::pool_state_error(e.pool()), "");
 }
 
