@@ -198,7 +198,8 @@ class PagedKVCache {
                 std::span<const int32_t> token_ids);
 
   // A new sequence sharing every page of seq_id. The parent must have
-  // written all its reserved tokens in every layer.
+  // written all its reserved tokens in every layer. The child knows the ids
+  // of the tokens written so far, not the rest of the parent's prompt.
   Result<int64_t> fork(int64_t seq_id);
 
   Status remove(int64_t seq_id);
