@@ -213,12 +213,11 @@ PyKVCache* cache_arg(py::handle cache, const char* fn) {
 py::array layer_forward(PyAttentionLayer& s, py::object x, py::object positions, py::object cache,
                         const std::string& backend, int num_threads) {
   constexpr const char* kFn = "AttentionLayer.forward";
-  const InputArray xi = f32_input(x, {kFn, "x", 3, 3, "[batch, seq, hidden]", true});
+  const InputArray xi =
+      f32_input(x, {kFn, "x", 3, 3, "[batch, seq, hidden]", ArgSpec::Strides::kUnitLast});
   const std::vector<int64_t> pos = parse_positions(positions, kFn);
   PyKVCache* c = cache_arg(cache, kFn);
-  RunOptions run;
-  run.backend = parse_backend(backend, kFn);
-  run.num_threads = num_threads;
+  const RunOptions run = parse_run_options(backend, num_threads, kFn);
   TensorView out;
   py::array out_a = new_array(
       DType::kF32, {xi.view.shape[0], xi.view.shape[1], s.layer.config().hidden_size}, &out);
@@ -241,13 +240,12 @@ py::array layer_forward_batch(PyAttentionLayer& s, py::object x, py::object cu_s
                               py::object seq_ids, py::object cache, int64_t layer_index,
                               const std::string& backend, int num_threads) {
   constexpr const char* kFn = "AttentionLayer.forward_batch";
-  const InputArray xi = f32_input(x, {kFn, "x", 2, 2, "[total_tokens, hidden]", true});
+  const InputArray xi =
+      f32_input(x, {kFn, "x", 2, 2, "[total_tokens, hidden]", ArgSpec::Strides::kUnitLast});
   const std::vector<int32_t> cu = offsets_arg(cu_seqlens_q, kFn, "cu_seqlens_q");
   const std::vector<int64_t> ids = int64_list(seq_ids, kFn, "seq_ids");
   PyPagedKVCache& c = paged_cache_arg(cache, kFn);
-  RunOptions run;
-  run.backend = parse_backend(backend, kFn);
-  run.num_threads = num_threads;
+  const RunOptions run = parse_run_options(backend, num_threads, kFn);
   TensorView out;
   py::array out_a = new_array(DType::kF32, {xi.view.shape[0], s.layer.config().hidden_size}, &out);
   Status st;
@@ -319,9 +317,12 @@ py::object layer_forward_qkv(PyAttentionLayer& s, py::object query, py::object k
                              py::object key_padding_mask, bool need_weights, py::object window_size,
                              py::object sparse, const std::string& backend, int num_threads) {
   constexpr const char* kFn = "AttentionLayer.forward_qkv";
-  const InputArray qi = f32_input(query, {kFn, "query", 3, 3, "[batch, seqlen_q, hidden]", true});
-  const InputArray ki = f32_input(key, {kFn, "key", 3, 3, "[batch, seqlen_k, hidden]", true});
-  const InputArray vi = f32_input(value, {kFn, "value", 3, 3, "[batch, seqlen_k, hidden]", true});
+  const InputArray qi = f32_input(
+      query, {kFn, "query", 3, 3, "[batch, seqlen_q, hidden]", ArgSpec::Strides::kUnitLast});
+  const InputArray ki =
+      f32_input(key, {kFn, "key", 3, 3, "[batch, seqlen_k, hidden]", ArgSpec::Strides::kUnitLast});
+  const InputArray vi = f32_input(
+      value, {kFn, "value", 3, 3, "[batch, seqlen_k, hidden]", ArgSpec::Strides::kUnitLast});
   const AttentionConfig& cfg = s.layer.config();
   const int64_t batch = qi.view.shape[0], seqlen_q = qi.view.shape[1], seqlen_k = ki.view.shape[1];
   AttentionOptions opt;

@@ -68,9 +68,7 @@ py::array forward_py(const GatedDeltaNet& layer, py::handle x, GatedDeltaNetStat
                      int num_threads, const std::string& backend) {
   constexpr const char* kFn = "GatedDeltaNet.forward";
   const InputArray xi = f32_input(x, {kFn, "x", 3, 3, "[batch, seq, hidden_size]"});
-  RunOptions run;
-  run.num_threads = num_threads;
-  run.backend = parse_backend(backend, kFn);
+  const RunOptions run = parse_run_options(backend, num_threads, kFn);
   const TensorView& xv = xi.view;
   TensorView out;
   py::array out_a = new_array(DType::kF32, {xv.shape[0], xv.shape[1], xv.shape[2]}, &out);

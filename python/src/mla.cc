@@ -88,17 +88,13 @@ py::array forward_batch_py(PyLatentAttention& self, py::object x, py::object cu_
                            py::object seq_ids, py::object cache, int64_t layer_index,
                            const std::string& backend, int num_threads) {
   constexpr const char* kFn = "LatentAttention.forward_batch";
-  InputArray xi = f32_input(x, {kFn, "x", 2, 2, "[total_tokens, hidden_size]"});
-  // The layer needs x contiguous; f32_input views strided float32 in place.
-  if (!xi.view.is_contiguous())
-    xi = f32_input(py::module_::import("numpy").attr("ascontiguousarray")(xi.array),
-                   {kFn, "x", 2, 2, "[total_tokens, hidden_size]"});
+  // The layer reads x as one dense block.
+  const InputArray xi =
+      f32_input(x, {kFn, "x", 2, 2, "[total_tokens, hidden_size]", ArgSpec::Strides::kContiguous});
   const std::vector<int32_t> cu = offsets_arg(cu_seqlens_q, kFn, "cu_seqlens_q");
   const std::vector<int64_t> ids = int64_list(seq_ids, kFn, "seq_ids");
   PyPagedKVCache& c = paged_cache_arg(cache, kFn);
-  RunOptions run;
-  run.num_threads = num_threads;
-  run.backend = parse_backend(backend, kFn);
+  const RunOptions run = parse_run_options(backend, num_threads, kFn);
   TensorView out;
   py::array out_a =
       new_array(DType::kF32, {xi.view.shape[0], self.layer.config().hidden_size}, &out);
@@ -117,18 +113,13 @@ py::array forward_py(PyLatentAttention& self, py::handle x, py::handle positions
                      PyLatentCache* cache, const std::string& form, int num_threads,
                      const std::string& backend) {
   constexpr const char* kFn = "LatentAttention.forward";
-  const InputArray xi = f32_input(x, {kFn, "x", 3, 3, "[batch, seq, hidden_size]"});
+  // The layer reads x as one dense block.
+  const InputArray xi =
+      f32_input(x, {kFn, "x", 3, 3, "[batch, seq, hidden_size]", ArgSpec::Strides::kContiguous});
   const std::vector<int64_t> pos = parse_positions(positions, kFn);
   const MlaForm f = parse_form(form);
-  RunOptions run;
-  run.num_threads = num_threads;
-  run.backend = parse_backend(backend, kFn);
+  const RunOptions run = parse_run_options(backend, num_threads, kFn);
   const TensorView& xv = xi.view;
-  // The layer needs x contiguous; f32_input views strided float32 in place.
-  InputArray xc = xi;
-  if (!xv.is_contiguous())
-    xc = f32_input(py::module_::import("numpy").attr("ascontiguousarray")(xi.array),
-                   {kFn, "x", 3, 3, "[batch, seq, hidden_size]"});
   TensorView out;
   py::array out_a = new_array(DType::kF32, {xv.shape[0], xv.shape[1], xv.shape[2]}, &out);
   PyLatentCache* c = cache;
@@ -138,7 +129,7 @@ py::array forward_py(PyLatentAttention& self, py::handle x, py::handle positions
     std::shared_lock lock(self.mu);
     std::unique_lock<std::mutex> cache_lock;
     if (c) cache_lock = std::unique_lock(c->mu);
-    st = self.layer.forward(xc.view, out, pos, c ? &c->cache : nullptr, run, f);
+    st = self.layer.forward(xv, out, pos, c ? &c->cache : nullptr, run, f);
   }
   throw_if_error(st);
   return out_a;

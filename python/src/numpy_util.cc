@@ -203,6 +203,22 @@ std::string shape_str(const py::array& a) {
   return s + ")";
 }
 
+namespace {
+
+bool strides_accepted(const TensorView& v, ArgSpec::Strides rule) {
+  switch (rule) {
+    case ArgSpec::Strides::kAny:
+      return true;
+    case ArgSpec::Strides::kUnitLast:
+      return v.rank == 0 || v.shape[v.rank - 1] <= 1 || v.strides[v.rank - 1] == 1;
+    case ArgSpec::Strides::kContiguous:
+      return v.is_contiguous();
+  }
+  return false;
+}
+
+}  // namespace
+
 InputArray typed_input(py::handle obj, const ArgSpec& spec, DType want, const char* accept) {
   InputArray in;
   in.array = py::array::ensure(obj);
@@ -220,8 +236,7 @@ InputArray typed_input(py::handle obj, const ArgSpec& spec, DType want, const ch
   const py::dtype target = numpy_dtype(want);
   in.view.dtype = want;
   if (same_dtype(have, target) && describe_in_place(in.array, &in.view) &&
-      (!spec.unit_last_stride || in.view.rank == 0 || in.view.shape[in.view.rank - 1] <= 1 ||
-       in.view.strides[in.view.rank - 1] == 1)) {
+      strides_accepted(in.view, spec.strides)) {
     in.view.data = const_cast<void*>(in.array.data());
     return in;
   }
@@ -401,6 +416,13 @@ Backend parse_backend(const std::string& text, const char* fn) {
   if (text == "reference") return Backend::kReference;
   if (text == "fast") return Backend::kFast;
   raise_value_error(fn, "backend = '" + text + "' must be 'auto', 'reference' or 'fast'");
+}
+
+RunOptions parse_run_options(const std::string& backend, int num_threads, const char* fn) {
+  RunOptions run;
+  run.backend = parse_backend(backend, fn);
+  run.num_threads = num_threads;
+  return run;
 }
 
 WindowSize parse_window_size(py::handle obj, const char* fn) {

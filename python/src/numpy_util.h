@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "attnkit/attention.h"
+#include "attnkit/config.h"
 #include "attnkit/status.h"
 #include "attnkit/tensor.h"
 #include "attnkit/weights.h"
@@ -70,9 +71,13 @@ struct ArgSpec {
   int min_rank;      // accepted ranks, within 1..4
   int max_rank;
   const char* shape;  // "[batch, seqlen_q, num_heads, head_dim]", for messages
-  // Copy unless the last dimension has unit stride (for APIs such as the
-  // layers' activations that read rows with stride 1).
-  bool unit_last_stride = false;
+  // Which views are read in place; any other is copied C-contiguous.
+  enum class Strides {
+    kAny,         // every layout describe_in_place accepts
+    kUnitLast,    // rows of unit stride (the layers' activations)
+    kContiguous,  // C-contiguous (APIs that address x as one dense block)
+  };
+  Strides strides = Strides::kAny;
 };
 
 // `obj` as a float32 view (see the copy policy above). Raises ValueError
@@ -122,6 +127,9 @@ void round_to_bf16(const TensorView& src, bf16* dst);
 
 // "auto" | "reference" | "fast".
 Backend parse_backend(const std::string& text, const char* fn);
+
+// The layers' RunOptions from their Python keywords.
+RunOptions parse_run_options(const std::string& backend, int num_threads, const char* fn);
 
 // (left, right), each >= -1; None = (-1, -1).
 WindowSize parse_window_size(py::handle obj, const char* fn);

@@ -226,6 +226,25 @@ def test_forward_matches_torch(q_lora, scaling, form, backend):
     check_rel(f"{form} q_lora={q_lora} scaling={scaling} backend={backend}", got, want)
 
 
+def test_strided_x_reads_as_its_values(backend):
+    """The layer addresses x as one dense block: a strided float32 view (every
+    other token, a transposed batch) must give what its contiguous copy gives,
+    and both must match the float64 reference."""
+    cfg = config(True, None)
+    w = random_weights(cfg, 41)
+    layer = make_layer(cfg)
+    layer.load_state_dict(w)
+    big = rng(42).uniform(-1, 1, (7, 2, 2 * 44)).astype(np.float32)
+    x = big.transpose(1, 0, 2)[:, :, ::2]
+    assert not x.flags.c_contiguous
+    pos = np.arange(7)
+    got = layer.forward(x, positions=pos, backend=backend)
+    np.testing.assert_array_equal(got, layer.forward(np.ascontiguousarray(x), positions=pos,
+                                                     backend=backend))
+    want, _ = mla_ref(cfg, w, x, pos)
+    check_rel(f"strided x backend={backend}", got, want)
+
+
 @pytest.mark.parametrize("scaling", [None, "yarn"])
 def test_rope_interleave_false_uses_the_half_split_pairing(scaling, backend):
     """DeepSeek-V3 configs may say rope_interleave: false; Hugging Face then

@@ -155,13 +155,10 @@ struct ForwardArgs {
 
 void convert_forward(const char* fn, py::object x, py::object positions, py::object backend,
                      py::object num_threads, int64_t hidden, ForwardArgs* a) {
-  a->x = f32_input(x, {fn, "x", 3, 3, "[batch, seq, hidden]", true});
-  if (!a->x.view.is_contiguous())
-    a->x = f32_input(py::module_::import("numpy").attr("ascontiguousarray")(a->x.array),
-                     {fn, "x", 3, 3, "[batch, seq, hidden]", true});
+  a->x = f32_input(x, {fn, "x", 3, 3, "[batch, seq, hidden]", ArgSpec::Strides::kContiguous});
   a->positions = parse_positions(positions, fn);
-  a->run.backend = parse_backend(str_of(backend, fn, "backend"), fn);
-  a->run.num_threads = threads_of(num_threads, fn);
+  const std::string backend_text = str_of(backend, fn, "backend");
+  a->run = parse_run_options(backend_text, threads_of(num_threads, fn), fn);
   a->out_array = new_array(DType::kF32, {a->x.view.shape[0], a->x.view.shape[1], hidden}, &a->out);
 }
 
