@@ -94,8 +94,17 @@ struct V512 {
   // fit of 2^f (at most 1.7 ulp in fp32). 12 operations where exp() of the
   // difference takes 14, with no second reduction step: t's own rounding
   // (half an ulp of t) only matters for the weights far below the row's
-  // largest. Below -152, scalef's result rounds to 0, as exp's does.
+  // largest. For t below -126 (and -inf) the result is 0, not 2^t: scalef
+  // with a subnormal or underflowing result takes a microcode assist, and
+  // the masked keys of every causal diagonal tile (-inf) took one per
+  // lane. Zeroed by the mask instead, causal GQA 32/8 s2048 fp32 prefill
+  // took 0.95-0.97 of the time (CPU time, calls alternated in one process,
+  // 1 and 2 threads; 2026-11-27, Intel Xeon family 6 model 167:
+  // docs/PERFORMANCE.md#prefill), as it did with the FPU flushing
+  // subnormals (MXCSR FTZ/DAZ). The weights dropped are below FLT_MIN, of a
+  // row whose largest weight is 1.
   static F exp2_nonpos(F t) {
+    const Mask normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);  // or NaN
     t = _mm512_max_ps(_mm512_set1_ps(-152.0f), t);
     const F k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const F f = _mm512_sub_ps(t, k);
@@ -106,7 +115,7 @@ struct V512 {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265121359057e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472067106211e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, k);
+    return _mm512_maskz_scalef_ps(normal, p, k);
   }
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static F widen_bf16(const uint16_t* p, int64_t n) {

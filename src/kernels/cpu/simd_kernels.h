@@ -21,7 +21,8 @@
 //   max(a, b) (b when either is NaN), abs, copysign(magnitude, sign),
 //   ninf_to_zero (lanes equal to -inf become 0),
 //   exp (exp(-inf) = 0, NaN stays NaN, a few ulp), and optionally
-//   exp2_nonpos (2^t for t <= 0, -inf giving 0, NaN a NaN, a few ulp),
+//   exp2_nonpos (2^t for t <= 0, -inf giving 0, NaN a NaN, a few ulp;
+//   results below FLT_MIN may be 0),
 //   widen_bf16(const uint16_t*, n) (first n of kLanes bf16, rest 0),
 //   widen_i8(const int8_t*, n) (first n of kLanes int8 codes, exactly),
 //   widen_fp8(const uint8_t*, n) (first n of kLanes fp8 E4M3 codes as
