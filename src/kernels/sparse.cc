@@ -681,13 +681,17 @@ Status run_indexer(const IndexerParams& p, Backend backend) {
   }
   // Fewer rows than threads, or one (a decode step): split each row's keys,
   // in whole tiles; each worker adds the scores it computes to its own
-  // histogram for the top-k.
+  // histogram for the top-k. Up to 64 tasks, whatever the thread count, of
+  // at least one AMX call's 2,048 keys (~30 us) or four fp32 tiles: a
+  // worker that starts late or is preempted then leaves at most one small
+  // task to the end (8 tasks of 16,384 keys, 0.25 ms each on 2 threads,
+  // left up to that much).
+  const int64_t min_chunk = uses_amx(p) ? 2048 : 4 * kTileKeys;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = r / p.seqlen_q, t = r % p.seqlen_q, visible = S - p.seqlen_q + t + 1;
     const IndexerScratch first = slot(0);
     load_query(kt, p, b, t, first);
-    const int64_t chunk =
-        cpu::round_up(std::max<int64_t>(256, cpu::ceil_div(visible, 4 * threads)), kTileKeys);
+    const int64_t chunk = cpu::round_up(std::max(min_chunk, cpu::ceil_div(visible, 64)), kTileKeys);
     const int64_t tasks = cpu::ceil_div(visible, chunk);
     std::fill(hist, hist + kTopkHistogram * threads, 0u);
     parallel_for(tasks, threads, [&](int64_t task, int worker) {
