@@ -62,6 +62,16 @@ class Pool {
     for (std::thread& t : threads_) t.join();
   }
 
+  // Wakes the sleeping workers (creating none) to poll for the next region.
+  void prewake() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (threads_.empty()) return;
+      ++poke_;
+    }
+    wake_.notify_all();
+  }
+
   // Runs the region on `helpers` pool threads plus the caller; false when
   // another region holds the pool (the caller then runs it alone).
   bool run(int64_t num_tasks, int helpers, const TaskFn& fn) {
@@ -106,15 +116,19 @@ class Pool {
 
   void worker_main(int index) {
     tl_in_region = true;
-    uint64_t seen = 0;
+    uint64_t seen = 0, poked = 0;
     for (;;) {
       const auto news = [&] {
         return stop_.load(std::memory_order_acquire) ||
                generation_.load(std::memory_order_acquire) != seen;
       };
-      spin_until(news, kSpinMicros);
+      if (!spin_until(news, kSpinMicros)) {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return news() || poke_ != poked; });
+        poked = poke_;
+        if (!news()) continue;  // woken ahead of a region: poll for it
+      }
       std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, news);
       if (stop_.load(std::memory_order_relaxed)) return;
       seen = generation_.load(std::memory_order_relaxed);
       const bool in_region = index < helpers_;
@@ -138,6 +152,7 @@ class Pool {
   std::vector<std::thread> threads_;
   std::atomic<uint64_t> generation_{0};
   int helpers_ = 0;
+  uint64_t poke_ = 0;            // prewake() calls
   std::atomic<int> running_{0};  // workers of the region not yet done
   std::atomic<bool> stop_{false};
   const TaskFn* fn_ = nullptr;
@@ -166,6 +181,10 @@ int resolve_num_threads(int requested) {
   static const int by_default = resolve_num_threads(0, std::getenv("ATTNKIT_NUM_THREADS"),
                                                     std::thread::hardware_concurrency());
   return requested > 0 ? clamp_threads(requested) : by_default;
+}
+
+void parallel_prewake(int num_threads) {
+  if (num_threads > 1 && !tl_in_region) pool().prewake();
 }
 
 void parallel_for(int64_t num_tasks, int num_threads, const TaskFn& fn) {
