@@ -41,12 +41,15 @@ bool spin_until(const Done& done, int64_t micros) {
   }
 }
 
-// How long a thread polls before it sleeps on a condition variable: a
-// worker after its region, for the next one; the caller for the workers'
-// last tasks. Waking a sleeping thread took 20-60 us on a 2-vCPU VM
+// How long a thread polls before it sleeps on a condition variable, in
+// microseconds. Waking a sleeping thread took 20-60 us on a 2-vCPU VM
 // (Intel Xeon, family 6, model 167), ~5 % of a 1.2 ms indexer pass each
-// way; the regions of one decode step follow each other closer than this.
-constexpr int64_t kSpinMicros = 200;
+// way. A worker polls for the next region briefly after its own (regions
+// that follow at once: a decode step's indexer then its attention), so
+// as not to hold a CPU that other work wants; after a prewake, whose
+// caller promised a region soon, and in the caller waiting for the
+// workers' last tasks (it would only sleep), longer.
+constexpr int64_t kPollAfterRegion = 50, kPollAfterPrewake = 200, kPollForWorkers = 200;
 
 // Workers are created on first need and live until process exit; a region
 // wakes only as many as it uses. Waiting is a short spin, then a condition
@@ -98,7 +101,7 @@ class Pool {
     tl_in_region = false;
     // Acquire: the workers' tasks' writes are visible once running_ is 0.
     const auto finished = [this] { return running_.load(std::memory_order_acquire) == 0; };
-    if (!spin_until(finished, kSpinMicros)) {
+    if (!spin_until(finished, kPollForWorkers)) {
       std::unique_lock<std::mutex> lock(mu_);
       done_.wait(lock, finished);
     }
@@ -117,17 +120,20 @@ class Pool {
   void worker_main(int index) {
     tl_in_region = true;
     uint64_t seen = 0, poked = 0;
+    bool prewoken = false;
     for (;;) {
       const auto news = [&] {
         return stop_.load(std::memory_order_acquire) ||
                generation_.load(std::memory_order_acquire) != seen;
       };
-      if (!spin_until(news, kSpinMicros)) {
+      if (!spin_until(news, prewoken ? kPollAfterPrewake : kPollAfterRegion)) {
         std::unique_lock<std::mutex> lock(mu_);
         wake_.wait(lock, [&] { return news() || poke_ != poked; });
         poked = poke_;
-        if (!news()) continue;  // woken ahead of a region: poll for it
+        prewoken = !news();
+        if (prewoken) continue;  // woken ahead of a region: poll for it
       }
+      prewoken = false;
       std::unique_lock<std::mutex> lock(mu_);
       if (stop_.load(std::memory_order_relaxed)) return;
       seen = generation_.load(std::memory_order_relaxed);
