@@ -491,8 +491,9 @@ void select_topk_scores(const float* score, int64_t visible, int64_t topk, const
   const int threads = static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), stretches));
   // Digits of the key, most significant first: bits 21-31, 10-20, 0-9.
   // First digit: a histogram over every score, made here or given.
-  uint32_t own[kTopkHistogram] = {};
+  uint32_t own[kTopkHistogram];  // zeroed only when used (a decode step gives its own)
   if (given == nullptr) {
+    std::fill(own, own + kTopkHistogram, 0u);
     add_topk_histogram(score, visible, own);
     given = own;
     sets = 1;
