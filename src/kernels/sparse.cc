@@ -220,15 +220,28 @@ void load_query(const cpu::KernelTable& kt, const IndexerParams& p, int64_t b, i
   const uint8_t* qc = p.q_codes + b * p.q_codes_stride.batch + t * p.q_codes_stride.row;
   const float* qs = p.q_scales + b * p.q_scales_stride.batch + t * p.q_scales_stride.row;
   if (x.amx) {
+    // Written in the layout's order (indexer_amx_query_index(h, at) for
+    // head blocks, steps of 32 features, feature pairs, heads, pair
+    // halves), each value one lookup: 8,192 of them at DeepSeek-V3.2's
+    // shape, on the calling thread before the scoring threads start.
+    static const auto bf16_of = [] {
+      std::vector<uint16_t> table(256);
+      for (int c = 0; c < 256; ++c)
+        table[static_cast<size_t>(c)] =
+            float_to_bf16(fp8_e4m3_to_float(static_cast<uint8_t>(c))).bits;
+      return table;
+    }();
     const int64_t H = p.n_heads, Hp = cpu::round_up(H, 16);
+    const int64_t sh = p.q_codes_stride.head, sd = p.q_codes_stride.dim;
     uint16_t* q = reinterpret_cast<uint16_t*>(x.qt);
-    for (int64_t h = 0; h < Hp; ++h)
-      for (int64_t at = 0; at < kAmxIndexerDim; ++at) {
-        const int64_t c = cpu::fp8_bf16_feature(at);  // the keys' decoded order
-        q[indexer_amx_query_index(h, at)] =
-            h < H
-                ? float_to_bf16(lut[qc[h * p.q_codes_stride.head + c * p.q_codes_stride.dim]]).bits
-                : uint16_t{0};
+    for (int64_t h0 = 0; h0 < Hp; h0 += 16)
+      for (int64_t at = 0; at < kAmxIndexerDim; at += 2) {
+        // The keys' decoded order: features c0 and c1 of this pair.
+        const int64_t c0 = cpu::fp8_bf16_feature(at) * sd, c1 = cpu::fp8_bf16_feature(at + 1) * sd;
+        for (int64_t h = h0; h < h0 + 16; ++h, q += 2) {
+          q[0] = h < H ? bf16_of[qc[h * sh + c0]] : uint16_t{0};
+          q[1] = h < H ? bf16_of[qc[h * sh + c1]] : uint16_t{0};
+        }
       }
     const float* w = p.weights + b * p.weights_stride.batch + t * p.weights_stride.row;
     for (int64_t h = 0; h < Hp; ++h)
@@ -318,9 +331,34 @@ void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
 
 }  // namespace
 
+namespace {
+
+// The select's passes over every score run on stretches of them that
+// depend on `visible` and the SIMD target alone, at most 64: each
+// stretch compacts its candidates into its own part of the scratch,
+// starting at the stretch's first index, so no stretch waits for another's
+// count, and reading the parts in stretch order reads the candidates in
+// index order, as one pass over all the scores would. A stretch is long
+// enough that handing it to another thread pays: the pool's hand-off
+// costs ~5-30 us here, the scalar pass ~1 ns a score, the AVX-512 one
+// ~0.25 ns (at 131,072 scores, 2 threads: 16K-score stretches took the
+// AVX-512 pass from 35 to 62 us, so there it runs as one stretch).
+constexpr int64_t kMaxStretches = 64;
+int64_t stretch_length(int64_t visible, bool vector) {
+  return cpu::round_up(
+      std::max<int64_t>(vector ? 262144 : 16384, cpu::ceil_div(visible, kMaxStretches)), 64);
+}
+
+// Candidates past this many after the first digit are cut down to the
+// second digit's bin or above by one more pass on the stretches, before
+// the serial rest (two passes over what is left). Scores of one magnitude
+// fill few of the first digit's bins (a quarter of a binade each): then
+// most scores are candidates.
+constexpr int64_t kSerialCandidates = 16384;
+
 // Scores of one magnitude share a few bins, and increments of one counter
 // wait on each other through memory: four histograms, summed at the end.
-void add_topk_histogram(const float* score, int64_t n, uint32_t* hist) {
+void add_topk_histogram_scalar(const float* score, int64_t n, uint32_t* hist) {
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
     ++hist[order_key(score[i]) >> 21];
@@ -331,8 +369,115 @@ void add_topk_histogram(const float* score, int64_t n, uint32_t* hist) {
   for (; i < n; ++i) ++hist[order_key(score[i]) >> 21];
 }
 
+// Of i in [i0, i1): those with order_key(score[i]) >= lo, in index order,
+// their indices to idx[0 ..) and keys to keys[0 ..); returns how many.
+// Writes nothing at or past idx[i1 - i0], keys[i1 - i0].
+int64_t compact_keys(const float* score, int64_t i0, int64_t i1, uint32_t lo, int32_t* idx,
+                     uint32_t* keys) {
+  int64_t c = 0;
+  for (int64_t i = i0; i < i1; ++i) {
+    const uint32_t key = order_key(score[i]);
+    idx[c] = static_cast<int32_t>(i);
+    keys[c] = key;
+    c += key >= lo;
+  }
+  return c;
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define ATTNKIT_TOPK_AVX512 1
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's own AVX-512 headers trip -W(maybe-)uninitialized (GCC bug
+// 105593: the `__m512 __Y = __Y;` idiom behind _mm512_undefined_ps).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#define ATTNKIT_TOPK_AVX512_TARGET __attribute__((target("avx512f,popcnt")))
+
+// order_key of each lane of x.
+ATTNKIT_TOPK_AVX512_TARGET inline __m512i order_keys16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(_mm512_add_ps(x, _mm512_setzero_ps()));
+  return _mm512_mask_mov_epi32(
+      _mm512_xor_si512(bits,
+                       _mm512_or_si512(_mm512_srai_epi32(bits, 31), _mm512_set1_epi32(INT32_MIN))),
+      _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x007fffff));
+}
+
+// compact_keys, 16 scores at a time: order_key in lanes and a compress of
+// the kept lanes (the scalar loop's every score waits on the previous
+// one's count).
+ATTNKIT_TOPK_AVX512_TARGET int64_t compact_keys_avx512(const float* score, int64_t i0, int64_t i1,
+                                                       uint32_t lo, int32_t* idx, uint32_t* keys) {
+  const __m512i low = _mm512_set1_epi32(static_cast<int32_t>(lo)), step = _mm512_set1_epi32(16);
+  __m512i at =
+      _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(i0)),
+                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  int64_t c = 0, i = i0;
+  for (; i + 16 <= i1; i += 16) {
+    const __m512i key = order_keys16(_mm512_loadu_ps(score + i));
+    const __mmask16 keep = _mm512_cmpge_epu32_mask(key, low);
+    // A full store of the compressed lanes: c <= i - i0, so it ends at or
+    // before idx[i + 16 - i0], inside the stretch's part.
+    _mm512_storeu_si512(idx + c, _mm512_maskz_compress_epi32(keep, at));
+    _mm512_storeu_si512(keys + c, _mm512_maskz_compress_epi32(keep, key));
+    c += __builtin_popcount(keep);
+    at = _mm512_add_epi32(at, step);
+  }
+  if (i < i1) {
+    const __mmask16 live = static_cast<__mmask16>((1u << (i1 - i)) - 1u);
+    const __m512i key = order_keys16(_mm512_maskz_loadu_ps(live, score + i));
+    const __mmask16 keep = _mm512_mask_cmpge_epu32_mask(live, key, low);
+    _mm512_mask_compressstoreu_epi32(idx + c, keep, at);
+    _mm512_mask_compressstoreu_epi32(keys + c, keep, key);
+    c += __builtin_popcount(keep);
+  }
+  return c;
+}
+
+// add_topk_histogram_scalar with the keys' first digits made 16 at a time
+// (the increments stay scalar; the digits' arithmetic was most of the
+// loop).
+ATTNKIT_TOPK_AVX512_TARGET void add_topk_histogram_avx512(const float* score, int64_t n,
+                                                          uint32_t* hist) {
+  alignas(64) uint32_t bin[16];
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_store_si512(bin, _mm512_srli_epi32(order_keys16(_mm512_loadu_ps(score + i)), 21));
+    for (int l = 0; l < 16; l += 4) {
+      ++hist[bin[l]];
+      ++hist[2048 + bin[l + 1]];
+      ++hist[4096 + bin[l + 2]];
+      ++hist[6144 + bin[l + 3]];
+    }
+  }
+  add_topk_histogram_scalar(score + i, n - i, hist);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
+bool avx512_select() {
+#if defined(ATTNKIT_TOPK_AVX512)
+  return simd_target() >= SimdTarget::kAvx512;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+void add_topk_histogram(const float* score, int64_t n, uint32_t* hist) {
+#if defined(ATTNKIT_TOPK_AVX512)
+  if (avx512_select()) return add_topk_histogram_avx512(score, n, hist);
+#endif
+  add_topk_histogram_scalar(score, n, hist);
+}
+
 void select_topk_scores(const float* score, int64_t visible, int64_t topk, const uint32_t* given,
-                        int64_t sets, int32_t* scratch, int32_t* out, int64_t out_stride) {
+                        int64_t sets, int num_threads, uint32_t* worker_hist, int32_t* scratch,
+                        int32_t* out, int64_t out_stride) {
   const int64_t k = std::min(topk, visible);
   for (int64_t n = k; n < topk; ++n) out[n * out_stride] = -1;
   if (k == visible) {
@@ -340,20 +485,22 @@ void select_topk_scores(const float* score, int64_t visible, int64_t topk, const
     return;
   }
   if (k <= 0) return;
+  const bool vector = avx512_select();
+  const int64_t stretch = stretch_length(visible, vector);
+  const int64_t stretches = cpu::ceil_div(visible, stretch);
+  const int threads = static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), stretches));
   // Digits of the key, most significant first: bits 21-31, 10-20, 0-9.
   // First digit: a histogram over every score, made here or given.
-  uint32_t hist[kTopkHistogram] = {};
+  uint32_t own[kTopkHistogram];  // zeroed only when used (a decode step gives its own)
   if (given == nullptr) {
-    add_topk_histogram(score, visible, hist);
-    given = hist;
+    std::fill(own, own + kTopkHistogram, 0u);
+    add_topk_histogram(score, visible, own);
+    given = own;
     sets = 1;
   }
-  uint32_t first[2048];
-  for (int b = 0; b < 2048; ++b) {
-    uint32_t c = 0;
-    for (int64_t set = 0; set < 4 * sets; ++set) c += given[set * 2048 + b];
-    first[b] = c;
-  }
+  uint32_t bins[2048] = {};
+  for (int64_t set = 0; set < 4 * sets; ++set)
+    for (int b = 0; b < 2048; ++b) bins[b] += given[set * 2048 + b];
   // The k-th key's digit: from the top, the first bin whose count reaches
   // what is still needed (`need`: how many of the keys that share the
   // digits found so far, `prefix`, are chosen).
@@ -363,43 +510,72 @@ void select_topk_scores(const float* score, int64_t visible, int64_t topk, const
     for (; need > h[bin]; --bin) need -= h[bin];
     return bin;
   };
-  uint32_t prefix = find_bin(first, 2047) << 21;
-  // One pass keeps, in index order, the keys of that first digit or above:
-  // every chosen key is among them. The other digits and the choice come
-  // from those alone (typically not many more than k).
-  int64_t cand = 0;
-  for (int64_t i = 0; i < visible; ++i) {
-    scratch[cand] = static_cast<int32_t>(i);
-    cand += order_key(score[i]) >= prefix;
+  const uint32_t first = find_bin(bins, 2047);
+  uint32_t prefix = first << 21;
+  // One pass keeps the keys of that first digit or above, with their
+  // indices: every chosen key is among them. Each stretch then adds the
+  // next digit of its candidates in the first digit's bin to its worker's
+  // histogram while they are in L1. The rest reads the candidates alone
+  // (typically not many more than k).
+  int32_t* const idx = scratch;
+  uint32_t* const keys = reinterpret_cast<uint32_t*>(scratch + visible);
+#if defined(ATTNKIT_TOPK_AVX512)
+  const auto compact = vector ? compact_keys_avx512 : compact_keys;
+#else
+  const auto compact = compact_keys;
+#endif
+  int64_t count[kMaxStretches];
+  std::fill(worker_hist, worker_hist + threads * kTopkWorkerHistogram, 0u);
+  parallel_for(stretches, threads, [&](int64_t part, int worker) {
+    const int64_t i0 = part * stretch, i1 = std::min(visible, i0 + stretch);
+    const int64_t c = compact(score, i0, i1, prefix, idx + i0, keys + i0);
+    uint32_t* h = worker_hist + worker * kTopkWorkerHistogram;
+    for (int64_t j = i0; j < i0 + c; ++j)
+      if ((keys[j] >> 21) == first) ++h[(keys[j] >> 10) & 2047];
+    count[part] = c;
+  });
+  std::fill(bins, bins + 2048, 0u);
+  for (int w = 0; w < threads; ++w)
+    for (int b = 0; b < 2048; ++b) bins[b] += worker_hist[w * kTopkWorkerHistogram + b];
+  prefix |= find_bin(bins, 2047) << 10;
+  int64_t total = 0;
+  for (int64_t part = 0; part < stretches; ++part) total += count[part];
+  if (total > kSerialCandidates) {
+    // Each stretch keeps the candidates of the second digit's bin or above
+    // (in place: what it keeps moves down, never past what it reads).
+    parallel_for(stretches, threads, [&](int64_t part, int) {
+      const int64_t i0 = part * stretch;
+      int64_t c = 0;
+      for (int64_t j = i0; j < i0 + count[part]; ++j) {
+        idx[i0 + c] = idx[j];
+        keys[i0 + c] = keys[j];
+        c += keys[j] >= prefix;
+      }
+      count[part] = c;
+    });
   }
-  constexpr int kShift[2] = {10, 0};
-  constexpr uint32_t kBins[2] = {2048, 1024};
-  constexpr uint32_t kKnown[2] = {0xffe00000u, 0xfffffc00u};  // the digits found before
-  for (int level = 0; level < 2; ++level) {
-    const int shift = kShift[level];
-    const uint32_t known = kKnown[level];
-    std::fill(first, first + kBins[level], 0u);
-    for (int64_t c = 0; c < cand; ++c) {
-      const uint32_t key = order_key(score[scratch[c]]);
-      if ((key & known) == prefix) ++first[(key >> shift) & (kBins[level] - 1)];
-    }
-    prefix |= find_bin(first, kBins[level] - 1) << shift;
-  }
+  // The last digit, over the candidates that share the first two.
+  std::fill(bins, bins + 1024, 0u);
+  for (int64_t part = 0; part < stretches; ++part)
+    for (int64_t j = part * stretch; j < part * stretch + count[part]; ++j)
+      if ((keys[j] & 0xfffffc00u) == prefix) ++bins[keys[j] & 1023];
+  prefix |= find_bin(bins, 1023);
   // prefix is the k-th key: every key above it is chosen, and of those
-  // equal to it the `need` lowest indices.
+  // equal to it the `need` lowest indices (the parts in order are the
+  // candidates in index order).
   int64_t n = 0, equal = 0;
-  for (int64_t c = 0; c < cand && n < k; ++c) {
-    const int32_t at = scratch[c];
-    const uint32_t key = order_key(score[at]);
-    if (key > prefix || (key == prefix && equal++ < need)) out[(n++) * out_stride] = at;
-  }
+  for (int64_t part = 0; part < stretches && n < k; ++part)
+    for (int64_t j = part * stretch; j < part * stretch + count[part] && n < k; ++j)
+      if (keys[j] > prefix || (keys[j] == prefix && equal++ < need))
+        out[(n++) * out_stride] = idx[j];
 }
 
 namespace {
 
-// hist, sets: as select_topk_scores takes them.
+// hist, sets, threads, worker_hist: as select_topk_scores takes them.
 void finish_row_fast(const IndexerParams& p, int64_t b, int64_t t, const float* score,
-                     const uint32_t* hist, int64_t sets, int32_t* order) {
+                     const uint32_t* hist, int64_t sets, int threads, uint32_t* worker_hist,
+                     int32_t* order) {
   const int64_t S = p.seqlen_k, visible = S - p.seqlen_q + t + 1;
   if (p.scores) {
     float* row = p.scores + b * p.scores_stride.batch + t * p.scores_stride.row;
@@ -407,7 +583,7 @@ void finish_row_fast(const IndexerParams& p, int64_t b, int64_t t, const float* 
       row[s * p.scores_stride.col] =
           s < visible ? score[s] : -std::numeric_limits<float>::infinity();
   }
-  select_topk_scores(score, visible, p.topk, hist, sets, order,
+  select_topk_scores(score, visible, p.topk, hist, sets, threads, worker_hist, order,
                      p.indices + b * p.indices_stride.batch + t * p.indices_stride.row,
                      p.indices_stride.col);
 }
@@ -476,13 +652,14 @@ Status run_indexer(const IndexerParams& p, Backend backend) {
   thread_local Scratch<uint32_t> kept_hist;
   if (!kept_fbuf.grow(static_cast<size_t>(per * threads + 16)) ||
       !kept_score.grow(static_cast<size_t>(S * threads)) ||
-      !kept_order.grow(static_cast<size_t>(S * threads)) ||
-      !kept_hist.grow(static_cast<size_t>(kTopkHistogram * threads)))
+      !kept_order.grow(static_cast<size_t>(2 * S * threads)) ||
+      !kept_hist.grow(static_cast<size_t>((kTopkHistogram + kTopkWorkerHistogram) * threads)))
     return no_memory("the indexer's scratch");
   float* const fbuf = kept_fbuf.get();
   float* const score = kept_score.get();
   int32_t* const order = kept_order.get();
-  uint32_t* const hist = kept_hist.get();
+  uint32_t* const hist = kept_hist.get();  // [threads][kTopkHistogram]: the scoring's
+  uint32_t* const worker_hist = hist + kTopkHistogram * threads;  // [threads][2048]: the select's
   const auto slot = [&](int w) {
     // On a 64-byte line: every buffer in it starts a multiple of 16 floats
     // in, so none of its vector and tile rows straddles two lines (a 16-
@@ -498,19 +675,24 @@ Status run_indexer(const IndexerParams& p, Backend backend) {
       float* sc = score + static_cast<int64_t>(worker) * S;
       load_query(kt, p, b, t, x);
       indexer_scores_fast(kt, p, b, x, 0, S - p.seqlen_q + t + 1, sc, nullptr);
-      finish_row_fast(p, b, t, sc, nullptr, 0, order + static_cast<int64_t>(worker) * S);
+      finish_row_fast(p, b, t, sc, nullptr, 0, 1, worker_hist + kTopkWorkerHistogram * worker,
+                      order + static_cast<int64_t>(worker) * 2 * S);
     });
     return Status::Ok();
   }
   // Fewer rows than threads, or one (a decode step): split each row's keys,
   // in whole tiles; each worker adds the scores it computes to its own
-  // histogram for the top-k.
+  // histogram for the top-k. Up to 64 tasks, whatever the thread count, of
+  // at least one AMX call's 2,048 keys (~30 us) or four fp32 tiles: a
+  // worker that starts late or is preempted then leaves at most one small
+  // task to the end (8 tasks of 16,384 keys, 0.25 ms each on 2 threads,
+  // left up to that much).
+  const int64_t min_chunk = uses_amx(p) ? 2048 : 4 * kTileKeys;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = r / p.seqlen_q, t = r % p.seqlen_q, visible = S - p.seqlen_q + t + 1;
     const IndexerScratch first = slot(0);
     load_query(kt, p, b, t, first);
-    const int64_t chunk =
-        cpu::round_up(std::max<int64_t>(256, cpu::ceil_div(visible, 4 * threads)), kTileKeys);
+    const int64_t chunk = cpu::round_up(std::max(min_chunk, cpu::ceil_div(visible, 64)), kTileKeys);
     const int64_t tasks = cpu::ceil_div(visible, chunk);
     std::fill(hist, hist + kTopkHistogram * threads, 0u);
     parallel_for(tasks, threads, [&](int64_t task, int worker) {
@@ -520,7 +702,7 @@ Status run_indexer(const IndexerParams& p, Backend backend) {
       const int64_t s0 = task * chunk, s1 = std::min(visible, s0 + chunk);
       indexer_scores_fast(kt, p, b, own, s0, s1, score, hist + kTopkHistogram * worker);
     });
-    finish_row_fast(p, b, t, score, hist, threads, order);
+    finish_row_fast(p, b, t, score, hist, threads, threads, worker_hist, order);
   }
   return Status::Ok();
 }

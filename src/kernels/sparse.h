@@ -71,15 +71,22 @@ void indexer_quantize_row(const float* x, int64_t stride, int64_t n, bool ue8m0,
 // or above it (in index order: every chosen one among them), and
 // histograms of the next 11 and last 10 bits over those give the k-th
 // score; the kept scores above it and, equal to it, the lowest indices
-// are the choice. scratch: visible int32s. hist: nullptr, or `sets`
-// histograms of kTopkHistogram counts whose add_topk_histogram calls
-// covered score[0 .. visible) exactly once (gathered while the scores were
-// computed, on the threads that computed them: the first pass is then
-// not made here).
+// are the choice. hist: nullptr, or `sets` histograms of kTopkHistogram
+// counts whose add_topk_histogram calls covered score[0 .. visible)
+// exactly once (gathered while the scores were computed, on the threads
+// that computed them: the first pass is then not made here). The pass
+// that keeps the candidates runs on stretches of the scores that depend
+// on `visible` and the SIMD target alone (AVX-512: 16 scores at a time),
+// on up to num_threads threads (parallel_for); each stretch compacts into
+// its own part of the scratch, so the output is the same for any thread
+// count. scratch: 2 * visible int32s (the candidates' indices, then their
+// keys); worker_hist: num_threads * kTopkWorkerHistogram counts.
 inline constexpr int64_t kTopkHistogram = 4 * 2048;
+inline constexpr int64_t kTopkWorkerHistogram = 2048;
 void add_topk_histogram(const float* score, int64_t n, uint32_t* hist);
 void select_topk_scores(const float* score, int64_t visible, int64_t topk, const uint32_t* hist,
-                        int64_t sets, int32_t* scratch, int32_t* out, int64_t out_stride);
+                        int64_t sets, int num_threads, uint32_t* worker_hist, int32_t* scratch,
+                        int32_t* out, int64_t out_stride);
 
 // x <- H x / sqrt(n) in place, H Sylvester's Hadamard matrix of order n (a
 // power of two).

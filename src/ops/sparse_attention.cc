@@ -3,11 +3,13 @@
 // written before validation passes.
 #include "attnkit/sparse_attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
 
 #include "core/check.h"
+#include "core/threads.h"
 #include "kernels/sparse.h"
 #include "ops/attention_checks.h"
 
@@ -104,6 +106,10 @@ Status lightning_indexer_topk(const TensorView& q_codes, const TensorView& q_sca
   ATTNKIT_RETURN_IF_ERROR(check::view(fn, "indices", indices, 3, {DType::kI32}));
   const int64_t B = q_codes.shape[0], T = q_codes.shape[1], H = q_codes.shape[2],
                 D = q_codes.shape[3], S = k_codes.shape[1];
+  // A decode step over many keys starts its scoring threads after the
+  // checks below (a scan of every key scale) and the query's packing:
+  // their wake-up overlaps those now.
+  if (S > topk) parallel_prewake(resolve_num_threads(std::max(options.num_threads, 0)));
   ATTNKIT_RETURN_IF_ERROR(check_block_dim(fn, "q_codes.shape[3] (head_dim)", D));
   const std::string f = fn;
   if (topk < 1)

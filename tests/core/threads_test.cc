@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -91,6 +92,29 @@ TEST(Threads, ConcurrentCallersEachCompleteTheirTasks) {
   for (auto& t : callers) t.join();
   for (int c = 0; c < kCallers; ++c)
     for (int t = 0; t < kTasks; ++t) ASSERT_EQ(runs[c][t].load(), 1) << c << " " << t;
+}
+
+// Workers wait by polling for a while, then sleeping, and a prewake
+// wakes sleeping ones to poll again: regions that follow each other at
+// once (workers polling), after a pause longer than the poll (asleep),
+// after a prewake and after a prewake that no region followed, each with
+// every task run once and its plain (non-atomic) writes seen by the caller
+// when parallel_for returns.
+TEST(Threads, RegionsAfterPollingSleepingAndPrewokenWorkersSeeEveryTask) {
+  parallel_prewake(3);  // before the pool's first region: does nothing
+  std::vector<int64_t> out(64);
+  for (int round = 0; round < 40; ++round) {
+    const int kind = round % 4;
+    if (kind == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (kind == 2) parallel_prewake(3);
+    if (kind == 3) {
+      parallel_prewake(3);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    std::fill(out.begin(), out.end(), -1);
+    parallel_for(64, 3, [&](int64_t t, int) { out[static_cast<size_t>(t)] = t * round; });
+    for (int64_t t = 0; t < 64; ++t) ASSERT_EQ(out[static_cast<size_t>(t)], t * round) << round;
+  }
 }
 
 }  // namespace

@@ -857,6 +857,58 @@ TEST(SparseKernels, EverySimdTargetMatchesTheReference) {
   set_simd_target(saved);
 }
 
+// A decode step over enough keys that its scoring tasks and the top-k's
+// pass over every score split into parts (the pass's stretches: 16,384
+// scores on the scalar and AVX2 targets, 262,144 on AVX-512), its keys
+// copies of three rows: the best in ~1 % of places, the second in ~2 %
+// (the k-th score is one of those, cut some 100,000 keys in), the third
+// elsewhere; so nearly every score ties with thousands of others across
+// the parts' boundaries. On every SIMD target and 1-4 threads: the same
+// indices as the reference (ties to the lower index, in index order).
+TEST(LightningIndexer, DecodeTiesAcrossThreadsAndPartsMatchTheReference) {
+  const int64_t S = 270000, H = 2, D = 128, topk = 5000;
+  IndexerInputs in = random_indexer(1, 1, 3, H, D, 77);
+  std::vector<int32_t> rank(3);
+  std::vector<float> row_score(3);
+  ASSERT_TRUE(run_indexer(in, 3, rank, &row_score, Backend::kReference).ok());
+  std::sort(rank.begin(), rank.end(),
+            [&](int32_t a, int32_t b) { return row_score[size_t(a)] > row_score[size_t(b)]; });
+  ASSERT_GT(row_score[size_t(rank[0])], row_score[size_t(rank[1])]);
+  ASSERT_GT(row_score[size_t(rank[1])], row_score[size_t(rank[2])]);
+  const std::vector<uint8_t> rows = in.kc;
+  const std::vector<float> row_scales = in.ks;
+  in.S = S;
+  in.kc.resize(size_t(S * D));
+  in.ks.resize(size_t(S));
+  Rng rng(78);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t u = rng.integer(0, 99);
+    const int64_t r = rank[u < 1 ? 0 : u < 3 ? 1 : 2];
+    std::copy(rows.begin() + r * D, rows.begin() + (r + 1) * D, in.kc.begin() + s * D);
+    in.ks[size_t(s)] = row_scales[size_t(r)];
+  }
+  std::vector<int32_t> ref(static_cast<size_t>(topk));
+  ASSERT_TRUE(run_indexer(in, topk, ref, nullptr, Backend::kReference).ok());
+  const SimdTarget saved = simd_target();
+  for (SimdTarget target : kAllSimdTargets) {
+    if (!set_simd_target(target)) continue;
+    for (int threads = 1; threads <= 4; ++threads) {
+      std::vector<int32_t> idx(size_t(topk), 99);
+      IndexerOptions o;
+      o.num_threads = threads;
+      ASSERT_TRUE(lightning_indexer_topk(make_view(in.qc.data(), DType::kFp8E4M3, {1, 1, H, D}),
+                                         make_view(in.qs.data(), DType::kF32, {1, 1, H, 1}),
+                                         make_view(in.w.data(), DType::kF32, {1, 1, H}),
+                                         make_view(in.kc.data(), DType::kFp8E4M3, {1, S, D}),
+                                         make_view(in.ks.data(), DType::kF32, {1, S, 1}), topk,
+                                         make_view(idx.data(), DType::kI32, {1, 1, topk}), {}, o)
+                      .ok());
+      ASSERT_EQ(idx, ref) << simd_target_name(target) << " threads " << threads;
+    }
+  }
+  set_simd_target(saved);
+}
+
 // Shapes that reach every fast form of the indexer on every SIMD target:
 // 128 features (AMX on avx512bf16 where the CPU and OS allow it, else
 // fp32 tiles) and 256 (two scale blocks, fp32 tiles); heads that fill four
