@@ -19,6 +19,9 @@
 //            processes does not count, and pool threads that spin do).
 //            The peak is the active SIMD target's: with ATTNKIT_SIMD=avx2
 //            on an AVX-512 machine, a 256-bit FMA peak measured here.
+//            `prefill/.../chunked/N` reads q, k, v token-major (the public
+//            API's layout); `prefill/.../chunked_head_major/N` the same rows
+//            head-major, as the GatedDeltaNet layer passes them.
 //   layouts  the chunked prefill of 8K / 32K tokens on token-major q, k, v
 //            (every head of a token in one row) and on a head-major copy
 //            (the layer's layout), alternated: `speedup_head_major`.
@@ -195,8 +198,10 @@ GatedDeltaRuleParams params(int64_t batch, int64_t seq, const Floats& rows, cons
 
 struct Summary {
   std::map<int64_t, double> decode_paired, decode_gbs;  // by batch
-  std::map<int64_t, double> prefill_s, prefill_frac;    // by seq (best repetition)
-  std::map<int64_t, double> prefill_frac_cpu;
+  struct Prefill {
+    double s = 0, frac = 0, frac_cpu = 0;  // best repetition
+  };
+  std::map<int64_t, Prefill> prefill[2];          // [head-major][seq]
   std::map<int64_t, std::vector<double>> phases;  // by seq: seconds per phase
   std::map<int64_t, double> layer_s;              // by seq
 };
@@ -267,19 +272,46 @@ double chunked_fmas(int64_t seq) {
   return f;
 }
 
-void BM_Prefill(benchmark::State& st) {
+// The layer's layout of the same rows: q heads, k heads, v heads, each
+// head's rows one run ([head][token][dim]), as GatedDeltaNet writes its
+// 256-row blocks; `tm` the token-major params, `heads` seq * kWidth floats.
+GatedDeltaRuleParams head_major(const GatedDeltaRuleParams& tm, const Floats& rows, Floats& heads) {
+  const int64_t seq = tm.seq, kd = kHk * kDk;
+  for (int64_t t = 0; t < seq; ++t) {
+    const float* row = rows.data() + t * kWidth;
+    for (int64_t h = 0; h < 2 * kHk; ++h)  // q heads, then k heads
+      std::copy(row + h * kDk, row + (h + 1) * kDk, heads.data() + (h * seq + t) * kDk);
+    for (int64_t h = 0; h < kHv; ++h)
+      std::copy(row + 2 * kd + h * kDv, row + 2 * kd + (h + 1) * kDv,
+                heads.data() + 2 * kd * seq + (h * seq + t) * kDv);
+  }
+  GatedDeltaRuleParams hm = tm;
+  hm.q = heads.data();
+  hm.k = hm.q + kd * seq;
+  hm.v = hm.q + 2 * kd * seq;
+  hm.q_stride = hm.k_stride = kDk;
+  hm.v_stride = kDv;
+  hm.q_head_stride = hm.k_head_stride = seq * kDk;
+  hm.v_head_stride = seq * kDv;
+  return hm;
+}
+
+// One chunked prefill per iteration; `by_head`: q, k, v head-major (the
+// layer's layout, head_major()), else token-major (the public API's, every
+// head of a token in one row).
+void prefill(benchmark::State& st, bool by_head) {
   const int64_t seq = st.range(0);
-  Floats rows(seq * kWidth), g(seq * kHv), beta(seq * kHv), out(seq * kHv * kDv),
-      state(kStateFloats);
+  Floats rows(seq * kWidth), heads(by_head ? seq * kWidth : 0), g(seq * kHv), beta(seq * kHv),
+      out(seq * kHv * kDv), state(kStateFloats);
   fill(rows, -0.1f, 0.1f, 5);
   fill(g, -0.1f, 0.0f, 6);
   fill(beta, 0.0f, 1.0f, 7);
   (void)peak_gflops();
+  GatedDeltaRuleParams p = params(1, seq, rows, g, beta, state.data(), out, GdrForm::kChunked);
+  if (by_head) p = head_major(p, rows, heads);
   double best = 1e30, best_cpu = 1e30;
   for (auto _ : st) {
     std::fill_n(state.data(), kStateFloats, 0.0f);
-    const GatedDeltaRuleParams p =
-        params(1, seq, rows, g, beta, state.data(), out, GdrForm::kChunked);
     const double c0 = process_cpu_seconds();
     const auto t0 = Clock::now();
     const Status ok = kernels::run_gated_delta_rule(p, Backend::kFast);
@@ -296,13 +328,23 @@ void BM_Prefill(benchmark::State& st) {
   st.counters["GFLOPs"] = gflops;
   st.counters["frac_fma_peak"] = gflops / peak_gflops();
   st.counters["frac_fma_peak_cpu"] = frac_cpu;
-  summary().prefill_s[seq] = best;
-  summary().prefill_frac[seq] = gflops / peak_gflops();
-  summary().prefill_frac_cpu[seq] = frac_cpu;
+  Summary::Prefill& row = summary().prefill[by_head][seq];
+  row.s = best;
+  row.frac = gflops / peak_gflops();
+  row.frac_cpu = frac_cpu;
 }
+void BM_Prefill(benchmark::State& st) { prefill(st, false); }
+void BM_PrefillHeadMajor(benchmark::State& st) { prefill(st, true); }
 BENCHMARK(BM_Prefill)
     ->Name("prefill/qwen3next80b/chunked")
     ->Arg(2048)
+    ->Arg(8192)
+    ->Arg(32768)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
+BENCHMARK(BM_PrefillHeadMajor)
+    ->Name("prefill/qwen3next80b/chunked_head_major")
     ->Arg(8192)
     ->Arg(32768)
     ->UseManualTime()
@@ -321,25 +363,10 @@ void BM_PrefillLayouts(benchmark::State& st) {
   fill(rows, -0.1f, 0.1f, 5);
   fill(g, -0.1f, 0.0f, 6);
   fill(beta, 0.0f, 1.0f, 7);
-  const int64_t kd = kHk * kDk;
-  for (int64_t t = 0; t < seq; ++t) {
-    const float* row = rows.data() + t * kWidth;
-    for (int64_t h = 0; h < 2 * kHk; ++h)  // q heads, then k heads
-      std::copy(row + h * kDk, row + (h + 1) * kDk, heads.data() + (h * seq + t) * kDk);
-    for (int64_t h = 0; h < kHv; ++h)
-      std::copy(row + 2 * kd + h * kDv, row + 2 * kd + (h + 1) * kDv,
-                heads.data() + 2 * kd * seq + (h * seq + t) * kDv);
-  }
   (void)peak_gflops();
-  GatedDeltaRuleParams tm = params(1, seq, rows, g, beta, state.data(), out, GdrForm::kChunked);
-  GatedDeltaRuleParams hm = tm;
-  hm.q = heads.data();
-  hm.k = hm.q + kd * seq;
-  hm.v = hm.q + 2 * kd * seq;
-  hm.q_stride = hm.k_stride = kDk;
-  hm.v_stride = kDv;
-  hm.q_head_stride = hm.k_head_stride = seq * kDk;
-  hm.v_head_stride = seq * kDv;
+  const GatedDeltaRuleParams tm =
+      params(1, seq, rows, g, beta, state.data(), out, GdrForm::kChunked);
+  const GatedDeltaRuleParams hm = head_major(tm, rows, heads);
   std::vector<double> t_tm, t_hm, ratio;
   int64_t i = 0;
   for (auto _ : st) {
@@ -490,23 +517,28 @@ void print_summary() {
   std::printf("\n%s, %d threads: fp32 FMA peak %.0f GFLOP/s (%s), DRAM read %.1f GB/s\n",
               bench::cpu_name().c_str(), threads(), m.fp32_peak_gflops, m.simd.c_str(),
               m.dram_read_gbps);
-  if (!s.prefill_s.empty() || !s.phases.empty())
+  if (!s.prefill[0].empty() || !s.prefill[1].empty() || !s.phases.empty())
     std::printf("kernels' SIMD target %s: fractions of an FMA peak of %.0f GFLOP/s\n",
                 simd_target_name(simd_target()), peak_gflops());
   for (auto [batch, frac] : s.decode_paired)
     std::printf("decode, batch %lld: state %.1f GB/s, %.2f of the paired read\n",
                 static_cast<long long>(batch), s.decode_gbs.at(batch), frac);
-  for (auto [seq, sec] : s.prefill_s)
-    std::printf(
-        "prefill %lld tokens: %.3f s, %.2f us/token, %.2f of FMA peak (%.2f per CPU second)\n",
-        static_cast<long long>(seq), sec, sec / static_cast<double>(seq) * 1e6,
-        s.prefill_frac.at(seq), s.prefill_frac_cpu.at(seq));
-  if (s.prefill_s.count(8192) && s.prefill_s.count(32768))
-    std::printf("prefill 32K / 8K time: %.2f (linear: 4)\n",
-                s.prefill_s.at(32768) / s.prefill_s.at(8192));
-  if (s.prefill_s.count(2048) && s.prefill_s.count(8192))
-    std::printf("prefill 8K / 2K time: %.2f (linear: 4)\n",
-                s.prefill_s.at(8192) / s.prefill_s.at(2048));
+  for (int by_head = 0; by_head < 2; ++by_head) {
+    const auto& rows = s.prefill[by_head];
+    const char* layout = by_head ? "head-major" : "token-major";
+    for (const auto& [seq, r] : rows)
+      std::printf(
+          "prefill %lld tokens, %s: %.3f s, %.2f us/token, %.2f of FMA peak (%.2f per CPU "
+          "second)\n",
+          static_cast<long long>(seq), layout, r.s, r.s / static_cast<double>(seq) * 1e6, r.frac,
+          r.frac_cpu);
+    if (rows.count(8192) && rows.count(32768))
+      std::printf("prefill 32K / 8K time, %s: %.2f (linear: 4)\n", layout,
+                  rows.at(32768).s / rows.at(8192).s);
+    if (rows.count(2048) && rows.count(8192))
+      std::printf("prefill 8K / 2K time, %s: %.2f (linear: 4)\n", layout,
+                  rows.at(8192).s / rows.at(2048).s);
+  }
   for (const auto& [seq, sec] : s.phases) {
     double total = 0;
     for (double x : sec) total += x;

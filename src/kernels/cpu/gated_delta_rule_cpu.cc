@@ -127,7 +127,8 @@ void recurrent_head_scalar(const GatedDeltaRuleParams& p, int64_t b, int64_t h) 
 
 size_t gated_delta_rule_chunked_scratch(const GatedDeltaRuleParams& p) {
   ChunkScratch unused;
-  return chunk_floats(p, &unused, nullptr);
+  // A line more than the blocks: room to start them at a line (line_start).
+  return chunk_floats(p, &unused, nullptr) + 16;
 }
 
 void gated_delta_rule_recurrent(const GatedDeltaRuleParams& p, int threads, SimdTarget target) {
@@ -153,7 +154,8 @@ void gated_delta_rule_chunked(const GatedDeltaRuleParams& p, int threads, SimdTa
     float* scratch;
     size_t per_worker;
     int64_t per_task, tasks_per_seq;
-  } ctx{p, task_fn, scratch, gated_delta_rule_chunked_scratch(p), per_task, tasks_per_seq};
+  } ctx{p,        task_fn,      line_start(scratch), gated_delta_rule_chunked_scratch(p),
+        per_task, tasks_per_seq};
   parallel_for(p.batch * tasks_per_seq, threads, [c = &ctx](int64_t task, int worker) {
     ChunkScratch s;
     chunk_floats(c->p, &s, c->scratch + static_cast<size_t>(worker) * c->per_worker);

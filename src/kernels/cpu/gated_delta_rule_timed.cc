@@ -14,7 +14,7 @@ void gated_delta_rule_chunked_timed(const GatedDeltaRuleParams& p, SimdTarget ta
              : target == SimdTarget::kAvx2 ? chunked_task_avx2<PhaseClock>
                                            : chunked_task_scalar<PhaseClock>;
   ChunkScratch s;
-  chunk_floats(p, &s, scratch);
+  chunk_floats(p, &s, line_start(scratch));
   std::fill_n(seconds, kGdrNumPhases, 0.0);
   const int64_t per_task = task_groups(p);
   for (int64_t b = 0; b < p.batch; ++b)
