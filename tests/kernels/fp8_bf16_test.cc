@@ -4,12 +4,6 @@
 // 256 codes, bit for bit, against the E4M3 values computed here from the
 // format's definition (1 sign, 4 exponent bits of bias 7, 3 mantissa bits;
 // exponent 0 is subnormal; magnitude 0x7f is NaN, there is no infinity).
-#if defined(__GNUC__) && !defined(__clang__)
-// GCC 12's own AVX-512 headers trip -W(maybe-)uninitialized (GCC bug
-// 105593: the `__m512i __Y = __Y;` idiom behind vpermb's intrinsic).
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
 #include "kernels/cpu/fp8_bf16.h"
 
 #include <gtest/gtest.h>

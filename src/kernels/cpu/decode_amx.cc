@@ -7,16 +7,7 @@
 
 #include "kernels/amx.h"
 #include "kernels/cpu/fp8_bf16.h"
-
-#if defined(ATTNKIT_AMX_BUILD)
-#if defined(__GNUC__) && !defined(__clang__)
-// GCC 12's own AVX-512 headers trip -W(maybe-)uninitialized (GCC bug
-// 105593: the `__m512 __Y = __Y;` idiom behind _mm512_undefined_ps).
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <immintrin.h>
-#endif
+#include "kernels/cpu/x86_intrinsics.h"
 
 namespace attnkit::kernels::cpu {
 

@@ -22,9 +22,7 @@
 
 #include <cstdint>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
+#include "kernels/cpu/x86_intrinsics.h"
 
 namespace attnkit::kernels::cpu {
 

@@ -17,13 +17,7 @@
      defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && \
      defined(__FMA__))
 #if !defined(ATTNKIT_AVX512_EMULATED)
-#if defined(__GNUC__) && !defined(__clang__)
-// GCC 12's own AVX-512 headers trip -W(maybe-)uninitialized (GCC bug
-// 105593: the `__m512 __Y = __Y;` idiom behind _mm512_undefined_ps).
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-#include <immintrin.h>
+#include "kernels/cpu/x86_intrinsics.h"
 #endif
 
 #include "kernels/cpu/simd_kernels.h"
