@@ -3,7 +3,7 @@
 // same cache of L tokens (public API only, random data).
 //
 //   dsa_decode_bench [--contexts 8192,32768,65536] [--reps 5] [--threads 0]
-//                    [--cache f32|bf16]
+//                    [--cache f32|bf16] [--cold 0|1]
 //
 // dense: sdpa over the whole latent cache in the absorbed form (128 heads,
 //        key = the 576-value latent row, value = its first 512 values).
@@ -22,6 +22,14 @@
 // are not timed. Runs are paired and alternate which goes first; each
 // cell is the median over --reps of wall seconds; dsa/dense and idx_rate
 // are medians of the per-rep ratios.
+// --cold 1 reads a buffer of twice the last-level cache (1 GiB where the
+// OS does not say) before each DSA run and before each read, so that the
+// indexer pass and its paired read both find their bytes in DRAM, as a
+// decode step of a whole model does (at 128K tokens each of V3.2's 61
+// layers has 17 MB of indexer keys). By default the read follows the DSA
+// run and finds those bytes as the indexer left them, while the indexer
+// follows the dense pass (300 MB) on every other rep: a stricter pairing.
+#include <unistd.h>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -110,6 +118,7 @@ double read_words(const std::vector<std::pair<const uint8_t*, size_t>>& parts, i
 int main(int argc, char** argv) {
   std::vector<int64_t> contexts = {8192, 32768, 65536};
   int reps = 5, threads = 0;
+  bool cold = false;
   DType cache_dtype = DType::kF32;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
@@ -124,6 +133,8 @@ int main(int argc, char** argv) {
       reps = std::stoi(v);
     } else if (a == "--threads") {
       threads = std::stoi(v);
+    } else if (a == "--cold") {
+      cold = v == "1";
     } else if (a == "--cache") {
       cache_dtype = v == "bf16" ? DType::kBF16 : DType::kF32;
     } else {
@@ -131,14 +142,21 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  std::printf("# %s; cache %s; %d reps; threads %d (0 = all)\n", attnkit::bench::cpu_name().c_str(),
-              attnkit::dtype_name(cache_dtype), reps, threads);
+  std::printf("# %s; cache %s; %d reps; threads %d (0 = all); %s\n",
+              attnkit::bench::cpu_name().c_str(), attnkit::dtype_name(cache_dtype), reps, threads,
+              cold ? "indexer and read from DRAM (--cold 1)" : "read after the indexer");
   std::printf("%10s %12s %12s %12s %10s %12s %10s%s\n", "context", "dense_s", "dsa_s", "indexer_s",
               "dsa/dense", "read_s", "idx_rate", threads == 1 ? "   cpu_rate" : "");
   const int read_threads =
       threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   uint64_t sink = 0;
   Fill fill;
+  const long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  std::vector<uint8_t> evict(cold ? (llc > 0 ? 2 * static_cast<size_t>(llc) : size_t{1} << 30) : 0,
+                             1);
+  const auto evict_caches = [&] {
+    if (cold) read_words({{evict.data(), evict.size()}}, read_threads, &sink);
+  };
   for (const int64_t L : contexts) {
     // Latent cache [1, L, 1, 576]; value = the first 512 of each row.
     const size_t esz = cache_dtype == DType::kF32 ? 4 : 2;
@@ -208,16 +226,19 @@ int main(int argc, char** argv) {
     for (int r = 0; r < reps; ++r) {
       double td, ts;
       if (r % 2) {
+        evict_caches();
         ts = run_dsa();
         td = run_dense();
       } else {
         td = run_dense();
+        evict_caches();
         ts = run_dsa();
       }
       d.push_back(td);
       s.push_back(ts);
       ix.push_back(index_s);
       ratio.push_back(ts / td);
+      evict_caches();
       const double c0 = thread_cpu_seconds();
       const double tr = run_read();
       cpu_rate.push_back((thread_cpu_seconds() - c0) / index_cpu);
