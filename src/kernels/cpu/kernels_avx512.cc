@@ -99,10 +99,12 @@ struct V512 {
   // row whose largest weight is 1.
   // f comes from one vreduceps (t minus t rounded to nearest, exact), k =
   // t - f (exact): the same f and k as vrndscaleps (2 uops on port 0) and a
-  // subtraction, with no clamp of t, as the lanes it guarded (t below -126:
-  // -inf, or so large that k is t itself) are the ones the mask zeroes. One
-  // uop and one operation fewer per score: the call below took 0.97-0.99 of
-  // the time, with bit-identical outputs (docs/PERFORMANCE.md#prefill).
+  // subtraction gave, with no clamp of t, as the lanes it guarded (t below
+  // -126: -inf, or so large that k is t itself) are the ones the mask
+  // zeroes. Two uops fewer per score: causal GQA 32/8 s2048 fp32 prefill
+  // took 0.97-0.99 of the time, bit-identical (CPU time, alternated in one
+  // process; 2026-11-27, Intel Xeon family 6 model 167:
+  // docs/PERFORMANCE.md#prefill).
   static F exp2_nonpos(F t) {
     const Mask normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);  // or NaN
     const F f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
