@@ -169,6 +169,17 @@ inline Bh cvtne2ps_pbh(F a, F b) {
   return r;
 }
 
+// vreduceps with 0 fraction bits: x minus x rounded to an integer (to
+// nearest, ties to even: the rounding mode bits of imm8 are 0 wherever it is
+// used); 0 for infinities, whose lanes the kernels mask.
+inline simde__m512 reduce_ps(simde__m512 a, int imm8) {
+  (void)imm8;
+  return map_lanes<simde__m512, float, float, 16>(a, [](float x) {
+    if (std::isinf(x)) return 0.0f;
+    return x - std::nearbyint(x);
+  });
+}
+
 inline simde__m256bh cvtneps_pbh(simde__m512 a) {
   return map_lanes<simde__m256bh, uint16_t, float, 16>(a, to_bf16);
 }
@@ -197,3 +208,4 @@ inline simde__m256bh cvtneps_pbh(simde__m512 a) {
 #define _mm512_cvtepi32_epi16(a) attnkit_avx512_emulation::cvtepi32_epi16(a)
 #define _mm512_mask_storeu_epi32(p, k, a) attnkit_avx512_emulation::mask_storeu_epi32(p, k, a)
 #define _mm512_cvtneps_pbh(a) attnkit_avx512_emulation::cvtneps_pbh(a)
+#define _mm512_reduce_ps(a, imm8) attnkit_avx512_emulation::reduce_ps(a, imm8)
