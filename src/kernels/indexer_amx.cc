@@ -153,9 +153,10 @@ __m512 reduce_quad(const float* s, int64_t ss, int64_t any_blocks, const float* 
                        _mm512_shuffle_ps(p0, p1, _MM_SHUFFLE(3, 2, 3, 2)));
 }
 
-// score[n], n < count (<= 16), from the four quads.
-void reduce_finish(const __m512* q, const float* ks, int64_t ks_stride, int64_t count,
-                   float* score) {
+// score[n], n < count (<= 16), from the four quads; the lanes of the keys
+// whose scale is not finite and > 0 or-ed into *bad.
+void reduce_finish(const __m512* q, const float* ks, int64_t ks_stride, int64_t count, float* score,
+                   __mmask16* bad) {
   // Lanes: add lane pairs, twice; lane i of the result holds keys 4i .. 4i + 3.
   const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                  _mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -172,6 +173,11 @@ void reduce_finish(const __m512* q, const float* ks, int64_t ks_stride, int64_t 
     for (int64_t n = 0; n < count; ++n) g[n] = ks[n * ks_stride];
     scale = _mm512_load_ps(g);
   }
+  // Finite and > 0: bits - 1 < 0x7f7fffff as unsigned (0 and -0 wrap or
+  // land above it, as do negatives, infinities and NaNs).
+  *bad |= _mm512_mask_cmpge_epu32_mask(
+      live, _mm512_sub_epi32(_mm512_castps_si512(scale), _mm512_set1_epi32(1)),
+      _mm512_set1_epi32(0x7f7fffff));
   const __m512 total = _mm512_mul_ps(sum, scale);
   const __mmask16 nan = _mm512_cmp_ps_mask(total, total, _CMP_UNORD_Q);
   _mm512_mask_storeu_ps(
@@ -215,16 +221,17 @@ void multiply_group(const uint16_t* keys, const uint16_t* q, int64_t blocks, flo
 // freely. (A store leaves the store buffer only after it retires, so
 // behind every tdpbf16ps issued before it: 64 of them fill the buffer.)
 template <int kBlocks>
-void scores_by_groups(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
+bool scores_by_groups(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
                       int64_t blocks, const float* w, const float* ks, int64_t ks_stride,
                       uint16_t* keys, float* s, float* score) {
   const cpu::Fp8Bf16Tables tables = cpu::fp8_bf16_tables();
   const int64_t ss = blocks * 16, groups = (count + kGroup - 1) / kGroup;
   const auto key_slot = [&](int64_t g) { return keys + (g % 2) * kGroup * kAmxIndexerDim; };
   const auto score_slot = [&](int64_t g) { return s + (g % 2) * kGroup * ss; };
+  __mmask16 bad = 0;
   const auto finish = [&](int64_t g, const __m512* quads) {
     reduce_finish(quads, ks + g * kGroup * ks_stride, ks_stride,
-                  std::min(kGroup, count - g * kGroup), score + g * kGroup);
+                  std::min(kGroup, count - g * kGroup), score + g * kGroup, &bad);
   };
   __m512 quads[4];
   decode_rows(tables, codes, code_stride, 0, 0, kGroup, count, key_slot(0));
@@ -243,14 +250,15 @@ void scores_by_groups(const uint8_t* codes, int64_t code_stride, int64_t count, 
   for (int64_t t = 0; t < 4; ++t)
     quads[t] = reduce_quad<kBlocks>(score_slot(groups - 1), ss, blocks, w, t);
   finish(groups - 1, quads);
+  return bad == 0;
 }
 
 }  // namespace
 
-void indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
+bool indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
                         int64_t heads, const float* w, const float* ks, int64_t ks_stride,
                         uint16_t* keys, float* s, float* score) {
-  if (count <= 0) return;
+  if (count <= 0) return true;
   // A constant, initialised once: GCC 12 has dropped the stores that fill a
   // stack-local configuration before ldtilecfg (kernels/cpu/decode_amx.cc).
   static const AmxTileConfig cfg = [] {
@@ -263,8 +271,9 @@ void indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count
   }();
   _tile_loadconfig(&cfg);
   const int64_t blocks = (heads + 15) / 16;
-  (blocks == 4 ? scores_by_groups<4> : scores_by_groups<0>)(codes, code_stride, count, q, blocks, w,
-                                                            ks, ks_stride, keys, s, score);
+  return (blocks == 4 ? scores_by_groups<4> : scores_by_groups<0>)(codes, code_stride, count, q,
+                                                                   blocks, w, ks, ks_stride, keys,
+                                                                   s, score);
 }
 
 #if defined(__clang__)
@@ -277,8 +286,10 @@ void indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count
 
 bool indexer_amx_available() { return false; }
 
-void indexer_amx_scores(const uint8_t*, int64_t, int64_t, const uint16_t*, int64_t, const float*,
-                        const float*, int64_t, uint16_t*, float*, float*) {}
+bool indexer_amx_scores(const uint8_t*, int64_t, int64_t, const uint16_t*, int64_t, const float*,
+                        const float*, int64_t, uint16_t*, float*, float*) {
+  return true;
+}
 
 #endif
 

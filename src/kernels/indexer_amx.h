@@ -39,8 +39,12 @@ inline int64_t indexer_amx_query_elems(int64_t heads) { return (heads + 15) / 16
 // [round_up(heads, 16)] (zero past heads); scratch: keys of 64 * 128
 // uint16s, s of 64 * round_up(heads, 16) floats. A key with a NaN code,
 // or a NaN total, scores -inf, as in the other forms. Tile state is
-// configured on entry and released on return.
-void indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
+// configured on entry and released on return. Returns whether every scale
+// it read, ks[n * ks_stride] for n < count, is finite and > 0 (the check
+// that lightning_indexer_topk makes of a decode step's key scales, made
+// here on the scales as the scores use them instead of in a pass of its
+// own).
+bool indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
                         int64_t heads, const float* w, const float* ks, int64_t ks_stride,
                         uint16_t* keys, float* s, float* score);
 

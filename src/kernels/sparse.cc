@@ -38,6 +38,7 @@
 #include "attnkit/sparse_attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -269,10 +270,35 @@ bool has_nan_code(const uint8_t* codes, int64_t n) {
   return (any & 0x80) != 0;
 }
 
+// True when the `blocks` scales of each of n rows (row_stride and
+// col_stride apart) are finite and > 0: bits - 1 < 0x7f7fffff as unsigned,
+// without a branch per scale.
+bool scales_positive(const float* ks, int64_t row_stride, int64_t col_stride, int64_t n,
+                     int64_t blocks) {
+  uint32_t bad = 0;
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < blocks; ++c) {
+      uint32_t bits;
+      std::memcpy(&bits, ks + r * row_stride + c * col_stride, sizeof bits);
+      bad |= static_cast<uint32_t>(bits - 1u >= 0x7f7fffffu);
+    }
+  return bad == 0;
+}
+
+// Every key scale of p finite and > 0.
+bool all_scales_positive(const IndexerParams& p) {
+  for (int64_t b = 0; b < p.batch; ++b)
+    if (!scales_positive(p.k_scales + b * p.k_scales_stride.batch, p.k_scales_stride.row,
+                         p.k_scales_stride.col, p.seqlen_k, p.head_dim / kIndexerBlock))
+      return false;
+  return true;
+}
+
 // Scores of keys [s0, s1) for the query row in x, into score[s].
 // With hist (kTopkHistogram counts), each stretch of scores is added to
-// it while it is still in L1.
-void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int64_t b,
+// it while it is still in L1. Returns false when p.k_scales_bad is set and
+// a scale of those keys is not finite and > 0.
+bool indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int64_t b,
                          const IndexerScratch& x, int64_t s0, int64_t s1, float* score,
                          uint32_t* hist) {
   const int64_t H = p.n_heads, D = p.head_dim;
@@ -281,24 +307,29 @@ void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
   const bool dequant =
       p.k_codes_stride.col == 1 && (D == kIndexerBlock || p.k_scales_stride.col == 1);
   const float* lut = fp8_table();
+  bool scales_ok = true;
   if (x.amx) {
     // 2,048 keys a call (a call pipelines its 16-key groups), whose 8 KiB
-    // of scores the histogram then reads from L1.
+    // of scores the histogram then reads from L1. The call checks the
+    // scales it applies whether asked to or not (a compare per 16 keys).
     for (int64_t n0 = s0; n0 < s1; n0 += 2048) {
       const int64_t n = std::min<int64_t>(2048, s1 - n0);
-      indexer_amx_scores(p.k_codes + b * p.k_codes_stride.batch + n0 * p.k_codes_stride.row,
-                         p.k_codes_stride.row, n, reinterpret_cast<const uint16_t*>(x.qt), H, x.w,
-                         p.k_scales + b * p.k_scales_stride.batch + n0 * p.k_scales_stride.row,
-                         p.k_scales_stride.row, reinterpret_cast<uint16_t*>(x.keys), x.s,
-                         score + n0);
+      scales_ok &= indexer_amx_scores(
+          p.k_codes + b * p.k_codes_stride.batch + n0 * p.k_codes_stride.row, p.k_codes_stride.row,
+          n, reinterpret_cast<const uint16_t*>(x.qt), H, x.w,
+          p.k_scales + b * p.k_scales_stride.batch + n0 * p.k_scales_stride.row,
+          p.k_scales_stride.row, reinterpret_cast<uint16_t*>(x.keys), x.s, score + n0);
       if (hist != nullptr) add_topk_histogram(score + n0, n, hist);
     }
-    return;
+    return scales_ok || p.k_scales_bad == nullptr;
   }
   for (int64_t n0 = s0; n0 < s1; n0 += kTileKeys) {
     const int64_t n = std::min(kTileKeys, s1 - n0);
     const uint8_t* kc = p.k_codes + b * p.k_codes_stride.batch + n0 * p.k_codes_stride.row;
     const float* ks = p.k_scales + b * p.k_scales_stride.batch + n0 * p.k_scales_stride.row;
+    if (p.k_scales_bad != nullptr)
+      scales_ok &=
+          scales_positive(ks, p.k_scales_stride.row, p.k_scales_stride.col, n, D / kIndexerBlock);
     if (dequant) {
       kt.dequant_f32(kc, p.k_codes_stride.row, n, D, ks, p.k_scales_stride.row, kIndexerBlock, true,
                      x.keys, x.d_pad, 0);
@@ -327,6 +358,7 @@ void indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
     }
     if (hist != nullptr) add_topk_histogram(score + n0, n, hist);
   }
+  return scales_ok;
 }
 
 }  // namespace
@@ -632,7 +664,15 @@ Status run_indexer(const IndexerParams& p, Backend backend) {
   const int64_t rows = p.batch * p.seqlen_q, S = p.seqlen_k, H = p.n_heads, D = p.head_dim;
   if (rows == 0) return Status::Ok();
   const int threads = resolve_num_threads(p.num_threads);
-  if (resolve_backend(backend) == Backend::kReference) {
+  const bool reference = resolve_backend(backend) == Backend::kReference;
+  // One query row on the fast backend checks its key scales as it scores
+  // (below); every other call first, before it writes anything.
+  const bool check_first = p.k_scales_bad != nullptr && (reference || rows > 1);
+  if (check_first && !all_scales_positive(p)) {
+    *p.k_scales_bad = true;
+    return Status::Ok();
+  }
+  if (reference) {
     std::unique_ptr<double[]> score;
     std::unique_ptr<int32_t[]> order;
     if (!alloc(&score, S) || !alloc(&order, S)) return no_memory("the reference's scores");
@@ -695,13 +735,21 @@ Status run_indexer(const IndexerParams& p, Backend backend) {
     const int64_t chunk = cpu::round_up(std::max(min_chunk, cpu::ceil_div(visible, 64)), kTileKeys);
     const int64_t tasks = cpu::ceil_div(visible, chunk);
     std::fill(hist, hist + kTopkHistogram * threads, 0u);
+    std::atomic<bool> bad_scale{false};
     parallel_for(tasks, threads, [&](int64_t task, int worker) {
       IndexerScratch own = slot(worker);
       own.qt = first.qt;  // the row's query and weights, shared read-only
       own.w = first.w;
       const int64_t s0 = task * chunk, s1 = std::min(visible, s0 + chunk);
-      indexer_scores_fast(kt, p, b, own, s0, s1, score, hist + kTopkHistogram * worker);
+      if (!indexer_scores_fast(kt, p, b, own, s0, s1, score, hist + kTopkHistogram * worker))
+        bad_scale.store(true, std::memory_order_relaxed);
     });
+    // Checked on the scoring threads (rows == 1 here: its visible keys are
+    // all of them); no output written yet.
+    if (bad_scale.load(std::memory_order_relaxed)) {
+      *p.k_scales_bad = true;
+      return Status::Ok();
+    }
     finish_row_fast(p, b, t, score, hist, threads, threads, worker_hist, order);
   }
   return Status::Ok();

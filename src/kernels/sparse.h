@@ -37,6 +37,13 @@ struct IndexerParams {
   float* scores = nullptr;  // [batch, seqlen_q, seqlen_k], optional
   Strides3 scores_stride;
   int num_threads = 0;
+  // Set (by lightning_indexer_topk, for one query row): k_scales are not
+  // yet checked. run_indexer then checks that each is finite and > 0 before
+  // it writes anything (a decode step, on the fast backend: as its scoring
+  // reads them, instead of in a pass of their own on the calling thread)
+  // and, on a bad one, sets *k_scales_bad and returns Ok with nothing
+  // written.
+  bool* k_scales_bad = nullptr;
 };
 
 Status run_indexer(const IndexerParams& params, Backend backend);

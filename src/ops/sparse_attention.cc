@@ -171,7 +171,12 @@ Status lightning_indexer_topk(const TensorView& q_codes, const TensorView& q_sca
   ATTNKIT_RETURN_IF_ERROR(check_outputs_apart(fn, outputs, inputs));
   ATTNKIT_RETURN_IF_ERROR(check_values(fn, "weights", weights, false));
   ATTNKIT_RETURN_IF_ERROR(check_values(fn, "q_scales", q_scales, true));
-  ATTNKIT_RETURN_IF_ERROR(check_values(fn, "k_scales", k_scales, true));
+  // The key scales (one per cached token and block, the longest of these
+  // scans) of one query row are checked by the kernel as its scoring
+  // threads read them (kernels/sparse.h), which writes nothing when one is
+  // bad; this scan then names it. Every other call scans them here.
+  const bool fold_k_scales = B * T == 1;
+  if (!fold_k_scales) ATTNKIT_RETURN_IF_ERROR(check_values(fn, "k_scales", k_scales, true));
 
   kernels::IndexerParams p;
   p.batch = B;
@@ -199,7 +204,12 @@ Status lightning_indexer_topk(const TensorView& q_codes, const TensorView& q_sca
     p.scores_stride = strides3(scores);
   }
   p.num_threads = options.num_threads;
-  return kernels::run_indexer(p, options.backend);
+  bool k_scales_bad = false;
+  if (fold_k_scales) p.k_scales_bad = &k_scales_bad;
+  ATTNKIT_RETURN_IF_ERROR(kernels::run_indexer(p, options.backend));
+  if (!k_scales_bad) return Status::Ok();
+  ATTNKIT_RETURN_IF_ERROR(check_values(fn, "k_scales", k_scales, true));
+  return internal_error(f + ": the kernel refused a key scale that the check passes");
 }
 
 }  // namespace attnkit

@@ -795,6 +795,62 @@ TEST(LightningIndexer, BadInputsNameTheArgumentAndWriteNothing) {
           .ok());
 }
 
+// A decode step (one query row) checks its key scales on the scoring
+// threads, as they are read, not in a scan before: the refusal must still
+// name the first bad one, on every backend, thread count and scale layout,
+// with nothing written (indices nor scores), whichever task meets it.
+TEST(LightningIndexer, DecodeStepRefusesABadKeyScaleAndWritesNothing) {
+  for (const int64_t D : {128, 256})
+    for (const int64_t ks_step : {1, 3}) {  // contiguous scales, or every third of a buffer
+      const int64_t S = 5000, nb = D / 128;
+      IndexerInputs in = random_indexer(1, 1, S, 4, D, 21);
+      std::vector<float> ks_buf(static_cast<size_t>(S * nb * ks_step), 0.005f);
+      for (int64_t e = 0; e < S * nb; ++e) ks_buf[size_t(e * ks_step)] = in.ks[size_t(e)];
+      TensorView ks = make_view(ks_buf.data(), DType::kF32, {1, S, nb});
+      ks.strides = {S * nb * ks_step, nb * ks_step, ks_step};
+      const auto call = [&](Backend be, int threads, std::vector<int32_t>& idx,
+                            std::vector<float>& scores) {
+        IndexerOptions o;
+        o.backend = be;
+        o.num_threads = threads;
+        return lightning_indexer_topk(make_view(in.qc.data(), DType::kFp8E4M3, {1, 1, 4, D}),
+                                      make_view(in.qs.data(), DType::kF32, {1, 1, 4, nb}),
+                                      make_view(in.w.data(), DType::kF32, {1, 1, 4}),
+                                      make_view(in.kc.data(), DType::kFp8E4M3, {1, S, D}), ks, 64,
+                                      make_view(idx.data(), DType::kI32, {1, 1, 64}),
+                                      make_view(scores.data(), DType::kF32, {1, 1, S}), o);
+      };
+      // The first and last keys, both sides of a 2,048-key task's edge, and
+      // a second block's scale; with a later bad one, the first is named.
+      for (const int64_t first : {int64_t{0}, int64_t{2047}, int64_t{2048}, S * nb - 1})
+        for (const float bad : {0.0f, -1.0f, NAN, INFINITY}) {
+          const std::vector<float> kept = ks_buf;
+          ks_buf[size_t(first * ks_step)] = bad;
+          if (first < S * nb - 1) ks_buf[size_t((S * nb - 1) * ks_step)] = -2.0f;
+          for (const Backend be : {Backend::kFast, Backend::kReference})
+            for (const int threads : {1, 2, 3}) {
+              std::vector<int32_t> idx(64, 77);
+              std::vector<float> scores(static_cast<size_t>(S), 5.0f);
+              const Status st = call(be, threads, idx, scores);
+              EXPECT_FALSE(st.ok());
+              EXPECT_NE(st.message().find("lightning_indexer_topk: k_scales holds"),
+                        std::string::npos)
+                  << st.message();
+              EXPECT_NE(st.message().find("(element " + std::to_string(first) + ")"),
+                        std::string::npos)
+                  << st.message();
+              EXPECT_EQ(idx, std::vector<int32_t>(64, 77));
+              EXPECT_EQ(scores, std::vector<float>(static_cast<size_t>(S), 5.0f));
+            }
+          ks_buf = kept;
+        }
+      // And with every scale good, the call goes through.
+      std::vector<int32_t> idx(64);
+      std::vector<float> scores(static_cast<size_t>(S));
+      EXPECT_TRUE(call(Backend::kFast, 2, idx, scores).ok());
+    }
+}
+
 TEST(IndexerQuantize, MatchesDeepSeekActQuantRounding) {
   Rng rng(3);
   std::vector<float> x = attnkit_test::uniform_vector(2 * 256, rng, -3.0f, 3.0f);
