@@ -38,6 +38,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
@@ -173,8 +174,16 @@ int main(int argc, char** argv) {
     v.strides = k.strides;
     std::vector<float> q(kHeads * kRow), out(kHeads * kLatent);
     for (float& e : q) e = fill.next() * 0.05f;
-    // Indexer: fp8 keys for every token, one query.
-    std::vector<uint8_t> kc(static_cast<size_t>(L * kIndexDim)), qc(kIndexHeads * kIndexDim);
+    // Indexer: fp8 keys for every token, one query. The keys in a library
+    // Tensor, on a 64-byte line as LatentCache holds them (a std::vector's
+    // 16 MB sit 16 bytes into a page, and every row's 64-byte loads would
+    // then split two cache lines).
+    attnkit::Result<attnkit::Tensor> kc_tensor =
+        attnkit::Tensor::zeros(DType::kFp8E4M3, {1, L, kIndexDim});
+    if (!kc_tensor.ok()) std::abort();
+    const std::span<uint8_t> kc(static_cast<uint8_t*>(kc_tensor.value().data()),
+                                static_cast<size_t>(L * kIndexDim));
+    std::vector<uint8_t> qc(kIndexHeads * kIndexDim);
     for (auto& e : kc) e = static_cast<uint8_t>(fill.bits() % 0x7e);
     for (auto& e : qc) e = static_cast<uint8_t>(fill.bits() % 0x7e);
     std::vector<float> ks(static_cast<size_t>(L), 0.01f), qs(kIndexHeads, 0.01f), w(kIndexHeads);
