@@ -58,16 +58,21 @@ namespace {
 
 // C (tmm0 .. tmm0 + blocks - 1) = the 16 keys at `keys` times `blocks` head
 // blocks of q from head block j0, stored to s [16][ss] at column 16 j0;
-// between(t) runs after step t's products are issued (see
-// indexer_amx_scores).
+// between(u), u = 0 .. 15, runs right after product u of the 16 that four
+// head blocks take (with fewer blocks, a step's four units follow its
+// products; see scores_by_groups for why one unit a product).
 template <int kBlocks, class Between>
-void key_tile(const uint16_t* keys, const uint16_t* q, int64_t j0, float* s, int64_t ss,
-              const Between& between) {
+[[gnu::always_inline]] inline void key_tile(const uint16_t* keys, const uint16_t* q, int64_t j0,
+                                            float* s, int64_t ss, const Between& between) {
   if constexpr (kBlocks > 0) _tile_zero(0);
   if constexpr (kBlocks > 1) _tile_zero(1);
   if constexpr (kBlocks > 2) _tile_zero(2);
   if constexpr (kBlocks > 3) _tile_zero(3);
   constexpr int64_t kRowBytes = kAmxIndexerDim * 2, kPairRowBytes = 64;
+  // The units of step t that follow its product j.
+  const auto after = [&](int64_t t, int64_t j) {
+    for (int64_t u = t * 4 + j * 4 / kBlocks; u < t * 4 + (j + 1) * 4 / kBlocks; ++u) between(u);
+  };
   for (int64_t t = 0; t < 4; ++t) {
     _tile_loadd(4, keys + t * 32, kRowBytes);
     const uint16_t* b = q + ((j0 * 4 + t) * 16) * 32;
@@ -75,20 +80,23 @@ void key_tile(const uint16_t* keys, const uint16_t* q, int64_t j0, float* s, int
     if constexpr (kBlocks > 0) {
       _tile_loadd(5, b, kPairRowBytes);
       _tile_dpbf16ps(0, 4, 5);
+      after(t, 0);
     }
     if constexpr (kBlocks > 1) {
       _tile_loadd(5, b + kBlock, kPairRowBytes);
       _tile_dpbf16ps(1, 4, 5);
+      after(t, 1);
     }
     if constexpr (kBlocks > 2) {
       _tile_loadd(5, b + 2 * kBlock, kPairRowBytes);
       _tile_dpbf16ps(2, 4, 5);
+      after(t, 2);
     }
     if constexpr (kBlocks > 3) {
       _tile_loadd(5, b + 3 * kBlock, kPairRowBytes);
       _tile_dpbf16ps(3, 4, 5);
+      after(t, 3);
     }
-    between(t);
   }
   const int64_t stride = ss * static_cast<int64_t>(sizeof(float));
   if constexpr (kBlocks > 0) _tile_stored(0, s + 16 * j0, stride);
@@ -99,56 +107,80 @@ void key_tile(const uint16_t* keys, const uint16_t* q, int64_t j0, float* s, int
 
 constexpr int64_t kGroup = 16;  // keys per A tile
 
-// Rows r0 + r, r in [r_begin, r_end), of keys [16][128] = the codes of
-// those rows (row_stride apart) as bf16 in fp8_bf16_feature's order, rows
-// at or past count 0.
-void decode_rows(const cpu::Fp8Bf16Tables& t, const uint8_t* codes, int64_t row_stride, int64_t r0,
-                 int64_t r_begin, int64_t r_end, int64_t count, uint16_t* keys) {
-  for (int64_t r = r_begin; r < r_end; ++r) {
-    uint16_t* out = keys + r * kAmxIndexerDim;
-    if (r0 + r >= count) {
-      std::memset(out, 0, kAmxIndexerDim * sizeof(uint16_t));
-      continue;
-    }
-    const uint8_t* row = codes + (r0 + r) * row_stride;
-    // The same row four groups on: the codes are read from memory once, so
-    // their lines are in flight well before they are needed. A hint,
-    // harmless past the end.
-    _mm_prefetch(reinterpret_cast<const char*>(row + 4 * kGroup * row_stride), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + 4 * kGroup * row_stride + 64), _MM_HINT_T0);
-    cpu::fp8_bf16_decode64(t, row, out);
-    cpu::fp8_bf16_decode64(t, row + 64, out + 64);
-  }
+// out [128] = the key's codes `row` as bf16 in fp8_bf16_feature's order;
+// the codes `ahead` bytes on are asked for (a hint, harmless past the
+// end): the codes are read from memory once, so their lines are in flight
+// well before they are needed.
+[[gnu::always_inline]] inline void decode_row(const cpu::Fp8Bf16Tables& t, const uint8_t* row,
+                                              int64_t ahead, uint16_t* out) {
+  _mm_prefetch(reinterpret_cast<const char*>(row + ahead), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(row + ahead + 64), _MM_HINT_T0);
+  __m512i c0 = _mm512_loadu_si512(row), c1 = _mm512_loadu_si512(row + 64);
+  // Held in registers: GCC would load the codes again for each instruction
+  // that reads them (vpermi2b overwrites its index operand), 3 loads for 1
+  // beside the tile loads (4-5 % of the scoring's time, one thread).
+  asm("" : "+v"(c0), "+v"(c1));
+  __m512i f0, s0, f1, s1;
+  cpu::fp8_bf16_words(t, c0, &f0, &s0);
+  cpu::fp8_bf16_words(t, c1, &f1, &s1);
+  _mm512_storeu_si512(out, f0);
+  _mm512_storeu_si512(out + 32, s0);
+  _mm512_storeu_si512(out + 64, f1);
+  _mm512_storeu_si512(out + 96, s1);
+}
+
+// Key n's row of keys [16][128] (rows code_stride apart from codes): its
+// codes decoded, or 0 at or past count.
+[[gnu::always_inline]] inline void decode_or_zero(const cpu::Fp8Bf16Tables& t, const uint8_t* codes,
+                                                  int64_t code_stride, int64_t n, int64_t count,
+                                                  uint16_t* out) {
+  if (n < count)
+    decode_row(t, codes + n * code_stride, 4 * kGroup * code_stride, out);
+  else
+    std::memset(out, 0, kAmxIndexerDim * sizeof(uint16_t));
 }
 
 // The reduction of 16 keys' head scores s [16][ss] to score[n] = ks[n *
-// ks_stride] * sum_h w_h ReLU(s[n][h]), NaN -> -inf, in two parts so that
-// it can run between the products: reduce_quad(i) for keys 4i .. 4i + 3,
-// then reduce_finish. Each key's 16-lane partial sums are reduced across
-// lanes for all 16 keys at once (a transpose by unpack and shuffle, 15
-// adds), not one key at a time. kBlocks > 0: blocks is kBlocks (64 heads:
-// 4), so the loops unroll.
+// ks_stride] * sum_h w_h ReLU(s[n][h]), NaN -> -inf, in three parts so that
+// it can run beside the products: key_lanes for each key, quad for keys
+// 4i .. 4i + 3, reduce_finish for the 16. Each key's 16-lane partial sums
+// are reduced across lanes for all 16 keys at once (a transpose by unpack
+// and shuffle, 15 adds), not one key at a time.
 //
-// Per 128-bit lane, the lane's sums of keys 4i .. 4i + 3 (via pairs: per
-// lane, [a0+a2, b0+b2, a1+a3, b1+b3]).
+// Head weights: in registers for 64 heads (kBlocks 4), else read from w.
 template <int kBlocks>
-__m512 reduce_quad(const float* s, int64_t ss, int64_t any_blocks, const float* w, int64_t i) {
+struct HeadWeights {
+  explicit HeadWeights(const float* w) {
+    for (int j = 0; j < kBlocks; ++j) reg[j] = _mm512_loadu_ps(w + 16 * j);
+  }
+  __m512 block(const float*, int64_t j) const { return reg[j]; }
+  __m512 reg[kBlocks];
+};
+template <>
+struct HeadWeights<0> {
+  explicit HeadWeights(const float*) {}
+  __m512 block(const float* w, int64_t j) const { return _mm512_loadu_ps(w + 16 * j); }
+};
+
+// sum_j w_j max(0, row_j) in 16 lanes, row = one key's head scores. max(0,
+// x) keeps a NaN x (vmaxps returns its second operand when either is NaN),
+// so a NaN head score reaches the total.
+template <int kBlocks>
+[[gnu::always_inline]] inline __m512 key_lanes(const float* row, int64_t any_blocks,
+                                               const HeadWeights<kBlocks>& hw, const float* w) {
   const int64_t blocks = kBlocks > 0 ? kBlocks : any_blocks;
   const __m512 zero = _mm512_setzero_ps();
-  // sum_j w_j max(0, row_j) in 16 lanes. max(0, x) keeps a NaN x (vmaxps
-  // returns its second operand when either is NaN), so a NaN head score
-  // reaches the total.
-  const auto lanes = [&](const float* row) {
-    __m512 acc = _mm512_mul_ps(_mm512_max_ps(zero, _mm512_loadu_ps(row)), _mm512_loadu_ps(w));
-    for (int64_t j = 1; j < blocks; ++j)
-      acc = _mm512_fmadd_ps(_mm512_max_ps(zero, _mm512_loadu_ps(row + 16 * j)),
-                            _mm512_loadu_ps(w + 16 * j), acc);
-    return acc;
-  };
-  const float* r = s + 4 * i * ss;
-  const __m512 v0 = lanes(r), v1 = lanes(r + ss), v2 = lanes(r + 2 * ss), v3 = lanes(r + 3 * ss);
-  const __m512 p0 = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
-  const __m512 p1 = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+  __m512 acc = _mm512_mul_ps(_mm512_max_ps(zero, _mm512_loadu_ps(row)), hw.block(w, 0));
+  for (int64_t j = 1; j < blocks; ++j)
+    acc = _mm512_fmadd_ps(_mm512_max_ps(zero, _mm512_loadu_ps(row + 16 * j)), hw.block(w, j), acc);
+  return acc;
+}
+
+// Per 128-bit lane, the lane's sums of the four keys' lanes v (via pairs:
+// per lane, [a0+a2, b0+b2, a1+a3, b1+b3]).
+[[gnu::always_inline]] inline __m512 quad(const __m512* v) {
+  const __m512 p0 = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+  const __m512 p1 = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
   return _mm512_add_ps(_mm512_shuffle_ps(p0, p1, _MM_SHUFFLE(1, 0, 1, 0)),
                        _mm512_shuffle_ps(p0, p1, _MM_SHUFFLE(3, 2, 3, 2)));
 }
@@ -186,10 +218,15 @@ void reduce_finish(const __m512* q, const float* ks, int64_t ks_stride, int64_t 
 }
 
 // C = the 16 keys at `keys` times every head block, stored to s [16][ss];
-// between(t) after step t of the first four head blocks.
-template <class Between>
-void multiply_group(const uint16_t* keys, const uint16_t* q, int64_t blocks, float* s, int64_t ss,
-                    const Between& between) {
+// between(u) after product u of the first four head blocks.
+template <int kBlocks, class Between>
+[[gnu::always_inline]] inline void multiply_group(const uint16_t* keys, const uint16_t* q,
+                                                  int64_t blocks, float* s, int64_t ss,
+                                                  const Between& between) {
+  if constexpr (kBlocks == 4) {
+    key_tile<4>(keys, q, 0, s, ss, between);
+    return;
+  }
   const auto none = [](int64_t) {};
   for (int64_t j0 = 0; j0 < blocks; j0 += 4) {
     const bool first = j0 == 0;
@@ -211,45 +248,64 @@ void multiply_group(const uint16_t* keys, const uint16_t* q, int64_t blocks, flo
 }
 
 // By groups of 16 keys: the tile unit multiplies group g while the vector
-// units, after each of g's four steps of products, decode four rows of
-// group g + 1 and reduce four keys of group g - 1 (decoded keys and head
-// scores each in two scratch slots). The work is spread between the
-// products because of the decoding's stores, which in one batch behind
-// the products did not overlap them: in a loop test here, 16 products
-// took 100 ns a group, 137 ns with 64 stores after them, 105 ns with the
-// stores in four batches between them, while arithmetic overlapped them
-// freely. (A store leaves the store buffer only after it retires, so
-// behind every tdpbf16ps issued before it: 64 of them fill the buffer.)
+// units decode group g + 1 and reduce group g - 1 (decoded keys and head
+// scores each in two scratch slots), one key of each right after each of
+// g's 16 products. The instructions must be interleaved that finely in
+// the program, not left to the out-of-order core: the tile instructions
+// of a step wait for the products before them (a tile register is not
+// renamed), and with a step's work for 4 keys between products, the
+// waiting tile loads and products filled the scheduler and the decoding
+// did not overlap them (one thread, 16K keys in cache: 16 products alone
+// ~100 ns a group, decoding alone ~85, reduction ~45; all three 200-230
+// ns in 4-key steps, ~190 in 1-key steps with the row decoding and the
+// weights in registers).
 template <int kBlocks>
 bool scores_by_groups(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
                       int64_t blocks, const float* w, const float* ks, int64_t ks_stride,
                       uint16_t* keys, float* s, float* score) {
   const cpu::Fp8Bf16Tables tables = cpu::fp8_bf16_tables();
+  const HeadWeights<kBlocks> hw(w);
   const int64_t ss = blocks * 16, groups = (count + kGroup - 1) / kGroup;
   const auto key_slot = [&](int64_t g) { return keys + (g % 2) * kGroup * kAmxIndexerDim; };
   const auto score_slot = [&](int64_t g) { return s + (g % 2) * kGroup * ss; };
   __mmask16 bad = 0;
-  const auto finish = [&](int64_t g, const __m512* quads) {
+  __m512 lanes[4], quads[4];
+  // Key u of the 16 head-score rows at `rows`; after every fourth key, the
+  // four keys' quad.
+  const auto reduce_key = [&](const float* rows, int64_t u) {
+    lanes[u % 4] = key_lanes<kBlocks>(rows + u * ss, blocks, hw, w);
+    if (u % 4 == 3) quads[u / 4] = quad(lanes);
+  };
+  const auto finish = [&](int64_t g) {
     reduce_finish(quads, ks + g * kGroup * ks_stride, ks_stride,
                   std::min(kGroup, count - g * kGroup), score + g * kGroup, &bad);
   };
-  __m512 quads[4];
-  decode_rows(tables, codes, code_stride, 0, 0, kGroup, count, key_slot(0));
+  for (int64_t u = 0; u < kGroup; ++u)
+    decode_or_zero(tables, codes, code_stride, u, count, key_slot(0) + u * kAmxIndexerDim);
   for (int64_t g = 0; g < groups; ++g) {
     uint16_t* next = key_slot(g + 1);
     const float* prev = score_slot(g + 1);  // group g - 1's
     const int64_t r0 = (g + 1) * kGroup;
-    const auto between = [&](int64_t t) {
-      if (r0 < count) decode_rows(tables, codes, code_stride, r0, 4 * t, 4 * t + 4, count, next);
-      if (g > 0) quads[t] = reduce_quad<kBlocks>(prev, ss, blocks, w, t);
-    };
-    multiply_group(key_slot(g), q, blocks, score_slot(g), ss, between);
-    if (g > 0) finish(g - 1, quads);
+    if (g > 0 && r0 + kGroup <= count) {
+      // The steady state: a whole group to decode, one to reduce.
+      const int64_t ahead = 4 * kGroup * code_stride;
+      const uint8_t* rows = codes + r0 * code_stride;
+      multiply_group<kBlocks>(key_slot(g), q, blocks, score_slot(g), ss, [&](int64_t u) {
+        decode_row(tables, rows + u * code_stride, ahead, next + u * kAmxIndexerDim);
+        reduce_key(prev, u);
+      });
+    } else {
+      multiply_group<kBlocks>(key_slot(g), q, blocks, score_slot(g), ss, [&](int64_t u) {
+        if (r0 < count)
+          decode_or_zero(tables, codes, code_stride, r0 + u, count, next + u * kAmxIndexerDim);
+        if (g > 0) reduce_key(prev, u);
+      });
+    }
+    if (g > 0) finish(g - 1);
   }
   _tile_release();
-  for (int64_t t = 0; t < 4; ++t)
-    quads[t] = reduce_quad<kBlocks>(score_slot(groups - 1), ss, blocks, w, t);
-  finish(groups - 1, quads);
+  for (int64_t u = 0; u < kGroup; ++u) reduce_key(score_slot(groups - 1), u);
+  finish(groups - 1);
   return bad == 0;
 }
 
