@@ -371,14 +371,15 @@ namespace {
 // starting at the stretch's first index, so no stretch waits for another's
 // count, and reading the parts in stretch order reads the candidates in
 // index order, as one pass over all the scores would. A stretch is long
-// enough that handing it to another thread pays: the pool's hand-off
-// costs ~5-30 us here, the scalar pass ~1 ns a score, the AVX-512 one
-// ~0.25 ns (at 131,072 scores, 2 threads: 16K-score stretches took the
-// AVX-512 pass from 35 to 62 us, so there it runs as one stretch).
+// enough that handing it to another thread pays: the scalar pass takes ~1
+// ns a score, the AVX-512 one ~0.25 ns, a hand-off to a worker that still
+// polls after the scoring region a few us (at 131,072 scores, 2 threads,
+// four 32K-score stretches took the select from ~124 to ~90 us; before the
+// pool's workers polled, 16K-score stretches took it from 35 to 62 us).
 constexpr int64_t kMaxStretches = 64;
 int64_t stretch_length(int64_t visible, bool vector) {
   return cpu::round_up(
-      std::max<int64_t>(vector ? 262144 : 16384, cpu::ceil_div(visible, kMaxStretches)), 64);
+      std::max<int64_t>(vector ? 32768 : 16384, cpu::ceil_div(visible, kMaxStretches)), 64);
 }
 
 // Candidates past this many after the first digit are cut down to the

@@ -130,7 +130,7 @@ TEST(SelectTopkScores, AllEqualScoresGoToTheLowestIndices) {
 
 // Long runs of equal scores (one value chosen in part) across the
 // boundaries of the stretches the candidates' pass splits the scores into
-// (16,384 scores and more on the scalar target, 262,144 and more on
+// (16,384 scores and more on the scalar target, 32,768 and more on
 // AVX-512; the pass writes each stretch's candidates to its own part of
 // the scratch): the choice must still be the lowest indices of the tied
 // value, in index order, for every thread count. Each case is checked on
@@ -142,7 +142,7 @@ TEST(SelectTopkScores, TiesAcrossStretchesKeepTheLowestIndicesOnAnyThreadCount) 
     int64_t n, topk;
   };
   // Lengths around the scalar stretches (16,384 up to 64 of them) and the
-  // AVX-512 ones (262,144), including one past 64 stretches of the least.
+  // AVX-512 ones (32,768), including one past 64 stretches of the least.
   for (const Case c : {Case{70000, 2048}, Case{70000, 40000}, Case{16384 * 3 + 17, 5000},
                        Case{600000, 2048}, Case{600000, 300001}, Case{1100000, 2048}}) {
     // Three tied values; the middle one straddles every boundary, and

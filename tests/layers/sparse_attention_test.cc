@@ -915,7 +915,7 @@ TEST(SparseKernels, EverySimdTargetMatchesTheReference) {
 
 // A decode step over enough keys that its scoring tasks and the top-k's
 // pass over every score split into parts (the pass's stretches: 16,384
-// scores on the scalar and AVX2 targets, 262,144 on AVX-512), its keys
+// scores on the scalar and AVX2 targets, 32,768 on AVX-512), its keys
 // copies of three rows: the best in ~1 % of places, the second in ~2 %
 // (the k-th score is one of those, cut some 100,000 keys in), the third
 // elsewhere; so nearly every score ties with thousands of others across
