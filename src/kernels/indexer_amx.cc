@@ -22,6 +22,7 @@
 
 #include "kernels/cpu/fp8_bf16.h"
 #include "kernels/cpu/x86_intrinsics.h"
+#include "kernels/topk_order.h"
 #endif
 
 namespace attnkit::kernels {
@@ -185,10 +186,11 @@ template <int kBlocks>
                        _mm512_shuffle_ps(p0, p1, _MM_SHUFFLE(3, 2, 3, 2)));
 }
 
-// score[n], n < count (<= 16), from the four quads; the lanes of the keys
-// whose scale is not finite and > 0 or-ed into *bad.
+// score[n], n < count (<= 16), from the four quads, each counted in hist
+// (when not null) by its first digit; the lanes of the keys whose scale is
+// not finite and > 0 or-ed into *bad.
 void reduce_finish(const __m512* q, const float* ks, int64_t ks_stride, int64_t count, float* score,
-                   __mmask16* bad) {
+                   uint32_t* hist, __mmask16* bad) {
   // Lanes: add lane pairs, twice; lane i of the result holds keys 4i .. 4i + 3.
   const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                  _mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -212,9 +214,16 @@ void reduce_finish(const __m512* q, const float* ks, int64_t ks_stride, int64_t 
       _mm512_set1_epi32(0x7f7fffff));
   const __m512 total = _mm512_mul_ps(sum, scale);
   const __mmask16 nan = _mm512_cmp_ps_mask(total, total, _CMP_UNORD_Q);
-  _mm512_mask_storeu_ps(
-      score, live,
-      _mm512_mask_blend_ps(nan, total, _mm512_set1_ps(-std::numeric_limits<float>::infinity())));
+  const __m512 out =
+      _mm512_mask_blend_ps(nan, total, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+  _mm512_mask_storeu_ps(score, live, out);
+  if (hist == nullptr) return;
+  // The select's first digit (top 11 bits of the order key), lane l into
+  // the l % 4-th of the four interleaved histograms, as add_topk_histogram
+  // counts (the select adds the four).
+  alignas(64) uint32_t bin[kGroup];
+  _mm512_store_si512(bin, _mm512_srli_epi32(order_keys16(out), 21));
+  for (int64_t l = 0; l < count; ++l) ++hist[(l % 4) * 2048 + bin[l]];
 }
 
 // C = the 16 keys at `keys` times every head block, stored to s [16][ss];
@@ -262,7 +271,7 @@ template <int kBlocks, class Between>
 template <int kBlocks>
 bool scores_by_groups(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
                       int64_t blocks, const float* w, const float* ks, int64_t ks_stride,
-                      uint16_t* keys, float* s, float* score) {
+                      uint16_t* keys, float* s, float* score, uint32_t* hist) {
   const cpu::Fp8Bf16Tables tables = cpu::fp8_bf16_tables();
   const HeadWeights<kBlocks> hw(w);
   const int64_t ss = blocks * 16, groups = (count + kGroup - 1) / kGroup;
@@ -278,7 +287,7 @@ bool scores_by_groups(const uint8_t* codes, int64_t code_stride, int64_t count, 
   };
   const auto finish = [&](int64_t g) {
     reduce_finish(quads, ks + g * kGroup * ks_stride, ks_stride,
-                  std::min(kGroup, count - g * kGroup), score + g * kGroup, &bad);
+                  std::min(kGroup, count - g * kGroup), score + g * kGroup, hist, &bad);
   };
   for (int64_t u = 0; u < kGroup; ++u)
     decode_or_zero(tables, codes, code_stride, u, count, key_slot(0) + u * kAmxIndexerDim);
@@ -313,7 +322,7 @@ bool scores_by_groups(const uint8_t* codes, int64_t code_stride, int64_t count, 
 
 bool indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
                         int64_t heads, const float* w, const float* ks, int64_t ks_stride,
-                        uint16_t* keys, float* s, float* score) {
+                        uint16_t* keys, float* s, float* score, uint32_t* hist) {
   if (count <= 0) return true;
   // A constant, initialised once: GCC 12 has dropped the stores that fill a
   // stack-local configuration before ldtilecfg (kernels/cpu/decode_amx.cc).
@@ -329,7 +338,7 @@ bool indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count
   const int64_t blocks = (heads + 15) / 16;
   return (blocks == 4 ? scores_by_groups<4> : scores_by_groups<0>)(codes, code_stride, count, q,
                                                                    blocks, w, ks, ks_stride, keys,
-                                                                   s, score);
+                                                                   s, score, hist);
 }
 
 #if defined(__clang__)
@@ -343,7 +352,7 @@ bool indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count
 bool indexer_amx_available() { return false; }
 
 bool indexer_amx_scores(const uint8_t*, int64_t, int64_t, const uint16_t*, int64_t, const float*,
-                        const float*, int64_t, uint16_t*, float*, float*) {
+                        const float*, int64_t, uint16_t*, float*, float*, uint32_t*) {
   return true;
 }
 

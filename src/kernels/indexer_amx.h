@@ -43,9 +43,11 @@ inline int64_t indexer_amx_query_elems(int64_t heads) { return (heads + 15) / 16
 // it read, ks[n * ks_stride] for n < count, is finite and > 0 (the check
 // that lightning_indexer_topk makes of a decode step's key scales, made
 // here on the scales as the scores use them instead of in a pass of its
-// own).
+// own). hist: nullptr, or kTopkHistogram counts (kernels/sparse.h) to
+// which each score written is added as add_topk_histogram would add it,
+// while it is still in a register.
 bool indexer_amx_scores(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
                         int64_t heads, const float* w, const float* ks, int64_t ks_stride,
-                        uint16_t* keys, float* s, float* score);
+                        uint16_t* keys, float* s, float* score, uint32_t* hist);
 
 }  // namespace attnkit::kernels

@@ -58,6 +58,7 @@
 #include "kernels/indexer_amx.h"
 #include "kernels/kv_load.h"
 #include "kernels/scratch.h"
+#include "kernels/topk_order.h"
 
 namespace attnkit::kernels {
 namespace {
@@ -111,18 +112,6 @@ void select_topk(const T* score, int64_t visible, int64_t topk, int32_t* order, 
   std::sort(order, order + k);
   for (int64_t n = 0; n < k; ++n) out[n * out_stride] = order[n];
   for (int64_t n = k; n < topk; ++n) out[n * out_stride] = -1;
-}
-
-// A key that orders floats as uint32s: a > b iff key(a) > key(b); -0 and
-// +0 one key (x + 0 is +0 for both), NaN that of -inf. Negative floats
-// flip every bit, others the sign bit.
-inline uint32_t order_key(float x) {
-  const float y = x + 0.0f;
-  uint32_t bits;
-  std::memcpy(&bits, &y, sizeof bits);
-  const uint32_t key =
-      bits ^ (static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) | 0x80000000u);
-  return x != x ? 0x007fffffu : key;
 }
 
 template <class T>
@@ -309,8 +298,8 @@ bool indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
   const float* lut = fp8_table();
   bool scales_ok = true;
   if (x.amx) {
-    // 2,048 keys a call (a call pipelines its 16-key groups), whose 8 KiB
-    // of scores the histogram then reads from L1. The call checks the
+    // 2,048 keys a call (a call pipelines its 16-key groups). The call
+    // counts each score in the histogram as it writes it, and checks the
     // scales it applies whether asked to or not (a compare per 16 keys).
     for (int64_t n0 = s0; n0 < s1; n0 += 2048) {
       const int64_t n = std::min<int64_t>(2048, s1 - n0);
@@ -318,8 +307,7 @@ bool indexer_scores_fast(const cpu::KernelTable& kt, const IndexerParams& p, int
           p.k_codes + b * p.k_codes_stride.batch + n0 * p.k_codes_stride.row, p.k_codes_stride.row,
           n, reinterpret_cast<const uint16_t*>(x.qt), H, x.w,
           p.k_scales + b * p.k_scales_stride.batch + n0 * p.k_scales_stride.row,
-          p.k_scales_stride.row, reinterpret_cast<uint16_t*>(x.keys), x.s, score + n0);
-      if (hist != nullptr) add_topk_histogram(score + n0, n, hist);
+          p.k_scales_stride.row, reinterpret_cast<uint16_t*>(x.keys), x.s, score + n0, hist);
     }
     return scales_ok || p.k_scales_bad == nullptr;
   }
@@ -427,15 +415,6 @@ int64_t compact_keys(const float* score, int64_t i0, int64_t i1, uint32_t lo, in
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #define ATTNKIT_TOPK_AVX512_TARGET __attribute__((target("avx512f,popcnt")))
-
-// order_key of each lane of x.
-ATTNKIT_TOPK_AVX512_TARGET inline __m512i order_keys16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(_mm512_add_ps(x, _mm512_setzero_ps()));
-  return _mm512_mask_mov_epi32(
-      _mm512_xor_si512(bits,
-                       _mm512_or_si512(_mm512_srai_epi32(bits, 31), _mm512_set1_epi32(INT32_MIN))),
-      _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x007fffff));
-}
 
 // compact_keys, 16 scores at a time: order_key in lanes and a compress of
 // the kept lanes (the scalar loop's every score waits on the previous
