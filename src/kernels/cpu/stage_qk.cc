@@ -105,27 +105,31 @@ namespace {
 // x| (pack_q_int16); returns the step, NaN for a row holding NaN or Inf, 0
 // for a row of zeros (or so small that qmax / max overflows), whose codes
 // are then 0. Written for the compiler to vectorise (it is called per task
-// and kv head, 32 times per row in a split 16K-key decode step): the
-// non-finite test on the bits, and rounding to nearest by adding and
-// subtracting 1.5 * 2^23 (exact for |y| <= qmax < 2^22), not nearbyint,
-// which the baseline target calls out of line.
+// and kv head, 32 times per row in a split 16K-key decode step): max |y|
+// and the non-finite test as one integer max on the bits (a float max
+// reduction it may not reorder: one maxss after another was most of the
+// packing's time), and rounding to nearest by adding and subtracting 1.5 *
+// 2^23 (exact for |y| <= qmax < 2^22), not nearbyint, which the baseline
+// target calls out of line.
 template <int64_t kStride>
 float quantize_q_row(const float* x, int64_t stride, int64_t n, float scale, float qmax,
                      int16_t* out) {
   if constexpr (kStride != 0) stride = kStride;
-  float amax = 0.0f;
-  uint32_t bad = 0;
+  // Non-negative floats order as their bits do; Inf and NaN above all.
+  uint32_t top = 0;
   for (int64_t c = 0; c < n; ++c) {
     const float y = x[c * stride] * scale;
     uint32_t bits;
     std::memcpy(&bits, &y, sizeof bits);
-    bad |= (bits & 0x7f800000u) == 0x7f800000u;
-    amax = std::max(amax, std::fabs(y));
+    top = std::max(top, bits & 0x7fffffffu);
   }
+  const bool bad = top >= 0x7f800000u;
+  float amax;
+  std::memcpy(&amax, &top, sizeof amax);
   const float inv = qmax / amax;
-  if (bad != 0 || !std::isfinite(inv)) {
+  if (bad || !std::isfinite(inv)) {
     for (int64_t c = 0; c < n; ++c) out[c] = 0;
-    return bad != 0 ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+    return bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
   }
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
   for (int64_t c = 0; c < n; ++c) {
