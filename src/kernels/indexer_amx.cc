@@ -260,14 +260,14 @@ template <int kBlocks, class Between>
 // units decode group g + 1 and reduce group g - 1 (decoded keys and head
 // scores each in two scratch slots), one key of each right after each of
 // g's 16 products. The instructions must be interleaved that finely in
-// the program, not left to the out-of-order core: the tile instructions
-// of a step wait for the products before them (a tile register is not
-// renamed), and with a step's work for 4 keys between products, the
-// waiting tile loads and products filled the scheduler and the decoding
-// did not overlap them (one thread, 16K keys in cache: 16 products alone
-// ~100 ns a group, decoding alone ~85, reduction ~45; all three 200-230
-// ns in 4-key steps, 160-175 in 1-key steps with the row decoding inlined
-// and its codes and the weights in registers).
+// the program, not left to the out-of-order core: with a step's work for
+// 4 keys between products, the decoding did not overlap them (one thread,
+// 16K keys in cache: 16 products alone ~100 ns a group, decoding alone
+// ~85, reduction ~45; all three 200-230 ns in 4-key steps, 160-175 in
+// 1-key steps with the row decoding inlined and its codes and the weights
+// in registers). The likely reason: a tile register is not renamed, so
+// tile loads and products that wait on earlier products hold the
+// scheduler's entries.
 template <int kBlocks>
 bool scores_by_groups(const uint8_t* codes, int64_t code_stride, int64_t count, const uint16_t* q,
                       int64_t blocks, const float* w, const float* ks, int64_t ks_stride,
