@@ -602,6 +602,7 @@ std::string plan_str(const cpu::Plan& plan) {
          " block_k=" + std::to_string(plan.block_k) + " split_k=" + std::to_string(plan.split_k) +
          " kv_heads_per_task=" + std::to_string(plan.kv_heads_per_task) +
          " k_then_v=" + std::to_string(plan.k_then_v) +
+         " fetch_sweep_ahead=" + std::to_string(plan.fetch_sweep_ahead) +
          " dequant_bf16=" + std::to_string(plan.dequant_bf16) +
          " int8_score_groups=" + std::to_string(plan.int8_score_groups) +
          " amx_qk=" + std::to_string(plan.amx_qk) + " amx_pv=" + std::to_string(plan.amx_pv) +
@@ -1415,6 +1416,7 @@ TEST(AttentionFast, RandomCasesEveryTargetTilingAndThreadCount) {
         tiled(pick({1, 2, 3, 5, 8, 64}), pick({1, 2, 7, 16, 64}), pick({0, 0, 1, 5, 16, 64}),
               static_cast<int>(pick({1, 2, 3, 7})), pick({1, 1, 2, 3}));
     random_tiling.k_then_v = pick({0, 1}) == 1;
+    random_tiling.fetch_sweep_ahead = pick({0, 1}) == 1;
     random_tiling.dequant_bf16 = pick({0, 1}) == 1;
     random_tiling.int8_score_groups = pick({0, 1}) == 1;
     const int threads = static_cast<int>(pick({1, 2, 3, 7}));

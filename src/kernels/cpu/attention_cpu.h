@@ -55,6 +55,11 @@ struct Plan {
   // With several kv heads per task, how a tile is walked: every head's QK,
   // then every head's P V (true), or QK then P V head by head (false).
   bool k_then_v = true;
+  // With k_then_v, how far ahead the rows are prefetched: each head's QK
+  // fetches that head's V rows of the tile and each head's P V its K rows
+  // of the next tile, a sweep ahead (true; tile_policy.h,
+  // fetches_a_sweep_ahead), or each phase the next head's rows (false).
+  bool fetch_sweep_ahead = false;
   // 8-bit K/V tiles that are dequantized (prefill, absorbed MLA) become bf16
   // for the vdpbf16ps kernels where the target has them (true), else fp32.
   bool dequant_bf16 = true;
@@ -67,8 +72,9 @@ struct Plan {
   // (multi-token decode): S = K Q^T on AMX tiles (decode_amx.h), the keys
   // copied or decoded to bf16 (tile_policy.h, scores_on_amx).
   bool amx_qk = false;
-  // With amx_qk: O = alpha O + P V on AMX tiles too (amx_pv), the weights
-  // and the values (decoded to bf16) as two keys' pairs.
+  // With amx_qk: O = alpha O + P V on AMX tiles too: the weights and the
+  // values (decoded to bf16) as two keys' pairs (amx_pv), or for int8 K/V
+  // the codes as four keys' quads against int8 weights (amx_pv_i8).
   bool amx_pv = false;
   int num_threads = 1;  // resolved, >= 1
   // Tests only: kernels to run instead of kernel_table(target), which still

@@ -23,6 +23,7 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
   g.group = p.num_heads / p.num_kv_heads;
   g.heads = std::clamp<int64_t>(plan.kv_heads_per_task, 1, p.num_kv_heads);
   g.k_then_v = plan.k_then_v;
+  g.fetch_sweep_ahead = plan.fetch_sweep_ahead;
   g.fixed_tiles = plan.batch_invariant;
   g.head_blocks = ceil_div(p.num_kv_heads, g.heads);
   g.bq = plan.block_q;

@@ -75,7 +75,8 @@ struct Geometry {
   // Rows of int16 queries in qt (pack_q_int16): 4 for qk_rows_i8 on a
   // tile of at most 4 rows, m_pad for int8 qk_groups, else 0 (none).
   int64_t q16_rows = 0;
-  bool k_then_v = true;  // Plan::k_then_v
+  bool k_then_v = true;            // Plan::k_then_v
+  bool fetch_sweep_ahead = false;  // Plan::fetch_sweep_ahead
   // Plan::batch_invariant: key tiles end at multiples of bk (a task's
   // first tile may be shorter), so a row's visible keys fall into the same
   // tiles whichever rows share its task.

@@ -163,32 +163,37 @@ void TaskRunner::tile(int64_t j0, int64_t nk, const int64_t* row_lo, const int64
   // 32/8, 16K keys, the two orders alternated call by call) take 0.94-0.96 of
   // the time for 1-token fp32, 0.87-0.96 for bf16, 0.95-0.99 for 4 tokens
   // (decode_read_bench 2 40 and the in-process A/B, 2026-11-24 at 38d9ab8 on
-  // a Zen 3: docs/PERFORMANCE.md#decode-walk). QK prefetches
+  // a Zen 3: docs/PERFORMANCE.md#decode-walk). A phase ahead, QK prefetches
   // the next head's K rows, the last head the first head's V rows; P V the
-  // next head's V rows, the last head the next tile's first K rows. Those
-  // two cross from K to V and need K and V rows equally strided; where not,
-  // they are not issued.
-  select_head(0);
-  // Elements from head 0's K rows to its V rows.
-  const int64_t k_to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
-                         static_cast<int64_t>(elem_size());
+  // next head's V rows, the last head the next tile's first K rows. A sweep
+  // ahead (Plan::fetch_sweep_ahead), each head's QK prefetches its V rows,
+  // its P V its K rows of the next tile. Fetches that cross from K to V
+  // need K and V rows equally strided; where not, they are not issued.
   const bool cross = p_.k_stride.row == p_.v_stride.row;
   const int64_t last = heads_ - 1;
+  auto to_v = [&] {  // elements from the selected head's K rows to its V rows
+    return (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
+           static_cast<int64_t>(elem_size());
+  };
+  auto qk_fetch = [&](int64_t h) -> Prefetch {
+    if (g_.fetch_sweep_ahead) return cross ? Prefetch{to_v(), false} : Prefetch{};  // its V rows
+    if (h < last) return {p_.k_stride.head, false};
+    return cross ? Prefetch{to_v() - last * p_.v_stride.head, false} : Prefetch{};
+  };
+  auto pv_fetch = [&](int64_t h) -> Prefetch {
+    if (g_.fetch_sweep_ahead)  // its K rows of the next tile
+      return cross && more_tiles ? Prefetch{-to_v(), true} : Prefetch{};
+    if (h < last) return {p_.v_stride.head, false};
+    return cross && more_tiles ? Prefetch{-to_v() - last * p_.k_stride.head, true} : Prefetch{};
+  };
   for (int64_t h = 0; h < heads_; ++h) {
     select_head(h);
-    const Prefetch prefetch = h < last ? Prefetch{p_.k_stride.head, false}
-                              : cross  ? Prefetch{k_to_v - last * p_.k_stride.head, false}
-                                       : Prefetch{};
-    scores(j0, nk, ws_ + g_.s + h * g_.s_head, prefetch, seen);
+    scores(j0, nk, ws_ + g_.s + h * g_.s_head, qk_fetch(h), seen);
   }
   for (int64_t h = 0; h < heads_; ++h) {
     select_head(h);
-    const Prefetch prefetch = h < last ? Prefetch{p_.v_stride.head, false}
-                              : cross && more_tiles
-                                  ? Prefetch{-last * p_.v_stride.head - k_to_v, true}
-                                  : Prefetch{};
-    finish_head(j0, nk, ws_ + g_.s + h * g_.s_head, prefetch, seen, masked, sparse_partial, row_lo,
-                row_hi);
+    finish_head(j0, nk, ws_ + g_.s + h * g_.s_head, pv_fetch(h), seen, masked, sparse_partial,
+                row_lo, row_hi);
   }
 }
 

@@ -104,6 +104,25 @@ inline bool walks_k_then_v(SimdTarget target, DType kv_dtype) {
   return !(target == SimdTarget::kAvx512Bf16 && kv_dtype == DType::kBF16);
 }
 
+// With k_then_v, how far ahead a task's rows are prefetched
+// (Plan::fetch_sweep_ahead). A phase ahead, each head's QK fetches the next
+// head's K rows and each head's P V the next head's V rows: the lines come
+// one head's work before their use. A sweep ahead, each head's QK fetches
+// that head's V rows of the tile and each head's P V that head's K rows of
+// the next tile: about eight heads' work before. For 8-bit K/V (a 64-key
+// tile of 8 kv heads, 64 KiB of K or V a sweep) that paid; for fp32 (256
+// KiB a sweep, more than L1 holds) it cost: lines were evicted before use.
+// GQA 32/8, 16K keys, 2 threads (attnkit_bench, best of each run, two runs
+// of each build alternated, 2026-11-28 on an Intel Xeon family 6 model
+// 167, the build of 7e283f9 then the same with sweeps for every dtype):
+// int8 1 token 1.88 / 1.85 -> 1.45 / 1.53 ms, 4 tokens 3.83 / 3.92 ->
+// 3.42 / 3.63; fp8 1 token 2.58 / 2.60 -> 2.34 / 2.38, 4 tokens 4.03 /
+// 4.20 -> 3.93 / 3.91; fp32 1 token 3.11 / 3.22 -> 4.38 / 4.79, 4 tokens
+// 5.85 / 5.99 -> 9.85 / 10.77 (docs/PERFORMANCE.md#prefetch).
+inline bool fetches_a_sweep_ahead(DType kv_dtype) {
+  return kv_dtype == DType::kI8 || kv_dtype == DType::kFp8E4M3;
+}
+
 // What 8-bit K/V tiles that are dequantized for many rows (prefill, absorbed
 // MLA's 128 heads) become on a target with vdpbf16ps (Plan::dequant_bf16):
 // bf16 for the vdpbf16ps kernels, or fp32 for the FMA kernels. A 512-bit
@@ -224,6 +243,7 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
     plan.kv_heads_per_task =
         p.num_kv_heads < kInterleaveMaxHeads ? p.num_kv_heads : kInterleaveMaxHeads;
   plan.k_then_v = walks_k_then_v(target, p.kv_dtype);
+  plan.fetch_sweep_ahead = fetches_a_sweep_ahead(p.kv_dtype);
   plan.dequant_bf16 = dequantizes_to_bf16(cpu_features());
   plan.int8_score_groups = scores_int8_in_groups(target, plan.block_q * group);
   plan.amx_qk = scores_on_amx(target, plan.block_q * group, p.kv_dtype);
