@@ -32,6 +32,21 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
 }
 
+// Prefetches the lines of up to 64 rows a slice at a time (issue(k, of):
+// slice k of `of`), so that their misses spread over the work that
+// follows: a tile's 128 prefetches issued at once wait for line fill
+// buffers and held up the products behind them (under perf, a third of
+// amx_qk_i8's time sat on those prefetches).
+struct SpreadPrefetch {
+  const char* row[64];
+  int64_t rows = 0, lines = 0;  // per row
+  void issue(int64_t k, int64_t of) const {
+    const int64_t total = rows * lines;
+    for (int64_t i = total * k / of; i < total * (k + 1) / of; ++i)
+      _mm_prefetch(row[i / lines] + 64 * (i % lines), _MM_HINT_T0);
+  }
+};
+
 // The 16 bf16 values of h widened (exactly) to fp32.
 inline __m512 widen(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -144,10 +159,11 @@ void amx_keys_fp8(const uint8_t* k, int64_t stride, int64_t n, int64_t head_dim,
 
 // tmm0-3: C, 16 keys x 16 rows fp32 (int32 for amx_qk_i8); tmm4: A, 16
 // keys x 32 dims bf16 (64 int8); tmm5 (and tmm6 for amx_qk_i8): B, 16 dim
-// pairs (quads) x 16 rows. Every tile 16 rows of 64 bytes.
+// pairs (quads) x 16 rows. amx_pv / amx_pv_i8 hold the weights in tmm4 (and
+// tmm6) and the values in tmm5 (and tmm7). Every tile 16 rows of 64 bytes.
 constexpr AmxTileConfig tile_config() {
   AmxTileConfig cfg;
-  for (int t = 0; t < 7; ++t) {
+  for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
@@ -212,16 +228,22 @@ void amx_keys_copy_i8(const int8_t* k, int64_t stride, int64_t n, int64_t head_d
   }
 }
 
-void amx_qk_i8(int8_t* keys, int64_t nk, int64_t kd, const int8_t* hi, const int8_t* lo,
-               const float* qf, const float* kscale, float* s, int64_t s_stride, int32_t* c32) {
+void amx_qk_i8(const int8_t* keys, int64_t nk, int64_t key_stride, int64_t kd, const int8_t* hi,
+               const int8_t* lo, const float* qf, const float* kscale, float* s, int64_t s_stride,
+               int32_t* c32, int64_t prefetch) {
   const int64_t blocks = (nk + 15) / 16, pairs = (blocks + 1) / 2;
-  for (int64_t r = nk; r < pairs * 32; ++r)
-    for (int64_t c = 0; c < kd; c += 32)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + r * kd + c), _mm256_setzero_si256());
+  SpreadPrefetch fetch;
+  if (prefetch != 0) {
+    fetch.rows = nk;
+    fetch.lines = (kd + 63) / 64;
+    for (int64_t r = 0; r < nk; ++r)
+      fetch.row[r] = reinterpret_cast<const char*>(keys) + r * key_stride + prefetch;
+  }
+  const int64_t slices = pairs * ((kd + 63) / 64);
   const __m512 q_factor = _mm512_loadu_ps(qf);
   for (int64_t pair = 0; pair < pairs; ++pair) {
     // tmm0 / tmm1: hi sums of the pair's two key blocks, tmm2 / tmm3: lo.
-    const int8_t* a = keys + pair * 32 * kd;
+    const int8_t* a = keys + pair * 32 * key_stride;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -229,12 +251,13 @@ void amx_qk_i8(int8_t* keys, int64_t nk, int64_t kd, const int8_t* hi, const int
     for (int64_t c = 0; c < kd; c += 64) {
       _tile_loadd(5, hi + c * 16, 64);
       _tile_loadd(6, lo + c * 16, 64);
-      _tile_loadd(4, a + c, kd);
+      _tile_loadd(4, a + c, key_stride);
       _tile_dpbssd(0, 4, 5);
       _tile_dpbssd(2, 4, 6);
-      _tile_loadd(4, a + 16 * kd + c, kd);
+      _tile_loadd(4, a + 16 * key_stride + c, key_stride);
       _tile_dpbssd(1, 4, 5);
       _tile_dpbssd(3, 4, 6);
+      fetch.issue(pair * ((kd + 63) / 64) + c / 64, slices);
     }
     _tile_stored(0, c32, 64);
     _tile_stored(1, c32 + 256, 64);
@@ -577,6 +600,148 @@ void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
   }
 }
 
+namespace {
+
+// vpermb's order that turns four keys' 16 codes, one key per 128-bit lane,
+// into AMX-INT8's B rows: byte 4 x + r = lane r's byte x.
+struct QuadOrder {
+  uint8_t at[64];
+};
+constexpr QuadOrder quad_order() {
+  QuadOrder o{};
+  for (int b = 0; b < 64; ++b) o.at[b] = static_cast<uint8_t>(16 * (b % 4) + b / 4);
+  return o;
+}
+alignas(64) constexpr QuadOrder kQuadOrder = quad_order();
+
+// 16 codes of row `row` (nullptr: none) from column c, zero from dv on.
+inline __m128i codes16(const int8_t* row, int64_t c, int64_t dv) {
+  if (row == nullptr || c >= dv) return _mm_setzero_si128();
+  if (c + 16 <= dv) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c));
+  return _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << (dv - c)) - 1), row + c);
+}
+
+// Columns [c0, c0 + 32) of the quads (fewer at dv_pad's end; both
+// blocks' 16 B rows), from the tile's rows r (nullptr past nk).
+inline void quads32(const int8_t* const* r, int64_t c0, int64_t dv, int64_t dv_pad, __m512i order,
+                    int8_t* quads) {
+  for (int64_t c = c0; c < c0 + 32 && c < dv_pad; c += 16)
+    for (int64_t p = 0; p < 16; ++p) {
+      __m512i t = _mm512_castsi128_si512(codes16(r[4 * p], c, dv));
+      t = _mm512_inserti32x4(t, codes16(r[4 * p + 1], c, dv), 1);
+      t = _mm512_inserti32x4(t, codes16(r[4 * p + 2], c, dv), 2);
+      t = _mm512_inserti32x4(t, codes16(r[4 * p + 3], c, dv), 3);
+      _mm512_storeu_si512(quads + c * 64 + p * 64, _mm512_permutexvar_epi8(order, t));
+    }
+}
+
+// The int32 sums of columns [c0, c0 + 32) into c: tmm0 / tmm1 the two
+// blocks' hi sums (c, c + 256), tmm2 / tmm3 their lo sums (c + 512, c +
+// 768). A: tmm4 (hi), tmm6 (lo).
+inline void products32(const int8_t* quads, int64_t c0, bool two, int32_t* c) {
+  _tile_zero(0);
+  _tile_zero(2);
+  _tile_loadd(5, quads + c0 * 64, 64);
+  _tile_dpbssd(0, 4, 5);
+  if (two) {
+    _tile_zero(1);
+    _tile_zero(3);
+    _tile_loadd(7, quads + (c0 + 16) * 64, 64);
+    _tile_dpbssd(1, 4, 7);
+  }
+  _tile_dpbssd(2, 6, 5);
+  if (two) _tile_dpbssd(3, 6, 7);
+  _tile_stored(0, c, 64);
+  _tile_stored(2, c + 512, 64);
+  if (!two) return;
+  _tile_stored(1, c + 256, 64);
+  _tile_stored(3, c + 768, 64);
+}
+
+// o = alpha o + factor (256 hi + lo) over the columns products32 summed.
+inline void accumulate32(const int32_t* c, int64_t c0, bool two, float* o, int64_t dv_pad,
+                         const float* alpha, const float* factor) {
+  for (int m = 0; m < 16; ++m) {
+    const __m512 a = _mm512_set1_ps(alpha[m]), f = _mm512_set1_ps(factor[m]);
+    for (int b = 0; b < (two ? 2 : 1); ++b) {
+      const __m512i sum =
+          _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(c + b * 256 + m * 16), 8),
+                           _mm512_loadu_si512(c + 512 + b * 256 + m * 16));
+      float* row = o + m * dv_pad + c0 + 16 * b;
+      _mm512_storeu_ps(
+          row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, _mm512_mul_ps(_mm512_loadu_ps(row), a)));
+    }
+  }
+}
+
+// The weights as two int8 A operands (w: hi, w + 1024: lo), and each row's
+// factor.
+inline void weights_i8(const float* s, int64_t nk, int64_t s_stride, const float* vscale, int8_t* w,
+                       float* factor) {
+  // Each row's largest weight (all weights are >= 0) and the inverse of
+  // its step.
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t n = 0; n < nk; ++n)
+    mx = _mm512_max_ps(mx,
+                       _mm512_mul_ps(_mm512_loadu_ps(s + n * s_stride), _mm512_set1_ps(vscale[n])));
+  const __mmask16 some = _mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ);
+  alignas(64) float inv[16];
+  _mm512_store_ps(inv, _mm512_maskz_div_ps(some, _mm512_set1_ps(float(kAmxQ16Max)), mx));
+  _mm512_storeu_ps(factor, _mm512_mul_ps(mx, _mm512_set1_ps(1.0f / float(kAmxQ16Max))));
+  const __m512i half = _mm512_set1_epi32(128);
+  for (int64_t n0 = 0; n0 < 64; n0 += 16) {
+    __m512 r[16];
+    weights16(s, n0, nk, s_stride, vscale, r);
+    for (int m = 0; m < 16; ++m) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(r[m], _mm512_set1_ps(inv[m])));
+      const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, half), 8);  // floor((q + 128) / 256)
+      const __m512i l = _mm512_sub_epi32(q, _mm512_slli_epi32(h, 8));     // in [-128, 127]
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(w + m * 64 + n0), _mm512_cvtepi32_epi8(h));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(w + 1024 + m * 64 + n0), _mm512_cvtepi32_epi8(l));
+    }
+  }
+}
+
+}  // namespace
+
+void amx_pv_i8(const void* const* rows, const int64_t* fetch, int64_t nk, int64_t dv,
+               int64_t dv_pad, const float* s, int64_t s_stride, const float* vscale, float* o,
+               const float* alpha, int8_t* quads, int8_t* w, int32_t* c32) {
+  const int8_t* r[64];
+  SpreadPrefetch ahead;
+  ahead.lines = (dv + 63) / 64;
+  for (int64_t n = 0; n < 64; ++n) {
+    r[n] = n < nk ? static_cast<const int8_t*>(rows[n]) : nullptr;
+    if (n < nk && fetch[n] != 0)
+      ahead.row[ahead.rows++] = reinterpret_cast<const char*>(r[n]) + fetch[n];
+  }
+  const __m512i order = _mm512_load_si512(kQuadOrder.at);
+  alignas(64) float factor[16];
+  // A pipeline over 32 columns at a time, so that no tile load reads what
+  // the vector unit stored just before (a tile load waits for those
+  // stores to commit) and no vector load what a tile store just wrote:
+  // the quads of step j + 2 are laid out while step j's products run,
+  // and step j - 1's sums are applied after them.
+  const int64_t steps = (dv_pad + 31) / 32;
+  quads32(r, 0, dv, dv_pad, order, quads);
+  ahead.issue(0, steps + 2);
+  weights_i8(s, nk, s_stride, vscale, w, factor);
+  ahead.issue(1, steps + 2);
+  if (steps > 1) quads32(r, 32, dv, dv_pad, order, quads);
+  _tile_loadd(4, w, 64);
+  _tile_loadd(6, w + 1024, 64);
+  for (int64_t j = 0; j < steps; ++j) {
+    products32(quads, 32 * j, 32 * j + 16 < dv_pad, c32 + (j % 2) * 1024);
+    ahead.issue(j + 2, steps + 2);
+    if (j + 2 < steps) quads32(r, 32 * (j + 2), dv, dv_pad, order, quads);
+    if (j > 0)
+      accumulate32(c32 + ((j - 1) % 2) * 1024, 32 * (j - 1), 32 * (j - 1) + 16 < dv_pad, o, dv_pad,
+                   alpha, factor);
+  }
+  accumulate32(c32 + ((steps - 1) % 2) * 1024, 32 * (steps - 1), 32 * (steps - 1) + 16 < dv_pad, o,
+               dv_pad, alpha, factor);
+}
+
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -596,8 +761,10 @@ void amx_pv(const float*, int64_t, int64_t, const float*, const uint16_t*, float
 void amx_pack_q(const float* const*, int64_t, int64_t, float, uint16_t*, uint16_t*, int64_t) {}
 void amx_split_q(const int16_t*, int64_t, int64_t, int8_t*, int8_t*, int64_t) {}
 void amx_keys_copy_i8(const int8_t*, int64_t, int64_t, int64_t, int8_t*, int64_t, int64_t) {}
-void amx_qk_i8(int8_t*, int64_t, int64_t, const int8_t*, const int8_t*, const float*, const float*,
-               float*, int64_t, int32_t*) {}
+void amx_qk_i8(const int8_t*, int64_t, int64_t, int64_t, const int8_t*, const int8_t*, const float*,
+               const float*, float*, int64_t, int32_t*, int64_t) {}
+void amx_pv_i8(const void* const*, const int64_t*, int64_t, int64_t, int64_t, const float*, int64_t,
+               const float*, float*, const float*, int8_t*, int8_t*, int32_t*) {}
 void amx_tiles_begin() {}
 void amx_tiles_end() {}
 

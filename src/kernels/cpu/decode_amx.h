@@ -20,10 +20,15 @@
 // For bf16 K/V the queries and the weights are rounded to bf16 (relative
 // error 2^-9), as the vdpbf16ps kernels round them; for 8-bit K/V, whose
 // other kernels keep them to 2^-15 or better, each is split into two bf16
-// parts (2^-17) and multiplied twice. Sums accumulate in fp32. int8 keys
-// take AMX-INT8 instead (amx_qk_i8): their codes as they are against the
-// int16 queries of qk_rows_i8 split into two int8 halves, summed exactly
-// in int32.
+// parts (2^-17) and multiplied twice. Sums accumulate in fp32. int8 K/V
+// take AMX-INT8 instead: the key codes as they are against the int16
+// queries of qk_rows_i8 split into two int8 halves (amx_qk_i8), the value
+// codes against pv_i8's int16 weights split alike (amx_pv_i8), summed
+// exactly in int32. Their value codes need no decoding, only reordering
+// into four keys' quads (one vpermb per 64 bytes, where the bf16 pairs took
+// four byte lookups): at 4 tokens, GQA 32/8, 16K keys, 2 threads the call
+// went from 3.64-3.83 to 3.24-3.26 ms (attnkit_bench, three runs of each
+// build alternated, 2026-11-28 on an Intel Xeon family 6 model 167).
 #pragma once
 
 #include <cstdint>
@@ -90,16 +95,37 @@ void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
 // 256 hi + lo, laid out by amx_split_q into hi and lo (16 * kd elements
 // each, kd = round_up(head_dim, 64)); then for n < nk (<= 64), m < 16:
 //   s[n][m] = kscale[n] * qf[m] * (256 sum_c k[n][c] hi[m][c] + sum_c k[n][c] lo[m][c]),
-// each sum exact in int32. keys: nk rows of kd codes (zero past head_dim;
-// rows from nk up to round_up(nk, 32) are zeroed here), as amx_keys_copy_i8
-// makes them; c32: scratch of 4 * 256 int32s (the C tiles).
+// each sum exact in int32. keys: rows of kd codes key_stride bytes apart,
+// zero past head_dim, as they lie in a cache whose head_dim is a multiple
+// of 64 or as amx_keys_copy_i8 copies them; rows from nk up to
+// round_up(nk, 32) are read too and must be zero. For each key row, the
+// row `prefetch` bytes further on is prefetched (0: none). c32: scratch of
+// 4 * 256 int32s (the C tiles).
 inline constexpr int64_t kAmxQ16Max = 127 * 256 + 127;
 void amx_split_q(const int16_t* q16, int64_t qt, int64_t head_dim, int8_t* hi, int8_t* lo,
                  int64_t kd);
 void amx_keys_copy_i8(const int8_t* k, int64_t stride, int64_t n, int64_t head_dim, int8_t* dst,
                       int64_t kd, int64_t prefetch);
-void amx_qk_i8(int8_t* keys, int64_t nk, int64_t kd, const int8_t* hi, const int8_t* lo,
-               const float* qf, const float* kscale, float* s, int64_t s_stride, int32_t* c32);
+void amx_qk_i8(const int8_t* keys, int64_t nk, int64_t key_stride, int64_t kd, const int8_t* hi,
+               const int8_t* lo, const float* qf, const float* kscale, float* s, int64_t s_stride,
+               int32_t* c32, int64_t prefetch);
+
+// int8 values on AMX-INT8 too (with amx_qk_i8), their codes as they are:
+// for m < 16, c < dv_pad,
+//   o[m][c] = alpha[m] * o[m][c] + f[m] * sum_n w16[m][n] * code(n, c),
+// over n < nk (<= 64), key n's codes at rows[n] (zero past dv), where
+// w16[m][n] = round(w[m][n] * kAmxQ16Max / max_n w[m][n]), w[m][n] = s[n *
+// s_stride + m] * vscale[n] >= 0 and f[m] = max_n w[m][n] / kAmxQ16Max:
+// pv_i8's int16 weights, split into two int8 halves (as amx_split_q
+// splits queries), the sums exact in int32. The codes become B operands
+// of four keys a 32-bit lane, quads[j][p][x][r] = key 4 p + r's code at
+// column 16 j + x (64 * dv_pad bytes). For each row read, the row fetch[n]
+// bytes further on is prefetched (0: none). Scratch: w, 2 * 16 * 64
+// bytes; c32, 2 * 1024 int32s. Between amx_tiles_begin() and
+// amx_tiles_end().
+void amx_pv_i8(const void* const* rows, const int64_t* fetch, int64_t nk, int64_t dv,
+               int64_t dv_pad, const float* s, int64_t s_stride, const float* vscale, float* o,
+               const float* alpha, int8_t* quads, int8_t* w, int32_t* c32);
 
 // Loads the tile configuration amx_qk, amx_qk_i8 and amx_pv use into this
 // thread's tile state, and releases the tiles (so that context switches

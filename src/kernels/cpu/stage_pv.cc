@@ -158,6 +158,13 @@ void TaskRunner::accumulate_amx(int64_t j0, int64_t nk, const float* s, const fl
     const float* sc = v_scales(row);
     for (int64_t i = 0; i < n; ++i) vscale[at + i] = sc[i * p_.v_scale_stride.row];
   });
+  if (g_.amx_int8) {
+    int8_t* scratch = reinterpret_cast<int8_t*>(ws_ + g_.pack);
+    amx_pv_i8(rows, fetch, nk, g_.dv, g_.dv_pad, s, g_.s_stride, vscale, o_, alpha,
+              reinterpret_cast<int8_t*>(ws_ + g_.vw), scratch,
+              reinterpret_cast<int32_t*>(scratch + 2048));
+    return;
+  }
   uint16_t* pairs = reinterpret_cast<uint16_t*>(ws_ + g_.vw);
   amx_value_pairs(rows, fetch, nk, g_.dv, g_.dv_pad, g_.bf16 ? 0 : g_.fp8 ? 2 : 1, pairs);
   amx_pv(s, nk, g_.s_stride, vscale, pairs, o_, g_.dv_pad, alpha,

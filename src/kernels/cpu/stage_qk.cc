@@ -316,17 +316,32 @@ void TaskRunner::scores_amx(int64_t j0, int64_t nk, float* s, Prefetch pf) {
   if (g_.amx_int8) {
     int8_t* codes = reinterpret_cast<int8_t*>(keys);
     const int64_t kd8 = g_.amx_kd8;
+    // Whole tiles of one run, at a head_dim of whole 64-byte rows, are read
+    // in place; others are copied, with zero rows up to a whole 32 keys.
+    const int8_t* tile = nullptr;
+    int64_t stride = kd8, fetch = 0;
     for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-      amx_keys_copy_i8(static_cast<const int8_t*>(k_row(row)), p_.k_stride.row, n, g_.d,
-                       codes + at * kd8, kd8, prefetch_at(pf, j0, nk, at, row, p_.k_stride.row));
+      const int64_t f = prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
+      if (n == nk && nk % 32 == 0 && g_.d == kd8) {
+        tile = static_cast<const int8_t*>(k_row(row));
+        stride = p_.k_stride.row;
+        fetch = f;
+      } else {
+        amx_keys_copy_i8(static_cast<const int8_t*>(k_row(row)), p_.k_stride.row, n, g_.d,
+                         codes + at * kd8, kd8, f);
+      }
       const float* sc = k_scales(row);
       for (int64_t i = 0; i < n; ++i) kscale[at + i] = sc[i * p_.k_scale_stride.row];
     });
+    if (tile == nullptr) {
+      std::memset(codes + nk * kd8, 0, static_cast<size_t>((round_up(nk, 32) - nk) * kd8));
+      tile = codes;
+    }
     const int16_t* q16 = reinterpret_cast<const int16_t*>(qt_);
     const float* qf = reinterpret_cast<const float*>(q16 + g_.q16_rows * g_.qt_row);
     const int8_t* hi = reinterpret_cast<const int8_t*>(qf + g_.q16_rows);
-    amx_qk_i8(codes, nk, kd8, hi, hi + 16 * kd8, qf, kscale, s, g_.s_stride,
-              reinterpret_cast<int32_t*>(ws_ + g_.kw + g_.bk + g_.bk * kd8 / 4));
+    amx_qk_i8(tile, nk, stride, kd8, hi, hi + 16 * kd8, qf, kscale, s, g_.s_stride,
+              reinterpret_cast<int32_t*>(ws_ + g_.kw + g_.bk + g_.bk * kd8 / 4), fetch);
     return;
   }
   const int64_t kd = g_.qt_row;
