@@ -73,57 +73,6 @@ inline __mmask64 step_mask64(int64_t c0, int64_t head_dim) {
   return left >= 64 ? ~__mmask64{0} : left <= 0 ? 0 : (__mmask64{1} << left) - 1;
 }
 
-// int8 codes to bf16, exactly (|v| <= 128 has at most 8 significant bits),
-// by byte lookups as fp8_bf16.h decodes E4M3: the bf16 word's high and low
-// bytes from tables of 256, each two vpermi2b over 128 entries (the code's
-// low 7 bits) and a blend on the sign bit. Words come out in
-// fp8_bf16_feature's order unless the codes were moved by kFp8Bf16Order.
-struct Int8Bf16Bytes {
-  uint8_t hi[256], lo[256];
-};
-constexpr Int8Bf16Bytes int8_bf16_bytes() {
-  Int8Bf16Bytes b{};
-  for (int code = 0; code < 256; ++code) {
-    const int v = code < 128 ? code : code - 256, mag = v < 0 ? -v : v;
-    int bits = 0;
-    if (mag != 0) {
-      int e = 0;
-      while ((mag >> (e + 1)) != 0) ++e;  // 2^e <= mag < 2^(e + 1), e <= 7
-      bits = (v < 0 ? 0x8000 : 0) | ((e + 127) << 7) | ((mag - (1 << e)) << (7 - e));
-    }
-    b.hi[code] = static_cast<uint8_t>(bits >> 8);
-    b.lo[code] = static_cast<uint8_t>(bits & 0xff);
-  }
-  return b;
-}
-alignas(64) constexpr Int8Bf16Bytes kInt8Bf16Bytes = int8_bf16_bytes();
-
-struct Int8Bf16Tables {
-  __m512i hi[4], lo[4];  // entries 0-63, 64-127, 128-191, 192-255
-};
-inline Int8Bf16Tables int8_bf16_tables() {
-  Int8Bf16Tables t;
-  for (int i = 0; i < 4; ++i) {
-    t.hi[i] = _mm512_load_si512(kInt8Bf16Bytes.hi + 64 * i);
-    t.lo[i] = _mm512_load_si512(kInt8Bf16Bytes.lo + 64 * i);
-  }
-  return t;
-}
-
-// As fp8_bf16_words, for 64 int8 codes.
-inline void int8_bf16_words(const Int8Bf16Tables& t, __m512i code, __m512i* first,
-                            __m512i* second) {
-  const __mmask64 negative = _mm512_movepi8_mask(code);
-  const __m512i hi =
-      _mm512_mask_blend_epi8(negative, _mm512_permutex2var_epi8(t.hi[0], code, t.hi[1]),
-                             _mm512_permutex2var_epi8(t.hi[2], code, t.hi[3]));
-  const __m512i lo =
-      _mm512_mask_blend_epi8(negative, _mm512_permutex2var_epi8(t.lo[0], code, t.lo[1]),
-                             _mm512_permutex2var_epi8(t.lo[2], code, t.lo[3]));
-  *first = _mm512_unpacklo_epi8(lo, hi);
-  *second = _mm512_unpackhi_epi8(lo, hi);
-}
-
 }  // namespace
 
 void amx_keys_bf16(const uint16_t* k, int64_t stride, int64_t n, int64_t head_dim, uint16_t* dst,
@@ -425,13 +374,13 @@ struct Bf16Values {
   }
 };
 
-// 8-bit values: the two keys' codes interleaved byte by byte (vpermt2b)
-// in the order that makes the decoder's in-lane unpacking (fp8_bf16_words,
-// int8_bf16_words) write the pairs in place: byte 16 L + j of a 32-column
+// fp8 values: the two keys' codes interleaved byte by byte (vpermt2b)
+// in the order that makes the decoder's in-lane unpacking (fp8_bf16_words)
+// write the pairs in place: byte 16 L + j of a 32-column
 // vector is key j % 2's code at column 4 L + j / 2 for j < 8 (the low
 // unpack's words 8 L ..), 16 + 4 L + (j - 8) / 2 for j >= 8 (the high
-// unpack's). About 9 (fp8) or 12 (int8) instructions per 32 columns of
-// two keys, where decoding each row then interleaving words took ~26.
+// unpack's). About 9 instructions per 32 columns of two keys, where
+// decoding each row then interleaving words took ~26.
 struct PairOrder {
   uint8_t at[64];
 };
@@ -452,13 +401,6 @@ struct Fp8Decoder {  // as amx_keys_fp8: 0x7f / 0xff as +-480
     fp8_bf16_words(t, code, first, second);
   }
 };
-struct Int8Decoder {
-  Int8Bf16Tables t = int8_bf16_tables();
-  void words(__m512i code, __m512i* first, __m512i* second) const {
-    int8_bf16_words(t, code, first, second);
-  }
-};
-
 template <class Decoder>
 struct CodeValues {
   Decoder d;
@@ -528,13 +470,11 @@ inline void pv_step_split(const uint16_t* bt, int64_t p_stride, int64_t blocks) 
 }  // namespace
 
 void amx_value_pairs(const void* const* rows, const int64_t* fetch, int64_t nk, int64_t dv,
-                     int64_t dv_pad, int kind, uint16_t* pairs) {
-  if (kind == 0)
-    value_pairs<Bf16Values>(rows, fetch, 2, nk, dv, dv_pad, pairs);
-  else if (kind == 1)
-    value_pairs<CodeValues<Int8Decoder>>(rows, fetch, 1, nk, dv, dv_pad, pairs);
-  else
+                     int64_t dv_pad, bool fp8, uint16_t* pairs) {
+  if (fp8)
     value_pairs<CodeValues<Fp8Decoder>>(rows, fetch, 1, nk, dv, dv_pad, pairs);
+  else
+    value_pairs<Bf16Values>(rows, fetch, 2, nk, dv, dv_pad, pairs);
 }
 
 void amx_pv(const float* s, int64_t nk, int64_t s_stride, const float* vscale,
@@ -754,7 +694,7 @@ void amx_keys_bf16(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*, int64_
 void amx_keys_fp8(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) {}
 void amx_qk(uint16_t*, int64_t, int64_t, const uint16_t*, const uint16_t*, const float*, float*,
             int64_t) {}
-void amx_value_pairs(const void* const*, const int64_t*, int64_t, int64_t, int64_t, int,
+void amx_value_pairs(const void* const*, const int64_t*, int64_t, int64_t, int64_t, bool,
                      uint16_t*) {}
 void amx_pv(const float*, int64_t, int64_t, const float*, const uint16_t*, float*, int64_t,
             const float*, uint16_t*, bool) {}

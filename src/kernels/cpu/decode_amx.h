@@ -10,20 +10,16 @@
 // queries the B operand, packed once per task and head; C is the tile of
 // scores s[key][packed row], the key-major layout the softmax walks.
 //
-// Exact operands: bf16 keys are copied; fp8 E4M3 values (and int8 values,
-// in P V) have at most 8 significant bits and exponents well inside
-// bf16's normal range (E4M3's smallest subnormal is 2^-9), so they decode
-// to bf16 exactly and never to a bf16 denormal (which AMX reads as 0).
-// Their scales (one per key row) multiply the scores afterwards, in fp32.
-// 8-bit codes decode by byte lookups (AVX512-VBMI's vpermi2b: fp8_bf16.h's
-// tables, and one of 256 int8 values), ~7-10 instructions per 64 codes.
-// For bf16 K/V the queries and the weights are rounded to bf16 (relative
-// error 2^-9), as the vdpbf16ps kernels round them; for 8-bit K/V, whose
-// other kernels keep them to 2^-15 or better, each is split into two bf16
-// parts (2^-17) and multiplied twice. Sums accumulate in fp32. int8 K/V
-// take AMX-INT8 instead: the key codes as they are against the int16
-// queries of qk_rows_i8 split into two int8 halves (amx_qk_i8), the value
-// codes against pv_i8's int16 weights split alike (amx_pv_i8), summed
+// Exact operands: bf16 keys are copied; fp8 E4M3 values have at most 4
+// significant bits and exponents well inside bf16's normal range (E4M3's smallest subnormal is
+// 2^-9), so they decode to bf16 exactly and never to a bf16 denormal (which AMX reads as 0). Their
+// scales (one per key row) multiply the scores afterwards, in fp32. fp8 codes decode by byte
+// lookups (AVX512-VBMI's vpermi2b: fp8_bf16.h's tables), ~7 instructions per 64 codes. For bf16 K/V
+// the queries and the weights are rounded to bf16 (relative error 2^-9), as the vdpbf16ps kernels
+// round them; for 8-bit K/V, whose other kernels keep them to 2^-15 or better, each is split into
+// two bf16 parts (2^-17) and multiplied twice. Sums accumulate in fp32. int8 K/V take AMX-INT8
+// instead: the key codes as they are against the int16 queries of qk_rows_i8 split into two int8
+// halves (amx_qk_i8), the value codes against pv_i8's int16 weights split alike (amx_pv_i8), summed
 // exactly in int32. Their value codes need no decoding, only reordering
 // into four keys' quads (one vpermb per 64 bytes, where the bf16 pairs took
 // four byte lookups): at 4 tokens, GQA 32/8, 16K keys, 2 threads the call
@@ -72,10 +68,10 @@ void amx_qk(uint16_t* keys, int64_t nk, int64_t kd, const uint16_t* q, const uin
 // key 2 p, of key 2 p + 1) at column c < dv_pad (a multiple of 16), for p <
 // 16 * ceil(nk / 32), zero past dv and past nk (<= 64). Key n's row is
 // rows[n]; for each, the row fetch[n] elements further on is prefetched (0:
-// none). kind: 0 bf16 values, 1 int8 codes, 2 fp8 E4M3 codes (decoded as
-// amx_keys_*, exactly; their scales go to amx_pv).
+// none). bf16 values, or with fp8 E4M3 codes (decoded as amx_keys_fp8,
+// exactly; their scales go to amx_pv). int8 values take amx_pv_i8.
 void amx_value_pairs(const void* const* rows, const int64_t* fetch, int64_t nk, int64_t dv,
-                     int64_t dv_pad, int kind, uint16_t* pairs);
+                     int64_t dv_pad, bool fp8, uint16_t* pairs);
 
 // o[m][c] = alpha[m] * o[m][c] + sum_n w[m][n] * value(n, c) for m < 16, c
 // < dv_pad, n < nk (<= 64), the values as amx_value_pairs lays them out,

@@ -140,8 +140,9 @@ void TaskRunner::accumulate_dequantized(int64_t j0, int64_t nk, const float* s, 
 
 // accumulate() on AMX tiles (Geometry::amx_pv): the tile's values (each
 // key's row wherever its run puts it) decoded straight into AMX's pairs in
-// the vw buffer, their scales in kw, then one product for the whole tile
-// (all 16 rows: o has m_pad of them).
+// the vw buffer (int8: reordered into quads there, by amx_pv_i8), their
+// scales in kw, then one product for the whole tile (all 16 rows: o has
+// m_pad of them).
 void TaskRunner::accumulate_amx(int64_t j0, int64_t nk, const float* s, const float* alpha,
                                 Prefetch pf) {
   amx_begin();
@@ -166,7 +167,7 @@ void TaskRunner::accumulate_amx(int64_t j0, int64_t nk, const float* s, const fl
     return;
   }
   uint16_t* pairs = reinterpret_cast<uint16_t*>(ws_ + g_.vw);
-  amx_value_pairs(rows, fetch, nk, g_.dv, g_.dv_pad, g_.bf16 ? 0 : g_.fp8 ? 2 : 1, pairs);
+  amx_value_pairs(rows, fetch, nk, g_.dv, g_.dv_pad, g_.fp8, pairs);
   amx_pv(s, nk, g_.s_stride, vscale, pairs, o_, g_.dv_pad, alpha,
          reinterpret_cast<uint16_t*>(ws_ + g_.pack), g_.q8);
 }

@@ -175,13 +175,17 @@ inline bool scores_int8_in_groups(SimdTarget target, int64_t rows) {
 // of 30 pairs: 4 tokens bf16 0.63, fp8 0.66, int8 0.83; 2 tokens bf16 0.79,
 // fp8 0.78 (2026-11-27 at 46ba3f3 on an Intel Xeon family 6 model 167,
 // load average 3.5-6: docs/PERFORMANCE.md#multi-token-decode-on-amx).
-// int8 K/V take it from kAmxInt8MinRows rows on (4 tokens under GQA-4):
-// their AMX form (AMX-INT8 keys against split int16 queries, split
-// weights, to keep the int8 kernels' precision) took 1.16x the time of the
-// int8 groups and pv_i8 at 2 tokens (8 rows), 1.06x at 3 (12 rows), 0.83x
-// at 4 (same bench, 2026-11-27 at 46ba3f3, load average 3.5-6).
+// int8 K/V take it from kAmxInt8MinRows rows on (3 tokens under GQA-4):
+// their AMX form (AMX-INT8 for both products, the int8 kernels' int16
+// queries and weights split into int8 halves, to keep their precision)
+// took 1.07x the time of the int8 groups and pv_i8 at 2 tokens (8 rows),
+// 0.88x at 3 (12 rows), 0.72x at 4 (same bench, 2026-11-28 at 162085d
+// built with this bound at 5, medians of 15 pairs). With a cost per tile
+// that does not depend on the rows and one that grows with them, those
+// cross at about 9-10 rows. (Before amx_pv_i8, with bf16 P V: 1.16x, 1.06x
+// and 0.83x, 2026-11-27 at 46ba3f3.)
 inline constexpr int64_t kAmxScoresMaxRows = 16;
-inline constexpr int64_t kAmxInt8MinRows = 13;
+inline constexpr int64_t kAmxInt8MinRows = 10;
 inline bool scores_on_amx(SimdTarget target, int64_t rows, DType kv_dtype) {
   if (target != SimdTarget::kAvx512Bf16 || rows <= 4 || rows > kAmxScoresMaxRows) return false;
   switch (kv_dtype) {
