@@ -115,7 +115,7 @@ inline bool walks_k_then_v(SimdTarget target, DType kv_dtype) {
 // GQA 32/8, 16K keys, 2 threads (attnkit_bench, best of each run, two runs
 // of each build alternated, 2026-11-28 on an Intel Xeon family 6 model
 // 167, the build of 7e283f9 then the same with sweeps for every dtype):
-// int8 1 token 1.88 / 1.85 -> 1.45 / 1.53 ms, 4 tokens 3.83 / 3.92 ->
+// int8 1 token 1.92 / 1.85 -> 1.45 / 1.53 ms, 4 tokens 3.83 / 3.92 ->
 // 3.42 / 3.63; fp8 1 token 2.58 / 2.60 -> 2.34 / 2.38, 4 tokens 4.03 /
 // 4.20 -> 3.93 / 3.91; fp32 1 token 3.11 / 3.22 -> 4.38 / 4.79, 4 tokens
 // 5.85 / 5.99 -> 9.85 / 10.77 (docs/PERFORMANCE.md#prefetch).
