@@ -116,9 +116,11 @@ void amx_qk_i8(const int8_t* keys, int64_t nk, int64_t key_stride, int64_t kd, c
 // splits queries), the sums exact in int32. The codes become B operands
 // of four keys a 32-bit lane, quads[j][p][x][r] = key 4 p + r's code at
 // column 16 j + x (64 * dv_pad bytes). For each row read, the row fetch[n]
-// bytes further on is prefetched (0: none). Scratch: w, 2 * 16 * 64
-// bytes; c32, 2 * 1024 int32s. Between amx_tiles_begin() and
-// amx_tiles_end().
+// bytes further on is prefetched (0: none). Scratch: w,
+// kAmxPvI8WeightBytes; c32, kAmxPvI8SumInts int32s. Between
+// amx_tiles_begin() and amx_tiles_end().
+inline constexpr int64_t kAmxPvI8WeightBytes = 2 * 16 * 64;  // w
+inline constexpr int64_t kAmxPvI8SumInts = 2 * 1024;         // c32
 void amx_pv_i8(const void* const* rows, const int64_t* fetch, int64_t nk, int64_t dv,
                int64_t dv_pad, const float* s, int64_t s_stride, const float* vscale, float* o,
                const float* alpha, int8_t* quads, int8_t* w, int32_t* c32);

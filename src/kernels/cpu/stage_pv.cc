@@ -163,7 +163,7 @@ void TaskRunner::accumulate_amx(int64_t j0, int64_t nk, const float* s, const fl
     int8_t* scratch = reinterpret_cast<int8_t*>(ws_ + g_.pack);
     amx_pv_i8(rows, fetch, nk, g_.dv, g_.dv_pad, s, g_.s_stride, vscale, o_, alpha,
               reinterpret_cast<int8_t*>(ws_ + g_.vw), scratch,
-              reinterpret_cast<int32_t*>(scratch + 2048));
+              reinterpret_cast<int32_t*>(scratch + kAmxPvI8WeightBytes));
     return;
   }
   uint16_t* pairs = reinterpret_cast<uint16_t*>(ws_ + g_.vw);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "kernels/cpu/decode_amx.h"
 #include "kernels/cpu/tile_policy.h"
 #include "kernels/mask.h"
 
@@ -156,9 +157,9 @@ Geometry make_geometry(const AttentionParams& p, const Plan& plan) {
                   ? g.bk + std::max({g.bk * g.qt_row / 2, 4 * g.bk, g.bk * g.amx_kd8 / 4 + 1024})
                   : 0);
   g.vw = take(g.pv_copies ? g.bk * g.vw_stride : g.amx_pv ? 32 * g.dv_pad : 0);
-  g.seen = take(4 * g.m_pad);                        // int64 pairs
-  g.pack = take(g.amx_pv && g.amx_int8 ? 512 + 2048  // amx_pv_i8's weights and sums
-                : g.amx_pv             ? 16 * 64     // amx_pv's weights, two parts
+  g.seen = take(4 * g.m_pad);  // int64 pairs
+  g.pack = take(g.amx_pv && g.amx_int8 ? (kAmxPvI8WeightBytes / 4 + kAmxPvI8SumInts)
+                : g.amx_pv             ? 16 * 64  // amx_pv's weights, two parts
                 : g.dot_bf16           ? ceil_div(pv_bf16_pack_elems(g.bk, g.s_stride, g.dv_pad), 2)
                 : g.q8 && !g.pv_copies ? ceil_div(pv_8bit_pack_elems(g.bk, g.s_stride), 2)
                                        : 0);

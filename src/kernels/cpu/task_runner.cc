@@ -131,8 +131,7 @@ void TaskRunner::tile(int64_t j0, int64_t nk, const int64_t* row_lo, const int64
     // widening issues them, an fp32 copy issues none.
     for (int64_t h = 0; h < heads_; ++h) {
       select_head(h);
-      const int64_t to_v = (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
-                           static_cast<int64_t>(elem_size());
+      const int64_t to_v = k_to_v();
       const bool one_phase = !g_.pv_copies && p_.k_stride.row == p_.v_stride.row && to_v != 0;
       Prefetch k_next, v_next;  // none after the task's last tile
       if (h + 1 < heads_) {
@@ -171,20 +170,16 @@ void TaskRunner::tile(int64_t j0, int64_t nk, const int64_t* row_lo, const int64
   // need K and V rows equally strided; where not, they are not issued.
   const bool cross = p_.k_stride.row == p_.v_stride.row;
   const int64_t last = heads_ - 1;
-  auto to_v = [&] {  // elements from the selected head's K rows to its V rows
-    return (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
-           static_cast<int64_t>(elem_size());
-  };
   auto qk_fetch = [&](int64_t h) -> Prefetch {
-    if (g_.fetch_sweep_ahead) return cross ? Prefetch{to_v(), false} : Prefetch{};  // its V rows
+    if (g_.fetch_sweep_ahead) return cross ? Prefetch{k_to_v(), false} : Prefetch{};  // its V rows
     if (h < last) return {p_.k_stride.head, false};
-    return cross ? Prefetch{to_v() - last * p_.v_stride.head, false} : Prefetch{};
+    return cross ? Prefetch{k_to_v() - last * p_.v_stride.head, false} : Prefetch{};
   };
   auto pv_fetch = [&](int64_t h) -> Prefetch {
     if (g_.fetch_sweep_ahead)  // its K rows of the next tile
-      return cross && more_tiles ? Prefetch{-to_v(), true} : Prefetch{};
+      return cross && more_tiles ? Prefetch{-k_to_v(), true} : Prefetch{};
     if (h < last) return {p_.v_stride.head, false};
-    return cross && more_tiles ? Prefetch{-to_v() - last * p_.k_stride.head, true} : Prefetch{};
+    return cross && more_tiles ? Prefetch{-k_to_v() - last * p_.k_stride.head, true} : Prefetch{};
   };
   for (int64_t h = 0; h < heads_; ++h) {
     select_head(h);

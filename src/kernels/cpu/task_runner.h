@@ -80,6 +80,11 @@ class TaskRunner {
   void store_partial(float* part) const;
 
   size_t elem_size() const { return g_.q8 ? 1 : g_.bf16 ? 2 : 4; }
+  // Elements from the selected head's K rows to its V rows.
+  int64_t k_to_v() const {
+    return (reinterpret_cast<intptr_t>(v_) - reinterpret_cast<intptr_t>(k_)) /
+           static_cast<int64_t>(elem_size());
+  }
   // 8-bit K/V: the scales of a physical row of the selected head.
   const float* k_scales(int64_t physical) const {
     return k_scale_ + physical * p_.k_scale_stride.row;
