@@ -120,9 +120,15 @@ constexpr int64_t kStreamMaxRowsWidened = 88;
 //     128 rows 82.2 against 103.7
 constexpr int64_t kStreamMaxRowsWidened512 = 96;
 constexpr int64_t kStreamMaxRowsBf16Dot = 32;
-//   AMX tiles (Sapphire Rapids and later): 4 rows 88.8 against 57.9,
-//     8 rows 82.7 against 104.7, 32 rows 93.2 against 298.4
+//   AMX tiles (Sapphire Rapids and later), the vdpbf16ps stream kernel
+//     (where this process may not use AMX itself): 4 rows 88.8 against
+//     57.9, 8 rows 82.7 against 104.7, 32 rows 93.2 against 298.4
 constexpr int64_t kStreamMaxRowsAmx = 4;
+//   AMX tiles, attnkit's tile kernel (linear_bf16_amx.cc, W read in
+//     place, where oneDNN reorders it on every call), 2026-11-28: 32 rows
+//     630 against 347, 128 rows 837 against 465, 256 rows 512 against 479,
+//     320 rows 412 against 465
+constexpr int64_t kStreamMaxRowsAmxTiles = 256;
 
 Grid make_grid(int64_t rows, int64_t cols, int64_t depth) {
   const double macs = static_cast<double>(rows) * static_cast<double>(cols) * depth;
@@ -466,7 +472,7 @@ void linear_fast_bf16(const float* x, int64_t ldx, const bf16* w, const float* b
   // (bf16_stream_max_rows); it writes nothing if it cannot get its scratch,
   // and oneDNN's path below then runs.
   using Choice = LinearOptions::Bf16Gemm;
-  const Bf16StreamKernel* stream = bf16_stream_kernel(simd_target());
+  const Bf16StreamKernel* stream = bf16_stream_planned_kernel();
   if (stream != nullptr && opt.bf16_gemm != Choice::kOneDnn &&
       (opt.bf16_gemm == Choice::kStream || rows <= bf16_stream_max_rows()) &&
       linear_bf16_stream(*stream, x, ldx, w, bias, y, ldy, rows, cols, depth,
@@ -690,11 +696,13 @@ bool linear_rows_independent(Backend backend, DType weight_dtype) {
 }
 
 int64_t bf16_stream_max_rows() {
-  if (bf16_stream_kernel(simd_target()) == nullptr) return 0;
+  const Bf16StreamKernel* stream = bf16_stream_planned_kernel();
+  if (stream == nullptr) return 0;
   if (!bf16_matmul_native()) {
     const unsigned isa = dnnl_get_effective_cpu_isa(), avx512 = dnnl_cpu_isa_avx512_core;
     return (isa & avx512) == avx512 ? kStreamMaxRowsWidened512 : kStreamMaxRowsWidened;
   }
+  if (stream == bf16_stream_amx_kernel()) return kStreamMaxRowsAmxTiles;
   static const int64_t native = matmul_impl(true).find("amx") != std::string::npos
                                     ? kStreamMaxRowsAmx
                                     : kStreamMaxRowsBf16Dot;
@@ -717,8 +725,7 @@ std::string linear_backend_name(DType weight_dtype) {
   const int64_t stream_rows = bf16_stream_max_rows();
   if (stream_rows == 0) return onednn;
   std::snprintf(buf, sizeof buf, "attnkit bf16 stream (%s) for 1-%lld rows, above: %s",
-                bf16_stream_kernel(simd_target())->name, static_cast<long long>(stream_rows),
-                onednn);
+                bf16_stream_planned_kernel()->name, static_cast<long long>(stream_rows), onednn);
   return buf;
 }
 

@@ -35,6 +35,12 @@ const Bf16StreamKernel* bf16_stream_kernel(SimdTarget target) {
   return nullptr;
 }
 
+const Bf16StreamKernel* bf16_stream_planned_kernel() {
+  if (simd_target() == SimdTarget::kAvx512Bf16)
+    if (const Bf16StreamKernel* amx = bf16_stream_amx_kernel()) return amx;
+  return bf16_stream_kernel(simd_target());
+}
+
 namespace {
 
 // Column blocks: about 128 columns each (a decode step's 1024-14336
@@ -56,14 +62,15 @@ bool linear_bf16_stream(const Bf16StreamKernel& kernel, const float* x, int64_t 
   // kernels' 32- and 64-byte x loads then split no line where in_features
   // is a multiple of 16.
   thread_local Scratch<float> scratch;
-  if (!scratch.grow(static_cast<size_t>(rows * in_features) + 15)) return false;
+  if (!scratch.grow(static_cast<size_t>(kernel.xp_floats(rows, in_features)) + 15)) return false;
   const uintptr_t at = reinterpret_cast<uintptr_t>(scratch.get());
   float* const xp = scratch.get() + ((64 - at % 64) % 64) / sizeof(float);
   kernel.prepare_x(x, ldx, rows, in_features, xp);
   const double macs = static_cast<double>(rows) * static_cast<double>(out_features) * in_features;
   const int64_t blocks =
       macs < kMinSplitMacs ? 1 : std::clamp<int64_t>(out_features / kBlockCols, 1, kMaxBlocks);
-  const int64_t size = (out_features + blocks - 1) / blocks;
+  const int64_t align = kernel.col_align;
+  const int64_t size = ((out_features + blocks - 1) / blocks + align - 1) / align * align;
   const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
   // The tasks reach parallel_for through a closure holding one reference,
   // which std::function stores without allocating.
@@ -73,7 +80,8 @@ bool linear_bf16_stream(const Bf16StreamKernel& kernel, const float* x, int64_t 
       kernel.run(xp, rows, in_features, wb + c0 * in_features, cols, bias ? bias + c0 : nullptr,
                  y + c0, ldy);
   };
-  parallel_for(blocks, num_threads, [&body](int64_t task, int) { body(task); });
+  parallel_for((out_features + size - 1) / size, num_threads,
+               [&body](int64_t task, int) { body(task); });
   return true;
 }
 

@@ -28,10 +28,12 @@ namespace attnkit::kernels {
 
 // One SIMD target's stream kernel.
 struct Bf16StreamKernel {
-  const char* name;  // "avx2", "avx512" (widening), "avx512bf16" (vdpbf16ps)
-  // xp [rows, depth] (row stride depth): x rounded to bf16 and laid out as
-  // `run` reads it (the layout is the target's: even/odd lanes of each
-  // vector-pair chunk, or packed bf16 in the first half of each row).
+  // "avx2", "avx512" (widening), "avx512bf16" (vdpbf16ps), "amx" (tiles)
+  const char* name;
+  // xp (xp_floats(rows, depth) floats): x rounded to bf16 and laid out as
+  // `run` reads it (the layout is the kernel's: even/odd lanes of each
+  // vector-pair chunk, packed bf16 in the first half of each row, or AMX B
+  // tiles of bf16 pairs).
   //   x [rows, depth] row stride ldx
   void (*prepare_x)(const float* x, int64_t ldx, int64_t rows, int64_t depth, float* xp);
   // y[m, n] for m < rows, n < cols, from prepare_x's xp.
@@ -39,18 +41,35 @@ struct Bf16StreamKernel {
   //   y [rows, cols] row stride ldy
   void (*run)(const float* xp, int64_t rows, int64_t depth, const uint16_t* w, int64_t cols,
               const float* bias, float* y, int64_t ldy);
+  int64_t (*xp_floats)(int64_t rows, int64_t depth);
+  // Column blocks on the pool start at multiples of this (the AMX kernel's
+  // pass covers 64 columns); the bits do not depend on it.
+  int64_t col_align;
 };
+
+// rows * depth: the SIMD targets' xp_floats.
+inline int64_t bf16_stream_xp_dense(int64_t rows, int64_t depth) { return rows * depth; }
 
 namespace bf16_stream {
 // Defined in the targets' translation units (linear_bf16_avx2.cc,
-// linear_bf16_avx512.cc) where the compiler builds them.
-extern const Bf16StreamKernel kAvx2, kAvx512, kAvx512Bf16;
+// linear_bf16_avx512.cc, linear_bf16_amx.cc) where the compiler builds them.
+extern const Bf16StreamKernel kAvx2, kAvx512, kAvx512Bf16, kAmx;
 }  // namespace bf16_stream
 
 // The kernel for `target`, or nullptr where this build has none (scalar,
 // or a target the compiler could not build). The caller checks that the
 // CPU runs the target (simd_target_available).
 const Bf16StreamKernel* bf16_stream_kernel(SimdTarget target);
+
+// The AMX tile kernel, or nullptr where this build or this process has no
+// AMX (amx_bf16_available(): the CPU, the OS's permission, and
+// set_amx_allowed).
+const Bf16StreamKernel* bf16_stream_amx_kernel();
+
+// The kernel kernels::linear's plan runs: AMX tiles where this process has
+// them and the SIMD target is the CPU's own (ATTNKIT_SIMD below it stands
+// in for a CPU without AMX), else the active target's; nullptr if none.
+const Bf16StreamKernel* bf16_stream_planned_kernel();
 
 // The whole call: x prepared on the calling thread (per-thread scratch that
 // grows only on a larger call), then column blocks on the pool. false

@@ -143,7 +143,8 @@ struct V256 {
 
 }  // namespace
 
-extern const Bf16StreamKernel kAvx2 = {"avx2", prepare_x_split<8>, run<V256>};
+extern const Bf16StreamKernel kAvx2 = {"avx2", prepare_x_split<8>, run<V256>, bf16_stream_xp_dense,
+                                       1};
 
 }  // namespace attnkit::kernels::bf16_stream
 #endif

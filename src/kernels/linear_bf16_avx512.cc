@@ -88,8 +88,10 @@ void prepare_x_bf16(const float* x, int64_t ldx, int64_t rows, int64_t depth, fl
 
 }  // namespace
 
-extern const Bf16StreamKernel kAvx512 = {"avx512", prepare_x_split<16>, run<V512>};
-extern const Bf16StreamKernel kAvx512Bf16 = {"avx512bf16", prepare_x_bf16, run<V512Bf16>};
+extern const Bf16StreamKernel kAvx512 = {"avx512", prepare_x_split<16>, run<V512>,
+                                         bf16_stream_xp_dense, 1};
+extern const Bf16StreamKernel kAvx512Bf16 = {"avx512bf16", prepare_x_bf16, run<V512Bf16>,
+                                             bf16_stream_xp_dense, 1};
 
 }  // namespace attnkit::kernels::bf16_stream
 #endif

@@ -1,15 +1,16 @@
 // The bf16 stream GEMM (kernels/linear_bf16.h) on every SIMD target this
-// build has and this CPU runs, against a float64 loop written here, on
-// seeded random inputs: every row count 1-32 and a few more, odd column
-// counts and depths (below, at and past each target's chunk of 16 or 32
-// weights), padded and misaligned x and y, bias or none, 1-3 threads; the
-// same bits for any thread count and any grouping of the rows into calls;
-// NaN and Inf in W or x where the reference loop has them; and the plan
-// that kernels::linear follows.
+// build has and this CPU runs, and on AMX tiles where it has them, against
+// a float64 loop written here, on seeded random inputs: every row count
+// 1-32 and a few more (past 64, where the AMX kernel reads W in several
+// passes), odd column counts and depths (below, at and past each target's
+// chunk of 16 or 32 weights), padded and misaligned x and y, bias or none,
+// 1-3 threads; the same bits for any thread count and any grouping of the
+// rows into calls; NaN and Inf in W or x where the reference loop has
+// them; and the plan that kernels::linear follows.
 //
 // Bound, per element, as tests/kernels/linear_test.cc derives it: the
 // products bf16(x) w are exact in fp32, so any fp32 evaluation of the sum
-// in any order (vdpbf16ps's included) is within
+// in any order (vdpbf16ps's and the tiles' included) is within
 //   gamma(K + 1) * (sum_k |bf16(x[m, k]) w[n, k]| + |bias[n]|)
 // of the exact value; a kernel that skipped x's rounding would be off by
 // up to 2^-9 sum |x w|, hundreds of times more.
@@ -38,11 +39,13 @@ constexpr float kSentinel = -5555.5f;
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
 const float kInf = std::numeric_limits<float>::infinity();
 
-// The targets with a stream kernel that this CPU runs.
-std::vector<SimdTarget> stream_targets() {
-  std::vector<SimdTarget> out;
+// The stream kernels this CPU runs: the SIMD targets' and AMX's.
+std::vector<const Bf16StreamKernel*> stream_kernels() {
+  std::vector<const Bf16StreamKernel*> out;
   for (SimdTarget t : kAllSimdTargets)
-    if (bf16_stream_kernel(t) != nullptr && simd_target_available(t)) out.push_back(t);
+    if (bf16_stream_kernel(t) != nullptr && simd_target_available(t))
+      out.push_back(bf16_stream_kernel(t));
+  if (bf16_stream_amx_kernel() != nullptr) out.push_back(bf16_stream_amx_kernel());
   return out;
 }
 
@@ -130,7 +133,10 @@ std::vector<Case> cases() {
   // Long rows, wide outputs (many column blocks), more rows than a decode.
   for (const Case& c : {Case{1, 1031, 4099, 0, 0, 0, true}, Case{5, 517, 2048, 7, 1, 1, false},
                         Case{32, 300, 1000, 0, 2, 0, true}, Case{40, 97, 130, 3, 0, 1, true},
-                        Case{3, 64, 16384, 0, 0, 0, false}}) {
+                        Case{3, 64, 16384, 0, 0, 0, false},
+                        // Past 64 rows the AMX kernel takes W's 16 rows in
+                        // several passes (4 + 3 and 4 + 4 + 1 blocks of 16).
+                        Case{100, 33, 64, 0, 1, 0, true}, Case{131, 50, 70, 2, 0, 1, false}}) {
     out.push_back(c);
     out.back().seed = seed++;
   }
@@ -138,10 +144,10 @@ std::vector<Case> cases() {
 }
 
 TEST(LinearBf16Stream, EveryTargetMatchesTheFloat64Loop) {
-  const std::vector<SimdTarget> targets = stream_targets();
-  if (targets.empty()) GTEST_SKIP() << "no stream kernel runs on this CPU";
-  for (SimdTarget t : targets) {
-    const Bf16StreamKernel& k = *bf16_stream_kernel(t);
+  const std::vector<const Bf16StreamKernel*> kernels = stream_kernels();
+  if (kernels.empty()) GTEST_SKIP() << "no stream kernel runs on this CPU";
+  for (const Bf16StreamKernel* kp : kernels) {
+    const Bf16StreamKernel& k = *kp;
     for (const Case& c : cases()) {
       Data d(c);
       for (int threads : {1, 2, 3}) {
@@ -156,8 +162,8 @@ TEST(LinearBf16Stream, EveryTargetMatchesTheFloat64Loop) {
 // Each y[m, n] is one fixed sequence of operations: the same bits for any
 // thread count, and for a row computed alone or among others.
 TEST(LinearBf16Stream, ThreadsAndRowGroupsChangeNoBits) {
-  for (SimdTarget t : stream_targets()) {
-    const Bf16StreamKernel& k = *bf16_stream_kernel(t);
+  for (const Bf16StreamKernel* kp : stream_kernels()) {
+    const Bf16StreamKernel& k = *kp;
     for (const Case& c :
          {Case{32, 389, 1000, 0, 1, 0, true, 11}, Case{7, 1500, 333, 4, 0, 1, false, 12}}) {
       Data d(c);
@@ -186,8 +192,8 @@ TEST(LinearBf16Stream, ThreadsAndRowGroupsChangeNoBits) {
 // cannot.
 TEST(LinearBf16Stream, NanAndInfPropagateAsTheReference) {
   const auto kind = [](float v) { return std::isnan(v) ? 0 : std::isinf(v) ? (v > 0 ? 1 : 2) : 3; };
-  for (SimdTarget t : stream_targets()) {
-    const Bf16StreamKernel& k = *bf16_stream_kernel(t);
+  for (const Bf16StreamKernel* kp : stream_kernels()) {
+    const Bf16StreamKernel& k = *kp;
     for (const Case& c : {Case{9, 70, 97, 0, 0, 0, true, 21}, Case{1, 40, 64, 0, 0, 0, false, 22},
                           Case{17, 33, 300, 2, 1, 0, false, 23}}) {
       Data d(c);
@@ -220,8 +226,8 @@ TEST(LinearBf16Stream, NanAndInfPropagateAsTheReference) {
 // the same bound: no step of a kernel (widening, vdpbf16ps, the tiles)
 // scales or overflows on its own.
 TEST(LinearBf16Stream, ZeroAndLargeInputs) {
-  for (SimdTarget t : stream_targets()) {
-    const Bf16StreamKernel& k = *bf16_stream_kernel(t);
+  for (const Bf16StreamKernel* kp : stream_kernels()) {
+    const Bf16StreamKernel& k = *kp;
     for (const Case& c : {Case{16, 31, 200, 0, 0, 0, true, 41}, Case{5, 7, 33, 1, 0, 0, false, 42},
                           Case{32, 12, 64, 0, 2, 0, true, 43}}) {
       Data d(c);
@@ -239,12 +245,12 @@ TEST(LinearBf16Stream, ZeroAndLargeInputs) {
   }
 }
 
-// kernels::linear runs the active target's stream kernel for calls of up
+// kernels::linear runs the planned stream kernel for calls of up
 // to bf16_stream_max_rows() rows (the same bits), oneDNN above; the
 // forced choices both meet the bound; the names say which runs.
 TEST(LinearBf16Stream, LinearFollowsThePlan) {
   const int64_t max_rows = bf16_stream_max_rows();
-  const Bf16StreamKernel* active = bf16_stream_kernel(simd_target());
+  const Bf16StreamKernel* active = bf16_stream_planned_kernel();
   const std::string name = linear_backend_name(DType::kBF16);
   std::printf("bf16 weights: %s\n", name.c_str());
   EXPECT_EQ(max_rows > 0, name.find("attnkit bf16 stream") != std::string::npos) << name;
