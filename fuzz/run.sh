@@ -29,7 +29,7 @@ if ! grep -qs '^ATTNKIT_BUILD_FUZZERS:BOOL=ON$' "$build/CMakeCache.txt"; then
     -DATTNKIT_BUILD_TESTS=OFF -DATTNKIT_BUILD_PYTHON=OFF -DATTNKIT_BUILD_TOOLS=OFF >/dev/null
 fi
 
-targets=(safetensors_fuzz attention_fuzz paged_fuzz sparse_fuzz)
+targets=(safetensors_fuzz attention_fuzz paged_fuzz sparse_fuzz linear_fuzz)
 # The config fuzzer needs attention_config_from_json (src/io/hf_config.cc).
 if [[ -f $root/src/io/hf_config.cc ]]; then targets+=(config_fuzz); fi
 # Last, for two thirds of the time: in the last batch, beside the config

@@ -14,7 +14,9 @@
 // of 16 rows or fewer), or two by two. Each y[m, n] is the same sequence
 // of tile products over depth whatever the row count, the column blocks or
 // the threads; products with a subnormal factor count as zero (as
-// vdpbf16ps), which kernels::linear's contract allows.
+// vdpbf16ps), which kernels::linear's contract allows, and so do x's fp32
+// subnormals (the conversion reads them as zero, even the few that would
+// round up to bf16's smallest normal).
 #include <algorithm>
 #include <array>
 #include <cstring>
