@@ -80,8 +80,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const bool has_bias = fdp.ConsumeBool(), specials = fdp.ConsumeBool();
   const int threads = fdp.ConsumeIntegralInRange<int>(1, 3);
   const int exponent = fdp.ConsumeIntegralInRange<int>(0, 40);
-  g_case = std::string(k.name) + " rows=" + std::to_string(rows) + " out=" +
-           std::to_string(out) + " in=" + std::to_string(in) + " ldx=" + std::to_string(ldx) +
+  g_case = std::string(k.name) + " rows=" + std::to_string(rows) + " out=" + std::to_string(out) +
+           " in=" + std::to_string(in) + " ldx=" + std::to_string(ldx) +
            " ldy=" + std::to_string(ldy) + " bias=" + std::to_string(has_bias) +
            " specials=" + std::to_string(specials) + " threads=" + std::to_string(threads);
 
@@ -122,8 +122,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<float> y(static_cast<size_t>((rows - 1) * ldy + out), kSentinel);
   const auto run = [&](int t) {
     if (!attnkit::kernels::linear_bf16_stream(k, x.data(), ldx, w.data(),
-                                              has_bias ? bias.data() : nullptr, y.data(), ldy,
-                                              rows, out, in, t))
+                                              has_bias ? bias.data() : nullptr, y.data(), ldy, rows,
+                                              out, in, t))
       fail("no scratch");
   };
   run(threads);
@@ -140,8 +140,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         magnitude += std::fabs(p);
         // The AMX kernel's conversion of x also reads fp32 subnormals as
         // zero, even where they round up to bf16's smallest normal.
-        if (subnormal(x[m * ldx + c]) || subnormal(a) || subnormal(b) ||
-            std::fabs(p) < kMinNormal)
+        if (subnormal(x[m * ldx + c]) || subnormal(a) || subnormal(b) || std::fabs(p) < kMinNormal)
           flushable += std::fabs(p);
       }
       const double got = y[m * ldy + n];

@@ -36,8 +36,9 @@ namespace attnkit::kernels {
 #if defined(ATTNKIT_AMX_BUILD)
 
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,fma"))), \
-                             apply_to = function)
+#pragma clang attribute push(                                                     \
+    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,fma"))), \
+    apply_to = function)
 #else
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,fma")
@@ -85,9 +86,9 @@ void prepare_x(const float* x, int64_t ldx, int64_t rows, int64_t depth, float* 
   std::memset(out, 0, static_cast<size_t>(xp_floats(rows, depth)) * sizeof(uint32_t));
   const int64_t whole = depth / kStep;
   // Lane r of a converted step goes to the tile's row r.
-  const __m512i rows_at = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int>(mw)));
+  const __m512i rows_at =
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(static_cast<int>(mw)));
   for (int64_t m = 0; m < rows; ++m) {
     const float* xr = x + m * ldx;
     uint32_t* block = out + (m / mw) * s_count * 16 * mw + m % mw;
@@ -110,9 +111,8 @@ void prepare_x(const float* x, int64_t ldx, int64_t rows, int64_t depth, float* 
 // immediates: the loops over tiles unroll at compile time).
 template <int N, class F>
 void unroll(F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) {
-    (f.template operator()<I>(), ...);
-  }(std::make_integer_sequence<int, N>());
+  [&]<int... I>(std::integer_sequence<int, I...>) { (f.template operator()<I>(), ...); }
+  (std::make_integer_sequence<int, N>());
 }
 
 // The tile intrinsics take their registers as literal tokens (GCC pastes
@@ -207,8 +207,8 @@ void pass(const Call& k, int64_t n0, int64_t b0) {
 void run(const float* xp, int64_t rows, int64_t depth, const uint16_t* w, int64_t cols,
          const float* bias, float* y, int64_t ldy) {
   const int64_t mw = width(rows), blocks = row_blocks(rows);
-  const Call k{w, depth, cols, reinterpret_cast<const uint32_t*>(xp), mw, steps(depth), rows,
-               bias, y, ldy};
+  const Call k{w,    depth, cols, reinterpret_cast<const uint32_t*>(xp), mw, steps(depth), rows,
+               bias, y,     ldy};
   _tile_loadconfig(&tile_config(mw));
   for (int64_t n0 = 0; n0 < cols; n0 += 16)
     for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
