@@ -31,6 +31,14 @@ void set_amx_allowed(bool allowed);
 // amx_bf16_available() and the CPU has AMX-INT8 too.
 bool amx_int8_available();
 
+// Orders the stores into a buffer before the tile loads that read it.
+// GCC's _tile_loadd is an asm statement that takes the address in a
+// register and declares no memory input, so stores into a local buffer
+// just before it may be dropped as dead (GCC 12 dropped a zero-padded
+// copy's, and the tile read stale bytes). Call it between writing such a
+// buffer and loading it.
+inline void amx_buffer_written() { __asm__ volatile("" ::: "memory"); }
+
 // The 64-byte operand of ldtilecfg, palette 1: per tile register, its rows
 // and the bytes of each row.
 struct AmxTileConfig {

@@ -187,6 +187,7 @@ void pass(const Call& k, int64_t n0, int64_t b0) {
       std::memset(edge, 0, sizeof edge);
       for (int64_t r = 0; r < valid; ++r)
         std::memcpy(edge + r * kStep, a + r * k.depth, static_cast<size_t>(n) * 2);
+      amx_buffer_written();
       _tile_loadd(4, edge, kStep * 2);
     }
     const uint32_t* b = k.xp + (b0 * k.s_count + s) * b_tile;
