@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -87,13 +88,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   // A generator seeded by the input for the bulk; later bytes place the
   // special values.
-  uint64_t state = fdp.ConsumeIntegral<uint64_t>() | 1;
-  const auto next = [&] {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    return state;
-  };
+  std::mt19937_64 next(fdp.ConsumeIntegral<uint64_t>());
   const auto value = [&] {
     const double u = static_cast<double>(next() >> 11) * 0x1p-53 * 2.0 - 1.0;
     // specials: up to 2^exponent; subnormal: spread down past 2^-126.
