@@ -10,8 +10,8 @@
 // loaded as W lies (row stride depth * 2 bytes); B = x^T, prepared once per
 // call as tdpbf16ps wants it: 16 pairs of depth by up to 16 rows of x, each
 // pair one 32-bit lane; C = 16 output columns by those rows, fp32. A pass
-// keeps four C tiles: four blocks of 16 columns for one block of rows (x
-// of 16 rows or fewer), or two by two. Each y[m, n] is the same sequence
+// streams one block of 16 columns of W through the depth against up to
+// four blocks of x's rows (four C tiles). Each y[m, n] is the same sequence
 // of tile products over depth whatever the row count, the column blocks or
 // the threads; products with a subnormal factor count as zero (as
 // vdpbf16ps), which kernels::linear's contract allows, and so do x's fp32
