@@ -99,9 +99,17 @@ inline constexpr int64_t kInterleaveMaxHeads = 16;
 // 0.91 and 0.92, batch 8 0.92 and 0.95, 4 tokens 1.00. fp32 was even (1
 // token 0.99 and 1.01, 2 and 4 tokens 0.99, batch 8 1.05), and so was the
 // avx512 target's widened bf16 (1.03), so they keep the sweeps
-// (2026-11-26 at c690f90: docs/PERFORMANCE.md#decode-walk).
-inline bool walks_k_then_v(SimdTarget target, DType kv_dtype) {
-  return !(target == SimdTarget::kAvx512Bf16 && kv_dtype == DType::kBF16);
+// (2026-11-26 at c690f90: docs/PERFORMANCE.md#decode-walk). An Intel Xeon
+// (family 6, model 167; the same avx512bf16 target, AMX for 4 tokens) goes
+// the other way: bf16 with the sweeps, 1 token 2.94-3.39 against 4.31-4.34
+// ms head by head (0.82-0.84 of the paired read against 0.65-0.67), batch
+// 8 28.6-29.0 against 33.8-33.9 ms, 4 tokens 4.63-5.05 against 5.01
+// (attnkit_bench decode/gqa32-8/k16384/{q1,b8/q1,q4}/bf16, medians of 3,
+// runs of one build whose walk an environment variable switched,
+// alternated, 2026-11-28 at 394cc6d). So bf16 walks head by head on AMD
+// CPUs only.
+inline bool walks_k_then_v(SimdTarget target, DType kv_dtype, const CpuFeatures& cpu) {
+  return !(cpu.amd && target == SimdTarget::kAvx512Bf16 && kv_dtype == DType::kBF16);
 }
 
 // With k_then_v, how far ahead a task's rows are prefetched
@@ -118,7 +126,10 @@ inline bool walks_k_then_v(SimdTarget target, DType kv_dtype) {
 // int8 1 token 1.92 / 1.85 -> 1.45 / 1.53 ms, 4 tokens 3.83 / 3.92 ->
 // 3.42 / 3.63; fp8 1 token 2.58 / 2.60 -> 2.34 / 2.38, 4 tokens 4.03 /
 // 4.20 -> 3.93 / 3.91; fp32 1 token 3.11 / 3.22 -> 4.38 / 4.79, 4 tokens
-// 5.85 / 5.99 -> 9.85 / 10.77 (docs/PERFORMANCE.md#prefetch).
+// 5.85 / 5.99 -> 9.85 / 10.77 (docs/PERFORMANCE.md#prefetch). bf16 (128
+// KiB a sweep) walking the sweeps on that Xeon: 1 token 0.73-0.76 of the
+// paired read a sweep ahead, 0.82-0.84 a phase ahead (same runs as
+// walks_k_then_v's).
 inline bool fetches_a_sweep_ahead(DType kv_dtype) {
   return kv_dtype == DType::kI8 || kv_dtype == DType::kFp8E4M3;
 }
@@ -246,7 +257,7 @@ inline Plan make_plan(const AttentionParams& p, SimdTarget target, int num_threa
   if (plan.block_q * group <= kInterleaveHeadsMaxRows && p.num_kv_heads > 1)
     plan.kv_heads_per_task =
         p.num_kv_heads < kInterleaveMaxHeads ? p.num_kv_heads : kInterleaveMaxHeads;
-  plan.k_then_v = walks_k_then_v(target, p.kv_dtype);
+  plan.k_then_v = walks_k_then_v(target, p.kv_dtype, cpu_features());
   plan.fetch_sweep_ahead = fetches_a_sweep_ahead(p.kv_dtype);
   plan.dequant_bf16 = dequantizes_to_bf16(cpu_features());
   plan.int8_score_groups = scores_int8_in_groups(target, plan.block_q * group);
