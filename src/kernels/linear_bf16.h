@@ -26,7 +26,7 @@
 
 namespace attnkit::kernels {
 
-// One SIMD target's stream kernel.
+// One stream kernel: a SIMD target's, or the AMX tiles'.
 struct Bf16StreamKernel {
   // "avx2", "avx512" (widening), "avx512bf16" (vdpbf16ps), "amx" (tiles)
   const char* name;
@@ -42,8 +42,9 @@ struct Bf16StreamKernel {
   void (*run)(const float* xp, int64_t rows, int64_t depth, const uint16_t* w, int64_t cols,
               const float* bias, float* y, int64_t ldy);
   int64_t (*xp_floats)(int64_t rows, int64_t depth);
-  // Column blocks on the pool start at multiples of this (the AMX kernel's
-  // pass covers 64 columns); the bits do not depend on it.
+  // Column blocks on the pool start at multiples of this (the AMX kernel
+  // works on blocks of 16 columns of W, and copies a partial one through
+  // its edge path); the bits do not depend on it.
   int64_t col_align;
 };
 

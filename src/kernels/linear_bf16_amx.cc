@@ -233,7 +233,7 @@ void run(const float* xp, int64_t rows, int64_t depth, const uint16_t* w, int64_
 
 }  // namespace
 
-extern const Bf16StreamKernel kAmx = {"amx", prepare_x, run, xp_floats, 64};
+extern const Bf16StreamKernel kAmx = {"amx", prepare_x, run, xp_floats, 16};
 
 }  // namespace bf16_stream
 
