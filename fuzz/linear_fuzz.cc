@@ -14,7 +14,8 @@
 //              kernels may count a product with a subnormal factor (x's
 //              before or after its rounding) or a subnormal result as zero
 //              (vdpbf16ps and the tiles do), so those products' magnitudes
-//              widen the bound.
+//              widen the bound; and the tiles flush a running sum that
+//              falls below FLT_MIN, which loses less than 2^-126 per step.
 // And: nothing written outside y (the gaps between rows hold sentinels),
 // the same bits at another thread count. x, W and y are allocated at
 // exactly their extents, so ASan reports a vector read or write past them
@@ -144,8 +145,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (kind(got) != kind(exact)) fail("kind differs: " + at);
       if (kind(exact) != 3) continue;
       const double nu = static_cast<double>(in + 1) * 0x1p-24;
-      // Sums of subnormal results may also lose what fp32 cannot hold.
-      const double bound = nu / (1.0 - nu) * magnitude + flushable + in * 0x1p-149;
+      // A running sum below FLT_MIN may be flushed (TDPBF16PS flushes its
+      // results to zero) or lose what fp32's subnormals cannot hold: less
+      // than 2^-126 at each of at most `in` steps.
+      const double bound = nu / (1.0 - nu) * magnitude + flushable + in * kMinNormal;
       if (!(std::fabs(got - exact) <= bound)) fail("off by more than the bound: " + at);
     }
     if (m + 1 < rows)

@@ -245,6 +245,22 @@ TEST(LinearBf16Stream, ZeroAndLargeInputs) {
   }
 }
 
+// Two normal products that cancel to below FLT_MIN: the exact sum is
+// 2^-128, a subnormal. The vector kernels keep it; the tiles flush their
+// running sums to zero (TDPBF16PS does), so any kernel may return 0 or the
+// exact value and nothing else. The fuzzer's bound allows 2^-126 per step.
+TEST(LinearBf16Stream, SumsBelowFltMinAreExactOrFlushed) {
+  const float x[2] = {1.0f, 1.0f};
+  const bf16 w[2] = {float_to_bf16(0x1p-122f + 0x1p-128f), float_to_bf16(-0x1p-122f)};
+  const float exact = 0x1p-128f;
+  ASSERT_EQ(static_cast<double>(bf16_to_float(w[0])) + bf16_to_float(w[1]), exact);
+  for (const Bf16StreamKernel* k : stream_kernels()) {
+    float y = kSentinel;
+    ASSERT_TRUE(linear_bf16_stream(*k, x, 2, w, nullptr, &y, 1, 1, 1, 2, 1));
+    EXPECT_TRUE(y == exact || y == 0.0f) << k->name << ": " << y;
+  }
+}
+
 // kernels::linear runs the planned stream kernel for calls of up
 // to bf16_stream_max_rows() rows (the same bits), oneDNN above; the
 // forced choices both meet the bound; the names say which runs.
