@@ -232,55 +232,63 @@ void amx_tiles_begin() {
 
 void amx_tiles_end() { _tile_release(); }
 
-void amx_qk(uint16_t* keys, int64_t nk, int64_t kd, const uint16_t* q, const uint16_t* q_lo,
-            const float* kscale, float* s, int64_t s_stride) {
+void amx_qk(const uint16_t* keys, int64_t nk, int64_t key_stride, int64_t kd, const uint16_t* q,
+            const uint16_t* q_lo, const float* kscale, float* s, int64_t s_stride,
+            int64_t prefetch) {
   const int64_t blocks = (nk + 15) / 16;
-  for (int64_t r = nk; r < blocks * 16; ++r)
-    for (int64_t c = 0; c < kd; c += 32)
-      _mm512_storeu_si512(keys + r * kd + c, _mm512_setzero_si512());
+  SpreadPrefetch fetch;
+  if (prefetch != 0) {
+    fetch.rows = nk;
+    fetch.lines = (kd * 2 + 63) / 64;
+    for (int64_t r = 0; r < nk; ++r)
+      fetch.row[r] = reinterpret_cast<const char*>(keys + r * key_stride + prefetch);
+  }
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const int64_t a_stride = kd * 2, c_stride = s_stride * 4;
+  const int64_t a_stride = key_stride * 2, c_stride = s_stride * 4, steps = kd / 32;
+  const uint16_t* a = keys;
   for (int64_t c = 0; c < kd; c += 32) {
     _tile_loadd(5, q + c * 16, 64);
     if (q_lo != nullptr) {  // the queries' remainders too (exact keys)
       _tile_loadd(6, q_lo + c * 16, 64);
-      _tile_loadd(4, keys + c, a_stride);
+      _tile_loadd(4, a + c, a_stride);
       _tile_dpbf16ps(0, 4, 5);
       _tile_dpbf16ps(0, 4, 6);
       if (blocks > 1) {
-        _tile_loadd(4, keys + 16 * kd + c, a_stride);
+        _tile_loadd(4, a + 16 * key_stride + c, a_stride);
         _tile_dpbf16ps(1, 4, 5);
         _tile_dpbf16ps(1, 4, 6);
       }
       if (blocks > 2) {
-        _tile_loadd(4, keys + 32 * kd + c, a_stride);
+        _tile_loadd(4, a + 32 * key_stride + c, a_stride);
         _tile_dpbf16ps(2, 4, 5);
         _tile_dpbf16ps(2, 4, 6);
       }
       if (blocks > 3) {
-        _tile_loadd(4, keys + 48 * kd + c, a_stride);
+        _tile_loadd(4, a + 48 * key_stride + c, a_stride);
         _tile_dpbf16ps(3, 4, 5);
         _tile_dpbf16ps(3, 4, 6);
       }
+      fetch.issue(c / 32, steps);
       continue;
     }
-    _tile_loadd(4, keys + c, a_stride);
+    _tile_loadd(4, a + c, a_stride);
     _tile_dpbf16ps(0, 4, 5);
     if (blocks > 1) {
-      _tile_loadd(4, keys + 16 * kd + c, a_stride);
+      _tile_loadd(4, a + 16 * key_stride + c, a_stride);
       _tile_dpbf16ps(1, 4, 5);
     }
     if (blocks > 2) {
-      _tile_loadd(4, keys + 32 * kd + c, a_stride);
+      _tile_loadd(4, a + 32 * key_stride + c, a_stride);
       _tile_dpbf16ps(2, 4, 5);
     }
     if (blocks > 3) {
-      _tile_loadd(4, keys + 48 * kd + c, a_stride);
+      _tile_loadd(4, a + 48 * key_stride + c, a_stride);
       _tile_dpbf16ps(3, 4, 5);
     }
+    fetch.issue(c / 32, steps);
   }
   _tile_stored(0, s, c_stride);
   if (blocks > 1) _tile_stored(1, s + 16 * s_stride, c_stride);
@@ -692,8 +700,8 @@ void amx_pv_i8(const void* const* rows, const int64_t* fetch, int64_t nk, int64_
 
 void amx_keys_bf16(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) {}
 void amx_keys_fp8(const uint8_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t, int64_t) {}
-void amx_qk(uint16_t*, int64_t, int64_t, const uint16_t*, const uint16_t*, const float*, float*,
-            int64_t) {}
+void amx_qk(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*,
+            const float*, float*, int64_t, int64_t) {}
 void amx_value_pairs(const void* const*, const int64_t*, int64_t, int64_t, int64_t, bool,
                      uint16_t*) {}
 void amx_pv(const float*, int64_t, int64_t, const float*, const uint16_t*, float*, int64_t,

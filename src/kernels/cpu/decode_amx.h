@@ -57,12 +57,16 @@ void amx_keys_fp8(const uint8_t* k, int64_t stride, int64_t n, int64_t head_dim,
 
 // s[n][m] = kscale[n] * sum_c keys[n][c] * (q(m, c) + q_lo(m, c)) for n <
 // nk (<= 64), m < 16, s_stride >= 16 floats apart (kscale nullptr: 1;
-// q_lo nullptr: 0). Rows of s from nk up to round_up(nk, 16) are
-// overwritten too (with scores of zero keys: keys' rows past nk are zeroed
-// here). Must run between amx_tiles_begin() and amx_tiles_end() in the
-// calling thread.
-void amx_qk(uint16_t* keys, int64_t nk, int64_t kd, const uint16_t* q, const uint16_t* q_lo,
-            const float* kscale, float* s, int64_t s_stride);
+// q_lo nullptr: 0). Key n's kd bf16 values are at keys + n * key_stride,
+// for n up to round_up(nk, 16): a copy's rows past nk must be zero, and
+// rows of s from nk up to round_up(nk, 16) are overwritten too. So the
+// keys can be a cache's own rows where nk is a multiple of 16 and kd the
+// head_dim. For each row read, the row `prefetch` elements further on is
+// prefetched (0: none), spread over the products. Must run between
+// amx_tiles_begin() and amx_tiles_end() in the calling thread.
+void amx_qk(const uint16_t* keys, int64_t nk, int64_t key_stride, int64_t kd, const uint16_t* q,
+            const uint16_t* q_lo, const float* kscale, float* s, int64_t s_stride,
+            int64_t prefetch);
 
 // The values of a tile as AMX's B operand: pairs[p][c][2] = (bf16 value of
 // key 2 p, of key 2 p + 1) at column c < dv_pad (a multiple of 16), for p <

@@ -299,9 +299,10 @@ void TaskRunner::scores_8bit_groups(int64_t j0, int64_t nk, float* s, Prefetch p
 
 namespace attnkit::kernels::cpu {
 
-// scores() on AMX tiles (Geometry::amx_qk): each run of the tile's keys
-// copied (bf16) or decoded (8-bit) into bf16 rows in the kw buffer, with
-// their scales beside them, then one product for the whole tile. Every
+// scores() on AMX tiles (Geometry::amx_qk): the tile's bf16 keys or int8
+// codes read where they lie when the tile is one run of whole blocks, else
+// each run copied (bf16, int8) or decoded (fp8) into the kw buffer, with
+// their scales beside them; then one product for the whole tile. Every
 // column of s is written (pad rows' with the scores of zero queries).
 void TaskRunner::amx_begin() {
   if (amx_loaded_) return;
@@ -345,20 +346,36 @@ void TaskRunner::scores_amx(int64_t j0, int64_t nk, float* s, Prefetch pf) {
     return;
   }
   const int64_t kd = g_.qt_row;
+  // bf16 keys as the int8 codes above: a whole tile of one run, in blocks
+  // of 16 keys at a head_dim of whole 64-byte rows, in place (the copy cost
+  // 4-token bf16 decode ~8 % of its time: docs/PERFORMANCE.md); others
+  // copied (fp8: decoded), with zero rows up to a whole 16 keys.
+  const uint16_t* tile = nullptr;
+  int64_t stride = kd, fetch = 0;
   for_runs(p_, b_, j0, nk, [&](int64_t at, int64_t row, int64_t n) {
-    const int64_t fetch = prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
+    const int64_t f = prefetch_at(pf, j0, nk, at, row, p_.k_stride.row);
     uint16_t* dst = keys + at * kd;
     if (g_.bf16) {
-      amx_keys_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, dst, kd,
-                    fetch);
+      if (n == nk && nk % 16 == 0 && g_.d == kd) {
+        tile = static_cast<const uint16_t*>(k_row(row));
+        stride = p_.k_stride.row;
+        fetch = f;
+        return;
+      }
+      amx_keys_bf16(static_cast<const uint16_t*>(k_row(row)), p_.k_stride.row, n, g_.d, dst, kd, f);
       return;
     }
-    amx_keys_fp8(static_cast<const uint8_t*>(k_row(row)), p_.k_stride.row, n, g_.d, dst, kd, fetch);
+    amx_keys_fp8(static_cast<const uint8_t*>(k_row(row)), p_.k_stride.row, n, g_.d, dst, kd, f);
     const float* sc = k_scales(row);
     for (int64_t i = 0; i < n; ++i) kscale[at + i] = sc[i * p_.k_scale_stride.row];
   });
+  if (tile == nullptr) {
+    std::memset(keys + nk * kd, 0, static_cast<size_t>((round_up(nk, 16) - nk) * kd) * 2);
+    tile = keys;
+  }
   const uint16_t* q = reinterpret_cast<const uint16_t*>(qt_);
-  amx_qk(keys, nk, kd, q, g_.q8 ? q + 16 * g_.qt_row : nullptr, kscale, s, g_.s_stride);
+  amx_qk(tile, nk, stride, kd, q, g_.q8 ? q + 16 * g_.qt_row : nullptr, kscale, s, g_.s_stride,
+         fetch);
 }
 
 }  // namespace attnkit::kernels::cpu
