@@ -248,44 +248,43 @@ void amx_qk(const uint16_t* keys, int64_t nk, int64_t key_stride, int64_t kd, co
   _tile_zero(2);
   _tile_zero(3);
   const int64_t a_stride = key_stride * 2, c_stride = s_stride * 4, steps = kd / 32;
-  const uint16_t* a = keys;
   for (int64_t c = 0; c < kd; c += 32) {
     _tile_loadd(5, q + c * 16, 64);
     if (q_lo != nullptr) {  // the queries' remainders too (exact keys)
       _tile_loadd(6, q_lo + c * 16, 64);
-      _tile_loadd(4, a + c, a_stride);
+      _tile_loadd(4, keys + c, a_stride);
       _tile_dpbf16ps(0, 4, 5);
       _tile_dpbf16ps(0, 4, 6);
       if (blocks > 1) {
-        _tile_loadd(4, a + 16 * key_stride + c, a_stride);
+        _tile_loadd(4, keys + 16 * key_stride + c, a_stride);
         _tile_dpbf16ps(1, 4, 5);
         _tile_dpbf16ps(1, 4, 6);
       }
       if (blocks > 2) {
-        _tile_loadd(4, a + 32 * key_stride + c, a_stride);
+        _tile_loadd(4, keys + 32 * key_stride + c, a_stride);
         _tile_dpbf16ps(2, 4, 5);
         _tile_dpbf16ps(2, 4, 6);
       }
       if (blocks > 3) {
-        _tile_loadd(4, a + 48 * key_stride + c, a_stride);
+        _tile_loadd(4, keys + 48 * key_stride + c, a_stride);
         _tile_dpbf16ps(3, 4, 5);
         _tile_dpbf16ps(3, 4, 6);
       }
       fetch.issue(c / 32, steps);
       continue;
     }
-    _tile_loadd(4, a + c, a_stride);
+    _tile_loadd(4, keys + c, a_stride);
     _tile_dpbf16ps(0, 4, 5);
     if (blocks > 1) {
-      _tile_loadd(4, a + 16 * key_stride + c, a_stride);
+      _tile_loadd(4, keys + 16 * key_stride + c, a_stride);
       _tile_dpbf16ps(1, 4, 5);
     }
     if (blocks > 2) {
-      _tile_loadd(4, a + 32 * key_stride + c, a_stride);
+      _tile_loadd(4, keys + 32 * key_stride + c, a_stride);
       _tile_dpbf16ps(2, 4, 5);
     }
     if (blocks > 3) {
-      _tile_loadd(4, a + 48 * key_stride + c, a_stride);
+      _tile_loadd(4, keys + 48 * key_stride + c, a_stride);
       _tile_dpbf16ps(3, 4, 5);
     }
     fetch.issue(c / 32, steps);
